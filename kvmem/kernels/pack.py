@@ -1,0 +1,597 @@
+"""Pack a request's scattered KV pages into one contiguous chunk, and unpack it.
+
+Buffers (one tensor per layer; sglang's 3-D ``[num_tokens, H, D]`` buffers are viewed as
+pages)::
+
+    k_buffers[l] : [num_pages, page_size, H, D]     any strides, D contiguous
+    v_buffers[l] : [num_pages, page_size, H, Dv]    (absent for a K-only cache)
+    page_ids     : int32 | int64 [n]                pages to move, in chunk order
+
+Packed chunk layout (fixed; sglang 0.5.23's staging layout, ``gather_all_layers_to_staging``),
+a 1-D ``uint8`` buffer of ``packed_nbytes`` bytes::
+
+    for l in layers:            # K of every selected layer, in the order given
+        for p in page_ids:      #   pages in page_ids order
+            k_buffers[l][p, :, h0:h1, :]     # [page_size, h1-h0, D], tokens in order
+    for l in layers:            # then V of every selected layer likewise
+        for p in page_ids:
+            v_buffers[l][p, :, h0:h1, :]     # [page_size, h1-h0, Dv]
+
+``heads=(h0, h1)`` (stop exclusive) selects a head range for prefill and decode running
+different tensor-parallel sizes; ``layers`` is any sequence of layer indices, packed in
+the order given.  A chunk is bytes: fp8 and K/V of different head dims need no special case.
+
+Implementation.  One Triton kernel body serves both directions (``PACK`` is a
+``tl.constexpr``); one launch covers every selected layer, K and V, and the head range:
+the grid is ``(n, num_selected_layers * 2)``, one program per (page, layer, K|V), each
+copying that page's ``[page_size, heads, D]`` block as rows of contiguous 4-byte units
+(16-byte vector accesses when the addresses allow it).  Rows that are contiguous with each
+other (all heads selected, dense buffers) are merged into one long row, so a dense page is
+one straight copy.  The CPU path (torch) moves whole page rows with one ``index_select`` /
+``index_put_`` per layer, never a Python loop per page.  ``pack_buffers_ref`` /
+``unpack_buffers_ref`` are the plain references the tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kvmem.kernels._dispatch import is_async_device, use_triton
+
+# Units of one copy element, widest first.  4 bytes is enough for 16-byte vector accesses
+# (ld/st.global.v4.b32) when addresses and sizes are 16-byte aligned.
+_UNITS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+# Elements one program moves per loop iteration.  2048 x 4 B = 8 KiB: with 4 warps each
+# thread has four 16-byte loads in flight.  A guess, not yet measured on an H200.
+_TILE = 2048
+_NUM_WARPS = 4  # guess, unmeasured (see _TILE)
+
+
+# ----------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------
+@triton.jit
+def _copy_page(
+    base,
+    layer_off,
+    page,
+    chunk,
+    chunk_off,
+    valid,
+    PACK: tl.constexpr,
+    ROWS: tl.constexpr,
+    NH: tl.constexpr,
+    SEG: tl.constexpr,
+    PAGE_STRIDE: tl.constexpr,
+    TOK_STRIDE: tl.constexpr,
+    HEAD_STRIDE: tl.constexpr,
+    HEAD0: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Copy one page of one layer: ROWS rows of SEG units.  Row r is token r // NH,
+    head r % NH of the selected range; rows sit at TOK_STRIDE / HEAD_STRIDE in the
+    buffer and back to back in the chunk."""
+    src_page = base + layer_off + page * PAGE_STRIDE + HEAD0
+    dst_page = chunk + chunk_off
+    for r0 in range(0, ROWS, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        buf_row = (rows // NH) * TOK_STRIDE + (rows % NH) * HEAD_STRIDE
+        chunk_row = rows * SEG
+        for c0 in range(0, SEG, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            mask = valid & (rows < ROWS)[:, None] & (cols < SEG)[None, :]
+            buf_ptrs = src_page + buf_row[:, None] + cols[None, :]
+            chunk_ptrs = dst_page + chunk_row[:, None] + cols[None, :]
+            if PACK:
+                tl.store(chunk_ptrs, tl.load(buf_ptrs, mask=mask), mask=mask)
+            else:
+                tl.store(buf_ptrs, tl.load(chunk_ptrs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _copy_pages_kernel(
+    base,  # *unit: anchor; layer t's buffer starts at base + layer_offs[t]
+    layer_offs,  # int64 [NUM_K + NUM_V]: K layers, then V layers, in chunk order
+    page_ids,  # int32 | int64 [n]
+    chunk,  # *unit: the packed chunk
+    n,  # pages in this chunk
+    num_pages,  # pages in the buffers: ids outside [0, num_pages) are skipped and flagged
+    err,  # int64 [2]: (flag, bad page id) for unchecked calls
+    PACK: tl.constexpr,
+    NUM_K: tl.constexpr,
+    ALIGN: tl.constexpr,  # every layer offset is a multiple of ALIGN units
+    K_ROWS: tl.constexpr, K_NH: tl.constexpr, K_SEG: tl.constexpr,
+    K_PAGE_STRIDE: tl.constexpr, K_TOK_STRIDE: tl.constexpr,
+    K_HEAD_STRIDE: tl.constexpr, K_HEAD0: tl.constexpr,
+    K_BLOCK_R: tl.constexpr, K_BLOCK_C: tl.constexpr,
+    V_ROWS: tl.constexpr, V_NH: tl.constexpr, V_SEG: tl.constexpr,
+    V_PAGE_STRIDE: tl.constexpr, V_TOK_STRIDE: tl.constexpr,
+    V_HEAD_STRIDE: tl.constexpr, V_HEAD0: tl.constexpr,
+    V_BLOCK_R: tl.constexpr, V_BLOCK_C: tl.constexpr,
+):
+    j = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1)
+    page = tl.load(page_ids + j).to(tl.int64)
+    valid = (page >= 0) & (page < num_pages)
+    if t == 0:
+        if (page < 0) | (page >= num_pages):
+            tl.atomic_max(err, 1)
+            tl.store(err + 1, page)
+    layer_off = tl.multiple_of(tl.load(layer_offs + t), ALIGN)
+    if t < NUM_K:
+        chunk_off = (t * n + j) * (K_ROWS * K_SEG)
+        _copy_page(base, layer_off, page, chunk, chunk_off, valid, PACK,
+                   K_ROWS, K_NH, K_SEG, K_PAGE_STRIDE, K_TOK_STRIDE, K_HEAD_STRIDE,
+                   K_HEAD0, K_BLOCK_R, K_BLOCK_C)
+    else:
+        chunk_off = (NUM_K * n * (K_ROWS * K_SEG)
+                     + ((t - NUM_K) * n + j) * (V_ROWS * V_SEG))
+        _copy_page(base, layer_off, page, chunk, chunk_off, valid, PACK,
+                   V_ROWS, V_NH, V_SEG, V_PAGE_STRIDE, V_TOK_STRIDE, V_HEAD_STRIDE,
+                   V_HEAD0, V_BLOCK_R, V_BLOCK_C)
+
+
+# ----------------------------------------------------------------------------------------
+# Validation and the copy plan (shared by the Triton and the torch paths)
+# ----------------------------------------------------------------------------------------
+def _as_pages(buf: torch.Tensor, page_size: int | None, what: str) -> torch.Tensor:
+    """View a layer buffer as ``[num_pages, page_size, H, D]``."""
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dim() == 4:
+        if page_size is not None and buf.shape[1] != page_size:
+            raise ValueError(f"{what} has page_size {buf.shape[1]}, expected {page_size}")
+        return buf
+    if buf.dim() == 3:
+        if page_size is None:
+            raise ValueError(f"{what} is [num_tokens, H, D]: pass page_size=")
+        if buf.shape[0] % page_size:
+            raise ValueError(
+                f"{what} has {buf.shape[0]} token rows, not a multiple of page_size {page_size}"
+            )
+        return buf.unflatten(0, (buf.shape[0] // page_size, page_size))
+    raise ValueError(f"{what} must be [num_pages, page_size, H, D] or [num_tokens, H, D], "
+                     f"got shape {tuple(buf.shape)}")
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """How to copy one page of one layer of K (or V): ROWS rows of SEG units."""
+
+    rows: int
+    nh: int
+    seg: int
+    page_stride: int
+    tok_stride: int
+    head_stride: int
+    head0: int
+    block_r: int
+    block_c: int
+
+    @property
+    def page_units(self) -> int:
+        return self.rows * self.seg
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Geometry of one (buffers, layers, heads) selection.  Holds no tensor views, so a
+    cached plan never keeps a pool's memory alive."""
+
+    device: torch.device
+    unit_bytes: int  # bytes of one copy element of the Triton path
+    num_pages: int
+    page_size: int
+    heads: tuple[int, int]
+    layers: tuple[int, ...]  # selected layer indices, chunk order
+    has_v: bool
+    k: _Kind
+    v: _Kind | None
+    align: int  # every layer offset is a multiple of `align` units
+    layer_offs: torch.Tensor  # int64 [len(layers) * (1 + has_v)], units from layer 0's start
+    k_page_bytes: int  # bytes of one page of one selected layer in the chunk
+    v_page_bytes: int
+
+    @property
+    def num_copies(self) -> int:
+        return len(self.layers) * (2 if self.has_v else 1)
+
+    def nbytes(self, n: int) -> int:
+        return n * len(self.layers) * (self.k_page_bytes + self.v_page_bytes)
+
+
+def _kind(view: torch.Tensor, unit: int, h0: int, nh: int) -> _Kind:
+    """Copy geometry of the head slice [h0, h0+nh) of a [P, ps, H, D] view, in units."""
+    item = view.element_size()
+    ps, d = view.shape[1], view.shape[3]
+    page_stride, tok_stride, head_stride = (s * item // unit for s in view.stride()[:3])
+    seg = d * item // unit
+    rows_per_tok = nh
+    if nh == 1 or head_stride == seg:  # the token's selected heads are back to back: one row
+        seg, rows_per_tok = seg * nh, 1
+        if ps == 1 or tok_stride == seg:  # and the page's tokens too: one row per page
+            seg, ps = seg * ps, 1
+    rows = ps * rows_per_tok
+    block_c = min(triton.next_power_of_2(seg), _TILE)
+    block_r = max(1, min(triton.next_power_of_2(rows), _TILE // block_c))
+    return _Kind(rows, rows_per_tok, seg, page_stride, tok_stride, head_stride,
+                 h0 * view.stride(2) * item // unit, block_r, block_c)
+
+
+def _check_layers(layers, num_layers: int) -> tuple[int, ...]:
+    if layers is None:
+        return tuple(range(num_layers))
+    if isinstance(layers, torch.Tensor):
+        layers = layers.tolist()
+    try:
+        out = tuple(layers)
+    except TypeError:
+        raise ValueError(f"layers must be a sequence of layer indices, got {layers!r}") from None
+    if not out:
+        raise ValueError("layers is empty: select at least one layer")
+    for l in out:
+        if isinstance(l, bool) or not isinstance(l, int) or not 0 <= l < num_layers:
+            raise ValueError(f"layers: {l!r} is not a layer index in [0, {num_layers})")
+    if len(set(out)) != len(out):
+        raise ValueError(f"layers lists a layer twice: {list(out)}")
+    return out
+
+
+def _check_heads(heads, num_heads: int) -> tuple[int, int]:
+    if heads is None:
+        return (0, num_heads)
+    try:
+        h0, h1 = heads
+    except (TypeError, ValueError):
+        raise ValueError(f"heads must be a (start, stop) pair, got {heads!r}") from None
+    for h in (h0, h1):
+        if isinstance(h, bool) or not isinstance(h, int):
+            raise ValueError(f"heads must be a pair of ints, got {heads!r}")
+    if not 0 <= h0 < h1 <= num_heads:
+        raise ValueError(f"heads=({h0}, {h1}) is not a non-empty range within [0, {num_heads}]")
+    return (h0, h1)
+
+
+def _uniform(views: Sequence[torch.Tensor], what: str) -> None:
+    first = views[0]
+    if first.stride(-1) != 1:
+        raise ValueError(f"{what}[0]: the head_dim axis must be contiguous (stride 1), "
+                         f"got strides {first.stride()}")
+    for i, v in enumerate(views[1:], 1):
+        if (v.shape, v.stride(), v.dtype, v.device) != (first.shape, first.stride(),
+                                                        first.dtype, first.device):
+            raise ValueError(
+                f"{what}[{i}] differs from {what}[0] in shape, strides, dtype or device: "
+                f"{tuple(v.shape)} {v.stride()} {v.dtype} {v.device} vs "
+                f"{tuple(first.shape)} {first.stride()} {first.dtype} {first.device}"
+            )
+
+
+def _buffers(buffers, what: str) -> list:
+    if buffers is None:
+        return []
+    if isinstance(buffers, torch.Tensor):
+        raise TypeError(f"{what} must be a list of per-layer tensors, got one tensor")
+    return list(buffers)
+
+
+_PLANS: OrderedDict = OrderedDict()
+_PLAN_CACHE_SIZE = 64
+
+
+def make_plan(k_buffers, v_buffers, page_size, layers, heads) -> _Plan:
+    """Validate a selection and return its copy plan (cached by addresses and shapes)."""
+    k_buffers, v_buffers = _buffers(k_buffers, "k_buffers"), _buffers(v_buffers, "v_buffers")
+    if not k_buffers:
+        raise ValueError("k_buffers is empty")
+    for what, bufs in (("k_buffers", k_buffers), ("v_buffers", v_buffers)):
+        for i, b in enumerate(bufs):
+            if not isinstance(b, torch.Tensor):
+                raise TypeError(f"{what}[{i}] must be a torch.Tensor, got {type(b).__name__}")
+    layers = _check_layers(layers, len(k_buffers))
+    if k_buffers[0].dim() not in (3, 4):
+        raise ValueError("k_buffers[0] must be [num_pages, page_size, H, D] or [num_tokens, H, D], "
+                         f"got shape {tuple(k_buffers[0].shape)}")
+    heads = _check_heads(heads, k_buffers[0].shape[-2])
+    key = (
+        tuple((b.data_ptr(), b.shape, b.stride()) for b in k_buffers),
+        tuple((b.data_ptr(), b.shape, b.stride()) for b in v_buffers),
+        k_buffers[0].dtype, k_buffers[0].device, page_size, layers, heads,
+    )
+    plan = _PLANS.get(key)
+    if plan is not None:
+        _PLANS.move_to_end(key)
+        return plan
+    plan = _make_plan(k_buffers, v_buffers, page_size, layers, heads)
+    _PLANS[key] = plan
+    if len(_PLANS) > _PLAN_CACHE_SIZE:
+        _PLANS.popitem(last=False)
+    return plan
+
+
+def _make_plan(k_buffers, v_buffers, page_size, layers, heads) -> _Plan:
+    k_views = [_as_pages(b, page_size, f"k_buffers[{i}]") for i, b in enumerate(k_buffers)]
+    v_views = [_as_pages(b, page_size, f"v_buffers[{i}]") for i, b in enumerate(v_buffers)]
+    _uniform(k_views, "k_buffers")
+    k0 = k_views[0]
+    num_pages, ps, num_heads, _ = k0.shape
+    if v_views:
+        if len(v_views) != len(k_views):
+            raise ValueError(f"{len(k_views)} K layers but {len(v_views)} V layers")
+        _uniform(v_views, "v_buffers")
+        v0 = v_views[0]
+        if v0.shape[:3] != k0.shape[:3] or v0.dtype != k0.dtype or v0.device != k0.device:
+            raise ValueError(
+                f"v_buffers[0] {tuple(v0.shape)} {v0.dtype} {v0.device} does not match "
+                f"k_buffers[0] {tuple(k0.shape)} {k0.dtype} {k0.device} in pages, page_size, "
+                "heads, dtype or device"
+            )
+    sel = layers
+    h0, h1 = heads
+    sel_views = [k_views[l] for l in sel] + [v_views[l] for l in sel if v_views]
+    item = k0.element_size()
+    # The widest unit dividing every address, stride, head offset and row size.
+    g = 0
+    for v in sel_views:
+        g = math.gcd(g, v.data_ptr())
+    for v in (k0,) + ((v_views[0],) if v_views else ()):
+        for q in [s * item for s in v.stride()[:3]] + [h0 * v.stride(2) * item,
+                                                      v.shape[3] * item]:
+            g = math.gcd(g, q)
+    unit = next(u for u in _UNITS if g % u == 0)
+    anchor = sel_views[0].data_ptr()
+    offs_bytes = [v.data_ptr() - anchor for v in sel_views]
+    return _Plan(
+        device=k0.device, unit_bytes=unit, num_pages=num_pages, page_size=ps, heads=(h0, h1),
+        layers=sel, has_v=bool(v_views),
+        k=_kind(k0, unit, h0, h1 - h0),
+        v=_kind(v_views[0], unit, h0, h1 - h0) if v_views else None,
+        align=16 // unit if all(o % 16 == 0 for o in offs_bytes) else 1,
+        layer_offs=torch.tensor([o // unit for o in offs_bytes], dtype=torch.int64).to(k0.device),
+        k_page_bytes=ps * (h1 - h0) * k0.shape[3] * item,
+        v_page_bytes=ps * (h1 - h0) * v_views[0].shape[3] * item if v_views else 0,
+    )
+
+
+def _page_ids(page_ids, device: torch.device) -> torch.Tensor:
+    if not isinstance(page_ids, torch.Tensor) and hasattr(page_ids, "__dlpack__"):
+        page_ids = torch.from_dlpack(page_ids)  # CuPy / NumPy arrays, zero-copy
+    if not isinstance(page_ids, torch.Tensor):
+        try:
+            page_ids = torch.as_tensor(page_ids, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"page_ids must be integers, got {page_ids!r}") from None
+        page_ids = page_ids.to(device)
+    if page_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"page_ids must be int32 or int64, got {page_ids.dtype}")
+    if page_ids.dim() != 1:
+        raise ValueError(f"page_ids must be 1-D, got shape {tuple(page_ids.shape)}")
+    if page_ids.device != device:
+        raise ValueError(f"page_ids are on {page_ids.device}, the KV buffers on {device}")
+    return page_ids
+
+
+# Device-side error flags of unchecked (check=False) CUDA calls, one per device:
+# int64 [flag, bad page id].  Raised by the next checked call on that device.
+_ERR_FLAGS: dict[torch.device, torch.Tensor] = {}
+
+
+def _err_flag(device: torch.device) -> torch.Tensor:
+    flag = _ERR_FLAGS.get(device)
+    if flag is None:
+        flag = _ERR_FLAGS[device] = torch.zeros(2, dtype=torch.int64, device=device)
+    return flag
+
+
+def _validate_page_ids(page_ids: torch.Tensor, num_pages: int, *, unique: bool,
+                       what: str) -> None:
+    """Raise ValueError for ids outside [0, num_pages) (and, for unpack, ids listed twice).
+    One host sync on CUDA; also raises what an earlier unchecked call flagged."""
+    flag = _ERR_FLAGS.get(page_ids.device)
+    stats = [page_ids.min(), page_ids.max()] if page_ids.numel() else []
+    if unique and page_ids.numel() > 1:
+        srt = torch.sort(page_ids).values
+        stats.append((srt[1:] == srt[:-1]).any().to(page_ids.dtype))
+    if flag is not None:
+        stats += [flag[0].to(page_ids.dtype), flag[1].to(page_ids.dtype)]
+    if not stats:
+        return
+    values = torch.stack(stats).tolist()  # the one host sync
+    if flag is not None and values[-2]:
+        bad = values[-1]
+        flag.zero_()
+        raise ValueError(
+            f"an earlier unchecked (check=False) pack/unpack on {page_ids.device} was given "
+            f"page id {bad}, outside [0, {num_pages}); its pages were skipped"
+        )
+    if page_ids.numel():
+        lo, hi = values[0], values[1]
+        if lo < 0 or hi >= num_pages:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{what}: page id {bad} is outside [0, {num_pages})")
+        if unique and page_ids.numel() > 1 and values[2]:
+            raise ValueError(f"{what}: page_ids lists a page twice; unpack needs distinct pages")
+
+
+def _check_chunk(buf: torch.Tensor, nbytes: int, device: torch.device, what: str) -> None:
+    if not isinstance(buf, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(buf).__name__}")
+    if buf.dtype != torch.uint8:
+        raise ValueError(f"{what} must be uint8, got {buf.dtype}")
+    if buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous 1-D tensor, got shape "
+                         f"{tuple(buf.shape)} strides {buf.stride()}")
+    if buf.device != device:
+        raise ValueError(f"{what} is on {buf.device}, the KV buffers on {device}")
+    if buf.numel() != nbytes:
+        raise ValueError(f"{what} has {buf.numel()} bytes, the chunk needs {nbytes}")
+
+
+# ----------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------
+def kernel_params(plan: _Plan, pack: bool) -> dict:
+    """The kernel's constexpr parameters for a plan (the PTX test compiles with these)."""
+    v = plan.v or plan.k  # K-only: the V branch is never taken; any valid values do
+    params = dict(PACK=pack, NUM_K=len(plan.layers), ALIGN=plan.align)
+    for prefix, kind in (("K", plan.k), ("V", v)):
+        params.update({
+            f"{prefix}_ROWS": kind.rows, f"{prefix}_NH": kind.nh, f"{prefix}_SEG": kind.seg,
+            f"{prefix}_PAGE_STRIDE": kind.page_stride, f"{prefix}_TOK_STRIDE": kind.tok_stride,
+            f"{prefix}_HEAD_STRIDE": kind.head_stride, f"{prefix}_HEAD0": kind.head0,
+            f"{prefix}_BLOCK_R": kind.block_r, f"{prefix}_BLOCK_C": kind.block_c,
+        })
+    return params
+
+
+def _launch(plan: _Plan, k_buffers, page_ids: torch.Tensor, chunk: torch.Tensor,
+            pack: bool) -> None:
+    n = page_ids.numel()
+    if n == 0:
+        return
+    unit = _UNITS[plan.unit_bytes]
+    if chunk.data_ptr() % plan.unit_bytes:
+        raise ValueError(f"the chunk's address must be a multiple of {plan.unit_bytes} bytes "
+                         f"(the KV rows' alignment), got {chunk.data_ptr():#x}")
+    base = k_buffers[plan.layers[0]].view(unit)  # layer offsets count from its start
+    _copy_pages_kernel[(n, plan.num_copies)](
+        base, plan.layer_offs, page_ids, chunk.view(unit), n, plan.num_pages,
+        _err_flag(plan.device), **kernel_params(plan, pack), num_warps=_NUM_WARPS,
+    )
+
+
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _torch_copy(plan: _Plan, k_buffers, v_buffers, page_ids: torch.Tensor,
+                chunk: torch.Tensor, pack: bool) -> None:
+    """CPU path: one index_select / index_put_ of whole page rows per layer, rows viewed
+    as the widest integer word their size and alignment allow."""
+    n = page_ids.numel()
+    if n == 0:
+        return
+    ids = page_ids.to(torch.int64)
+    h0, h1 = plan.heads
+    off = 0
+    for bufs in ((k_buffers, v_buffers) if plan.has_v else (k_buffers,)):
+        for l in plan.layers:
+            view = _as_pages(bufs[l], plan.page_size, "buffer")
+            sel = view[:, :, h0:h1, :]
+            if h1 - h0 == view.shape[2] and view.is_contiguous():
+                sel = view.view(view.shape[0], -1)  # whole pages as rows
+            nbytes = n * sel[0].numel() * sel.element_size()
+            row_bytes = sel.shape[-1] * sel.element_size()
+            g = math.gcd(row_bytes, math.gcd(sel.data_ptr(), chunk.data_ptr() + off))
+            word = next(w for w in _WORDS if g % w.itemsize == 0)
+            sel_w = sel.view(word)
+            dst = chunk[off:off + nbytes].view(word).view((n,) + tuple(sel_w.shape[1:]))
+            if pack:
+                torch.index_select(sel_w, 0, ids, out=dst)
+            else:  # index_put_: 1.3-1.5x index_copy_'s bandwidth on this CPU (2 cores)
+                sel_w.index_put_((ids,), dst)
+            off += nbytes
+
+
+# ----------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------
+def pack_buffers(k_buffers, v_buffers, page_ids, *, page_size=None, layers=None, heads=None,
+                 out=None, check=True) -> torch.Tensor:
+    """Pack pages of per-layer K/V tensors into one chunk (layout: module docstring).
+
+    Args:
+        k_buffers, v_buffers: lists of per-layer tensors, ``[num_pages, page_size, H, D]``
+            or sglang's ``[num_tokens, H, D]`` (then ``page_size=`` is required);
+            ``v_buffers`` may be ``None`` / empty for a K-only cache.
+        page_ids: int32/int64 ``[n]`` on the buffers' device: a torch tensor, any DLPack
+            array (CuPy, NumPy; zero-copy) or a Python sequence.
+        layers: layer indices in chunk order; ``None`` = all.
+        heads: ``(start, stop)``; ``None`` = all heads.
+        out: optional preallocated 1-D uint8 chunk of exactly the packed size.
+        check: on CUDA, validate page ids first (one host sync); with ``check=False`` an
+            out-of-range id is skipped and raised by the next checked call.  CPU always
+            validates.
+
+    Returns:
+        ``uint8 [packed_nbytes]``: ``out`` when given.
+    """
+    plan = make_plan(k_buffers, v_buffers, page_size, layers, heads)
+    return run_pack(plan, k_buffers, v_buffers, page_ids, out=out, check=check)
+
+
+def unpack_buffers(buf, k_buffers, v_buffers, page_ids, *, page_size=None, layers=None,
+                   heads=None, check=True) -> None:
+    """Write a packed chunk back into pages of per-layer K/V tensors (inverse of
+    :func:`pack_buffers`; same arguments).  ``page_ids`` must be distinct."""
+    plan = make_plan(k_buffers, v_buffers, page_size, layers, heads)
+    run_unpack(plan, buf, k_buffers, v_buffers, page_ids, check=check)
+
+
+def run_pack(plan: _Plan, k_buffers, v_buffers, page_ids, *, out=None,
+             check=True) -> torch.Tensor:
+    """pack_buffers with a plan already made (KVPool keeps its plans)."""
+    ids = _page_ids(page_ids, plan.device)
+    nbytes = plan.nbytes(ids.numel())
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=plan.device)
+    else:
+        _check_chunk(out, nbytes, plan.device, "out")
+    _run(plan, k_buffers, v_buffers, ids, out, pack=True, check=check)
+    return out
+
+
+def run_unpack(plan: _Plan, buf, k_buffers, v_buffers, page_ids, *, check=True) -> None:
+    ids = _page_ids(page_ids, plan.device)
+    _check_chunk(buf, plan.nbytes(ids.numel()), plan.device, "buf")
+    _run(plan, k_buffers, v_buffers, ids, buf, pack=False, check=check)
+
+
+def _run(plan: _Plan, k_buffers, v_buffers, ids: torch.Tensor, chunk: torch.Tensor, *,
+         pack: bool, check: bool) -> None:
+    if check or not is_async_device(ids):
+        _validate_page_ids(ids, plan.num_pages, unique=not pack,
+                           what="pack" if pack else "unpack")
+    if use_triton(ids):
+        _launch(plan, k_buffers, ids, chunk, pack)
+    else:
+        _torch_copy(plan, k_buffers, v_buffers, ids, chunk, pack)
+
+
+# ----------------------------------------------------------------------------------------
+# References (plain torch, written for obvious correctness; tests compare against them)
+# ----------------------------------------------------------------------------------------
+def _ref_pieces(k_buffers, v_buffers, page_ids, page_size, layers, heads):
+    k_views = [_as_pages(b, page_size, "k") for b in k_buffers]
+    v_views = [_as_pages(b, page_size, "v") for b in (v_buffers or [])]
+    layers = range(len(k_views)) if layers is None else layers
+    h0, h1 = heads if heads is not None else (0, k_views[0].shape[2])
+    for views in (k_views, v_views):
+        for l in (layers if views else []):
+            for p in [int(p) for p in page_ids]:
+                yield views[l][p, :, h0:h1, :]
+
+
+def pack_buffers_ref(k_buffers, v_buffers, page_ids, *, page_size=None, layers=None,
+                     heads=None) -> torch.Tensor:
+    pieces = [piece.contiguous().view(-1).view(torch.uint8) for piece in
+              _ref_pieces(k_buffers, v_buffers, page_ids, page_size, layers, heads)]
+    if not pieces:
+        return torch.empty(0, dtype=torch.uint8, device=k_buffers[0].device)
+    return torch.cat(pieces)
+
+
+def unpack_buffers_ref(buf, k_buffers, v_buffers, page_ids, *, page_size=None, layers=None,
+                       heads=None) -> None:
+    off = 0
+    for piece in _ref_pieces(k_buffers, v_buffers, page_ids, page_size, layers, heads):
+        nbytes = piece.numel() * piece.element_size()
+        piece.copy_(buf[off:off + nbytes].view(piece.dtype).view(piece.shape))
+        off += nbytes

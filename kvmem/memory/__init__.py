@@ -1,0 +1,83 @@
+"""Memory backends: one address range per pool, reserved once.
+
+A backend owns the bytes behind a :class:`kvmem.KVPool`: ``tensor`` is a ``uint8`` view
+of the whole range, whose address never changes for the backend's life.  Backends that
+can give physical memory back (pause/resume) implement ``release`` / ``resume``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MemoryBackend:
+    """Interface of a pool's memory.
+
+    Attributes:
+        tensor: ``uint8 [nbytes]`` view of the whole range (stable ``data_ptr()``).
+        device: where the memory lives.
+    """
+
+    name = "abstract"
+    can_release = False
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.nbytes = nbytes
+        self.device = device
+        self.tensor: torch.Tensor
+
+    def regions(self) -> list[tuple[int, int]]:
+        """``(ptr, nbytes)`` ranges to register with a transfer engine (few and large)."""
+        return [(self.tensor.data_ptr(), self.nbytes)]
+
+    def release(self) -> None:
+        raise NotImplementedError(f"the {self.name} memory backend cannot release its memory")
+
+    def resume(self, prefault: bool = True) -> None:
+        raise NotImplementedError(f"the {self.name} memory backend cannot release its memory")
+
+    def resident_bytes(self) -> int:
+        return self.nbytes
+
+    def close(self) -> None:
+        """Give everything back; the backend is unusable afterwards."""
+
+
+class PlainBackend(MemoryBackend):
+    """One ordinary device allocation (``torch.empty``): no release."""
+
+    name = "plain"
+    ALIGN = 512  # the range starts on this boundary (torch's CPU allocator gives 64)
+
+    def __init__(self, nbytes: int, device: torch.device):
+        super().__init__(nbytes, device)
+        raw = torch.empty(nbytes + self.ALIGN, dtype=torch.uint8, device=device)
+        skip = -raw.data_ptr() % self.ALIGN
+        self.tensor = raw[skip:skip + nbytes]
+
+
+BACKENDS = ("host", "cuda_vmm", "plain")
+
+
+def make_backend(nbytes: int, device: torch.device, kind: str | None = None) -> MemoryBackend:
+    """The backend for a device: ``host`` on CPU, ``cuda_vmm`` on CUDA; ``kind`` forces one
+    (``"plain"``: an ordinary allocation that cannot be released)."""
+    if kind is None:
+        kind = {"cpu": "host", "cuda": "cuda_vmm"}.get(device.type)
+        if kind is None:
+            raise ValueError(f"no memory backend for device {device}")
+    if kind == "host":
+        if device.type != "cpu":
+            raise ValueError(f"the host backend needs a cpu device, got {device}")
+        from kvmem.memory.host import HostBackend
+
+        return HostBackend(nbytes, device)
+    if kind == "cuda_vmm":
+        if device.type != "cuda":
+            raise ValueError(f"the cuda_vmm backend needs a cuda device, got {device}")
+        from kvmem.memory.cuda_vmm import CudaVmmBackend
+
+        return CudaVmmBackend(nbytes, device)
+    if kind == "plain":
+        return PlainBackend(nbytes, device)
+    raise ValueError(f"unknown memory backend {kind!r} (known: {', '.join(BACKENDS)})")
