@@ -1,0 +1,730 @@
+"""PageAllocator: the KV pages of one pool, handed out and taken back on the pool's
+device, with sglang 0.5.23's token-slot semantics for alloc_extend / alloc_decode."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from kvmem.errors import DoubleFreeError, KVMemError, OutOfPagesError
+from kvmem.kernels import alloc as K
+from kvmem.kernels._dispatch import force_triton, is_async_device
+
+# Reasons an alloc_extend / alloc_decode batch is refused (host checks, check=True).
+_LEN_NEGATIVE_PREFIX = 1
+_LEN_PREFIX_OVER_SEQ = 2
+_LEN_LAST_LOC_OFFSET = 3
+_LEN_LAST_PAGE_FREE = 4
+_LEN_SEQ_BELOW_ONE = 5
+_LEN_REASONS = {
+    _LEN_NEGATIVE_PREFIX: "prefix_len < 0",
+    _LEN_PREFIX_OVER_SEQ: "prefix_len > seq_len",
+    _LEN_LAST_LOC_OFFSET: "last_loc is inconsistent with the length: (last_loc + 1) % "
+    "page_size must equal the number of tokens on the request's partial last page",
+    _LEN_LAST_PAGE_FREE: "last_loc is not in an allocated page (the request's partial "
+    "last page must be allocated)",
+    _LEN_SEQ_BELOW_ONE: "seq_len < 1",
+}
+
+_DEVICE_ERROR_WHAT = {
+    K.ERR_TAKE_OWNED: "alloc(check=False) took a page off the free list that was "
+    "allocated already (or not a page id)",
+    K.ERR_EXTEND_LENGTHS: "alloc_extend(check=False): prefix_len < 0 or prefix_len > "
+    "seq_len",
+    K.ERR_EXTEND_LAST_LOC: "alloc_extend(check=False): (last_loc + 1) % page_size != "
+    "prefix_len % page_size for a request with a partial last page",
+    K.ERR_EXTEND_COUNTS: "alloc_extend(check=False): prefix_lens_cpu / seq_lens_cpu / "
+    "extend_num_tokens disagree with the device lengths",
+    K.ERR_DECODE_SEQ: "alloc_decode(check=False): seq_len < 1",
+    K.ERR_DECODE_LAST_LOC: "alloc_decode(check=False): (last_loc + 1) % page_size != "
+    "(seq_len - 1) % page_size for a request that does not start a page",
+    K.ERR_DECODE_COUNTS: "alloc_decode(check=False): seq_lens_cpu disagrees with "
+    "seq_lens",
+}
+
+
+class PageAllocator:
+    """Hands out the pages ``1 .. num_pages - 1`` of a KV pool and takes them back.
+
+    ``num_pages`` counts the padding page 0 (it is sglang's ``size // page_size + 1``);
+    page 0 is never handed out.  All state lives on ``device``::
+
+        _ring  : int64 [num_pages - 1]  the free pages are _ring[(_head + k) % cap],
+                                        k < _count (cap = num_pages - 1)
+        _owned : int32 [num_pages]      1 = allocated, 0 = free; _owned[0] == 0
+                                        (a view of _owned_ext, one entry longer,
+                                        whose last entry is always 0)
+        _err   : int64 [4]              errors found on the device (check=False paths;
+                                        layout in kvmem.kernels.alloc)
+
+    with ``_head``, ``_count`` (= num_free) and ``num_allocated`` as host ints.
+
+    Invariants (``check_invariants()`` asserts them; the map ``_owned`` is the source
+    of truth):
+
+    - a page is free xor owned: the live ring entries are exactly the pages
+      ``1 .. num_pages - 1`` with ``_owned == 0``, each once;
+    - ``num_free + num_allocated == num_pages - 1``, always;
+    - page 0 is never handed out and never owned.
+
+    Order.  A new or ``reset()`` allocator hands out 1, 2, 3, ... (sglang's order, so
+    results can be compared with sglang's).  ``free`` puts pages at the ring's tail at
+    once (no staging, no sort): after frees, reuse is FIFO, kvmem's own order.
+
+    Errors.  ``OutOfPagesError`` leaves the allocator unchanged; ``DoubleFreeError``
+    (a page out of range, page 0, not allocated, or listed twice) frees nothing; bad
+    batch inputs raise ValueError and change nothing.
+
+    Costs (n pages, bs requests, T token slots; "sync" = the host waits for the device,
+    which only costs anything on CUDA; "launch" = one Triton kernel):
+
+    =========================  ===================================  ======================
+    call                       CUDA (Triton kernels)                CPU (numpy/torch)
+    =========================  ===================================  ======================
+    alloc(n)                   1 launch, no sync [#p]_              a slice copy and one
+                                                                    scatter, O(n)
+    free(n), check=True        device validation + 1 sync, 1 launch  ~8 numpy calls, O(n)
+    free(n), check=False       2 launches, no sync [#o]_            same as check=True
+    free_group()               one free at the outermost exit       one free
+    alloc_extend(bs, T),       device validation + 1 sync, then     ~15 torch ops over bs
+    check=True                 alloc(n) + 1 slot launch             (checks), ~15 over T
+                                                                    (slots); no loop
+    alloc_extend, check=False  with the *_cpu hints: 2 launches,    same as check=True
+                               no sync; without them +1 sync
+    alloc_decode(bs)           as alloc_extend (seq_lens_cpu)       as alloc_extend
+    num_free, num_allocated    host ints, no sync                   same
+    reset()                    3 small copies/fills, no sync        O(num_pages)
+    check_invariants()         copies the state to the host         O(num_pages)
+    synchronize()              1 sync                               nothing to wait for
+    =========================  ===================================  ======================
+
+    At page_size 1 the slots of a checked call are the new pages themselves: no slot
+    launch.  A Python sequence passed to ``free`` is copied to the device first.
+
+    .. [#p] with check=True, plus 1 sync when a check=False call since the last
+       synchronising call may have left an error on the device.
+    .. [#o] unless the free would overflow the free list (more pages freed than are
+       allocated, a sure error): that one is validated at once, with a sync.
+
+    check=False.  On CUDA (and on CPU tensors under ``KVMEM_FORCE_TRITON=1``, which
+    runs the same kernels under the Triton interpreter) ``check=False`` skips every
+    check that would make the host wait for the device.  The kernels then check on
+    the device and record the first error in ``_err``: the free kernel releases pages
+    with atomic exchanges and writes the ring, and a second small kernel undoes the
+    whole call (ownership and ring writes) if any page of it could not be released;
+    the take kernel flags a page taken off the ring that was already owned; the slot
+    kernels flag bad lengths, inconsistent ``last_loc`` and hints that disagree with
+    the device lengths.  Such an error is raised at the next *synchronising* call
+    (any ``check=True`` call, ``check_invariants()``, ``synchronize()``), and before
+    raising the allocator rebuilds its ring from the ownership map (what was owned
+    stays owned; the message says so): DoubleFreeError for a refused free,
+    ValueError for bad alloc_extend / alloc_decode inputs (the pages that call took
+    stay allocated, its slots are wrong), KVMemError for a page taken twice.  Between
+    the bad call and that point the host's counts may be wrong (a refused free was
+    still counted as freed), so calls in between may hand out page 0 or pages flagged
+    as taken twice: their results are unreliable until the error is raised.  On the
+    CPU path every check always runs (it costs no sync), whatever ``check`` says.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, device: str | torch.device = "cpu"):
+        num_pages = _as_int("num_pages", num_pages)
+        page_size = _as_int("page_size", page_size)
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is padding), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = device
+        self._cap = num_pages - 1
+        self._on_cuda = device.type == "cuda"
+        self._ring = torch.empty(self._cap, dtype=torch.int64, device=device)
+        # One entry more than there are pages, always 0, which the CPU free check uses
+        # (kvmem.kernels.alloc.free_pages_cpu); _owned is the map proper.
+        self._owned_ext = torch.zeros(num_pages + 1, dtype=torch.int32, device=device)
+        self._owned = self._owned_ext[:num_pages]
+        # CPU: numpy views of the state (zero copy) for the take/free bookkeeping
+        self._ring_np = self._ring.numpy() if device.type == "cpu" else None
+        self._owned_np = self._owned_ext.numpy() if device.type == "cpu" else None
+        self._err = torch.empty(4, dtype=torch.int64, device=device)
+        self._group: list[tuple[torch.Tensor, bool]] | None = None
+        self.reset()
+
+    # -- counts -------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Pages that alloc can hand out now (host int, no sync)."""
+        return self._count
+
+    @property
+    def num_allocated(self) -> int:
+        """Pages handed out and not freed (host int, no sync)."""
+        return self._allocated
+
+    def __repr__(self) -> str:
+        return (f"PageAllocator(num_pages={self.num_pages}, page_size={self.page_size}, "
+                f"device={str(self.device)!r}, num_free={self._count})")
+
+    # -- whole-state operations -----------------------------------------------------
+
+    def reset(self) -> None:
+        """Every page free again, handed out as 1, 2, 3, ... from now on.  Discards any
+        error a check=False call left on the device, and the frees collected so far by
+        an open free_group (the group stays open)."""
+        torch.arange(1, self.num_pages, dtype=torch.int64, device=self.device, out=self._ring)
+        self._owned_ext.zero_()
+        self._reset_err()
+        self._head = 0
+        self._count = self._cap
+        self._allocated = 0
+        self._parity = 0
+        self._pending = False  # a check=False call may have recorded an error in _err
+        if self._group is not None:
+            self._group.clear()
+
+    def synchronize(self) -> None:
+        """Wait for the allocator's device work and raise any error a check=False call
+        recorded on the device (after rebuilding the free list)."""
+        if self._pending:
+            self._read_device(None)
+        elif is_async_device(self._ring):
+            torch.cuda.synchronize(self.device)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first violated invariant (copies the state
+        to the host; raises a pending device error first, like synchronize())."""
+        self.synchronize()
+        cap = self._cap
+        assert 0 <= self._count <= cap, f"num_free {self._count} outside [0, {cap}]"
+        assert 0 <= self._head < cap, f"ring head {self._head} outside [0, {cap})"
+        assert self._count + self._allocated == cap, (
+            f"num_free + num_allocated = {self._count} + {self._allocated} != "
+            f"num_pages - 1 = {cap}"
+        )
+        owned = self._owned.cpu()
+        ring = self._ring.cpu()
+        assert int(owned[0]) == 0, "page 0 is owned"
+        values = set(torch.unique(owned).tolist())
+        assert values <= {0, 1}, f"ownership map holds values {sorted(values)}, not 0/1"
+        n_owned = int(owned.sum())
+        assert n_owned == self._allocated, (
+            f"{n_owned} pages owned but num_allocated is {self._allocated}"
+        )
+        live = ring[(self._head + torch.arange(self._count)) % cap]
+        bad = live[(live < 1) | (live >= self.num_pages)]
+        assert bad.numel() == 0, f"free list holds {bad[0].item()}, not a page id"
+        assert torch.unique(live).numel() == live.numel(), "free list holds a page twice"
+        both = live[owned[live] != 0]
+        assert both.numel() == 0, f"page {both[0].item()} is both free and owned"
+        # So the live entries are _count distinct unowned pages, and the map has
+        # cap - num_allocated == _count unowned pages: they are exactly the free ones.
+        assert int(self._owned_ext[-1]) == 0, "the ownership map's end marker is not 0"
+
+    def allocated_pages(self) -> torch.Tensor:
+        """int64 [num_allocated]: the pages handed out and not freed, ascending (from the
+        ownership map; copies it: for audits, not the hot path)."""
+        return torch.nonzero(self._owned == 1).flatten().to(torch.int64)
+
+    # -- alloc / free ---------------------------------------------------------------
+
+    def alloc(self, n: int, check: bool = True) -> torch.Tensor:
+        """int64 [n]: n free pages, now allocated (a new tensor).  OutOfPagesError,
+        with nothing changed, when fewer than n are free."""
+        if type(n) is not int:
+            n = _as_int("n", n)
+        if n < 0:
+            raise ValueError(f"alloc: n must be >= 0, got {n}")
+        if check and self._pending:
+            self._read_device(None)
+        if n > self._count:
+            raise OutOfPagesError(n, self._count, "alloc")
+        return self._take(n, self._flag(check))
+
+    def free(self, pages, check: bool = True) -> None:
+        """Put ``pages`` (page ids, never token slots: an integer tensor on the
+        allocator's device or a Python sequence) back on the free list at once, or, in a
+        free_group, at its outermost exit.  DoubleFreeError, with nothing freed, if one
+        is out of range, page 0, not allocated, or listed twice."""
+        p = self._as_pages(pages)
+        if self._group is not None:
+            if p.numel():
+                self._group.append((p.clone() if p is pages else p, check))
+            return
+        self._free_now(p, check)
+
+    @contextlib.contextmanager
+    def free_group(self) -> Iterator[PageAllocator]:
+        """Collect the frees made inside and apply them at exit as one batched free
+        (one validation, one ring write).  Nested groups apply at the outermost exit.
+        The frees are applied even when the body raised; if the batch holds a page that
+        may not be freed, DoubleFreeError is raised and nothing of the group is freed.
+        The batch is checked unless every free in it passed check=False."""
+        outer = self._group is None
+        if outer:
+            self._group = []
+        try:
+            yield self
+        finally:
+            if outer:
+                group, self._group = self._group, None
+                if group:
+                    pages = group[0][0] if len(group) == 1 else torch.cat(
+                        [g[0].to(torch.int64) for g in group])
+                    self._free_now(pages, any(g[1] for g in group))
+
+    # -- token slots (sglang semantics) ---------------------------------------------
+
+    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
+                     last_loc: torch.Tensor, *, prefix_lens_cpu: torch.Tensor | None = None,
+                     seq_lens_cpu: torch.Tensor | None = None,
+                     extend_num_tokens: int | None = None, check: bool = True) -> torch.Tensor:
+        """Token slots (page * page_size + offset) for extending each request from
+        ``prefix_lens[i]`` to ``seq_lens[i]`` tokens, sglang 0.5.23's
+        PagedTokenToKVPoolAllocator.alloc_extend: first the rest of the request's
+        partial last page (after ``last_loc[i]``, the slot of its last token), then new
+        pages.  Inputs: int32/int64 [bs] on the allocator's device; the ``*_cpu`` hints
+        are the same lengths on the CPU (both or neither); ``extend_num_tokens`` =
+        sum(seq_lens - prefix_lens).  Returns int64 [extend_num_tokens], requests in
+        order.  ValueError for bad inputs (negative lengths, prefix_len > seq_len,
+        ``last_loc`` not the last slot of an allocated partial page, hints or
+        extend_num_tokens that disagree with the device tensors) and OutOfPagesError,
+        nothing changed.  With check=False on CUDA the count of new pages comes from
+        the hints (no sync) and the inputs are checked on the device (class
+        docstring)."""
+        bs = _check_batch("alloc_extend", self.device, prefix_lens=prefix_lens,
+                          seq_lens=seq_lens, last_loc=last_loc)
+        hints = _check_hints("alloc_extend", bs, prefix_lens_cpu=prefix_lens_cpu,
+                             seq_lens_cpu=seq_lens_cpu)
+        if extend_num_tokens is not None:
+            extend_num_tokens = _as_int("extend_num_tokens", extend_num_tokens)
+        flag = self._flag(check)
+        ps = self.page_size
+        if not flag:
+            num_new, total = self._checked_extend_counts(prefix_lens, seq_lens, last_loc,
+                                                         hints, extend_num_tokens, check)
+        elif hints is not None:  # no sync
+            num_new, total = _extend_counts_host(hints[0], hints[1], ps)
+            if extend_num_tokens is not None:
+                total = extend_num_tokens
+        else:  # one sync
+            num_new, total = torch.stack(K.extend_counts(prefix_lens, seq_lens, ps)).tolist()
+        if num_new < 0 or total < 0:
+            raise ValueError(f"alloc_extend: the lengths ask for {num_new} new pages and "
+                             f"{total} tokens; prefix_len > seq_len somewhere")
+        if num_new > self._count:
+            raise OutOfPagesError(num_new, self._count, "alloc_extend")
+        new_pages = self._take(num_new, flag)
+        if bs == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if ps == 1 and not flag:  # checked inputs: every token is a new page, in order
+            return new_pages
+        return K.extend_slots(prefix_lens, seq_lens, last_loc, new_pages, ps, total,
+                              self._err, flag=flag)
+
+    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor, *,
+                     seq_lens_cpu: torch.Tensor | None = None,
+                     check: bool = True) -> torch.Tensor:
+        """One token slot per request, whose length becomes ``seq_lens[i]`` (sglang
+        0.5.23 alloc_decode): a new page when ``(seq_len - 1) % page_size == 0``, else
+        ``last_loc[i] + 1``.  int64 [bs].  ValueError / OutOfPagesError, nothing
+        changed."""
+        bs = _check_batch("alloc_decode", self.device, seq_lens=seq_lens, last_loc=last_loc)
+        hints = _check_hints("alloc_decode", bs, seq_lens_cpu=seq_lens_cpu)
+        flag = self._flag(check)
+        ps = self.page_size
+        if not flag:
+            num_new = self._checked_decode_count(seq_lens, last_loc, hints, check)
+        elif hints is not None:  # no sync
+            num_new = _decode_count_host(hints[0], ps)
+        else:  # one sync
+            num_new = int(K.decode_counts(seq_lens, ps).item())
+        if num_new > self._count:
+            raise OutOfPagesError(num_new, self._count, "alloc_decode")
+        new_pages = self._take(num_new, flag)
+        if bs == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if ps == 1 and not flag:  # checked inputs: every request starts a page
+            return new_pages
+        return K.decode_slots(seq_lens, last_loc, new_pages, ps, self._err, flag=flag)
+
+    # -- internals ------------------------------------------------------------------
+
+    def _checked_extend_counts(self, prefix_lens, seq_lens, last_loc, hints,
+                               extend_num_tokens, check) -> tuple[int, int]:
+        """(new pages, tokens) of a checked alloc_extend; ValueError for bad inputs.
+        CUDA: torch checks on the device and one sync; CPU: numpy."""
+        ps = self.page_size
+        if is_async_device(seq_lens):
+            problems = _extend_problems(prefix_lens, seq_lens, last_loc, self._owned, ps)
+            if hints is not None:
+                problems = torch.cat((problems, _agree(prefix_lens, hints[0]),
+                                      _agree(seq_lens, hints[1])))
+            first, code, num_new, total, *agree = self._read_device(problems,
+                                                                    raise_pending=check)
+        else:
+            if check and self._pending:
+                self._read_device(None)
+            first, code, num_new, total = _extend_problems_np(
+                prefix_lens.numpy(), seq_lens.numpy(), last_loc.numpy(), self._owned_np, ps)
+            agree = [] if hints is None else [
+                np.array_equal(prefix_lens.numpy(), hints[0].numpy()),
+                np.array_equal(seq_lens.numpy(), hints[1].numpy())]
+        if first >= 0:
+            raise ValueError(f"alloc_extend: request {first}: {_LEN_REASONS[code]}")
+        if not all(agree):
+            raise ValueError("alloc_extend: prefix_lens_cpu / seq_lens_cpu disagree with "
+                             "prefix_lens / seq_lens")
+        if extend_num_tokens is not None and extend_num_tokens != total:
+            raise ValueError(f"alloc_extend: extend_num_tokens={extend_num_tokens} but "
+                             f"sum(seq_lens - prefix_lens) = {total}")
+        return num_new, total
+
+    def _checked_decode_count(self, seq_lens, last_loc, hints, check) -> int:
+        """New pages of a checked alloc_decode; ValueError for bad inputs."""
+        ps = self.page_size
+        if is_async_device(seq_lens):
+            problems = _decode_problems(seq_lens, last_loc, self._owned, ps)
+            if hints is not None:
+                problems = torch.cat((problems, _agree(seq_lens, hints[0])))
+            first, code, num_new, *agree = self._read_device(problems, raise_pending=check)
+        else:
+            if check and self._pending:
+                self._read_device(None)
+            first, code, num_new = _decode_problems_np(seq_lens.numpy(), last_loc.numpy(),
+                                                       self._owned_np, ps)
+            agree = [] if hints is None else [np.array_equal(seq_lens.numpy(),
+                                                             hints[0].numpy())]
+        if first >= 0:
+            raise ValueError(f"alloc_decode: request {first}: {_LEN_REASONS[code]}")
+        if not all(agree):
+            raise ValueError("alloc_decode: seq_lens_cpu disagrees with seq_lens")
+        return num_new
+
+
+    def _triton(self) -> bool:
+        """kvmem.kernels._dispatch.use_triton for the allocator's device (every tensor a
+        call touches is on it), asked per call; the device type is cached because a
+        torch attribute read is a measurable part of a ~20 us alloc+free on CPU."""
+        return self._on_cuda or force_triton()
+
+    def _flag(self, check: bool) -> bool:
+        """True when this call defers its checks to the device (check=False on the
+        Triton path); it may then leave an error in _err."""
+        if check or not self._triton():
+            return False
+        self._pending = True
+        return True
+
+    def _take(self, n: int, flag: bool) -> torch.Tensor:
+        """The next n pages off the ring (n <= num_free), now owned."""
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if self._triton():
+            pages = K.take_pages_triton(self._ring, self._owned, self._err, self._head, n,
+                                        flag=flag)
+        else:
+            pages = K.take_pages_cpu(self._ring_np, self._owned_np, self._head, n)
+        self._head = (self._head + n) % self._cap
+        self._count -= n
+        self._allocated += n
+        return pages
+
+    def _free_now(self, p: torch.Tensor, check: bool) -> None:
+        n = p.shape[0]
+        if n == 0:
+            if check and self._pending:
+                self._read_device(None)
+            return
+        tail = (self._head + self._count) % self._cap
+        triton = self._triton()
+        if not check and triton and self._count + n <= self._cap:
+            # checked on the device; an error is raised at the next synchronising call
+            self._pending = True
+            K.free_pages_triton(p, self._ring, self._owned, self._err, tail, self._parity,
+                                flag=True)
+            self._parity ^= 1
+        else:
+            if triton:
+                bad = self._free_checked_triton(p, tail)
+            else:
+                bad = K.free_pages_cpu(p.numpy(), self._ring_np, self._owned_np, tail)
+            if bad is not None:
+                first, code = bad
+                reason = K.FREE_REASONS[code]
+                if code == K.FREE_OUT_OF_RANGE:
+                    reason += f" [1, {self.num_pages})"
+                raise DoubleFreeError(int(p[first]), reason)
+        self._count += n
+        self._allocated -= n
+
+    def _free_checked_triton(self, p: torch.Tensor, tail: int) -> tuple[int, int] | None:
+        """Validate, then apply with the Triton kernel if clean; ``(position, code)`` of
+        the first offending page otherwise, with nothing changed."""
+        if is_async_device(p):  # one sync: the validation and any pending device error
+            first, code = self._read_device(K.free_errors_torch(p, self._owned))
+            if first >= 0:
+                return first, code
+        else:  # CPU tensors under KVMEM_FORCE_TRITON=1
+            if self._pending:
+                self._read_device(None)
+            bad = K.free_errors_cpu(p.numpy(), self._owned.numpy())
+            if bad is not None:
+                return bad
+        K.free_pages_triton(p, self._ring, self._owned, self._err, tail, self._parity,
+                            flag=False)
+        return None
+
+    def _as_pages(self, pages) -> torch.Tensor:
+        if isinstance(pages, torch.Tensor):
+            if pages.dtype is torch.int64 and pages.dim() == 1 and pages.device == self.device:
+                return pages  # the common case, checked in one line
+            if pages.dim() != 1:
+                raise ValueError(f"free: pages must be 1-D, got shape {tuple(pages.shape)}")
+            if pages.dtype not in _INT_DTYPES:
+                raise ValueError(f"free: pages must be an integer tensor, got {pages.dtype}")
+            if not _same_device(pages, self.device):
+                raise ValueError(f"free: pages are on {pages.device}, the allocator on "
+                                 f"{self.device}")
+            if pages.device.type == "cpu" and pages.dtype != torch.int64:
+                pages = pages.to(torch.int64)
+            return pages
+        if isinstance(pages, np.ndarray):
+            if pages.ndim != 1 or pages.dtype.kind not in "iu":
+                raise ValueError(f"free: pages must be a 1-D integer array, got "
+                                 f"{pages.dtype} {pages.shape}")
+            return torch.as_tensor(pages.astype(np.int64), device=self.device)
+        if not isinstance(pages, Sequence) or isinstance(pages, (str, bytes)):
+            raise ValueError(f"free: pages must be a tensor or a sequence of ints, got "
+                             f"{type(pages).__name__}")
+        try:
+            ids = [operator.index(x) for x in pages]
+        except TypeError:
+            raise ValueError("free: pages must be integers") from None
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def _reset_err(self) -> None:
+        self._err.copy_(torch.tensor([0, 0, K.NO_BAD, K.NO_BAD], dtype=torch.int64))
+
+    def _read_device(self, t: torch.Tensor | None, raise_pending: bool = True) -> list[int]:
+        """``t.tolist()``, and, if a check=False call may have left an error and
+        ``raise_pending``, that error, read in the same host sync: if there is one, the
+        free list is rebuilt and the error raised (``t`` is then not used)."""
+        if not (raise_pending and self._pending):
+            return [] if t is None else t.tolist()
+        head = self._err[:2]
+        vals = (head if t is None else torch.cat((head, t.to(torch.int64)))).tolist()
+        self._pending = False
+        if vals[0] != 0:
+            self._raise_device_error(vals[0], vals[1])
+        return vals[2:]
+
+    def _rebuild_from_owned(self) -> int:
+        """Make the ring hold exactly the unowned pages (ascending) and the host counts
+        match the ownership map.  Returns num_free."""
+        self._owned[0] = 0
+        free = torch.nonzero(self._owned[1:] == 0).flatten() + 1
+        n = free.numel()
+        self._ring[:n] = free
+        self._head = 0
+        self._count = n
+        self._allocated = self._cap - n
+        self._parity = 0
+        self._reset_err()
+        return n
+
+    def _raise_device_error(self, code: int, value: int):
+        n_free = self._rebuild_from_owned()
+        rebuilt = (f"found on the device after a check=False call; the free list was "
+                   f"rebuilt from the ownership map ({n_free} pages free)")
+        if code in K.FREE_REASONS:
+            reason = K.FREE_REASONS[code]
+            if code == K.FREE_OUT_OF_RANGE:
+                reason += f" [1, {self.num_pages})"
+            raise DoubleFreeError(value, f"{reason}; {rebuilt}")
+        what = _DEVICE_ERROR_WHAT.get(code, f"device error code {code}")
+        where = "page" if code == K.ERR_TAKE_OWNED else "request"
+        msg = f"{what} ({where} {value}); {rebuilt}"
+        if code == K.ERR_TAKE_OWNED:
+            raise KVMemError(msg)
+        raise ValueError(msg + "; the slots that call returned are wrong and the pages it "
+                         "took stay allocated")
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _as_int(name: str, v) -> int:
+    if isinstance(v, bool):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {v!r}") from None
+
+
+def _same_device(t: torch.Tensor, device: torch.device) -> bool:
+    if t.device.type != device.type:
+        return False
+    return device.index is None or t.device.index is None or t.device.index == device.index
+
+
+def _check_batch(what: str, device: torch.device, **tensors: torch.Tensor) -> int:
+    """Host-only checks (no sync) of the batch tensors; returns bs."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 1:
+            raise ValueError(f"{what}: {name} must be 1-D, got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{what}: {name} must be int32 or int64, got {t.dtype}")
+        if not _same_device(t, device):
+            raise ValueError(f"{what}: {name} is on {t.device}, the allocator on {device}")
+    sizes = {name: t.shape[0] for name, t in tensors.items()}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ValueError(f"{what}: batch tensors differ in length ({listed})")
+    return next(iter(sizes.values()))
+
+
+def _check_hints(what: str, bs: int, **hints: torch.Tensor | None):
+    """The *_cpu hints (checked: CPU, int32/int64, [bs]), or None when none is given."""
+    given = {k: v for k, v in hints.items() if v is not None}
+    if not given:
+        return None
+    if len(given) != len(hints):
+        missing = ", ".join(k for k in hints if k not in given)
+        raise ValueError(f"{what}: give all of the *_cpu hints or none ({missing} missing)")
+    out = []
+    for name, t in given.items():
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise ValueError(f"{what}: {name} must be a CPU tensor")
+        if t.dim() != 1 or t.numel() != bs:
+            raise ValueError(f"{what}: {name} must have shape ({bs},), got {tuple(t.shape)}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{what}: {name} must be int32 or int64, got {t.dtype}")
+        out.append(t)
+    return out
+
+
+def _extend_counts_host(pre: torch.Tensor, seq: torch.Tensor, ps: int) -> tuple[int, int]:
+    """(new pages, extend tokens) from the CPU hints, with numpy (no torch dispatch)."""
+    pre = pre.numpy().astype(np.int64, copy=False)
+    seq = seq.numpy().astype(np.int64, copy=False)
+    new = (seq + ps - 1) // ps - (pre + ps - 1) // ps
+    return int(new.sum()), int((seq - pre).sum())
+
+
+def _decode_count_host(seq: torch.Tensor, ps: int) -> int:
+    seq = seq.numpy().astype(np.int64, copy=False)
+    return int(np.count_nonzero((seq - 1) % ps == 0))
+
+
+def _agree(t: torch.Tensor, hint: torch.Tensor) -> torch.Tensor:
+    """int64 [1] on t's device: 1 if the CPU hint holds the same values as t."""
+    same = (t.to(torch.int64) == hint.to(device=t.device, dtype=torch.int64)).all()
+    return same.to(torch.int64).reshape(1)
+
+
+def _first_problem(code: torch.Tensor) -> torch.Tensor:
+    """int64 [2]: [index of the first nonzero code or -1, that code]."""
+    if code.numel() == 0:
+        return torch.tensor([-1, 0], dtype=torch.int64, device=code.device)
+    bad = code != 0
+    first = bad.to(torch.int8).argmax()
+    return torch.stack((torch.where(bad.any(), first, -1), code[first]))
+
+
+def _last_page_problem(partial, last, owned, ps):
+    """Codes for requests with a partial last page: its slot ``last`` must be in an
+    allocated page."""
+    page = torch.where(partial, last // ps, 0)
+    in_range = (page >= 1) & (page < owned.numel())
+    owned_page = owned[torch.where(in_range, page, 0)] == 1
+    return partial & ~(in_range & owned_page)
+
+
+def _extend_problems(prefix_lens, seq_lens, last_loc, owned, ps) -> torch.Tensor:
+    """int64 [4] on the device: [first bad request or -1, its code, new pages, tokens]."""
+    pre = prefix_lens.to(torch.int64)
+    seq = seq_lens.to(torch.int64)
+    last = last_loc.to(torch.int64)
+    partial = (pre > 0) & (pre % ps != 0)
+    code = torch.zeros_like(pre)
+    code = torch.where(_last_page_problem(partial, last, owned, ps), _LEN_LAST_PAGE_FREE, code)
+    code = torch.where(partial & ((last + 1) % ps != pre % ps), _LEN_LAST_LOC_OFFSET, code)
+    code = torch.where(pre > seq, _LEN_PREFIX_OVER_SEQ, code)
+    code = torch.where(pre < 0, _LEN_NEGATIVE_PREFIX, code)
+    num_new, total = K.extend_counts(pre, seq, ps)
+    return torch.cat((_first_problem(code), torch.stack((num_new, total))))
+
+
+def _decode_problems(seq_lens, last_loc, owned, ps) -> torch.Tensor:
+    """int64 [3] on the device: [first bad request or -1, its code, new pages]."""
+    seq = seq_lens.to(torch.int64)
+    last = last_loc.to(torch.int64)
+    partial = (seq >= 1) & ((seq - 1) % ps != 0)
+    code = torch.zeros_like(seq)
+    code = torch.where(_last_page_problem(partial, last, owned, ps), _LEN_LAST_PAGE_FREE, code)
+    code = torch.where(partial & ((last + 1) % ps != (seq - 1) % ps), _LEN_LAST_LOC_OFFSET,
+                       code)
+    code = torch.where(seq < 1, _LEN_SEQ_BELOW_ONE, code)
+    return torch.cat((_first_problem(code), K.decode_counts(seq, ps).reshape(1)))
+
+
+def _last_page_problem_np(partial, last, owned_ext, ps):
+    """_last_page_problem on the CPU, with the ownership map's end marker (``owned_ext``
+    is one entry longer, that entry 0): one clipped lookup checks range (below 1 lands on
+    page 0, past the end on the marker, both never owned) and ownership at once."""
+    return partial & (owned_ext.take(last // ps, mode="clip") != 1)
+
+
+def _extend_problems_np(pre, seq, last, owned_ext, ps) -> list[int]:
+    """numpy twin of _extend_problems for CPU batches (a torch call costs 5-10 us of
+    dispatch there, a numpy call ~1-2 us): [first bad request or -1, code, new pages,
+    tokens]."""
+    pre = pre.astype(np.int64, copy=False)
+    seq = seq.astype(np.int64, copy=False)
+    num_new = int(((seq + ps - 1) // ps - (pre + ps - 1) // ps).sum())
+    total = int((seq - pre).sum())
+    code = np.zeros(pre.shape[0], dtype=np.int64)
+    if ps > 1:
+        filled = pre % ps  # tokens on the request's partial last page
+        partial = (pre > 0) & (filled != 0)
+        if np.count_nonzero(partial):
+            last = last.astype(np.int64, copy=False)
+            code[_last_page_problem_np(partial, last, owned_ext, ps)] = _LEN_LAST_PAGE_FREE
+            code[partial & ((last + 1) % ps != filled)] = _LEN_LAST_LOC_OFFSET
+    code[pre > seq] = _LEN_PREFIX_OVER_SEQ
+    code[pre < 0] = _LEN_NEGATIVE_PREFIX
+    bad = np.flatnonzero(code)
+    first = int(bad[0]) if bad.size else -1
+    return [first, int(code[first]) if bad.size else 0, num_new, total]
+
+
+def _decode_problems_np(seq, last, owned_ext, ps) -> list[int]:
+    """numpy twin of _decode_problems: [first bad request or -1, code, new pages]."""
+    seq = seq.astype(np.int64, copy=False)
+    offset = (seq - 1) % ps  # where the new token goes in its page
+    starts = offset == 0
+    num_new = int(np.count_nonzero(starts))
+    code = np.zeros(seq.shape[0], dtype=np.int64)
+    if ps > 1:
+        partial = (seq >= 1) & ~starts
+        if np.count_nonzero(partial):
+            last = last.astype(np.int64, copy=False)
+            code[_last_page_problem_np(partial, last, owned_ext, ps)] = _LEN_LAST_PAGE_FREE
+            code[partial & ((last + 1) % ps != offset)] = _LEN_LAST_LOC_OFFSET
+    code[seq < 1] = _LEN_SEQ_BELOW_ONE
+    bad = np.flatnonzero(code)
+    first = int(bad[0]) if bad.size else -1
+    return [first, int(code[first]) if bad.size else 0, num_new]

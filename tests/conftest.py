@@ -1,0 +1,19 @@
+"""What the main test run (``pytest tests``) collects.
+
+- ``tests/interpret``: the Triton kernels under Triton's interpreter run in a process of
+  their own (``make test-interpret``: ``TRITON_INTERPRET=1 KVMEM_FORCE_TRITON=1 pytest
+  tests/interpret``), because TRITON_INTERPRET is read when a kernel is decorated; the
+  main run leaves that folder out.
+- ``tests/gpu``: CUDA-only tests (bench/gpu_check.sh), collected only where CUDA is
+  available.
+"""
+
+import os
+
+import torch
+
+collect_ignore = []
+if os.environ.get("TRITON_INTERPRET") != "1":
+    collect_ignore.append("interpret")
+if not torch.cuda.is_available():
+    collect_ignore.append("gpu")
