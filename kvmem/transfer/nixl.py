@@ -1,0 +1,216 @@
+"""NixlEngine: the TransferEngine over NIXL (UCX), DRAM on the CPU, VRAM on CUDA.
+
+The epoch rule, the tombstones and the pause/resume ordering are in
+:mod:`kvmem.transfer.base`; this module only maps them onto NIXL's agent API.  Facts it
+relies on, checked with nixl-cu12 1.5.1 on a 2-core CPU machine (UCX bundled in the wheel):
+
+* **No revocation.**  ``deregister_memory`` does not stop a peer: a write built from old
+  metadata landed after the target deregistered, and after it re-registered.  The
+  initiator's NIXL also keeps a peer's old sections: ``add_remote_agent`` of newer
+  metadata *merges* (a region the peer dropped stays writable through raw NIXL calls).
+  kvmem's epoch check in ``post_write`` is the initiator-side guard.
+* **Re-adding a peer.**  Loading newer metadata of the same agent (same process) works
+  without ``remove_remote_agent``, keeps the connection warm, and a write in flight
+  survives it.  A *restarted* peer (new agent, same name) is refused
+  (NIXL_ERR_NOT_ALLOWED) until ``remove_remote_agent``; so kvmem removes first when the
+  incarnation changed.  ``remove_remote_agent`` while a write to that peer is in flight
+  makes the write's status raise (nixlNotFoundError, "remote agent was invalidated or
+  re-registered during transfer"): kvmem reports that as ERR; the handle still releases.
+* **Damaged metadata poisons the peer name.**  A truncated blob half-loads (connection
+  info in, sections refused) and NIXL then refuses the *valid* metadata of that agent
+  (NIXL_ERR_INVALID_PARAM), even after ``remove_remote_agent``.  The kvmem envelope's
+  digest keeps damaged bytes away from NIXL.
+* **Registration metadata is address-based.**  After deregister + register of the same
+  addresses, ``get_agent_metadata()`` returned identical bytes: NIXL's metadata carries
+  no epoch, hence kvmem's header.  Re-adding a peer 200 times, or deregistering and
+  registering a region 200 times, grew RSS by nothing measurable.
+* **Notifications.**  A write's notif is sent when the *initiator's* poll
+  (``check_xfer_state``) sees the write complete, not by the progress thread: with nobody
+  polling, a 1 MiB write had landed but its notif had not left after 1 s; one poll sent
+  it.  So the sender polls its writes (``TransferEngine.in_flight()`` each loop step).
+  When the notif arrives the bytes are there (the tests check the bytes at that moment,
+  in one process and across two).  The target needs nothing to receive; ``send_notif``
+  needs the target's metadata loaded (NIXL_ERR_NOT_FOUND otherwise) and does not block
+  on a stopped peer.  A write cancelled in flight (``release`` of a PROC handle succeeds:
+  NIXL cancels it) never delivers its notif.  ``invalidate_local_metadata`` only
+  concerns NIXL's own metadata exchange (listener thread / central server), which kvmem
+  does not use: its metadata travels as bytes the caller carries.
+* **Transports.**  UCX's defaults here: RMA writes by ``cma`` (process_vm_writev,
+  zero-copy, host to host, also between two agents of one process), active messages
+  (notifs, wireup) over ``tcp`` on loopback (``UCX_PROTO_INFO=y`` shows it).  A cma
+  write's bytes land inside ``transfer()``; its state stays PROC until polled.  UCX_TLS
+  is left alone: in one run of 256 MiB writes (one process, progress thread on, busy
+  machine) the defaults gave 1.4-1.9 GB/s, ``UCX_TLS=cma,tcp,self`` the same,
+  ``tcp,self`` 0.5-1.0 GB/s, and ``sm,self`` / ``posix,cma,self`` failed at agent
+  creation (NIXL_ERR_BACKEND); a plain copy ran at 3.4-3.7 GB/s then.  ENV_NOTES.md has
+  6.6-8.1 GB/s between processes on a quieter machine.  bench/bench_transfer.py
+  measures NIXL against a plain copy.
+* **Progress thread.**  NIXL's progress thread (on by default, ``pthrDelay`` 0 in its
+  Python API) spins: an idle process with one or more agents used 0.99 CPU-seconds per
+  second.  On these 2 cores that costs bandwidth and latency: in one bench run
+  (bench/bench_transfer.py, 256 MiB, two agents in one process) kvmem's write ran at
+  1.9 GB/s with it (plain copy 4.2 GB/s in the same conditions) and 6.0 GB/s without
+  it (plain copy 8.2 GB/s); warm 4 KiB writes took 7-20 ms with it, 0.3-0.9 ms
+  without.  Without it nothing progresses unless its owner calls in: a write without a
+  notif stayed PROC (600k polls of the initiator) until the *target* engine called
+  ``get_notifs()``.  ``NixlEngine`` keeps NIXL's default; ``progress_thread=False`` is
+  for processes whose loops poll both as initiator (``in_flight()``) and as target
+  (``get_notifs()``) all the time, as the demo's workers do.
+* **First transfer.**  Loading a peer (``add_peer``, 30-60 ms) starts the connection
+  set-up in the background; a 4 KiB write posted at once took 60-100 ms to DONE, one
+  posted 0.3 s later 4-10 ms, warm writes 0.5-10 ms (2 busy cores: noisy), in one
+  process and between two.  ``make_connection`` gave nothing on top of that, so kvmem
+  does not expose it.  kvmem keeps one agent per engine and never removes a live peer
+  when newer metadata of the same incarnation arrives, so connections stay warm across
+  pause/resume: publish the new metadata as early as the resume allows.
+
+VRAM (not run on this CPU machine; each spot is marked ``GPU-CHECK``): regions on a CUDA
+device register as "VRAM" with the device index as NIXL's device id; a CUDA context must
+be current when the agent is created (NIXL's note on GPU memory views), so create the
+engine after the pool.  On a CUDA 13 host use the ``nixl-cu13`` build (the cu12 build's
+CUDA plugins need libcudart.so.12); :func:`import_nixl` picks the build.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+import torch
+
+from kvmem.transfer.base import (
+    MetadataError, Registration, RemoteMemory, TransferEngine, TransferError,
+)
+
+
+def import_nixl():
+    """NIXL's Python API module: ``KVMEM_NIXL_MODULE`` when set, else the build that
+    matches torch's CUDA major version (``nixl_cu13`` for CUDA 13, else ``nixl_cu12``),
+    then the other one, then ``nixl``."""
+    forced = os.environ.get("KVMEM_NIXL_MODULE")
+    if forced:
+        names = [forced]
+    else:
+        cu13 = (torch.version.cuda or "").startswith("13")
+        names = ["nixl_cu13", "nixl_cu12"] if cu13 else ["nixl_cu12", "nixl_cu13"]
+        names.append("nixl")
+    errors = []
+    for name in names:
+        try:
+            mod = importlib.import_module(name)
+            mod.nixl_agent  # noqa: B018 - the meta package `nixl` re-exports it
+            return mod
+        except (ImportError, AttributeError) as e:
+            errors.append(f"{name}: {e}")
+    raise ImportError("NIXL is not installed (pip install 'kvmem[nixl]', nixl-cu12 here, "
+                      "nixl-cu13 on CUDA 13): " + "; ".join(errors))
+
+
+class NixlEngine(TransferEngine):
+    """A TransferEngine over one NIXL agent.
+
+    Args:
+        name: the agent name peers see (unique among the agents that talk to each other).
+        backends: NIXL backend plugins to create; each must be available.
+        progress_thread: NIXL's progress thread.  On (NIXL's default): transfers progress
+            with nobody polling, at the cost of one spinning core per process.  Off: every
+            engine involved must be driven (``in_flight()`` / ``get_notifs()``), see the
+            module docstring for what it gains on a small CPU.
+        num_threads: UCX worker threads (0: NIXL's default).
+    """
+
+    kind = "nixl"
+
+    def __init__(self, name: str, backends=("UCX",), *, progress_thread: bool = True,
+                 num_threads: int = 0):
+        super().__init__(name)
+        nixl = import_nixl()
+        conf = nixl.nixl_agent_config(enable_prog_thread=progress_thread,
+                                      num_threads=num_threads, backends=list(backends))
+        try:
+            agent = nixl.nixl_agent(name, conf)
+        except Exception as e:
+            raise TransferError(f"NixlEngine {name!r}: NIXL agent creation failed: "
+                                f"{type(e).__name__}: {e}") from None
+        missing = [b for b in backends if b not in agent.backends]
+        if missing:   # NIXL only logs a warning for a missing plugin
+            raise TransferError(f"NixlEngine {name!r}: NIXL backend(s) {missing} not available "
+                                f"(plugins: {agent.get_plugin_list()})")
+        self.agent = agent
+        self.backends = tuple(backends)
+
+    # --- transport primitives ---------------------------------------------------------
+    def _t_register(self, reg: Registration):
+        # One registerMem call with every region of the key: O(regions) per resume.
+        # GPU-CHECK: "VRAM" with device_id = CUDA index, regions from the cuda_vmm backend
+        # (cuMemCreate with gpuDirectRDMACapable); UCX needs its cuda transports loaded.
+        descs = [(a, n, reg.device_id, "") for a, n in reg.regions]
+        try:
+            return self.agent.register_memory(descs, reg.mem)
+        except Exception as e:
+            raise TransferError(f"register {reg.key!r}: NIXL refused {len(descs)} {reg.mem} "
+                                f"region(s): {type(e).__name__}: {e}") from None
+
+    def _t_deregister(self, native) -> None:
+        try:
+            self.agent.deregister_memory(native)
+        except Exception as e:
+            raise TransferError(f"deregister: NIXL refused: {type(e).__name__}: {e}") from None
+
+    def _t_blob(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def _t_load_peer(self, blob: bytes) -> str:
+        try:
+            name = self.agent.add_remote_agent(blob)
+        except Exception as e:
+            raise MetadataError(f"add_peer: NIXL refused the agent metadata: "
+                                f"{type(e).__name__}: {e}") from None
+        return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+
+    def _t_unload_peer(self, name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as e:
+            raise TransferError(f"NIXL could not remove peer {name!r}: "
+                                f"{type(e).__name__}: {e}") from None
+
+    def _t_post(self, local: np.ndarray, lreg: Registration, remote: np.ndarray,
+                rmem: RemoteMemory, notif: bytes):
+        # Nx3 (addr, len, device id) arrays: one descriptor per paired range.
+        # GPU-CHECK: VRAM on either side (device ids from the registrations).
+        ld = np.empty((local.shape[0], 3), dtype=np.uint64)
+        ld[:, :2], ld[:, 2] = local, lreg.device_id
+        rd = np.empty((remote.shape[0], 3), dtype=np.uint64)
+        rd[:, :2], rd[:, 2] = remote, rmem.device_id
+        a = self.agent
+        try:
+            h = a.initialize_xfer("WRITE", a.get_xfer_descs(ld, lreg.mem),
+                                  a.get_xfer_descs(rd, rmem.mem), rmem.peer, notif)
+        except Exception as e:
+            raise TransferError(f"post_write to {rmem.peer!r}: NIXL refused the request "
+                                f"({ld.shape[0]} descriptor(s)): {type(e).__name__}: {e}") from None
+        try:
+            state = a.transfer(h)
+        except Exception as e:
+            h.release()
+            raise TransferError(f"post_write to {rmem.peer!r}: NIXL could not post: "
+                                f"{type(e).__name__}: {e}") from None
+        return h, state
+
+    def _t_state(self, native) -> str:
+        return self.agent.check_xfer_state(native)
+
+    def _t_release(self, native) -> None:
+        native.release()
+
+    def _t_send_notif(self, peer: str, msg: bytes) -> None:
+        self.agent.send_notif(peer, msg)
+
+    def _t_get_notifs(self) -> dict[str, list[bytes]]:
+        return self.agent.get_new_notifs()
+
+    def _t_close(self) -> None:
+        # The agent's destructor stops its threads and closes UCX; nothing else holds it.
+        self.agent = None
