@@ -1,0 +1,89 @@
+"""Shared benchmark plumbing: every bench measures kvmem and its baseline in the same run,
+and this prints (and, with KVMEM_BENCH_OUT=DIR, writes as JSON) medians, bandwidths and
+ratios at the end of the session."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+
+def bench_device() -> torch.device:
+    """KVMEM_BENCH_DEVICE, else CUDA when present, else CPU."""
+    name = os.environ.get("KVMEM_BENCH_DEVICE")
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+class Report:
+    """Rows of (group, name, median seconds, bytes moved); the first row of a group whose
+    name starts with 'kvmem' is the reference the others are compared to."""
+
+    def __init__(self):
+        self.groups: dict[str, list[dict]] = defaultdict(list)
+
+    def add(self, group: str, name: str, benchmark, nbytes: int | None = None, **extra):
+        median = benchmark.stats.stats.median
+        row = dict(name=name, median_s=median, nbytes=nbytes, **extra)
+        if nbytes:
+            row["gb_per_s"] = nbytes / median / 1e9
+        self.groups[group].append(row)
+
+    def lines(self) -> list[str]:
+        out = []
+        for group, rows in self.groups.items():
+            ref = next((r for r in rows if r["name"].startswith("kvmem")), rows[0])
+            out.append(f"== {group}")
+            for r in rows:
+                bw = f"{r['gb_per_s']:8.2f} GB/s" if r.get("gb_per_s") else " " * 13
+                ratio = r["median_s"] / ref["median_s"]
+                rel = "" if r is ref else f"  kvmem is {ratio:6.2f}x faster" if ratio >= 1 \
+                    else f"  kvmem takes {1 / ratio:6.2f}x the time"
+                out.append(f"   {r['name']:<44} {r['median_s'] * 1e6:12.1f} us {bw}{rel}")
+        return out
+
+
+_REPORT = Report()
+
+
+@pytest.fixture(scope="session")
+def report() -> Report:
+    return _REPORT
+
+
+def sync(dev: torch.device):
+    """A callable that waits for the device (what a timed CUDA function must end with)."""
+    if dev.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _REPORT.groups:
+        return
+    dev = bench_device()
+    terminalreporter.section(f"kvmem vs baselines on {device_name(dev)}")
+    for line in _REPORT.lines():
+        terminalreporter.write_line(line)
+    out_dir = os.environ.get("KVMEM_BENCH_OUT")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"bench-{dev.type}.json")
+        with open(path, "w") as f:
+            json.dump(dict(device=device_name(dev), torch=torch.__version__,
+                           time=time.strftime("%Y-%m-%dT%H:%M:%S"), groups=_REPORT.groups),
+                      f, indent=1)
+        terminalreporter.write_line(f"written: {path}")

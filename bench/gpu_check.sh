@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# GPU check: the GPU tests and the GPU benchmarks on a CUDA host, in under 5 minutes.
+#
+#   bench/gpu_check.sh OUTDIR
+#
+# Uses the host's own python3 (the H200 target: Python 3.12, torch 2.11, triton 3.6, CuPy)
+# with this repository on PYTHONPATH, and installs nothing.  Writes to OUTDIR:
+#   env.txt          GPU name, driver, versions
+#   gpu-tests.log    pytest tests/gpu (kernels vs references on CUDA tensors, cuda_vmm pool)
+#   bench.log        pytest bench (kvmem vs baselines; ratios at the end)
+#   bench-cuda.json  the benchmark table as JSON
+# Exit status: non-zero if the tests or the benchmarks failed.
+set -uo pipefail
+out="${1:?usage: bench/gpu_check.sh OUTDIR}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+py=python3
+
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1
+  $py - <<'PY'
+import torch, triton
+print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)
+print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))
+try:
+    import cupy
+    print("cupy", cupy.__version__)
+except ImportError as e:
+    print("cupy: not importable:", e)
+try:
+    import sglang.srt.disaggregation.common.staging_buffer  # noqa: F401
+    print("sglang staging buffer: importable")
+except Exception as e:  # noqa: BLE001
+    print("sglang staging buffer: not importable here (", type(e).__name__, e, ")")
+try:
+    import nixl_cu13  # noqa: F401
+    print("nixl: nixl_cu13 importable")
+except Exception as e:  # noqa: BLE001
+    print("nixl: not importable here (", type(e).__name__, e, ")")
+PY
+} 2>&1 | tee "$out/env.txt"
+
+status=0
+echo "== GPU tests"
+timeout 150 $py -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu-tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== GPU benchmarks"
+KVMEM_BENCH_OUT="$out" timeout 150 $py -m pytest -q -p no:cacheprovider bench \
+  --benchmark-columns=median,iqr,ops --benchmark-sort=name 2>&1 | tee "$out/bench.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "gpu_check: exit $status; results in $out"
+exit $status
