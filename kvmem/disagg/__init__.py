@@ -1,0 +1,20 @@
+"""Prefill/decode disaggregation with every request's pages freed exactly once.
+
+:class:`PrefillSide` and :class:`DecodeSide` (their module docstrings draw the state
+machines), the control messages and counters they share (:mod:`.common`), and the
+deterministic stand-in KV data the demo verifies (:mod:`.synth`).
+"""
+
+from kvmem.disagg.common import (
+    CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Ledger,
+    Metrics, Outcome, ProtocolError, Reason,
+)
+from kvmem.disagg.decode import DecodeFaults, DecodeSide
+from kvmem.disagg.prefill import Faults, PrefillSide
+from kvmem.disagg.synth import Synth
+
+__all__ = [
+    "KVPoll", "Outcome", "Reason", "ProtocolError", "Ledger", "Metrics",
+    "PrefillSide", "DecodeSide", "Faults", "DecodeFaults", "Synth",
+    "OK", "CLIENT_CLOSED", "INTERNAL_ERROR", "SERVICE_UNAVAILABLE", "GATEWAY_TIMEOUT",
+]

@@ -1,0 +1,223 @@
+"""What both sides of the PD lifecycle share: states, abort reasons, control messages,
+the page ledger (who holds which page) and the counters."""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmem.errors import KVMemError
+
+
+class KVPoll(enum.IntEnum):
+    """sglang's KVPoll values."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+class Outcome(str, enum.Enum):
+    """How a request ended; the four partition the requests."""
+
+    SUCCEEDED = "succeeded"
+    ABORTED = "aborted"      # client or decode-side abort, or a pause (503)
+    TIMED_OUT = "timed_out"  # 504
+    FAILED = "failed"        # 500: a send failed
+
+
+# HTTP-like status codes carried by abort reasons.
+OK = 200
+CLIENT_CLOSED = 499
+INTERNAL_ERROR = 500
+SERVICE_UNAVAILABLE = 503
+GATEWAY_TIMEOUT = 504
+
+_OUTCOME_OF_STATUS = {
+    OK: Outcome.SUCCEEDED, CLIENT_CLOSED: Outcome.ABORTED, SERVICE_UNAVAILABLE: Outcome.ABORTED,
+    GATEWAY_TIMEOUT: Outcome.TIMED_OUT, INTERNAL_ERROR: Outcome.FAILED,
+}
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a request ended: an HTTP-like status and a message naming the request."""
+
+    status: int
+    message: str
+
+    @property
+    def outcome(self) -> Outcome:
+        return _OUTCOME_OF_STATUS[self.status]
+
+
+class ProtocolError(KVMemError, ValueError):
+    """A control message from the peer (or a call from the caller) that names an unknown
+    request, a duplicate bootstrap room, pages out of range or sizes that do not match.
+    Nothing was changed."""
+
+
+# --- control messages ---------------------------------------------------------------------
+# Travel as NIXL notifications (TransferEngine.send_notif, or a write's completion notif):
+# UTF-8 JSON objects with a "t" (type) field.  Types:
+#   prefill -> decode: REQ, CHUNK, AUX, ABORT, ABORT_ACK, PAUSE_ACK, META
+#   decode -> prefill: BOOT, ABORT_REQ, PAUSING, META
+_FIELDS = {
+    "REQ": {"rid": int, "room": int, "tokens": int},
+    "BOOT": {"rid": int, "room": int, "off": int, "nbytes": int, "epoch": int},
+    "CHUNK": {"rid": int, "first": int, "last": int, "off": int, "nbytes": int, "final": bool},
+    "AUX": {"rid": int, "off": int, "nbytes": int},
+    "ABORT": {"rid": int, "status": int, "reason": str},
+    "ABORT_REQ": {"rid": int, "status": int, "reason": str},
+    "ABORT_ACK": {"rid": int},
+    "PAUSING": {"epoch": int},
+    "PAUSE_ACK": {"epoch": int},
+    "META": {"md": str},
+}
+
+
+def encode(t: str, **fields) -> bytes:
+    spec = _FIELDS[t]
+    if set(fields) != set(spec):
+        raise ValueError(f"message {t}: fields {sorted(fields)}, expected {sorted(spec)}")
+    return json.dumps({"t": t, **fields}, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> dict:
+    """Parse and type-check one control message; ProtocolError if it is not one."""
+    try:
+        msg = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"control message is not JSON: {raw[:80]!r} ({e})") from None
+    if not isinstance(msg, dict) or msg.get("t") not in _FIELDS:
+        raise ProtocolError(f"unknown control message: {raw[:80]!r}")
+    spec = _FIELDS[msg["t"]]
+    for name, typ in spec.items():
+        v = msg.get(name)
+        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+            raise ProtocolError(f"{msg['t']}: field {name!r} must be {typ.__name__}, got {v!r}")
+    if set(msg) - set(spec) - {"t"}:
+        raise ProtocolError(f"{msg['t']}: unexpected fields {sorted(set(msg) - set(spec) - {'t'})}")
+    return msg
+
+
+# --- page ledger -----------------------------------------------------------------------------
+class Ledger:
+    """Who holds which pages of one allocator: an owner (a request id, or a name such as
+    "prefix-cache") per set of pages.  Every allocation is recorded here and every free
+    goes through :meth:`release`, which frees exactly once: a second release of the same
+    owner is a bug and raises.  ``audit`` compares the ledger with the allocator's own
+    ownership map."""
+
+    def __init__(self, allocator):
+        self.alloc = allocator
+        self._held: dict[object, torch.Tensor] = {}
+        self._quarantined: set = set()
+        self.freed_by_reason: Counter = Counter()
+
+    def hold(self, owner, pages: torch.Tensor) -> None:
+        """Record ``pages`` (just allocated) as ``owner``'s; appends to what it holds."""
+        if pages.numel() == 0:
+            self._held.setdefault(owner, pages)
+            return
+        old = self._held.get(owner)
+        self._held[owner] = pages if old is None or old.numel() == 0 else torch.cat((old, pages))
+
+    def holds(self, owner) -> bool:
+        return owner in self._held
+
+    def pages(self, owner) -> torch.Tensor:
+        return self._held[owner]
+
+    def quarantine(self, owner) -> None:
+        """Mark ``owner``'s pages as possibly the target of a posted write: they are not
+        freed until :meth:`release` (after DONE/ERR or the sender's ack)."""
+        if owner in self._held:
+            self._quarantined.add(owner)
+
+    def is_quarantined(self, owner) -> bool:
+        return owner in self._quarantined
+
+    def release(self, owner, reason: str) -> int:
+        """Free every page ``owner`` holds, once.  Returns the number of pages freed."""
+        if owner not in self._held:
+            raise KVMemError(f"ledger: {owner!r} holds no pages (freed twice?)")
+        pages = self._held.pop(owner)
+        self._quarantined.discard(owner)
+        if pages.numel():
+            self.alloc.free(pages)
+        self.freed_by_reason[reason] += int(pages.numel())
+        return int(pages.numel())
+
+    def owners(self) -> dict:
+        """owner -> number of pages, for everything held now."""
+        return {o: int(p.numel()) for o, p in self._held.items()}
+
+    def audit(self) -> dict:
+        """At idle: ``{"leaked": {owner: [pages]}, "quarantined": {owner: [pages]},
+        "unaccounted": [pages]}``.  Every page held in the ledger at idle is leaked unless
+        quarantined; ``unaccounted`` are pages the allocator counts as allocated that no
+        owner holds (a free that bypassed the ledger)."""
+        owned = set(self.alloc.allocated_pages().tolist())
+        leaked, quarantined = {}, {}
+        for o, p in self._held.items():
+            ids = sorted(int(x) for x in p.tolist())
+            owned.difference_update(ids)
+            (quarantined if o in self._quarantined else leaked)[o] = ids
+        return {"leaked": leaked, "quarantined": quarantined, "unaccounted": sorted(owned)}
+
+
+# --- counters -------------------------------------------------------------------------------
+@dataclass
+class Metrics:
+    """Counters of one side, for a Prometheus scrape (:meth:`prometheus`) or a log line
+    (:meth:`log_line`)."""
+
+    side: str
+    requests: Counter = field(default_factory=Counter)  # by outcome
+    bytes_packed: int = 0
+    bytes_sent: int = 0          # prefill: bytes of writes that completed DONE
+    bytes_landed: int = 0        # decode: bytes of chunks whose notification arrived
+    bytes_verified: int = 0      # decode: landed bytes equal to what was sent
+    bytes_corrupt: int = 0       # decode: landed bytes that differ
+    pauses: int = 0
+    pause_seconds: float = 0.0
+    protocol_errors: int = 0
+    time_to_free: list = field(default_factory=list)  # seconds, abort in the running batch
+
+    def prometheus(self, freed_by_reason: Counter) -> str:
+        p = f"kvmem_{self.side}"
+        lines = [f"# TYPE {p}_requests_total counter"]
+        for o in Outcome:
+            lines.append(f'{p}_requests_total{{outcome="{o.value}"}} {self.requests[o.value]}')
+        lines.append(f"# TYPE {p}_pages_freed_total counter")
+        for r, n in sorted(freed_by_reason.items()):
+            lines.append(f'{p}_pages_freed_total{{reason="{r}"}} {n}')
+        for name in ("bytes_packed", "bytes_sent", "bytes_landed", "bytes_verified",
+                     "bytes_corrupt", "protocol_errors"):
+            lines.append(f"# TYPE {p}_{name}_total counter")
+            lines.append(f"{p}_{name}_total {getattr(self, name)}")
+        lines.append(f"# TYPE {p}_pauses_total counter\n{p}_pauses_total {self.pauses}")
+        lines.append(f"# TYPE {p}_pause_seconds_total counter\n"
+                     f"{p}_pause_seconds_total {self.pause_seconds:.6f}")
+        return "\n".join(lines) + "\n"
+
+    def log_line(self, freed_by_reason: Counter) -> str:
+        req = " ".join(f"{o.value}={self.requests[o.value]}" for o in Outcome)
+        freed = " ".join(f"{r}={n}" for r, n in sorted(freed_by_reason.items()))
+        return (f"kvmem {self.side}: requests {req}; pages freed {freed or '-'}; "
+                f"bytes packed={self.bytes_packed} sent={self.bytes_sent} "
+                f"landed={self.bytes_landed} verified={self.bytes_verified} "
+                f"corrupt={self.bytes_corrupt}; pauses={self.pauses} "
+                f"({self.pause_seconds:.3f} s); protocol errors={self.protocol_errors}")
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,343 @@
+"""The decode side of PD disaggregation: receives exactly the bytes that were sent and
+never frees a page a write may still land in.
+
+A request, as the decode side sees it::
+
+      REQ from prefill                 pages + landing region allocated
+    ------------------> [waiting] ----------------------------------> [booted] --BOOT-->
+                          | (no memory yet: retried each step)          |  CHUNK*: verify
+                          | ABORT from prefill: forget                  |  on arrival, unpack
+                          v                                             |  AUX: verify -> done
+                                                                        |  (pages freed)
+           ABORT from prefill (it has no write in flight): free now <---+
+           decode-side abort / own timeout: ABORT_REQ, quarantine ------+
+                          |
+                          v
+                    [quarantined]  pages + landing held: a posted write may still land.
+                          |        Chunks that land are still verified.  Freed on the
+                          |        prefill's ABORT (its acknowledgement: every write
+                          v        DONE/ERR), or after quarantine_timeout if it vanished.
+                        freed
+
+Each chunk lands in the request's *landing region* (a registered buffer, one region per
+request, sized for its whole KV plus the extra state) and its notification (``CHUNK``)
+arrives after the bytes: the chunk is verified against what the prefill computed
+(:mod:`kvmem.disagg.synth`) and unpacked into the request's pages with ``unpack_pages``.
+Every field of a peer message is checked (request known, page range within the
+request, size equal to the packed size, offset where that chunk belongs); a bad message
+raises :class:`ProtocolError`, is counted and changes nothing.
+
+Pause (:meth:`begin_pause`): tell the prefill (``PAUSING``); it drains its writes into
+this side, aborts the requests bound here (503, ``ABORT`` each) and acknowledges
+(``PAUSE_ACK``); then the allocator is reset, ``kv`` and ``landing`` are deregistered
+(their tombstones published in ``META``) and the memory released.  Resume: memory back,
+registered at the new epoch, ``META`` published: writes built from the older metadata
+are refused by the prefill's engine before they are posted.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from dataclasses import dataclass
+
+import torch
+
+import kvmem
+from kvmem.disagg.arena import Arena, ArenaFullError
+from kvmem.disagg.common import (
+    CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, Ledger, Metrics, ProtocolError,
+    Reason, decode, encode, now,
+)
+from kvmem.disagg.prefill import AUX_BYTES, DEFAULT_TIMEOUT
+from kvmem.memory import make_backend
+
+log = logging.getLogger("kvmem.disagg.decode")
+
+
+class DecodeFaults:
+    """Fault-injection points of the decode side (defaults inject nothing)."""
+
+    def withhold_boot(self, rid: int) -> bool:
+        """True: never answer this request's REQ (the prefill's bootstrap times out)."""
+        return False
+
+
+@dataclass
+class DecodeRequest:
+    rid: int
+    room: int
+    tokens: int
+    state: str = "waiting"  # waiting | withheld | booted | quarantined
+    landing_off: int = -1
+    landing_nbytes: int = 0
+    t_seen: float = 0.0  # last message about this request
+    t_quarantined: float | None = None
+    pages_done: int = 0  # pages landed and verified, in order
+    reason: Reason | None = None
+
+
+class DecodeSide:
+    """One decode worker: a pool, its allocator, a landing buffer, a transfer engine."""
+
+    def __init__(self, pool, allocator, engine, synth, *, prefill_peer: str,
+                 landing_bytes: int, timeout: float = DEFAULT_TIMEOUT,
+                 quarantine_timeout: float | None = None, clock=now,
+                 faults: DecodeFaults | None = None):
+        self.pool, self.alloc, self.engine, self.synth = pool, allocator, engine, synth
+        self.spec = pool.spec
+        self.prefill_peer = prefill_peer
+        self.timeout = timeout
+        self.quarantine_timeout = timeout if quarantine_timeout is None else quarantine_timeout
+        self.clock = clock
+        self.faults = faults or DecodeFaults()
+        self.ledger = Ledger(allocator)
+        self.metrics = Metrics("decode")
+        self._landing_mem = make_backend(landing_bytes, pool.device)
+        self.landing = self._landing_mem.tensor
+        self.arena = Arena(landing_bytes)
+        self.reqs: dict[int, DecodeRequest] = {}
+        self._rooms: dict[int, int] = {}  # room -> rid
+        self.completed: dict[int, Reason] = {}
+        self.pausing = False
+        self.paused = False
+        self._register()
+
+    def _register(self) -> None:
+        self.engine.register_pool(self.pool, "kv")
+        self.engine.register("landing", self._landing_mem.regions(), self.pool.epoch,
+                             self.pool.device)
+
+    def publish_metadata(self) -> None:
+        self.engine.send_notif(self.prefill_peer, encode(
+            "META", md=base64.b64encode(self.engine.local_metadata()).decode()))
+
+    # --- one iteration -----------------------------------------------------------------------
+    def step(self) -> None:
+        for peer, msgs in self.engine.get_notifs().items():
+            for raw in msgs:
+                try:
+                    self.handle_message(peer, decode(raw))
+                except ProtocolError as e:
+                    self.metrics.protocol_errors += 1
+                    log.warning("decode: refused a message from %s: %s", peer, e)
+        if not self.pausing and not self.paused:
+            for req in list(self.reqs.values()):
+                if req.state == "waiting":
+                    self._boot(req)
+        self._check_timeouts()
+
+    def handle_message(self, peer: str, msg: dict) -> None:
+        t = msg["t"]
+        if peer != self.prefill_peer:
+            raise ProtocolError(f"{t} from unknown peer {peer!r}")
+        if t == "REQ":
+            self._on_req(msg)
+        elif t == "CHUNK":
+            self._on_chunk(msg)
+        elif t == "AUX":
+            self._on_aux(msg)
+        elif t == "ABORT":
+            self._on_abort(msg)
+        elif t == "PAUSE_ACK":
+            if self.pausing:
+                self._finish_pause()
+        elif t == "META":
+            self.engine.add_peer(base64.b64decode(msg["md"]))
+        else:
+            raise ProtocolError(f"unexpected message {t} on the decode side")
+
+    # --- requests ------------------------------------------------------------------------------
+    def _on_req(self, msg: dict) -> None:
+        rid, room, tokens = msg["rid"], msg["room"], msg["tokens"]
+        if rid in self.reqs:
+            raise ProtocolError(f"REQ: request id {rid} is in use")
+        if room in self._rooms:
+            raise ProtocolError(f"REQ for request {rid}: bootstrap room {room} is in use by "
+                                f"request {self._rooms[room]}")
+        if tokens <= 0 or tokens > self.synth.max_tokens:
+            raise ProtocolError(f"REQ for request {rid}: {tokens} tokens outside "
+                                f"[1, {self.synth.max_tokens}]")
+        req = DecodeRequest(rid, room, tokens, t_seen=self.clock())
+        if self.faults.withhold_boot(rid):
+            req.state = "withheld"
+        self.reqs[rid] = req
+        self._rooms[room] = rid
+        self.completed.pop(rid, None)
+        if req.state == "waiting" and not self.pausing and not self.paused:
+            self._boot(req)
+
+    def _boot(self, req: DecodeRequest) -> None:
+        n = -(-req.tokens // self.spec.page_size)
+        nbytes = kvmem.packed_nbytes(self.spec, n) + AUX_BYTES
+        if n > self.alloc.num_free:
+            return  # retried next step
+        try:
+            off = self.arena.alloc(nbytes)
+        except ArenaFullError:
+            return
+        self.ledger.hold(req.rid, self.alloc.alloc(n))
+        req.landing_off, req.landing_nbytes = off, nbytes
+        req.state = "booted"
+        req.t_seen = self.clock()
+        self.engine.send_notif(self.prefill_peer, encode(
+            "BOOT", rid=req.rid, room=req.room, off=off, nbytes=nbytes, epoch=self.pool.epoch))
+
+    def _known(self, msg: dict) -> DecodeRequest:
+        req = self.reqs.get(msg["rid"])
+        if req is None:
+            raise ProtocolError(f"{msg['t']} for unknown request {msg['rid']}")
+        if req.state not in ("booted", "quarantined"):
+            raise ProtocolError(f"{msg['t']} for request {req.rid} in state {req.state}")
+        return req
+
+    def _on_chunk(self, msg: dict) -> None:
+        req = self._known(msg)
+        n_pages = -(-req.tokens // self.spec.page_size)
+        first, last = msg["first"], msg["last"]
+        if not 0 <= first < last <= n_pages:
+            raise ProtocolError(f"CHUNK for request {req.rid}: pages [{first}, {last}) outside "
+                                f"its {n_pages} pages")
+        nbytes = kvmem.packed_nbytes(self.spec, last - first)
+        if msg["nbytes"] != nbytes:
+            raise ProtocolError(f"CHUNK for request {req.rid}: {msg['nbytes']} bytes, pages "
+                                f"[{first}, {last}) pack to {nbytes}")
+        if msg["off"] != kvmem.packed_nbytes(self.spec, first):
+            raise ProtocolError(f"CHUNK for request {req.rid}: offset {msg['off']} is not where "
+                                f"pages from {first} land")
+        if first != req.pages_done:
+            raise ProtocolError(f"CHUNK for request {req.rid}: pages from {first}, expected "
+                                f"from {req.pages_done}")
+        start = req.landing_off + msg["off"]
+        data = self.landing[start:start + nbytes]
+        self.metrics.bytes_landed += nbytes
+        if self.synth.verify(req.rid, first, last, data):
+            self.metrics.bytes_verified += nbytes
+        else:
+            self.metrics.bytes_corrupt += nbytes
+            log.error("decode: request %d pages [%d, %d): landed bytes differ from what was "
+                      "sent", req.rid, first, last)
+        req.pages_done = last
+        req.t_seen = self.clock()
+        if req.state == "booted":
+            kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last])
+
+    def _on_aux(self, msg: dict) -> None:
+        req = self._known(msg)
+        n_pages = -(-req.tokens // self.spec.page_size)
+        if msg["off"] != kvmem.packed_nbytes(self.spec, n_pages) or msg["nbytes"] != AUX_BYTES:
+            raise ProtocolError(f"AUX for request {req.rid}: [{msg['off']}, +{msg['nbytes']}) "
+                                f"is not its extra-state slot")
+        if req.pages_done != n_pages:
+            raise ProtocolError(f"AUX for request {req.rid} before its last chunk "
+                                f"({req.pages_done} of {n_pages} pages)")
+        start = req.landing_off + msg["off"]
+        aux = self.landing[start:start + 16].view(torch.int64).tolist()
+        self.metrics.bytes_landed += AUX_BYTES
+        if aux == [req.rid, req.tokens]:
+            self.metrics.bytes_verified += AUX_BYTES
+        else:
+            self.metrics.bytes_corrupt += AUX_BYTES
+        if req.state == "quarantined":
+            return  # aborted here meanwhile: freed when the prefill's ABORT comes
+        self._free(req, "completed", Reason(OK, f"request {req.rid}: KV received"))
+
+    def _on_abort(self, msg: dict) -> None:
+        """The prefill ended the request and has no write of it in flight."""
+        req = self.reqs.get(msg["rid"])
+        if req is None:
+            if msg["rid"] in self.completed:
+                return  # both sides finished it already
+            raise ProtocolError(f"ABORT for unknown request {msg['rid']}")
+        reason = req.reason or Reason(msg["status"], msg["reason"])
+        self._free(req, f"abort:{msg['status']}", reason)
+
+    def abort(self, rid: int, status: int = CLIENT_CLOSED, message: str | None = None) -> None:
+        """A decode-side abort: the prefill is asked to stop (``ABORT_REQ``); the pages stay
+        quarantined until it answers that no write of the request is in flight."""
+        req = self.reqs.get(rid)
+        if req is None:
+            if rid in self.completed:
+                return
+            raise ProtocolError(f"abort: unknown request id {rid!r}")
+        if req.state == "quarantined":
+            return
+        req.reason = Reason(status, message or f"request {rid} aborted on the decode side")
+        self.engine.send_notif(self.prefill_peer, encode(
+            "ABORT_REQ", rid=rid, status=status, reason=req.reason.message))
+        req.state = "quarantined"
+        req.t_quarantined = self.clock()
+        self.ledger.quarantine(rid)
+
+    def _free(self, req: DecodeRequest, why: str, reason: Reason) -> None:
+        if self.ledger.holds(req.rid):
+            self.ledger.release(req.rid, why)
+        if req.landing_off >= 0:
+            self.arena.free(req.landing_off)
+        del self.reqs[req.rid]
+        del self._rooms[req.room]
+        self.completed[req.rid] = reason
+        self.metrics.requests[reason.outcome.value] += 1
+
+    def _check_timeouts(self) -> None:
+        t = self.clock()
+        for req in list(self.reqs.values()):
+            if req.state == "quarantined":
+                if t - req.t_quarantined > self.quarantine_timeout:
+                    log.error("decode: request %d: no answer from the prefill for %.1f s after "
+                              "its abort; freeing its quarantined pages", req.rid,
+                              self.quarantine_timeout)
+                    self._free(req, "quarantine-expired", req.reason)
+            elif t - req.t_seen > self.timeout:
+                self.abort(req.rid, GATEWAY_TIMEOUT, (
+                    f"decode timeout (> {self.timeout:g} s without news from the prefill) "
+                    f"for request {req.rid} (room {req.room})"))
+
+    # --- pause / resume ---------------------------------------------------------------------
+    def begin_pause(self) -> None:
+        if self.pausing or self.paused:
+            return
+        self.pausing = True
+        self._pause_t0 = self.clock()
+        self.metrics.pauses += 1
+        self.engine.send_notif(self.prefill_peer, encode("PAUSING", epoch=self.pool.epoch))
+
+    def _finish_pause(self) -> None:
+        """The prefill acknowledged: none of its writes into this side is in flight."""
+        for req in list(self.reqs.values()):
+            if req.state in ("booted", "quarantined"):
+                self._free(req, "abort:503", req.reason or Reason(SERVICE_UNAVAILABLE, (
+                    f"request {req.rid} (room {req.room}) aborted: decode paused to release "
+                    "its KV memory")))
+        audit = self.ledger.audit()
+        if audit["leaked"] or audit["unaccounted"] or audit["quarantined"]:
+            raise AssertionError(f"decode pause: pages still held: {audit}")
+        self.alloc.reset()
+        self.engine.deregister("landing")
+        self.engine.deregister("kv")
+        self.publish_metadata()  # tombstones: any write built before is refused now
+        self._landing_mem.release()
+        self.pool.release()
+        self.pausing, self.paused = False, True
+
+    def resume(self) -> None:
+        if not self.paused:
+            return
+        self.pool.resume()
+        self._landing_mem.resume()
+        self._register()
+        self.publish_metadata()
+        self.paused = False
+        self.metrics.pause_seconds += self.clock() - self._pause_t0
+
+    @property
+    def idle(self) -> bool:
+        return not self.reqs
+
+    def audit(self) -> dict:
+        return self.ledger.audit()
+
+    def close(self) -> None:
+        for key in ("kv", "landing"):
+            if key in self.engine.registrations():
+                self.engine.deregister(key)

@@ -1,0 +1,582 @@
+"""The prefill side of PD disaggregation: every request's pages freed exactly once.
+
+States of a request (sglang's KVPoll) and every way out of each::
+
+                 add_request
+                     |
+                     v           BOOT from decode
+              +--------------+ ---------------------> +-----------------+
+              | Bootstrapping|                        | WaitingForInput |
+              +--------------+                        +-----------------+
+                 |  abort                  abort |  timeout 504  | first chunk posted
+                 |  timeout 504 (bootstrap)      |  (transfer)   v
+                 |  pause 503                    |  pause 503  +--------------+
+                 |                               |             | Transferring |--+ more chunks,
+                 |                               |             +--------------+<-+ AUX (extra state)
+                 |                               |               |    |     |
+                 |                               |  abort / 504 /|    |     | every write DONE
+                 |                               |  503 / ERR 500|    |     v
+                 v                               v               v    |  +---------+
+              +-------------------------------------------------------+  | Success |
+              | ending: prefill pages freed now; posted writes drain  |  +---------+
+              | to DONE/ERR; then ABORT(reason) to decode = its ack   |
+              +-------------------------------------------------------+
+                                     |
+                                     v
+                                 +--------+
+                                 | Failed |  (outcome: aborted 499/503, timed_out 504,
+                                 +--------+   failed 500)
+
+* "in the running batch": ``step`` allocates a chunk's pages, runs the forward (here:
+  writes deterministic data, :mod:`kvmem.disagg.synth`), then :meth:`fill_batch`.  An
+  abort arriving meanwhile is recorded and consumed first thing in ``fill_batch`` of the
+  same step: pages freed, the chunk never packed, no KV exposed.
+* Pages: allocated per chunk (``alloc_extend``, sglang semantics), held in the ledger under
+  the request id, freed once: when the last chunk is packed (the packed copy is what is
+  sent) or when the request ends early.  The packed copies live in the registered
+  staging buffer until their write is DONE or ERR.
+* The decode side is told of every early end by ``ABORT`` once no write of the request is
+  in flight: that message is also its acknowledgement that it may free (un-quarantine)
+  the request's decode pages.
+* Pause (:meth:`begin_pause`): stop posting, drain every posted write, abort every request
+  (503), reset the allocator, deregister, release.  Resume: resume, register, publish the
+  new metadata (``META``).  When the decode side pauses (``PAUSING``), requests bound to
+  it are drained and aborted (503) and ``PAUSE_ACK`` tells it no write is in flight; its
+  ``META`` (new epoch) lets requests flow again, and the engine refuses writes built from
+  its older metadata (StaleEpochError), which end the request with 503.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+import kvmem
+from kvmem.disagg.arena import Arena, ArenaFullError
+from kvmem.disagg.common import (
+    CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Ledger,
+    Metrics, ProtocolError, Reason, decode, encode, now,
+)
+from kvmem.errors import OutOfPagesError
+from kvmem.transfer.base import StaleEpochError, TransferError
+
+log = logging.getLogger("kvmem.disagg.prefill")
+
+AUX_BYTES = 64  # the "extra state" written after the last KV chunk (first token, lengths)
+DEFAULT_TIMEOUT = 600.0
+
+
+class Faults:
+    """Fault-injection points (the demo and the tests override them); defaults inject
+    nothing."""
+
+    def fail_send(self, rid: int, seq: int, aux: bool) -> bool:
+        """True: treat the write of chunk ``seq`` (or the AUX write) as refused."""
+        return False
+
+    def stall(self, rid: int, seq: int) -> bool:
+        """True: do not schedule chunk ``seq`` of ``rid`` now (slow request)."""
+        return False
+
+    def during_forward(self, side: "PrefillSide", batch: list) -> None:
+        """Called while the batch's forward runs (aborts land here)."""
+
+
+@dataclass
+class PrefillRequest:
+    rid: int
+    room: int
+    tokens: int
+    state: KVPoll = KVPoll.Bootstrapping
+    t_created: float = 0.0
+    t_bootstrapped: float | None = None
+    done_tokens: int = 0  # tokens whose KV the forward produced
+    last_slot: int = -1  # token slot of the last produced token
+    sent_pages: int = 0  # pages packed and posted
+    seq: int = 0  # chunks posted
+    landing_off: int = -1
+    landing_nbytes: int = 0
+    remote: object = None  # RemoteMemory of the decode's landing buffer
+    handles: list = field(default_factory=list)  # (TransferHandle, staging offset)
+    pending: list = field(default_factory=list)  # chunks packed-to-be: (first, last, final)
+    in_batch: bool = False
+    abort_pending: Reason | None = None
+    ending: Reason | None = None  # set when the request ends early; writes still draining
+    final_posted: bool = False
+    result: Reason | None = None
+    t_abort: float | None = None
+
+
+class PrefillSide:
+    """One prefill worker: a pool, its allocator, a transfer engine, one decode peer."""
+
+    def __init__(self, pool, allocator, engine, synth, *, decode_peer: str,
+                 chunk_tokens: int = 256, max_batch_tokens: int = 2048,
+                 staging_bytes: int | None = None,
+                 bootstrap_timeout: float = DEFAULT_TIMEOUT,
+                 transfer_timeout: float = DEFAULT_TIMEOUT, clock=now,
+                 faults: Faults | None = None, on_finish=None):
+        spec = pool.spec
+        if chunk_tokens <= 0 or chunk_tokens % spec.page_size:
+            raise ValueError(f"chunk_tokens must be a positive multiple of page_size "
+                             f"{spec.page_size}, got {chunk_tokens}")
+        self.pool, self.alloc, self.engine, self.synth = pool, allocator, engine, synth
+        self.spec = spec
+        self.decode_peer = decode_peer
+        self.chunk_tokens = chunk_tokens
+        self.max_batch_tokens = max(max_batch_tokens, chunk_tokens)
+        self.bootstrap_timeout = bootstrap_timeout
+        self.transfer_timeout = transfer_timeout
+        self.clock = clock
+        self.faults = faults or Faults()
+        self.on_finish = on_finish
+        self.ledger = Ledger(allocator)
+        self.metrics = Metrics("prefill")
+        chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
+        staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
+        self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=pool.device)
+        self.arena = Arena(staging_bytes)
+        if self.arena.size < chunk_max + AUX_BYTES:
+            raise ValueError(f"staging_bytes {staging_bytes} cannot hold one chunk ({chunk_max} bytes)")
+        engine.register("staging", [(self.staging.data_ptr(), self.arena.size)], 0, pool.device)
+        engine.register_pool(pool, "kv")
+        self.reqs: dict[int, PrefillRequest] = {}  # active (not finished)
+        self.finished: dict[int, Reason] = {}
+        self._rooms: set[int] = set()
+        self._order: list[int] = []  # scheduling order (FIFO)
+        self.paused = False
+        self._pausing_since: float | None = None
+        self.peer_paused = False
+        self._peer_pause_epoch: int | None = None
+        self._held_boots: list[dict] = []
+
+    # --- the caller's API ------------------------------------------------------------------
+    def add_request(self, rid: int, tokens: int, room: int | None = None) -> None:
+        """A new request of ``tokens`` prompt tokens; tells the decode side (``REQ``)."""
+        room = rid if room is None else room
+        if isinstance(rid, bool) or not isinstance(rid, int) or rid < 0:
+            raise ProtocolError(f"add_request: rid must be an int >= 0, got {rid!r}")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+            raise ProtocolError(f"add_request: request {rid}: tokens must be an int > 0, got {tokens!r}")
+        if tokens > self.synth.max_tokens:
+            raise ProtocolError(f"add_request: request {rid}: {tokens} tokens > the "
+                                f"{self.synth.max_tokens}-token maximum")
+        if rid in self.reqs or rid in self.finished:
+            raise ProtocolError(f"add_request: request id {rid} is in use")
+        if room in self._rooms:
+            raise ProtocolError(f"add_request: request {rid}: bootstrap room {room} is in use")
+        req = PrefillRequest(rid, room, tokens, t_created=self.clock())
+        self.reqs[rid] = req
+        self._rooms.add(room)
+        self.ledger.hold(rid, torch.empty(0, dtype=torch.int64, device=self.alloc.device))
+        self.engine.send_notif(self.decode_peer, encode("REQ", rid=rid, room=room, tokens=tokens))
+
+    def abort(self, rid: int, status: int = CLIENT_CLOSED, message: str | None = None) -> None:
+        """Abort ``rid`` from any state; aborting a finished request does nothing."""
+        req = self.reqs.get(rid)
+        if req is None:
+            if rid in self.finished:
+                return
+            raise ProtocolError(f"abort: unknown request id {rid!r}")
+        if req.ending is not None or req.result is not None:
+            return
+        reason = Reason(status, message or f"request {rid} (room {req.room}) aborted by the client")
+        if req.in_batch:  # consumed by fill_batch of this step
+            if req.abort_pending is None:
+                req.abort_pending = reason
+                req.t_abort = self.clock()
+            return
+        self._end(req, reason)
+
+    def state(self, rid: int) -> KVPoll:
+        if rid in self.reqs:
+            r = self.reqs[rid]
+            return KVPoll.Failed if r.ending is not None else r.state
+        if rid in self.finished:
+            return KVPoll.Success if self.finished[rid].status == OK else KVPoll.Failed
+        raise ProtocolError(f"state: unknown request id {rid!r}")
+
+    @property
+    def idle(self) -> bool:
+        return not self.reqs
+
+    # --- one scheduler iteration -------------------------------------------------------------
+    def step(self) -> None:
+        self._handle_notifs()
+        self._poll_writes()
+        self._check_timeouts()
+        if self._pausing_since is not None:
+            self._advance_pause()
+            return
+        if self.paused:
+            return
+        self._flush_pending()
+        batch = self._schedule()
+        if batch:
+            for req, *_ in batch:
+                req.in_batch = True
+            self._forward(batch)
+            self.faults.during_forward(self, batch)
+            self.fill_batch(batch)
+
+    def _schedule(self) -> list:
+        """Pick chunks of WaitingForInput/Transferring requests and allocate their pages
+        with one alloc_extend (sglang semantics).  Returns [(req, first_page, last_page)]."""
+        if self.peer_paused:
+            return []
+        ps = self.spec.page_size
+        picked, budget, need_pages = [], self.max_batch_tokens, 0
+        for rid in self._order:
+            req = self.reqs.get(rid)
+            if (req is None or req.ending is not None or req.state == KVPoll.Bootstrapping
+                    or req.done_tokens >= req.tokens or req.pending):
+                continue
+            if self.faults.stall(rid, req.seq):
+                continue
+            n = min(self.chunk_tokens, req.tokens - req.done_tokens, budget)
+            if n < req.tokens - req.done_tokens:
+                n -= n % ps
+            if n <= 0:
+                break
+            pages = -(-(req.done_tokens + n) // ps) - (-(-req.done_tokens // ps))
+            if need_pages + pages > self.alloc.num_free:
+                break  # memory pressure: the rest waits for frees
+            picked.append((req, n))
+            need_pages += pages
+            budget -= n
+        if not picked:
+            return []
+        pre = torch.tensor([r.done_tokens for r, _ in picked], dtype=torch.int64)
+        seq = pre + torch.tensor([n for _, n in picked], dtype=torch.int64)
+        last = torch.tensor([r.last_slot for r, _ in picked], dtype=torch.int64)
+        dev = self.alloc.device
+        slots = self.alloc.alloc_extend(pre.to(dev), seq.to(dev), last.to(dev),
+                                        prefix_lens_cpu=pre, seq_lens_cpu=seq,
+                                        extend_num_tokens=int((seq - pre).sum()))
+        batch, off = [], 0
+        for req, n in picked:
+            s = slots[off:off + n]
+            off += n
+            first = req.done_tokens // ps
+            new = s[(ps - req.done_tokens % ps) % ps::ps] // ps  # pages that start here
+            self.ledger.hold(req.rid, new)
+            req.done_tokens += n
+            req.last_slot = int(s[-1])
+            batch.append((req, first, -(-req.done_tokens // ps)))
+        return batch
+
+    def _forward(self, batch) -> None:
+        """Stand-in for the model: the chunk's KV, deterministic per request."""
+        for req, first, last in batch:
+            pages = self.ledger.pages(req.rid)[first:last]
+            kvmem.unpack_pages(self.synth.chunk(req.rid, first, last), self.pool, pages)
+
+    def fill_batch(self, batch) -> None:
+        """After the forward: for each request, consume a pending abort first (free its
+        pages, tell the client and the decode side, expose no KV); else queue its finished
+        chunk for packing and sending."""
+        for req, first, last in batch:
+            req.in_batch = False
+            if req.abort_pending is not None:
+                reason, req.abort_pending = req.abort_pending, None
+                self._end(req, reason)
+                self.metrics.time_to_free.append(self.clock() - req.t_abort)
+                continue
+            req.pending.append((first, last, req.done_tokens >= req.tokens))
+        self._flush_pending()
+
+    # --- sending ----------------------------------------------------------------------------
+    def _flush_pending(self) -> None:
+        for rid in list(self._order):
+            req = self.reqs.get(rid)
+            while req is not None and req.pending and req.ending is None and not self.peer_paused:
+                if not self._send_chunk(req, *req.pending[0]):
+                    return  # staging full: retry next step, in order
+                if req.pending and req.ending is None:
+                    req.pending.pop(0)
+
+    def _send_chunk(self, req: PrefillRequest, first: int, last: int, final: bool) -> bool:
+        spec = self.spec
+        nbytes = kvmem.packed_nbytes(spec, last - first)
+        try:
+            off = self.arena.alloc(nbytes)
+        except ArenaFullError:
+            return False
+        kvmem.pack_pages(self.pool, self.ledger.pages(req.rid)[first:last],
+                         out=self.staging[off:off + nbytes])
+        self.metrics.bytes_packed += nbytes
+        if final:  # the packed copies are what is sent: the pages are free to go
+            self.ledger.release(req.rid, "sent")
+        chunk_off = kvmem.packed_nbytes(spec, first)
+        notif = encode("CHUNK", rid=req.rid, first=first, last=last, off=chunk_off,
+                       nbytes=nbytes, final=final)
+        if not self._post(req, off, nbytes, req.landing_off + chunk_off, notif, aux=False):
+            return True
+        if req.state == KVPoll.WaitingForInput:
+            req.state = KVPoll.Transferring
+        req.sent_pages = last
+        if final:
+            self._send_aux(req)
+        return True
+
+    def _send_aux(self, req: PrefillRequest) -> None:
+        """The last write carries the request's extra state (first output token, lengths)."""
+        try:
+            off = self.arena.alloc(AUX_BYTES)
+        except ArenaFullError:  # never: sized with room for AUX slots; fail loudly
+            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: no staging for its extra state"))
+            return
+        aux = torch.zeros(AUX_BYTES, dtype=torch.uint8)
+        aux[:16].view(torch.int64).copy_(torch.tensor([req.rid, req.tokens]))
+        self.staging[off:off + AUX_BYTES].copy_(aux)
+        aux_off = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size))
+        notif = encode("AUX", rid=req.rid, off=aux_off, nbytes=AUX_BYTES)
+        if self._post(req, off, AUX_BYTES, req.landing_off + aux_off, notif, aux=True):
+            req.final_posted = True
+
+    def _post(self, req, staging_off, nbytes, remote_off, notif, *, aux: bool) -> bool:
+        """Post one write from staging to the request's landing region; on failure free the
+        slot and end the request (500, or 503 when the decode's memory moved on)."""
+        seq = req.seq
+        req.seq += 1
+        local = [(self.staging.data_ptr() + staging_off, nbytes)]
+        base = req.remote.regions[0][0]
+        what = "extra-state (last) chunk" if aux else f"chunk {seq}"
+        try:
+            if self.faults.fail_send(req.rid, seq, aux):
+                raise TransferError(f"injected send failure of {what}")
+            h = self.engine.post_write(local, req.remote, [(base + remote_off, nbytes)], notif)
+        except StaleEpochError as e:
+            self.arena.free(staging_off)
+            self._end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: the decode side "
+                                  f"released its KV memory (epoch moved on): {e}"))
+            return False
+        except TransferError as e:
+            self.arena.free(staging_off)
+            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of {what} failed: {e}"))
+            return False
+        req.handles.append((h, staging_off))
+        return True
+
+    def _poll_writes(self) -> None:
+        """Poll every posted write (this is also what sends its notification): DONE and
+        ERR writes give their staging slot back; an ERR ends its request (500)."""
+        for req in list(self.reqs.values()):
+            if not req.handles:
+                continue
+            keep, failed = [], None
+            for h, off in req.handles:
+                st = self.engine.poll(h)
+                if st == "PROC":
+                    keep.append((h, off))
+                    continue
+                self.engine.release(h)
+                self.arena.free(off)
+                if st == "DONE":
+                    self.metrics.bytes_sent += h.nbytes
+                elif failed is None:
+                    failed = h
+            req.handles = keep
+            if failed is not None and req.ending is None:
+                self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: write of "
+                                                      f"{failed.nbytes} bytes failed: {failed.error}"))
+            else:
+                self._maybe_finish(req)
+        self._maybe_ack_peer_pause()
+
+    def _maybe_finish(self, req: PrefillRequest) -> None:
+        if req.handles:
+            return
+        if req.ending is not None:
+            self._finish(req, req.ending, tell_decode=True)
+        elif req.final_posted:
+            req.state = KVPoll.Success
+            self._finish(req, Reason(OK, f"request {req.rid}: KV delivered"), tell_decode=False)
+
+    # --- ending -------------------------------------------------------------------------------
+    def _end(self, req: PrefillRequest, reason: Reason) -> None:
+        """End ``req`` early: its pages are freed now; once no write of it is in flight the
+        decode side is told (ABORT) and the client gets ``reason``."""
+        if req.ending is not None or req.result is not None:
+            return
+        req.ending = reason
+        req.pending.clear()
+        if self.ledger.holds(req.rid):
+            self.ledger.release(req.rid, f"ended:{reason.status}")
+        self._maybe_finish(req)
+
+    def _finish(self, req: PrefillRequest, reason: Reason, *, tell_decode: bool) -> None:
+        if tell_decode:
+            self.engine.send_notif(self.decode_peer, encode(
+                "ABORT", rid=req.rid, status=reason.status, reason=reason.message))
+            req.state = KVPoll.Failed
+        req.result = reason
+        del self.reqs[req.rid]
+        if req.rid in self._order:
+            self._order.remove(req.rid)
+        self._rooms.discard(req.room)
+        self.finished[req.rid] = reason
+        self.metrics.requests[reason.outcome.value] += 1
+        if self.on_finish is not None:
+            self.on_finish(req.rid, reason)
+
+    def _check_timeouts(self) -> None:
+        t = self.clock()
+        for req in list(self.reqs.values()):
+            if req.ending is not None:
+                continue
+            if req.state == KVPoll.Bootstrapping and t - req.t_created > self.bootstrap_timeout:
+                self._end(req, Reason(GATEWAY_TIMEOUT, (
+                    f"prefill bootstrap timeout (> {self.bootstrap_timeout:g} s) for request "
+                    f"{req.rid} (room {req.room})")))
+            elif (req.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
+                  and t - req.t_bootstrapped > self.transfer_timeout):
+                self._end(req, Reason(GATEWAY_TIMEOUT, (
+                    f"prefill transfer timeout (> {self.transfer_timeout:g} s) in "
+                    f"{req.state.name} for request {req.rid} (room {req.room})")))
+
+    # --- control messages ---------------------------------------------------------------------
+    def _handle_notifs(self) -> None:
+        for peer, msgs in self.engine.get_notifs().items():
+            for raw in msgs:
+                try:
+                    self.handle_message(peer, decode(raw))
+                except ProtocolError as e:
+                    self.metrics.protocol_errors += 1
+                    log.warning("prefill: refused a message from %s: %s", peer, e)
+        if self._held_boots and not self.peer_paused:
+            held, self._held_boots = self._held_boots, []
+            for msg in held:
+                try:
+                    self.handle_message(self.decode_peer, msg)
+                except ProtocolError as e:
+                    self.metrics.protocol_errors += 1
+                    log.warning("prefill: refused a held BOOT: %s", e)
+
+    def handle_message(self, peer: str, msg: dict) -> None:
+        t = msg["t"]
+        if peer != self.decode_peer:
+            raise ProtocolError(f"{t} from unknown peer {peer!r}")
+        if t == "BOOT":
+            self._on_boot(msg)
+        elif t == "ABORT_REQ":
+            req = self.reqs.get(msg["rid"])
+            if req is None:
+                if msg["rid"] not in self.finished:
+                    raise ProtocolError(f"ABORT_REQ for unknown request {msg['rid']}")
+                # finished here already: nothing in flight; say so, so decode can free
+                fin = self.finished[msg["rid"]]
+                self.engine.send_notif(self.decode_peer, encode(
+                    "ABORT", rid=msg["rid"], status=fin.status, reason=fin.message))
+                return
+            self.abort(req.rid, msg["status"], f"decode side: {msg['reason']}")
+        elif t == "PAUSING":
+            self.peer_paused = True
+            self._peer_pause_epoch = msg["epoch"]
+            for req in list(self.reqs.values()):
+                if req.state != KVPoll.Bootstrapping or req.remote is not None:
+                    self._end(req, Reason(SERVICE_UNAVAILABLE, (
+                        f"request {req.rid} aborted: the decode side is pausing to release "
+                        "its KV memory")))
+            self._maybe_ack_peer_pause()
+        elif t == "META":
+            self.engine.add_peer(base64.b64decode(msg["md"]))
+            try:
+                landing = self.engine.remote(self.decode_peer, "landing")
+            except KeyError:
+                landing = None
+            if landing is not None and landing.live and self._peer_pause_epoch is None:
+                self.peer_paused = False
+        else:
+            raise ProtocolError(f"unexpected message {t} on the prefill side")
+
+    def _maybe_ack_peer_pause(self) -> None:
+        if self._peer_pause_epoch is None:
+            return
+        if any(req.handles for req in self.reqs.values()):
+            return  # writes into the decode still in flight: ack once drained
+        self.engine.send_notif(self.decode_peer, encode("PAUSE_ACK", epoch=self._peer_pause_epoch))
+        self._peer_pause_epoch = None
+
+    def _on_boot(self, msg: dict) -> None:
+        req = self.reqs.get(msg["rid"])
+        if req is None:
+            if msg["rid"] in self.finished:
+                return  # ended meanwhile; our ABORT tells the decode side
+            raise ProtocolError(f"BOOT for unknown request {msg['rid']}")
+        if msg["room"] != req.room:
+            raise ProtocolError(f"BOOT for request {req.rid}: room {msg['room']} != {req.room}")
+        if req.state != KVPoll.Bootstrapping or req.ending is not None:
+            raise ProtocolError(f"BOOT for request {req.rid} in state {req.state.name}")
+        if self.peer_paused:
+            self._held_boots.append(msg)
+            return
+        try:
+            remote = self.engine.remote(self.decode_peer, "landing")
+        except KeyError:
+            raise ProtocolError(f"BOOT for request {req.rid}: the decode's landing buffer "
+                                "is not known here") from None
+        if remote.epoch < msg["epoch"]:
+            self._held_boots.append(msg)  # its META is on the way
+            return
+        if remote.epoch > msg["epoch"] or not remote.live:
+            raise ProtocolError(f"BOOT for request {req.rid} names landing epoch "
+                                f"{msg['epoch']}, newest known is {remote.epoch}")
+        need = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size)) + AUX_BYTES
+        size = sum(n for _, n in remote.regions)
+        if msg["nbytes"] < need or msg["off"] < 0 or msg["off"] + msg["nbytes"] > size:
+            raise ProtocolError(f"BOOT for request {req.rid}: landing region [{msg['off']}, "
+                                f"+{msg['nbytes']}) does not hold {need} bytes within {size}")
+        req.remote = remote
+        req.landing_off, req.landing_nbytes = msg["off"], msg["nbytes"]
+        req.state = KVPoll.WaitingForInput
+        req.t_bootstrapped = self.clock()
+        self._order.append(req.rid)
+
+    # --- pause / resume -----------------------------------------------------------------------
+    def begin_pause(self) -> None:
+        """Stop posting; ``step`` then drains, aborts (503), resets, deregisters and
+        releases.  :attr:`paused` is True once the memory is released."""
+        if self.paused or self._pausing_since is not None:
+            return
+        self._pausing_since = self.clock()
+        self.metrics.pauses += 1
+
+    def _advance_pause(self) -> None:
+        if any(req.handles for req in self.reqs.values()):
+            return  # step() polls them to DONE/ERR
+        for req in list(self.reqs.values()):
+            self._end(req, Reason(SERVICE_UNAVAILABLE, (
+                f"request {req.rid} (room {req.room}) aborted: prefill paused to release "
+                "its KV memory")))
+        audit = self.ledger.audit()
+        if audit["leaked"] or audit["unaccounted"]:
+            raise AssertionError(f"prefill pause: pages still held after aborting every "
+                                 f"request: {audit}")
+        self.alloc.reset()
+        self.engine.deregister("kv")
+        self.pool.release()
+        self.paused = True
+        self._pause_t0, self._pausing_since = self._pausing_since, None
+
+    def resume(self) -> None:
+        if not self.paused:
+            return
+        self.pool.resume()
+        self.engine.register_pool(self.pool, "kv")
+        self.engine.send_notif(self.decode_peer, encode(
+            "META", md=base64.b64encode(self.engine.local_metadata()).decode()))
+        self.paused = False
+        self.metrics.pause_seconds += self.clock() - self._pause_t0
+
+    def close(self) -> None:
+        """Deregister what this side registered (the engine stays the caller's)."""
+        for key in ("kv", "staging"):
+            if key in self.engine.registrations():
+                self.engine.deregister(key)
+
+    def audit(self) -> dict:
+        return self.ledger.audit()

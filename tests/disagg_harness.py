@@ -1,0 +1,120 @@
+"""A prefill side and a decode side in one process, over two real NIXL agents (UCX), with
+a clock the test advances (timeouts), and fault hooks the test sets per request."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+import kvmem
+from kvmem.disagg.decode import DecodeFaults, DecodeSide
+from kvmem.disagg.prefill import Faults, PrefillSide
+from kvmem.disagg.synth import Synth
+from kvmem.transfer.nixl import NixlEngine
+
+SPEC = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+@dataclass
+class TestFaults(Faults, DecodeFaults):
+    """Faults chosen per request id by the test."""
+
+    withhold: set = field(default_factory=set)
+    stall_at: dict = field(default_factory=dict)  # rid -> chunk seq not scheduled
+    fail_at: dict = field(default_factory=dict)  # rid -> chunk seq (or "aux") refused
+    abort_in_batch: set = field(default_factory=set)
+
+    def withhold_boot(self, rid):
+        return rid in self.withhold
+
+    def stall(self, rid, seq):
+        return self.stall_at.get(rid) == seq
+
+    def fail_send(self, rid, seq, aux):
+        want = self.fail_at.get(rid)
+        return want == "aux" if aux else want == seq
+
+    def during_forward(self, side, batch):
+        for req, *_ in batch:
+            if req.rid in self.abort_in_batch:
+                side.abort(req.rid)
+
+
+_ids = itertools.count()
+
+
+class Pair:
+    """Both sides, wired: metadata exchanged, ready to step."""
+
+    def __init__(self, *, num_pages: int = 97, chunk_tokens: int = 64, max_tokens: int = 512,
+                 bootstrap_timeout: float = 30.0, transfer_timeout: float = 30.0,
+                 decode_timeout: float = 60.0, staging_chunks: int = 8):
+        tag = f"{uuid.uuid4().hex[:8]}-{next(_ids)}"
+        self.clock = Clock()
+        self.faults = TestFaults()
+        self.synth = Synth(SPEC, max_tokens)
+        self.pe = NixlEngine(f"prefill-{tag}", progress_thread=False)
+        self.de = NixlEngine(f"decode-{tag}", progress_thread=False)
+        self.finished: dict[int, kvmem.disagg.Reason] = {}
+        self.decode = DecodeSide(
+            kvmem.KVPool(SPEC, num_pages), kvmem.PageAllocator(num_pages, SPEC.page_size),
+            self.de, self.synth, prefill_peer=self.pe.name,
+            landing_bytes=kvmem.packed_nbytes(SPEC, num_pages) + 64 * 1024,
+            timeout=decode_timeout, clock=self.clock, faults=self.faults)
+        chunk_bytes = kvmem.packed_nbytes(SPEC, chunk_tokens // SPEC.page_size)
+        self.prefill = PrefillSide(
+            kvmem.KVPool(SPEC, num_pages), kvmem.PageAllocator(num_pages, SPEC.page_size),
+            self.pe, self.synth, decode_peer=self.de.name, chunk_tokens=chunk_tokens,
+            staging_bytes=staging_chunks * chunk_bytes + 64 * 64,
+            bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
+            clock=self.clock, faults=self.faults,
+            on_finish=lambda rid, reason: self.finished.__setitem__(rid, reason))
+        self.pe.add_peer(self.de.local_metadata())
+        self.de.add_peer(self.pe.local_metadata())
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.prefill.step()
+            self.decode.step()
+
+    def run_until(self, cond, max_steps: int = 500) -> None:
+        for _ in range(max_steps):
+            if cond():
+                return
+            self.step()
+        raise AssertionError(f"condition not reached in {max_steps} steps: "
+                             f"prefill {self.prefill.reqs.keys()} decode {self.decode.reqs.keys()}")
+
+    def run_idle(self, max_steps: int = 500) -> None:
+        self.run_until(lambda: self.prefill.idle and self.decode.idle, max_steps)
+        self.step(2)
+
+    def assert_clean(self) -> None:
+        for side in (self.prefill, self.decode):
+            audit = side.audit()
+            assert audit == {"leaked": {}, "quarantined": {}, "unaccounted": []}, audit
+            side.alloc.check_invariants()
+            assert side.alloc.num_allocated == 0
+        assert self.decode.metrics.bytes_corrupt == 0
+        assert self.prefill.arena.used_bytes == 0 and self.decode.arena.used_bytes == 0
+        assert self.pe.open_handles() == 0
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+        self.pe.close()
+        self.de.close()
