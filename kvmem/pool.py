@@ -94,7 +94,8 @@ class KVPool:
 
     def as_cupy(self):
         """The same K/V buffers as CuPy arrays (zero-copy; CUDA pools only):
-        ``(k_list, v_list)``."""
+        ``(k_list, v_list)``.  CuPy has no bfloat16: bf16 buffers come as int16 arrays of
+        the same bits."""
         self.check_live("pool.as_cupy")
         if self.device.type != "cuda":
             raise ValueError(f"as_cupy needs a CUDA pool, this one is on {self.device}")
@@ -102,9 +103,11 @@ class KVPool:
             import cupy
         except ImportError as e:
             raise ImportError("as_cupy needs CuPy (pip install cupy-cuda12x / cupy-cuda13x)") from e
+        def view(b):
+            return cupy.asarray(b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+
         with cupy.cuda.Device(self.device.index):
-            return ([cupy.asarray(b) for b in self._k_buffer],
-                    [cupy.asarray(b) for b in self._v_buffer])
+            return [view(b) for b in self._k_buffer], [view(b) for b in self._v_buffer]
 
     # --- memory -------------------------------------------------------------------------
     @property
