@@ -74,13 +74,6 @@ def test_pack_index_select_cat(benchmark, setup, report):
     report.add(f"pack P{setup['ps']}", "per-layer index_select + cat", benchmark, setup["nbytes"])
 
 
-def test_pack_plain_copy(benchmark, setup, report):
-    out, src = setup["out"], setup["src"]
-    _run(benchmark, lambda: out.copy_(src), DEV)
-    report.add(f"pack P{setup['ps']}", "plain copy_ of the same bytes (ceiling)", benchmark,
-               setup["nbytes"])
-
-
 def test_unpack_kvmem(benchmark, setup, report):
     pool, ids = setup["pool"], setup["ids"]
     buf = kvmem.pack_pages(pool, ids)
@@ -103,8 +96,10 @@ def test_unpack_index_copy(benchmark, setup, report):
     report.add(f"unpack P{setup['ps']}", "per-layer index_copy_", benchmark, setup["nbytes"])
 
 
-def test_unpack_plain_copy(benchmark, setup, report):
+@pytest.mark.parametrize("direction", ["pack", "unpack"])
+def test_plain_copy(benchmark, setup, report, direction):
+    """The ceiling, in each direction's group: a copy_ of the chunk's bytes."""
     out, src = setup["out"], setup["src"]
-    _run(benchmark, lambda: src.copy_(out), DEV)
-    report.add(f"unpack P{setup['ps']}", "plain copy_ of the same bytes (ceiling)", benchmark,
-               setup["nbytes"])
+    _run(benchmark, lambda: out.copy_(src), DEV)
+    report.add(f"{direction} P{setup['ps']}", "plain copy_ of the same bytes (ceiling)",
+               benchmark, setup["nbytes"])

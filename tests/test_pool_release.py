@@ -7,17 +7,10 @@ import torch
 
 import kvmem
 from tests.kv_cases import fill_random
+from tests.util import vm_rss
 
 SPEC = kvmem.KVSpec(num_layers=4, num_kv_heads=4, head_dim=128, page_size=16, dtype=torch.bfloat16)
 PAGES = 513  # 4 layers x 2 x 513 pages x 16 KiB = 64 MiB
-
-
-def vm_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 @pytest.fixture

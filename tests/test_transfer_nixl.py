@@ -24,6 +24,7 @@ from kvmem.transfer import (
     EngineClosedError, MetadataError, NixlEngine, StaleEpochError, TransferInFlightError,
 )
 from kvmem.transfer.base import decode_metadata, encode_metadata
+from tests.util import vm_rss
 
 SENTINEL = 0x5A
 _ids = itertools.count()
@@ -87,14 +88,6 @@ def wait_notif(eng: NixlEngine, sender: NixlEngine, msg: bytes,
         time.sleep(0.001)
     raise AssertionError(f"notification {msg!r} from {peer!r} did not arrive in {timeout}s "
                          f"(got {got})")
-
-
-def vm_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 @pytest.fixture

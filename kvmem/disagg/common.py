@@ -3,6 +3,7 @@ the page ledger (who holds which page) and the counters."""
 
 from __future__ import annotations
 
+import base64
 import enum
 import json
 import time
@@ -81,6 +82,24 @@ _FIELDS = {
     "PAUSE_ACK": {"epoch": int},
     "META": {"md": str},
 }
+
+
+def receive(engine, handle, metrics: "Metrics", log) -> None:
+    """Hand every notification waiting at ``engine`` to ``handle(peer, msg)``; a message
+    that is not one, or that ``handle`` refuses (ProtocolError), is counted and logged,
+    never fatal."""
+    for peer, msgs in engine.get_notifs().items():
+        for raw in msgs:
+            try:
+                handle(peer, decode(raw))
+            except ProtocolError as e:
+                metrics.protocol_errors += 1
+                log.warning("%s: refused a message from %s: %s", metrics.side, peer, e)
+
+
+def meta_message(engine) -> bytes:
+    """``META`` with this engine's current metadata (new epochs, tombstones)."""
+    return encode("META", md=base64.b64encode(engine.local_metadata()).decode())
 
 
 def encode(t: str, **fields) -> bytes:

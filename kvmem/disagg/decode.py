@@ -47,7 +47,7 @@ import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, Ledger, Metrics, ProtocolError,
-    Reason, decode, encode, now,
+    Reason, encode, meta_message, now, receive,
 )
 from kvmem.disagg.prefill import AUX_BYTES, DEFAULT_TIMEOUT
 from kvmem.memory import make_backend
@@ -109,18 +109,11 @@ class DecodeSide:
                              self.pool.device)
 
     def publish_metadata(self) -> None:
-        self.engine.send_notif(self.prefill_peer, encode(
-            "META", md=base64.b64encode(self.engine.local_metadata()).decode()))
+        self.engine.send_notif(self.prefill_peer, meta_message(self.engine))
 
     # --- one iteration -----------------------------------------------------------------------
     def step(self) -> None:
-        for peer, msgs in self.engine.get_notifs().items():
-            for raw in msgs:
-                try:
-                    self.handle_message(peer, decode(raw))
-                except ProtocolError as e:
-                    self.metrics.protocol_errors += 1
-                    log.warning("decode: refused a message from %s: %s", peer, e)
+        receive(self.engine, self.handle_message, self.metrics, log)
         if not self.pausing and not self.paused:
             for req in list(self.reqs.values()):
                 if req.state == "waiting":

@@ -58,7 +58,7 @@ import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Ledger,
-    Metrics, ProtocolError, Reason, decode, encode, now,
+    Metrics, ProtocolError, Reason, encode, meta_message, now, receive,
 )
 from kvmem.errors import OutOfPagesError
 from kvmem.transfer.base import StaleEpochError, TransferError
@@ -440,13 +440,7 @@ class PrefillSide:
 
     # --- control messages ---------------------------------------------------------------------
     def _handle_notifs(self) -> None:
-        for peer, msgs in self.engine.get_notifs().items():
-            for raw in msgs:
-                try:
-                    self.handle_message(peer, decode(raw))
-                except ProtocolError as e:
-                    self.metrics.protocol_errors += 1
-                    log.warning("prefill: refused a message from %s: %s", peer, e)
+        receive(self.engine, self.handle_message, self.metrics, log)
         if self._held_boots and not self.peer_paused:
             held, self._held_boots = self._held_boots, []
             for msg in held:
@@ -567,8 +561,7 @@ class PrefillSide:
             return
         self.pool.resume()
         self.engine.register_pool(self.pool, "kv")
-        self.engine.send_notif(self.decode_peer, encode(
-            "META", md=base64.b64encode(self.engine.local_metadata()).decode()))
+        self.engine.send_notif(self.decode_peer, meta_message(self.engine))
         self.paused = False
         self.metrics.pause_seconds += self.clock() - self._pause_t0
 
