@@ -516,9 +516,14 @@ class PrefillSide:
         if remote.epoch < msg["epoch"]:
             self._held_boots.append(msg)  # its META is on the way
             return
-        if remote.epoch > msg["epoch"] or not remote.live:
-            raise ProtocolError(f"BOOT for request {req.rid} names landing epoch "
-                                f"{msg['epoch']}, newest known is {remote.epoch}")
+        if not remote.live:
+            raise ProtocolError(f"BOOT for request {req.rid}: the decode's landing buffer is "
+                                "closed (it is pausing)")
+        if remote.epoch > msg["epoch"]:
+            # Booted before the decode paused (which freed that region): ask again.
+            self.engine.send_notif(self.decode_peer, encode(
+                "REQ", rid=req.rid, room=req.room, tokens=req.tokens))
+            return
         need = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size)) + AUX_BYTES
         size = sum(n for _, n in remote.regions)
         if msg["nbytes"] < need or msg["off"] < 0 or msg["off"] + msg["nbytes"] > size:
