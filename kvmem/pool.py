@@ -132,6 +132,11 @@ class KVPool:
         host, mapped bytes on CUDA)."""
         return self._mem.resident_bytes()
 
+    def prefault(self) -> None:
+        """Back every page now instead of at first touch (host pools; a no-op on CUDA)."""
+        self.check_live("pool.prefault")
+        self._mem.prefault()
+
     @property
     def can_release(self) -> bool:
         return self._mem.can_release

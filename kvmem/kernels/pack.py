@@ -479,6 +479,7 @@ def _torch_copy(plan: _Plan, k_buffers, v_buffers, page_ids: torch.Tensor,
     if n == 0:
         return
     ids = page_ids.to(torch.int64)
+    ids_np = None if pack else ids.numpy()
     h0, h1 = plan.heads
     off = 0
     for bufs in ((k_buffers, v_buffers) if plan.has_v else (k_buffers,)):
@@ -495,8 +496,9 @@ def _torch_copy(plan: _Plan, k_buffers, v_buffers, page_ids: torch.Tensor,
             dst = chunk[off:off + nbytes].view(word).view((n,) + tuple(sel_w.shape[1:]))
             if pack:
                 torch.index_select(sel_w, 0, ids, out=dst)
-            else:  # index_put_: 1.3-1.5x index_copy_'s bandwidth on this CPU (2 cores)
-                sel_w.index_put_((ids,), dst)
+            else:  # NumPy's row assignment copies row by row (memcpy): 31 GB/s vs
+                # index_put_'s 6 GB/s (element by element), 32 rows of 32 KiB, 2-core CPU
+                sel_w.numpy()[ids_np] = dst.numpy()
             off += nbytes
 
 

@@ -39,6 +39,10 @@ class MemoryBackend:
     def resident_bytes(self) -> int:
         return self.nbytes
 
+    def prefault(self) -> None:
+        """Back every page with physical memory now (host mappings fault lazily);
+        device memory is backed when mapped, so the default does nothing."""
+
     def close(self) -> None:
         """Give everything back; the backend is unusable afterwards."""
 
