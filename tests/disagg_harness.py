@@ -114,7 +114,7 @@ class Pair:
         assert self.pe.open_handles() == 0
 
     def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
-        self.pe.close()
-        self.de.close()
+        for side, engine in ((self.prefill, self.pe), (self.decode, self.de)):
+            if not engine.closed:
+                side.close()
+                engine.close()

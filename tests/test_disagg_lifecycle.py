@@ -314,3 +314,25 @@ def test_metrics_exposition(pair):
     line = pair.decode.metrics.log_line(pair.decode.ledger.freed_by_reason)
     assert "succeeded=1" in line and "completed=4" in line
     assert torch.tensor(0).numel() == 1
+
+
+def test_vanished_decode_is_counted_not_fatal(pair):
+    """The decode side goes away: its write in flight fails (500, NIXL reports the remote
+    disconnect), sends to it fail and are counted, the bootstrap timeout ends the request
+    it never answered (504), and every page is freed once."""
+    pair.faults.stall_at[1] = 1
+    pair.prefill.add_request(1, 200)
+    pair.run_until(lambda: pair.prefill.state(1) == KVPoll.Transferring)
+    pair.decode.close()
+    pair.de.close()
+    pair.prefill.add_request(2, 64)
+    for _ in range(3):
+        pair.prefill.step()
+    pair.clock.advance(31)
+    for _ in range(5):
+        pair.prefill.step()
+    assert pair.finished[1].status == 500 and "DISCONNECT" in pair.finished[1].message
+    assert pair.finished[2].status == 504
+    assert pair.prefill.metrics.send_errors >= 1
+    assert pair.prefill.audit() == {"leaked": {}, "quarantined": {}, "unaccounted": []}
+    assert pair.prefill.alloc.num_allocated == 0

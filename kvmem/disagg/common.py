@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmem.errors import KVMemError
+from kvmem.transfer.base import TransferError
 
 
 class KVPoll(enum.IntEnum):
@@ -95,6 +96,19 @@ def receive(engine, handle, metrics: "Metrics", log) -> None:
             except ProtocolError as e:
                 metrics.protocol_errors += 1
                 log.warning("%s: refused a message from %s: %s", metrics.side, peer, e)
+
+
+def tell(engine, peer: str, msg: bytes, metrics: "Metrics", log) -> bool:
+    """Send one control message; a peer that cannot be reached (its process died, its
+    connection broke) is logged and counted, not raised: the timeouts on both sides end
+    what it leaves behind.  Returns whether the message went out."""
+    try:
+        engine.send_notif(peer, msg)
+        return True
+    except TransferError as e:
+        metrics.send_errors += 1
+        log.error("%s: cannot reach %s: %s", metrics.side, peer, e)
+        return False
 
 
 def meta_message(engine) -> bytes:
@@ -209,6 +223,7 @@ class Metrics:
     pauses: int = 0
     pause_seconds: float = 0.0
     protocol_errors: int = 0
+    send_errors: int = 0  # control messages the peer could not be sent
     time_to_free: list = field(default_factory=list)  # seconds, abort in the running batch
 
     def prometheus(self, freed_by_reason: Counter) -> str:
@@ -220,7 +235,7 @@ class Metrics:
         for r, n in sorted(freed_by_reason.items()):
             lines.append(f'{p}_pages_freed_total{{reason="{r}"}} {n}')
         for name in ("bytes_packed", "bytes_sent", "bytes_landed", "bytes_verified",
-                     "bytes_corrupt", "protocol_errors"):
+                     "bytes_corrupt", "protocol_errors", "send_errors"):
             lines.append(f"# TYPE {p}_{name}_total counter")
             lines.append(f"{p}_{name}_total {getattr(self, name)}")
         lines.append(f"# TYPE {p}_pauses_total counter\n{p}_pauses_total {self.pauses}")
@@ -235,7 +250,8 @@ class Metrics:
                 f"bytes packed={self.bytes_packed} sent={self.bytes_sent} "
                 f"landed={self.bytes_landed} verified={self.bytes_verified} "
                 f"corrupt={self.bytes_corrupt}; pauses={self.pauses} "
-                f"({self.pause_seconds:.3f} s); protocol errors={self.protocol_errors}")
+                f"({self.pause_seconds:.3f} s); protocol errors={self.protocol_errors} "
+                f"send errors={self.send_errors}")
 
 
 def now() -> float:

@@ -47,7 +47,7 @@ import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, Ledger, Metrics, ProtocolError,
-    Reason, encode, meta_message, now, receive,
+    Reason, encode, meta_message, now, receive, tell,
 )
 from kvmem.disagg.prefill import AUX_BYTES, DEFAULT_TIMEOUT
 from kvmem.memory import make_backend
@@ -109,7 +109,10 @@ class DecodeSide:
                              self.pool.device)
 
     def publish_metadata(self) -> None:
-        self.engine.send_notif(self.prefill_peer, meta_message(self.engine))
+        self._tell(meta_message(self.engine))
+
+    def _tell(self, msg: bytes) -> bool:
+        return tell(self.engine, self.prefill_peer, msg, self.metrics, log)
 
     # --- one iteration -----------------------------------------------------------------------
     def step(self) -> None:
@@ -173,7 +176,7 @@ class DecodeSide:
         req.landing_off, req.landing_nbytes = off, nbytes
         req.state = "booted"
         req.t_seen = self.clock()
-        self.engine.send_notif(self.prefill_peer, encode(
+        self._tell(encode(
             "BOOT", rid=req.rid, room=req.room, off=off, nbytes=nbytes, epoch=self.pool.epoch))
 
     def _known(self, msg: dict) -> DecodeRequest:
@@ -256,7 +259,7 @@ class DecodeSide:
         if req.state == "quarantined":
             return
         req.reason = Reason(status, message or f"request {rid} aborted on the decode side")
-        self.engine.send_notif(self.prefill_peer, encode(
+        self._tell(encode(
             "ABORT_REQ", rid=rid, status=status, reason=req.reason.message))
         req.state = "quarantined"
         req.t_quarantined = self.clock()
@@ -293,7 +296,7 @@ class DecodeSide:
         self.pausing = True
         self._pause_t0 = self.clock()
         self.metrics.pauses += 1
-        self.engine.send_notif(self.prefill_peer, encode("PAUSING", epoch=self.pool.epoch))
+        self._tell(encode("PAUSING", epoch=self.pool.epoch))
 
     def _finish_pause(self) -> None:
         """The prefill acknowledged: none of its writes into this side is in flight."""
@@ -322,6 +325,11 @@ class DecodeSide:
         self.publish_metadata()
         self.paused = False
         self.metrics.pause_seconds += self.clock() - self._pause_t0
+
+    def prefault(self) -> None:
+        """Back the pool and the landing buffer with memory now, not at first touch."""
+        self.pool.prefault()
+        self._landing_mem.prefault()
 
     @property
     def idle(self) -> bool:

@@ -58,9 +58,9 @@ import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Ledger,
-    Metrics, ProtocolError, Reason, encode, meta_message, now, receive,
+    Metrics, ProtocolError, Reason, encode, meta_message, now, receive, tell,
 )
-from kvmem.errors import OutOfPagesError
+from kvmem.memory import make_backend
 from kvmem.transfer.base import StaleEpochError, TransferError
 
 log = logging.getLogger("kvmem.disagg.prefill")
@@ -105,6 +105,7 @@ class PrefillRequest:
     in_batch: bool = False
     abort_pending: Reason | None = None
     ending: Reason | None = None  # set when the request ends early; writes still draining
+    aux_due: bool = False  # last chunk posted; the AUX write follows once it is DONE
     final_posted: bool = False
     result: Reason | None = None
     t_abort: float | None = None
@@ -137,7 +138,8 @@ class PrefillSide:
         self.metrics = Metrics("prefill")
         chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
-        self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=pool.device)
+        self._staging_mem = make_backend(staging_bytes, pool.device)
+        self.staging = self._staging_mem.tensor
         self.arena = Arena(staging_bytes)
         if self.arena.size < chunk_max + AUX_BYTES:
             raise ValueError(f"staging_bytes {staging_bytes} cannot hold one chunk ({chunk_max} bytes)")
@@ -152,6 +154,9 @@ class PrefillSide:
         self.peer_paused = False
         self._peer_pause_epoch: int | None = None
         self._held_boots: list[dict] = []
+
+    def _tell(self, msg: bytes) -> bool:
+        return tell(self.engine, self.decode_peer, msg, self.metrics, log)
 
     # --- the caller's API ------------------------------------------------------------------
     def add_request(self, rid: int, tokens: int, room: int | None = None) -> None:
@@ -172,7 +177,7 @@ class PrefillSide:
         self.reqs[rid] = req
         self._rooms.add(room)
         self.ledger.hold(rid, torch.empty(0, dtype=torch.int64, device=self.alloc.device))
-        self.engine.send_notif(self.decode_peer, encode("REQ", rid=rid, room=room, tokens=tokens))
+        self._tell(encode("REQ", rid=rid, room=room, tokens=tokens))
 
     def abort(self, rid: int, status: int = CLIENT_CLOSED, message: str | None = None) -> None:
         """Abort ``rid`` from any state; aborting a finished request does nothing."""
@@ -271,8 +276,7 @@ class PrefillSide:
     def _forward(self, batch) -> None:
         """Stand-in for the model: the chunk's KV, deterministic per request."""
         for req, first, last in batch:
-            pages = self.ledger.pages(req.rid)[first:last]
-            kvmem.unpack_pages(self.synth.chunk(req.rid, first, last), self.pool, pages)
+            self.synth.fill(self.pool, req.rid, first, last, self.ledger.pages(req.rid)[first:last])
 
     def fill_batch(self, batch) -> None:
         """After the forward: for each request, consume a pending abort first (free its
@@ -290,9 +294,16 @@ class PrefillSide:
 
     # --- sending ----------------------------------------------------------------------------
     def _flush_pending(self) -> None:
+        # One write of a request in flight at a time.  NIXL sends a write's notification
+        # (CHUNK, AUX) when the write completes: inside post_write for a write that is done
+        # at once, else at the poll that sees it DONE.  So two writes of one request in
+        # flight can announce themselves out of order (seen across two processes: a 64-byte
+        # AUX overtook the 16 MiB chunk before it).  After DONE, the next write's
+        # notification follows on the same endpoint, in order.
         for rid in list(self._order):
             req = self.reqs.get(rid)
-            while req is not None and req.pending and req.ending is None and not self.peer_paused:
+            while (req is not None and req.pending and req.ending is None
+                   and not self.peer_paused and not req.handles):
                 if not self._send_chunk(req, *req.pending[0]):
                     return  # staging full: retry next step, in order
                 if req.pending and req.ending is None:
@@ -318,8 +329,7 @@ class PrefillSide:
         if req.state == KVPoll.WaitingForInput:
             req.state = KVPoll.Transferring
         req.sent_pages = last
-        if final:
-            self._send_aux(req)
+        req.aux_due = final  # posted by _maybe_finish once this write is DONE
         return True
 
     def _send_aux(self, req: PrefillRequest) -> None:
@@ -392,6 +402,9 @@ class PrefillSide:
             return
         if req.ending is not None:
             self._finish(req, req.ending, tell_decode=True)
+        elif req.aux_due:  # the last chunk is DONE: its extra state follows
+            req.aux_due = False
+            self._send_aux(req)
         elif req.final_posted:
             req.state = KVPoll.Success
             self._finish(req, Reason(OK, f"request {req.rid}: KV delivered"), tell_decode=False)
@@ -410,7 +423,7 @@ class PrefillSide:
 
     def _finish(self, req: PrefillRequest, reason: Reason, *, tell_decode: bool) -> None:
         if tell_decode:
-            self.engine.send_notif(self.decode_peer, encode(
+            self._tell(encode(
                 "ABORT", rid=req.rid, status=reason.status, reason=reason.message))
             req.state = KVPoll.Failed
         req.result = reason
@@ -463,7 +476,7 @@ class PrefillSide:
                     raise ProtocolError(f"ABORT_REQ for unknown request {msg['rid']}")
                 # finished here already: nothing in flight; say so, so decode can free
                 fin = self.finished[msg["rid"]]
-                self.engine.send_notif(self.decode_peer, encode(
+                self._tell(encode(
                     "ABORT", rid=msg["rid"], status=fin.status, reason=fin.message))
                 return
             self.abort(req.rid, msg["status"], f"decode side: {msg['reason']}")
@@ -492,7 +505,7 @@ class PrefillSide:
             return
         if any(req.handles for req in self.reqs.values()):
             return  # writes into the decode still in flight: ack once drained
-        self.engine.send_notif(self.decode_peer, encode("PAUSE_ACK", epoch=self._peer_pause_epoch))
+        self._tell(encode("PAUSE_ACK", epoch=self._peer_pause_epoch))
         self._peer_pause_epoch = None
 
     def _on_boot(self, msg: dict) -> None:
@@ -521,7 +534,7 @@ class PrefillSide:
                                 "closed (it is pausing)")
         if remote.epoch > msg["epoch"]:
             # Booted before the decode paused (which freed that region): ask again.
-            self.engine.send_notif(self.decode_peer, encode(
+            self._tell(encode(
                 "REQ", rid=req.rid, room=req.room, tokens=req.tokens))
             return
         need = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size)) + AUX_BYTES
@@ -566,9 +579,14 @@ class PrefillSide:
             return
         self.pool.resume()
         self.engine.register_pool(self.pool, "kv")
-        self.engine.send_notif(self.decode_peer, meta_message(self.engine))
+        self._tell(meta_message(self.engine))
         self.paused = False
         self.metrics.pause_seconds += self.clock() - self._pause_t0
+
+    def prefault(self) -> None:
+        """Back the pool and the staging buffer with memory now, not at first touch."""
+        self.pool.prefault()
+        self._staging_mem.prefault()
 
     def close(self) -> None:
         """Deregister what this side registered (the engine stays the caller's)."""

@@ -14,9 +14,16 @@ request holds its tokens ``j * page_size ...``).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import torch
 
 from kvmem.spec import KVSpec
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+_libc.memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_libc.memcmp.restype = ctypes.c_int
 
 _PERIOD = 16 << 20  # random bytes the per-request bases are drawn from
 
@@ -54,6 +61,23 @@ class Synth:
         (into ``out`` when given)."""
         return torch.cat(list(self._slices(rid, first_page, last_page)), out=out)
 
+    def fill(self, pool, rid: int, first_page: int, last_page: int, pages) -> None:
+        """Write pages ``[first, last)`` of ``rid`` into ``pool``'s ``pages`` (what a
+        forward pass does to the KV cache): what ``unpack_pages(chunk(...), pool, pages)``
+        gives, in one pass over the bytes, each layer's tape slice copied straight into
+        that layer's page rows (no chunk built, no per-layer validation: this stands in
+        for the model, not for kvmem's API)."""
+        n = last_page - first_page
+        bufs = pool.k_buffer + pool.v_buffer
+        idx = pages.numpy() if pages.device.type == "cpu" else pages
+        for buf, piece in zip(bufs, self._slices(rid, first_page, last_page)):
+            rows = buf.view(buf.shape[0], -1).view(torch.uint8)  # [num_pages, page bytes]
+            src = piece.view(n, -1)
+            if rows.device.type == "cpu":  # NumPy's row assignment: a memcpy per row
+                rows.numpy()[idx] = src.numpy()
+            else:
+                rows.index_copy_(0, idx, src.to(rows.device))
+
     def verify(self, rid: int, first_page: int, last_page: int, data: torch.Tensor) -> bool:
         """True when ``data`` (uint8, packed) is exactly what :meth:`chunk` gives."""
         off = 0
@@ -66,8 +90,11 @@ class Synth:
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """torch.equal of two uint8 ranges, compared as int64 words when aligned (several
-    times faster on the CPU than byte-wise)."""
+    """torch.equal of two uint8 ranges.  On the CPU: libc's memcmp (9.3 GB/s vs 6.1 GB/s
+    for torch.equal of int64 views, 1 MiB ranges out of cache, 2-core CPU); elsewhere
+    compared as int64 words when aligned (several times faster than byte-wise)."""
+    if a.device.type == "cpu" and b.device.type == "cpu" and a.is_contiguous() and b.is_contiguous():
+        return a.nbytes == b.nbytes and _libc.memcmp(a.data_ptr(), b.data_ptr(), a.nbytes) == 0
     if a.numel() % 8 == 0 and a.data_ptr() % 8 == 0 and b.data_ptr() % 8 == 0:
         return torch.equal(a.view(torch.int64), b.view(torch.int64))
     return torch.equal(a, b)
