@@ -57,6 +57,11 @@ if ! $py -c "import sglang.srt.mem_cache.allocator" >/dev/null 2>&1; then
   echo "sglang is not importable here: its baselines (tests named *sglang*) are not run"
   deselect=(-k "not sglang")
 fi
+# The NIXL benchmarks need NIXL (carry a nixl-cu13 wheel to run them there).
+if ! $py -c "import nixl_cu13" >/dev/null 2>&1 && ! $py -c "import nixl_cu12" >/dev/null 2>&1; then
+  echo "NIXL is not importable here: bench_transfer.py and bench_demo.py are not run"
+  deselect+=(--ignore bench/bench_transfer.py --ignore bench/bench_demo.py)
+fi
 KVMEM_BENCH_OUT="$out" timeout 180 $py -m pytest -q -p no:cacheprovider bench "${deselect[@]}" \
   --benchmark-columns=median,iqr,ops --benchmark-sort=name 2>&1 | tee "$out/bench.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1

@@ -1,0 +1,391 @@
+"""The two worker processes of ``kvmem demo`` (started by :mod:`kvmem.demo` with the
+'spawn' context; this module is what each child imports).
+
+Each worker owns a KVPool (host backend), a PageAllocator, a NixlEngine (UCX over
+loopback, no progress thread: the loops poll) and one side of the PD lifecycle
+(:class:`~kvmem.disagg.PrefillSide` or :class:`~kvmem.disagg.DecodeSide`).  After the
+start-up exchange below, every PD control message travels as a NIXL notification inside
+the sides; the pipe to the parent carries only the orchestration (start, pause, stop) and
+the counters.
+
+Pipe messages, ``(kind, payload)``::
+
+    worker -> parent                        parent -> worker
+    ("ready", {metadata, setup times})      ("peer", the other worker's metadata)
+    ("bw_listening", None)      decode      ("bw_listen", None)     decode: poll notifs
+    ("bw_result", {...})        prefill     ("bw_run", None)        prefill: timed writes
+    ("bw_checked", {...})       decode      ("bw_end", None)        decode: check the bytes
+    ("progress", {...})         ~5 per s    ("start", None)         the workload begins
+    ("pause_decode", i)         prefill     ("pause", i)            decode: pause i now
+    ("resumed", i)              decode      ("decode_resumed", i)   prefill: pause i done
+    ("done", None)              own work finished, still stepping
+    ("final", {...})            after ("stop", None): audit, close, counters
+    ("error", traceback)        then the worker exits with status 1
+
+Pauses are decided by the prefill worker from its count of finished requests, one at a
+time, alternating sides: pause ``i`` starts when ``thresholds[i]`` requests have finished
+(even ``i``: the prefill pauses itself; odd ``i``: it asks the decode through the parent,
+and keeps stepping, which is what lets the decode's pause complete: the prefill drains
+its writes into the decode and acknowledges).  Admission stops at ``thresholds[i + 1] +
+concurrency`` until pause ``i`` is over, so every pause happens with traffic in flight and
+none is left for after the last request.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from collections import Counter
+
+import torch
+
+PROGRESS_EVERY = 0.2  # seconds between progress messages
+
+
+class StageClock:
+    """Seconds spent in named calls of one worker, measured by wrapping bound methods of
+    the worker's own objects (the pool, the synth, the engine, the side): the real calls,
+    timed; nothing else changes.  One thread per worker, so the times add up."""
+
+    def __init__(self):
+        self.seconds: Counter = Counter()
+        self.calls: Counter = Counter()
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+        seconds, calls, clock = self.seconds, self.calls, time.perf_counter
+
+        def timed(*args, **kwargs):
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] += clock() - t0
+                calls[name] += 1
+
+        setattr(obj, attr, timed)
+
+    def as_dict(self) -> dict:
+        return {k: {"seconds": self.seconds[k], "calls": self.calls[k]} for k in self.seconds}
+
+
+def _pattern(nbytes: int, seed: int) -> torch.Tensor:
+    """uint8 [nbytes]: every 8-byte word different (a misplaced word shows)."""
+    base = (seed % (1 << 20)) << 40
+    return torch.arange(base, base + nbytes // 8, dtype=torch.int64).view(torch.uint8)
+
+
+def _thresholds(cfg) -> list[int]:
+    """Finished-request counts at which pause 0, 1, ... starts."""
+    return [(i + 1) * cfg.requests // (cfg.pauses + 1) for i in range(cfg.pauses)]
+
+
+class _Worker:
+    role = "?"
+    polling = False  # recv() drives the engine meanwhile (the raw bandwidth writes need it)
+
+    def __init__(self, cfg, conn, names: dict):
+        from kvmem.disagg.faults import FaultPlan
+        from kvmem.disagg.synth import Synth
+        from kvmem.transfer.nixl import NixlEngine
+
+        self.cfg, self.conn, self.names = cfg, conn, names
+        self.setup = {}
+        self.spec = cfg.spec()
+        t = time.monotonic()
+        self.engine = NixlEngine(names[self.role], progress_thread=False)
+        self.setup["nixl agent"] = time.monotonic() - t
+        self.synth = Synth(self.spec, cfg.max_tokens, cfg.seed)
+        self.plan = FaultPlan(seed=cfg.seed, rates=cfg.rates(), chunk_tokens=cfg.chunk_tokens,
+                              max_tokens=cfg.max_tokens, min_tokens=1, wait=cfg.abort_wait)
+        self.clock = StageClock()
+        self.bw_buf = None
+        self.t_progress = 0.0
+        self.stages = None  # the stage clock when this worker's work was done
+
+    # --- pipe -----------------------------------------------------------------------------
+    def send(self, kind: str, payload=None) -> None:
+        self.conn.send((kind, payload))
+
+    def recv(self, want: str, timeout: float = 300.0):
+        """Block (polling the engine's notifications: no progress thread) until the parent
+        sends ``want``; its payload."""
+        end = time.monotonic() + timeout
+        while True:
+            if self.conn.poll(0.001 if self.polling else 0.05):
+                kind, payload = self.conn.recv()
+                if kind != want:
+                    raise RuntimeError(f"{self.role} worker: expected {want!r} from the "
+                                       f"parent, got {kind!r}")
+                return payload
+            if self.polling:
+                self.engine.get_notifs()
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.role} worker: no {want!r} from the parent in "
+                                   f"{timeout:.0f} s")
+
+    # --- start-up ---------------------------------------------------------------------------
+    def populate(self) -> None:
+        """Back the pool and the staging / landing buffer now: the workload's first
+        requests then pay no page faults (cma writes into fresh pages ran 3.5x slower)."""
+        t = time.monotonic()
+        self.side.prefault()
+        self.setup["populate"] = self.setup.get("populate", 0.0) + time.monotonic() - t
+
+    def start(self) -> None:
+        n = self.cfg.bw_mib << 20
+        if n:
+            self.bw_buf = (_pattern(n, self.cfg.seed) if self.role == "prefill"
+                           else torch.zeros(n, dtype=torch.uint8))
+            self.engine.register("bw", [(self.bw_buf.data_ptr(), n)], 0)
+        self.send("ready", {"metadata": self.engine.local_metadata(), "setup": self.setup})
+        self.engine.add_peer(self.recv("peer"))
+        if n:
+            self.bandwidth()
+            self.engine.deregister("bw")
+            self.bw_buf = None
+        self.instrument()
+        self.recv("start")
+
+    def final(self) -> dict:
+        side, alloc = self.side, self.side.alloc
+        audit = side.audit()
+        held = {str(o): len(p) for o, p in list(audit["leaked"].items())
+                + list(audit["quarantined"].items())}
+        out = dict(
+            audit={"leaked": {str(k): v for k, v in audit["leaked"].items()},
+                   "quarantined": {str(k): v for k, v in audit["quarantined"].items()},
+                   "unaccounted": audit["unaccounted"]},
+            leaked_pages=sum(held.values()) + len(audit["unaccounted"]),
+            leaked_owners=held,
+            allocator_allocated=int(alloc.num_allocated),
+            arena_used_bytes=int(side.arena.used_bytes),
+            open_handles=int(self.engine.open_handles()),
+            metrics=_metrics(side.metrics),
+            freed_by_reason=dict(side.ledger.freed_by_reason),
+            stage_seconds=self.stages if self.stages is not None else self.clock.as_dict(),
+        )
+        alloc.check_invariants()
+        side.close()
+        self.engine.close(timeout=10.0)
+        out["closed"] = True
+        return out
+
+    def freeze_clock(self, loop_seconds: float) -> None:
+        """Keep the stage times of the workload (the idle steps until stop are not)."""
+        self.clock.seconds["loop"] += loop_seconds
+        self.clock.calls["loop"] += 1
+        self.stages = self.clock.as_dict()
+
+    def progress(self, force: bool = False) -> None:
+        t = time.monotonic()
+        if force or t - self.t_progress >= PROGRESS_EVERY:
+            self.t_progress = t
+            self.send("progress", self.snapshot())
+
+
+def _metrics(m) -> dict:
+    return dict(requests=dict(m.requests), bytes_packed=m.bytes_packed, bytes_sent=m.bytes_sent,
+                bytes_landed=m.bytes_landed, bytes_verified=m.bytes_verified,
+                bytes_corrupt=m.bytes_corrupt, pauses=m.pauses, pause_seconds=m.pause_seconds,
+                protocol_errors=m.protocol_errors, time_to_free=list(m.time_to_free))
+
+
+class PrefillWorker(_Worker):
+    role = "prefill"
+
+    def __init__(self, cfg, conn, names):
+        super().__init__(cfg, conn, names)
+        import kvmem
+        from kvmem.disagg.prefill import PrefillSide
+
+        spec = self.spec
+        t = time.monotonic()
+        pool = kvmem.KVPool(spec, cfg.prefill_pages())
+        alloc = kvmem.PageAllocator(cfg.prefill_pages(), spec.page_size)
+        self.side = PrefillSide(
+            pool, alloc, self.engine, self.synth, decode_peer=names["decode"],
+            chunk_tokens=cfg.chunk_tokens, max_batch_tokens=cfg.batch_tokens(),
+            bootstrap_timeout=cfg.bootstrap_timeout, transfer_timeout=cfg.transfer_timeout,
+            faults=self.plan)
+        self.setup["side"] = time.monotonic() - t
+        self.populate()
+
+    def instrument(self) -> None:
+        c, s = self.clock, self.side
+        c.wrap(s, "step", "step")
+        c.wrap(s.synth, "fill", "forward: synth KV into pool pages")
+        c.wrap(s.pool, "pack", "pack_pages")
+        c.wrap(s.engine, "post_write", "post_write (UCX copies here)")
+        c.wrap(s.engine, "poll", "poll writes")
+        c.wrap(s.engine, "get_notifs", "get_notifs")
+        c.wrap(s.engine, "send_notif", "send_notif")
+
+    def bandwidth(self) -> None:
+        """Raw NIXL write bandwidth to the decode process: one registered buffer written
+        into one registered buffer, a cold write then ``bw_rounds`` warm ones."""
+        self.recv("bw_run")
+        eng, buf = self.engine, self.bw_buf
+        remote = eng.remote(self.names["decode"], "bw")
+        local, rr = [(buf.data_ptr(), buf.numel())], [(remote.regions[0][0], buf.numel())]
+        times = []
+        for _ in range(1 + self.cfg.bw_rounds):
+            t0 = time.perf_counter()
+            h = eng.post_write(local, remote, rr, b"")
+            while eng.poll(h) == "PROC":
+                pass
+            times.append(time.perf_counter() - t0)
+            state, err = h.state, h.error
+            eng.release(h)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL write ended {state}: {err}")
+        self.send("bw_result", dict(nbytes=buf.numel(), first_s=times[0], warm_s=times[1:]))
+
+    def snapshot(self) -> dict:
+        s = self.side
+        return dict(finished=len(s.finished), outcomes=dict(s.metrics.requests),
+                    bytes_sent=s.metrics.bytes_sent, pauses=self.pauses_done)
+
+    def run(self) -> None:
+        self.start()
+        cfg, side, plan = self.cfg, self.side, self.plan
+        n, cap = cfg.requests, cfg.concurrency
+        thresholds = _thresholds(cfg)
+        self.pauses_done, pause_active = 0, None  # None | "prefill" | "decode"
+        next_rid, done_sent = 0, False
+        t0 = time.monotonic()
+        while True:
+            if self.conn.poll():
+                kind, payload = self.conn.recv()
+                if kind == "stop":
+                    break
+                if (kind, pause_active, payload) != ("decode_resumed", "decode", self.pauses_done):
+                    raise RuntimeError(f"prefill worker: unexpected {kind!r} {payload!r}")
+                self.pauses_done += 1
+                pause_active = None
+            if (pause_active is None and self.pauses_done < cfg.pauses
+                    and len(side.finished) >= thresholds[self.pauses_done]):
+                if self.pauses_done % 2 == 0:
+                    side.begin_pause()
+                    pause_active = "prefill"
+                else:
+                    self.send("pause_decode", self.pauses_done)
+                    pause_active = "decode"
+            if pause_active == "prefill" and side.paused:
+                side.resume()
+                self.pauses_done += 1
+                pause_active = None
+            nxt = self.pauses_done + 1
+            gate = thresholds[nxt] + cap if nxt < cfg.pauses else n
+            while (next_rid < min(n, gate) and len(side.reqs) < cap
+                   and pause_active != "prefill"):
+                side.add_request(next_rid, plan.tokens(next_rid))
+                next_rid += 1
+            plan.drive(side, side.clock())
+            side.step()
+            self.progress()
+            if (not done_sent and len(side.finished) == n and side.idle
+                    and self.pauses_done == cfg.pauses and pause_active is None):
+                self.progress(force=True)
+                self.send("done", dict(seconds=time.monotonic() - t0))
+                done_sent = True
+                self.freeze_clock(time.monotonic() - t0)
+        kinds = Counter(plan.kind(r) for r in range(n))
+        by_kind: dict = {}
+        for rid, reason in side.finished.items():
+            k = by_kind.setdefault(plan.kind(rid), Counter())
+            k["pause_503" if reason.status == 503 else reason.outcome.value] += 1
+        out = self.final()
+        ok = sorted(r for r, why in side.finished.items() if why.status == 200)
+        out.update(succeeded_rids=ok, faults_planned=dict(kinds),
+                   outcomes_by_fault={k: dict(v) for k, v in by_kind.items()},
+                   outcomes_by_status=dict(Counter(r.status for r in side.finished.values())))
+        self.send("final", out)
+
+
+class DecodeWorker(_Worker):
+    role = "decode"
+
+    def __init__(self, cfg, conn, names):
+        super().__init__(cfg, conn, names)
+        import kvmem
+        from kvmem.disagg.decode import DecodeSide
+
+        spec = self.spec
+        t = time.monotonic()
+        pool = kvmem.KVPool(spec, cfg.decode_pages())
+        alloc = kvmem.PageAllocator(cfg.decode_pages(), spec.page_size)
+        self.side = DecodeSide(
+            pool, alloc, self.engine, self.synth, prefill_peer=names["prefill"],
+            landing_bytes=cfg.landing_bytes(), timeout=cfg.decode_timeout, faults=self.plan)
+        self.setup["side"] = time.monotonic() - t
+        self.populate()
+
+    def instrument(self) -> None:
+        c, s = self.clock, self.side
+        c.wrap(s, "step", "step")
+        c.wrap(s.synth, "verify", "verify (Synth.verify)")
+        c.wrap(s.pool, "unpack", "unpack_pages into pool")
+        c.wrap(s.engine, "get_notifs", "get_notifs")
+        c.wrap(s.engine, "send_notif", "send_notif")
+
+    def bandwidth(self) -> None:
+        self.recv("bw_listen")
+        self.send("bw_listening")
+        self.polling = True  # the prefill's writes need this side's engine driven
+        try:
+            self.recv("bw_end")
+        finally:
+            self.polling = False
+        ok = torch.equal(self.bw_buf, _pattern(self.bw_buf.numel(), self.cfg.seed))
+        self.send("bw_checked", dict(verified=bool(ok)))
+
+    def snapshot(self) -> dict:
+        m = self.side.metrics
+        return dict(completed=len(self.side.completed), bytes_landed=m.bytes_landed,
+                    bytes_verified=m.bytes_verified, bytes_corrupt=m.bytes_corrupt)
+
+    def run(self) -> None:
+        self.start()
+        side, n = self.side, self.cfg.requests
+        pausing, done_sent = None, False
+        t0 = time.monotonic()
+        while True:
+            if self.conn.poll():
+                kind, payload = self.conn.recv()
+                if kind == "stop":
+                    break
+                if kind != "pause" or pausing is not None:
+                    raise RuntimeError(f"decode worker: unexpected {kind!r} {payload!r}")
+                side.begin_pause()
+                pausing = payload
+            side.step()
+            if pausing is not None and side.paused:
+                side.resume()
+                self.send("resumed", pausing)
+                pausing = None
+            self.progress()
+            if not done_sent and len(side.completed) == n and side.idle and pausing is None:
+                self.progress(force=True)
+                self.send("done", dict(seconds=time.monotonic() - t0))
+                done_sent = True
+                self.freeze_clock(time.monotonic() - t0)
+        out = self.final()
+        out["succeeded_rids"] = sorted(r for r, why in side.completed.items() if why.status == 200)
+        self.send("final", out)
+
+
+def worker_main(role: str, cfg, conn, names: dict) -> None:
+    """Entry point of a worker process."""
+    try:
+        torch.set_num_threads(1)  # two workers on a small machine: one core each
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # not an INFO line per agent
+        worker = (PrefillWorker if role == "prefill" else DecodeWorker)(cfg, conn, names)
+        worker.run()
+    except BaseException:  # noqa: BLE001 - tell the parent, whatever it was
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except (OSError, EOFError):
+            pass
+        os._exit(1)

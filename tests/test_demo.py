@@ -1,0 +1,141 @@
+"""`kvmem demo` end to end: two worker processes over NIXL, every fault injected; its JSON
+report, typed as DESIGN.md says; bad options; a worker that dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvmem.cli import main
+from kvmem.disagg.faults import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = [sys.executable, "-m", "kvmem.cli", "demo"]
+FAMILY_OUTCOME = {"abort": "aborted", "timeout": "timed_out", "fail": "failed"}
+
+
+def _run(args, timeout=120):
+    """The demo in a process of its own; stdout and stderr decoded as they are (text mode
+    would turn the progress bar's carriage returns into newlines)."""
+    p = subprocess.run(DEMO + args, cwd=ROOT, capture_output=True, timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, p.stdout.decode(), p.stderr.decode())
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def test_demo_end_to_end_every_fault(tmp_path):
+    out = tmp_path / "demo.json"
+    out.write_text("not json: --json must overwrite it")
+    p = _run(["--requests", "60", "--json", str(out), "--bw-mib", "64"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+
+    for key in ("requests", "succeeded", "aborted", "timed_out", "failed", "pauses",
+                "bytes_transferred", "bytes_verified"):
+        assert _is_int(r[key]), (key, r[key])
+    assert set(r["leaked_pages"]) == {"prefill", "decode"}
+    assert all(_is_int(v) for v in r["leaked_pages"].values())
+    assert isinstance(r["throughput_gbps"], float) and r["throughput_gbps"] > 0
+
+    assert r["requests"] == 60
+    assert r["succeeded"] + r["aborted"] + r["timed_out"] + r["failed"] == 60
+    assert r["leaked_pages"] == {"prefill": 0, "decode": 0}
+    assert r["bytes_transferred"] == r["bytes_verified"] > 0 and r["bytes_corrupt"] == 0
+    assert r["ok"] is True and r["errors"] == []
+    # the default 4 pauses all happened, alternating sides, with traffic in flight
+    assert r["pauses"] == 4 and r["pauses_by_side"] == {"prefill": 2, "decode": 2}
+    assert r["outcomes_by_status"].get("503", 0) > 0
+    # every family was injected, and each request ended the way its row of the lifecycle
+    # table says (or was aborted by a pause first)
+    planned = r["faults_planned"]
+    for fam, kinds in FAMILIES.items():
+        assert sum(planned.get(k, 0) for k in kinds) > 0, fam
+        for k in kinds:
+            assert set(r["outcomes_by_fault"].get(k, {})) <= {FAMILY_OUTCOME[fam], "pause_503"}, k
+    assert set(r["outcomes_by_fault"]["none"]) <= {"succeeded", "pause_503"}
+    assert r["succeeded"] == r["outcomes_by_fault"]["none"].get("succeeded", 0) > 0
+    assert not r["delivered"]["missing"]
+    assert r["protocol_errors"] == {"prefill": 0, "decode": 0}
+    for side in ("prefill", "decode"):
+        assert r[side]["closed"] is True and r[side]["exit_code"] == 0
+        assert r[side]["allocator_allocated"] == 0 and r[side]["open_handles"] == 0
+    raw = r["raw_nixl"]
+    assert raw["verified"] is True and raw["gbps"] > 0
+    assert r["throughput_vs_raw"] == pytest.approx(r["throughput_gbps"] / raw["gbps"])
+
+    # the report on stdout, the progress bar on stderr
+    assert "requests by outcome" in p.stdout
+    assert "leaked pages: prefill 0, decode 0" in p.stdout
+    assert p.stdout.rstrip().endswith("OK")
+    assert "\r[" in p.stderr and "60/60" in p.stderr
+
+
+def test_bad_option_exits_2_with_the_reason():
+    p = _run(["--abort-rate", "0.7", "--fail-rate", "0.5"], timeout=60)
+    assert p.returncode == 2
+    assert "kvmem demo: error: --abort-rate + --timeout-rate + --fail-rate must be <= 1" in p.stderr
+    assert p.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--requests", "0"], "--requests must be >= 1, got 0"),
+    (["--requests", "ten"], "argument --requests: invalid int value: 'ten'"),
+    (["--fail-rate", "-0.1"], "--fail-rate must be in [0, 1], got -0.1"),
+    (["--chunk-tokens", "100"], "--chunk-tokens must be a multiple of --page-size 16, got 100"),
+    (["--no-faults", "--pauses", "2"], "--no-faults contradicts --pauses 2"),
+    (["--pauses", "9", "--requests", "5"], "--pauses 9 is more than --requests 5"),
+    (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
+    (["--timeout", "nan"], "--timeout must be a number of seconds > 0, got nan"),
+    (["--layers", "4000", "--max-tokens", "100000"], "GiB of memory"),
+    (["--json", "/nonexistent-dir/x.json"], "directory /nonexistent-dir does not exist"),
+])
+def test_bad_options(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage: kvmem demo" in err
+
+
+def test_a_worker_that_dies_does_not_hang_the_parent():
+    proc = subprocess.Popen(DEMO + ["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
+                                    "--chunk-tokens", "64"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")))
+    reader.start()
+    try:
+        end = time.monotonic() + 90
+        while "GB/s" not in "".join(err):  # the workload runs: the progress bar shows
+            assert proc.poll() is None and time.monotonic() < end, "".join(err)
+            time.sleep(0.1)
+        workers = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+                   .read_text().split()
+                   if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(workers) == 2
+        victim = max(workers)  # the decode worker, started second
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        rc = proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(5)
+    text = "".join(err)
+    assert rc == 3, text
+    assert "kvmem demo: FAILED" in text
+    assert f"decode worker (pid {victim}): killed by signal 9 (SIGKILL)" in text
+    for pid in workers:  # both workers are gone (joined by the parent before it exited)
+        assert not Path(f"/proc/{pid}").exists(), pid
