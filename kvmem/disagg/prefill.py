@@ -95,7 +95,6 @@ class PrefillRequest:
     t_bootstrapped: float | None = None
     done_tokens: int = 0  # tokens whose KV the forward produced
     last_slot: int = -1  # token slot of the last produced token
-    sent_pages: int = 0  # pages packed and posted
     seq: int = 0  # chunks posted
     landing_off: int = -1
     landing_nbytes: int = 0
@@ -328,7 +327,6 @@ class PrefillSide:
             return True
         if req.state == KVPoll.WaitingForInput:
             req.state = KVPoll.Transferring
-        req.sent_pages = last
         req.aux_due = final  # posted by _maybe_finish once this write is DONE
         return True
 
