@@ -162,7 +162,7 @@ class _Worker:
             allocator_allocated=int(alloc.num_allocated),
             arena_used_bytes=int(side.arena.used_bytes),
             open_handles=int(self.engine.open_handles()),
-            metrics=_metrics(side.metrics),
+            metrics=side.metrics.as_dict(),
             freed_by_reason=dict(side.ledger.freed_by_reason),
             stage_seconds=self.stages if self.stages is not None else self.clock.as_dict(),
         )
@@ -183,13 +183,6 @@ class _Worker:
         if force or t - self.t_progress >= PROGRESS_EVERY:
             self.t_progress = t
             self.send("progress", self.snapshot())
-
-
-def _metrics(m) -> dict:
-    return dict(requests=dict(m.requests), bytes_packed=m.bytes_packed, bytes_sent=m.bytes_sent,
-                bytes_landed=m.bytes_landed, bytes_verified=m.bytes_verified,
-                bytes_corrupt=m.bytes_corrupt, pauses=m.pauses, pause_seconds=m.pause_seconds,
-                protocol_errors=m.protocol_errors, time_to_free=list(m.time_to_free))
 
 
 class PrefillWorker(_Worker):

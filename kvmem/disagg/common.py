@@ -4,6 +4,7 @@ the page ledger (who holds which page) and the counters."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import enum
 import json
 import time
@@ -225,6 +226,12 @@ class Metrics:
     protocol_errors: int = 0
     send_errors: int = 0  # control messages the peer could not be sent
     time_to_free: list = field(default_factory=list)  # seconds, abort in the running batch
+
+    def as_dict(self) -> dict:
+        """Every counter, JSON-ready (for reports)."""
+        out = dataclasses.asdict(self)
+        out["requests"] = dict(self.requests)
+        return out
 
     def prometheus(self, freed_by_reason: Counter) -> str:
         p = f"kvmem_{self.side}"
