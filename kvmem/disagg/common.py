@@ -176,9 +176,6 @@ class Ledger:
         if owner in self._held:
             self._quarantined.add(owner)
 
-    def is_quarantined(self, owner) -> bool:
-        return owner in self._quarantined
-
     def release(self, owner, reason: str) -> int:
         """Free every page ``owner`` holds, once.  Returns the number of pages freed."""
         if owner not in self._held:

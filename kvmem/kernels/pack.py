@@ -176,10 +176,6 @@ class _Kind:
     block_r: int
     block_c: int
 
-    @property
-    def page_units(self) -> int:
-        return self.rows * self.seg
-
 
 @dataclass(frozen=True)
 class _Plan:
