@@ -1,14 +1,33 @@
 """KVPool: the paged K/V buffers of every layer over one memory backend.
 
-Layout of the backend's range (one allocation; layer starts padded to ``_LAYER_ALIGN``)::
+The pool is one address range from one backend.  Two layouts of that range, chosen by
+``layout`` (``rows = num_pages * page_size``; every block below starts on a
+``_LAYER_ALIGN`` boundary, padding after a block up to the next boundary):
+
+``layout="kvmem"`` (default): all K layers, then all V layers::
 
     [K layer 0][K layer 1]...[K layer L-1][V layer 0]...[V layer L-1]
+
+``layout="sglang"``: per layer one block holding K, then V *immediately after it* (no
+padding between the two halves), as sglang 0.5.23's ``MHATokenToKVPool`` allocates one
+``[2, rows, H, D]`` tensor per layer and reaches V from K's base by ``rows * H * D``
+elements::
+
+    [K layer 0|V layer 0][K layer 1|V layer 1]...[K layer L-1|V layer L-1]
+
+    v_buffer[l].data_ptr() == k_buffer[l].data_ptr() + spec.k_layer_bytes(num_pages)
+
+    (a K-only spec, ``v_head_dim=0``, holds only K in each block; ``v_head_dim !=
+    head_dim`` keeps K and V adjacent all the same.)
+
+In both layouts::
 
     k_buffer[l] : [num_pages, page_size, num_kv_heads, head_dim]    spec.storage_dtype
     v_buffer[l] : [num_pages, page_size, num_kv_heads, v_head_dim]  (empty list: K-only)
 
 Page 0 is the padding page (sglang writes padded tokens there); an allocator never hands
-it out.  ``k_buffer[l].flatten(0, 1)`` is sglang's ``[size + page_size, H, D]`` layer buffer.
+it out.  ``k_buffer[l].flatten(0, 1)`` is sglang's ``[size + page_size, H, D]`` layer buffer
+(:meth:`KVPool.token_buffers` returns those views).
 """
 
 from __future__ import annotations
@@ -26,8 +45,34 @@ from kvmem.spec import KVSpec
 _LAYER_ALIGN = 512
 
 
+LAYOUTS = ("kvmem", "sglang")
+
+
 def _round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
+
+
+def layer_offsets(spec: KVSpec, num_pages: int, layout: str) -> tuple[list[int], list[int], int]:
+    """Byte offsets of every K and V layer in a pool's range, and the range's size.
+
+    Returns ``(k_offsets [L], v_offsets [L] or [] for a K-only spec, total_bytes)``; see the
+    module docstring for the two layouts.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown KVPool layout {layout!r} (known: {', '.join(LAYOUTS)})")
+    k_bytes, v_bytes = spec.k_layer_bytes(num_pages), spec.v_layer_bytes(num_pages)
+    n = spec.num_layers
+    if layout == "sglang":
+        block = _round_up(k_bytes + v_bytes, _LAYER_ALIGN)
+        k_offsets = [l * block for l in range(n)]
+        v_offsets = [o + k_bytes for o in k_offsets] if spec.has_v else []
+        return k_offsets, v_offsets, n * block
+    k_stride = _round_up(k_bytes, _LAYER_ALIGN)
+    v_stride = _round_up(v_bytes, _LAYER_ALIGN)
+    k_offsets = [l * k_stride for l in range(n)]
+    v_base = n * k_stride
+    v_offsets = [v_base + l * v_stride for l in range(n)] if spec.has_v else []
+    return k_offsets, v_offsets, v_base + (n * v_stride if spec.has_v else 0)
 
 
 class KVPool:
@@ -39,13 +84,17 @@ class KVPool:
             ``size // page_size + 1``).
         device: ``"cpu"`` or a CUDA device.
         backend: memory backend kind (default: the device's).
+        layout: ``"kvmem"`` (all K layers, then all V layers) or ``"sglang"`` (per layer,
+            K then V adjacent in one block); see the module docstring.  Both are one
+            address range with the same :meth:`regions`, and pack/unpack work on either.
 
     Attributes:
         k_buffer, v_buffer: lists of per-layer views (see the module docstring).
         epoch: incremented by every resume.
     """
 
-    def __init__(self, spec: KVSpec, num_pages: int, device="cpu", *, backend: str | None = None):
+    def __init__(self, spec: KVSpec, num_pages: int, device="cpu", *, backend: str | None = None,
+                 layout: str = "kvmem"):
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
@@ -55,12 +104,10 @@ class KVPool:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        k_stride = _round_up(spec.k_layer_bytes(num_pages), _LAYER_ALIGN)
-        v_stride = _round_up(spec.v_layer_bytes(num_pages), _LAYER_ALIGN)
-        self._k_offsets = [l * k_stride for l in range(spec.num_layers)]
-        v_base = spec.num_layers * k_stride
-        self._v_offsets = [v_base + l * v_stride for l in range(spec.num_layers)] if spec.has_v else []
-        total = v_base + (spec.num_layers * v_stride if spec.has_v else 0)
+        if not isinstance(layout, str) or layout not in LAYOUTS:
+            raise ValueError(f"unknown KVPool layout {layout!r} (known: {', '.join(LAYOUTS)})")
+        self.layout = layout
+        self._k_offsets, self._v_offsets, total = layer_offsets(spec, num_pages, layout)
         self._mem: MemoryBackend = make_backend(total, self.device, backend)
         self.epoch = 0
         self._released = False
@@ -91,6 +138,14 @@ class KVPool:
         for a K-only cache); refused while released, like :attr:`k_buffer`."""
         self.check_live("pool.v_buffer")
         return self._v_buffer
+
+    def token_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """sglang's flat per-layer views ``(k_list, v_list)``: ``k_list[l] :
+        [num_pages * page_size, num_kv_heads, head_dim]`` (``k_buffer[l].flatten(0, 1)``),
+        ``v_list`` likewise (empty for a K-only cache).  Same memory, refused while released."""
+        self.check_live("pool.token_buffers")
+        return ([b.flatten(0, 1) for b in self._k_buffer],
+                [b.flatten(0, 1) for b in self._v_buffer])
 
     def as_cupy(self):
         """The same K/V buffers as CuPy arrays (zero-copy; CUDA pools only):
@@ -194,6 +249,7 @@ class KVPool:
         return (f"KVPool(layers={s.num_layers}, kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, "
                 f"v_head_dim={s.v_head_dim}, page_size={s.page_size}, dtype={s.dtype}, "
                 f"num_pages={self.num_pages}, device={self.device}, backend={self.backend}, "
+                f"layout={self.layout}, "
                 f"nbytes={self.nbytes}, epoch={self.epoch}, released={self._released})")
 
 
