@@ -9,7 +9,8 @@ import torch
 
 import kvmem
 from kvmem.disagg import KVPoll, Outcome, ProtocolError
-from kvmem.disagg.common import encode
+from kvmem.disagg.decode import DecodeSide
+from kvmem.disagg.protocol import encode, parse
 from kvmem.transfer.base import StaleEpochError
 from tests.disagg_harness import SPEC, Pair
 
@@ -27,6 +28,13 @@ def pages_of(tokens: int) -> int:
 
 def freed(side) -> dict:
     return dict(side.ledger.freed_by_reason)
+
+
+def handle(side, peer: str, msg: dict) -> None:
+    """One message through the parser and the side's handler, as its inbox does, with the
+    refusal raised (ProtocolError) instead of counted."""
+    receiver = "decode" if isinstance(side, DecodeSide) else "prefill"
+    side.handle_message(parse(msg, sender=peer, receiver=receiver))
 
 
 def test_success_frees_pages_once_and_delivers_verified_bytes(pair):
@@ -231,11 +239,11 @@ def test_decode_pause_refuses_stale_writes_and_resumes(pair):
 
 def test_bad_inputs_from_the_caller(pair):
     pre = pair.prefill
-    with pytest.raises(ProtocolError, match="tokens must be an int > 0"):
+    with pytest.raises(ValueError, match="tokens must be an int > 0"):
         pre.add_request(1, -5)
-    with pytest.raises(ProtocolError, match="rid must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"rid must be an int in \[0, 2\*\*63\), got -1"):
         pre.add_request(-1, 10)
-    with pytest.raises(ProtocolError, match="600 tokens > the 512-token maximum"):
+    with pytest.raises(ValueError, match="600 tokens > the 512-token maximum"):
         pre.add_request(1, 600)
     pre.add_request(1, 32)
     with pytest.raises(ProtocolError, match="request id 1 is in use"):
@@ -266,15 +274,17 @@ def test_bad_inputs_from_the_peer_change_nothing(pair):
         (dict(t="AUX", rid=1, off=0, nbytes=64), "is not its extra-state slot"),
         (dict(t="REQ", rid=1, room=9, tokens=10), "request id 1 is in use"),
         (dict(t="REQ", rid=5, room=1, tokens=10), "bootstrap room 1 is in use"),
-        (dict(t="REQ", rid=5, room=5, tokens=-1), "tokens outside"),
+        (dict(t="REQ", rid=5, room=5, tokens=-1), "field 'tokens' must be an int in \\[1, 2\\*\\*63\\)"),
+        (dict(t="REQ", rid=5, room=5, tokens=513), "tokens outside"),
         (dict(t="BOOT", rid=1, room=1, off=0, nbytes=1, epoch=0), "unexpected message BOOT"),
     ]
     for msg, match in bad:
         with pytest.raises(ProtocolError, match=match):
-            dec.handle_message(pair.pe.name, msg)
+            handle(dec, pair.pe.name, msg)
     assert (dict(dec.ledger.owners()), dec.reqs[1].pages_done, dec.arena.used_bytes) == before
-    with pytest.raises(ProtocolError, match="from unknown peer"):
-        dec.handle_message("mallory", dict(t="ABORT", rid=1, status=499, reason="x"))
+    errors = dec.metrics.protocol_errors
+    dec.inbox.deliver("mallory", encode("ABORT", rid=1, status=499, reason="x"))
+    assert dec.metrics.protocol_errors == errors + 1 and 1 in dec.reqs
     # the prefill side likewise
     for msg, match in [
         (dict(t="BOOT", rid=42, room=42, off=0, nbytes=10, epoch=0), "unknown request 42"),
@@ -283,12 +293,12 @@ def test_bad_inputs_from_the_peer_change_nothing(pair):
         (dict(t="CHUNK", rid=1, first=0, last=1, off=0, nbytes=1, final=False), "unexpected message CHUNK"),
     ]:
         with pytest.raises(ProtocolError, match=match):
-            pre.handle_message(pair.de.name, msg)
+            handle(pre, pair.de.name, msg)
     # garbage on the wire is counted, not fatal
     pair.pe.send_notif(pair.de.name, b"\x00not json")
     pair.pe.send_notif(pair.de.name, encode("ABORT", rid=4242, status=499, reason="x"))
     pair.step(2)
-    assert dec.metrics.protocol_errors == 2
+    assert dec.metrics.protocol_errors == errors + 3
     pair.faults.stall_at.clear()
     pair.run_idle()
     assert pair.finished[1].status == 200
@@ -300,8 +310,8 @@ def test_chunk_for_an_aborted_request_is_refused_once_freed(pair):
     pair.prefill.abort(1)
     pair.run_idle()
     with pytest.raises(ProtocolError, match="unknown request 1"):
-        pair.decode.handle_message(pair.pe.name, dict(t="CHUNK", rid=1, first=0, last=1, off=0,
-                                                      nbytes=kvmem.packed_nbytes(SPEC, 1), final=True))
+        handle(pair.decode, pair.pe.name, dict(t="CHUNK", rid=1, first=0, last=1, off=0,
+                                               nbytes=kvmem.packed_nbytes(SPEC, 1), final=True))
     pair.assert_clean()
 
 

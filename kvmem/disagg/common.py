@@ -3,10 +3,9 @@ the page ledger (who holds which page) and the counters."""
 
 from __future__ import annotations
 
-import base64
+import bisect
 import dataclasses
 import enum
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -49,6 +48,11 @@ _OUTCOME_OF_STATUS = {
 }
 
 
+# The statuses an early end of a request carries (DESIGN.md, PD lifecycle table): what a
+# caller's abort and a peer's ABORT_REQ may give.
+END_STATUSES = frozenset({CLIENT_CLOSED, INTERNAL_ERROR, SERVICE_UNAVAILABLE, GATEWAY_TIMEOUT})
+
+
 @dataclass(frozen=True)
 class Reason:
     """Why a request ended: an HTTP-like status and a message naming the request."""
@@ -62,41 +66,69 @@ class Reason:
 
 
 class ProtocolError(KVMemError, ValueError):
-    """A control message from the peer (or a call from the caller) that names an unknown
-    request, a duplicate bootstrap room, pages out of range or sizes that do not match.
-    Nothing was changed."""
+    """A control message from the peer that is malformed (kvmem.disagg.protocol.parse) or
+    does not fit this side's state (an unknown request, a duplicate bootstrap room, pages
+    out of range, sizes that do not match, an epoch of another pause); or a caller's call
+    that names an unknown or busy request id.  Nothing was changed."""
+
+
+# --- the caller's arguments -----------------------------------------------------------------
+def check_id(what: str, name: str, v) -> None:
+    """ValueError naming ``v`` unless it is an int in [0, 2**63) (a request id, a room)."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 63:
+        raise ValueError(f"{what}: {name} must be an int in [0, 2**63), got {v!r}")
+
+
+def check_caller_args(what: str, rid, status=None, message=None) -> None:
+    """A caller's abort: ``rid`` an id, ``status`` one of :data:`END_STATUSES` (not OK: an
+    abort is no success), ``message`` a str or None.  ValueError naming the value."""
+    check_id(what, "rid", rid)
+    if isinstance(status, bool) or not isinstance(status, int) or status not in END_STATUSES:
+        raise ValueError(f"{what}: request {rid}: status must be one of "
+                         f"{sorted(END_STATUSES)} (an early end in the lifecycle table), "
+                         f"got {status!r}")
+    if message is not None and not isinstance(message, str):
+        raise ValueError(f"{what}: request {rid}: message must be a str or None, got "
+                         f"{type(message).__name__}")
+
+
+# --- addressing a peer's registration -------------------------------------------------------
+class RegionMap:
+    """A registration's regions as one byte space: offset ``o`` is byte ``o`` of the
+    regions concatenated in their listed order (the decode's landing offsets are such
+    offsets; on the CUDA VMM backend, one region per 2 GiB physical chunk, they are also
+    the landing tensor's offsets).  :meth:`ranges` cuts a byte range at region boundaries,
+    so a write that spans two regions becomes two remote ranges of one post_write (the
+    engine requires each remote range to lie in one region).  O(log regions) a call."""
+
+    def __init__(self, regions):
+        self.regions = tuple((int(a), int(n)) for a, n in regions)
+        self._starts = []
+        pos = 0
+        for _, n in self.regions:
+            self._starts.append(pos)
+            pos += n
+        self.size = pos
+
+    def ranges(self, off: int, nbytes: int) -> list[tuple[int, int]]:
+        """``[(addr, n), ...]`` of bytes ``[off, off + nbytes)``; ValueError outside."""
+        if off < 0 or nbytes <= 0 or off + nbytes > self.size:
+            raise ValueError(f"RegionMap: bytes [{off}, +{nbytes}) outside the "
+                             f"{self.size} bytes of {len(self.regions)} region(s)")
+        i = bisect.bisect_right(self._starts, off) - 1
+        out = []
+        while nbytes:
+            addr, n = self.regions[i]
+            inner = off - self._starts[i]
+            take = min(n - inner, nbytes)
+            out.append((addr + inner, take))
+            off, nbytes, i = off + take, nbytes - take, i + 1
+        return out
 
 
 # --- control messages ---------------------------------------------------------------------
-# Travel as NIXL notifications (TransferEngine.send_notif, or a write's completion notif):
-# UTF-8 JSON objects with a "t" (type) field.  Types:
-#   prefill -> decode: REQ, CHUNK, AUX, ABORT, ABORT_ACK, PAUSE_ACK, META
-#   decode -> prefill: BOOT, ABORT_REQ, PAUSING, META
-_FIELDS = {
-    "REQ": {"rid": int, "room": int, "tokens": int},
-    "BOOT": {"rid": int, "room": int, "off": int, "nbytes": int, "epoch": int},
-    "CHUNK": {"rid": int, "first": int, "last": int, "off": int, "nbytes": int, "final": bool},
-    "AUX": {"rid": int, "off": int, "nbytes": int},
-    "ABORT": {"rid": int, "status": int, "reason": str},
-    "ABORT_REQ": {"rid": int, "status": int, "reason": str},
-    "ABORT_ACK": {"rid": int},
-    "PAUSING": {"epoch": int},
-    "PAUSE_ACK": {"epoch": int},
-    "META": {"md": str},
-}
-
-
-def receive(engine, handle, metrics: "Metrics", log) -> None:
-    """Hand every notification waiting at ``engine`` to ``handle(peer, msg)``; a message
-    that is not one, or that ``handle`` refuses (ProtocolError), is counted and logged,
-    never fatal."""
-    for peer, msgs in engine.get_notifs().items():
-        for raw in msgs:
-            try:
-                handle(peer, decode(raw))
-            except ProtocolError as e:
-                metrics.protocol_errors += 1
-                log.warning("%s: refused a message from %s: %s", metrics.side, peer, e)
+# Their format, the parser every received message goes through, and the inbox that counts
+# refusals: kvmem.disagg.protocol.
 
 
 def tell(engine, peer: str, msg: bytes, metrics: "Metrics", log) -> bool:
@@ -110,36 +142,6 @@ def tell(engine, peer: str, msg: bytes, metrics: "Metrics", log) -> bool:
         metrics.send_errors += 1
         log.error("%s: cannot reach %s: %s", metrics.side, peer, e)
         return False
-
-
-def meta_message(engine) -> bytes:
-    """``META`` with this engine's current metadata (new epochs, tombstones)."""
-    return encode("META", md=base64.b64encode(engine.local_metadata()).decode())
-
-
-def encode(t: str, **fields) -> bytes:
-    spec = _FIELDS[t]
-    if set(fields) != set(spec):
-        raise ValueError(f"message {t}: fields {sorted(fields)}, expected {sorted(spec)}")
-    return json.dumps({"t": t, **fields}, separators=(",", ":")).encode()
-
-
-def decode(raw: bytes) -> dict:
-    """Parse and type-check one control message; ProtocolError if it is not one."""
-    try:
-        msg = json.loads(raw.decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"control message is not JSON: {raw[:80]!r} ({e})") from None
-    if not isinstance(msg, dict) or msg.get("t") not in _FIELDS:
-        raise ProtocolError(f"unknown control message: {raw[:80]!r}")
-    spec = _FIELDS[msg["t"]]
-    for name, typ in spec.items():
-        v = msg.get(name)
-        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-            raise ProtocolError(f"{msg['t']}: field {name!r} must be {typ.__name__}, got {v!r}")
-    if set(msg) - set(spec) - {"t"}:
-        raise ProtocolError(f"{msg['t']}: unexpected fields {sorted(set(msg) - set(spec) - {'t'})}")
-    return msg
 
 
 # --- page ledger -----------------------------------------------------------------------------

@@ -23,9 +23,11 @@ Each chunk lands in the request's *landing region* (a registered buffer, one reg
 request, sized for its whole KV plus the extra state) and its notification (``CHUNK``)
 arrives after the bytes: the chunk is verified against what the prefill computed
 (:mod:`kvmem.disagg.synth`) and unpacked into the request's pages with ``unpack_pages``.
-Every field of a peer message is checked (request known, page range within the
-request, size equal to the packed size, offset where that chunk belongs); a bad message
-raises :class:`ProtocolError`, is counted and changes nothing.
+Every peer message is validated by :func:`kvmem.disagg.protocol.parse` first (types,
+ranges, statuses); the handlers here then check what depends on state (request known,
+page range within the request, size equal to the packed size, offset where that chunk
+belongs, a PAUSE_ACK for this pause's epoch); a bad message raises
+:class:`ProtocolError`, is counted and changes nothing.
 
 Pause (:meth:`begin_pause`): tell the prefill (``PAUSING``); it drains its writes into
 this side, aborts the requests bound here (503, ``ABORT`` each) and acknowledges
@@ -37,7 +39,6 @@ are refused by the prefill's engine before they are posted.
 
 from __future__ import annotations
 
-import base64
 import logging
 from dataclasses import dataclass
 
@@ -47,7 +48,10 @@ import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, Ledger, Metrics, ProtocolError,
-    Reason, encode, meta_message, now, receive, tell,
+    Reason, check_caller_args, now, tell,
+)
+from kvmem.disagg.protocol import (
+    Abort, Aux, Chunk, Inbox, Meta, PauseAck, Req, apply_metadata, encode, meta_message,
 )
 from kvmem.disagg.prefill import AUX_BYTES, DEFAULT_TIMEOUT
 from kvmem.memory import make_backend
@@ -101,6 +105,8 @@ class DecodeSide:
         self.completed: dict[int, Reason] = {}
         self.pausing = False
         self.paused = False
+        self.inbox = Inbox(engine, peer=prefill_peer, receiver="decode",
+                           handle=self.handle_message, metrics=self.metrics, log=log)
         self._register()
 
     def _register(self) -> None:
@@ -116,36 +122,45 @@ class DecodeSide:
 
     # --- one iteration -----------------------------------------------------------------------
     def step(self) -> None:
-        receive(self.engine, self.handle_message, self.metrics, log)
+        self.inbox.drain()
         if not self.pausing and not self.paused:
             for req in list(self.reqs.values()):
                 if req.state == "waiting":
                     self._boot(req)
         self._check_timeouts()
 
-    def handle_message(self, peer: str, msg: dict) -> None:
-        t = msg["t"]
-        if peer != self.prefill_peer:
-            raise ProtocolError(f"{t} from unknown peer {peer!r}")
-        if t == "REQ":
+    def handle_message(self, msg) -> None:
+        """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from the
+        prefill peer; ProtocolError, before anything changed, when it does not fit the
+        state here."""
+        if isinstance(msg, Req):
             self._on_req(msg)
-        elif t == "CHUNK":
+        elif isinstance(msg, Chunk):
             self._on_chunk(msg)
-        elif t == "AUX":
+        elif isinstance(msg, Aux):
             self._on_aux(msg)
-        elif t == "ABORT":
+        elif isinstance(msg, Abort):
             self._on_abort(msg)
-        elif t == "PAUSE_ACK":
-            if self.pausing:
-                self._finish_pause()
-        elif t == "META":
-            self.engine.add_peer(base64.b64decode(msg["md"]))
+        elif isinstance(msg, PauseAck):
+            self._on_pause_ack(msg)
+        elif isinstance(msg, Meta):
+            apply_metadata(self.engine, msg)
         else:
-            raise ProtocolError(f"unexpected message {t} on the decode side")
+            raise ProtocolError(f"unexpected message {type(msg).__name__} on the decode side")
+
+    def _on_pause_ack(self, msg: PauseAck) -> None:
+        """The prefill has no write into this side in flight: only an ack of *this* pause
+        (its epoch) may free the pages and release the memory."""
+        if not self.pausing:
+            raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this side is not pausing")
+        if msg.epoch != self.pool.epoch:
+            raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this pause is epoch "
+                                f"{self.pool.epoch}")
+        self._finish_pause()
 
     # --- requests ------------------------------------------------------------------------------
-    def _on_req(self, msg: dict) -> None:
-        rid, room, tokens = msg["rid"], msg["room"], msg["tokens"]
+    def _on_req(self, msg: Req) -> None:
+        rid, room, tokens = msg.rid, msg.room, msg.tokens
         if rid in self.reqs:
             raise ProtocolError(f"REQ: request id {rid} is in use")
         if room in self._rooms:
@@ -179,32 +194,32 @@ class DecodeSide:
         self._tell(encode(
             "BOOT", rid=req.rid, room=req.room, off=off, nbytes=nbytes, epoch=self.pool.epoch))
 
-    def _known(self, msg: dict) -> DecodeRequest:
-        req = self.reqs.get(msg["rid"])
+    def _known(self, msg) -> DecodeRequest:
+        req = self.reqs.get(msg.rid)
         if req is None:
-            raise ProtocolError(f"{msg['t']} for unknown request {msg['rid']}")
+            raise ProtocolError(f"{msg.t} for unknown request {msg.rid}")
         if req.state not in ("booted", "quarantined"):
-            raise ProtocolError(f"{msg['t']} for request {req.rid} in state {req.state}")
+            raise ProtocolError(f"{msg.t} for request {req.rid} in state {req.state}")
         return req
 
-    def _on_chunk(self, msg: dict) -> None:
+    def _on_chunk(self, msg: Chunk) -> None:
         req = self._known(msg)
         n_pages = -(-req.tokens // self.spec.page_size)
-        first, last = msg["first"], msg["last"]
+        first, last = msg.first, msg.last
         if not 0 <= first < last <= n_pages:
             raise ProtocolError(f"CHUNK for request {req.rid}: pages [{first}, {last}) outside "
                                 f"its {n_pages} pages")
         nbytes = kvmem.packed_nbytes(self.spec, last - first)
-        if msg["nbytes"] != nbytes:
-            raise ProtocolError(f"CHUNK for request {req.rid}: {msg['nbytes']} bytes, pages "
+        if msg.nbytes != nbytes:
+            raise ProtocolError(f"CHUNK for request {req.rid}: {msg.nbytes} bytes, pages "
                                 f"[{first}, {last}) pack to {nbytes}")
-        if msg["off"] != kvmem.packed_nbytes(self.spec, first):
-            raise ProtocolError(f"CHUNK for request {req.rid}: offset {msg['off']} is not where "
+        if msg.off != kvmem.packed_nbytes(self.spec, first):
+            raise ProtocolError(f"CHUNK for request {req.rid}: offset {msg.off} is not where "
                                 f"pages from {first} land")
         if first != req.pages_done:
             raise ProtocolError(f"CHUNK for request {req.rid}: pages from {first}, expected "
                                 f"from {req.pages_done}")
-        start = req.landing_off + msg["off"]
+        start = req.landing_off + msg.off
         data = self.landing[start:start + nbytes]
         self.metrics.bytes_landed += nbytes
         if self.synth.verify(req.rid, first, last, data):
@@ -218,19 +233,22 @@ class DecodeSide:
         if req.state == "booted":
             kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last])
 
-    def _on_aux(self, msg: dict) -> None:
+    def _on_aux(self, msg: Aux) -> None:
         req = self._known(msg)
         n_pages = -(-req.tokens // self.spec.page_size)
-        if msg["off"] != kvmem.packed_nbytes(self.spec, n_pages) or msg["nbytes"] != AUX_BYTES:
-            raise ProtocolError(f"AUX for request {req.rid}: [{msg['off']}, +{msg['nbytes']}) "
+        if msg.off != kvmem.packed_nbytes(self.spec, n_pages) or msg.nbytes != AUX_BYTES:
+            raise ProtocolError(f"AUX for request {req.rid}: [{msg.off}, +{msg.nbytes}) "
                                 f"is not its extra-state slot")
         if req.pages_done != n_pages:
             raise ProtocolError(f"AUX for request {req.rid} before its last chunk "
                                 f"({req.pages_done} of {n_pages} pages)")
-        start = req.landing_off + msg["off"]
-        aux = self.landing[start:start + 16].view(torch.int64).tolist()
+        # The slot follows the packed KV, so it is 8-byte aligned only when the packed size
+        # is (odd head dims, fp8, small pages): compare bytes, never view them as int64 there.
+        start = req.landing_off + msg.off
+        want = torch.tensor([req.rid, req.tokens], dtype=torch.int64).view(torch.uint8)
+        got = self.landing[start:start + want.numel()]
         self.metrics.bytes_landed += AUX_BYTES
-        if aux == [req.rid, req.tokens]:
+        if torch.equal(got.cpu(), want):
             self.metrics.bytes_verified += AUX_BYTES
         else:
             self.metrics.bytes_corrupt += AUX_BYTES
@@ -238,19 +256,26 @@ class DecodeSide:
             return  # aborted here meanwhile: freed when the prefill's ABORT comes
         self._free(req, "completed", Reason(OK, f"request {req.rid}: KV received"))
 
-    def _on_abort(self, msg: dict) -> None:
-        """The prefill ended the request and has no write of it in flight."""
-        req = self.reqs.get(msg["rid"])
+    def _on_abort(self, msg: Abort) -> None:
+        """The prefill ended the request and has no write of it in flight.  Status 200 only
+        answers this side's ABORT_REQ (the prefill had delivered it already)."""
+        req = self.reqs.get(msg.rid)
         if req is None:
-            if msg["rid"] in self.completed:
+            if msg.rid in self.completed:
                 return  # both sides finished it already
-            raise ProtocolError(f"ABORT for unknown request {msg['rid']}")
-        reason = req.reason or Reason(msg["status"], msg["reason"])
-        self._free(req, f"abort:{msg['status']}", reason)
+            raise ProtocolError(f"ABORT for unknown request {msg.rid}")
+        if msg.status == OK and req.state != "quarantined":
+            raise ProtocolError(f"ABORT for request {req.rid} with status 200: this side did "
+                                "not ask for it (200 only answers an ABORT_REQ)")
+        reason = req.reason or Reason(msg.status, msg.reason)
+        self._free(req, f"abort:{msg.status}", reason)
 
     def abort(self, rid: int, status: int = CLIENT_CLOSED, message: str | None = None) -> None:
         """A decode-side abort: the prefill is asked to stop (``ABORT_REQ``); the pages stay
-        quarantined until it answers that no write of the request is in flight."""
+        quarantined until it answers that no write of the request is in flight.
+        ``status``: 499, 500, 503 or 504; anything else is a ValueError naming it, and
+        nothing changes."""
+        check_caller_args("abort", rid, status, message)
         req = self.reqs.get(rid)
         if req is None:
             if rid in self.completed:

@@ -44,11 +44,22 @@ States of a request (sglang's KVPoll) and every way out of each::
   it are drained and aborted (503) and ``PAUSE_ACK`` tells it no write is in flight; its
   ``META`` (new epoch) lets requests flow again, and the engine refuses writes built from
   its older metadata (StaleEpochError), which end the request with 503.
+* Pack, then post, in that order on the device too: ``pack_pages`` (and the AUX copy) is
+  asynchronous on CUDA, and RDMA reads the staging buffer without waiting for the
+  stream.  So each staged write carries a *ready* object (``ready_event()``, by default a
+  ``torch.cuda.Event`` recorded on the pool device's current stream, the one pack ran on,
+  right after the pack); ``step`` posts it once ``ready.query()`` is True, and never
+  blocks on it.  On the CPU pack is done when it returns and ready at once.
+* The landing region is addressed as an offset into the decode's ``landing``
+  registration, its regions concatenated in order (:class:`~kvmem.disagg.common.RegionMap`):
+  a write that spans two regions (the CUDA VMM backend registers one per 2 GiB chunk) is
+  posted as one write of two remote ranges.
+* Peer messages arrive validated (:mod:`kvmem.disagg.protocol`); the handlers here check
+  what depends on state, before they change anything.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 from dataclasses import dataclass, field
 
@@ -58,7 +69,10 @@ import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Ledger,
-    Metrics, ProtocolError, Reason, encode, meta_message, now, receive, tell,
+    Metrics, ProtocolError, Reason, RegionMap, check_caller_args, check_id, now, tell,
+)
+from kvmem.disagg.protocol import (
+    AbortReq, Boot, Inbox, Meta, Pausing, apply_metadata, encode, meta_message,
 )
 from kvmem.memory import make_backend
 from kvmem.transfer.base import StaleEpochError, TransferError
@@ -67,6 +81,47 @@ log = logging.getLogger("kvmem.disagg.prefill")
 
 AUX_BYTES = 64  # the "extra state" written after the last KV chunk (first token, lengths)
 DEFAULT_TIMEOUT = 600.0
+
+
+class _Ready:
+    """What ``ready_event()`` gives on the CPU: pack is synchronous there."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+
+_READY = _Ready()
+
+
+def default_ready_event(device):
+    """``() -> object with query()``, called right after each pack into staging: on CUDA a
+    ``torch.cuda.Event`` recorded on ``device``'s current stream (where pack ran); on the
+    CPU an object that is always ready."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return lambda: _READY
+
+    def record():
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+        return ev
+
+    return record
+
+
+@dataclass
+class _Staged:
+    """A write packed (or copied) into staging and not posted yet: posted once ``ready``
+    says the staging bytes are written."""
+
+    off: int  # staging offset
+    nbytes: int
+    remote_off: int  # offset within the request's landing region
+    notif: bytes
+    aux: bool
+    final: bool
+    ready: object
 
 
 class Faults:
@@ -99,6 +154,8 @@ class PrefillRequest:
     landing_off: int = -1
     landing_nbytes: int = 0
     remote: object = None  # RemoteMemory of the decode's landing buffer
+    landing_map: RegionMap | None = None  # offsets of ``remote``'s regions
+    staged: _Staged | None = None  # packed, waiting for its ready event to be posted
     handles: list = field(default_factory=list)  # (TransferHandle, staging offset)
     pending: list = field(default_factory=list)  # chunks packed-to-be: (first, last, final)
     in_batch: bool = False
@@ -118,7 +175,7 @@ class PrefillSide:
                  staging_bytes: int | None = None,
                  bootstrap_timeout: float = DEFAULT_TIMEOUT,
                  transfer_timeout: float = DEFAULT_TIMEOUT, clock=now,
-                 faults: Faults | None = None, on_finish=None):
+                 faults: Faults | None = None, on_finish=None, ready_event=None):
         spec = pool.spec
         if chunk_tokens <= 0 or chunk_tokens % spec.page_size:
             raise ValueError(f"chunk_tokens must be a positive multiple of page_size "
@@ -133,8 +190,11 @@ class PrefillSide:
         self.clock = clock
         self.faults = faults or Faults()
         self.on_finish = on_finish
+        self.ready_event = ready_event or default_ready_event(pool.device)
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("prefill")
+        self.inbox = Inbox(engine, peer=decode_peer, receiver="prefill",
+                           handle=self.handle_message, metrics=self.metrics, log=log)
         chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
         self._staging_mem = make_backend(staging_bytes, pool.device)
@@ -152,22 +212,24 @@ class PrefillSide:
         self._pausing_since: float | None = None
         self.peer_paused = False
         self._peer_pause_epoch: int | None = None
-        self._held_boots: list[dict] = []
+        self._held_boots: dict[int, Boot] = {}  # rid -> BOOT waiting for the decode's META
 
     def _tell(self, msg: bytes) -> bool:
         return tell(self.engine, self.decode_peer, msg, self.metrics, log)
 
     # --- the caller's API ------------------------------------------------------------------
     def add_request(self, rid: int, tokens: int, room: int | None = None) -> None:
-        """A new request of ``tokens`` prompt tokens; tells the decode side (``REQ``)."""
+        """A new request of ``tokens`` prompt tokens; tells the decode side (``REQ``).
+        ValueError for a bad value (named), ProtocolError for an id or room in use;
+        nothing changed either way."""
+        check_id("add_request", "rid", rid)
         room = rid if room is None else room
-        if isinstance(rid, bool) or not isinstance(rid, int) or rid < 0:
-            raise ProtocolError(f"add_request: rid must be an int >= 0, got {rid!r}")
+        check_id("add_request", f"request {rid}: room", room)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-            raise ProtocolError(f"add_request: request {rid}: tokens must be an int > 0, got {tokens!r}")
+            raise ValueError(f"add_request: request {rid}: tokens must be an int > 0, got {tokens!r}")
         if tokens > self.synth.max_tokens:
-            raise ProtocolError(f"add_request: request {rid}: {tokens} tokens > the "
-                                f"{self.synth.max_tokens}-token maximum")
+            raise ValueError(f"add_request: request {rid}: {tokens} tokens > the "
+                             f"{self.synth.max_tokens}-token maximum")
         if rid in self.reqs or rid in self.finished:
             raise ProtocolError(f"add_request: request id {rid} is in use")
         if room in self._rooms:
@@ -179,7 +241,10 @@ class PrefillSide:
         self._tell(encode("REQ", rid=rid, room=room, tokens=tokens))
 
     def abort(self, rid: int, status: int = CLIENT_CLOSED, message: str | None = None) -> None:
-        """Abort ``rid`` from any state; aborting a finished request does nothing."""
+        """Abort ``rid`` from any state; aborting a finished request does nothing.
+        ``status``: an early end of the lifecycle table (499, 500, 503, 504); anything else
+        is a ValueError naming it, and nothing changes."""
+        check_caller_args("abort", rid, status, message)
         req = self.reqs.get(rid)
         if req is None:
             if rid in self.finished:
@@ -301,14 +366,22 @@ class PrefillSide:
         # notification follows on the same endpoint, in order.
         for rid in list(self._order):
             req = self.reqs.get(rid)
-            while (req is not None and req.pending and req.ending is None
-                   and not self.peer_paused and not req.handles):
-                if not self._send_chunk(req, *req.pending[0]):
+            while (req is not None and req.ending is None and not self.peer_paused
+                   and not req.handles):
+                if req.staged is not None:
+                    if not self._post_staged(req):
+                        break  # its pack is still running: next step
+                    continue
+                if not req.pending:
+                    break
+                if not self._stage_chunk(req, *req.pending[0]):
                     return  # staging full: retry next step, in order
                 if req.pending and req.ending is None:
                     req.pending.pop(0)
 
-    def _send_chunk(self, req: PrefillRequest, first: int, last: int, final: bool) -> bool:
+    def _stage_chunk(self, req: PrefillRequest, first: int, last: int, final: bool) -> bool:
+        """Pack pages ``[first, last)`` of ``req`` into a staging slot; False when staging
+        is full (nothing changed)."""
         spec = self.spec
         nbytes = kvmem.packed_nbytes(spec, last - first)
         try:
@@ -317,17 +390,15 @@ class PrefillSide:
             return False
         kvmem.pack_pages(self.pool, self.ledger.pages(req.rid)[first:last],
                          out=self.staging[off:off + nbytes])
+        ready = self.ready_event()  # right after the pack, on the stream it ran on
         self.metrics.bytes_packed += nbytes
-        if final:  # the packed copies are what is sent: the pages are free to go
+        if final:  # the packed copies are what is sent: the pages are free to go (a later
+            # writer of these pages is ordered after the pack on the same stream)
             self.ledger.release(req.rid, "sent")
         chunk_off = kvmem.packed_nbytes(spec, first)
         notif = encode("CHUNK", rid=req.rid, first=first, last=last, off=chunk_off,
                        nbytes=nbytes, final=final)
-        if not self._post(req, off, nbytes, req.landing_off + chunk_off, notif, aux=False):
-            return True
-        if req.state == KVPoll.WaitingForInput:
-            req.state = KVPoll.Transferring
-        req.aux_due = final  # posted by _maybe_finish once this write is DONE
+        req.staged = _Staged(off, nbytes, chunk_off, notif, aux=False, final=final, ready=ready)
         return True
 
     def _send_aux(self, req: PrefillRequest) -> None:
@@ -339,11 +410,29 @@ class PrefillSide:
             return
         aux = torch.zeros(AUX_BYTES, dtype=torch.uint8)
         aux[:16].view(torch.int64).copy_(torch.tensor([req.rid, req.tokens]))
-        self.staging[off:off + AUX_BYTES].copy_(aux)
+        self.staging[off:off + AUX_BYTES].copy_(aux)  # may be asynchronous on CUDA
+        ready = self.ready_event()
         aux_off = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size))
         notif = encode("AUX", rid=req.rid, off=aux_off, nbytes=AUX_BYTES)
-        if self._post(req, off, AUX_BYTES, req.landing_off + aux_off, notif, aux=True):
+        req.staged = _Staged(off, AUX_BYTES, aux_off, notif, aux=True, final=False, ready=ready)
+        self._post_staged(req)
+
+    def _post_staged(self, req: PrefillRequest) -> bool:
+        """Post ``req.staged`` if its ready object says the staging bytes are written;
+        False (nothing changed) when not yet."""
+        st = req.staged
+        if not st.ready.query():
+            return False
+        req.staged = None
+        if not self._post(req, st.off, st.nbytes, st.remote_off, st.notif, aux=st.aux):
+            return True  # the request ended (500 / 503); its slot is free again
+        if st.aux:
             req.final_posted = True
+            return True
+        if req.state == KVPoll.WaitingForInput:
+            req.state = KVPoll.Transferring
+        req.aux_due = st.final  # posted by _maybe_finish once this write is DONE
+        return True
 
     def _post(self, req, staging_off, nbytes, remote_off, notif, *, aux: bool) -> bool:
         """Post one write from staging to the request's landing region; on failure free the
@@ -351,12 +440,12 @@ class PrefillSide:
         seq = req.seq
         req.seq += 1
         local = [(self.staging.data_ptr() + staging_off, nbytes)]
-        base = req.remote.regions[0][0]
         what = "extra-state (last) chunk" if aux else f"chunk {seq}"
         try:
             if self.faults.fail_send(req.rid, seq, aux):
                 raise TransferError(f"injected send failure of {what}")
-            h = self.engine.post_write(local, req.remote, [(base + remote_off, nbytes)], notif)
+            remote = req.landing_map.ranges(req.landing_off + remote_off, nbytes)
+            h = self.engine.post_write(local, req.remote, remote, notif)
         except StaleEpochError as e:
             self.arena.free(staging_off)
             self._end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: the decode side "
@@ -415,6 +504,9 @@ class PrefillSide:
             return
         req.ending = reason
         req.pending.clear()
+        if req.staged is not None:  # packed, never posted: the slot is free again
+            self.arena.free(req.staged.off)
+            req.staged = None
         if self.ledger.holds(req.rid):
             self.ledger.release(req.rid, f"ended:{reason.status}")
         self._maybe_finish(req)
@@ -451,52 +543,68 @@ class PrefillSide:
 
     # --- control messages ---------------------------------------------------------------------
     def _handle_notifs(self) -> None:
-        receive(self.engine, self.handle_message, self.metrics, log)
+        self.inbox.drain()
         if self._held_boots and not self.peer_paused:
-            held, self._held_boots = self._held_boots, []
-            for msg in held:
+            held, self._held_boots = self._held_boots, {}
+            for boot in held.values():
                 try:
-                    self.handle_message(self.decode_peer, msg)
+                    self._on_boot(boot)
                 except ProtocolError as e:
                     self.metrics.protocol_errors += 1
                     log.warning("prefill: refused a held BOOT: %s", e)
 
-    def handle_message(self, peer: str, msg: dict) -> None:
-        t = msg["t"]
-        if peer != self.decode_peer:
-            raise ProtocolError(f"{t} from unknown peer {peer!r}")
-        if t == "BOOT":
+    def handle_message(self, msg) -> None:
+        """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from the
+        decode peer; ProtocolError, before anything changed, when it does not fit the
+        state here."""
+        if isinstance(msg, Boot):
             self._on_boot(msg)
-        elif t == "ABORT_REQ":
-            req = self.reqs.get(msg["rid"])
-            if req is None:
-                if msg["rid"] not in self.finished:
-                    raise ProtocolError(f"ABORT_REQ for unknown request {msg['rid']}")
-                # finished here already: nothing in flight; say so, so decode can free
-                fin = self.finished[msg["rid"]]
-                self._tell(encode(
-                    "ABORT", rid=msg["rid"], status=fin.status, reason=fin.message))
-                return
-            self.abort(req.rid, msg["status"], f"decode side: {msg['reason']}")
-        elif t == "PAUSING":
-            self.peer_paused = True
-            self._peer_pause_epoch = msg["epoch"]
-            for req in list(self.reqs.values()):
-                if req.state != KVPoll.Bootstrapping or req.remote is not None:
-                    self._end(req, Reason(SERVICE_UNAVAILABLE, (
-                        f"request {req.rid} aborted: the decode side is pausing to release "
-                        "its KV memory")))
-            self._maybe_ack_peer_pause()
-        elif t == "META":
-            self.engine.add_peer(base64.b64decode(msg["md"]))
-            try:
-                landing = self.engine.remote(self.decode_peer, "landing")
-            except KeyError:
-                landing = None
-            if landing is not None and landing.live and self._peer_pause_epoch is None:
-                self.peer_paused = False
+        elif isinstance(msg, AbortReq):
+            self._on_abort_req(msg)
+        elif isinstance(msg, Pausing):
+            self._on_pausing(msg)
+        elif isinstance(msg, Meta):
+            self._on_meta(msg)
         else:
-            raise ProtocolError(f"unexpected message {t} on the prefill side")
+            raise ProtocolError(f"unexpected message {type(msg).__name__} on the prefill side")
+
+    def _on_abort_req(self, msg: AbortReq) -> None:
+        req = self.reqs.get(msg.rid)
+        if req is None:
+            if msg.rid not in self.finished:
+                raise ProtocolError(f"ABORT_REQ for unknown request {msg.rid}")
+            # finished here already: nothing in flight; say so, so decode can free
+            fin = self.finished[msg.rid]
+            self._tell(encode("ABORT", rid=msg.rid, status=fin.status, reason=fin.message))
+            return
+        self.abort(req.rid, msg.status, f"decode side: {msg.reason}")
+
+    def _on_pausing(self, msg: Pausing) -> None:
+        try:
+            landing = self.engine.remote(self.decode_peer, "landing")
+        except KeyError:
+            raise ProtocolError(f"PAUSING epoch {msg.epoch}: the decode's landing buffer is "
+                                "not known here") from None
+        if msg.epoch != landing.epoch:
+            raise ProtocolError(f"PAUSING epoch {msg.epoch}: the decode's landing buffer is "
+                                f"at epoch {landing.epoch}")
+        self.peer_paused = True
+        self._peer_pause_epoch = msg.epoch
+        for req in list(self.reqs.values()):
+            if req.state != KVPoll.Bootstrapping or req.remote is not None:
+                self._end(req, Reason(SERVICE_UNAVAILABLE, (
+                    f"request {req.rid} aborted: the decode side is pausing to release "
+                    "its KV memory")))
+        self._maybe_ack_peer_pause()
+
+    def _on_meta(self, msg: Meta) -> None:
+        apply_metadata(self.engine, msg)
+        try:
+            landing = self.engine.remote(self.decode_peer, "landing")
+        except KeyError:
+            landing = None
+        if landing is not None and landing.live and self._peer_pause_epoch is None:
+            self.peer_paused = False
 
     def _maybe_ack_peer_pause(self) -> None:
         if self._peer_pause_epoch is None:
@@ -506,42 +614,42 @@ class PrefillSide:
         self._tell(encode("PAUSE_ACK", epoch=self._peer_pause_epoch))
         self._peer_pause_epoch = None
 
-    def _on_boot(self, msg: dict) -> None:
-        req = self.reqs.get(msg["rid"])
+    def _on_boot(self, msg: Boot) -> None:
+        req = self.reqs.get(msg.rid)
         if req is None:
-            if msg["rid"] in self.finished:
+            if msg.rid in self.finished:
                 return  # ended meanwhile; our ABORT tells the decode side
-            raise ProtocolError(f"BOOT for unknown request {msg['rid']}")
-        if msg["room"] != req.room:
-            raise ProtocolError(f"BOOT for request {req.rid}: room {msg['room']} != {req.room}")
+            raise ProtocolError(f"BOOT for unknown request {msg.rid}")
+        if msg.room != req.room:
+            raise ProtocolError(f"BOOT for request {req.rid}: room {msg.room} != {req.room}")
         if req.state != KVPoll.Bootstrapping or req.ending is not None:
             raise ProtocolError(f"BOOT for request {req.rid} in state {req.state.name}")
         if self.peer_paused:
-            self._held_boots.append(msg)
+            self._held_boots[req.rid] = msg
             return
         try:
             remote = self.engine.remote(self.decode_peer, "landing")
         except KeyError:
             raise ProtocolError(f"BOOT for request {req.rid}: the decode's landing buffer "
                                 "is not known here") from None
-        if remote.epoch < msg["epoch"]:
-            self._held_boots.append(msg)  # its META is on the way
+        if remote.epoch < msg.epoch:
+            self._held_boots[req.rid] = msg  # its META is on the way
             return
         if not remote.live:
             raise ProtocolError(f"BOOT for request {req.rid}: the decode's landing buffer is "
                                 "closed (it is pausing)")
-        if remote.epoch > msg["epoch"]:
+        if remote.epoch > msg.epoch:
             # Booted before the decode paused (which freed that region): ask again.
-            self._tell(encode(
-                "REQ", rid=req.rid, room=req.room, tokens=req.tokens))
+            self._tell(encode("REQ", rid=req.rid, room=req.room, tokens=req.tokens))
             return
         need = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size)) + AUX_BYTES
-        size = sum(n for _, n in remote.regions)
-        if msg["nbytes"] < need or msg["off"] < 0 or msg["off"] + msg["nbytes"] > size:
-            raise ProtocolError(f"BOOT for request {req.rid}: landing region [{msg['off']}, "
-                                f"+{msg['nbytes']}) does not hold {need} bytes within {size}")
-        req.remote = remote
-        req.landing_off, req.landing_nbytes = msg["off"], msg["nbytes"]
+        landing_map = RegionMap(remote.regions)
+        if msg.nbytes < need or msg.off + msg.nbytes > landing_map.size:
+            raise ProtocolError(f"BOOT for request {req.rid}: landing region [{msg.off}, "
+                                f"+{msg.nbytes}) does not hold {need} bytes within "
+                                f"{landing_map.size}")
+        req.remote, req.landing_map = remote, landing_map
+        req.landing_off, req.landing_nbytes = msg.off, msg.nbytes
         req.state = KVPoll.WaitingForInput
         req.t_bootstrapped = self.clock()
         self._order.append(req.rid)
