@@ -13,6 +13,15 @@ falls back to small pages when no huge page is free).  Pre-faulting on resume ru
 ``MADV_POPULATE_WRITE`` over slices of the range from several threads (``madvise`` through
 ctypes releases the GIL); the page faults are the cost, and they parallelise.
 
+A pre-fault never changes the contents, even while other threads write to the range.
+Where the kernel lacks ``MADV_POPULATE_WRITE`` (before 5.14: ``EINVAL``), pages are
+populated by ``mlock`` + ``munlock`` of sub-slices that fit ``RLIMIT_MEMLOCK``: locking a
+private writable range write-faults every page in (the kernel breaks copy-on-write, as a
+write would) without any store from us, and unlocking leaves them resident.  Where
+``mlock`` is refused too (``EPERM``/``ENOMEM``/``EAGAIN``, e.g. a limit of 0) the rest of
+the range is left to fault at first touch: a read touch would only map the shared zero
+page, and a store, even of the value just read, could overwrite a concurrent writer's.
+
 ``resident_bytes()`` is measured with ``mincore(2)`` over the mapping: the pages of this
 range that are in memory now, not an assumption from the release state.
 """
@@ -21,8 +30,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
+import resource
 import threading
 
 import torch
@@ -44,12 +55,40 @@ _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _libc.mincore.restype = ctypes.c_int
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
+for _fn in (_libc.mlock, _libc.munlock):
+    _fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    _fn.restype = ctypes.c_int
+# mlock sub-slice when RLIMIT_MEMLOCK is unlimited: a guess (a huge page's multiple small
+# enough that a locked slice is never a noticeable share of memory), not measured.
+_LOCK_SLICE_UNLIMITED = 16 * _HUGE
 
 
 def _madvise(addr: int, length: int, advice: int) -> None:
     if _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"madvise({advice}) over {length} bytes failed: {os.strerror(err)}")
+
+
+def _mlock(addr: int, length: int) -> int:
+    """``mlock(2)``: 0 or the errno."""
+    return 0 if _libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(length)) == 0 else ctypes.get_errno()
+
+
+def _munlock(addr: int, length: int) -> None:
+    if _libc.munlock(ctypes.c_void_p(addr), ctypes.c_size_t(length)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"munlock over {length} bytes failed: {os.strerror(err)}")
+
+
+def _lock_slice_bytes(threads: int) -> int:
+    """Bytes one thread may lock at a time so that ``threads`` of them stay within
+    ``RLIMIT_MEMLOCK`` (0: locking is not possible)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return _LOCK_SLICE_UNLIMITED
+    # Other locked memory of the process counts against the same limit: use half of it.
+    per_thread = soft // 2 // max(1, threads)
+    return per_thread // PAGE * PAGE
 
 
 class HostBackend(MemoryBackend):
@@ -82,18 +121,31 @@ class HostBackend(MemoryBackend):
             self.prefault()
 
     def prefault(self) -> None:
-        """Populate every page of the range now: ``MADV_POPULATE_WRITE`` over slices from
-        several threads (a touch per page where the kernel lacks it).  First touches of a
-        fresh range otherwise cost 3-4x more, and UCX's cma writes into untouched pages
-        ran 3.5x slower (measured by the demo on this machine)."""
+        """Populate every page of the range now, never changing its contents:
+        ``MADV_POPULATE_WRITE`` over slices from several threads, ``mlock``/``munlock``
+        where the kernel lacks it, else nothing (see the module docstring).  First touches
+        of a fresh range otherwise cost 3-4x more, and UCX's cma writes into untouched
+        pages ran 3.5x slower (measured by the demo on this machine).
+
+        Raises:
+            OSError: ``MADV_POPULATE_WRITE`` is supported and failed (e.g. ``ENOMEM``: the
+                memory is not there); the contents are unchanged.
+        """
         step = -(-self._map_bytes // _PREFAULT_THREADS // _HUGE) * _HUGE
         slices = [(off, min(step, self._map_bytes - off))
                   for off in range(0, self._map_bytes, step)]
         errors: list[OSError] = []
+        lock_bytes = _lock_slice_bytes(len(slices))
 
         def populate(off: int, length: int) -> None:
             try:
-                _madvise(self._addr + off, length, MADV_POPULATE_WRITE)
+                try:
+                    _madvise(self._addr + off, length, MADV_POPULATE_WRITE)
+                    return
+                except OSError as e:
+                    if e.errno != errno.EINVAL:  # supported, and failed
+                        raise
+                self._populate_by_lock(off, length, lock_bytes)
             except OSError as e:
                 errors.append(e)
 
@@ -103,8 +155,25 @@ class HostBackend(MemoryBackend):
         populate(*slices[0])
         for t in threads:
             t.join()
-        if errors:  # kernels older than 5.14: touch one byte per page
-            self.tensor[::PAGE].zero_()
+        if errors:
+            raise errors[0]
+
+    def _populate_by_lock(self, off: int, length: int, lock_bytes: int) -> None:
+        """Write-fault ``[off, off + length)`` in by locking and unlocking sub-slices of
+        ``lock_bytes``; stop quietly where locking is refused (the pages then fault at
+        first touch).  No store: concurrent writers are never overwritten."""
+        if lock_bytes <= 0:
+            return
+        end = off + length
+        while off < end:
+            n = min(lock_bytes, end - off)
+            err = _mlock(self._addr + off, n)
+            if err in (errno.EPERM, errno.ENOMEM, errno.EAGAIN):
+                return
+            if err:
+                raise OSError(err, f"mlock over {n} bytes failed: {os.strerror(err)}")
+            _munlock(self._addr + off, n)
+            off += n
 
     def resident_bytes(self) -> int:
         pages = self._map_bytes // PAGE
