@@ -1,0 +1,139 @@
+"""The hook functions the plugin registers (signatures are sglang's HookRegistry's:
+AROUND ``hook(original, *args, **kwargs)``, AFTER ``hook(result, *args, **kwargs)``,
+REPLACE ``hook(*args, **kwargs)``).  Each maps one sglang call onto kvmem; the work is in
+:mod:`kvmem_sglang.kvpool`, :mod:`kvmem_sglang.allocator` and :mod:`kvmem_sglang.staging`."""
+
+from __future__ import annotations
+
+import logging
+
+from kvmem_sglang import kvpool, staging
+from kvmem_sglang.options import AdapterError
+
+logger = logging.getLogger("kvmem.sglang")
+
+
+def _options():
+    from kvmem_sglang import plugin
+
+    if plugin.OPTIONS is None:  # hooks are only registered by load() with the flag on
+        raise AdapterError("kvmem hook called before the plugin loaded")
+    return plugin.OPTIONS
+
+
+# -- KV pool ------------------------------------------------------------------------------
+
+def mha_create_buffers(original, kvcache):
+    kvpool.check_mha(kvcache)  # before sglang allocates anything
+    return original(kvcache)
+
+
+def mha_create_buffers_normal(kvcache):
+    kvpool.create_mha_buffers(kvcache, _options())
+
+
+def mla_create_buffers(kvcache):
+    kvpool.create_mla_buffers(kvcache, _options())
+
+
+# -- allocator ------------------------------------------------------------------------------
+
+def build_allocator(original, configurator, *args, **kwargs):
+    """Let sglang choose and build its allocator (so its own refusals and sizes hold),
+    then put kvmem's in its place, or refuse what kvmem does not back."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+
+    from kvmem_sglang.allocator import KvmemTokenToKVPoolAllocator
+
+    reused = kwargs.get("token_to_kv_pool_allocator")
+    kvcache = kwargs.get("token_to_kv_pool")
+    stock = original(configurator, *args, **kwargs)
+    if reused is not None:  # a draft worker shares the target's allocator
+        if not isinstance(stock, KvmemTokenToKVPoolAllocator):
+            raise AdapterError(f"a draft worker reuses a {type(stock).__name__}, not "
+                               "kvmem's allocator")
+        return stock
+    pool = kvpool.pool_of(kvcache)
+    if pool is None:
+        raise AdapterError(
+            f"the KV pool is a {type(kvcache).__name__}, which kvmem does not back (kvmem "
+            "backs plain MHA and MLA pools; hybrid SWA, mamba/linear, quantized, DSA and "
+            "sharded pools are refused); unset SGLANG_KVMEM to run this model stock")
+    if type(stock) not in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
+        raise AdapterError(f"sglang chose the allocator {type(stock).__name__} for this "
+                           "configuration; kvmem replaces only the token and paged ones")
+    if stock.page_size != pool.spec.page_size:
+        raise AdapterError(f"the allocator's page size {stock.page_size} differs from the "
+                           f"KV pool's {pool.spec.page_size} (decode context parallelism "
+                           "is not supported)")
+    ours = KvmemTokenToKVPoolAllocator(stock.size, stock.page_size, stock.dtype,
+                                       stock.device, kvcache, stock.need_sort)
+    logger.info("kvmem: allocator %s over %d pages of %d tokens (need_sort %s) in place "
+                "of %s", type(ours).__name__, stock.size // stock.page_size,
+                stock.page_size, stock.need_sort, type(stock).__name__)
+    return ours
+
+
+# -- release / resume ---------------------------------------------------------------------
+
+def _kv_tag(tags) -> bool:
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+    return not tags or GPU_MEMORY_TYPE_KV_CACHE in tags
+
+
+def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
+    """sglang's release (it clears the bootstrap queue, deregisters the transfer
+    buffers, flushes the cache, resets the allocator), then kvmem gives the KV pool's
+    physical memory back."""
+    out = original(manager, recv_req, *args, **kwargs)
+    if _kv_tag(recv_req.tags):
+        kvpool.release_all()
+    return out
+
+
+def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
+    """kvmem maps the KV pool's memory back (same addresses, epoch + 1) before sglang's
+    resume re-registers the buffers with the transfer engine."""
+    if _kv_tag(recv_req.tags):
+        kvpool.resume_all(_options().prefault)
+    return original(manager, recv_req, *args, **kwargs)
+
+
+# -- transfer registrations ---------------------------------------------------------------
+
+def nixl_register_buffer_to_engine(original, manager, *args, **kwargs):
+    """NIXL registers ``kv_args.kv_data_ptrs`` one by one (2 x layers entries); give it
+    the pool's regions instead for the call, then put sglang's per-layer lists back
+    (transfers still address each layer inside the registered regions)."""
+    kv_args = manager.kv_args
+    ptrs, lens = list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens)
+    kinds = list(getattr(kv_args, "kv_data_mem_kinds", None) or [])
+    new_ptrs, new_lens = kvpool.coalesce(ptrs, lens)
+    if new_ptrs == ptrs or len(set(kinds)) > 1:
+        return original(manager, *args, **kwargs)
+    saved = (kv_args.kv_data_ptrs, kv_args.kv_data_lens, getattr(kv_args, "kv_data_mem_kinds", None))
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens = new_ptrs, new_lens
+    if kinds:
+        kv_args.kv_data_mem_kinds = kinds[:1] * len(new_ptrs)
+    try:
+        return original(manager, *args, **kwargs)
+    finally:
+        kv_args.kv_data_ptrs, kv_args.kv_data_lens = saved[0], saved[1]
+        if kinds:
+            kv_args.kv_data_mem_kinds = saved[2]
+
+
+def mooncake_registerable_regions(result, manager, *args, **kwargs):
+    ptrs, lens = kvpool.coalesce([p for p, _ in result], [n for _, n in result])
+    return list(zip(ptrs, lens))
+
+
+# -- staging ------------------------------------------------------------------------------
+
+def gather_all_layers_to_staging(*args, **kwargs):
+    return staging.gather_all_layers_to_staging(*args, **kwargs)
+
+
+def scatter_staging_to_kv(*args, **kwargs):
+    return staging.scatter_staging_to_kv(*args, **kwargs)

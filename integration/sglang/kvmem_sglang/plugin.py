@@ -1,0 +1,179 @@
+"""The plugin sglang loads: ``load()`` installs kvmem under sglang, or does nothing.
+
+sglang calls :func:`load` (entry point ``kvmem`` in the ``sglang.srt.plugins`` group)
+first thing in every process it starts, before the scheduler builds its KV pool and
+allocator.  With ``SGLANG_KVMEM`` unset or ``0`` it returns at once and patches nothing.
+With ``SGLANG_KVMEM=1`` it registers the hooks below through sglang's ``HookRegistry``,
+applies them, checks that every one is in place, and logs once what it installed.
+
+sglang logs and swallows exceptions from plugins and from hook application, which would
+leave a server running stock sglang while its operator believes kvmem is under it.  So
+every problem found here (bad option, other sglang version, missing hook target, a hook
+that did not apply) ends the process with ``SystemExit`` and one message naming the
+cause.  Problems found later, when sglang builds its pool (a KV layout kvmem cannot
+place), raise :class:`~kvmem_sglang.options.AdapterError` from inside the hook, which
+sglang does not catch: the scheduler stops with that message.
+
+Hooks (target -> kind -> what it does):
+
+=====================================================  =======  ==========================
+MHATokenToKVPool._create_buffers                       AROUND   refuse layouts kvmem
+                                                                cannot place
+MHATokenToKVPool._create_buffers_normal                REPLACE  K/V views of a KVPool
+MLATokenToKVPool._create_buffers                       REPLACE  KV views of a KVPool
+KVCacheConfigurator._build_token_to_kv_pool_allocator  AROUND   kvmem's allocator; refuse
+                                                                pools kvmem does not own
+SchedulerWeightUpdaterManager.release_memory_occupation AROUND  pool.release() after
+                                                                sglang's kv_cache release
+SchedulerWeightUpdaterManager.resume_memory_occupation AROUND   pool.resume() before
+                                                                sglang's kv_cache resume
+NixlKVManager.register_buffer_to_engine                AROUND   register pool regions
+MooncakeKVManager._registerable_regions                AFTER    the same for mooncake
+staging_buffer.gather_all_layers_to_staging            REPLACE  kvmem.pack_buffers
+staging_buffer.scatter_staging_to_kv                   REPLACE  kvmem.unpack_buffers
+=====================================================  =======  ==========================
+
+The last four depend on options (``SGLANG_KVMEM_REGISTER``, ``SGLANG_KVMEM_STAGING``).
+"""
+
+from __future__ import annotations
+
+import logging
+import pkgutil
+
+from kvmem_sglang.options import AdapterError, Options
+
+logger = logging.getLogger("kvmem.sglang")
+
+SGLANG_VERSION = "0.5.23"
+
+_MEM = "sglang.srt.mem_cache.memory_pool"
+_CONF = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+_WU = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+_STAGING = "sglang.srt.disaggregation.common.staging_buffer"
+
+OPTIONS: Options | None = None  # what load() read; None until the flag is on
+INSTALLED: list[str] = []  # targets patched in this process
+
+
+def load() -> None:
+    """Entry point: install kvmem's hooks when ``SGLANG_KVMEM=1``, else nothing."""
+    global OPTIONS
+    try:
+        options = Options.from_env()
+    except AdapterError as e:
+        _fatal(str(e))
+    if not options.enabled:
+        return
+    if OPTIONS is not None:  # sglang guards against a second load; so do we
+        return
+    try:
+        _check_version()
+        hooks = _hooks(options)
+        _install(hooks)
+    except AdapterError as e:
+        _fatal(str(e))
+    OPTIONS = options
+    from kvmem_sglang import staging
+
+    staging.CHECK = options.check
+    logger.info("kvmem-sglang: SGLANG_KVMEM=1, %d hooks installed (backend %s, check %s, "
+                "register %s, staging %s): %s", len(hooks), options.backend or "auto",
+                options.check, "regions" if options.register_regions else "layers",
+                options.staging, ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1]
+                                           for t, _, _ in hooks))
+
+
+def _fatal(msg: str):
+    logger.critical("kvmem-sglang: %s", msg)
+    raise SystemExit(f"kvmem-sglang (SGLANG_KVMEM=1): {msg}")
+
+
+def _check_version() -> None:
+    try:
+        import sglang
+    except ImportError as e:
+        raise AdapterError(f"sglang is not importable: {e}") from None
+    version = getattr(sglang, "__version__", "unknown")
+    if version != SGLANG_VERSION:
+        raise AdapterError(f"this adapter supports sglang {SGLANG_VERSION}, found sglang "
+                           f"{version}; unset SGLANG_KVMEM to run it stock")
+
+
+def _hooks(options: Options) -> list[tuple[str, object, str]]:
+    """(target, hook, kind) for these options."""
+    from kvmem_sglang import hooks as H
+
+    out = [
+        (f"{_MEM}.MHATokenToKVPool._create_buffers", H.mha_create_buffers, "AROUND"),
+        (f"{_MEM}.MHATokenToKVPool._create_buffers_normal", H.mha_create_buffers_normal,
+         "REPLACE"),
+        (f"{_MEM}.MLATokenToKVPool._create_buffers", H.mla_create_buffers, "REPLACE"),
+        (f"{_CONF}._build_token_to_kv_pool_allocator", H.build_allocator, "AROUND"),
+        (f"{_WU}.release_memory_occupation", H.release_memory_occupation, "AROUND"),
+        (f"{_WU}.resume_memory_occupation", H.resume_memory_occupation, "AROUND"),
+    ]
+    if options.register_regions:
+        out += [
+            ("sglang.srt.disaggregation.nixl.conn.NixlKVManager.register_buffer_to_engine",
+             H.nixl_register_buffer_to_engine, "AROUND"),
+            ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._registerable_regions",
+             H.mooncake_registerable_regions, "AFTER"),
+        ]
+    if options.staging:
+        out += [
+            (f"{_STAGING}.gather_all_layers_to_staging", H.gather_all_layers_to_staging,
+             "REPLACE"),
+            (f"{_STAGING}.scatter_staging_to_kv", H.scatter_staging_to_kv, "REPLACE"),
+        ]
+    return out
+
+
+def _resolve(target: str):
+    """(owner, attribute name, current value); AdapterError when it does not exist."""
+    owner_path, name = target.rsplit(".", 1)
+    try:
+        owner = pkgutil.resolve_name(owner_path)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise AdapterError(f"hook target {target} cannot be resolved: "
+                           f"{type(e).__name__}: {e}") from None
+    if isinstance(owner, type):
+        raw = next((k.__dict__[name] for k in owner.__mro__ if name in k.__dict__), None)
+        if raw is None:
+            raise AdapterError(f"hook target {target} does not exist in this sglang")
+        return owner, name, getattr(raw, "__func__", raw)
+    if not hasattr(owner, name):
+        raise AdapterError(f"hook target {target} does not exist in this sglang")
+    return owner, name, getattr(owner, name)
+
+
+def _holds(fn, hook) -> bool:
+    """Whether ``fn`` is, or wraps (through sglang's hook wrappers), ``hook``."""
+    seen = 0
+    while fn is not None and seen < 32:
+        if fn is hook:
+            return True
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                if cell.cell_contents is hook:
+                    return True
+            except ValueError:  # an empty cell
+                pass
+        fn = getattr(fn, "__wrapped__", None)
+        seen += 1
+    return False
+
+
+def _install(hooks) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, _, _ in hooks:  # every target exists before anything is registered
+        _resolve(target)
+    for target, hook, kind in hooks:
+        HookRegistry.register(target, hook, HookType[kind])
+    HookRegistry.apply_hooks()  # idempotent: load_plugins' own call skips these
+    missing = [t for t, hook, _ in hooks if not _holds(_resolve(t)[2], hook)]
+    if missing:
+        raise AdapterError("sglang did not apply the hook(s) on " + ", ".join(missing) +
+                           " (see sglang's log for the exception it swallowed)")
+    INSTALLED[:] = [t for t, _, _ in hooks]
