@@ -4,6 +4,7 @@ a clock the test advances (timeouts), and fault hooks the test sets per request.
 from __future__ import annotations
 
 import itertools
+import unittest.mock
 import uuid
 from dataclasses import dataclass, field
 
@@ -57,31 +58,59 @@ class TestFaults(Faults, DecodeFaults):
 _ids = itertools.count()
 
 
+class ChunkedLanding:
+    """A host backend whose ``regions()`` cut its range into ``chunk``-byte pieces, as the
+    CUDA VMM backend registers one region per physical chunk (2 GiB there)."""
+
+    def __init__(self, inner, chunk: int):
+        self._inner, self._chunk = inner, chunk
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def regions(self) -> list[tuple[int, int]]:
+        base, n = self._inner.tensor.data_ptr(), self._inner.nbytes
+        return [(base + o, min(self._chunk, n - o)) for o in range(0, n, self._chunk)]
+
+
+def _landing_backend(chunk: int | None):
+    from kvmem.memory import make_backend
+
+    if chunk is None:
+        return make_backend
+    return lambda nbytes, device, kind=None: ChunkedLanding(make_backend(nbytes, device, kind), chunk)
+
+
 class Pair:
     """Both sides, wired: metadata exchanged, ready to step."""
 
     def __init__(self, *, num_pages: int = 97, chunk_tokens: int = 64, max_tokens: int = 512,
                  bootstrap_timeout: float = 30.0, transfer_timeout: float = 30.0,
-                 decode_timeout: float = 60.0, staging_chunks: int = 8):
+                 decode_timeout: float = 60.0, staging_chunks: int = 8, spec=SPEC,
+                 ready_event=None, landing_chunk: int | None = None):
+        """``ready_event``: the prefill's (see PrefillSide); ``landing_chunk``: register
+        the decode's landing buffer as regions of that many bytes (ChunkedLanding)."""
         tag = f"{uuid.uuid4().hex[:8]}-{next(_ids)}"
         self.clock = Clock()
         self.faults = TestFaults()
-        self.synth = Synth(SPEC, max_tokens)
+        self.spec = spec
+        self.synth = Synth(spec, max_tokens)
         self.pe = NixlEngine(f"prefill-{tag}", progress_thread=False)
         self.de = NixlEngine(f"decode-{tag}", progress_thread=False)
         self.finished: dict[int, kvmem.disagg.Reason] = {}
-        self.decode = DecodeSide(
-            kvmem.KVPool(SPEC, num_pages), kvmem.PageAllocator(num_pages, SPEC.page_size),
-            self.de, self.synth, prefill_peer=self.pe.name,
-            landing_bytes=kvmem.packed_nbytes(SPEC, num_pages) + 64 * 1024,
-            timeout=decode_timeout, clock=self.clock, faults=self.faults)
-        chunk_bytes = kvmem.packed_nbytes(SPEC, chunk_tokens // SPEC.page_size)
+        landing_bytes = kvmem.packed_nbytes(spec, num_pages) + 64 * 1024
+        with unittest.mock.patch("kvmem.disagg.decode.make_backend", _landing_backend(landing_chunk)):
+            self.decode = DecodeSide(
+                kvmem.KVPool(spec, num_pages), kvmem.PageAllocator(num_pages, spec.page_size),
+                self.de, self.synth, prefill_peer=self.pe.name, landing_bytes=landing_bytes,
+                timeout=decode_timeout, clock=self.clock, faults=self.faults)
+        chunk_bytes = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         self.prefill = PrefillSide(
-            kvmem.KVPool(SPEC, num_pages), kvmem.PageAllocator(num_pages, SPEC.page_size),
+            kvmem.KVPool(spec, num_pages), kvmem.PageAllocator(num_pages, spec.page_size),
             self.pe, self.synth, decode_peer=self.de.name, chunk_tokens=chunk_tokens,
             staging_bytes=staging_chunks * chunk_bytes + 64 * 64,
             bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
-            clock=self.clock, faults=self.faults,
+            clock=self.clock, faults=self.faults, ready_event=ready_event,
             on_finish=lambda rid, reason: self.finished.__setitem__(rid, reason))
         self.pe.add_peer(self.de.local_metadata())
         self.de.add_peer(self.pe.local_metadata())
