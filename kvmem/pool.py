@@ -83,17 +83,24 @@ class KVPool:
         num_pages: pages per layer, the padding page 0 included (sglang's
             ``size // page_size + 1``).
         device: ``"cpu"`` or a CUDA device.
-        backend: memory backend kind (default: the device's).
+        backend: memory backend kind (default: the device's), or a callable
+            ``(nbytes, device) -> MemoryBackend`` (see :func:`kvmem.memory.make_backend`).
         layout: ``"kvmem"`` (all K layers, then all V layers) or ``"sglang"`` (per layer,
             K then V adjacent in one block); see the module docstring.  Both are one
             address range with the same :meth:`regions`, and pack/unpack work on either.
 
     Attributes:
         k_buffer, v_buffer: lists of per-layer views (see the module docstring).
+        layout: ``"kvmem"`` or ``"sglang"``.
         epoch: incremented by every resume.
+
+    Raises:
+        PoolMemoryError: the pool's bytes cannot be had (too large to address, or out of
+            memory); names the bytes, the backend and the page count.
+        ValueError: a bad ``num_pages``, ``layout`` or backend kind.
     """
 
-    def __init__(self, spec: KVSpec, num_pages: int, device="cpu", *, backend: str | None = None,
+    def __init__(self, spec: KVSpec, num_pages: int, device="cpu", *, backend=None,
                  layout: str = "kvmem"):
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
@@ -108,7 +115,9 @@ class KVPool:
             raise ValueError(f"unknown KVPool layout {layout!r} (known: {', '.join(LAYOUTS)})")
         self.layout = layout
         self._k_offsets, self._v_offsets, total = layer_offsets(spec, num_pages, layout)
-        self._mem: MemoryBackend = make_backend(total, self.device, backend)
+        self._mem: MemoryBackend = make_backend(
+            total, self.device, backend,
+            purpose=f"a KV pool of {num_pages} pages ({spec.page_bytes} bytes each)")
         self.epoch = 0
         self._released = False
         raw = self._mem.tensor

@@ -7,7 +7,15 @@ can give physical memory back (pause/resume) implement ``release`` / ``resume``.
 
 from __future__ import annotations
 
+import errno
+from typing import Callable
+
 import torch
+
+from kvmem.errors import PoolMemoryError
+
+# The largest range a backend can be asked for: torch sizes and the OS's ssize_t are int64.
+MAX_BYTES = (1 << 63) - 1
 
 
 class MemoryBackend:
@@ -63,25 +71,61 @@ class PlainBackend(MemoryBackend):
 BACKENDS = ("host", "cuda_vmm", "plain")
 
 
-def make_backend(nbytes: int, device: torch.device, kind: str | None = None) -> MemoryBackend:
+def make_backend(nbytes: int, device: torch.device,
+                 kind: str | Callable[[int, torch.device], MemoryBackend] | None = None, *,
+                 purpose: str = "") -> MemoryBackend:
     """The backend for a device: ``host`` on CPU, ``cuda_vmm`` on CUDA; ``kind`` forces one
-    (``"plain"``: an ordinary allocation that cannot be released)."""
+    (``"plain"``: an ordinary allocation that cannot be released), or is a callable
+    ``(nbytes, device) -> MemoryBackend`` that builds one.
+
+    Raises:
+        PoolMemoryError: ``nbytes`` cannot be had (more than :data:`MAX_BYTES`, or the OS,
+            driver or torch is out of memory); names the bytes, the backend and
+            ``purpose``.  Nothing stays reserved.
+        ValueError: an unknown kind, or a kind that does not fit the device.
+    """
     if kind is None:
         kind = {"cpu": "host", "cuda": "cuda_vmm"}.get(device.type)
         if kind is None:
             raise ValueError(f"no memory backend for device {device}")
-    if kind == "host":
+    if callable(kind):
+        factory, name = kind, str(getattr(kind, "name", getattr(kind, "__name__", "custom")))
+    elif kind == "host":
         if device.type != "cpu":
             raise ValueError(f"the host backend needs a cpu device, got {device}")
         from kvmem.memory.host import HostBackend
 
-        return HostBackend(nbytes, device)
-    if kind == "cuda_vmm":
+        factory, name = HostBackend, kind
+    elif kind == "cuda_vmm":
         if device.type != "cuda":
             raise ValueError(f"the cuda_vmm backend needs a cuda device, got {device}")
         from kvmem.memory.cuda_vmm import CudaVmmBackend
 
-        return CudaVmmBackend(nbytes, device)
-    if kind == "plain":
-        return PlainBackend(nbytes, device)
-    raise ValueError(f"unknown memory backend {kind!r} (known: {', '.join(BACKENDS)})")
+        factory, name = CudaVmmBackend, kind
+    elif kind == "plain":
+        factory, name = PlainBackend, kind
+    else:
+        raise ValueError(f"unknown memory backend {kind!r} (known: {', '.join(BACKENDS)})")
+    if nbytes > MAX_BYTES:
+        raise PoolMemoryError(nbytes, name, device,
+                              f"more than the {MAX_BYTES} bytes one range can address",
+                              purpose=purpose)
+    try:
+        return factory(nbytes, device)
+    except PoolMemoryError:
+        raise
+    except (MemoryError, OverflowError) as e:
+        raise PoolMemoryError(nbytes, name, device, _first_line(e), purpose=purpose) from e
+    except OSError as e:
+        if e.errno in (errno.ENOMEM, errno.EOVERFLOW, errno.EFBIG):
+            raise PoolMemoryError(nbytes, name, device, _first_line(e), purpose=purpose) from e
+        raise
+    except RuntimeError as e:  # torch's allocators: OutOfMemoryError on CUDA, enforce on CPU
+        if isinstance(e, torch.OutOfMemoryError) or "can't allocate memory" in str(e):
+            raise PoolMemoryError(nbytes, name, device, _first_line(e), purpose=purpose) from e
+        raise
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
