@@ -16,6 +16,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -528,3 +529,81 @@ def test_in_flight_write_blocks_deregister_until_drained(engines):
             proc.kill()
             proc.join()
     assert proc.exitcode == 0
+
+
+def test_ranges_whose_end_overflows_or_overlap_are_refused(engines):
+    """Issue 9: register and add_peer refuse regions whose end passes 2**63 - 1, at 2**70,
+    or overlapping; post_write refuses a range whose end wraps; nothing changes, and valid
+    writes go on working."""
+    pa, pb = make_pool(seed=9), make_pool(fill=SENTINEL)
+    a, b = engines("prefill"), engines("decode")
+    a.register_pool(pa)
+    b.register_pool(pb)
+    md = b.local_metadata()
+    header, blob = decode_metadata(md)
+    (base, size), = pb.regions()
+    top = (1 << 63) - 1
+    for regions, msg in [([(top - 10, 100)], "passes 2\\*\\*63 - 1"),
+                         ([(1 << 62, 1 << 62)], "passes 2\\*\\*63 - 1"),
+                         ([(1 << 70, 64)], "does not fit in int64|must be integers")]:
+        with pytest.raises(ValueError, match=msg):
+            a.register("bad", regions, 0)
+    assert "bad" not in a.registrations() and a.open_registrations() == 1
+
+    def with_regions(regs: dict) -> bytes:
+        h = dict(header, regs={k: dict(header["regs"]["kv"], regions=v) for k, v in regs.items()})
+        return encode_metadata(h, blob)
+
+    for regs, msg in [
+        ({"kv": [[1 << 70, 64]]}, r"address must be an int in \[1, 2\*\*63 - 1\]"),
+        ({"kv": [[base, 1 << 70]]}, r"nbytes must be an int in \[1, 2\*\*63 - 1\]"),
+        ({"kv": [[top - 10, 100]]}, "addr \\+ nbytes <= 2\\*\\*63 - 1"),
+        ({"kv": [[base, 4096], [base + 4000, 4096]]}, "regions overlap"),
+        ({"kv": [[base, size]], "kv2": [[base + size - 1, 64]]}, "regions overlap"),
+    ]:
+        with pytest.raises(MetadataError, match=msg):
+            a.add_peer(with_regions(regs))
+        assert isinstance(MetadataError("x"), ValueError)
+    assert a.peers() == []
+    remote = a.add_peer(md)["kv"]
+    (lbase, _), = pa.regions()
+    for local, rem in [([(lbase, top)], [(base, top)]),
+                       ([(lbase, 4096)], [(base, top - 1)]),
+                       (np.array([[lbase, top]], dtype=np.int64), [(base, 4096)])]:
+        with pytest.raises(ValueError, match="passes 2\\*\\*63 - 1|must be equal"):
+            a.post_write(local, remote, rem, b"bad")
+    assert a.open_handles() == 0
+    h = a.post_write(page_ranges(pa, [1]), remote, page_ranges(pb, [2]), b"ok")
+    wait_notif(b, a, b"ok")
+    assert torch.equal(pages_u8(pb, [2]), pages_u8(pa, [1]))
+    a.release(h)
+    assert untouched_except(pb, [2], SENTINEL)
+
+
+def test_post_write_paths_agree(engines):
+    """The few-ranges path (Python ints, bisect) and the numpy path take and refuse the
+    same writes; a write of many ranges lands the same bytes."""
+    pa, pb = make_pool(seed=10), make_pool(fill=SENTINEL)
+    a, b = engines("prefill"), engines("decode")
+    a.register_pool(pa)
+    b.register_pool(pb)
+    remote = a.add_peer(b.local_metadata())["kv"]
+    (base, size), = pb.regions()
+    (lbase, lsize), = pa.regions()
+    for local, rem in [([(lbase, 64)], [(base + size - 32, 64)]),
+                       ([(lbase, 64)], [(base, 32)]),
+                       ([(lbase + lsize - 32, 64)], [(base, 64)])]:
+        for form in (list, lambda r: np.array(r, dtype=np.int64)):
+            with pytest.raises(ValueError):
+                a.post_write(form(local), remote, form(rem), b"bad")
+    few = page_ranges(pa, [3])  # 8 ranges (4 layers, K and V): the Python path
+    many = page_ranges(pa, [4, 5])  # 16: numpy
+    assert len(few) == 8 and len(many) == 16
+    h1 = a.post_write(few, remote, page_ranges(pb, [6]), b"few")
+    h2 = a.post_write(np.array(many, dtype=np.int64), remote, page_ranges(pb, [7, 8]), b"many")
+    if b"many" not in wait_notif(b, a, b"few"):
+        wait_notif(b, a, b"many")
+    assert torch.equal(pages_u8(pb, [6]), pages_u8(pa, [3]))
+    assert torch.equal(pages_u8(pb, [7, 8]), pages_u8(pa, [4, 5]))
+    a.release(h1)
+    a.release(h2)
