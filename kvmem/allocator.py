@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from kvmem._ids import as_page_ids
 from kvmem.errors import DoubleFreeError, KVMemError, OutOfPagesError
 from kvmem.kernels import alloc as K
 from kvmem.kernels._dispatch import force_triton, is_async_device
@@ -253,10 +254,14 @@ class PageAllocator:
         allocator's device or a Python sequence) back on the free list at once, or, in a
         free_group, at its outermost exit.  DoubleFreeError, with nothing freed, if one
         is out of range, page 0, not allocated, or listed twice."""
-        p = self._as_pages(pages)
+        p = as_page_ids(pages, self.device, what="free: pages", where="the allocator",
+                        int64=not self._on_cuda)
         if self._group is not None:
             if p.numel():
-                self._group.append((p.clone() if p is pages else p, check))
+                # a copy, unless p is a tensor of our own making (from a Python sequence):
+                # the caller may change its tensor or array before the group applies
+                fresh = isinstance(pages, Sequence) and not isinstance(pages, (str, bytes))
+                self._group.append((p if fresh else p.clone(), check))
             return
         self._free_now(p, check)
 
@@ -482,34 +487,6 @@ class PageAllocator:
                             flag=False)
         return None
 
-    def _as_pages(self, pages) -> torch.Tensor:
-        if isinstance(pages, torch.Tensor):
-            if pages.dtype is torch.int64 and pages.dim() == 1 and pages.device == self.device:
-                return pages  # the common case, checked in one line
-            if pages.dim() != 1:
-                raise ValueError(f"free: pages must be 1-D, got shape {tuple(pages.shape)}")
-            if pages.dtype not in _INT_DTYPES:
-                raise ValueError(f"free: pages must be an integer tensor, got {pages.dtype}")
-            if not _same_device(pages, self.device):
-                raise ValueError(f"free: pages are on {pages.device}, the allocator on "
-                                 f"{self.device}")
-            if pages.device.type == "cpu" and pages.dtype != torch.int64:
-                pages = pages.to(torch.int64)
-            return pages
-        if isinstance(pages, np.ndarray):
-            if pages.ndim != 1 or pages.dtype.kind not in "iu":
-                raise ValueError(f"free: pages must be a 1-D integer array, got "
-                                 f"{pages.dtype} {pages.shape}")
-            return torch.as_tensor(pages.astype(np.int64), device=self.device)
-        if not isinstance(pages, Sequence) or isinstance(pages, (str, bytes)):
-            raise ValueError(f"free: pages must be a tensor or a sequence of ints, got "
-                             f"{type(pages).__name__}")
-        try:
-            ids = [operator.index(x) for x in pages]
-        except TypeError:
-            raise ValueError("free: pages must be integers") from None
-        return torch.tensor(ids, dtype=torch.int64, device=self.device)
-
     def _reset_err(self) -> None:
         self._err.copy_(torch.tensor([0, 0, K.NO_BAD, K.NO_BAD], dtype=torch.int64))
 
@@ -559,9 +536,6 @@ class PageAllocator:
 
 
 # -- helpers ---------------------------------------------------------------------------
-
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
 
 def _as_int(name: str, v) -> int:
     if isinstance(v, bool):

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvmem._ids import as_page_ids
 from kvmem.kernels._dispatch import is_async_device, use_triton
 
 # Units of one copy element, widest first.  4 bytes is enough for 16-byte vector accesses
@@ -357,24 +358,6 @@ def _make_plan(k_buffers, v_buffers, page_size, layers, heads) -> _Plan:
     )
 
 
-def _page_ids(page_ids, device: torch.device) -> torch.Tensor:
-    if not isinstance(page_ids, torch.Tensor) and hasattr(page_ids, "__dlpack__"):
-        page_ids = torch.from_dlpack(page_ids)  # CuPy / NumPy arrays, zero-copy
-    if not isinstance(page_ids, torch.Tensor):
-        try:
-            page_ids = torch.as_tensor(page_ids, dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(f"page_ids must be integers, got {page_ids!r}") from None
-        page_ids = page_ids.to(device)
-    if page_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"page_ids must be int32 or int64, got {page_ids.dtype}")
-    if page_ids.dim() != 1:
-        raise ValueError(f"page_ids must be 1-D, got shape {tuple(page_ids.shape)}")
-    if page_ids.device != device:
-        raise ValueError(f"page_ids are on {page_ids.device}, the KV buffers on {device}")
-    return page_ids
-
-
 # Device-side error flags of unchecked (check=False) CUDA calls, one per device:
 # int64 [flag, bad page id].  Raised by the next checked call on that device.
 _ERR_FLAGS: dict[torch.device, torch.Tensor] = {}
@@ -536,7 +519,7 @@ def unpack_buffers(buf, k_buffers, v_buffers, page_ids, *, page_size=None, layer
 def run_pack(plan: _Plan, k_buffers, v_buffers, page_ids, *, out=None,
              check=True) -> torch.Tensor:
     """pack_buffers with a plan already made (KVPool keeps its plans)."""
-    ids = _page_ids(page_ids, plan.device)
+    ids = as_page_ids(page_ids, plan.device)
     nbytes = plan.nbytes(ids.numel())
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=plan.device)
@@ -547,7 +530,7 @@ def run_pack(plan: _Plan, k_buffers, v_buffers, page_ids, *, out=None,
 
 
 def run_unpack(plan: _Plan, buf, k_buffers, v_buffers, page_ids, *, check=True) -> None:
-    ids = _page_ids(page_ids, plan.device)
+    ids = as_page_ids(page_ids, plan.device)
     _check_chunk(buf, plan.nbytes(ids.numel()), plan.device, "buf")
     _run(plan, k_buffers, v_buffers, ids, buf, pack=False, check=check)
 
