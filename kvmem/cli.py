@@ -9,6 +9,7 @@ device, in one process, with what it did printed as it goes.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -17,24 +18,68 @@ import torch
 from kvmem import demo
 
 
-def _selfcheck(args) -> int:
+def _selfcheck_plan(args):
+    """Check every option before any work: ``(device, spec, prompt lengths)``, or a
+    ValueError naming the option."""
     import kvmem
 
-    dev = torch.device(args.device)
+    try:
+        dev = torch.device(args.device)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"--device {args.device!r}: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: CUDA is not available here (torch "
+                             f"{torch.__version__}, CUDA build {torch.version.cuda}); use "
+                             "--device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {args.device}: this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    for name in ("layers", "heads", "head_dim", "page_size", "requests"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.pages < 2:
+        raise ValueError(f"--pages must be >= 2 (page 0 is padding), got {args.pages}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
              "fp8": torch.float8_e4m3fn}[args.dtype]
     spec = kvmem.KVSpec(num_layers=args.layers, num_kv_heads=args.heads, head_dim=args.head_dim,
                         page_size=args.page_size, dtype=dtype)
+    # Two pools (the second receives the unpacked pages).
+    need = 2 * spec.page_bytes * args.pages
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if dev.type == "cuda":
+        have = torch.cuda.get_device_properties(dev).total_memory
+    if need > 0.75 * have:
+        raise ValueError(f"--pages {args.pages}: two pools of {spec.page_bytes} bytes a page "
+                         f"need {need / 2**30:.1f} GiB, more than 3/4 of the "
+                         f"{have / 2**30:.1f} GiB of {dev}: lower --pages or the model size")
+    gen = torch.Generator().manual_seed(args.seed)
+    lens = torch.randint(1, 8 * args.page_size, (args.requests,), generator=gen)
+    pages = int(((lens + args.page_size - 1) // args.page_size).sum())
+    if pages > args.pages - 1:
+        raise ValueError(f"--requests {args.requests} take {pages} pages at once (prompts of "
+                         f"1..{8 * args.page_size - 1} tokens, seed {args.seed}), more than "
+                         f"--pages {args.pages} holds ({args.pages - 1} usable; page 0 is "
+                         "padding): raise --pages or lower --requests")
+    return dev, spec, lens, gen
+
+
+def _selfcheck(args, plan) -> int:
+    import kvmem
+
+    dev, spec, lens, gen = plan
     t0 = time.perf_counter()
     pool = kvmem.KVPool(spec, num_pages=args.pages, device=dev)
     alloc = kvmem.PageAllocator(num_pages=args.pages, page_size=args.page_size, device=dev)
     print(f"pool:      {pool}")
     print(f"           {pool.nbytes / 2**20:.1f} MiB in {len(pool.regions())} region(s); "
           f"{spec.page_bytes / 2**10:.1f} KiB per page over all layers")
-    gen = torch.Generator().manual_seed(args.seed)
 
     # A batch of requests: prefill (alloc_extend), fill their pages, pack, unpack elsewhere.
-    lens = torch.randint(1, 8 * args.page_size, (args.requests,), generator=gen)
     prefix = torch.zeros_like(lens)
     last_loc = torch.full_like(lens, -1)
     slots = alloc.alloc_extend(prefix.to(dev), lens.to(dev), last_loc.to(dev),
@@ -99,7 +144,11 @@ def main(argv=None) -> int:
     if args.cmd == "demo":
         return demo.main(args, demo_parser)
     try:
-        return _selfcheck(args)
+        plan = _selfcheck_plan(args)
+    except (ValueError, TypeError) as e:
+        p.error(str(e))  # usage + "kvmem selfcheck: error: ...", exit status 2
+    try:
+        return _selfcheck(args, plan)
     except (ValueError, TypeError) as e:
         print(f"kvmem {args.cmd}: {e}", file=sys.stderr)
         return 2

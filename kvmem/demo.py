@@ -35,6 +35,7 @@ import os
 import signal
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -165,6 +166,13 @@ class DemoConfig:
                 raise ValueError(f"--timeout must be a number of seconds > 0, got {t}")
         need = self.memory_bytes()
         have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        bw = 2 * (self.bw_mib << 20)
+        if need > 0.75 * have and bw >= need - bw:  # the bandwidth buffers are most of it
+            raise ValueError(
+                f"--bw-mib {self.bw_mib}: the raw-bandwidth buffers (one in each worker) need "
+                f"{bw / 2**30:.1f} GiB, about {need / 2**30:.1f} GiB with the workload, more "
+                f"than 3/4 of this machine's {have / 2**30:.1f} GiB: lower --bw-mib (0 skips "
+                "that phase)")
         if need > 0.75 * have:
             raise ValueError(
                 f"this model and workload need about {need / 2**30:.1f} GiB of memory for the "
@@ -230,11 +238,40 @@ def config_from_args(args) -> DemoConfig:
         max_tokens=args.max_tokens, concurrency=args.concurrency, seed=args.seed,
         bootstrap_timeout=args.timeout, transfer_timeout=args.timeout, bw_mib=args.bw_mib)
     cfg.validate()
-    if args.json:
-        parent = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(parent):
-            raise ValueError(f"--json {args.json}: directory {parent} does not exist")
+    if args.json is not None:
+        check_json_path(args.json)
     return cfg
+
+
+def check_json_path(path: str) -> None:
+    """ValueError naming ``--json`` unless the report can be written to ``path``: its
+    directory exists and takes a new file (probed by creating and removing one), and
+    ``path`` is a regular file or nothing yet."""
+    full = os.path.abspath(path)
+    parent = os.path.dirname(full)
+    if not path or path.endswith(os.sep) or os.path.isdir(full):
+        raise ValueError(f"--json {path}: is a directory, not a file")
+    if not os.path.isdir(parent):
+        raise ValueError(f"--json {path}: directory {parent} does not exist")
+    if os.path.lexists(full) and not os.path.isfile(full):
+        raise ValueError(f"--json {path}: exists and is not a regular file")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(full)}.",
+                                     suffix=".probe")
+    except OSError as e:
+        raise ValueError(f"--json {path}: cannot create a file in {parent}: "
+                         f"{e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+class Terminated(Exception):
+    """SIGTERM reached the demo's parent process."""
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: the clean-up runs now
+    raise Terminated()
 
 
 def main(args, parser: argparse.ArgumentParser) -> int:
@@ -242,28 +279,58 @@ def main(args, parser: argparse.ArgumentParser) -> int:
         cfg = config_from_args(args)
     except ValueError as e:
         parser.error(str(e))  # usage + "kvmem demo: error: ...", exit status 2
+    old = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        result = run(cfg, progress=not args.quiet)
+        return _main(args, cfg)
     except KeyboardInterrupt:
         print("\nkvmem demo: interrupted; both workers stopped", file=sys.stderr)
         return 130
+    except Terminated:
+        print("\nkvmem demo: terminated (SIGTERM); both workers stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _main(args, cfg: DemoConfig) -> int:
+    try:
+        result = run(cfg, progress=not args.quiet)
     except WorkerFailed as e:
         print(f"\nkvmem demo: FAILED: {e}", file=sys.stderr)
         if args.json:
-            write_json(args.json, dict(ok=False, errors=[str(e)], config=asdict(cfg)))
+            _save(args.json, dict(ok=False, errors=[str(e)], config=asdict(cfg)))
         return 3
-    if args.json:
-        write_json(args.json, result)
     print(summary_line(result) if args.quiet else format_report(result))
+    if args.json and not _save(args.json, result):
+        return 1
     return 0 if result["ok"] else 1
 
 
+def _save(path: str, obj: dict) -> bool:
+    try:
+        write_json(path, obj)
+        return True
+    except OSError as e:
+        print(f"kvmem demo: --json {path}: cannot write the report: {e}", file=sys.stderr)
+        return False
+
+
 def write_json(path: str, obj: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write ``obj`` to ``path`` atomically (a temporary file in the same directory, then
+    a rename); on failure the temporary file is removed and OSError raised."""
+    full = os.path.abspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(full), prefix=f".{os.path.basename(full)}.",
+                               suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=False)
+            f.write("\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, full)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 # --- the parent -----------------------------------------------------------------------------
@@ -288,18 +355,23 @@ class Workers:
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.names = {r: f"kvmem-demo-{r}-{tag}" for r in ("prefill", "decode")}
         self.conns, self.procs, self.heard = {}, {}, {}
-        for role in ("prefill", "decode"):
-            here, there = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, name=f"kvmem-demo-{role}",
-                               args=(role, cfg, there, self.names), daemon=True)
-            proc.start()
-            there.close()
-            self.conns[role], self.procs[role] = here, proc
-            self.heard[role] = time.monotonic()
         self.inbox: list = []  # received, not consumed yet
         self.ended: set = set()  # roles whose "final" arrived
         self.watch = False  # silence detection: on while the workload runs
         self.closed = False
+        try:
+            for role in ("prefill", "decode"):
+                here, there = ctx.Pipe()
+                proc = ctx.Process(target=worker_main, name=f"kvmem-demo-{role}",
+                                   args=(role, cfg, there, self.names), daemon=True)
+                self.conns[role] = here
+                proc.start()
+                self.procs[role] = proc
+                there.close()
+                self.heard[role] = time.monotonic()
+        except BaseException:  # SIGTERM / Ctrl-C while starting: stop what started
+            self.close(failed=True)
+            raise
 
     def send(self, role: str, kind: str, payload=None) -> None:
         try:
@@ -392,10 +464,7 @@ class Workers:
                 c.close()
         for proc in self.procs.values():
             proc.join(2.0 if failed else 30.0)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(5.0)
-            if proc.is_alive():
+            if proc.is_alive():  # workers ignore SIGTERM (the parent owns their lives)
                 proc.kill()
                 proc.join(5.0)
         if not failed:
@@ -407,8 +476,8 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
     """Run the demo; the result dict (what ``--json`` writes).  WorkerFailed if a worker
     fails; both processes are gone when this returns or raises."""
     t_begin = time.monotonic()
-    w = Workers(cfg)
     bar = ProgressBar(cfg, sys.stderr) if progress else None
+    w = Workers(cfg)  # stops what it started should it be interrupted itself
     clean = False
     try:
         if bar:

@@ -34,6 +34,7 @@ none is left for after the last request.
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
 from collections import Counter
@@ -370,7 +371,12 @@ class DecodeWorker(_Worker):
 
 
 def worker_main(role: str, cfg, conn, names: dict) -> None:
-    """Entry point of a worker process."""
+    """Entry point of a worker process.  SIGINT and SIGTERM are ignored: the parent owns
+    the workers' lives (a Ctrl-C or SIGTERM to the demo stops them through their pipes,
+    which end their loops; a worker that does not stop is killed), so a signal sent to
+    the whole process group ends the run the same way as one sent to the parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         torch.set_num_threads(1)  # two workers on a small machine: one core each
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # not an INFO line per agent

@@ -98,6 +98,9 @@ def test_bad_option_exits_2_with_the_reason():
     (["--timeout", "nan"], "--timeout must be a number of seconds > 0, got nan"),
     (["--layers", "4000", "--max-tokens", "100000"], "GiB of memory"),
     (["--json", "/nonexistent-dir/x.json"], "directory /nonexistent-dir does not exist"),
+    (["--json", "/proc/kvmem-demo.json"], "--json /proc/kvmem-demo.json: cannot create a file in /proc"),
+    (["--json", "/dev/null"], "--json /dev/null: exists and is not a regular file"),
+    (["--bw-mib", "100000"], "--bw-mib 100000: the raw-bandwidth buffers (one in each worker) need"),
 ])
 def test_bad_options(args, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -105,6 +108,122 @@ def test_bad_options(args, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "usage: kvmem demo" in err
+
+
+def test_json_naming_a_directory_exits_2_before_any_work(tmp_path, capsys):
+    t0 = time.monotonic()
+    for path in (str(tmp_path), str(tmp_path) + "/"):
+        with pytest.raises(SystemExit) as e:
+            main(["demo", "--json", path])
+        assert e.value.code == 2
+        assert f"--json {path}: is a directory" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 10  # no worker was started
+    assert list(tmp_path.iterdir()) == []  # no probe or temporary file left
+
+
+def test_json_in_a_read_only_directory_exits_2(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK) and os.geteuid() == 0:
+            pytest.skip("root writes into read-only directories")
+        with pytest.raises(SystemExit) as e:
+            main(["demo", "--json", str(ro / "r.json")])
+        assert e.value.code == 2
+        assert f"--json {ro / 'r.json'}: cannot create a file in {ro}" in capsys.readouterr().err
+        assert list(ro.iterdir()) == []
+    finally:
+        ro.chmod(0o700)
+
+
+def test_write_json_leaves_no_temporary_file_on_failure(tmp_path):
+    from kvmem.demo import write_json
+
+    with pytest.raises(TypeError):
+        write_json(str(tmp_path / "r.json"), {"x": object()})  # not JSON-serializable
+    assert list(tmp_path.iterdir()) == []
+    write_json(str(tmp_path / "r.json"), {"x": 1})
+    assert json.loads((tmp_path / "r.json").read_text()) == {"x": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--requests", "1000", "--pages", "10"], "--requests 1000 take"),
+    (["--pages", "1"], "--pages must be >= 2"),
+    (["--layers", "0"], "--layers must be >= 1, got 0"),
+    (["--device", "tpu"], "--device 'tpu'"),
+    (["--device", "cuda:7"], "--device cuda:7"),
+    (["--pages", str(2**40)], "--pages 1099511627776: two pools"),
+])
+def test_selfcheck_bad_options_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["selfcheck", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "usage: kvmem selfcheck" in err
+
+
+def test_selfcheck_cuda_without_cuda_exits_2(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as e:
+        main(["selfcheck", "--device", "cuda"])
+    assert e.value.code == 2
+    assert "--device cuda: CUDA is not available here" in capsys.readouterr().err
+
+
+def test_tiny_model_with_an_unaligned_extra_state_slot():
+    """Issue 9 item 4: 4 bytes of KV a page, so the AUX slot after a request's KV is not
+    8-byte aligned for most lengths; the decode used to crash reading it as int64."""
+    p = _run(["--head-dim", "1", "--heads", "1", "--layers", "1", "--page-size", "1",
+              "--chunk-tokens", "1", "--max-tokens", "3", "--requests", "100", "--bw-mib", "0",
+              "--quiet"], timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.rstrip().endswith(": OK")
+
+
+def _workers_of(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["parent", "process-group"])
+def test_sigterm_stops_the_demo_cleanly(group):
+    proc = subprocess.Popen(DEMO + ["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
+                                    "--chunk-tokens", "64"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")))
+    reader.start()
+    try:
+        end = time.monotonic() + 90
+        while "GB/s" not in "".join(err):
+            assert proc.poll() is None and time.monotonic() < end, "".join(err)
+            time.sleep(0.1)
+        workers = _workers_of(proc.pid)
+        assert len(workers) == 2
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        rc = proc.wait(timeout=30)
+        assert time.monotonic() - t0 < 15
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(5)
+    text = "".join(err)
+    assert rc == 128 + signal.SIGTERM, text
+    assert "kvmem demo: terminated (SIGTERM); both workers stopped" in text
+    assert "Traceback" not in text
+    for pid in workers:
+        assert not Path(f"/proc/{pid}").exists(), pid
 
 
 def test_a_worker_that_dies_does_not_hang_the_parent():
