@@ -66,6 +66,7 @@ class PoolMemoryError(KVMemError, MemoryError):
         self.device = str(device)
         self.reason = reason
         self.purpose = purpose
+        self.what = what
         for_ = f" for {purpose}" if purpose else ""
         super().__init__(
             f"cannot {what} {nbytes} bytes ({_human_bytes(nbytes)}){for_} on the {backend} "

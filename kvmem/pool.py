@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmem.errors import ReleasedPoolError
+from kvmem.errors import ClosedPoolError, ReleasedPoolError
 from kvmem.kernels import pack as _pack
 from kvmem.memory import MemoryBackend, make_backend
 from kvmem.spec import KVSpec
@@ -120,6 +120,7 @@ class KVPool:
             purpose=f"a KV pool of {num_pages} pages ({spec.page_bytes} bytes each)")
         self.epoch = 0
         self._released = False
+        self._closed = False
         raw = self._mem.tensor
         dt = spec.storage_dtype
         self._k_buffer = [
@@ -181,7 +182,12 @@ class KVPool:
 
     @property
     def released(self) -> bool:
+        """The pool's memory must not be touched: released, or closed."""
         return self._released
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def backend(self) -> str:
@@ -189,11 +195,13 @@ class KVPool:
 
     def regions(self) -> list[tuple[int, int]]:
         """Few large ``(ptr, nbytes)`` ranges covering every buffer, for a transfer engine."""
+        self._check_open("pool.regions")
         return self._mem.regions()
 
     def resident_bytes(self) -> int:
         """Physical bytes behind the pool now, measured by the backend (``mincore`` on the
-        host, mapped bytes on CUDA)."""
+        host, bytes of live chunk handles on CUDA)."""
+        self._check_open("pool.resident_bytes")
         return self._mem.resident_bytes()
 
     def prefault(self) -> None:
@@ -209,24 +217,61 @@ class KVPool:
         """Return the pool's physical memory; every ``data_ptr()`` stays; contents are
         discarded.  Waits for outstanding device work first.  Memory only: it knows nothing
         of requests, allocators or transfer engines (the pause orchestrator orders those).
-        Releasing a released pool does nothing."""
+        Releasing a released pool does nothing.
+
+        If the backend fails, :attr:`released` says what it left: a CUDA unmap that fails
+        half-way is undone (the pool stays live and usable, retry later); a chunk handle
+        that cannot be freed after a complete unmap leaves the pool released (the handle
+        is reused by :meth:`resume`).
+        """
+        self._check_open("pool.release")
         if self._released:
             return
-        self._mem.release()
-        self._released = True
+        try:
+            self._mem.release()
+        finally:
+            self._released = bool(self._mem.released)
 
     def resume(self, prefault: bool = True) -> None:
         """Map physical memory back under the same addresses (contents undefined) and
         increment :attr:`epoch`.  ``prefault`` populates host pages now rather than at first
-        touch.  Resuming a live pool does nothing."""
+        touch.  Resuming a live pool does nothing.
+
+        Raises:
+            PoolMemoryError: not enough device memory.  Whatever this call had mapped is
+                given back, the pool stays released with the same epoch: free memory and
+                call ``resume()`` again.
+        """
+        self._check_open("pool.resume")
         if not self._released:
             return
-        self._mem.resume(prefault=prefault)
-        self._released = False
+        try:
+            self._mem.resume(prefault=prefault)
+        finally:
+            self._released = bool(self._mem.released)
         self.epoch += 1
 
+    def close(self) -> None:
+        """Give the pool's memory and address range back now, instead of when the pool is
+        garbage.  Idempotent.  Afterwards every use raises :class:`ClosedPoolError`, and
+        views taken before must not be used (on CUDA their addresses are gone).  Waits for
+        outstanding device work first."""
+        if self._closed:
+            return
+        self._closed = True
+        self._released = True
+        self._k_buffer, self._v_buffer = [], []
+        self._plans.clear()
+        self._mem.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ClosedPoolError(f"{what}: the KV pool is closed; create a new pool")
+
     def check_live(self, what: str = "this operation") -> None:
-        """Raise :class:`ReleasedPoolError` when the pool's memory is released."""
+        """Raise :class:`ReleasedPoolError` when the pool's memory is released
+        (:class:`ClosedPoolError`, a subclass, when the pool is closed)."""
+        self._check_open(what)
         if self._released:
             raise ReleasedPoolError(
                 f"{what}: the KV pool's memory is released (epoch {self.epoch}); "
@@ -259,7 +304,8 @@ class KVPool:
                 f"v_head_dim={s.v_head_dim}, page_size={s.page_size}, dtype={s.dtype}, "
                 f"num_pages={self.num_pages}, device={self.device}, backend={self.backend}, "
                 f"layout={self.layout}, "
-                f"nbytes={self.nbytes}, epoch={self.epoch}, released={self._released})")
+                f"nbytes={self.nbytes}, epoch={self.epoch}, released={self._released}"
+                + (", closed" if self._closed else "") + ")")
 
 
 def packed_nbytes(spec: KVSpec, n: int, layers=None, heads=None) -> int:

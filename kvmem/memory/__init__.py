@@ -28,6 +28,9 @@ class MemoryBackend:
 
     name = "abstract"
     can_release = False
+    # True while the range must not be touched (its memory is given back, or only partly
+    # mapped).  Backends that release keep it exact, failures included.
+    released = False
 
     def __init__(self, nbytes: int, device: torch.device):
         self.nbytes = nbytes
@@ -52,7 +55,8 @@ class MemoryBackend:
         device memory is backed when mapped, so the default does nothing."""
 
     def close(self) -> None:
-        """Give everything back; the backend is unusable afterwards."""
+        """Give everything back now; the backend and every view of its range are unusable
+        afterwards.  Idempotent."""
 
 
 class PlainBackend(MemoryBackend):
@@ -66,6 +70,10 @@ class PlainBackend(MemoryBackend):
         raw = torch.empty(nbytes + self.ALIGN, dtype=torch.uint8, device=device)
         skip = -raw.data_ptr() % self.ALIGN
         self.tensor = raw[skip:skip + nbytes]
+
+    def close(self) -> None:
+        """Drop the allocation: torch frees it once no view of it is left."""
+        self.tensor = None
 
 
 BACKENDS = ("host", "cuda_vmm", "plain")
@@ -112,8 +120,11 @@ def make_backend(nbytes: int, device: torch.device,
                               purpose=purpose)
     try:
         return factory(nbytes, device)
-    except PoolMemoryError:
-        raise
+    except PoolMemoryError as e:
+        if e.purpose or not purpose:
+            raise
+        raise PoolMemoryError(e.nbytes, e.backend, e.device, e.reason, what=e.what,
+                              purpose=purpose) from e
     except (MemoryError, OverflowError) as e:
         raise PoolMemoryError(nbytes, name, device, _first_line(e), purpose=purpose) from e
     except OSError as e:

@@ -14,24 +14,56 @@ Physical chunks request ``gpuDirectRDMACapable`` where the device supports RDMA 
 memory, so a transfer engine (NIXL over UCX/RDMA) can register them.  ``regions()`` lists
 one region per chunk: a registration never spans two physical allocations.
 
-Torch sees the range through ``__cuda_array_interface__`` (``torch.as_tensor``, zero-copy);
-CuPy users get the same memory with ``cupy.asarray`` on the pool's tensors.
+Ownership.  :class:`VmmRange` owns the reservation and the chunk handles and holds no
+tensor.  Torch sees the range through ``__cuda_array_interface__`` (``torch.as_tensor``,
+zero-copy; CuPy users get the same memory with ``cupy.asarray`` on the pool's tensors);
+torch keeps that interface object in the storage's C++ deleter, where Python's GC cannot
+see it, so the object refers to the :class:`VmmRange` only, never to the backend::
 
-Needs a GPU: exercised by ``bench/gpu_check.sh`` (tests/gpu), not by the CPU suite.
+    CudaVmmBackend -> tensor -> (C++ deleter) -> _RangeArray -> VmmRange
+
+No cycle: once the backend and every view are gone, the range's finalizer
+(``weakref.finalize``) waits for the device, unmaps, releases and frees the reservation.
+``close()`` does the same at once.
+
+Partial failure.  Each chunk steps through NONE -> HELD (``cuMemCreate``) -> MAPPED
+(``cuMemMap``) -> READY (``cuMemSetAccess``), and its state is recorded after every
+successful driver call.  :meth:`VmmRange.map_all` and :meth:`VmmRange.unmap_all` either
+complete or undo what they did themselves (a resume that runs out of memory after 20 of 32
+chunks unmaps and frees those 20; an unmap that fails half-way maps the chunks it had
+unmapped back, with their memory and contents), so the caller can free memory and retry.
+If an undo fails too, the recorded states still say exactly what is mapped, and the next
+call continues from there instead of mapping over a mapped chunk.
+
+The driver module is injectable (``driver=``, default ``cuda.bindings.driver``) so that
+the CPU test suite drives this file against a fake driver; the real checks are in
+``tests/gpu`` (bench/gpu_check.sh).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+
+import numpy as np
 import torch
 
+from kvmem.errors import CudaDriverError, PoolMemoryError
 from kvmem.memory import MemoryBackend
 
 # Physical chunk size.  Few, large handles keep release/resume to a few dozen driver calls
 # for a 64 GiB pool; 2 GiB is a guess, not yet measured on the H200.
 CHUNK_BYTES = 2 << 30
 
+_OOM = "CUDA_ERROR_OUT_OF_MEMORY"
 
-def _driver():
+# Chunk states (see the module docstring).
+NONE, HELD, MAPPED, READY = 0, 1, 2, 3
+
+
+def default_driver():
+    """``cuda.bindings.driver`` (``cuda.cuda`` on cuda-python before the bindings
+    namespace)."""
     try:
         from cuda.bindings import driver
     except ImportError:  # cuda-python before the cuda.bindings namespace
@@ -39,52 +71,358 @@ def _driver():
     return driver
 
 
-def _check(result, what: str):
-    """cuda-python returns (CUresult, *values): raise on error, return the values."""
+def _error_name(drv, err) -> str:
+    try:
+        res, name = drv.cuGetErrorName(err)
+        if res == drv.CUresult.CUDA_SUCCESS and name:
+            return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - a name is a nicety; the code below still says it
+        pass
+    return getattr(err, "name", str(err))
+
+
+def _call(drv, fn: str, *args, what: str = ""):
+    """Call ``drv.<fn>(*args)``; cuda-python returns ``(CUresult, *values)``: raise
+    :class:`CudaDriverError` on an error, return the value(s)."""
+    result = getattr(drv, fn)(*args)
     err, *values = result if isinstance(result, tuple) else (result,)
-    drv = _driver()
     if err != drv.CUresult.CUDA_SUCCESS:
-        _, name = drv.cuGetErrorName(err)
-        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+        raise CudaDriverError(fn, _error_name(drv, err), what)
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
 
 
-class _CudaArray:
-    """Just enough of ``__cuda_array_interface__`` for torch.as_tensor / cupy.asarray."""
+class _State:
+    """Everything a :class:`VmmRange` owns, apart from the range object itself, so that
+    its finalizer can free it without a reference to the range.
 
-    def __init__(self, ptr: int, nbytes: int, owner):
-        self._owner = owner  # keeps the backend (and its reservation) alive
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2,
-            "strides": None,
-        }
+    Invariants, for chunk ``i`` with ``(off, size) = chunks[i]``:
+    ``states[i] == NONE`` <=> ``handles[i] is None``; ``states[i] >= MAPPED`` means the
+    handle is mapped at ``ptr + off``; ``READY`` means it is also read/write accessible
+    from ``access``'s device.  ``ptr == 0`` once the reservation is freed.
+    """
+
+    def __init__(self, drv, size: int, chunks: list[tuple[int, int]], prop, access, sync):
+        self.drv = drv
+        self.ptr = 0
+        self.size = size
+        self.chunks = chunks
+        self.prop = prop
+        self.access = access
+        self.sync = sync  # waits for the device's outstanding work (None: nothing to wait for)
+        self.handles: list = [None] * len(chunks)
+        self.states = [NONE] * len(chunks)
+        self.lock = threading.Lock()
+
+
+def _lower(st: _State, i: int, target: int) -> None:
+    """Take chunk ``i`` down to ``target`` (HELD: unmapped; NONE: handle released),
+    recording each step as soon as the driver confirms it."""
+    off, size = st.chunks[i]
+    if st.states[i] >= MAPPED and target <= HELD:
+        _call(st.drv, "cuMemUnmap", st.ptr + off, size, what=f"chunk at offset {off}")
+        st.states[i] = HELD
+    if st.states[i] == HELD and target == NONE:
+        _call(st.drv, "cuMemRelease", st.handles[i], what=f"chunk at offset {off}")
+        st.handles[i] = None
+        st.states[i] = NONE
+
+
+def _raise(st: _State, i: int) -> None:
+    """Take chunk ``i`` up to READY, reusing a handle it still holds."""
+    off, size = st.chunks[i]
+    drv = st.drv
+    if st.states[i] == NONE:
+        st.handles[i] = _call(drv, "cuMemCreate", size, st.prop, 0, what=f"{size} bytes")
+        st.states[i] = HELD
+    if st.states[i] == HELD:
+        _call(drv, "cuMemMap", st.ptr + off, size, 0, st.handles[i], 0,
+              what=f"chunk at offset {off}")
+        st.states[i] = MAPPED
+    if st.states[i] == MAPPED:
+        _call(drv, "cuMemSetAccess", st.ptr + off, size, [st.access], 1,
+              what=f"chunk at offset {off}")
+        st.states[i] = READY
+
+
+def _free(st: _State) -> list[CudaDriverError]:
+    """Unmap and release every chunk, then free the reservation; keep going past errors
+    and return them.  The finalizer of a :class:`VmmRange` (runs at most once)."""
+    errors: list[CudaDriverError] = []
+    with st.lock:
+        if st.ptr == 0:
+            return errors
+        if st.sync is not None and any(s >= MAPPED for s in st.states):
+            try:
+                st.sync()
+            except Exception:  # noqa: BLE001 - a dead context: unmapping is all that is left
+                pass
+        for i in range(len(st.chunks)):
+            try:
+                _lower(st, i, NONE)
+            except CudaDriverError as e:
+                errors.append(e)
+        if all(s == NONE for s in st.states):
+            try:
+                _call(st.drv, "cuMemAddressFree", st.ptr, st.size)
+                st.ptr = 0
+            except CudaDriverError as e:
+                errors.append(e)
+    return errors
+
+
+class VmmRange:
+    """A reserved device address range of ``size`` bytes and the physical chunks under it.
+
+    Holds no tensor.  Its finalizer frees everything once the range is garbage; torch's
+    views keep it alive through :class:`_RangeArray`.
+
+    Args:
+        drv: the driver module (``cuda.bindings.driver`` or a stand-in).
+        size: bytes to reserve, a multiple of ``alignment``.
+        alignment: the allocation granularity.
+        chunks: ``[(offset, nbytes)]`` covering ``[0, size)``, each a multiple of
+            ``alignment``.
+        prop: ``CUmemAllocationProp`` for ``cuMemCreate``.
+        access: ``CUmemAccessDesc`` for ``cuMemSetAccess``.
+        sync: callable that waits for the device (before any unmap), or ``None``.
+
+    Raises:
+        PoolMemoryError: the reservation failed for lack of address space or memory.
+        CudaDriverError: any other driver error.  Nothing stays reserved.
+    """
+
+    def __init__(self, drv, size: int, alignment: int, chunks, prop, access, sync=None):
+        st = _State(drv, size, list(chunks), prop, access, sync)
+        try:
+            st.ptr = int(_call(drv, "cuMemAddressReserve", size, alignment, 0, 0))
+        except CudaDriverError as e:
+            if e.code == _OOM:
+                raise PoolMemoryError(size, "cuda_vmm", _device_of(access), str(e),
+                                      what="reserve") from e
+            raise
+        self._st = st
+        # Called by the GC, the errors _free returns go nowhere: nobody is left to tell.
+        self._finalizer = weakref.finalize(self, _free, st)
+        self._finalizer.atexit = False  # at exit the process's context goes anyway
+
+    @property
+    def ptr(self) -> int:
+        return self._st.ptr
+
+    @property
+    def size(self) -> int:
+        return self._st.size
+
+    @property
+    def chunks(self) -> list[tuple[int, int]]:
+        return list(self._st.chunks)
+
+    @property
+    def states(self) -> list[int]:
+        """Per chunk: NONE, HELD, MAPPED or READY."""
+        return list(self._st.states)
+
+    @property
+    def ready(self) -> bool:
+        """Every chunk mapped and accessible: the whole range may be touched."""
+        return all(s == READY for s in self._st.states)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of physical memory this range holds (chunks with a handle)."""
+        return sum(size for (_, size), s in zip(self._st.chunks, self._st.states) if s != NONE)
+
+    @property
+    def closed(self) -> bool:
+        return self._st.ptr == 0
+
+    def _check_open(self, what: str) -> None:
+        if self._st.ptr == 0:
+            raise RuntimeError(f"{what}: the VMM range is closed")
+
+    def map_all(self) -> None:
+        """Bring every chunk to READY.  All or nothing: on an error, the chunks this call
+        changed go back to the state they had, and the error says so.
+
+        Raises:
+            PoolMemoryError: ``cuMemCreate`` ran out of device memory (free some, retry).
+            CudaDriverError: another driver error.
+        """
+        st = self._st
+        with st.lock:
+            self._check_open("map")
+            before = list(st.states)
+            todo = [i for i, s in enumerate(before) if s != READY]
+            done: list[int] = []
+            try:
+                for i in todo:
+                    done.append(i)
+                    _raise(st, i)
+            except CudaDriverError as e:
+                failed = done[-1]
+                undo = _undo(st, reversed(done), before, up=False)
+                where = (f"chunk {failed + 1} of {len(st.chunks)} "
+                         f"({st.chunks[failed][1]} bytes at offset {st.chunks[failed][0]})")
+                note = f"at {where}; {undo}"
+                if e.code == _OOM:
+                    need = sum(st.chunks[i][1] for i in todo)
+                    raise PoolMemoryError(need, "cuda_vmm", _device_of(st.access),
+                                          f"{e}, {note}", what="map") from e
+                raise CudaDriverError(e.call, e.code, f"{e.args[0]}; {note}") from e
+
+    def unmap_all(self) -> None:
+        """Give every chunk's memory back (all chunks NONE).  The unmaps are all or
+        nothing: if one fails, the chunks this call unmapped are mapped back (same handles,
+        so the contents survive) and the error says so.  Once all are unmapped, a handle
+        whose release fails is kept (HELD) and the error is raised after the others are
+        released: the range is then unmapped, and the handle is reused by the next
+        :meth:`map_all` or freed by :meth:`close`.
+
+        Raises:
+            CudaDriverError: naming the call, the chunk and what was undone.
+        """
+        st = self._st
+        with st.lock:
+            self._check_open("unmap")
+            if st.sync is not None and any(s >= MAPPED for s in st.states):
+                st.sync()  # nothing in flight may touch the range
+            before = list(st.states)
+            done: list[int] = []
+            try:
+                for i, s in enumerate(before):
+                    if s >= MAPPED:
+                        done.append(i)
+                        _lower(st, i, HELD)
+            except CudaDriverError as e:
+                failed = done[-1]  # its unmap failed: still recorded as mapped
+                undo = _undo(st, reversed(done[:-1]), before, up=True)
+                raise CudaDriverError(
+                    e.call, e.code,
+                    f"{e.args[0]}; at chunk {failed + 1} of {len(st.chunks)}; {undo}") from e
+            errors = []
+            for i, s in enumerate(st.states):
+                if s == HELD:
+                    try:
+                        _lower(st, i, NONE)
+                    except CudaDriverError as e:
+                        errors.append((i, e))
+            if errors:
+                i, e = errors[0]
+                raise CudaDriverError(
+                    e.call, e.code,
+                    f"{e.args[0]}; {len(errors)} chunk handle(s) (first: chunk {i + 1}) could "
+                    "not be released; the range is unmapped, and they are reused by the next "
+                    "resume or freed by close") from e
+
+    def close(self) -> None:
+        """Unmap, release and unreserve everything now (waits for the device first).
+        Idempotent.
+
+        Raises:
+            CudaDriverError: the first of the driver errors met; everything else was
+                still freed.
+        """
+        errors = self._finalizer() or []
+        if errors:
+            raise errors[0]
+
+
+def _undo(st: _State, chunks, before: list[int], *, up: bool) -> str:
+    """Return each listed chunk to its state in ``before``; describe the result."""
+    n = 0
+    failures = []
+    for i in chunks:
+        try:
+            if up:
+                _raise(st, i)
+            else:
+                _lower(st, i, before[i])
+            n += 1
+        except CudaDriverError as u:
+            failures.append(f"chunk {i + 1}: {u}")
+    verb = "mapped back" if up else "unmapped and released again"
+    text = f"the {n} chunk(s) this call had changed were {verb}"
+    if failures:
+        mapped = sum(s >= MAPPED for s in st.states)
+        text += (f"; undoing failed for {len(failures)} ({'; '.join(failures)}): {mapped} of "
+                 f"{len(st.chunks)} chunks are mapped now, and the next release/resume "
+                 "continues from there")
+    return text
+
+
+def _device_of(access) -> str:
+    try:
+        return f"cuda:{access.location.id}"
+    except AttributeError:
+        return "cuda"
+
+
+class _RangeArray:
+    """Just enough of ``__cuda_array_interface__`` (and, for a driver whose addresses are
+    host memory, ``__array_interface__``) for torch to view the range zero-copy.  It keeps
+    the :class:`VmmRange` (never the backend) alive while any tensor views the range."""
+
+    def __init__(self, ptr: int, nbytes: int, owner: VmmRange):
+        self._owner = owner
+        desc = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "strides": None}
+        self.__cuda_array_interface__ = dict(desc, version=2)
+        self.__array_interface__ = dict(desc, version=3)
 
 
 class CudaVmmBackend(MemoryBackend):
-    """A reserved device address range with physical memory mapped in large chunks."""
+    """A reserved device address range with physical memory mapped in large chunks.
+
+    Args:
+        nbytes: bytes of the range the pool uses (rounded up to the granularity).
+        device: a CUDA device.  A CPU device only with an injected ``driver`` whose
+            addresses are host memory (the CPU tests' fake driver).
+        chunk_bytes: physical chunk size (rounded to the granularity).
+        driver: the driver module; default ``cuda.bindings.driver``.
+
+    Attributes:
+        tensor: ``uint8 [nbytes]`` view of the range.
+        released: not every chunk is mapped and accessible (touching the range may fault).
+    """
 
     name = "cuda_vmm"
     can_release = True
 
-    def __init__(self, nbytes: int, device: torch.device, chunk_bytes: int = CHUNK_BYTES):
+    @classmethod
+    def factory(cls, *, driver=None, chunk_bytes: int = CHUNK_BYTES):
+        """A ``(nbytes, device) -> CudaVmmBackend`` callable for ``KVPool(backend=...)``."""
+        def make(nbytes: int, device: torch.device) -> CudaVmmBackend:
+            return cls(nbytes, device, chunk_bytes, driver=driver)
+
+        make.name = cls.name
+        return make
+
+    def __init__(self, nbytes: int, device: torch.device, chunk_bytes: int = CHUNK_BYTES, *,
+                 driver=None):
         super().__init__(nbytes, device)
-        drv = _driver()
+        drv = default_driver() if driver is None else driver
         self._drv = drv
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        self.device = torch.device("cuda", index)
-        torch.zeros(1, device=self.device)  # the primary context exists and is current
-        _check(drv.cuInit(0), "cuInit")
-        dev = _check(drv.cuDeviceGet(index), "cuDeviceGet")
-        vmm = _check(drv.cuDeviceGetAttribute(
-            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev),
-            "cuDeviceGetAttribute(VMM)")
+        device = torch.device(device)
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
+            torch.zeros(1, device=self.device)  # the primary context exists and is current
+            sync = _device_sync(index)
+        elif device.type == "cpu" and driver is not None:
+            index, self.device, sync = 0, device, None
+        else:
+            raise ValueError(f"the cuda_vmm backend needs a cuda device, got {device}")
+        _call(drv, "cuInit", 0)
+        dev = _call(drv, "cuDeviceGet", index)
+        vmm = _call(drv, "cuDeviceGetAttribute",
+                    drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                    dev, what="VMM supported")
         if not vmm:
             raise RuntimeError(f"{self.device} does not support CUDA virtual memory management")
-        rdma = _check(drv.cuDeviceGetAttribute(
-            drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
-            dev), "cuDeviceGetAttribute(RDMA with VMM)")
+        rdma = _call(drv, "cuDeviceGetAttribute",
+                     drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                     dev, what="RDMA with VMM")
         prop = drv.CUmemAllocationProp()
         prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -92,77 +430,64 @@ class CudaVmmBackend(MemoryBackend):
         if rdma:
             prop.allocFlags.gpuDirectRDMACapable = 1
         self.rdma_capable = bool(rdma)
-        self._prop = prop
-        gran = _check(drv.cuMemGetAllocationGranularity(
-            prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-            "cuMemGetAllocationGranularity")
-        self._size = -(-nbytes // gran) * gran
-        chunk = max(gran, min(-(-chunk_bytes // gran) * gran, self._size))
-        self._chunks = [(off, min(chunk, self._size - off)) for off in range(0, self._size, chunk)]
-        self._ptr = int(_check(drv.cuMemAddressReserve(self._size, gran, 0, 0),
-                               "cuMemAddressReserve"))
-        self._handles: list = []
-        self._access = drv.CUmemAccessDesc()
-        self._access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        self._access.location.id = index
-        self._access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        gran = int(_call(drv, "cuMemGetAllocationGranularity", prop,
+                         drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        access = drv.CUmemAccessDesc()
+        access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = index
+        access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        size = -(-nbytes // gran) * gran
+        chunk = max(gran, min(-(-chunk_bytes // gran) * gran, size))
+        chunks = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
+        self._range = VmmRange(drv, size, gran, chunks, prop, access, sync)
         try:
-            self._map()
-        except Exception:
-            self._unmap()
-            _check(drv.cuMemAddressFree(self._ptr, self._size), "cuMemAddressFree")
+            self._range.map_all()
+        except BaseException:
+            self._range.close()
             raise
-        self.tensor = torch.as_tensor(_CudaArray(self._ptr, nbytes, self), device=self.device)
-        assert self.tensor.data_ptr() == self._ptr
+        self.tensor = self._as_tensor(_RangeArray(self._range.ptr, nbytes, self._range))
+        assert self.tensor.data_ptr() == self._range.ptr
 
-    # --- mapping ---------------------------------------------------------------------------
-    def _map(self) -> None:
-        drv = self._drv
-        for off, size in self._chunks:
-            handle = _check(drv.cuMemCreate(size, self._prop, 0), f"cuMemCreate({size} bytes)")
-            try:
-                _check(drv.cuMemMap(self._ptr + off, size, 0, handle, 0), "cuMemMap")
-            except Exception:
-                drv.cuMemRelease(handle)
-                raise
-            self._handles.append(handle)
-        _check(drv.cuMemSetAccess(self._ptr, self._size, [self._access], 1), "cuMemSetAccess")
+    def _as_tensor(self, arr: _RangeArray) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return torch.as_tensor(arr, device=self.device)
+        return torch.from_numpy(np.asarray(arr))  # a fake driver's host addresses
 
-    def _unmap(self) -> None:
-        drv = self._drv
-        for (off, size), handle in zip(self._chunks, self._handles):
-            _check(drv.cuMemUnmap(self._ptr + off, size), "cuMemUnmap")
-            _check(drv.cuMemRelease(handle), "cuMemRelease")
-        self._handles = []
+    # --- MemoryBackend -----------------------------------------------------------------------
+    @property
+    def released(self) -> bool:
+        return not self._range.ready
 
     def release(self) -> None:
-        torch.cuda.synchronize(self.device)  # nothing in flight may touch the range
-        self._unmap()
+        """Wait for the device, unmap and free every chunk (all or nothing for the unmaps;
+        see :meth:`VmmRange.unmap_all`)."""
+        self._range.unmap_all()
 
     def resume(self, prefault: bool = True) -> None:
+        """Create and map every chunk at the same addresses (all or nothing; see
+        :meth:`VmmRange.map_all`)."""
         del prefault  # device memory is backed as soon as it is mapped
-        self._map()
+        self._range.map_all()
 
     def resident_bytes(self) -> int:
-        return sum(size for (_, size), _h in zip(self._chunks, self._handles))
+        """Bytes of physical memory the pool holds now (chunks with a live handle)."""
+        return self._range.held_bytes
 
     def regions(self) -> list[tuple[int, int]]:
         """One region per physical chunk, clipped to the pool's bytes."""
-        out = []
-        for off, size in self._chunks:
-            if off < self.nbytes:
-                out.append((self._ptr + off, min(size, self.nbytes - off)))
-        return out
+        ptr = self._range.ptr
+        return [(ptr + off, min(size, self.nbytes - off))
+                for off, size in self._range.chunks if off < self.nbytes]
 
     def close(self) -> None:
-        if self._handles:
-            self.release()
-        if self._ptr:
-            _check(self._drv.cuMemAddressFree(self._ptr, self._size), "cuMemAddressFree")
-            self._ptr = 0
+        """Free the memory and the reservation now; views of the range must not be used
+        afterwards.  Idempotent."""
+        self.tensor = None
+        self._range.close()
 
-    def __del__(self):  # runs once no tensor views the range any more
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: the driver may be gone already
-            pass
+
+def _device_sync(index: int):
+    def sync() -> None:
+        torch.cuda.synchronize(index)
+
+    return sync

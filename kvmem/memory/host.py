@@ -112,13 +112,35 @@ class HostBackend(MemoryBackend):
 
     def release(self) -> None:
         """Give the physical pages back; the range reads as zeros afterwards."""
+        self._check_open("release")
         _madvise(self._addr, self._map_bytes, MADV_DONTNEED)
+        self.released = True
 
     def resume(self, prefault: bool = True) -> None:
         """Nothing to map on the host: the next touch faults pages in.  With ``prefault``
-        they are populated now (:meth:`prefault`), so the first use pays no faults."""
+        they are populated now (:meth:`prefault`), so the first use pays no faults; if
+        that raises, the backend stays released."""
+        self._check_open("resume")
         if prefault:
             self.prefault()
+        self.released = False
+
+    def close(self) -> None:
+        """Give the physical pages back now and drop the mapping: it is unmapped as soon
+        as no view of it is left (unmapping under a live view would make it fault, so
+        views still held elsewhere keep the bare address range, with no memory behind it,
+        until they go).  Idempotent."""
+        if self._mm is None:
+            return
+        _madvise(self._addr, self._map_bytes, MADV_DONTNEED)
+        self.released = True
+        self.tensor = None
+        self._mm = None
+        self._vec = None
+
+    def _check_open(self, what: str) -> None:
+        if self._mm is None:
+            raise RuntimeError(f"{what}: the host memory backend is closed")
 
     def prefault(self) -> None:
         """Populate every page of the range now, never changing its contents:
@@ -131,6 +153,7 @@ class HostBackend(MemoryBackend):
             OSError: ``MADV_POPULATE_WRITE`` is supported and failed (e.g. ``ENOMEM``: the
                 memory is not there); the contents are unchanged.
         """
+        self._check_open("prefault")
         step = -(-self._map_bytes // _PREFAULT_THREADS // _HUGE) * _HUGE
         slices = [(off, min(step, self._map_bytes - off))
                   for off in range(0, self._map_bytes, step)]
@@ -176,6 +199,7 @@ class HostBackend(MemoryBackend):
             off += n
 
     def resident_bytes(self) -> int:
+        self._check_open("resident_bytes")
         pages = self._map_bytes // PAGE
         if self._vec is None:
             self._vec = (ctypes.c_ubyte * pages)()
