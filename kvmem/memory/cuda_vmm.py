@@ -360,15 +360,17 @@ def _device_of(access) -> str:
 
 
 class _RangeArray:
-    """Just enough of ``__cuda_array_interface__`` (and, for a driver whose addresses are
-    host memory, ``__array_interface__``) for torch to view the range zero-copy.  It keeps
-    the :class:`VmmRange` (never the backend) alive while any tensor views the range."""
+    """Just enough of ``__cuda_array_interface__`` (``__array_interface__`` for a driver
+    whose addresses are host memory) for torch to view the range zero-copy.  It keeps the
+    :class:`VmmRange` (never the backend) alive while any tensor views the range."""
 
-    def __init__(self, ptr: int, nbytes: int, owner: VmmRange):
+    def __init__(self, ptr: int, nbytes: int, owner: VmmRange, host: bool = False):
         self._owner = owner
         desc = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "strides": None}
-        self.__cuda_array_interface__ = dict(desc, version=2)
-        self.__array_interface__ = dict(desc, version=3)
+        if host:
+            self.__array_interface__ = dict(desc, version=3)
+        else:
+            self.__cuda_array_interface__ = dict(desc, version=2)
 
 
 class CudaVmmBackend(MemoryBackend):
@@ -445,13 +447,11 @@ class CudaVmmBackend(MemoryBackend):
         except BaseException:
             self._range.close()
             raise
-        self.tensor = self._as_tensor(_RangeArray(self._range.ptr, nbytes, self._range))
+        on_host = self.device.type == "cpu"  # a fake driver's host addresses
+        arr = _RangeArray(self._range.ptr, nbytes, self._range, host=on_host)
+        self.tensor = (torch.from_numpy(np.asarray(arr)) if on_host
+                       else torch.as_tensor(arr, device=self.device))
         assert self.tensor.data_ptr() == self._range.ptr
-
-    def _as_tensor(self, arr: _RangeArray) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return torch.as_tensor(arr, device=self.device)
-        return torch.from_numpy(np.asarray(arr))  # a fake driver's host addresses
 
     # --- MemoryBackend -----------------------------------------------------------------------
     @property
