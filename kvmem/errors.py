@@ -81,4 +81,5 @@ class CudaDriverError(KVMemError, RuntimeError):
     def __init__(self, call: str, code: str, detail: str = ""):
         self.call = call
         self.code = code
+        self.detail = detail
         super().__init__(f"{call} failed: {code}" + (f" ({detail})" if detail else ""))

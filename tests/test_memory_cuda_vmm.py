@@ -259,7 +259,7 @@ def test_resume_out_of_memory_half_way_gives_back_and_retries(fake):
     for attempt in range(3):  # every retry fails the same clear way, and leaks nothing
         with pytest.raises(PoolMemoryError, match=r"cannot map 262144 bytes .* cuda_vmm .*"
                            r"cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY .*chunk 6 of 8 .*"
-                           r"the 6 chunk\(s\) this call had changed were unmapped and "
+                           r"the 5 chunk\(s\) this call had changed were unmapped and "
                            r"released again") as info:
             pool.resume()
         assert info.value.nbytes == pool.nbytes and isinstance(info.value, MemoryError)

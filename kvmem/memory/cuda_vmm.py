@@ -269,8 +269,9 @@ class VmmRange:
                 if e.code == _OOM:
                     need = sum(st.chunks[i][1] for i in todo)
                     raise PoolMemoryError(need, "cuda_vmm", _device_of(st.access),
-                                          f"{e}, {note}", what="map") from e
-                raise CudaDriverError(e.call, e.code, f"{e.args[0]}; {note}") from e
+                                          f"{e}, {note}; free device memory and retry",
+                                          what="map") from e
+                raise CudaDriverError(e.call, e.code, f"{e.detail}; {note}") from e
 
     def unmap_all(self) -> None:
         """Give every chunk's memory back (all chunks NONE).  The unmaps are all or
@@ -300,7 +301,7 @@ class VmmRange:
                 undo = _undo(st, reversed(done[:-1]), before, up=True)
                 raise CudaDriverError(
                     e.call, e.code,
-                    f"{e.args[0]}; at chunk {failed + 1} of {len(st.chunks)}; {undo}") from e
+                    f"{e.detail}; at chunk {failed + 1} of {len(st.chunks)}; {undo}") from e
             errors = []
             for i, s in enumerate(st.states):
                 if s == HELD:
@@ -312,7 +313,7 @@ class VmmRange:
                 i, e = errors[0]
                 raise CudaDriverError(
                     e.call, e.code,
-                    f"{e.args[0]}; {len(errors)} chunk handle(s) (first: chunk {i + 1}) could "
+                    f"{e.detail}; {len(errors)} chunk handle(s) (first: chunk {i + 1}) could "
                     "not be released; the range is unmapped, and they are reused by the next "
                     "resume or freed by close") from e
 
@@ -334,6 +335,8 @@ def _undo(st: _State, chunks, before: list[int], *, up: bool) -> str:
     n = 0
     failures = []
     for i in chunks:
+        if st.states[i] == before[i]:
+            continue  # this call had not changed it (e.g. its cuMemCreate failed)
         try:
             if up:
                 _raise(st, i)
