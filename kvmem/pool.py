@@ -217,7 +217,8 @@ class KVPool:
         """Return the pool's physical memory; every ``data_ptr()`` stays; contents are
         discarded.  Waits for outstanding device work first.  Memory only: it knows nothing
         of requests, allocators or transfer engines (the pause orchestrator orders those).
-        Releasing a released pool does nothing.
+        Releasing a released pool does nothing, unless the backend still holds memory
+        after a failed resume (:meth:`MemoryBackend.partly_held`): that is given back.
 
         If the backend fails, :attr:`released` says what it left: a CUDA unmap that fails
         half-way is undone (the pool stays live and usable, retry later); a chunk handle
@@ -225,7 +226,7 @@ class KVPool:
         is reused by :meth:`resume`).
         """
         self._check_open("pool.release")
-        if self._released:
+        if self._released and not self._mem.partly_held():
             return
         try:
             self._mem.release()

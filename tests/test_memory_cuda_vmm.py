@@ -344,6 +344,13 @@ def test_a_failed_undo_leaves_a_state_the_next_call_continues_from(fake):
     assert pool.released and fake.mapped_bytes() == CHUNK
     states = pool._mem._range.states
     assert states.count(READY) == 1 and states.count(NONE) == 7
+    pool.release()  # released, yet holding a chunk: a release gives it back
+    assert pool.released and fake.mapped_bytes() == 0 and fake.physical_bytes() == 0
+    fake.fail("cuMemCreate", nth=6)
+    fake.fail("cuMemUnmap", nth=2, code=CUresult.CUDA_ERROR_UNKNOWN)
+    with pytest.raises(PoolMemoryError, match=r"undoing failed for 1"):
+        pool.resume()  # the same double fault again
+    assert fake.mapped_bytes() == CHUNK
     fake.free(other)
     pool.resume()
     assert not pool.released and len(fake.layout()) == 8

@@ -50,6 +50,11 @@ class MemoryBackend:
     def resident_bytes(self) -> int:
         return self.nbytes
 
+    def partly_held(self) -> bool:
+        """Released (must not be touched) yet still holding some physical memory, as a
+        CUDA VMM range can after a failed undo; a release then gives the rest back."""
+        return False
+
     def prefault(self) -> None:
         """Back every page with physical memory now (host mappings fault lazily);
         device memory is backed when mapped, so the default does nothing."""

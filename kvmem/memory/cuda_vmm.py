@@ -476,6 +476,9 @@ class CudaVmmBackend(MemoryBackend):
         """Bytes of physical memory the pool holds now (chunks with a live handle)."""
         return self._range.held_bytes
 
+    def partly_held(self) -> bool:
+        return not self._range.closed and self.released and self._range.held_bytes > 0
+
     def regions(self) -> list[tuple[int, int]]:
         """One region per physical chunk, clipped to the pool's bytes."""
         ptr = self._range.ptr
