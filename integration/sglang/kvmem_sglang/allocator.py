@@ -25,8 +25,10 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     never handed out)::
 
         token slot s  <->  page s // page_size, offset s % page_size
-        slots         : int64 [T] on the allocator's device
-        page_ids      : int64 [n] on the allocator's device, in 1 .. size // page_size
+        slots         : int64 [T] on the allocator's device (what alloc* return); the
+                        frees also take int32 (sglang's req_to_token rows)
+        page_ids      : int32 | int64 [n] on the allocator's device, in
+                        1 .. size // page_size
 
     Invariants (kvmem's, which this class relies on and does not re-check):
     ``available_size() == page_allocator.num_free * page_size``, always (a host int);
@@ -72,7 +74,9 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     page 0, out of range) or inconsistent alloc inputs at its next synchronising call;
     this class makes none on its hot path, so call :meth:`synchronize` where a sync is
     cheap (an idle scheduler) to surface them.  With ``check=True`` each kvmem call
-    validates at once, at one sync per call on CUDA.
+    validates at once, at one sync per call on CUDA.  kvmem runs every call on one
+    CUDA stream, the one current when this allocator was built (or resized); a call
+    from another stream is ordered against it without a host sync (kvmem.PageAllocator).
 
     Deviations from sglang's allocators.  Freeing a page that is not handed out (a
     double free, page 0, out of range), or the same page twice in one call, raises
@@ -213,15 +217,14 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         self.page_allocator.free(self._pages_of_slots(free_index), check=self.check)
 
     def free_page_ids(self, page_ids: torch.Tensor) -> None:
-        """Free exactly these pages (int32/int64 [n], each once).  In a free group: at
-        its end."""
+        """Free exactly these pages (int32/int64 [n] on the device, each once).  In a
+        free group: at its end."""
         if page_ids.numel() == 0:
             return
-        pages = _int64(page_ids)
         if self.free_group is not None:
-            self._group_page_ids.append(pages.clone() if pages is page_ids else pages)
+            self._group_page_ids.append(self._copy_for_free_group(page_ids))
             return
-        self.page_allocator.free(pages, check=self.check)
+        self.page_allocator.free(page_ids, check=self.check)
 
     def free_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         """Free ``kv_row[start_pos : start_pos + n]`` of one request (``free_index``:
@@ -291,24 +294,21 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     # -- slot -> page mapping -----------------------------------------------------------
 
     def _pages_of_slots(self, slots: torch.Tensor) -> torch.Tensor:
-        """int64 [n]: the distinct pages holding ``slots`` (page_size 1: the slots
-        themselves, no dedup, as sglang; else ``torch.unique``: 1 sync on CUDA)."""
+        """int32/int64 [n] (the dtype of ``slots``): the distinct pages holding
+        ``slots`` (page_size 1: the slots themselves, no dedup, as sglang; else
+        ``torch.unique``: 1 sync on CUDA).  kvmem's free takes either dtype."""
         if self.page_size == 1:
-            return _int64(slots)
-        return torch.unique(_int64(slots) // self.page_size)
+            return slots
+        return torch.unique(slots // self.page_size)
 
     def _segment_pages(self, free_index: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """int64 [ceil(n / page_size)]: the pages of a page-aligned row segment, each
-        page's first slot divided by page_size (no sync)."""
+        """int32/int64 [ceil(n / page_size)] (the dtype of ``free_index``): the pages of
+        a page-aligned row segment, each page's first slot divided by page_size (no
+        sync)."""
         ps = self.page_size
         if start_pos % ps:
             raise ValueError(f"free_segment: start_pos {start_pos} is not a multiple of "
                              f"page_size {ps}; nothing freed")
         if ps == 1:
-            return _int64(free_index)
-        return _int64(free_index[::ps] // ps)
-
-
-def _int64(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as int64 (itself when it is int64 already)."""
-    return t if t.dtype is torch.int64 else t.to(torch.int64)
+            return free_index
+        return free_index[::ps] // ps
