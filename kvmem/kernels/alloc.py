@@ -31,6 +31,11 @@ needs ``ceil(seq_len / page_size) - ceil(prefix_len / page_size)`` new pages.  D
 the extend of one token: a new page when ``(seq_len - 1) % page_size == 0``, else
 ``last_loc + 1``.
 
+Offsets.  Every offset that reaches an address is computed in int64 (program ids and
+32-bit arguments are widened before any arithmetic): a pool of 80 layers and 64 GiB
+has token slots and page ids far below 2^31, but nothing here relies on it, and
+tests/test_pack_ptx.py checks the sm_90 PTX of these kernels for 32-bit address math.
+
 File order (STYLE.md rule 1): Triton kernels, their launchers, the CPU implementations,
 the plain references ``*_ref``, then the per-call dispatchers of the slot computations
 (the allocator dispatches take/free itself).  On CPU, take/free work on numpy views of
@@ -48,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmem.kernels._dispatch import use_triton
+from kvmem.kernels._dispatch import device_guard, use_triton
 
 # Error codes.  1-4: reasons a free is refused (host checks name the exact one);
 # 5-12: recorded on the device by the check=False paths.
@@ -183,7 +188,7 @@ def _free_apply_kernel(
         tl.store(ring_ptr + slot, tl.where(released, page, 0), mask=mask)
         bad_pos = tl.min(tl.where(mask & (~released), offs, _K_NO_BAD), axis=0)
         if bad_pos < _K_NO_BAD:
-            tl.atomic_min(err_ptr + 2 + parity, bad_pos)
+            tl.atomic_min(err_ptr + 2 + tl.cast(parity, tl.int64), bad_pos)
     else:
         tl.store(owned_ptr + page, 0, mask=mask)
         tl.store(ring_ptr + slot, page, mask=mask)
@@ -209,9 +214,10 @@ def _free_commit_kernel(
     keeps the ring writes of _free_apply_kernel.  Program 0 also clears the other
     scratch slot for the next flagged free."""
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64, as every offset here
     mask = offs < n
-    bad_pos = tl.load(err_ptr + 2 + parity)
+    par = tl.cast(parity, tl.int64)  # int64 like every offset (parity may be a constexpr)
+    bad_pos = tl.load(err_ptr + 2 + par)
     if bad_pos < _K_NO_BAD:
         slot = (tail + offs) % cap
         page = tl.load(ring_ptr + slot, mask=mask, other=0)
@@ -226,7 +232,7 @@ def _free_commit_kernel(
             else:
                 _record(err_ptr, p, _K_ERR_FREE_NOT_ALLOCATED_OR_TWICE)
     if pid == 0:
-        tl.store(err_ptr + 3 - parity, _K_NO_BAD)
+        tl.store(err_ptr + 3 - par, _K_NO_BAD)
 
 
 @triton.jit(do_not_specialize=["bs", "num_new", "total"])
@@ -251,7 +257,7 @@ def _extend_slots_kernel(
     launch does the whole batch.  Writes and page reads outside [0, total) and
     [0, num_new) are masked; with FLAG they are recorded in err (the hints that sized
     them disagreed with the device lengths), as are bad lengths and last_loc."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)
     out_start = tl.zeros((), dtype=tl.int64)
     page_start = tl.zeros((), dtype=tl.int64)
     for b in range(0, r, REQ_BLOCK):
@@ -314,7 +320,7 @@ def _decode_slots_kernel(
     """BLOCK requests per program: out[i] = new_pages[rank] * PAGE_SIZE when request i
     starts a page ((seq_len - 1) % PAGE_SIZE == 0; rank = number of such requests
     before it), else last_loc[i] + 1."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)
     base = tl.zeros((), dtype=tl.int64)
     block_start = pid * BLOCK
     for b in range(0, block_start, BLOCK):
@@ -352,10 +358,11 @@ def take_pages_triton(ring, owned, err, head: int, n: int, *, flag: bool) -> tor
     """int64 [n]: the pages ring[(head + k) % cap], now owned.  One launch."""
     out = torch.empty(n, dtype=torch.int64, device=ring.device)
     if n:
-        _take_pages_kernel[(triton.cdiv(n, TAKE_BLOCK),)](
-            ring, owned, out, err, head, n, ring.numel(), owned.numel(),
-            BLOCK=TAKE_BLOCK, FLAG=flag,
-        )
+        with device_guard(ring.device):
+            _take_pages_kernel[(triton.cdiv(n, TAKE_BLOCK),)](
+                ring, owned, out, err, head, n, ring.numel(), owned.numel(),
+                BLOCK=TAKE_BLOCK, FLAG=flag,
+            )
     return out
 
 
@@ -368,9 +375,10 @@ def free_pages_triton(pages, ring, owned, err, tail: int, parity: int, *, flag: 
     grid = (triton.cdiv(n, TAKE_BLOCK),)
     args = (pages, ring, owned, err, n, pages.stride(0), tail, ring.numel(),
             owned.numel(), parity)
-    _free_apply_kernel[grid](*args, BLOCK=TAKE_BLOCK, FLAG=flag)
-    if flag:
-        _free_commit_kernel[grid](*args, BLOCK=TAKE_BLOCK)
+    with device_guard(ring.device):
+        _free_apply_kernel[grid](*args, BLOCK=TAKE_BLOCK, FLAG=flag)
+        if flag:
+            _free_commit_kernel[grid](*args, BLOCK=TAKE_BLOCK)
 
 
 def extend_slots_triton(prefix_lens, seq_lens, last_loc, new_pages, page_size: int,
@@ -379,11 +387,13 @@ def extend_slots_triton(prefix_lens, seq_lens, last_loc, new_pages, page_size: i
     out = torch.empty(total, dtype=torch.int64, device=seq_lens.device)
     bs = seq_lens.numel()
     if bs:
-        _extend_slots_kernel[(bs,)](
-            prefix_lens.contiguous(), seq_lens.contiguous(), last_loc.contiguous(),
-            new_pages, out, err, bs, new_pages.numel(), total,
-            PAGE_SIZE=page_size, REQ_BLOCK=REQ_BLOCK, TOKEN_BLOCK=TOKEN_BLOCK, FLAG=flag,
-        )
+        with device_guard(seq_lens.device):
+            _extend_slots_kernel[(bs,)](
+                prefix_lens.contiguous(), seq_lens.contiguous(), last_loc.contiguous(),
+                new_pages, out, err, bs, new_pages.numel(), total,
+                PAGE_SIZE=page_size, REQ_BLOCK=REQ_BLOCK, TOKEN_BLOCK=TOKEN_BLOCK,
+                FLAG=flag,
+            )
     return out
 
 
@@ -393,10 +403,11 @@ def decode_slots_triton(seq_lens, last_loc, new_pages, page_size: int, err, *,
     bs = seq_lens.numel()
     out = torch.empty(bs, dtype=torch.int64, device=seq_lens.device)
     if bs:
-        _decode_slots_kernel[(triton.cdiv(bs, DECODE_BLOCK),)](
-            seq_lens.contiguous(), last_loc.contiguous(), new_pages, out, err, bs,
-            new_pages.numel(), PAGE_SIZE=page_size, BLOCK=DECODE_BLOCK, FLAG=flag,
-        )
+        with device_guard(seq_lens.device):
+            _decode_slots_kernel[(triton.cdiv(bs, DECODE_BLOCK),)](
+                seq_lens.contiguous(), last_loc.contiguous(), new_pages, out, err, bs,
+                new_pages.numel(), PAGE_SIZE=page_size, BLOCK=DECODE_BLOCK, FLAG=flag,
+            )
     return out
 
 
@@ -436,11 +447,15 @@ def free_errors_cpu(pages: np.ndarray, owned: np.ndarray) -> tuple[int, int] | N
     return None if bad.size == 0 else (int(bad[0]), int(code[bad[0]]))
 
 
-_marks = np.arange(2, 1026, dtype=np.int32)  # grown on demand by free_pages_cpu
+def free_marks(n: int) -> np.ndarray:
+    """int32 [n]: the distinct marks 2, 3, ... that free_pages_cpu writes into the map.
+    Its caller keeps them (PageAllocator: one array per allocator, grown on demand, so no
+    scratch is shared between allocators or threads)."""
+    return np.arange(2, n + 2, dtype=np.int32)
 
 
 def free_pages_cpu(pages: np.ndarray, ring: np.ndarray, owned_ext: np.ndarray,
-                   tail: int) -> tuple[int, int] | None:
+                   tail: int, marks: np.ndarray | None = None) -> tuple[int, int] | None:
     """free on numpy views of CPU state.  ``owned_ext`` is the ownership map with one
     extra entry at the end that is always 0, so that a single clipped lookup checks range
     and ownership together (below 1 clips to page 0, past the end to the extra entry, both
@@ -448,19 +463,23 @@ def free_pages_cpu(pages: np.ndarray, ring: np.ndarray, owned_ext: np.ndarray,
     from ``tail`` (wrapping), return None.  Else change nothing and return
     ``(position, code)`` of the first offending page.  O(n): duplicates are found by
     writing each entry's position into the map and reading it back (a page listed twice
-    reads another entry's position), then the map entries are set to 0 (or back to 1)."""
-    global _marks
+    reads another entry's position), then the map entries are set to 0 (or back to 1).
+    ``marks``: the caller's scratch, ``free_marks(m)`` with m >= min(n, num_pages - 1);
+    None makes one for this call."""
     n = pages.shape[0]
     if n == 0:
         return None
     owned = owned_ext[:-1]
+    if n > owned.shape[0] - 1:  # more entries than pages: one is bad or listed twice
+        return free_errors_cpu(pages, owned)
     # (np.count_nonzero: ndarray.all() costs several times more on arrays this small)
     if np.count_nonzero(owned_ext.take(pages, mode="clip")) != n:
         return free_errors_cpu(pages, owned)
     if n > 1:
-        if n > _marks.shape[0]:
-            _marks = np.arange(2, 2 * n + 2, dtype=np.int32)
-        marks = _marks[:n]
+        if marks is None:
+            marks = free_marks(n)
+        assert marks.shape[0] >= n, "free_pages_cpu: marks shorter than the free"
+        marks = marks[:n]
         owned[pages] = marks
         if np.count_nonzero(owned[pages] == marks) != n:
             owned[pages] = 1

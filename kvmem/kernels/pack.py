@@ -27,16 +27,26 @@ the grid is ``(n, num_selected_layers * 2)``, one program per (page, layer, K|V)
 copying that page's ``[page_size, heads, D]`` block as rows of contiguous 4-byte units
 (16-byte vector accesses when the addresses allow it).  Rows that are contiguous with each
 other (all heads selected, dense buffers) are merged into one long row, so a dense page is
-one straight copy.  The CPU path (torch) moves whole page rows with one ``index_select`` /
-``index_put_`` per layer, never a Python loop per page.  ``pack_buffers_ref`` /
-``unpack_buffers_ref`` are the plain references the tests compare against.
+one straight copy.  Every offset that reaches an address is int64 (a chunk's K half
+passes 2^31 units at 8 GiB of bf16).  Each launch runs under ``device_guard`` of the
+buffers' device, on that device's current stream.  Copy plans are cached per device
+(``_PLAN_CACHE_SIZE``, thread-safe).  The CPU path (torch) moves whole page rows with one
+``index_select`` / ``index_put_`` per layer, never a Python loop per page.
+``pack_buffers_ref`` / ``unpack_buffers_ref`` are the plain references the tests compare
+against.
+
+Host syncs on CUDA: ``check=True`` (the default) costs one, to validate the ids.  With
+``check=False`` there is none: ids given as a list or a NumPy array reach the device
+through pinned memory and a non-blocking copy (``kvmem._ids``), and a new plan's layer
+offsets likewise.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -44,7 +54,7 @@ import triton
 import triton.language as tl
 
 from kvmem._ids import as_page_ids
-from kvmem.kernels._dispatch import is_async_device, use_triton
+from kvmem.kernels._dispatch import device_guard, is_async_device, use_triton
 
 # Units of one copy element, widest first.  4 bytes is enough for 16-byte vector accesses
 # (ld/st.global.v4.b32) when addresses and sizes are 16-byte aligned.
@@ -83,7 +93,8 @@ def _copy_page(
     src_page = base + layer_off + page * PAGE_STRIDE + HEAD0
     dst_page = chunk + chunk_off
     for r0 in range(0, ROWS, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
+        # int64 row indices: every product below that feeds an address is 64-bit
+        rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
         buf_row = (rows // NH) * TOK_STRIDE + (rows % NH) * HEAD_STRIDE
         chunk_row = rows * SEG
         for c0 in range(0, SEG, BLOCK_C):
@@ -95,6 +106,20 @@ def _copy_page(
                 tl.store(chunk_ptrs, tl.load(buf_ptrs, mask=mask), mask=mask)
             else:
                 tl.store(buf_ptrs, tl.load(chunk_ptrs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _chunk_offset(t, j, n, NUM_K: tl.constexpr, K_UNITS: tl.constexpr,
+                  V_UNITS: tl.constexpr):
+    """Units from the chunk's start to page j of copy t (t < NUM_K: K of the t-th
+    selected layer; else V of layer t - NUM_K): the module docstring's layout.  ``t``,
+    ``j`` and ``n`` must be int64, so the whole sum is (a constexpr times an int64 is
+    int64; an int32 product would wrap past 2^31 units)."""
+    if t < NUM_K:
+        off = (t * n + j) * K_UNITS
+    else:
+        off = n * (NUM_K * K_UNITS) + ((t - NUM_K) * n + j) * V_UNITS
+    return off
 
 
 @triton.jit
@@ -118,8 +143,11 @@ def _copy_pages_kernel(
     V_HEAD_STRIDE: tl.constexpr, V_HEAD0: tl.constexpr,
     V_BLOCK_R: tl.constexpr, V_BLOCK_C: tl.constexpr,
 ):
+    # Every address product is int64: a chunk's K half passes 2^31 units at 8 GiB of
+    # bf16, and an int32 product there would wrap (tests/test_pack_ptx.py checks the PTX).
     j = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1)
+    t = tl.program_id(1).to(tl.int64)
+    n64 = tl.cast(n, tl.int64)  # n may arrive as a constexpr (Triton specialises 1)
     page = tl.load(page_ids + j).to(tl.int64)
     valid = (page >= 0) & (page < num_pages)
     if t == 0:
@@ -127,14 +155,12 @@ def _copy_pages_kernel(
             tl.atomic_max(err, 1)
             tl.store(err + 1, page)
     layer_off = tl.multiple_of(tl.load(layer_offs + t), ALIGN)
+    chunk_off = _chunk_offset(t, j, n64, NUM_K, K_ROWS * K_SEG, V_ROWS * V_SEG)
     if t < NUM_K:
-        chunk_off = (t * n + j) * (K_ROWS * K_SEG)
         _copy_page(base, layer_off, page, chunk, chunk_off, valid, PACK,
                    K_ROWS, K_NH, K_SEG, K_PAGE_STRIDE, K_TOK_STRIDE, K_HEAD_STRIDE,
                    K_HEAD0, K_BLOCK_R, K_BLOCK_C)
     else:
-        chunk_off = (NUM_K * n * (K_ROWS * K_SEG)
-                     + ((t - NUM_K) * n + j) * (V_ROWS * V_SEG))
         _copy_page(base, layer_off, page, chunk, chunk_off, valid, PACK,
                    V_ROWS, V_NH, V_SEG, V_PAGE_STRIDE, V_TOK_STRIDE, V_HEAD_STRIDE,
                    V_HEAD0, V_BLOCK_R, V_BLOCK_C)
@@ -196,6 +222,10 @@ class _Plan:
     layer_offs: torch.Tensor  # int64 [len(layers) * (1 + has_v)], units from layer 0's start
     k_page_bytes: int  # bytes of one page of one selected layer in the chunk
     v_page_bytes: int
+    # CUDA: [event] recorded after layer_offs' non-blocking copy, until a launch sees it
+    # complete; launches before that make their stream wait on it (the copy was queued
+    # on whichever stream was current when the plan was made).  Empty otherwise.
+    ready: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def num_copies(self) -> int:
@@ -280,12 +310,22 @@ def _buffers(buffers, what: str) -> list:
     return list(buffers)
 
 
-_PLANS: OrderedDict = OrderedDict()
-_PLAN_CACHE_SIZE = 64
+# The plan cache, one LRU per device, shared by every thread under _LOCK (it is
+# thread-safe; a plan is immutable once made).  A miss costs a plan (host work) and one
+# non-blocking copy of the layer offsets; a hit costs the key.  Sized so that normal use
+# never evicts: sglang packs one layer at a time, so an 80-layer model asks for 80
+# single-layer plans per head range, and two pools (or K/V layouts) x 80 layers x 4 head
+# ranges = 640 < 1024.  Each entry holds one small int64 tensor on its device.  (A
+# size chosen from that count, not measured.)
+_PLAN_CACHE_SIZE = 1024
+_PLANS: dict[torch.device, OrderedDict] = {}
+_LOCK = threading.Lock()
 
 
 def make_plan(k_buffers, v_buffers, page_size, layers, heads) -> _Plan:
-    """Validate a selection and return its copy plan (cached by addresses and shapes)."""
+    """Validate a selection and return its copy plan, cached by device, addresses and
+    shapes (thread-safe; see ``_PLAN_CACHE_SIZE``).  On CUDA a new plan's layer offsets
+    go to the device with a non-blocking copy from pinned memory (no host sync)."""
     k_buffers, v_buffers = _buffers(k_buffers, "k_buffers"), _buffers(v_buffers, "v_buffers")
     if not k_buffers:
         raise ValueError("k_buffers is empty")
@@ -303,14 +343,19 @@ def make_plan(k_buffers, v_buffers, page_size, layers, heads) -> _Plan:
         tuple((b.data_ptr(), b.shape, b.stride()) for b in v_buffers),
         k_buffers[0].dtype, k_buffers[0].device, page_size, layers, heads,
     )
-    plan = _PLANS.get(key)
-    if plan is not None:
-        _PLANS.move_to_end(key)
-        return plan
-    plan = _make_plan(k_buffers, v_buffers, page_size, layers, heads)
-    _PLANS[key] = plan
-    if len(_PLANS) > _PLAN_CACHE_SIZE:
-        _PLANS.popitem(last=False)
+    device = k_buffers[0].device
+    with _LOCK:
+        cache = _PLANS.setdefault(device, OrderedDict())
+        plan = cache.get(key)
+        if plan is not None:
+            cache.move_to_end(key)
+            return plan
+    plan = _make_plan(k_buffers, v_buffers, page_size, layers, heads)  # outside the lock
+    with _LOCK:
+        plan = cache.setdefault(key, plan)  # a plan another thread made first wins
+        cache.move_to_end(key)
+        if len(cache) > _PLAN_CACHE_SIZE:
+            cache.popitem(last=False)
     return plan
 
 
@@ -346,27 +391,60 @@ def _make_plan(k_buffers, v_buffers, page_size, layers, heads) -> _Plan:
     unit = next(u for u in _UNITS if g % u == 0)
     anchor = sel_views[0].data_ptr()
     offs_bytes = [v.data_ptr() - anchor for v in sel_views]
+    layer_offs, ready = _to_device([o // unit for o in offs_bytes], k0.device)
     return _Plan(
         device=k0.device, unit_bytes=unit, num_pages=num_pages, page_size=ps, heads=(h0, h1),
         layers=sel, has_v=bool(v_views),
         k=_kind(k0, unit, h0, h1 - h0),
         v=_kind(v_views[0], unit, h0, h1 - h0) if v_views else None,
         align=16 // unit if all(o % 16 == 0 for o in offs_bytes) else 1,
-        layer_offs=torch.tensor([o // unit for o in offs_bytes], dtype=torch.int64).to(k0.device),
+        layer_offs=layer_offs, ready=ready,
         k_page_bytes=ps * (h1 - h0) * k0.shape[3] * item,
         v_page_bytes=ps * (h1 - h0) * v_views[0].shape[3] * item if v_views else 0,
     )
 
 
+def _to_device(values: list[int], device: torch.device) -> tuple[torch.Tensor, list]:
+    """(int64 [len(values)] on ``device``, ``_Plan.ready``).  CUDA: from pinned memory
+    with a non-blocking copy on the device's current stream and an event recorded after
+    it (no host sync; PyTorch's pinned-memory cache keeps the staging buffer until the
+    copy is done)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64).to(device), []
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+    with torch.cuda.device(device):
+        out = host.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    return out, [event]
+
+
+def _wait_ready(plan: _Plan) -> None:
+    """Order the current stream after the copy of ``plan.layer_offs`` (CUDA; a no-op
+    once a launch has seen that copy complete).  Call under the plan's device guard."""
+    pending = plan.ready
+    event = next(iter(pending), None)  # another thread may clear it: read it once
+    if event is None:
+        return
+    if event.query():  # done: no launch needs to wait any more
+        pending.clear()
+    else:
+        torch.cuda.current_stream().wait_event(event)
+
+
 # Device-side error flags of unchecked (check=False) CUDA calls, one per device:
-# int64 [flag, bad page id].  Raised by the next checked call on that device.
+# int64 [flag, bad page id].  Raised by the next checked call on that device.  Made
+# once per device under _LOCK (two threads must not each make one and lose a flag).
 _ERR_FLAGS: dict[torch.device, torch.Tensor] = {}
 
 
 def _err_flag(device: torch.device) -> torch.Tensor:
     flag = _ERR_FLAGS.get(device)
     if flag is None:
-        flag = _ERR_FLAGS[device] = torch.zeros(2, dtype=torch.int64, device=device)
+        with _LOCK:
+            flag = _ERR_FLAGS.get(device)
+            if flag is None:
+                flag = _ERR_FLAGS[device] = torch.zeros(2, dtype=torch.int64, device=device)
     return flag
 
 
@@ -441,10 +519,13 @@ def _launch(plan: _Plan, k_buffers, page_ids: torch.Tensor, chunk: torch.Tensor,
         raise ValueError(f"the chunk's address must be a multiple of {plan.unit_bytes} bytes "
                          f"(the KV rows' alignment), got {chunk.data_ptr():#x}")
     base = k_buffers[plan.layers[0]].view(unit)  # layer offsets count from its start
-    _copy_pages_kernel[(n, plan.num_copies)](
-        base, plan.layer_offs, page_ids, chunk.view(unit), n, plan.num_pages,
-        _err_flag(plan.device), **kernel_params(plan, pack), num_warps=_NUM_WARPS,
-    )
+    err = _err_flag(plan.device)
+    with device_guard(plan.device):  # Triton launches on the current device otherwise
+        _wait_ready(plan)
+        _copy_pages_kernel[(n, plan.num_copies)](
+            base, plan.layer_offs, page_ids, chunk.view(unit), n, plan.num_pages,
+            err, **kernel_params(plan, pack), num_warps=_NUM_WARPS,
+        )
 
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -492,8 +573,10 @@ def pack_buffers(k_buffers, v_buffers, page_ids, *, page_size=None, layers=None,
         k_buffers, v_buffers: lists of per-layer tensors, ``[num_pages, page_size, H, D]``
             or sglang's ``[num_tokens, H, D]`` (then ``page_size=`` is required);
             ``v_buffers`` may be ``None`` / empty for a K-only cache.
-        page_ids: int32/int64 ``[n]`` on the buffers' device: a torch tensor, any DLPack
-            array (CuPy, NumPy; zero-copy) or a Python sequence.
+        page_ids: int32/int64 ``[n]`` on the buffers' device: a torch tensor (any
+            stride), a CuPy array (DLPack, zero-copy), a NumPy array or a Python
+            sequence of ints (on CUDA: pinned memory and a non-blocking copy, no sync);
+            bool and float ids are refused (``kvmem._ids.as_page_ids``).
         layers: layer indices in chunk order; ``None`` = all.
         heads: ``(start, stop)``; ``None`` = all heads.
         out: optional preallocated 1-D uint8 chunk of exactly the packed size.

@@ -1,0 +1,94 @@
+"""The pack plan cache (issue 9 items 13 and 19): one LRU per device, guarded by a lock,
+big enough that packing an 80-layer model one layer at a time (sglang's staging path)
+never evicts a plan it will ask for again; the old 64-entry cache missed on every call
+there, and each miss was a blocking host-to-device copy on CUDA."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from kvmem.kernels import pack as P
+
+LAYERS = 80
+HEAD_RANGES = [None, (0, 2), (2, 4), (1, 3)]
+
+
+def _model(seed: int):
+    """Per-layer K/V lists of an 80-layer model: [num_pages, page_size, H, D] each."""
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda: torch.randint(0, 100, (3, 2, 4, 8), generator=g).to(torch.float16)  # noqa: E731
+    return [mk() for _ in range(LAYERS)], [mk() for _ in range(LAYERS)]
+
+
+def test_per_layer_plans_of_two_80_layer_models_stay_cached(monkeypatch):
+    models = [_model(1), _model(2)]  # two pools, e.g. two ranks' buffers in one process
+    first = {}
+    for m, (ks, vs) in enumerate(models):
+        for heads in HEAD_RANGES:
+            for layer in range(LAYERS):
+                first[m, heads, layer] = P.make_plan(ks, vs, None, [layer], heads)
+    assert len(first) == 2 * LAYERS * len(HEAD_RANGES) == 640
+    made = []
+    real = P._make_plan
+    monkeypatch.setattr(P, "_make_plan", lambda *a: made.append(a) or real(*a))
+    for (m, heads, layer), plan in first.items():
+        ks, vs = models[m]
+        assert P.make_plan(ks, vs, None, [layer], heads) is plan
+    assert made == []  # a second pass makes no plan: no host work, no device copy
+
+
+def test_cache_is_per_device_and_bounded():
+    ks, vs = _model(3)
+    plan = P.make_plan(ks, vs, None, [0], None)
+    cache = P._PLANS[torch.device("cpu")]
+    assert any(p is plan for p in cache.values())
+    assert P._PLAN_CACHE_SIZE >= 2 * LAYERS * len(HEAD_RANGES)
+    assert len(cache) <= P._PLAN_CACHE_SIZE
+
+
+def test_make_plan_goes_through_the_lock(monkeypatch):
+    held = []
+
+    class Recording:
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __enter__(self):
+            self.lock.acquire()
+            held.append(True)
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    monkeypatch.setattr(P, "_LOCK", Recording())
+    ks, vs = _model(4)
+    P.make_plan(ks, vs, None, [5], (1, 2))  # a miss: lookup, then insert
+    P.make_plan(ks, vs, None, [5], (1, 2))  # a hit: lookup
+    assert len(held) == 3
+
+
+def test_threads_asking_for_the_same_plans_get_the_same_objects():
+    ks, vs = _model(5)
+    keys = [([layer], heads) for layer in range(20) for heads in HEAD_RANGES]
+    results: list[list] = [[] for _ in range(8)]
+    errors = []
+    start = threading.Barrier(8)
+
+    def work(out):
+        try:
+            start.wait()
+            for layers, heads in keys:
+                out.append(P.make_plan(ks, vs, None, layers, heads))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in results]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for r in results[1:]:
+        assert all(a is b for a, b in zip(r, results[0])) and len(r) == len(keys)
