@@ -4,6 +4,7 @@ device, with sglang 0.5.23's token-slot semantics for alloc_extend / alloc_decod
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from collections.abc import Iterator, Sequence
 
@@ -47,6 +48,48 @@ _DEVICE_ERROR_WHAT = {
     "seq_lens",
 }
 
+
+def _on_own_stream(method):
+    """Run a PageAllocator method on the allocator's CUDA device and stream (see
+    ``PageAllocator._on_stream``); on CPU a plain call.  When the caller's stream is
+    another one, tensors it passes are recorded on the allocator's stream and a tensor
+    returned is recorded on the caller's (so neither is reused while the other stream
+    may still read it)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self._stream is None:
+            return method(self, *args, **kwargs)
+        caller = torch.cuda.current_stream(self.device)
+        with self._on_stream():
+            if caller != self._stream:
+                for a in (*args, *kwargs.values()):
+                    if isinstance(a, torch.Tensor) and a.device.type == "cuda":
+                        a.record_stream(self._stream)
+            out = method(self, *args, **kwargs)
+        if caller != self._stream and isinstance(out, torch.Tensor) \
+                and out.device.type == "cuda":
+            out.record_stream(caller)
+        return out
+
+    return wrapper
+
+
+def _own_stream(device: torch.device, stream) -> torch.cuda.Stream | None:
+    """The stream a new allocator on ``device`` runs on: ``stream``, or the device's
+    current stream at construction; None on CPU (where ``stream`` must be None)."""
+    if device.type != "cuda":
+        if stream is not None:
+            raise ValueError(f"stream= is for an allocator on a CUDA device; this one is on "
+                             f"{device}, got stream={stream!r}")
+        return None
+    if stream is None:
+        return torch.cuda.current_stream(device)
+    if not isinstance(stream, torch.cuda.Stream):
+        raise ValueError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
+    if stream.device != device:
+        raise ValueError(f"stream is on {stream.device}, the allocator on {device}")
+    return stream
 
 class PageAllocator:
     """Hands out the pages ``1 .. num_pages - 1`` of a KV pool and takes them back.
@@ -98,18 +141,39 @@ class PageAllocator:
                                no sync; without them +1 sync
     alloc_decode(bs)           as alloc_extend (seq_lens_cpu)       as alloc_extend
     num_free, num_allocated    host ints, no sync                   same
-    reset()                    3 small copies/fills, no sync        O(num_pages)
+    reset()                    an arange and 3 fills, no sync       O(num_pages)
     check_invariants()         copies the state to the host         O(num_pages)
     synchronize()              1 sync                               nothing to wait for
     =========================  ===================================  ======================
 
     At page_size 1 the slots of a checked call are the new pages themselves: no slot
-    launch.  A Python sequence passed to ``free`` is copied to the device first.
+    launch.  ``free`` takes its pages through ``kvmem._ids.as_page_ids``: a Python sequence
+    or a NumPy array goes to the device through pinned memory and a non-blocking copy
+    (no sync); bool and float ids are refused.
 
     .. [#p] with check=True, plus 1 sync when a check=False call since the last
        synchronising call may have left an error on the device.
     .. [#o] unless the free would overflow the free list (more pages freed than are
        allocated, a sure error): that one is validated at once, with a sync.
+
+    Stream (CUDA).  Each allocator runs on one stream, ``stream`` (the constructor's
+    ``stream=``, else the device's current stream when it was built), and on its own
+    device whatever device is current.  Every call that touches the state (alloc, free
+    and free_group's exit, alloc_extend, alloc_decode, reset, synchronize,
+    check_invariants, allocated_pages) runs its kernels and torch ops on that stream, so
+    the ring and the ownership map see one order of operations.  A call made while
+    another stream is current is ordered against it without a host sync: the
+    allocator's stream first waits for the caller's (so input tensors the caller
+    produced are ready), the caller's stream then waits for the allocator's (so what it
+    queues next sees the result), input tensors are recorded on the allocator's stream
+    and a returned tensor on the caller's (so the caching allocator reuses neither too
+    early).  Host reads (the checks' one sync, ``check_invariants``) read on the
+    allocator's stream; ``synchronize()`` waits for that stream.  On CPU there is no
+    stream and ``stream=`` is refused.
+
+    Threads.  An allocator is not thread-safe (its counts are host ints): one thread, or
+    the caller's lock.  Different allocators share nothing: the CPU free's scratch array
+    is per allocator.
 
     check=False.  On CUDA (and on CPU tensors under ``KVMEM_FORCE_TRITON=1``, which
     runs the same kernels under the Triton interpreter) ``check=False`` skips every
@@ -131,7 +195,8 @@ class PageAllocator:
     CPU path every check always runs (it costs no sync), whatever ``check`` says.
     """
 
-    def __init__(self, num_pages: int, page_size: int, device: str | torch.device = "cpu"):
+    def __init__(self, num_pages: int, page_size: int, device: str | torch.device = "cpu",
+                 *, stream: torch.cuda.Stream | None = None):
         num_pages = _as_int("num_pages", num_pages)
         page_size = _as_int("page_size", page_size)
         if num_pages < 2:
@@ -141,6 +206,7 @@ class PageAllocator:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        self._stream = _own_stream(device, stream)
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = device
@@ -155,6 +221,8 @@ class PageAllocator:
         self._ring_np = self._ring.numpy() if device.type == "cpu" else None
         self._owned_np = self._owned_ext.numpy() if device.type == "cpu" else None
         self._err = torch.empty(4, dtype=torch.int64, device=device)
+        # CPU free's scratch (kvmem.kernels.alloc.free_pages_cpu), this allocator's own
+        self._marks = K.free_marks(min(self._cap, 1024)) if device.type == "cpu" else None
         self._group: list[tuple[torch.Tensor, bool]] | None = None
         self.reset()
 
@@ -170,12 +238,19 @@ class PageAllocator:
         """Pages handed out and not freed (host int, no sync)."""
         return self._allocated
 
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream every call of this allocator runs on (class docstring);
+        None on CPU."""
+        return self._stream
+
     def __repr__(self) -> str:
         return (f"PageAllocator(num_pages={self.num_pages}, page_size={self.page_size}, "
                 f"device={str(self.device)!r}, num_free={self._count})")
 
     # -- whole-state operations -----------------------------------------------------
 
+    @_on_own_stream
     def reset(self) -> None:
         """Every page free again, handed out as 1, 2, 3, ... from now on.  Discards any
         error a check=False call left on the device, and the frees collected so far by
@@ -191,14 +266,17 @@ class PageAllocator:
         if self._group is not None:
             self._group.clear()
 
+    @_on_own_stream
     def synchronize(self) -> None:
-        """Wait for the allocator's device work and raise any error a check=False call
-        recorded on the device (after rebuilding the free list)."""
+        """Wait for the allocator's device work (its stream, on CUDA) and raise any
+        error a check=False call recorded on the device (after rebuilding the free
+        list)."""
         if self._pending:
             self._read_device(None)
-        elif is_async_device(self._ring):
-            torch.cuda.synchronize(self.device)
+        elif self._stream is not None:
+            self._stream.synchronize()
 
+    @_on_own_stream
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first violated invariant (copies the state
         to the host; raises a pending device error first, like synchronize())."""
@@ -229,6 +307,7 @@ class PageAllocator:
         # cap - num_allocated == _count unowned pages: they are exactly the free ones.
         assert int(self._owned_ext[-1]) == 0, "the ownership map's end marker is not 0"
 
+    @_on_own_stream
     def allocated_pages(self) -> torch.Tensor:
         """int64 [num_allocated]: the pages handed out and not freed, ascending (from the
         ownership map; copies it: for audits, not the hot path)."""
@@ -236,6 +315,7 @@ class PageAllocator:
 
     # -- alloc / free ---------------------------------------------------------------
 
+    @_on_own_stream
     def alloc(self, n: int, check: bool = True) -> torch.Tensor:
         """int64 [n]: n free pages, now allocated (a new tensor).  OutOfPagesError,
         with nothing changed, when fewer than n are free."""
@@ -249,6 +329,7 @@ class PageAllocator:
             raise OutOfPagesError(n, self._count, "alloc")
         return self._take(n, self._flag(check))
 
+    @_on_own_stream
     def free(self, pages, check: bool = True) -> None:
         """Put ``pages`` (page ids, never token slots: an integer tensor on the
         allocator's device or a Python sequence) back on the free list at once, or, in a
@@ -281,12 +362,14 @@ class PageAllocator:
             if outer:
                 group, self._group = self._group, None
                 if group:
-                    pages = group[0][0] if len(group) == 1 else torch.cat(
-                        [g[0].to(torch.int64) for g in group])
-                    self._free_now(pages, any(g[1] for g in group))
+                    with self._on_stream():
+                        pages = group[0][0] if len(group) == 1 else torch.cat(
+                            [g[0].to(torch.int64) for g in group])
+                        self._free_now(pages, any(g[1] for g in group))
 
     # -- token slots (sglang semantics) ---------------------------------------------
 
+    @_on_own_stream
     def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
                      last_loc: torch.Tensor, *, prefix_lens_cpu: torch.Tensor | None = None,
                      seq_lens_cpu: torch.Tensor | None = None,
@@ -334,6 +417,7 @@ class PageAllocator:
         return K.extend_slots(prefix_lens, seq_lens, last_loc, new_pages, ps, total,
                               self._err, flag=flag)
 
+    @_on_own_stream
     def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor, *,
                      seq_lens_cpu: torch.Tensor | None = None,
                      check: bool = True) -> torch.Tensor:
@@ -460,7 +544,10 @@ class PageAllocator:
             if triton:
                 bad = self._free_checked_triton(p, tail)
             else:
-                bad = K.free_pages_cpu(p.numpy(), self._ring_np, self._owned_np, tail)
+                if n > self._marks.shape[0] and n <= self._cap:
+                    self._marks = K.free_marks(min(self._cap, 2 * n))
+                bad = K.free_pages_cpu(p.numpy(), self._ring_np, self._owned_np, tail,
+                                       self._marks)
             if bad is not None:
                 first, code = bad
                 reason = K.FREE_REASONS[code]
@@ -488,7 +575,31 @@ class PageAllocator:
         return None
 
     def _reset_err(self) -> None:
-        self._err.copy_(torch.tensor([0, 0, K.NO_BAD, K.NO_BAD], dtype=torch.int64))
+        """err = [0, 0, NO_BAD, NO_BAD] with two fills on the device (no host copy, so
+        no sync: a copy from pageable host memory would wait for the stream)."""
+        self._err[:2].zero_()
+        self._err[2:].fill_(K.NO_BAD)
+
+    @contextlib.contextmanager
+    def _on_stream(self):
+        """CUDA: run the body on this allocator's device and stream, ordered after the
+        caller's current stream (class docstring, "Stream").  CPU: nothing."""
+        own = self._stream
+        if own is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        if caller == own and torch.cuda.current_device() == self.device.index:
+            yield  # the common case: already on our device and stream
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(own):
+            if caller != own:
+                own.wait_stream(caller)  # what the caller queued before, inputs included
+            try:
+                yield
+            finally:
+                if caller != own:
+                    caller.wait_stream(own)  # what the caller queues next sees our work
 
     def _read_device(self, t: torch.Tensor | None, raise_pending: bool = True) -> list[int]:
         """``t.tolist()``, and, if a check=False call may have left an error and
@@ -536,6 +647,7 @@ class PageAllocator:
 
 
 # -- helpers ---------------------------------------------------------------------------
+
 
 def _as_int(name: str, v) -> int:
     if isinstance(v, bool):
