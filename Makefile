@@ -20,10 +20,12 @@ $(VENV)/.demo-ready: pyproject.toml | $(BIN)/python
 	touch $@
 
 # Everything the tests and benchmarks need, sglang 0.5.23 included (installed without its
-# dependencies, then only what its allocator / memory pool / PD modules import).
-$(VENV)/.test-ready: pyproject.toml | $(BIN)/python
+# dependencies, then only what its allocator / memory pool / PD modules import), and the
+# sglang adapter (integration/sglang, which registers sglang's `kvmem` plugin).
+$(VENV)/.test-ready: pyproject.toml integration/sglang/pyproject.toml | $(BIN)/python
 	$(PIP) install -q $(TORCH) -e '.[test,nixl,sglang-deps]'
 	$(PIP) install -q --no-deps $(SGLANG)
+	$(PIP) install -q --no-deps -e integration/sglang
 	touch $@
 
 venv-demo: $(VENV)/.demo-ready

@@ -47,18 +47,18 @@ def build_allocator(original, configurator, *args, **kwargs):
 
     reused = kwargs.get("token_to_kv_pool_allocator")
     kvcache = kwargs.get("token_to_kv_pool")
+    pool = kvpool.pool_of(kvcache)
+    if reused is None and pool is None:  # refused before sglang builds anything
+        raise AdapterError(
+            f"the KV pool is a {type(kvcache).__name__}, which kvmem does not back (kvmem "
+            "backs plain MHA and MLA pools; hybrid SWA, mamba/linear, quantized, DSA and "
+            "sharded pools are refused); unset SGLANG_KVMEM to run this model stock")
     stock = original(configurator, *args, **kwargs)
     if reused is not None:  # a draft worker shares the target's allocator
         if not isinstance(stock, KvmemTokenToKVPoolAllocator):
             raise AdapterError(f"a draft worker reuses a {type(stock).__name__}, not "
                                "kvmem's allocator")
         return stock
-    pool = kvpool.pool_of(kvcache)
-    if pool is None:
-        raise AdapterError(
-            f"the KV pool is a {type(kvcache).__name__}, which kvmem does not back (kvmem "
-            "backs plain MHA and MLA pools; hybrid SWA, mamba/linear, quantized, DSA and "
-            "sharded pools are refused); unset SGLANG_KVMEM to run this model stock")
     if type(stock) not in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
         raise AdapterError(f"sglang chose the allocator {type(stock).__name__} for this "
                            "configuration; kvmem replaces only the token and paged ones")

@@ -1,0 +1,265 @@
+"""Real sglang 0.5.23 scheduler parts on CPU, for the adapter's tests.
+
+Each function builds what sglang itself builds, through sglang's own construction points
+(``KVCacheConfigurator._build_token_to_kv_pool_allocator`` chooses the allocator, so the
+adapter's hook runs exactly where it runs in a server).  Stood in, because a CPU test has
+no model: the model config (only the numbers the batch reads) and the forward pass (the
+test appends output tokens itself).
+
+A process publishes one ServerArgs; the adapter's hooks cannot be undone, so a test that
+compares flag off with flag on runs this module in two processes (``run_script``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from array import array
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(code: str, *, kvmem: bool, env: dict | None = None, timeout: float = 240):
+    """Run ``code`` in a fresh interpreter with SGLANG_KVMEM on or off; returns the
+    CompletedProcess (stdout, stderr as text)."""
+    full = dict(os.environ)
+    full.pop("SGLANG_KVMEM", None)
+    if kvmem:
+        full["SGLANG_KVMEM"] = "1"
+    full.update(env or {})
+    full["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + [p for p in full.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=full, timeout=timeout, cwd=ROOT)
+
+
+def result_of(proc) -> dict:
+    """The JSON a script printed on its last stdout line (``emit``)."""
+    if proc.returncode != 0:
+        raise AssertionError(f"script failed with {proc.returncode}:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def emit(obj) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def model_dir(*, layers: int = 2, heads: int = 2, head_dim: int = 16) -> Path:
+    """A local Hugging Face config of a tiny Llama (no weights): sglang reads the model's
+    config while it resolves its server arguments, and nothing may come from a hub."""
+    import tempfile
+
+    d = Path(tempfile.gettempdir()) / f"kvmem-sglang-llama-{layers}-{heads}-{head_dim}"
+    d.mkdir(exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           "hidden_size": heads * head_dim, "intermediate_size": 4 * heads * head_dim,
+           "num_hidden_layers": layers, "num_attention_heads": heads,
+           "num_key_value_heads": heads, "head_dim": head_dim, "vocab_size": 32000,
+           "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def publish(page_size: int, *, mode: str = "prefill", **extra):
+    """Publish a CPU ServerArgs (a PD prefill server unless told otherwise) and load the
+    plugins, as ``run_scheduler_process`` does."""
+    from sglang.srt.runtime_context import publish as _publish
+    from sglang.srt.server_args import ServerArgs
+
+    args = dict(model_path=str(model_dir()), device="cpu", page_size=page_size,
+                disaggregation_mode=mode)
+    if mode != "null":
+        # sglang refuses its "fake" backend for a prefill server's arguments; a test
+        # that needs senders picks their class itself (sglang_env.prefill_scheduler).
+        args["disaggregation_transfer_backend"] = "nixl"
+    args.update(extra)
+    sa = ServerArgs(**args)
+    _publish(sa, role="test")
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    return sa
+
+
+def model_config(*, layers: int, heads: int, head_dim: int, dtype):
+    """The few model numbers the pool and the batch read."""
+    return SimpleNamespace(
+        vocab_size=32000, context_len=1 << 16, num_hidden_layers=layers,
+        get_num_kv_heads=lambda *a: heads, head_dim=head_dim, v_head_dim=head_dim,
+        is_encoder_decoder=False, is_multimodal=False, hidden_size=heads * head_dim,
+        dtype=dtype, attention_arch=None, is_hybrid_swa=False)
+
+
+def build_pools(*, page_size: int, size: int, layers: int = 2, heads: int = 2,
+                head_dim: int = 16, max_reqs: int = 64, dtype=None, kv=None):
+    """(req_to_token_pool, kv pool, allocator, tree cache) as sglang builds them; the
+    allocator comes from ``KVCacheConfigurator._build_token_to_kv_pool_allocator``.
+    ``kv``: a KV pool built by the caller (another pool class) instead of an MHA pool."""
+    import torch
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator, _PoolSizes
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    dtype = dtype or torch.bfloat16
+    req_pool = ReqToTokenPool(size=max_reqs, max_context_len=4096, device="cpu",
+                              enable_memory_saver=False)
+    kv = kv or MHATokenToKVPool(size, page_size=page_size, dtype=dtype, head_num=heads,
+                          head_dim=head_dim, layer_num=layers, device="cpu",
+                          enable_memory_saver=False)
+    conf = object.__new__(KVCacheConfigurator)
+    conf.is_hybrid_swa = type(kv).__name__ == "SWAKVPool"
+    conf.kv_shard_size = 1
+    conf.kv_cache_dtype = dtype
+    conf.device = "cpu"
+    conf.hybrid_gdn_config = None
+    conf.is_draft_worker = False
+    sizes = _PoolSizes(max_total_num_tokens=size, max_running_requests=max_reqs,
+                       full_max_total_num_tokens=None, swa_max_total_num_tokens=None,
+                       c4_max_total_num_tokens=0, c128_max_total_num_tokens=0,
+                       c4_state_pool_size=0, c128_state_pool_size=0, c4_state_dtype=None,
+                       c128_state_dtype=None)
+    alloc = conf._build_token_to_kv_pool_allocator(
+        sizes=sizes, token_to_kv_pool=kv, is_dsv4_model=False, req_to_token_pool=req_pool,
+        token_to_kv_pool_allocator=None)
+    params = CacheInitParams(disable=True, req_to_token_pool=req_pool,
+                             token_to_kv_pool_allocator=alloc, page_size=page_size)
+    params.tree_components = (ComponentType.FULL,)  # what create_unified_radix_cache sets
+    tree = UnifiedRadixCache(params)
+    return req_pool, kv, alloc, tree
+
+
+def make_req(rid: str, n_tokens: int, *, max_new_tokens: int = 8, seed: int = 0):
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    ids = array("q", [(seed * 7919 + i * 31) % 30000 + 1 for i in range(n_tokens)])
+    sp = SamplingParams(temperature=0, max_new_tokens=max_new_tokens)
+    sp.normalize(None)
+    return Req(rid=rid, origin_input_text="", origin_input_ids=ids, sampling_params=sp)
+
+
+def _extend(reqs, req_pool, alloc, tree, mc):
+    import torch
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    for r in reqs:  # the match -> lock -> alloc sequence of a scheduled request
+        r.init_next_round_input(tree)
+        r.lock = tree.lock(r.last_node)
+        r.extend_end = len(r.full_untruncated_fill_ids)
+    batch = ScheduleBatch.init_new(reqs, req_pool, alloc, tree, mc, False,
+                                   SpeculativeAlgorithm.NONE)
+    batch.prepare_for_extend()
+    batch.output_ids = torch.zeros(len(reqs), dtype=torch.int64)
+    return batch
+
+
+def _decode(batch, step: int):
+    import torch
+
+    tokens = [100 + step + i for i in range(len(batch.reqs))]
+    for r, t in zip(batch.reqs, tokens):  # the forward pass's sampled token
+        r.output_ids.append(t)
+    batch.output_ids = torch.tensor(tokens, dtype=torch.int64)
+    batch.prepare_for_decode()
+
+
+def _finish(batch, keep: list[int], tree):
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    for i, r in enumerate(batch.reqs):
+        if i not in keep:
+            release_kv_cache(r, tree, checkpoint=False)
+    batch.filter_batch(keep_indices=keep)
+
+
+def alloc_scenario(page_size: int) -> dict:
+    """The scheduler's allocator calls, driven through a real ScheduleBatch: two batches
+    prefilled (``prepare_for_extend``), decode steps across page boundaries
+    (``prepare_for_decode``), requests finishing (``release_kv_cache``) in and out of
+    order, a batch that reuses freed pages, then the rest finished.  Records every
+    batch's ``out_cache_loc`` and the allocator's ``available_size`` after each step."""
+    import torch
+
+    publish(page_size)
+    req_pool, _, alloc, tree = build_pools(page_size=page_size, size=page_size * 96
+                                           if page_size > 1 else 1024)
+    mc = model_config(layers=2, heads=2, head_dim=16, dtype=torch.bfloat16)
+    log = {"allocator": type(alloc).__name__, "slots": [], "available": []}
+
+    def record(what, batch=None):
+        if batch is not None and batch.out_cache_loc is not None:
+            log["slots"].append([what, batch.out_cache_loc.tolist()])
+        log["available"].append([what, int(alloc.available_size())])
+
+    record("start")
+    a = _extend([make_req(f"a{i}", n, seed=i) for i, n in enumerate([17, 1, 40, 16, 33])],
+                req_pool, alloc, tree, mc)
+    record("extend a", a)
+    for step in range(18):
+        _decode(a, step)
+        record(f"decode a {step}", a)
+    _finish(a, [0, 2, 4], tree)
+    record("finish a1 a3")
+    b = _extend([make_req(f"b{i}", n, seed=10 + i) for i, n in enumerate([64, 5, 20])],
+                req_pool, alloc, tree, mc)
+    record("extend b", b)
+    for step in range(5):
+        _decode(b, step)
+        record(f"decode b {step}", b)
+    _finish(a, [], tree)
+    record("finish a")
+    _finish(b, [1], tree)
+    record("finish b0 b2")
+    _finish(b, [], tree)
+    record("finish b")
+    return log
+
+
+def weight_updater(req_pool, alloc, tree):
+    """sglang's real SchedulerWeightUpdaterManager for one CPU rank.  Its
+    ``flush_cache`` is what the scheduler's does to the pools (clear the request slots,
+    the tree and the allocator); its memory saver is sglang's no-op adapter (no
+    torch_memory_saver here)."""
+    from sglang.srt.managers.scheduler_components.weight_updater import (
+        SchedulerWeightUpdaterManager,
+    )
+    from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
+
+    def flush_cache() -> bool:
+        req_pool.clear()
+        tree.reset()
+        alloc.clear()
+        return True
+
+    import torch
+
+    if not torch.cuda.is_available():
+        # The release ends with torch.get_device_module().synchronize(), which names CUDA
+        # on this CUDA build of torch even with no GPU; with no device there is no work
+        # to wait for.
+        torch.cuda.synchronize = lambda *a, **k: None
+    m = object.__new__(SchedulerWeightUpdaterManager)  # __post_init__ wants a TP group
+    m.tp_worker = m.draft_worker = m.scheduler = m.metrics_collector = None
+    m.memory_saver_adapter = TorchMemorySaverAdapter.create(enable=False)
+    m.flush_cache = flush_cache
+    m.is_fully_idle = lambda **kw: True
+    m.offload_tags = set()
+    m.stashed_model_static_state = None
+    m._session = None
+    m.tp_cpu_group = None
+    return m
+
+
+def rss_anon() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")

@@ -1,0 +1,149 @@
+"""The adapter as sglang loads it: sglang's own ``load_plugins()`` finds the installed
+``kvmem`` entry point; with the flag off nothing is patched, with it on every hook is in
+place, and every way it cannot be installed stops the process with one clear error.
+Each case runs in a process of its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sglang.sglang_env import result_of, run_script
+
+TARGETS = """
+import pkgutil
+from kvmem_sglang import plugin
+from kvmem_sglang.options import Options
+targets = [t for t, _, _ in plugin._hooks(Options(True, None, False, True, True, True))]
+def current():
+    out = {}
+    for t in targets:
+        owner, name = t.rsplit(".", 1)
+        obj = pkgutil.resolve_name(owner)
+        out[t] = id(obj.__dict__[name]) if isinstance(obj, type) else id(getattr(obj, name))
+    return out
+"""
+
+
+def test_flag_off_patches_nothing():
+    proc = run_script(TARGETS + """
+import sys
+from tests.sglang.sglang_env import emit
+before = current()
+from tests.sglang.sglang_env import publish
+publish(16)  # load_plugins() inside, as the scheduler process does
+from sglang.srt.plugins.hook_registry import HookRegistry
+emit({"same": current() == before, "loaded": "kvmem_sglang.plugin" in sys.modules,
+      "installed": plugin.INSTALLED, "registered": sorted(set(HookRegistry._hooks) & set(targets))})
+""", kvmem=False)
+    out = result_of(proc)
+    assert out["loaded"], "sglang's load_plugins() did not load the kvmem entry point"
+    assert out["same"], "a hook target changed with SGLANG_KVMEM unset"
+    assert out["installed"] == [] and out["registered"] == []
+
+
+def test_flag_on_installs_every_hook_and_logs_once():
+    proc = run_script(TARGETS + """
+import logging
+logging.basicConfig(level=logging.INFO)  # as sglang's configure_logger does
+from tests.sglang.sglang_env import emit, publish
+before = current()
+publish(16)
+from sglang.srt.plugins import load_plugins
+load_plugins()  # a second call (sglang calls it once per process) changes nothing
+after = current()
+emit({"changed": sorted(t for t in targets if after[t] != before[t]),
+      "installed": plugin.INSTALLED})
+""", kvmem=True)
+    out = result_of(proc)
+    assert out["installed"] and sorted(out["installed"]) == out["changed"]
+    assert len(out["installed"]) == 10
+    assert proc.stderr.count("kvmem-sglang: SGLANG_KVMEM=1, 10 hooks installed") == 1
+
+
+LOAD = """
+from sglang.srt.plugins import load_plugins
+load_plugins()  # what every sglang process does first
+print("SERVED STOCK")
+"""
+
+
+def _refused(proc, *needles):
+    assert proc.returncode != 0, "the process went on after a refusal"
+    assert "SERVED STOCK" not in proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvmem-sglang (SGLANG_KVMEM=1): "), proc.stderr[-2000:]
+    for n in needles:
+        assert n in last, f"{n!r} not in {last!r}"
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"SGLANG_KVMEM": "yes"}, "SGLANG_KVMEM='yes'"),
+    ({"SGLANG_KVMEM_BACKEND": "gpu"}, "SGLANG_KVMEM_BACKEND='gpu'"),
+    ({"SGLANG_KVMEM_REGISTER": "all"}, "SGLANG_KVMEM_REGISTER='all'"),
+], ids=["flag", "backend", "register"])
+def test_bad_option_stops_the_process(env, needle):
+    _refused(run_script(LOAD, kvmem=True, env=env), needle, "not understood")
+
+
+def test_other_sglang_version_stops_the_process():
+    _refused(run_script("import sglang; sglang.__version__ = '0.5.24'\n" + LOAD, kvmem=True),
+             "supports sglang 0.5.23", "found sglang 0.5.24")
+
+
+def test_missing_target_stops_the_process():
+    code = ("from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool\n"
+            "del MHATokenToKVPool._create_buffers_normal\n" + LOAD)
+    _refused(run_script(code, kvmem=True),
+             "MHATokenToKVPool._create_buffers_normal", "does not exist")
+
+
+def test_hook_sglang_did_not_apply_stops_the_process():
+    # sglang skips a target it believes patched already, and would say nothing
+    code = ("from sglang.srt.plugins.hook_registry import HookRegistry\n"
+            "HookRegistry._patched.add('sglang.srt.mem_cache.kv_cache_configurator."
+            "KVCacheConfigurator._build_token_to_kv_pool_allocator')\n" + LOAD)
+    _refused(run_script(code, kvmem=True), "did not apply",
+             "_build_token_to_kv_pool_allocator")
+
+
+BUILD_REFUSALS = """
+import os, torch
+from tests.sglang.sglang_env import emit, publish, build_pools
+from kvmem_sglang.options import AdapterError
+publish(16)
+out = {}
+def refused(name, fn):
+    try:
+        fn()
+    except AdapterError as e:
+        out[name] = str(e)
+    else:
+        out[name] = None
+refused("float64", lambda: build_pools(page_size=16, size=256, dtype=torch.float64))
+os.environ["SGLANG_USE_HND_KVCACHE"] = "1"
+refused("hnd", lambda: build_pools(page_size=16, size=256))
+del os.environ["SGLANG_USE_HND_KVCACHE"]
+from sglang.srt.mem_cache.memory_pool import NoOpMHATokenToKVPool
+from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+def swa():
+    pool = SWAKVPool(size=256, size_swa=128, page_size=16, dtype=torch.bfloat16, head_num=2,
+                     head_dim=16, swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
+                     device="cpu")
+    build_pools(page_size=16, size=256, kv=pool)
+refused("swa", swa)
+def noop():
+    pool = NoOpMHATokenToKVPool(256, page_size=16, dtype=torch.bfloat16, head_num=2,
+                                head_dim=16, layer_num=2, device="cpu",
+                                enable_memory_saver=False)
+    build_pools(page_size=16, size=256, kv=pool)
+refused("noop", noop)
+emit(out)
+"""
+
+
+def test_pools_kvmem_cannot_place_are_refused_by_name():
+    out = result_of(run_script(BUILD_REFUSALS, kvmem=True))
+    assert out["float64"] and "float64" in out["float64"]
+    assert out["hnd"] and "'hnd' KV layout" in out["hnd"]
+    assert out["swa"] and "SWAKVPool" in out["swa"] and "hybrid SWA" in out["swa"]
+    assert out["noop"] and "NoOpMHATokenToKVPool" in out["noop"]

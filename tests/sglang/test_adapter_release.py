@@ -1,0 +1,63 @@
+"""release/resume_memory_occupation(kv_cache) through sglang's real
+SchedulerWeightUpdaterManager: with the flag on the KV pool's memory really goes back
+(resident bytes and the process's RSS drop), every address stays, the epoch moves, and
+the pool serves a batch again after the resume.  With the flag off and no
+torch_memory_saver, stock sglang keeps the memory."""
+
+from __future__ import annotations
+
+from tests.sglang.sglang_env import result_of, run_script
+
+SCRIPT = """
+import torch
+from sglang.srt.managers.io_struct import (ReleaseMemoryOccupationReqInput,
+                                           ResumeMemoryOccupationReqInput)
+from tests.sglang.sglang_env import (alloc_scenario, build_pools, emit, publish, rss_anon,
+                                     weight_updater)
+from kvmem_sglang.kvpool import pool_of
+publish(16)
+# 64 layers x 2 x 2048 x 8 heads x 128 x 2 B = 1 GiB ... keep it at 256 MiB
+req_pool, kv, alloc, tree = build_pools(page_size=16, size=16 * 1023, layers=8, heads=8,
+                                        head_dim=128)
+for b in kv.k_buffer + kv.v_buffer:
+    b.fill_(1)  # touch every page, as a served batch would
+ptrs = [b.data_ptr() for b in kv.k_buffer + kv.v_buffer]
+pool = pool_of(kv)
+m = weight_updater(req_pool, alloc, tree)
+out = {"rss_before": rss_anon(), "pool": pool is not None}
+if pool is not None:
+    out["resident_before"], out["epoch_before"] = pool.resident_bytes(), pool.epoch
+m.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=["kv_cache"]))
+out["rss_released"] = rss_anon()
+if pool is not None:
+    out["resident_released"], out["released"] = pool.resident_bytes(), pool.released
+m.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=["kv_cache"]))
+out["ptrs_kept"] = ptrs == [b.data_ptr() for b in kv.k_buffer + kv.v_buffer]
+if pool is not None:
+    out["epoch_after"], out["released_after"] = pool.epoch, pool.released
+out["free_after"] = int(alloc.available_size())
+# the pool serves again: write and read back through sglang's own views
+kv.k_buffer[3][16:32].fill_(7)
+out["usable"] = bool((kv.k_buffer[3][16:32] == 7).all())
+out["kv_bytes"] = sum(b.numel() * b.element_size() for b in kv.k_buffer + kv.v_buffer)
+emit(out)
+"""
+
+
+def test_release_gives_memory_back_and_resume_keeps_addresses():
+    on = result_of(run_script(SCRIPT, kvmem=True))
+    off = result_of(run_script(SCRIPT, kvmem=False))
+    kv = on["kv_bytes"]
+    assert on["pool"] and not off["pool"]
+    assert on["resident_before"] >= kv and on["resident_released"] == 0 and on["released"]
+    assert on["rss_before"] - on["rss_released"] >= 0.9 * kv, (
+        f"RSS dropped by {on['rss_before'] - on['rss_released']} of {kv} KV bytes")
+    assert on["ptrs_kept"] and on["epoch_after"] == on["epoch_before"] + 1
+    assert not on["released_after"] and on["usable"]
+    assert on["free_after"] == 16 * 1023
+    # stock sglang with no torch_memory_saver keeps every byte
+    assert off["rss_before"] - off["rss_released"] < 0.1 * kv
+    assert off["ptrs_kept"] and off["usable"]
+    print(f"KV {kv / 2**20:.0f} MiB; RSS drop on release: kvmem "
+          f"{(on['rss_before'] - on['rss_released']) / 2**20:.0f} MiB, stock "
+          f"{(off['rss_before'] - off['rss_released']) / 2**20:.0f} MiB")
