@@ -120,6 +120,9 @@ def _hooks(options: Options) -> list[tuple[str, object, str]]:
             ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._registerable_regions",
              H.mooncake_registerable_regions, "AFTER"),
         ]
+    from kvmem_sglang import prefill
+
+    out += prefill.hooks(options)  # the PD prefill lifecycle (timeouts, statuses, audit)
     if options.staging:
         out += [
             (f"{_STAGING}.gather_all_layers_to_staging", H.gather_all_layers_to_staging,
