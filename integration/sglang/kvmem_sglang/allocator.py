@@ -7,6 +7,7 @@ allocator logic of its own: every page is handed out and taken back by kvmem.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 from sglang.srt.utils import get_bool_env_var
@@ -302,13 +303,19 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         return torch.unique(slots // self.page_size)
 
     def _segment_pages(self, free_index: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """int32/int64 [ceil(n / page_size)] (the dtype of ``free_index``): the pages of
-        a page-aligned row segment, each page's first slot divided by page_size (no
-        sync)."""
+        """int32/int64 [ceil(n / page_size)] (int64 on CPU, else the dtype of
+        ``free_index``): the pages of a page-aligned row segment, each page's first slot
+        divided by page_size (no sync)."""
         ps = self.page_size
         if start_pos % ps:
             raise ValueError(f"free_segment: start_pos {start_pos} is not a multiple of "
                              f"page_size {ps}; nothing freed")
         if ps == 1:
             return free_index
+        if free_index.device.type == "cpu":
+            # one NumPy call straight to int64 (~2 us) instead of a torch op (~4 us of
+            # dispatch) and kvmem's int32 -> int64 widening on CPU (~3 us); measured on
+            # the project's 2-core VM, 1000-slot rows, 2026-11-30
+            return torch.from_numpy(np.floor_divide(free_index.numpy()[::ps], ps,
+                                                    dtype=np.int64))
         return free_index[::ps] // ps
