@@ -27,13 +27,16 @@ SchedulerWeightUpdaterManager.release_memory_occupation AROUND  pool.release() a
                                                                 sglang's kv_cache release
 SchedulerWeightUpdaterManager.resume_memory_occupation AROUND   pool.resume() before
                                                                 sglang's kv_cache resume
-NixlKVManager.register_buffer_to_engine                AROUND   register pool regions
+NixlKVManager.register_buffer_to_engine                AROUND   register pool regions;
+                                                                give the manager the
+                                                                deregistration it lacks
 MooncakeKVManager._registerable_regions                AFTER    the same for mooncake
 staging_buffer.gather_all_layers_to_staging            REPLACE  kvmem.pack_buffers
 staging_buffer.scatter_staging_to_kv                   REPLACE  kvmem.unpack_buffers
 =====================================================  =======  ==========================
 
-The last four depend on options (``SGLANG_KVMEM_REGISTER``, ``SGLANG_KVMEM_STAGING``).
+The mooncake and staging hooks depend on options (``SGLANG_KVMEM_REGISTER``,
+``SGLANG_KVMEM_STAGING``).
 """
 
 from __future__ import annotations
@@ -113,13 +116,11 @@ def _hooks(options: Options) -> list[tuple[str, object, str]]:
         (f"{_WU}.release_memory_occupation", H.release_memory_occupation, "AROUND"),
         (f"{_WU}.resume_memory_occupation", H.resume_memory_occupation, "AROUND"),
     ]
+    out.append(("sglang.srt.disaggregation.nixl.conn.NixlKVManager.register_buffer_to_engine",
+                H.nixl_register_buffer_to_engine, "AROUND"))
     if options.register_regions:
-        out += [
-            ("sglang.srt.disaggregation.nixl.conn.NixlKVManager.register_buffer_to_engine",
-             H.nixl_register_buffer_to_engine, "AROUND"),
-            ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._registerable_regions",
-             H.mooncake_registerable_regions, "AFTER"),
-        ]
+        out.append(("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager."
+                    "_registerable_regions", H.mooncake_registerable_regions, "AFTER"))
     from kvmem_sglang import prefill
 
     out += prefill.hooks(options)  # the PD prefill lifecycle (timeouts, statuses, audit)
