@@ -7,7 +7,10 @@ memory, and a prefill/decode-disaggregation lifecycle that frees every page exac
 """
 
 from kvmem.allocator import PageAllocator
-from kvmem.errors import DoubleFreeError, KVMemError, OutOfPagesError, ReleasedPoolError
+from kvmem.errors import (
+    ClosedPoolError, CudaDriverError, DoubleFreeError, KVMemError, OutOfPagesError,
+    PoolMemoryError, ReleasedPoolError,
+)
 from kvmem.kernels.pack import pack_buffers, unpack_buffers
 from kvmem.pool import KVPool, pack_pages, packed_nbytes, unpack_pages
 from kvmem.spec import KVSpec
@@ -16,5 +19,6 @@ __all__ = [
     "KVSpec", "KVPool", "PageAllocator", "pack_pages", "unpack_pages", "packed_nbytes",
     "pack_buffers", "unpack_buffers",
     "KVMemError", "OutOfPagesError", "DoubleFreeError", "ReleasedPoolError",
+    "ClosedPoolError", "PoolMemoryError", "CudaDriverError",
 ]
 __version__ = "0.1.0"
