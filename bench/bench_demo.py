@@ -28,7 +28,7 @@ MODES = {
 }
 STAGES = {  # group name -> (side, stage names summed, the byte counter they handled)
     "prefill: forward stand-in (Synth.chunk + unpack_pages into the pool)":
-        ("prefill", ("forward: synth KV", "forward: KV into pool pages"), "bytes_packed"),
+        ("prefill", ("forward: synth KV into pool pages",), "bytes_packed"),
     "prefill: pack_pages into staging":
         ("prefill", ("pack_pages",), "bytes_packed"),
     "prefill: post_write (UCX cma copies into the decode here)":
