@@ -91,6 +91,7 @@ def _own_stream(device: torch.device, stream) -> torch.cuda.Stream | None:
         raise ValueError(f"stream is on {stream.device}, the allocator on {device}")
     return stream
 
+
 class PageAllocator:
     """Hands out the pages ``1 .. num_pages - 1`` of a KV pool and takes them back.
 
@@ -331,10 +332,12 @@ class PageAllocator:
 
     @_on_own_stream
     def free(self, pages, check: bool = True) -> None:
-        """Put ``pages`` (page ids, never token slots: an integer tensor on the
-        allocator's device or a Python sequence) back on the free list at once, or, in a
-        free_group, at its outermost exit.  DoubleFreeError, with nothing freed, if one
-        is out of range, page 0, not allocated, or listed twice."""
+        """Put ``pages`` (page ids, never token slots: ``int [n]``, an integer tensor on
+        the allocator's device, a NumPy array or a Python sequence of ints; see
+        ``kvmem._ids.as_page_ids``) back on the free list at once, or, in a free_group,
+        at its outermost exit.  DoubleFreeError, with nothing freed, if one is out of
+        range, page 0, not allocated, or listed twice; ValueError, with nothing freed,
+        for ids that are not integers (bool and float included)."""
         p = as_page_ids(pages, self.device, what="free: pages", where="the allocator",
                         int64=not self._on_cuda)
         if self._group is not None:
@@ -604,7 +607,9 @@ class PageAllocator:
     def _read_device(self, t: torch.Tensor | None, raise_pending: bool = True) -> list[int]:
         """``t.tolist()``, and, if a check=False call may have left an error and
         ``raise_pending``, that error, read in the same host sync: if there is one, the
-        free list is rebuilt and the error raised (``t`` is then not used)."""
+        free list is rebuilt and the error raised (``t`` is then not used).  The read
+        waits for the current stream, which is the allocator's (every caller runs under
+        _on_stream), so it follows all of the allocator's work."""
         if not (raise_pending and self._pending):
             return [] if t is None else t.tolist()
         head = self._err[:2]
