@@ -31,8 +31,14 @@ CASE_IDS = [f"P{ps}-{'sort' if s else 'nosort'}" for ps, s in CASES]
 
 def stock(size: int, ps: int, need_sort: bool = True) -> BaseTokenToKVPoolAllocator:
     if ps == 1:
-        return TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", None, need_sort)
-    return PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, "cpu", None, need_sort)
+        a = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", None, need_sort)
+    else:
+        a = PagedTokenToKVPoolAllocator(size, ps, torch.bfloat16, "cpu", None, need_sort)
+    # the adapter's hooks replace sglang's classes in a process where they are applied:
+    # the baseline must be sglang's own
+    assert not isinstance(a, KvmemTokenToKVPoolAllocator), "sglang's allocator is replaced"
+    assert type(a).__module__.startswith("sglang.srt.mem_cache.allocator.")
+    return a
 
 
 def ours(size: int, ps: int, need_sort: bool = True, **kw) -> KvmemTokenToKVPoolAllocator:
