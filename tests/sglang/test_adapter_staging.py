@@ -36,7 +36,8 @@ from kvmem_sglang import staging
 
 LAYERS, HEAD_DIM, NUM_PAGES = 3, 64, 13  # pages 0..12 per rank; page 0 is padding
 SENTINEL = 0xA5
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}  # sglang stores fp8 as uint8
+# sglang stores fp8 KV as uint8
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
 SRC_PAGES = [7, 2, 11, 5, 9]  # the prefill side's pages, in transfer order
 DST_PAGES = [4, 12, 1, 8, 3]  # the decode side's pages, the same order
 
@@ -159,7 +160,8 @@ def test_gather_then_scatter_matches_sglang_byte_for_byte(page_size, dtype, tp):
     chunks = []
     for rank, src_head_start, num_heads, _ in writers(tp):
         ks, vs = prefill_rank_buffers(global_k, global_v, tp, rank)
-        want_len = 2 * LAYERS * len(SRC_PAGES) * page_size * num_heads * HEAD_DIM * ks[0].element_size()
+        tokens = len(SRC_PAGES) * page_size
+        want_len = 2 * LAYERS * tokens * num_heads * HEAD_DIM * ks[0].element_size()
         theirs, ours = cpu_staging_buffer(want_len + 64), cpu_staging_buffer(want_len + 64)
         n_theirs = _gather_all_layers_torch(ks, vs, src_pages, theirs, src_head_start,
                                             num_heads, page_size)
@@ -175,8 +177,8 @@ def test_gather_then_scatter_matches_sglang_byte_for_byte(page_size, dtype, tp):
 
     # decode: scatter the writers' chunks into this rank's pages
     dst_ids = torch.tensor(DST_PAGES, dtype=torch.int64)
-    theirs_k, theirs_v = sentinel_buffers(rows, tp.dst_heads, dt), sentinel_buffers(rows, tp.dst_heads, dt)
-    ours_k, ours_v = sentinel_buffers(rows, tp.dst_heads, dt), sentinel_buffers(rows, tp.dst_heads, dt)
+    theirs_k, theirs_v, ours_k, ours_v = (sentinel_buffers(rows, tp.dst_heads, dt)
+                                          for _ in range(4))
     args = (page_size, tp.prefill, tp.decode, tp.dst_rank, tp.total_heads)
     _scatter_staging_to_kv_torch(view.clone(), theirs_k, theirs_v, dst_ids, *args)
     staging.scatter_staging_to_kv(view.clone(), ours_k, ours_v, dst_ids, *args)
@@ -189,8 +191,10 @@ def test_gather_then_scatter_matches_sglang_byte_for_byte(page_size, dtype, tp):
     # every other byte is still the sentinel
     replication = max(1, tp.decode // tp.total_heads)
     g0 = (tp.dst_rank // replication) * tp.dst_heads
-    tok = lambda pages: (torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)).reshape(-1)  # noqa: E731
-    src_tok, dst_tok = tok(SRC_PAGES), tok(DST_PAGES)
+    def tokens_of(pages):
+        return (torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+    src_tok, dst_tok = tokens_of(SRC_PAGES), tokens_of(DST_PAGES)
     untouched = torch.ones(rows, dtype=torch.bool)
     untouched[dst_tok] = False
     for layer in range(LAYERS):

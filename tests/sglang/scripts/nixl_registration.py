@@ -202,9 +202,9 @@ def writes(nixl_agent, nixl_agent_config, target, kv, peer_name: str) -> list[di
         rec = {"where": where, "nbytes": nbytes}
         try:
             local = peer.register_memory([(src.data_ptr(), nbytes, 0, "")], "DRAM")
-            h = peer.initialize_xfer("WRITE", peer.get_xfer_descs([(src.data_ptr(), nbytes, 0)], "DRAM"),
-                                     peer.get_xfer_descs([(addr, nbytes, 0)], "DRAM"),
-                                     target.name, b"w")
+            src_descs = peer.get_xfer_descs([(src.data_ptr(), nbytes, 0)], "DRAM")
+            dst_descs = peer.get_xfer_descs([(addr, nbytes, 0)], "DRAM")
+            h = peer.initialize_xfer("WRITE", src_descs, dst_descs, target.name, b"w")
             state = peer.transfer(h)
             t0 = time.monotonic()
             while state not in ("DONE", "ERR") and time.monotonic() - t0 < 10:
