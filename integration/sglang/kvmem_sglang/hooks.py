@@ -67,8 +67,11 @@ def build_allocator(original, configurator, *args, **kwargs):
         raise AdapterError(f"the allocator's page size {stock.page_size} differs from the "
                            f"KV pool's {pool.spec.page_size} (decode context parallelism "
                            "is not supported)")
+    # SGLANG_KVMEM_CHECK=1 checks every call on the host; else the allocator follows
+    # sglang's SGLANG_DEBUG_MEMORY_POOL (checked) or defers checks to the device
     ours = KvmemTokenToKVPoolAllocator(stock.size, stock.page_size, stock.dtype,
-                                       stock.device, kvcache, stock.need_sort)
+                                       stock.device, kvcache, stock.need_sort,
+                                       check=True if _options().check else None)
     logger.info("kvmem: allocator %s over %d pages of %d tokens (need_sort %s) in place "
                 "of %s", type(ours).__name__, stock.size // stock.page_size,
                 stock.page_size, stock.need_sort, type(stock).__name__)
