@@ -51,7 +51,8 @@ def as_page_ids(page_ids, device: torch.device, *, what: str = "page_ids",
     ``what`` names the argument in messages (``"page_ids"``, ``"free: pages"``) and
     ``where`` the thing whose device the ids must be on.  Raises ValueError, and never
     writes to the caller's object."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if isinstance(page_ids, torch.Tensor):
         ids = page_ids
         if ids.dtype is torch.int64 and ids.dim() == 1 and ids.device == device \
