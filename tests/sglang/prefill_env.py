@@ -128,6 +128,8 @@ def sender_class():
             return super().poll()
 
         def fail(self, reason: str = "peer failed"):
+            # as CommonKVSender: the manager records why, the state becomes Failed
+            self.kv_mgr.failure_records[self.bootstrap_room] = reason
             self.failure_reason = reason
             self.conclude_state = KVPoll.Failed
 
@@ -140,7 +142,8 @@ def sender_class():
                 self.fail(f"send of chunk {n} failed")
 
         def failure_exception(self):
-            raise Exception(self.failure_reason or "Fake KVSender Exception")
+            reason = self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
+            raise Exception(reason or "Fake KVSender Exception")
 
         def abort(self):
             self.aborts += 1
@@ -218,6 +221,7 @@ class PrefillHarness:
         s.enable_hicache_storage = False
         s.enable_continuous_input_polling = False
         s.enable_unified_memory = False
+        s.enable_lmcache = False
         s.rust_server = None
         s.kv_shard_widening = 1
         s.processed_tokens_counter = 0
@@ -274,6 +278,7 @@ class PrefillHarness:
         mgr = s.disagg_prefill_bootstrap_queue.kv_manager
         assert isinstance(mgr, FakeKVManager), type(mgr)
         mgr.senders = {}
+        mgr.failure_records = {}
         mgr.last_chunk_flag = False
         self.mgr = mgr
         # the sender learns which chunk is the last one from sglang's send_kv_chunk

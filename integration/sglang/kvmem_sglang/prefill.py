@@ -1,11 +1,459 @@
-"""The PD prefill lifecycle under sglang's scheduler: every request's KV freed once and
-every request answered (transfer timeout, release with requests in flight, status codes,
-NIXL deregistration, leak audit).  ``hooks(options)`` lists the hooks the plugin
-registers for it; the lifecycle hooks come with their own issue and are not yet here."""
+"""The PD prefill lifecycle under sglang 0.5.23's scheduler: every request's KV freed
+once, every request answered once, with the status of kvmem's lifecycle table (DESIGN.md).
+
+What stock 0.5.23 does and what these hooks change (SGLANG_NOTES.md has file:line):
+
+==========================================  ==================================  ===========================
+event                                       stock 0.5.23                        with SGLANG_KVMEM=1
+==========================================  ==================================  ===========================
+WaitingForInput/Transferring longer than    stays in the inflight queue for     sender aborted (decode told),
+SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT      ever, KV and metadata slot held     KV + metadata slot freed, 504
+release_memory_occupation(kv_cache) with    AssertionError in the scheduler     each answered 503 with the
+requests bootstrapping / waiting /          loop (under -O: dropped unanswered, reason, sender aborted, KV and
+in flight                                   senders never aborted)              slots freed; release goes on
+a request arriving while released           queued; its bootstrap may run on    503 at once, until the resume
+                                            deregistered buffers
+release / resume on NIXL                    never deregisters; every resume     deregistered at release,
+                                            registers the buffers again         registered once at resume
+a chunk send built before release/resume    posted                              refused before posting (sender
+                                                                                aborted, 503)
+bootstrap timeout                           500 "Prefill bootstrap failed"      504
+other bootstrap failure                     500                                 500 (unchanged)
+client abort while bootstrapping or         500 "Prefill bootstrap/transfer     the abort's finish reason and
+in flight                                   failed"                             status
+release twice / resume without release      flush again / KeyError in the       refused with a log line,
+                                            scheduler loop                      nothing changed
+abort of an unknown rid                     nothing (silently)                  nothing, one log line
+idle scheduler holding pages or slots       invariant checker (test mode)       one log line + metric naming
+                                                                                the owners (kvmem_sglang.audit)
+==========================================  ==================================  ===========================
+
+The hooks decide a request's fate by setting ``req._kvmem_reason`` (a ``FINISH_ABORT``)
+and let sglang's own paths free it (``handle_inflight_transfer_failure``,
+``handle_bootstrap_failure``, ``release_aborted_prefill_waiting_req``); the one place
+every answer leaves the scheduler, ``SchedulerOutputStreamer.stream_output``, puts that
+reason on the answer.  Nothing here allocates or frees KV itself.
+
+Tensor parallelism: each rank decides its transfer timeout on its own clock; the first
+rank to abort a sender makes the poll all-reduce (MIN) report Failed on every rank in the
+same step, so all ranks free the request together.  The answer the client gets is rank
+0's.
+"""
 
 from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from kvmem_sglang import audit
+from kvmem_sglang.options import AdapterError
+
+logger = logging.getLogger("kvmem.sglang")
+
+TRANSFER_TIMEOUT_VAR = "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"
+DEFAULT_TRANSFER_TIMEOUT = 600.0
+
+_P = "sglang.srt.disaggregation.prefill"
+_MIXIN = f"{_P}.SchedulerDisaggregationPrefillMixin"
+_QUEUE = f"{_P}.PrefillBootstrapQueue"
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_WU = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
+_STREAMER = ("sglang.srt.managers.scheduler_components.output_streamer."
+             "SchedulerOutputStreamer")
+
+
+@dataclass
+class PrefillStats:
+    """What the hooks did in this process (tests and operators read it)."""
+
+    transfer_timeouts: int = 0
+    bootstrap_timeouts: int = 0
+    client_aborts: int = 0  # bootstrapping/inflight requests answered as aborts
+    released_aborts: int = 0  # requests answered 503 by a release
+    refused_while_released: int = 0  # requests answered 503 on arrival
+    refused_stale_sends: int = 0
+    refused_releases: int = 0
+    refused_resumes: int = 0
+    unknown_aborts: int = 0
+    deregistrations: int = 0  # NIXL descriptor lists deregistered at release
+    registrations_skipped: int = 0
+
+
+STATS = PrefillStats()
+TRANSFER_TIMEOUT = DEFAULT_TRANSFER_TIMEOUT
+_EPOCH: dict[int, int] = {}  # id(scheduler) -> registration epoch (+1 per kv release)
+
+
+def transfer_timeout_from_env(env=None) -> float:
+    """``SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT`` in seconds (default 600); AdapterError
+    naming the value when it is not a positive number."""
+    env = os.environ if env is None else env
+    raw = env.get(TRANSFER_TIMEOUT_VAR, "").strip()
+    if not raw:
+        return DEFAULT_TRANSFER_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise AdapterError(f"{TRANSFER_TIMEOUT_VAR}={raw!r} is not a positive number of "
+                           "seconds")
+    return value
 
 
 def hooks(options) -> list[tuple[str, object, str]]:
     """(target, hook, kind) of the prefill lifecycle hooks for these options."""
-    return []
+    global TRANSFER_TIMEOUT
+    TRANSFER_TIMEOUT = transfer_timeout_from_env()
+    return [
+        (f"{_SCHED}._add_request_to_queue", add_request_to_queue, "AROUND"),
+        (f"{_SCHED}.abort_request", abort_request, "AROUND"),
+        (f"{_STREAMER}.stream_output", stream_output, "BEFORE"),
+        (f"{_MIXIN}.handle_bootstrap_failure", handle_bootstrap_failure, "BEFORE"),
+        (f"{_MIXIN}.process_disagg_prefill_inflight_queue", process_inflight_queue,
+         "AROUND"),
+        (f"{_MIXIN}.send_kv_chunk", send_kv_chunk, "AROUND"),
+        (f"{_WU}.release_memory_occupation", release_memory_occupation, "AROUND"),
+        (f"{_WU}.resume_memory_occupation", resume_memory_occupation, "AROUND"),
+        (f"{_QUEUE}.release_memory_occupation", queue_release, "AFTER"),
+        (f"{_QUEUE}.resume_memory_occupation", queue_resume, "AROUND"),
+    ]
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+def _is_prefill(sched) -> bool:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    return getattr(sched, "disaggregation_mode", None) == DisaggregationMode.PREFILL
+
+
+def _kv_released(sched) -> bool:
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+    wu = getattr(sched, "weight_updater", None)
+    return wu is not None and GPU_MEMORY_TYPE_KV_CACHE in wu.offload_tags
+
+
+def _abort_reason(message: str, status):
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return FINISH_ABORT(message, status)
+
+
+def _decide(req, reason) -> bool:
+    """Give ``req`` its answer unless it already has one; True if this one holds."""
+    if getattr(req, "_kvmem_reason", None) is not None:
+        return False
+    req._kvmem_reason = reason
+    return True
+
+
+def _matches(recv_req, req) -> bool:  # sglang's own rule in Scheduler.abort_request
+    return recv_req.abort_all or req.rid.startswith(recv_req.rid)
+
+
+# -- arrival: 503 while released; stamp the registration epoch ----------------------------
+
+def add_request_to_queue(original, sched, req, *args, **kwargs):
+    if _is_prefill(sched) and _kv_released(sched):
+        from sglang.srt.disaggregation.utils import prepare_abort
+
+        msg = (f"Prefill server {getattr(sched, 'tp_rank', 0)} has released its KV cache "
+               f"(release_memory_occupation); request {req.rid} refused until "
+               "resume_memory_occupation")
+        STATS.refused_while_released += 1
+        logger.warning("kvmem-sglang: %s", msg)
+        sched._release_aborted_request(req)
+        prepare_abort(req, msg, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        sched.output_streamer.stream_output([req], req.return_logprob)
+        return None
+    req._kvmem_epoch = _EPOCH.get(id(sched), 0)
+    audit.track(req)
+    sched._kvmem_busy = True
+    return original(sched, req, *args, **kwargs)
+
+
+# -- client abort -----------------------------------------------------------------------------
+
+def abort_request(original, sched, recv_req, *args, **kwargs):
+    """A client's abort of a bootstrapping or inflight request is answered as that abort
+    (sglang answers it later through its failure paths, as a 500)."""
+    if _is_prefill(sched):
+        reason = _client_abort_reason(recv_req)
+        queued = list(sched.disagg_prefill_bootstrap_queue.queue)
+        inflight = list(sched.disagg_prefill_inflight_queue)
+        hit = False
+        for req in queued + inflight:
+            if _matches(recv_req, req):
+                hit = True
+                if _decide(req, reason):
+                    STATS.client_aborts += 1
+        others = list(sched.waiting_queue) + [r for r in sched.collect_inflight_reqs()
+                                               if not r.finished()]
+        if sched.chunked_req is not None:
+            others.append(sched.chunked_req)
+        if not hit and not any(_matches(recv_req, r) for r in others):
+            STATS.unknown_aborts += 1
+            logger.info("kvmem-sglang: abort of rid %r (abort_all=%s): no such request on "
+                        "this prefill server (unknown, or already answered); nothing "
+                        "changed", recv_req.rid, recv_req.abort_all)
+    return original(sched, recv_req, *args, **kwargs)
+
+
+def _client_abort_reason(recv_req):
+    """The reason sglang gives a running request for the same AbortReq."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    fr = recv_req.finished_reason
+    if fr:
+        return FINISH_ABORT(fr.get("message"), fr.get("status_code"), fr.get("err_type"))
+    if recv_req.abort_message:
+        return FINISH_ABORT(recv_req.abort_message, HTTPStatus.SERVICE_UNAVAILABLE)
+    return FINISH_ABORT()
+
+
+# -- every answer: the adapter's reason wins ----------------------------------------------
+
+def stream_output(streamer, reqs, *args, **kwargs):
+    for req in reqs:
+        reason = getattr(req, "_kvmem_reason", None)
+        if reason is not None and req.finished() and req.finished_reason is not reason:
+            req.finished_reason = reason
+    return None
+
+
+# -- bootstrap failure: a timeout is 504 ---------------------------------------------------
+
+def handle_bootstrap_failure(sched, req, *args, **kwargs):
+    if getattr(req, "_kvmem_reason", None) is None:
+        why = _bootstrap_timeout(req)
+        if why is not None:
+            _decide(req, _abort_reason(
+                f"Prefill bootstrap timed out ({why}) for request {req.rid} "
+                f"bootstrap_room={req.bootstrap_room}", HTTPStatus.GATEWAY_TIMEOUT))
+            STATS.bootstrap_timeouts += 1
+    return None
+
+
+def _bootstrap_timeout(req):
+    """Why ``req``'s bootstrap failure is a timeout, or None: the sender recorded a
+    time-out (``CommonKVSender``), or the request has been bootstrapping for longer than
+    ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, the deadline sglang's senders apply."""
+    from sglang.srt.environ import envs
+
+    sender = req.disagg_kv_sender
+    records = getattr(getattr(sender, "kv_mgr", None), "failure_records", None)
+    if isinstance(records, dict):
+        note = records.get(getattr(sender, "bootstrap_room", None))
+        if isinstance(note, str) and "timed out" in note:
+            return note
+    limit = envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+    start = getattr(sender, "init_time", None)
+    if isinstance(start, (int, float)) and time.time() - start >= limit:
+        return f"> {limit:g}s"
+    return None
+
+
+# -- inflight queue: transfer timeout, then the idle audit ---------------------------------
+
+def process_inflight_queue(original, sched, *args, **kwargs):
+    queue = sched.disagg_prefill_inflight_queue
+    if queue:
+        _expire_transfers(sched, queue)
+    done = original(sched, *args, **kwargs)
+    if getattr(sched, "_kvmem_busy", False) and sched.is_fully_idle():
+        sched._kvmem_busy = False
+        audit.audit(sched)
+    return done
+
+
+def _expire_transfers(sched, queue) -> None:
+    from sglang.srt.disaggregation.base import KVPoll
+
+    now = time.monotonic()
+    for req in queue:
+        if req.pending_bootstrap or getattr(req, "_kvmem_reason", None) is not None:
+            continue
+        since = getattr(req, "_kvmem_inflight_since", None)
+        if since is None:  # first seen in flight: the clock starts
+            req._kvmem_inflight_since = now
+            continue
+        if now - since <= TRANSFER_TIMEOUT:
+            continue
+        state = req.disagg_kv_sender.poll()
+        if state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            continue
+        name = "WaitingForInput" if state == KVPoll.WaitingForInput else "Transferring"
+        msg = (f"Prefill KV transfer timed out (> {TRANSFER_TIMEOUT:g}s in {name}, "
+               f"{TRANSFER_TIMEOUT_VAR}) for request {req.rid} "
+               f"bootstrap_room={req.bootstrap_room}; sender aborted, KV freed")
+        logger.error("kvmem-sglang: %s", msg)
+        _decide(req, _abort_reason(msg, HTTPStatus.GATEWAY_TIMEOUT))
+        STATS.transfer_timeouts += 1
+        req.disagg_kv_sender.abort()  # Failed: sglang's failure path frees it this step
+
+
+# -- chunk sends: refuse one built before a release ------------------------------------------
+
+def send_kv_chunk(original, sched, req, *args, **kwargs):
+    epoch = _EPOCH.get(id(sched), 0)
+    made = getattr(req, "_kvmem_epoch", epoch)
+    if made != epoch:
+        msg = (f"KV chunk of request {req.rid} refused before posting: its transfer was "
+               f"set up before release_memory_occupation (registration epoch {made}, now "
+               f"{epoch}); sender aborted")
+        logger.error("kvmem-sglang: %s", msg)
+        STATS.refused_stale_sends += 1
+        _decide(req, _abort_reason(msg, HTTPStatus.SERVICE_UNAVAILABLE))
+        req.disagg_kv_sender.abort()
+        return None
+    return original(sched, req, *args, **kwargs)
+
+
+# -- release / resume ---------------------------------------------------------------------------
+
+def _tags(recv_req) -> list[str]:
+    from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+
+    return list(recv_req.tags) if recv_req.tags else list(GPU_MEMORY_ALL_TYPES)
+
+
+def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+    from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqOutput
+
+    tags = _tags(recv_req)
+    again = [t for t in tags if t in manager.offload_tags]
+    if again:
+        STATS.refused_releases += 1
+        logger.warning("kvmem-sglang: release_memory_occupation(%s) refused: %s already "
+                       "released (call resume_memory_occupation first); nothing changed",
+                       ",".join(tags), ",".join(again))
+        return ReleaseMemoryOccupationReqOutput()
+    sched = manager.scheduler
+    if GPU_MEMORY_TYPE_KV_CACHE in tags and sched is not None and _is_prefill(sched):
+        _drain_for_release(sched)
+    out = original(manager, recv_req, *args, **kwargs)
+    if GPU_MEMORY_TYPE_KV_CACHE in tags and sched is not None:
+        _EPOCH[id(sched)] = _EPOCH.get(id(sched), 0) + 1
+    return out
+
+
+def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
+    from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqOutput
+
+    tags = _tags(recv_req)
+    missing = [t for t in tags if t not in manager.offload_tags]
+    if missing:
+        STATS.refused_resumes += 1
+        logger.warning("kvmem-sglang: resume_memory_occupation(%s) refused: %s not "
+                       "released; nothing changed", ",".join(tags), ",".join(missing))
+        return ResumeMemoryOccupationReqOutput()
+    return original(manager, recv_req, *args, **kwargs)
+
+
+def _drain_for_release(sched) -> None:
+    """Answer every PD request of ``sched`` with 503 and free what it holds, before
+    sglang's release (which asserts an idle scheduler).  A batch in its forward cannot be
+    drained: then AdapterError, before anything changed."""
+    busy = []
+    if not sched.running_batch.is_empty():
+        busy.append(f"running batch {[r.rid for r in sched.running_batch.reqs]}")
+    if sched.chunked_req is not None:
+        busy.append(f"chunked request {sched.chunked_req.rid}")
+    if getattr(sched, "enable_overlap", False) and len(getattr(sched, "result_queue", ())):
+        busy.append(f"{len(sched.result_queue)} batch result(s) pending")
+    inflight = set(map(id, sched.disagg_prefill_inflight_queue))
+    last = sched.last_batch
+    if last is not None:
+        live = [r.rid for r in last.reqs if not r.finished() and id(r) not in inflight]
+        if live:
+            busy.append(f"last batch {live}")
+    if busy:
+        raise AdapterError("release_memory_occupation(kv_cache) while a prefill forward "
+                           "is in progress (" + "; ".join(busy) + "); pause generation "
+                           "and retry; nothing was released")
+    from sglang.srt.disaggregation.prefill import maybe_release_metadata_buffer
+    from sglang.srt.disaggregation.utils import prepare_abort
+
+    def reason(req, where):
+        return _abort_reason(
+            f"Prefill server released its KV cache (release_memory_occupation) while "
+            f"request {req.rid} was {where}; aborted, retry after the resume",
+            HTTPStatus.SERVICE_UNAVAILABLE)
+
+    queue = sched.disagg_prefill_bootstrap_queue
+    answered = []
+    for where, reqs in (("bootstrapping", queue.queue), ("waiting", sched.waiting_queue)):
+        for req in list(reqs):
+            _decide(req, reason(req, where))
+            sched._release_aborted_request(req)
+            sched.release_aborted_prefill_waiting_req(req)  # sender, metadata, KV
+            prepare_abort(req, req._kvmem_reason.message,
+                          status_code=req._kvmem_reason.status_code)
+            answered.append(req)
+    queue.queue = []
+    sched.waiting_queue = [r for r in sched.waiting_queue if r not in answered]
+    for req in list(sched.disagg_prefill_inflight_queue):  # sglang's Failed branch
+        _decide(req, reason(req, "transferring its KV"))
+        req.disagg_kv_sender.abort()
+        sched.handle_inflight_transfer_failure(req)
+        maybe_release_metadata_buffer(req, sched.req_to_metadata_buffer_idx_allocator)
+        answered.append(req)
+    sched.disagg_prefill_inflight_queue = []
+    if answered:
+        STATS.released_aborts += len(answered)
+        logger.warning("kvmem-sglang: release_memory_occupation(kv_cache): %d request(s) "
+                       "answered 503 and their senders aborted: %s", len(answered),
+                       ", ".join(r.rid for r in answered))
+        sched.output_streamer.stream_output(answered, any(r.return_logprob for r in answered))
+    if last is not None:
+        last.filter_batch()  # its requests are all answered now
+
+
+# -- transfer-engine registrations: every backend deregisters at release ---------------------
+
+def queue_release(result, queue, *args, **kwargs):
+    """After sglang's queue release (which calls ``deregister_buffer_to_engine`` where the
+    backend has one): NIXL has none in 0.5.23, so deregister what its
+    ``register_buffer_to_engine`` registered (KV, aux and state descriptor lists)."""
+    mgr = queue.kv_manager
+    if hasattr(mgr, "deregister_buffer_to_engine"):
+        return None
+    agent = getattr(mgr, "agent", None)
+    if agent is None or not hasattr(agent, "deregister_memory"):
+        return None  # a backend that registered nothing (fake)
+    if getattr(mgr, "_kvmem_deregistered", False):
+        return None
+    lists = list(getattr(mgr, "kv_descs", None) or [])
+    for name in ("aux_descs", "state_descs"):
+        descs = getattr(mgr, name, None)
+        if descs is not None:
+            lists.append(descs)
+    for descs in lists:
+        agent.deregister_memory(descs)
+        STATS.deregistrations += 1
+    mgr.kv_descs = []
+    mgr.aux_descs = mgr.state_descs = None
+    mgr._kvmem_deregistered = True
+    return None
+
+
+def queue_resume(original, queue, *args, **kwargs):
+    """Register once: only what the release deregistered (a NIXL manager still
+    registered would otherwise hold two registrations of the same buffers)."""
+    mgr = queue.kv_manager
+    if (not hasattr(mgr, "deregister_buffer_to_engine")
+            and getattr(mgr, "agent", None) is not None
+            and not getattr(mgr, "_kvmem_deregistered", False)):
+        STATS.registrations_skipped += 1
+        logger.warning("kvmem-sglang: resume: the transfer engine still holds its "
+                       "registrations; not registering them twice")
+        return None
+    out = original(queue, *args, **kwargs)
+    mgr._kvmem_deregistered = False
+    return out
