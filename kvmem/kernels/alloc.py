@@ -554,13 +554,15 @@ def extend_slots_torch(prefix_lens, seq_lens, last_loc, new_pages, page_size: in
     owner = torch.repeat_interleave(
         torch.arange(seq.numel(), device=device), ext, output_size=total
     )
-    per_tok = per_req[owner]
+    # index_select, not advanced indexing: one thread on CPU, 32k rows, 66 vs 171 us
+    # (2-D) and 11 vs 98 us (1-D), same result
+    per_tok = per_req.index_select(0, owner)
     pos = torch.arange(total, device=device) + per_tok[:, 0]
     old_slot = pos + per_tok[:, 1]
     if new_pages.numel() == 0:
         return old_slot
     pidx = (pos // page_size + per_tok[:, 2]).clamp_(0, new_pages.numel() - 1)
-    new_slot = new_pages[pidx] * page_size + pos % page_size
+    new_slot = new_pages.index_select(0, pidx) * page_size + pos % page_size
     return torch.where(pos < per_tok[:, 3], old_slot, new_slot)
 
 
