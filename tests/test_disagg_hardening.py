@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 
 import pytest
 import torch
@@ -33,6 +34,33 @@ def record_posts(pair: Pair) -> list:
 
     pair.pe.post_write = post_write
     return posts
+
+
+def one_batch(engine, sender: str, n: int) -> None:
+    """Wait until ``n`` notifications from ``sender`` reached ``engine`` (over the wire),
+    then make its next get_notifs() return them all at once: one batch, as a busy worker
+    fetches them."""
+    got, end = [], time.monotonic() + 10
+    while len(got) < n:
+        assert time.monotonic() < end, f"{len(got)} of {n} notifications arrived"
+        got += engine.get_notifs().get(sender, [])
+    real = engine.get_notifs
+
+    def batch():
+        engine.get_notifs = real
+        return {sender: got}
+
+    engine.get_notifs = batch
+
+
+def step_until(side, cond, steps: int = 200) -> None:
+    """Step one side until ``cond()`` (notifications take a moment on the wire)."""
+    for _ in range(steps):
+        side.step()
+        if cond():
+            return
+        time.sleep(0.001)
+    raise AssertionError("condition not reached")
 
 
 @pytest.fixture
@@ -132,6 +160,7 @@ def test_hostile_messages_in_one_batch_are_counted_and_the_rest_applied(pair):
     for raw in hostile:
         pair.pe.send_notif(pair.de.name, raw)
     pair.pe.send_notif(pair.de.name, encode("ABORT", rid=1, status=499, reason="valid, last"))
+    one_batch(pair.de, pair.pe.name, 1 + len(hostile) + 1)
     assert 1 in dec.reqs
     dec.step()  # one batch: every hostile message refused, the ABORT after them applied
     assert dec.metrics.protocol_errors == before + len(hostile)
@@ -165,6 +194,7 @@ def test_hostile_messages_to_the_prefill_are_counted_and_the_rest_applied(pair):
     for raw in hostile:
         pair.de.send_notif(pair.pe.name, raw)
     pair.de.send_notif(pair.pe.name, encode("ABORT_REQ", rid=1, status=499, reason="valid"))
+    one_batch(pair.pe, pair.de.name, len(hostile) + 1)
     pre.step()
     assert pre.metrics.protocol_errors == before + len(hostile)
     assert not pre.peer_paused
@@ -183,8 +213,7 @@ def test_abort_req_with_status_200_is_refused_not_a_success(pair):
         parse(encode("ABORT_REQ", rid=1, status=200, reason="x"), sender=pair.de.name,
               receiver="prefill")
     pair.de.send_notif(pair.pe.name, encode("ABORT_REQ", rid=1, status=200, reason="x"))
-    pair.prefill.step()
-    assert pair.prefill.metrics.protocol_errors == 1
+    step_until(pair.prefill, lambda: pair.prefill.metrics.protocol_errors == 1)
     assert 1 not in pair.finished and pair.prefill.state(1) == KVPoll.Transferring
     pair.faults.stall_at.clear()
     pair.run_idle()
@@ -197,8 +226,8 @@ def test_abort_with_status_200_only_answers_an_abort_req(pair):
     pair.prefill.add_request(1, 64)
     pair.step(2)
     pair.pe.send_notif(pair.de.name, encode("ABORT", rid=1, status=200, reason="forged"))
-    pair.decode.step()
-    assert pair.decode.metrics.protocol_errors == 1 and 1 in pair.decode.reqs
+    step_until(pair.decode, lambda: pair.decode.metrics.protocol_errors == 1)
+    assert 1 in pair.decode.reqs
     pair.prefill.abort(1)
     pair.run_idle()
     pair.assert_clean()
@@ -223,8 +252,7 @@ def test_pause_ack_of_another_epoch_frees_nothing(pair, epoch):
     held = dict(dec.ledger.owners())
     dec.begin_pause()
     pair.pe.send_notif(pair.de.name, encode("PAUSE_ACK", epoch=epoch))
-    dec.step()
-    assert dec.metrics.protocol_errors == 1
+    step_until(dec, lambda: dec.metrics.protocol_errors == 1)
     assert dec.pausing and not dec.paused and not dec.pool.released
     assert dict(dec.ledger.owners()) == held
     pair.run_until(lambda: dec.paused)  # the prefill's own ack, for epoch 0
@@ -232,8 +260,8 @@ def test_pause_ack_of_another_epoch_frees_nothing(pair, epoch):
     dec.resume()
     pair.step(3)
     pair.pe.send_notif(pair.de.name, encode("PAUSE_ACK", epoch=1))  # not pausing now
-    dec.step()
-    assert dec.metrics.protocol_errors == 2 and not dec.paused
+    step_until(dec, lambda: dec.metrics.protocol_errors == 2)
+    assert not dec.paused
     pair.faults.stall_at.clear()
     pre.add_request(2, 64)
     pair.run_idle()
@@ -389,3 +417,35 @@ def test_default_ready_event_on_cpu_is_ready_at_once(pair):
     from kvmem.disagg.prefill import default_ready_event
 
     assert default_ready_event(torch.device("cpu"))().query() is True
+
+
+# --- found by tests/test_fuzz_peer.py ---------------------------------------------------------------
+
+def test_replayed_req_of_a_delivered_request_is_refused(pair):
+    """A REQ replayed after its request was delivered re-opened it on the decode side,
+    which then held pages and landing bytes until its own timeout (600 s by default)."""
+    pair.prefill.add_request(1, 64)
+    pair.run_idle()
+    assert pair.decode.completed[1].status == 200
+    pair.pe.send_notif(pair.de.name, encode("REQ", rid=1, room=1, tokens=64))
+    pair.run_until(lambda: pair.decode.metrics.protocol_errors == 1)
+    assert pair.decode.idle
+    assert pair.decode.alloc.num_allocated == 0
+    pair.assert_clean()
+
+
+def test_boot_for_a_request_that_ended_is_answered_with_abort(pair):
+    """A replayed REQ of a request that ended early (here: aborted) is booted again by the
+    decode; the prefill answers the BOOT with ABORT at once, so those pages do not wait
+    for the decode's timeout."""
+    pair.faults.withhold.add(1)
+    pair.prefill.add_request(1, 64)
+    pair.step(2)
+    pair.prefill.abort(1)
+    pair.run_idle()
+    pair.faults.withhold.clear()
+    pair.pe.send_notif(pair.de.name, encode("REQ", rid=1, room=1, tokens=64))
+    # no clock advance: the decode's 60 s timeout never fires; the prefill's ABORT frees
+    pair.run_until(lambda: pair.decode.ledger.freed_by_reason["abort:499"] == pages_of(64))
+    assert pair.decode.idle and pair.decode.completed[1].status == 499
+    pair.assert_clean()

@@ -163,6 +163,11 @@ class DecodeSide:
         rid, room, tokens = msg.rid, msg.room, msg.tokens
         if rid in self.reqs:
             raise ProtocolError(f"REQ: request id {rid} is in use")
+        done = self.completed.get(rid)
+        if done is not None and done.status == OK:
+            # A replay: its KV was delivered.  (A request that ended otherwise may be asked
+            # for again: the prefill re-sends REQ when this side paused under its BOOT.)
+            raise ProtocolError(f"REQ for request {rid}: delivered already")
         if room in self._rooms:
             raise ProtocolError(f"REQ for request {rid}: bootstrap room {room} is in use by "
                                 f"request {self._rooms[room]}")

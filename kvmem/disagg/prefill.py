@@ -617,9 +617,15 @@ class PrefillSide:
     def _on_boot(self, msg: Boot) -> None:
         req = self.reqs.get(msg.rid)
         if req is None:
-            if msg.rid in self.finished:
-                return  # ended meanwhile; our ABORT tells the decode side
-            raise ProtocolError(f"BOOT for unknown request {msg.rid}")
+            fin = self.finished.get(msg.rid)
+            if fin is None:
+                raise ProtocolError(f"BOOT for unknown request {msg.rid}")
+            if fin.status != OK:
+                # Ended here, nothing in flight: say so (again), or the decode holds the
+                # pages it booted with until its own timeout (a replayed REQ, a BOOT that
+                # crossed our ABORT: then this second ABORT is ignored there).
+                self._tell(encode("ABORT", rid=msg.rid, status=fin.status, reason=fin.message))
+            return
         if msg.room != req.room:
             raise ProtocolError(f"BOOT for request {req.rid}: room {msg.room} != {req.room}")
         if req.state != KVPoll.Bootstrapping or req.ending is not None:
