@@ -1,0 +1,172 @@
+"""Run by tests/sglang/test_prefill_gaps.py in a process of its own, flag off or on
+(``SGLANG_KVMEM``): each of issue 8's cases through one real PD prefill scheduler
+(``prefill_env.PrefillHarness``), one after the other, recording what the client got,
+what the sender saw and what stays held.  Prints one JSON object on its last line.
+
+Every case starts from, and the harness checks it returns to, an empty scheduler: no KV
+held, no request or metadata slot, empty queues (``clean``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+from tests.sglang.prefill_env import PrefillHarness
+
+TRANSFER_TIMEOUT = 0.3  # SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT set by the test
+BOOTSTRAP_TIMEOUT = 1  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (sglang reads an int)
+
+
+def main() -> dict:
+    h = PrefillHarness(page_size=4, pages=64, max_reqs=8)
+    from sglang.srt.disaggregation.base.conn import KVPoll as K
+
+    out: dict = {"kvmem": _kvmem_on()}
+
+    def answer(rid):
+        got = h.outbox.answers.get(rid, [])
+        return [{"type": r.get("type"), "status": _code(r), "message": r.get("message")}
+                for _, r in got]
+
+    def settle():
+        """Let every held sender finish (hold None -> FakeKVSender: Success) and run the
+        loop until nothing is queued: the next case starts clean."""
+        for req in h.reqs.values():
+            if req.disagg_kv_sender is not None:
+                req.disagg_kv_sender.hold = None
+        for _ in range(4):
+            h.step()
+            h.s.last_batch = None
+        return {"held": h.held(), "queues": h.queues()}
+
+    # -- 1. transfer timeout ----------------------------------------------------------------
+    for rid, state in (("t-transferring", K.Transferring), ("t-waiting", K.WaitingForInput)):
+        h.submit(rid, 9)
+        h.pop_bootstrapped()
+        batch = h.launch()
+        h.sender(rid).hold = state
+        h.finish_forward(batch)
+        h.inflight()
+        h.s.last_batch = None
+    time.sleep(TRANSFER_TIMEOUT + 0.1)
+    h.inflight()
+    h.inflight()
+    out["transfer_timeout"] = {
+        rid: {"answer": answer(rid), "aborts": h.sender(rid).aborts,
+              "sends": h.sender(rid).sends}
+        for rid in ("t-transferring", "t-waiting")}
+    out["transfer_timeout"]["held"] = h.held()
+    out["transfer_timeout"]["queues"] = h.queues()
+    out["transfer_timeout"]["after"] = settle()
+
+    # -- 2. bootstrap timeout (504) and another bootstrap failure (500) ---------------------
+    h.submit("b-timeout", 9, hold=K.Bootstrapping)
+    h.submit("b-failed", 9, hold=K.Bootstrapping)
+    h.step()
+    h.sender("b-failed").fail("decode peer 10.0.0.2 closed the connection")
+    h.step()
+    time.sleep(BOOTSTRAP_TIMEOUT + 0.1)
+    h.step()
+    out["bootstrap"] = {rid: {"answer": answer(rid)} for rid in ("b-timeout", "b-failed")}
+    out["bootstrap"]["held"] = h.held()
+    out["bootstrap"]["after"] = settle()
+
+    # -- 3. client aborts of a bootstrapping and an inflight request -------------------------
+    h.submit("c-boot", 9, hold=K.Bootstrapping)
+    h.step()
+    h.submit("c-fly", 9)
+    h.pop_bootstrapped()
+    batch = h.launch()
+    h.sender("c-fly").hold = K.Transferring
+    h.finish_forward(batch)
+    h.inflight()
+    h.s.last_batch = None
+    h.abort("c-boot")
+    h.abort("c-fly")
+    h.step()
+    h.step()
+    out["client_abort"] = {rid: {"answer": answer(rid), "aborts": h.sender(rid).aborts}
+                           for rid in ("c-boot", "c-fly")}
+    out["client_abort"]["held"] = h.held()
+    out["client_abort"]["after"] = settle()
+
+    # -- 4. release with requests bootstrapping, waiting and in flight ----------------------
+    h.submit("r-boot", 9, hold=K.Bootstrapping)
+    h.step()
+    h.s.last_batch = None
+    h.submit("r-fly", 9)
+    h.pop_bootstrapped()
+    batch = h.launch()
+    h.sender("r-fly").hold = K.Transferring
+    h.finish_forward(batch)
+    h.inflight()
+    h.s.last_batch = None
+    h.submit("r-wait", 9)
+    h.pop_bootstrapped()  # bootstrapped (metadata slot taken), not yet in a batch
+    rel: dict = {"before": {"held": h.held(), "queues": h.queues()}}
+    rel["release"] = _call(h.release)
+    rel["after_release"] = {"held": h.held(), "queues": h.queues()}
+    h.submit("r-late", 9)  # arrives while released (or, stock, while not released)
+    rel["late_queued"] = h.queues()
+    rel["resume"] = _call(h.resume)
+    h.submit("r-after", 9)
+    h.step()
+    h.s.last_batch = None
+    rel["answers"] = {rid: answer(rid) for rid in ("r-fly", "r-wait", "r-boot", "r-late",
+                                                     "r-after")}
+    rel["aborts"] = {rid: h.sender(rid).aborts for rid in ("r-fly", "r-wait", "r-boot")
+                     if h.sender(rid) is not None}
+    rel["pool_released_between"] = rel["release"].get("ok", False)
+    rel["after"] = settle()
+    rel["answers_settled"] = {rid: answer(rid) for rid in ("r-fly", "r-wait", "r-boot",
+                                                             "r-late", "r-after")}
+    out["release"] = rel
+
+    # -- 5. what `python -O` does with stock's assertion: the same release, assertion off ---
+    h.submit("o-boot", 9, hold=K.Bootstrapping)
+    h.step()
+    h.s.last_batch = None
+    real_idle = h.wu.is_fully_idle
+    h.wu.is_fully_idle = lambda **kw: True  # `assert` is stripped under -O
+    o = {"release": _call(h.release)}
+    h.wu.is_fully_idle = real_idle
+    o["queues"] = h.queues()
+    o["answer"] = answer("o-boot")
+    o["aborts"] = h.sender("o-boot").aborts
+    o["resume"] = _call(h.resume)
+    out["release_without_assert"] = o
+    o["after"] = settle()
+    return out
+
+
+def _call(fn) -> dict:
+    try:
+        fn()
+        return {"ok": True}
+    except BaseException as e:  # stock raises in the scheduler loop: record it
+        return {"ok": False, "error": f"{type(e).__name__}: {e}",
+                "where": traceback.format_exc().strip().splitlines()[-3].strip()}
+
+
+def _code(reason: dict):
+    code = reason.get("status_code")
+    if reason.get("type") == "abort":
+        return int(code) if code is not None else "abort"
+    return 200
+
+
+def _kvmem_on() -> bool:
+    try:
+        from kvmem_sglang import plugin
+
+        return plugin.OPTIONS is not None
+    except ImportError:
+        return False
+
+
+if __name__ == "__main__":
+    result = main()
+    sys.stdout.flush()
+    print(json.dumps(result, default=str))

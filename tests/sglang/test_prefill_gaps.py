@@ -1,0 +1,139 @@
+"""Issue 8: the gaps sglang 0.5.23's PD prefill still has, each driven through a real
+prefill scheduler (``prefill_env.PrefillHarness``) with the flag off and on, in two
+processes (sglang's hooks cannot be undone in-process; ``scenario_prefill_gaps.py`` runs
+every case in one scheduler per flag).  Each test states stock's wrong behaviour as
+observed with the flag off, then the lifecycle table's behaviour with the flag on.
+
+Statuses are what sglang's tokenizer turns the finish reason into: an ``abort`` with a
+``status_code`` is that HTTP error; an abort without one is an aborted (not failed)
+request; ``length`` is a served prefill (200)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).parent / "scenario_prefill_gaps.py"
+ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "0.3",
+       "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1"}
+
+
+def _start(flag: str) -> subprocess.Popen:
+    env = dict(os.environ, SGLANG_KVMEM=flag, **ENV)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get(
+        "PYTHONPATH", "").split(os.pathsep) if p])
+    return subprocess.Popen([sys.executable, str(SCRIPT)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, dict]:
+    procs = {"off": _start("0"), "on": _start("1")}
+    out = {}
+    for key, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=180)
+        if proc.returncode != 0:
+            pytest.fail(f"flag {key}: rc {proc.returncode}\n{stderr[-4000:]}")
+        out[key] = json.loads(stdout.strip().splitlines()[-1])
+        out[key]["stderr"] = stderr
+    assert out["on"]["kvmem"] and not out["off"]["kvmem"]
+    return out
+
+
+def one(answers: list) -> dict:
+    assert len(answers) == 1, f"answered {len(answers)} times: {answers}"
+    return answers[0]
+
+
+EMPTY = {"kv_tokens": 0, "req_slots": 0, "meta_slots": 0}
+
+
+def test_transfer_timeout(runs):
+    off, on = runs["off"]["transfer_timeout"], runs["on"]["transfer_timeout"]
+    for rid in ("t-transferring", "t-waiting"):
+        # stock: no prefill-side transfer timeout; the request stays in flight, unanswered,
+        # its KV pages, request slot and metadata slot held, its sender never aborted
+        assert off[rid]["answer"] == [] and off[rid]["aborts"] == 0, off[rid]
+        assert rid in off["queues"]["inflight"]
+        # kvmem: 504, sender aborted (the decode side is told)
+        got = one(on[rid]["answer"])
+        assert (got["type"], got["status"]) == ("abort", 504), got
+        assert "timed out" in got["message"] and "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT" in got["message"]
+        assert on[rid]["aborts"] == 1
+    assert off["held"] == {"kv_tokens": 24, "req_slots": 2, "meta_slots": 2}, off["held"]
+    assert on["held"] == EMPTY and on["queues"]["inflight"] == []
+    assert on["after"]["held"] == EMPTY
+
+
+def test_bootstrap_timeout_is_504_other_failures_stay_500(runs):
+    off, on = runs["off"]["bootstrap"], runs["on"]["bootstrap"]
+    for run in (off, on):
+        got = one(run["b-failed"]["answer"])
+        assert (got["type"], got["status"]) == ("abort", 500), got
+        assert "closed the connection" in got["message"]
+    stock = one(off["b-timeout"]["answer"])
+    assert (stock["status"], "Prefill bootstrap failed" in stock["message"]) == (500, True)
+    got = one(on["b-timeout"]["answer"])
+    assert (got["type"], got["status"]) == ("abort", 504), got
+    assert "timed out" in got["message"]
+    assert on["held"] == EMPTY and off["held"] == EMPTY
+
+
+def test_client_abort_is_answered_as_an_abort(runs):
+    off, on = runs["off"]["client_abort"], runs["on"]["client_abort"]
+    stock = {rid: one(off[rid]["answer"]) for rid in ("c-boot", "c-fly")}
+    assert stock["c-boot"]["status"] == 500 and "Prefill bootstrap failed" in stock["c-boot"]["message"]
+    assert stock["c-fly"]["status"] == 500 and "Prefill transfer failed" in stock["c-fly"]["message"]
+    for rid in ("c-boot", "c-fly"):
+        got = one(on[rid]["answer"])
+        # FINISH_ABORT(): the finish reason and status sglang gives a running request's abort
+        assert got == {"type": "abort", "status": "abort", "message": "Aborted"}, got
+        assert on[rid]["aborts"] >= 1 and off[rid]["aborts"] >= 1
+    assert on["held"] == EMPTY
+
+
+def test_release_with_requests_in_flight(runs):
+    off, on = runs["off"]["release"], runs["on"]["release"]
+    assert off["before"]["queues"] == on["before"]["queues"] == {
+        "bootstrap": ["r-boot"], "waiting": ["r-wait"], "inflight": ["r-fly"]}
+    # stock: the scheduler loop would die on this AssertionError; nothing is answered
+    assert not off["release"]["ok"] and off["release"]["error"].startswith("AssertionError")
+    assert off["answers"]["r-boot"] == [] and off["aborts"]["r-boot"] == 0
+    # ... and a resume without the release that failed raises KeyError in the loop too
+    assert not off["resume"]["ok"] and "KeyError" in off["resume"]["error"]
+    # kvmem: every queued, waiting and inflight request answered 503 with the reason,
+    # its sender aborted, everything it held freed; then the release goes on
+    assert on["release"]["ok"] and on["resume"]["ok"]
+    for rid, where in (("r-boot", "bootstrapping"), ("r-wait", "waiting"),
+                       ("r-fly", "transferring")):
+        got = one(on["answers"][rid])
+        assert (got["type"], got["status"]) == ("abort", 503), (rid, got)
+        assert "release_memory_occupation" in got["message"] and where in got["message"]
+        assert on["aborts"][rid] == 1, (rid, on["aborts"])
+    assert on["after_release"]["held"] == EMPTY
+    assert on["after_release"]["queues"] == {"bootstrap": [], "waiting": [], "inflight": []}
+    # a request arriving while released: 503 at once, not queued
+    late = one(on["answers"]["r-late"])
+    assert (late["status"], "refused until resume" in late["message"]) == (503, True)
+    assert on["late_queued"]["bootstrap"] == []
+    # after the resume requests are served again
+    assert one(on["answers"]["r-after"])["status"] == 200
+    assert on["answers_settled"] == on["answers"]  # answered once, nothing more later
+    assert on["after"]["held"] == EMPTY
+
+
+def test_release_under_python_O_drops_requests_unanswered(runs):
+    """stock with the idle assertion stripped (``python -O``): the bootstrap queue is
+    cleared, its request never answered (its client hangs) and its sender never
+    aborted.  kvmem: answered 503, sender aborted."""
+    off, on = runs["off"]["release_without_assert"], runs["on"]["release_without_assert"]
+    assert off["release"]["ok"] and off["queues"]["bootstrap"] == []
+    assert off["answer"] == [] and off["aborts"] == 0
+    got = one(on["answer"])
+    assert got["status"] == 503 and on["aborts"] == 1
