@@ -1,0 +1,122 @@
+"""Every Python example in the documentation runs, so the documentation cannot rot.
+
+The pages are ``docs/*.md`` and ``README.md``.  Each fenced block whose info string is
+``python`` is an example; the blocks of one page run in order, in one namespace (a later
+block may use what an earlier one made), on the CPU.  A block that cannot run here says
+so in its info string, and is only compiled:
+
+    ```python no-run     needs what a CPU test run does not have (a CUDA device, an
+                         sglang server); compiled, never executed
+
+Any other word after ``python`` is refused, so a misspelt marker cannot hide a block.
+NIXL examples run: ``make test`` installs NIXL.  Besides the examples, the links of these
+pages must name files of this repository that exist, and no tracked text file may point
+into a directory outside it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+MARKERS = {"no-run"}
+# ```python, ```python no-run, ...: the opening fence of a block and its info string.
+_FENCE = re.compile(r"^(`{3,})\s*(\S*)\s*(.*?)\s*$")
+
+
+def _name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def blocks(page: Path) -> list[tuple[int, str, set[str]]]:
+    """``(first line number, code, markers)`` of every ```python block of ``page``."""
+    out, lines = [], page.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, lang, rest = m.groups()
+        j = i + 1
+        while j < len(lines) and not lines[j].startswith(fence):
+            j += 1
+        if j == len(lines):
+            raise AssertionError(f"{_name(page)}:{i + 1}: code fence never closed")
+        if lang.lower() in ("py", "python3", "pycon") or (lang.lower() == "python" and
+                                                            set(rest.split()) - MARKERS):
+            raise AssertionError(f"{_name(page)}:{i + 1}: fence '{lines[i]}': write "
+                                 f"```python, optionally followed by one of {sorted(MARKERS)}")
+        if lang == "python":
+            out.append((i + 2, "\n".join(lines[i + 1:j]) + "\n", set(rest.split())))
+        i = j + 1
+    return out
+
+
+def _code(page: Path, line: int, code: str):
+    # Leading newlines keep traceback line numbers equal to the page's own.
+    return compile("\n" * (line - 1) + code, str(page), "exec")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_examples_run(page: Path):
+    """The page's runnable blocks, in order, in one namespace; no-run blocks compile."""
+    namespace = {"__name__": f"docs:{_name(page)}"}
+    for line, code, markers in blocks(page):
+        compiled = _code(page, line, code)
+        if "no-run" not in markers:
+            exec(compiled, namespace)  # noqa: S102 - the documented example itself
+
+
+def test_every_page_counted():
+    """The documentation has examples, most of them run, and every page has a title."""
+    counts = {}
+    for page in PAGES:
+        bs = blocks(page)
+        counts[_name(page)] = (sum("no-run" not in m for _, _, m in bs),
+                               sum("no-run" in m for _, _, m in bs))
+        assert page.read_text().startswith("# "), f"{_name(page)}: no title line"
+    run = sum(r for r, _ in counts.values())
+    skipped = sum(s for _, s in counts.values())
+    print(f"\ndocumentation examples: {run} run, {skipped} no-run, by page: {counts}")
+    assert counts["docs/api.md"][0] >= 10, counts
+    assert run > 3 * skipped, f"most examples must run: {counts}"
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_links_stay_in_the_repository(page: Path):
+    """Every relative link names an existing file or directory of this repository."""
+    for target in _LINK.findall(page.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue  # a web address, or an anchor on the same page
+        path = (page.parent / target.split("#")[0]).resolve()
+        assert path.is_relative_to(ROOT), f"{_name(page)}: link {target} leaves the repository"
+        assert path.exists(), f"{_name(page)}: link {target} names nothing"
+
+
+def test_nothing_points_outside():
+    """No file of the repository points at the directory beside it (``../shared``)."""
+    skip = {".git", ".venv", "build", "dist", "__pycache__", ".pytest_cache", ".benchmarks",
+            ".hypothesis"}
+    needle = "../" + "shared"  # split, so that this file does not match itself
+    bad = []
+    for path in ROOT.rglob("*"):
+        rel = path.relative_to(ROOT)
+        if any(p in skip or p.endswith(".egg-info") for p in rel.parts) or not path.is_file():
+            continue
+        if path.suffix not in {".md", ".py", ".toml", ".txt", ".sh", ".cfg", ".json", ""}:
+            continue
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, OSError):
+            continue
+        if needle in text:
+            bad.append(rel.as_posix())
+    assert not bad, f"files that point outside the repository: {bad}"
