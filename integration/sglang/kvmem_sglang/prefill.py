@@ -361,14 +361,17 @@ def _drain_for_release(sched) -> None:
     sglang's release (which asserts an idle scheduler).  A batch in its forward cannot be
     drained: then AdapterError, before anything changed."""
     busy = []
-    if not sched.running_batch.is_empty():
-        busy.append(f"running batch {[r.rid for r in sched.running_batch.reqs]}")
-    if sched.chunked_req is not None:
-        busy.append(f"chunked request {sched.chunked_req.rid}")
+    running = getattr(sched, "running_batch", None)
+    if running is not None and not running.is_empty():
+        busy.append(f"running batch {[r.rid for r in running.reqs]}")
+    chunked = getattr(sched, "chunked_req", None)
+    if chunked is not None:
+        busy.append(f"chunked request {chunked.rid}")
     if getattr(sched, "enable_overlap", False) and len(getattr(sched, "result_queue", ())):
         busy.append(f"{len(sched.result_queue)} batch result(s) pending")
-    inflight = set(map(id, sched.disagg_prefill_inflight_queue))
-    last = sched.last_batch
+    inflight_q = getattr(sched, "disagg_prefill_inflight_queue", [])
+    inflight = set(map(id, inflight_q))
+    last = getattr(sched, "last_batch", None)
     if last is not None:
         live = [r.rid for r in last.reqs if not r.finished() and id(r) not in inflight]
         if live:
@@ -387,8 +390,9 @@ def _drain_for_release(sched) -> None:
             HTTPStatus.SERVICE_UNAVAILABLE)
 
     queue = sched.disagg_prefill_bootstrap_queue
+    waiting = getattr(sched, "waiting_queue", [])
     answered = []
-    for where, reqs in (("bootstrapping", queue.queue), ("waiting", sched.waiting_queue)):
+    for where, reqs in (("bootstrapping", queue.queue), ("waiting", waiting)):
         for req in list(reqs):
             _decide(req, reason(req, where))
             sched._release_aborted_request(req)
@@ -397,22 +401,24 @@ def _drain_for_release(sched) -> None:
                           status_code=req._kvmem_reason.status_code)
             answered.append(req)
     queue.queue = []
-    sched.waiting_queue = [r for r in sched.waiting_queue if r not in answered]
-    for req in list(sched.disagg_prefill_inflight_queue):  # sglang's Failed branch
+    if answered:
+        sched.waiting_queue = [r for r in waiting if r not in answered]
+    for req in list(inflight_q):  # what sglang's inflight loop does for Failed
         _decide(req, reason(req, "transferring its KV"))
         req.disagg_kv_sender.abort()
         sched.handle_inflight_transfer_failure(req)
         maybe_release_metadata_buffer(req, sched.req_to_metadata_buffer_idx_allocator)
         answered.append(req)
-    sched.disagg_prefill_inflight_queue = []
-    if answered:
+    if inflight_q:
+        sched.disagg_prefill_inflight_queue = []
+    if answered:  # one answer per request, as the inflight queue streams its done ones
         STATS.released_aborts += len(answered)
         logger.warning("kvmem-sglang: release_memory_occupation(kv_cache): %d request(s) "
                        "answered 503 and their senders aborted: %s", len(answered),
                        ", ".join(r.rid for r in answered))
         sched.output_streamer.stream_output(answered, any(r.return_logprob for r in answered))
-    if last is not None:
-        last.filter_batch()  # its requests are all answered now
+    if last is not None and last.reqs:
+        last.filter_batch()  # drops finished requests: all of them are answered now
 
 
 # -- transfer-engine registrations: every backend deregisters at release ---------------------
