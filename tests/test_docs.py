@@ -102,7 +102,7 @@ def test_links_stay_in_the_repository(page: Path):
 
 
 def test_nothing_points_outside():
-    """No file of the repository points at the directory beside it (``../shared``)."""
+    """No file of the repository points at the ``shared`` directory beside it."""
     skip = {".git", ".venv", "build", "dist", "__pycache__", ".pytest_cache", ".benchmarks",
             ".hypothesis"}
     needle = "../" + "shared"  # split, so that this file does not match itself
