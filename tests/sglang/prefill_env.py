@@ -112,6 +112,8 @@ def sender_class():
             self.aborts = 0
             self.failure_reason = None
             self.fail_on_send = None  # fail at the n-th send (1-based), or "last"
+            self.fail_chunk = None  # "first", "middle", "last" or "extra" of the last send
+            self.after_send = None  # the state to hold once the last chunk was sent
             mgr.senders[bootstrap_room] = self
 
         def poll(self):
@@ -140,6 +142,16 @@ def sender_class():
             super().send(kv_indices, state_indices, num_kv_tokens)
             if self.fail_on_send == n or (self.fail_on_send == "last" and last):
                 self.fail(f"send of chunk {n} failed")
+            elif self.fail_chunk is not None and last:
+                # a real sender moves a send as several transfers (one per page run here)
+                # and, with the last one, the extra state; the decode side reports which
+                # one failed
+                runs = max(len(kv_indices), 1)
+                which = {"first": "transfer 1", "middle": f"transfer {max(runs // 2, 1) + 1}",
+                         "last": f"transfer {runs}", "extra": "extra state"}[self.fail_chunk]
+                self.fail(f"{which} of {runs} (+ extra state) failed on the decode side")
+            elif self.after_send is not None:
+                self.hold = self.after_send
 
         def failure_exception(self):
             reason = self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
