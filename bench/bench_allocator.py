@@ -14,13 +14,12 @@ sglang is required: without it the baseline tests fail (never skip)."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-from bench.conftest import bench_device, sync
+from bench.conftest import bench_device, pick, rounds, sync, warmups
 from kvmem.allocator import PageAllocator
 
 DEV = bench_device()
@@ -28,7 +27,7 @@ NUM_PAGES_TOKENS = 65536  # tokens in each pool
 # 64 rounds x 32 cycles of 64 pages = 2 passes over a 65536-token pool: sglang's
 # need_sort allocators stage frees and sort them when alloc runs short, so a run must
 # cover whole passes for its median to include that.
-ROUNDS = int(os.environ.get("KVMEM_BENCH_ROUNDS_ALLOC", "64"))
+ROUNDS = rounds("KVMEM_BENCH_ROUNDS_ALLOC", 64)
 
 
 def _sglang():
@@ -67,9 +66,16 @@ def _measure(benchmark, fn, iterations=32):
         fn()
         done()
 
-    for _ in range(3):  # warm-up: Triton compilation, allocator caches
+    for _ in range(warmups(3)):  # warm-up: Triton compilation, allocator caches
         call()
-    benchmark.pedantic(call, rounds=ROUNDS, iterations=iterations, warmup_rounds=1)
+    benchmark.pedantic(call, rounds=ROUNDS, iterations=pick(iterations, 1),
+                       warmup_rounds=warmups(1))
+
+
+def _add(report, group: str, name: str, benchmark) -> None:
+    """A row of the allocator figure (bench/plot.py): kvmem rows against sglang's."""
+    report.add(group, name, benchmark, figure="allocator",
+               role="kvmem" if name.startswith("kvmem") else "baseline")
 
 
 # -- alloc + free cycles -----------------------------------------------------------------
@@ -87,7 +93,7 @@ def test_cycle_kvmem(benchmark, report, ps, check):
 
     _measure(benchmark, cycle)
     a.check_invariants()
-    report.add(f"alloc+free of {CYCLE_PAGES} pages, P{ps}", f"kvmem check={check}", benchmark)
+    _add(report, f"alloc+free of {CYCLE_PAGES} pages, P{ps}", f"kvmem check={check}", benchmark)
 
 
 def test_cycle_sglang_paged(benchmark, report):
@@ -97,7 +103,7 @@ def test_cycle_sglang_paged(benchmark, report):
         a.free(a.alloc(CYCLE_PAGES * 16))
 
     _measure(benchmark, cycle)
-    report.add(f"alloc+free of {CYCLE_PAGES} pages, P16",
+    _add(report, f"alloc+free of {CYCLE_PAGES} pages, P16",
                "sglang PagedTokenToKVPoolAllocator", benchmark)
 
 
@@ -108,7 +114,7 @@ def test_cycle_sglang_token(benchmark, report):
         a.free(a.alloc(CYCLE_PAGES))
 
     _measure(benchmark, cycle)
-    report.add(f"alloc+free of {CYCLE_PAGES} pages, P1", "sglang TokenToKVPoolAllocator",
+    _add(report, f"alloc+free of {CYCLE_PAGES} pages, P1", "sglang TokenToKVPoolAllocator",
                benchmark)
 
 
@@ -147,7 +153,7 @@ def test_extend_kvmem(benchmark, report, ps, check):
 
     _measure(benchmark, cycle, iterations=2)
     a.check_invariants()
-    report.add(f"alloc_extend+free, {BATCH} requests x ~1000 tokens, P{ps}",
+    _add(report, f"alloc_extend+free, {BATCH} requests x ~1000 tokens, P{ps}",
                f"kvmem check={check}", benchmark)
 
 
@@ -161,7 +167,7 @@ def test_extend_sglang_paged(benchmark, report):
         a.free(slots)
 
     _measure(benchmark, cycle, iterations=2)
-    report.add(f"alloc_extend+free, {BATCH} requests x ~1000 tokens, P16",
+    _add(report, f"alloc_extend+free, {BATCH} requests x ~1000 tokens, P16",
                "sglang PagedTokenToKVPoolAllocator", benchmark)
 
 
@@ -173,7 +179,7 @@ def test_extend_sglang_token(benchmark, report):
         a.free(a.alloc(b["total"]))  # what sglang does for an extend at page_size 1
 
     _measure(benchmark, cycle, iterations=2)
-    report.add(f"alloc_extend+free, {BATCH} requests x ~1000 tokens, P1",
+    _add(report, f"alloc_extend+free, {BATCH} requests x ~1000 tokens, P1",
                "sglang TokenToKVPoolAllocator.alloc", benchmark)
 
 
@@ -201,11 +207,11 @@ def test_extend_256_nocheck_kvmem(benchmark, report):
                                    check=False))
         done()
 
-    for _ in range(3):
+    for _ in range(warmups(3)):
         setup()
         extend()
-    benchmark.pedantic(extend, setup=setup, rounds=ROUNDS * 2, warmup_rounds=1)
+    benchmark.pedantic(extend, setup=setup, rounds=pick(ROUNDS * 2, 1), warmup_rounds=warmups(1))
     setup()
     a.check_invariants()
-    report.add("alloc_extend alone, 256 requests x ~125 tokens, P16, check=False",
-               "kvmem check=False", benchmark)
+    _add(report, "alloc_extend alone, 256 requests x ~125 tokens, P16, check=False",
+         "kvmem check=False", benchmark)

@@ -10,7 +10,8 @@ loops (one core each, measured by timing the workers' real calls; see
 :class:`kvmem.demo_worker.StageClock`) with the bytes each stage handled.
 
 Runs on the CPU (UCX over loopback; the model, pools and NIXL memory are host memory).
-``KVMEM_BENCH_DEMO_REQUESTS`` sets the request count (200).
+``KVMEM_BENCH_DEMO_REQUESTS`` sets the request count (200).  The smoke mode runs 6 short
+requests of a 2-layer model, one pause, and an 8 MiB raw NIXL buffer written once.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import os
 
 import pytest
 
+from bench.conftest import pick
 from kvmem.demo import DemoConfig, run
 
-REQUESTS = int(os.environ.get("KVMEM_BENCH_DEMO_REQUESTS", "200"))
+REQUESTS = pick(int(os.environ.get("KVMEM_BENCH_DEMO_REQUESTS", "200")), 6)
+SIZES = pick({}, dict(layers=2, max_tokens=256, chunk_tokens=128, concurrency=2, bw_mib=8,
+                      bw_rounds=1))
 MODES = {
     "faults off": dict(abort_rate=0.0, timeout_rate=0.0, fail_rate=0.0, pauses=0),
-    "faults on": {},  # the demo's defaults: every family, 4 pauses
+    "faults on": pick({}, dict(pauses=1)),  # the demo's defaults: every family, 4 pauses
 }
 STAGES = {  # group name -> (side, stage names summed, the byte counter they handled)
     "prefill: forward stand-in (Synth.chunk + unpack_pages into the pool)":
@@ -47,9 +51,14 @@ def _row(report, group: str, name: str, seconds: float, nbytes: int, **extra) ->
                                      gb_per_s=nbytes / seconds / 1e9, **extra))
 
 
+def _fig(role: str) -> dict:
+    """The fields that put a row in the demo figure (bench/plot.py)."""
+    return dict(figure="demo", role=role)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_demo_vs_raw_nixl(benchmark, report, mode):
-    cfg = DemoConfig(requests=REQUESTS, **MODES[mode])
+    cfg = DemoConfig(requests=REQUESTS, **{**SIZES, **MODES[mode]})
     r = benchmark.pedantic(run, args=(cfg,), kwargs=dict(progress=False), rounds=1,
                            iterations=1)
     assert r["ok"], r["errors"]
@@ -60,9 +69,9 @@ def test_demo_vs_raw_nixl(benchmark, report, mode):
     moved = r["bytes_verified"]
     group = f"kvmem demo vs raw NIXL write between the same 2 processes, {mode}"
     _row(report, group, f"kvmem demo: {REQUESTS} requests, verified KV / workload wall",
-         r["wall_seconds"], moved, ratio_to_raw=r["throughput_vs_raw"])
+         r["wall_seconds"], moved, ratio_to_raw=r["throughput_vs_raw"], **_fig("kvmem"))
     _row(report, group, f"raw NIXL write of the same bytes ({raw['nbytes'] >> 20} MiB writes)",
-         moved / raw["gbps"] / 1e9, moved)
+         moved / raw["gbps"] / 1e9, moved, **_fig("baseline"))
     benchmark.extra_info.update(throughput_gbps=r["throughput_gbps"], raw_gbps=raw["gbps"],
                                 ratio=r["throughput_vs_raw"], wall_s=r["wall_seconds"])
     if mode != "faults off":

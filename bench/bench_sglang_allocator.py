@@ -14,8 +14,8 @@ merges and sorts its staged frees every few steps; a round of 8 steps includes t
 Both sides run the very same function (the adapter has sglang's interface), so the ratio
 is the allocator's.  Target (issue 7): kvmem no slower, goal 2x on CPU.  sglang is
 required: without it the baseline fails (never skipped).  ``--benchmark-disable`` runs
-each sequence once as a smoke test (no timing); ``KVMEM_BENCH_ROUNDS_SGLANG`` sets the
-rounds (default 16).
+each sequence once (no timing, no report row); ``KVMEM_BENCH_SMOKE=1`` runs one timed round
+without warm-up; ``KVMEM_BENCH_ROUNDS_SGLANG`` sets the rounds (default 16).
 
 Threads.  On the CPU both sides run with ``KVMEM_BENCH_THREADS_SGLANG`` torch intra-op
 threads (default 1, restored afterwards): the tensors here are ~32k entries, where extra
@@ -31,14 +31,14 @@ import random
 import pytest
 import torch
 
-from bench.conftest import bench_device, sync
+from bench.conftest import bench_device, rounds, sync, warmups
 
 DEV = bench_device()
 BATCH = 32
 IN_FLIGHT = 2          # batches whose KV is still being sent when the next one is allocated
 POOL_TOKENS = 1 << 18  # ~8 batches of 32 x ~1000 tokens
 STEPS_PER_ROUND = 8    # about one pass over the pool: each round holds one sglang merge+sort
-ROUNDS = int(os.environ.get("KVMEM_BENCH_ROUNDS_SGLANG", "16"))
+ROUNDS = rounds("KVMEM_BENCH_ROUNDS_SGLANG", 16)
 PAGE_SIZES = [16, 1]
 
 
@@ -108,9 +108,9 @@ def _run(benchmark, report, ps: int, name: str, a):
             prefill_step(a, ps, batches, in_flight, k)
         done()
 
-    for _ in range(2):  # warm-up: fill the pipeline, one pass over the pool
+    for _ in range(warmups(2)):  # warm-up: fill the pipeline, one pass over the pool
         round_()
-    benchmark.pedantic(round_, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(round_, rounds=ROUNDS, iterations=1, warmup_rounds=warmups(1))
     while in_flight:  # drain: the pool is whole again on both sides
         for row in in_flight.popleft():
             a.free_segments([(row, 0)])
@@ -119,7 +119,8 @@ def _run(benchmark, report, ps: int, name: str, a):
         a.page_allocator.check_invariants()
     if benchmark.enabled:
         report.add(f"PD prefill allocator calls, {STEPS_PER_ROUND} batches of {BATCH} x ~1000 "
-                   f"tokens, P{ps}", name, benchmark)
+                   f"tokens, P{ps}", name, benchmark, figure="allocator",
+                   role="kvmem" if name.startswith("kvmem") else "baseline")
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES, ids=lambda p: f"P{p}")

@@ -22,6 +22,8 @@ Groups:
     same bytes as one contiguous write: the cost of page-granular descriptors and of
     kvmem's range checks.
 
+The smoke mode (``KVMEM_BENCH_SMOKE=1``) writes 4 MiB buffers and a 4-page chunk.
+
 On CUDA (``bench_device()``) the buffers are VRAM and NIXL needs its CUDA 13 build there
 (``nixl-cu13``); GPU-CHECK: not run yet.
 """
@@ -35,13 +37,13 @@ import pytest
 import torch
 
 import kvmem
-from bench.conftest import bench_device, sync
+from bench.conftest import bench_device, pick, rounds, sync, warmups
 from kvmem.transfer import NixlEngine
 
 DEV = bench_device()
-NBYTES = int(os.environ.get("KVMEM_BENCH_XFER_MIB", "256")) << 20
-ROUNDS = int(os.environ.get("KVMEM_BENCH_ROUNDS", "7"))
-CHUNK_PAGES = 64
+NBYTES = pick(int(os.environ.get("KVMEM_BENCH_XFER_MIB", "256")), 4) << 20
+ROUNDS = rounds("KVMEM_BENCH_ROUNDS", 7)
+CHUNK_PAGES = pick(64, 4)
 MODES = {"thread": True, "polled": False}
 
 
@@ -73,7 +75,7 @@ def _run(benchmark, fn) -> None:
         done()
 
     call()
-    benchmark.pedantic(call, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    benchmark.pedantic(call, rounds=ROUNDS, iterations=1, warmup_rounds=warmups(1))
 
 
 def _engines(role: str, mode: str) -> tuple[NixlEngine, NixlEngine]:
@@ -114,7 +116,8 @@ def test_nixl_write_kvmem(benchmark, pair, report):
     assert torch.equal(p["dst"], p["src"])
     first = p["first_s"]
     report.add(p["group"], f"kvmem NixlEngine.post_write (first: {first * 1e3:.0f} ms)",
-               benchmark, NBYTES, first_s=first, first_gb_per_s=NBYTES / first / 1e9)
+               benchmark, NBYTES, first_s=first, first_gb_per_s=NBYTES / first / 1e9,
+               figure="transfer", role="kvmem")
 
 
 def test_nixl_write_raw(benchmark, pair, report):
@@ -134,13 +137,15 @@ def test_nixl_write_raw(benchmark, pair, report):
         assert state == "DONE"
 
     _run(benchmark, raw)
-    report.add(p["group"], "raw nixl initialize_xfer+transfer+poll", benchmark, NBYTES)
+    report.add(p["group"], "raw nixl initialize_xfer+transfer+poll", benchmark, NBYTES,
+               figure="transfer", role="baseline")
 
 
 def test_plain_copy(benchmark, pair, report):
     p = pair
     _run(benchmark, lambda: p["dst"].copy_(p["src"]))
-    report.add(p["group"], "plain copy_ of the same bytes (memcpy)", benchmark, NBYTES)
+    report.add(p["group"], "plain copy_ of the same bytes (memcpy)", benchmark, NBYTES,
+               figure="transfer", role="ceiling")
 
 
 # --- a packed chunk into pool pages ---------------------------------------------------------
@@ -181,7 +186,7 @@ def test_chunk_to_pages_kvmem(benchmark, pools, report):
     _run(benchmark, lambda: _write(p["a"], p["b"], local, p["mems"]["kv"], p["page_ranges"]))
     n = len(p["page_ranges"])
     report.add("chunk -> pool pages, polled", f"kvmem post_write into {n} page ranges",
-               benchmark, p["staging"].numel())
+               benchmark, p["staging"].numel(), figure="transfer", role="kvmem")
 
 
 def test_chunk_contiguous(benchmark, pools, report):
@@ -191,4 +196,4 @@ def test_chunk_contiguous(benchmark, pools, report):
     _run(benchmark, lambda: _write(p["a"], p["b"], local, p["mems"]["flat"], remote))
     assert torch.equal(p["flat"], p["staging"])
     report.add("chunk -> pool pages, polled", "kvmem post_write, same bytes contiguous",
-               benchmark, n)
+               benchmark, n, figure="transfer", role="ceiling")

@@ -1,6 +1,12 @@
 """Shared benchmark plumbing: every bench measures kvmem and its baseline in the same run,
-and this prints (and, with KVMEM_BENCH_OUT=DIR, writes as JSON) medians, bandwidths and
-ratios at the end of the session."""
+and this prints (and, with KVMEM_BENCH_OUT=DIR, writes as JSON and draws as PNG plots,
+bench/plot.py) medians, bandwidths and ratios at the end of the session.
+
+``KVMEM_BENCH_SMOKE=1`` is the smoke mode ``make test`` runs (tests/test_bench_smoke.py):
+every benchmark once, at tiny sizes, one timed round, no warm-up rounds; the report, its
+JSON and the plots are still made, so a renamed field or a broken baseline fails there.
+Its figures mean nothing.  ``KVMEM_BENCH_NOTE`` is a line stored with the report and
+printed on every plot (e.g. that the machine was loaded)."""
 
 from __future__ import annotations
 
@@ -12,6 +18,24 @@ from collections import defaultdict
 
 import pytest
 import torch
+
+
+SMOKE = os.environ.get("KVMEM_BENCH_SMOKE") == "1"
+
+
+def pick(full, smoke):
+    """``smoke`` in the smoke mode, else ``full``: how a benchmark picks its sizes."""
+    return smoke if SMOKE else full
+
+
+def rounds(env: str, default: int) -> int:
+    """Timed rounds: the env var ``env`` (else ``default``); 1 in the smoke mode."""
+    return 1 if SMOKE else int(os.environ.get(env, str(default)))
+
+
+def warmups(n: int) -> int:
+    """Untimed warm-up calls or rounds: ``n``; 0 in the smoke mode."""
+    return 0 if SMOKE else n
 
 
 def bench_device() -> torch.device:
@@ -79,11 +103,20 @@ def pytest_terminal_summary(terminalreporter):
     for line in _REPORT.lines():
         terminalreporter.write_line(line)
     out_dir = os.environ.get("KVMEM_BENCH_OUT")
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, f"bench-{dev.type}.json")
-        with open(path, "w") as f:
-            json.dump(dict(device=device_name(dev), torch=torch.__version__,
-                           time=time.strftime("%Y-%m-%dT%H:%M:%S"), groups=_REPORT.groups),
-                      f, indent=1)
-        terminalreporter.write_line(f"written: {path}")
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"bench-{dev.type}.json")
+    with open(path, "w") as f:
+        json.dump(dict(device=device_name(dev), device_type=dev.type, torch=torch.__version__,
+                       time=time.strftime("%Y-%m-%dT%H:%M:%S"), smoke=SMOKE,
+                       note=os.environ.get("KVMEM_BENCH_NOTE", ""), groups=_REPORT.groups),
+                  f, indent=1)
+    terminalreporter.write_line(f"written: {path}")
+    try:
+        from bench import plot
+    except ImportError as e:  # matplotlib is in the test and bench extras
+        terminalreporter.write_line(f"no plots: {e} (pip install -e '.[bench]')")
+        return
+    for png in plot.plot_file(path, out_dir):
+        terminalreporter.write_line(f"written: {png}")

@@ -1,0 +1,137 @@
+"""The benchmarks and the GPU check cannot rot unseen.
+
+- Every benchmark runs once in the smoke mode (``KVMEM_BENCH_SMOKE=1``, bench/conftest.py:
+  tiny sizes, one round, no timing assertion), in a process of its own, and the report,
+  its JSON and every plot come out: a renamed field, a broken baseline or a plot that no
+  longer draws fails here.
+- bench/gpu_check.sh (run by hand on a CUDA host) parses, every path it hands pytest
+  exists, and its CUDA-only test files collect on this CPU machine: imported, or skipped
+  at module level, never an import error.  The bench files it runs are the ones the smoke
+  run just ran.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_CHECK = os.path.join(ROOT, "bench", "gpu_check.sh")
+FIGURES = ["pack", "allocator", "release", "demo", "transfer"]
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMEM_BENCH_")}
+    env.pop("TRITON_INTERPRET", None)
+    env.pop("KVMEM_FORCE_TRITON", None)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-smoke")
+    junit = out / "junit.xml"
+    t = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench",
+         f"--junitxml={junit}"],
+        cwd=ROOT, env=_env(KVMEM_BENCH_SMOKE="1", KVMEM_BENCH_OUT=str(out)),
+        capture_output=True, text=True, timeout=600)
+    return dict(p=p, out=out, junit=junit, seconds=time.monotonic() - t)
+
+
+def test_every_benchmark_runs_in_smoke_mode(smoke):
+    p = smoke["p"]
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    cases = ET.parse(smoke["junit"]).getroot().iter("testcase")
+    ran: dict[str, list[str]] = {}
+    for c in cases:
+        outcome = [e.tag for e in c if e.tag in ("failure", "error", "skipped")]
+        ran.setdefault(c.get("classname").split(".")[-1], []).extend(outcome or ["passed"])
+    files = {os.path.basename(f)[:-3] for f in glob.glob(os.path.join(ROOT, "bench", "bench_*.py"))}
+    assert files and set(ran) == files, (sorted(files), sorted(ran))
+    # a benchmark never skips: a missing baseline is a failure (STYLE.md rule 10)
+    assert all(set(o) == {"passed"} for o in ran.values()), ran
+    print(f"smoke run: {smoke['seconds']:.1f} s")
+
+
+def test_smoke_report_and_plots(smoke):
+    assert smoke["p"].returncode == 0
+    out = smoke["out"]
+    report = json.loads((out / "bench-cpu.json").read_text())
+    assert report["smoke"] is True and report["device_type"] == "cpu"
+    rows = [r for g in report["groups"].values() for r in g]
+    assert rows and all(r["median_s"] > 0 for r in rows)
+    by_fig = {f: [r for r in rows if r.get("figure") == f] for f in FIGURES}
+    for fig, rs in by_fig.items():
+        roles = {r["role"] for r in rs}
+        assert {"kvmem", "baseline"} <= roles, (fig, roles)  # kvmem beside its baseline
+    assert {r["page_size"] for r in by_fig["pack"]} == {1, 16, 64}
+    assert any(r["role"] == "ceiling" for r in by_fig["pack"])
+    for fig in FIGURES:
+        png = out / f"cpu-{fig}.png"
+        assert png.exists(), sorted(os.listdir(out))
+        data = png.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, fig
+
+
+def test_plot_cli_redraws_from_json(smoke, tmp_path):
+    """``python -m bench.plot RESULTS.json OUTDIR`` (how a GPU run's JSON is drawn here)."""
+    report = json.loads((smoke["out"] / "bench-cpu.json").read_text())
+    report.update(device="NVIDIA H200", device_type="cuda")
+    src = tmp_path / "bench-cuda.json"
+    src.write_text(json.dumps(report))
+    p = subprocess.run([sys.executable, "-m", "bench.plot", str(src), str(tmp_path)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["bench-cuda.json"] + [f"nvidia-h200-{f}.png" for f in FIGURES])
+
+
+# -- bench/gpu_check.sh --------------------------------------------------------------------
+
+def _pytest_paths(script: str) -> list[str]:
+    """Every repository path on gpu_check.sh's pytest lines (its --ignore'd ones too)."""
+    text = script.replace("\\\n", " ")
+    paths = []
+    for line in text.splitlines():
+        if "pytest" in line or "--ignore" in line:
+            paths += re.findall(r"(?<![\w/.$-])((?:tests|bench)(?:/[\w.]+)*)(?=[\s=)\"]|$)", line)
+    return paths
+
+
+def test_gpu_check_parses():
+    p = subprocess.run(["bash", "-n", GPU_CHECK], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+
+
+def test_gpu_check_paths_exist():
+    paths = _pytest_paths(open(GPU_CHECK).read())
+    assert "tests/gpu" in paths and "bench" in paths, paths
+    missing = [x for x in paths if not os.path.exists(os.path.join(ROOT, x))]
+    assert not missing
+
+
+def test_gpu_check_cuda_tests_collect_on_cpu():
+    """tests/conftest.py leaves tests/gpu out without CUDA; --noconftest brings it back, so
+    each file is imported here: it collects, or skips itself at module level."""
+    gpu = sorted({x for x in _pytest_paths(open(GPU_CHECK).read()) if x.startswith("tests/gpu")})
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-rs", "-p", "no:cacheprovider",
+         "--noconftest", *gpu],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    assert "error" not in p.stdout.lower().split("short test summary")[-1], p.stdout[-3000:]
+    files = glob.glob(os.path.join(ROOT, "tests", "gpu", "test_*.py"))
+    for f in files:  # each file either contributed tests or said why it skipped
+        rel = os.path.relpath(f, ROOT)
+        assert rel in p.stdout, (rel, p.stdout[-3000:])
