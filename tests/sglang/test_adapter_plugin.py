@@ -56,8 +56,8 @@ emit({"changed": sorted(t for t in targets if after[t] != before[t]),
 """, kvmem=True)
     out = result_of(proc)
     assert out["installed"] and sorted(out["installed"]) == out["changed"]
-    assert len(out["installed"]) == 10
-    assert proc.stderr.count("kvmem-sglang: SGLANG_KVMEM=1, 10 hooks installed") == 1
+    assert len(out["installed"]) == 20  # 10 of issue 7, 10 of the prefill lifecycle
+    assert proc.stderr.count("kvmem-sglang: SGLANG_KVMEM=1, 20 hooks installed") == 1
 
 
 LOAD = """
