@@ -13,6 +13,9 @@
 #                    the staging gather/scatter against sglang's kernels (where sglang imports)
 #   bench.log        pytest bench (kvmem vs baselines; ratios at the end)
 #   bench-cuda.json  the benchmark table as JSON
+#   nvidia-*-*.png   its plots (bench/plot.py), named after the GPU, where matplotlib
+#                    imports; elsewhere draw them from the JSON on any machine with the
+#                    test environment: python -m bench.plot OUTDIR/bench-cuda.json bench/results
 # Exit status: non-zero if the tests or the benchmarks failed.
 set -uo pipefail
 out="${1:?usage: bench/gpu_check.sh OUTDIR}"

@@ -66,12 +66,15 @@ def _title(fig, report: dict, what: str) -> None:
 
 
 def _us(v: float) -> str:
+    """Microseconds as a label: 850 us, 24.3 ms, 1203 ms."""
+    if v >= 1e5:
+        return f"{v / 1e3:.0f} ms"
     return f"{v / 1e3:.3g} ms" if v >= 1e3 else f"{v:.3g} us"
 
 
 def _save(fig, out_dir: str, report: dict, figure: str) -> str:
     path = os.path.join(out_dir, f"{tag(report)}-{figure}.png")
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight", pad_inches=0.15)
     plt.close(fig)
     return path
 
@@ -193,7 +196,9 @@ def _bars(report: dict, out_dir: str, figure: str, what: str, rate: bool) -> str
             v = r["gb_per_s"] if rate else r["median_s"] * 1e6
             ax.barh(y, v, 0.7, color=COLORS.get(r.get("role"), "tab:gray"))
             note = f" {v:.2f} GB/s" if rate else " " + _us(v)
-            if r is not ref:
+            if r is not ref and rate:
+                note += f"  (kvmem at {ref['gb_per_s'] / v:.2f}x this)"
+            elif r is not ref:
                 note += f"  (kvmem: {r['median_s'] / ref['median_s']:.2f}x faster)" \
                     if r["median_s"] >= ref["median_s"] else \
                     f"  (kvmem takes {ref['median_s'] / r['median_s']:.2f}x the time)"
@@ -203,6 +208,7 @@ def _bars(report: dict, out_dir: str, figure: str, what: str, rate: bool) -> str
             y += 1
         y += 1.2
     ax.set_yticks(ticks, labels, fontsize=7)
+    ax.set_ylim(-1.3, y - 1.2 + 0.5)  # room above the first group's title
     ax.invert_yaxis()
     ax.set_xlabel("GB/s (longer is better)" if rate else
                   "median time, us (log; shorter is better)")
