@@ -192,6 +192,9 @@ def abort_request(original, sched, recv_req, *args, **kwargs):
                 hit = True
                 if _decide(req, reason):
                     STATS.client_aborts += 1
+        for req in inflight:  # its failure path then keeps the abort (and counts no
+            if getattr(req, "_kvmem_reason", None) is reason:  # transfer failure)
+                req.finished_reason = reason
         others = list(sched.waiting_queue) + [r for r in sched.collect_inflight_reqs()
                                                if not r.finished()]
         if sched.chunked_req is not None:
@@ -292,7 +295,8 @@ def _expire_transfers(sched, queue) -> None:
                f"{TRANSFER_TIMEOUT_VAR}) for request {req.rid} "
                f"bootstrap_room={req.bootstrap_room}; sender aborted, KV freed")
         logger.error("kvmem-sglang: %s", msg)
-        _decide(req, _abort_reason(msg, HTTPStatus.GATEWAY_TIMEOUT))
+        if _decide(req, _abort_reason(msg, HTTPStatus.GATEWAY_TIMEOUT)):
+            req.finished_reason = req._kvmem_reason  # as prepare_abort: no 500 later
         STATS.transfer_timeouts += 1
         req.disagg_kv_sender.abort()  # Failed: sglang's failure path frees it this step
 
