@@ -2,10 +2,10 @@
 
 Host (CPU): pools of 0.5, 1 and 2 GiB.  Targets (2 GiB): release under 150 ms; resume with
 pages pre-faulted at least as fast as allocating and touching a fresh 2 GiB buffer.
-GPU: pools of 1, 16 and 64 GiB.  ``KVMEM_BENCH_RELEASE_GIB`` sets the sizes (GiB,
-comma-separated, fractions allowed); the smoke mode uses one 16 MiB pool.  Targets: release of 64 GiB under
-50 ms, resume under 300 ms, both >= 5x faster than ``del`` + ``torch.cuda.empty_cache()`` /
-``torch.empty``.
+GPU: pools of 1, 16 and 64 GiB.  Targets: release of 64 GiB under 50 ms, resume under
+300 ms, both >= 5x faster than ``del`` + ``torch.cuda.empty_cache()`` / ``torch.empty``.
+``KVMEM_BENCH_RELEASE_GIB`` sets the sizes (GiB, comma-separated, fractions allowed); the
+smoke mode uses one 16 MiB pool.
 """
 
 from __future__ import annotations
