@@ -84,6 +84,7 @@ class PrefillStats:
 
 STATS = PrefillStats()
 TRANSFER_TIMEOUT = DEFAULT_TRANSFER_TIMEOUT
+_WARNED: set[str] = set()  # managers already warned about (once per class)
 _EPOCH: dict[int, int] = {}  # id(scheduler) -> registration epoch (+1 per kv release)
 
 
@@ -436,7 +437,13 @@ def queue_release(result, queue, *args, **kwargs):
         return None
     agent = getattr(mgr, "agent", None)
     if agent is None or not hasattr(agent, "deregister_memory"):
-        return None  # a backend that registered nothing (fake)
+        name = type(mgr).__name__
+        if name != "FakeKVManager" and name not in _WARNED:  # fake registers nothing
+            _WARNED.add(name)
+            logger.warning("kvmem-sglang: the transfer backend's %s has no "
+                           "deregistration; what it registered stays registered across "
+                           "release_memory_occupation", name)
+        return None
     if getattr(mgr, "_kvmem_deregistered", False):
         return None
     lists = list(getattr(mgr, "kv_descs", None) or [])
