@@ -29,7 +29,6 @@ import json
 import os
 from collections import Counter
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -208,7 +207,7 @@ def actions(draw):
     for _ in range(draw(st.integers(4, 28))):
         kind = draw(st.sampled_from(
             ["add", "step", "step", "step", "hostile", "hostile", "hostile", "replay",
-             "advance", "caller"]))
+             "advance", "caller", "pause", "resume"]))
         if kind == "add":
             out.append(("add", draw(st.integers(1, 300))))
         elif kind == "step":
@@ -221,6 +220,8 @@ def actions(draw):
                         draw(st.sampled_from([499, 500, 503, 504, 200, 123, True, 499.0]))))
         elif kind == "replay":
             out.append(("replay", draw(st.integers(0, 10_000)), draw(st.integers(1, 3))))
+        elif kind in ("pause", "resume"):
+            out.append((kind, draw(st.sampled_from(["prefill", "decode"]))))
         else:
             out.append(("hostile", draw(st.sampled_from(["prefill", "decode"])),
                         draw(st.integers(1, 4))))
@@ -254,6 +255,13 @@ class Live:
                 return real(msg)
 
             side._tell = tell
+        real_post = pair.pe.post_write
+
+        def post_write(local, remote, remote_ranges, notif=b""):  # CHUNK / AUX notifications
+            self.sent.append(("decode", notif))
+            return real_post(local, remote, remote_ranges, notif)
+
+        pair.pe.post_write = post_write
         self.held_during: dict = {"prefill": set(), "decode": set()}
         for name, side in (("prefill", pair.prefill), ("decode", pair.decode)):
             real_hold = side.ledger.hold
@@ -285,12 +293,17 @@ class Live:
             free = sorted(set(range(1, side.alloc.num_pages))
                           - set(side.alloc.allocated_pages().tolist()))
             idx = torch.tensor(free, dtype=torch.int64)
-            before[name] = (idx, _page_rows(side.pool, idx))
+            released = side.pool.released
+            before[name] = (idx, None if released else _page_rows(side.pool, idx),
+                            side.pool.epoch)
             self.held_during[name] = set()
         self.pair.step()
         TALLY["steps"] += 1
         for name, side in self.sides():
-            idx, old = before[name]
+            idx, old, epoch = before[name]
+            if old is None or side.pool.released or side.pool.epoch != epoch:
+                self.check_ledger(name, side)  # a pause released the memory: contents go
+                continue
             new = _page_rows(side.pool, idx)
             changed = torch.zeros(idx.numel(), dtype=torch.bool)
             for o, n in zip(old, new):
@@ -312,6 +325,15 @@ class Live:
         p = self.pair
         for _ in range(3):  # messages still on the way arrive
             self.step()
+        for _ in range(200):  # pauses complete, then resume
+            for name, side in self.sides():
+                if side.paused:
+                    side.resume()
+            if not any(s.paused or _pausing(s) for _, s in self.sides()):
+                break
+            self.step()
+        else:
+            raise AssertionError("a pause did not complete")
         for _ in range(40):
             if p.prefill.idle and p.decode.idle:
                 break
@@ -333,6 +355,10 @@ class Live:
         self.pair.close()
 
 
+def _pausing(side) -> bool:
+    return getattr(side, "pausing", False) or getattr(side, "_pausing_since", None) is not None
+
+
 def _page_rows(pool, idx: torch.Tensor) -> list:
     """Copies of pages ``idx`` of every layer's K and V: uint8 [len(idx), page bytes] each."""
     return [b.view(torch.uint8).reshape(pool.num_pages, -1).view(torch.int64).index_select(0, idx)
@@ -350,7 +376,7 @@ def test_fuzz_live_sides_survive_hostile_peers():
             for act in plan:
                 kind = act[0]
                 if kind == "add":
-                    if len(pre.reqs) < 6:
+                    if len(pre.reqs) < 6 and not pre.paused and not _pausing(pre):
                         pre.add_request(live.next_rid, act[1])
                         live.next_rid += 1
                 elif kind == "step":
@@ -371,6 +397,14 @@ def test_fuzz_live_sides_survive_hostile_peers():
                         assert not good
                     else:
                         assert good
+                elif kind == "pause":
+                    side = pre if act[1] == "prefill" else dec
+                    if not (pre.paused or dec.paused or _pausing(pre) or _pausing(dec)):
+                        side.begin_pause()
+                        TALLY["pauses"] += 1
+                elif kind == "resume":
+                    side = pre if act[1] == "prefill" else dec
+                    side.resume()
                 elif kind == "replay":
                     if live.sent:
                         _, idx, times = act
@@ -393,4 +427,5 @@ def test_fuzz_live_sides_survive_hostile_peers():
     run()
     print(f"\nfuzz live sides: {TALLY['runs']} runs, {TALLY['steps']} steps, "
           f"{TALLY['messages']} hostile or replayed messages ({TALLY['malformed']} malformed, "
-          f"{TALLY['replays']} replays), {TALLY['caller calls']} caller aborts")
+          f"{TALLY['replays']} replays), {TALLY['caller calls']} caller aborts, "
+          f"{TALLY['pauses']} pauses")
