@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation with every request's pages freed exactly once.
 
 :class:`PrefillSide` and :class:`DecodeSide` (their module docstrings draw the state
-machines), the control messages and counters they share (:mod:`.common`), and the
+machines), the control messages and the one parser every received message goes through
+(:mod:`.protocol`), the counters and page ledger they share (:mod:`.common`), and the
 deterministic stand-in KV data the demo verifies (:mod:`.synth`).
 """
 
