@@ -449,3 +449,36 @@ def test_boot_for_a_request_that_ended_is_answered_with_abort(pair):
     pair.run_until(lambda: pair.decode.ledger.freed_by_reason["abort:499"] == pages_of(64))
     assert pair.decode.idle and pair.decode.completed[1].status == 499
     pair.assert_clean()
+
+
+def test_inbox_keeps_the_rest_of_a_batch_when_a_handler_fails():
+    """A handler bug (anything but ProtocolError) propagates, and the messages fetched with
+    it stay queued for the next drain: none is lost."""
+    import logging
+
+    from kvmem.disagg import Metrics
+    from kvmem.disagg.protocol import Inbox
+
+    class Engine:
+        def __init__(self):
+            self.batches = [{"p": [encode("PAUSE_ACK", epoch=e) for e in range(4)]}]
+
+        def get_notifs(self):
+            return self.batches.pop(0) if self.batches else {}
+
+    seen = []
+
+    def handle(msg):
+        if msg.epoch == 1 and not seen.count(1):
+            seen.append(1)
+            raise RuntimeError("a bug")
+        seen.append(msg.epoch)
+
+    metrics = Metrics("decode")
+    inbox = Inbox(Engine(), peer="p", receiver="decode", handle=handle, metrics=metrics,
+                  log=logging.getLogger("test"))
+    with pytest.raises(RuntimeError, match="a bug"):
+        inbox.drain()
+    assert seen == [0, 1]
+    inbox.drain()
+    assert seen == [0, 1, 2, 3] and metrics.protocol_errors == 0
