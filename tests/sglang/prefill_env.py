@@ -28,7 +28,6 @@ Stood in (SGLANG_NOTES, "Testing against the real classes on CPU"):
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections import defaultdict
@@ -36,7 +35,7 @@ from types import SimpleNamespace
 
 from tests.sglang.sglang_env import build_pools, make_req, model_config, publish
 
-# sglang's HTTP statuses as the tokenizer returns them
+# the two kinds of answer Outbox.status tells apart
 OK, ABORT = "ok", "abort"
 
 
@@ -437,14 +436,3 @@ def _batch_result_processor(s):
         metrics_reporter=s.metrics_reporter, draft_worker=None, model_worker=None,
         logprob_result_processor=None, output_streamer=s.output_streamer,
         beam_coordinator=s.beam_coordinator, abort_request=s.abort_request)
-
-
-def env_for(**values) -> dict:
-    return {k: str(v) for k, v in values.items()}
-
-
-def wait(seconds: float):
-    time.sleep(seconds)
-
-
-__all__ = ["PrefillHarness", "Outbox", "OK", "ABORT", "os"]
