@@ -409,11 +409,16 @@ def _drain_for_release(sched) -> None:
     if answered:
         sched.waiting_queue = [r for r in waiting if r not in answered]
     for req in list(inflight_q):  # what sglang's inflight loop does for Failed
-        _decide(req, reason(req, "transferring its KV"))
-        req.disagg_kv_sender.abort()
-        sched.handle_inflight_transfer_failure(req)
-        maybe_release_metadata_buffer(req, sched.req_to_metadata_buffer_idx_allocator)
-        answered.append(req)
+        if req.pending_bootstrap:  # prefilled before its bootstrap finished (optimistic)
+            _decide(req, reason(req, "bootstrapping"))
+            req.disagg_kv_sender.abort()
+            sched.handle_bootstrap_failure(req)  # frees KV and metadata, answers it
+        else:
+            _decide(req, reason(req, "transferring its KV"))
+            req.disagg_kv_sender.abort()
+            sched.handle_inflight_transfer_failure(req)
+            maybe_release_metadata_buffer(req, sched.req_to_metadata_buffer_idx_allocator)
+        answered.append(req)  # streamed once: sglang skips an answer already sent
     if inflight_q:
         sched.disagg_prefill_inflight_queue = []
     if answered:  # one answer per request, as the inflight queue streams its done ones
