@@ -87,7 +87,7 @@ def plot_pack(report: dict, out_dir: str) -> str | None:
         return None
     ops = [op for op in ("pack", "unpack") if any(r["op"] == op for r in rows)]
     sizes = sorted({r["page_size"] for r in rows})
-    fig, axes = plt.subplots(len(ops), 2, figsize=(12, 4.2 * len(ops)), squeeze=False)
+    fig, axes = plt.subplots(len(ops), 2, figsize=(12, 5.4 * len(ops)), squeeze=False)
     for i, op in enumerate(ops):
         mine = [r for r in rows if r["op"] == op]
         chunks = sorted({r["nbytes"] for r in mine})
@@ -118,7 +118,7 @@ def plot_pack(report: dict, out_dir: str) -> str | None:
         ax.set_ylabel("GB/s (log)")
         ax.set_title(f"{op}: bandwidth against chunk size")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5, ncol=2, framealpha=0.7)
+        ax.legend(fontsize=6.5, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))
         # right: GB/s against page size at the largest chunk
         ax = axes[i][1]
         big = chunks[-1]
