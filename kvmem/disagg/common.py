@@ -210,8 +210,9 @@ class Ledger:
 # --- counters -------------------------------------------------------------------------------
 @dataclass
 class Metrics:
-    """Counters of one side, for a Prometheus scrape (:meth:`prometheus`) or a log line
-    (:meth:`log_line`)."""
+    """Counters of one side, plain fields the side increments: for a report
+    (:meth:`as_dict`), a log line (:meth:`log_line`) or a Prometheus scrape
+    (:func:`kvmem.metrics.register` reads them through prometheus_client)."""
 
     side: str
     requests: Counter = field(default_factory=Counter)  # by outcome
@@ -231,23 +232,6 @@ class Metrics:
         out = dataclasses.asdict(self)
         out["requests"] = dict(self.requests)
         return out
-
-    def prometheus(self, freed_by_reason: Counter) -> str:
-        p = f"kvmem_{self.side}"
-        lines = [f"# TYPE {p}_requests_total counter"]
-        for o in Outcome:
-            lines.append(f'{p}_requests_total{{outcome="{o.value}"}} {self.requests[o.value]}')
-        lines.append(f"# TYPE {p}_pages_freed_total counter")
-        for r, n in sorted(freed_by_reason.items()):
-            lines.append(f'{p}_pages_freed_total{{reason="{r}"}} {n}')
-        for name in ("bytes_packed", "bytes_sent", "bytes_landed", "bytes_verified",
-                     "bytes_corrupt", "protocol_errors", "send_errors"):
-            lines.append(f"# TYPE {p}_{name}_total counter")
-            lines.append(f"{p}_{name}_total {getattr(self, name)}")
-        lines.append(f"# TYPE {p}_pauses_total counter\n{p}_pauses_total {self.pauses}")
-        lines.append(f"# TYPE {p}_pause_seconds_total counter\n"
-                     f"{p}_pause_seconds_total {self.pause_seconds:.6f}")
-        return "\n".join(lines) + "\n"
 
     def log_line(self, freed_by_reason: Counter) -> str:
         req = " ".join(f"{o.value}={self.requests[o.value]}" for o in Outcome)
