@@ -106,7 +106,10 @@ class PageAllocator:
         _err   : int64 [4]              errors found on the device (check=False paths;
                                         layout in kvmem.kernels.alloc)
 
-    with ``_head``, ``_count`` (= num_free) and ``num_allocated`` as host ints.
+    with ``_head``, ``_count`` (= num_free), ``_sorted`` and ``num_allocated`` as host
+    ints.  The live ring entries are two parts: the first ``_sorted`` (ascending, handed
+    out from the head) and, after them, the pages freed since the last sort (the staged
+    part, in the order freed, never handed out before the next sort).
 
     Invariants (``check_invariants()`` asserts them; the map ``_owned`` is the source
     of truth):
@@ -114,11 +117,21 @@ class PageAllocator:
     - a page is free xor owned: the live ring entries are exactly the pages
       ``1 .. num_pages - 1`` with ``_owned == 0``, each once;
     - ``num_free + num_allocated == num_pages - 1``, always;
-    - page 0 is never handed out and never owned.
+    - page 0 is never handed out and never owned;
+    - ``0 <= _sorted <= num_free`` and the first ``_sorted`` live entries ascend.
 
-    Order.  A new or ``reset()`` allocator hands out 1, 2, 3, ... (sglang's order, so
-    results can be compared with sglang's).  ``free`` puts pages at the ring's tail at
-    once (no staging, no sort): after frees, reuse is FIFO, kvmem's own order.
+    Order (sglang 0.5.23's ``need_sort``).  A new or ``reset()`` allocator hands out
+    1, 2, 3, ...  ``free`` appends pages to the ring's tail at once (staged: free, but
+    not handed out yet).  Pages are handed out from the sorted part; when a call may need
+    more pages than it holds (``alloc(n)``: n; ``alloc_decode``: bs;
+    ``alloc_extend``: ``tokens // page_size + bs + 1``, sglang's own bounds) every free
+    page is sorted first, so what a request gets is ascending and, where free pages are
+    adjacent, runs of consecutive pages (one transfer descriptor per run).  So kvmem
+    hands out the same pages as sglang's ``PagedTokenToKVPoolAllocator`` /
+    ``TokenToKVPoolAllocator`` with ``need_sort=True``, call for call, also after frees
+    (except after an OutOfPagesError: sglang sorts before it finds it is short, kvmem
+    changes nothing).  FIFO reuse, kvmem's order before, gave a request scattered pages
+    after a soak: bench/allocator_runs.py, bench/results/cpu-2026-11-30-runs.md.
 
     Errors.  ``OutOfPagesError`` leaves the allocator unchanged; ``DoubleFreeError``
     (a page out of range, page 0, not allocated, or listed twice) frees nothing; bad
@@ -130,8 +143,8 @@ class PageAllocator:
     =========================  ===================================  ======================
     call                       CUDA (Triton kernels)                CPU (numpy/torch)
     =========================  ===================================  ======================
-    alloc(n)                   1 launch, no sync [#p]_              a slice copy and one
-                                                                    scatter, O(n)
+    alloc(n)                   1 launch, no sync [#p]_ [#s]_        a slice copy and one
+                                                                    scatter, O(n) [#s]_
     free(n), check=True        device validation + 1 sync, 1 launch  ~8 numpy calls, O(n)
     free(n), check=False       2 launches, no sync [#o]_            same as check=True
     free_group()               one free at the outermost exit       one free
@@ -154,6 +167,10 @@ class PageAllocator:
 
     .. [#p] with check=True, plus 1 sync when a check=False call since the last
        synchronising call may have left an error on the device.
+    .. [#s] plus, when the sorted part is short, a sort of the free list: O(num_free
+       log num_free) on CPU (NumPy), a gather, ``torch.sort`` and a copy on CUDA (no
+       sync, as sglang's own merge_and_sort_free).  Each sort hands out its pages before
+       the next one, so it costs O(log num_free) per page handed out.
     .. [#o] unless the free would overflow the free list (more pages freed than are
        allocated, a sure error): that one is validated at once, with a sync.
 
@@ -261,6 +278,7 @@ class PageAllocator:
         self._reset_err()
         self._head = 0
         self._count = self._cap
+        self._sorted = self._cap
         self._allocated = 0
         self._parity = 0
         self._pending = False  # a check=False call may have recorded an error in _err
@@ -307,6 +325,11 @@ class PageAllocator:
         # So the live entries are _count distinct unowned pages, and the map has
         # cap - num_allocated == _count unowned pages: they are exactly the free ones.
         assert int(self._owned_ext[-1]) == 0, "the ownership map's end marker is not 0"
+        assert 0 <= self._sorted <= self._count, (
+            f"sorted part {self._sorted} outside [0, num_free = {self._count}]")
+        head = live[:self._sorted]
+        assert bool((head[1:] > head[:-1]).all()), "the sorted part of the free list is " \
+            "not ascending"
 
     @_on_own_stream
     def allocated_pages(self) -> torch.Tensor:
@@ -328,7 +351,7 @@ class PageAllocator:
             self._read_device(None)
         if n > self._count:
             raise OutOfPagesError(n, self._count, "alloc")
-        return self._take(n, self._flag(check))
+        return self._take(n, self._flag(check), n)
 
     @_on_own_stream
     def free(self, pages, check: bool = True) -> None:
@@ -412,7 +435,7 @@ class PageAllocator:
                              f"{total} tokens; prefix_len > seq_len somewhere")
         if num_new > self._count:
             raise OutOfPagesError(num_new, self._count, "alloc_extend")
-        new_pages = self._take(num_new, flag)
+        new_pages = self._take(num_new, flag, total // ps + bs + 1)
         if bs == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         if ps == 1 and not flag:  # checked inputs: every token is a new page, in order
@@ -440,7 +463,7 @@ class PageAllocator:
             num_new = int(K.decode_counts(seq_lens, ps).item())
         if num_new > self._count:
             raise OutOfPagesError(num_new, self._count, "alloc_decode")
-        new_pages = self._take(num_new, flag)
+        new_pages = self._take(num_new, flag, bs)
         if bs == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         if ps == 1 and not flag:  # checked inputs: every request starts a page
@@ -515,10 +538,15 @@ class PageAllocator:
         self._pending = True
         return True
 
-    def _take(self, n: int, flag: bool) -> torch.Tensor:
-        """The next n pages off the ring (n <= num_free), now owned."""
+    def _take(self, n: int, flag: bool, bound: int) -> torch.Tensor:
+        """The next n pages off the ring (n <= num_free), now owned; ``bound`` >= n is
+        what the call may need by sglang's bound: if the sorted part holds fewer, every
+        free page is sorted first (class docstring, "Order")."""
+        if bound > self._sorted and self._sorted < self._count:
+            self._sort_free()
         if n == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
+        self._sorted -= n
         if self._triton():
             pages = K.take_pages_triton(self._ring, self._owned, self._err, self._head, n,
                                         flag=flag)
@@ -528,6 +556,27 @@ class PageAllocator:
         self._count -= n
         self._allocated += n
         return pages
+
+    def _sort_free(self) -> None:
+        """Sort every free page (sorted part and staged part) into ring[0:num_free],
+        ascending, with head 0.  CPU: NumPy's stable sort (timsort: the sorted part is
+        one run already).  Triton path: torch ops on the device, no host sync; after a
+        refused check=False free the ring may hold 0s, which then lead: the take kernel
+        flags them, and the free's own error, recorded first, is what gets raised."""
+        head, count, cap = self._head, self._count, self._cap
+        end = head + count
+        if self._ring_np is not None and not self._triton():
+            ring = self._ring_np
+            live = ring[head:end] if end <= cap else np.concatenate((ring[head:],
+                                                                     ring[:end - cap]))
+            ring[:count] = np.sort(live, kind="stable")
+        else:
+            ring = self._ring
+            live = ring[head:end] if end <= cap else torch.cat((ring[head:],
+                                                                ring[:end - cap]))
+            ring[:count] = torch.sort(live).values
+        self._head = 0
+        self._sorted = count
 
     def _free_now(self, p: torch.Tensor, check: bool) -> None:
         n = p.shape[0]
@@ -628,6 +677,7 @@ class PageAllocator:
         self._ring[:n] = free
         self._head = 0
         self._count = n
+        self._sorted = n
         self._allocated = self._cap - n
         self._parity = 0
         self._reset_err()

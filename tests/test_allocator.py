@@ -21,7 +21,7 @@ from kvmem.kernels import alloc as K
 
 def snapshot(a: PageAllocator):
     return (a._ring.clone(), a._owned.clone(), a._err.clone(), a._head, a._count,
-            a._allocated, a.num_free, a.num_allocated)
+            a._sorted, a._allocated, a.num_free, a.num_allocated)
 
 
 def assert_same(a: PageAllocator, snap):
@@ -109,23 +109,48 @@ def test_out_of_pages_changes_nothing():
     assert (e.value.requested, e.value.available) == (6, 5)
     assert "6" in str(e.value) and "5" in str(e.value)
     assert_same(a, snap)
-    assert a.alloc(5).tolist() == [6, 7, 8, 2, 4]
+    assert a.alloc(5).tolist() == [2, 4, 6, 7, 8]  # sorted when the sorted part ran short
 
 
 # -- free ------------------------------------------------------------------------------
 
 
-def test_free_fifo_reuse_and_wraparound():
+def test_free_staged_until_sorted_part_runs_short():
+    """sglang's need_sort order: freed pages wait (staged) until a call needs more than
+    the sorted part holds; then every free page is sorted, so requests get ascending
+    pages and runs of consecutive ones."""
     a = PageAllocator(num_pages=9, page_size=4)
     assert a.alloc(3).tolist() == [1, 2, 3]
-    a.free(i64(2))
+    a.free(i64(2))  # staged at the ring's tail, which wraps to slot 0
     a.free([3, 1])
-    assert a.alloc(8).tolist() == [4, 5, 6, 7, 8, 2, 3, 1]  # freed pages at the tail
+    assert a._sorted == 5 and a.num_free == 8
+    assert a.alloc(5).tolist() == [4, 5, 6, 7, 8]  # the sorted part, no sort
+    a.check_invariants()
+    assert a.alloc(2).tolist() == [1, 2]  # short: sort [2, 3, 1]
     a.free(i64(7, 5))
     a.free(torch.tensor([8], dtype=torch.int32))
     a.free(np.array([1, 4]))
-    assert a.alloc(5).tolist() == [7, 5, 8, 1, 4]  # the ring wrapped
+    assert a.alloc(5).tolist() == [1, 3, 4, 5, 7]  # [3] and the staged five, sorted
     a.check_invariants()
+
+
+def test_sort_of_a_free_list_that_wraps():
+    a = PageAllocator(num_pages=9, page_size=4)
+    a.alloc(6)  # head 6: the sorted part [7, 8] sits at the ring's end
+    a.free([5, 1, 3])  # staged in slots 0..2: the live entries wrap
+    assert a.alloc(4).tolist() == [1, 3, 5, 7]
+    assert a.alloc(1).tolist() == [8]
+    a.check_invariants()
+
+
+def test_runs_after_frees():
+    """After interleaved frees a request's pages are runs where free pages are
+    adjacent (FIFO reuse handed out [6, 2, 8, 4, 5, 3, 7] here)."""
+    a = PageAllocator(num_pages=9, page_size=1)
+    a.alloc(8)
+    for p in ([6], [2], [8], [4, 5], [3], [7]):
+        a.free(p)
+    assert a.alloc(7).tolist() == [2, 3, 4, 5, 6, 7, 8]
 
 
 @pytest.mark.parametrize("pages,first,reason", [
@@ -203,7 +228,7 @@ def test_free_group_applies_once_at_exit():
             a.free(p[2:3])
         assert a.num_free == 2
     assert a.num_free == 6
-    assert a.alloc(6).tolist() == [7, 8, 1, 2, 5, 3]
+    assert a.alloc(6).tolist() == [1, 2, 3, 5, 7, 8]  # short: every free page sorted
     a.check_invariants()
 
 
@@ -213,7 +238,7 @@ def test_free_group_keeps_its_own_copy():
     with a.free_group():
         a.free(p[:2])
         p[:2] = torch.tensor([3, 4])  # the caller reuses its tensor
-    assert a.num_free == 6 and a.alloc(6).tolist()[-2:] == [1, 2]
+    assert a.num_free == 6 and a.alloc(6).tolist() == [1, 2, 5, 6, 7, 8]
 
 
 def test_free_group_applies_when_body_raises():
@@ -283,6 +308,8 @@ def test_reset_restores_fresh_order():
     (lambda a: (a._owned.__setitem__(7, 1), a._owned.__setitem__(2, 0)),
      "both free and owned"),
     (lambda a: setattr(a, "_allocated", 2), r"num_free \+ num_allocated"),
+    (lambda a: (a._ring.__setitem__(4, 6), a._ring.__setitem__(5, 5)), "not ascending"),
+    (lambda a: setattr(a, "_sorted", 6), "sorted part 6 outside"),
 ])
 def test_check_invariants_catches(corrupt, message):
     a = PageAllocator(num_pages=9, page_size=4)
@@ -320,7 +347,8 @@ def test_page_size_one_slots_are_pages():
     assert a.alloc_extend(i64(0, 0), i64(3, 2), i64(-1, -1)).tolist() == [1, 2, 3, 4, 5]
     a.free([2, 4])
     assert a.alloc_decode(i64(4, 3), i64(3, 5)).tolist() == [6, 7]
-    assert a.alloc_extend(i64(4), i64(7), i64(6)).tolist() == [8, 9, 2]
+    # sglang's bound: 3 tokens + 1 request + 1 = 5 > 2 sorted pages left: sort first
+    assert a.alloc_extend(i64(4), i64(7), i64(6)).tolist() == [2, 4, 8]
     a.check_invariants()
 
 

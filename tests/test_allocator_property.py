@@ -1,6 +1,8 @@
 """Random sequences of alloc / free / free_group / alloc_extend / alloc_decode / reset
-against a plain Python model (the set of owned pages; per request its length and pages),
-with check_invariants() after every step.  Derandomized, so CI sees the same sequences
+against a plain Python model (the set of owned pages; per request its length and pages;
+the order pages are handed out in: sglang's need_sort, a sorted list and the staged
+frees, sorted in when a call's bound exceeds the sorted list), with check_invariants()
+after every step.  Derandomized, so CI sees the same sequences
 every run."""
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.reset_model()
 
     def reset_model(self):
+        self.sorted_part = list(range(1, self.N))  # handed out from the front
+        self.staged: list[int] = []  # freed since the last sort
         self.owned: set[int] = set()
         self.chunks: list[list[int]] = []  # what alloc(n) handed out, not freed yet
         self.reqs: list[Req] = []
@@ -54,8 +58,18 @@ class AllocatorMachine(RuleBasedStateMachine):
         owned = set(torch.nonzero(self.a._owned).flatten().tolist())
         assert owned == self.owned
 
-    def take_new(self, pages):
-        """Pages just handed out: real pages, distinct, none owned before."""
+    def expect(self, n: int, bound: int) -> list[int]:
+        """The n pages the order model hands out to a call whose bound is ``bound``."""
+        if bound > len(self.sorted_part) and self.staged:
+            self.sorted_part = sorted(self.sorted_part + self.staged)
+            self.staged = []
+        out, self.sorted_part = self.sorted_part[:n], self.sorted_part[n:]
+        return out
+
+    def take_new(self, pages, bound):
+        """Pages just handed out: real pages, distinct, none owned before, in the order
+        model's order."""
+        assert pages == self.expect(len(pages), bound)
         assert len(set(pages)) == len(pages)
         for p in pages:
             assert 1 <= p < self.N and p not in self.owned
@@ -75,7 +89,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         pages = self.a.alloc(n, check=check).tolist()
         assert len(pages) == n
-        self.take_new(pages)
+        self.take_new(pages, n)
         if pages:
             self.chunks.append(pages)
 
@@ -123,6 +137,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.a.free(torch.tensor(pages, dtype=torch.int64) if data.draw(st.booleans()) else pages,
                     check=check)
         self.owned.difference_update(pages)
+        self.staged += pages
 
     @rule(data=st.data(), k=st.integers(0, 3), spoil=st.booleans(), body_raises=st.booleans())
     def free_group(self, data, k, spoil, body_raises):
@@ -147,6 +162,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert body_raises
         for pages in lists:
             self.owned.difference_update(pages)
+            self.staged += pages
 
     # -- requests --------------------------------------------------------------------
 
@@ -187,7 +203,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                     new_pages.append(page)
             r.len = s
         assert len(new_pages) == need
-        self.take_new(new_pages)
+        self.take_new(new_pages, (sum(seq) - sum(pre)) // ps + len(batch) + 1)
         self.reqs += batch[len(old):]
 
     @rule(data=st.data(), check=st.booleans(), hints=st.booleans())
@@ -221,7 +237,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             else:
                 assert page == r.pages[pos // ps] and slot == r.last_loc(ps) + 1
             r.len += 1
-        self.take_new(new_pages)
+        self.take_new(new_pages, len(batch))
 
     @rule(roll=st.integers(0, 7))
     def reset(self, roll):

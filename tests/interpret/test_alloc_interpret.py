@@ -213,8 +213,10 @@ def test_check_false_double_free_raised_at_synchronize():
 def test_check_false_error_raised_by_next_checked_call_and_first_error_wins():
     a, pages = _with_allocated()
     a.free(i64(3, 3), check=False)  # listed twice
-    got = a.alloc(4, check=False)  # 7, 8, then the two slots the refused free zeroed
-    assert got.tolist() == [7, 8, 0, 0]  # unreliable until the error is raised
+    # 4 > the 2 sorted pages left (7, 8): the free list is sorted first, so the two ring
+    # slots the refused free zeroed come first
+    got = a.alloc(4, check=False)
+    assert got.tolist() == [0, 0, 7, 8]  # unreliable until the error is raised
     with pytest.raises(DoubleFreeError) as e:
         a.alloc(1)  # check=True: synchronising; the first error is the one raised
     assert e.value.page == 3 and "listed twice" in e.value.reason

@@ -5,8 +5,10 @@ TokenToKVPoolAllocator at page_size 1, both driven by the calls sglang's schedul
 ``free_segments`` on release, ``free``, ``free_page_ids``, free groups).
 
 What is compared: from a new or cleared allocator, the same slots call for call; after
-frees only counts and sets, because the reuse order differs (kvmem: first freed, first
-reused; sglang: sorted staged frees with need_sort, freed pages first without);
+frees, with need_sort (sglang's default), the same slots call for call too (kvmem stages
+its frees and sorts them in when its sorted part runs short, at sglang's bounds:
+``test_after_frees_same_slots_as_sglang_need_sort``); without need_sort only counts and
+sets (sglang puts freed pages first, kvmem keeps need_sort's order);
 available_size after every call, always.  Where kvmem is stricter than sglang (double
 frees, unaligned alloc) the test says so.  sglang's allocator modules import without a
 published ServerArgs, so no conftest is needed."""
@@ -146,6 +148,62 @@ def test_fresh_allocator_same_slots_as_sglang(ps, need_sort):
         mine.clear()
         theirs.clear()
         assert mine.available_size() == theirs.available_size() == size
+
+
+@pytest.mark.parametrize("ps", [1, 16, 64])
+def test_after_frees_same_slots_as_sglang_need_sort(ps):
+    """A seeded random mix of new requests, decode steps over random subsets and frees of
+    whole requests (token slots, as sglang's release does), 400 calls, the pool often
+    near full so that the sorted part runs short many times: the same slots as sglang's
+    need_sort allocator after every call, frees included."""
+    import random
+
+    size = 40 * ps
+    mine, theirs = ours(size, ps, True), stock(size, ps, True)
+    rng = random.Random(ps)
+    rows_m: list[torch.Tensor] = []
+    rows_t: list[torch.Tensor] = []
+    empty = torch.empty(0, dtype=torch.int32)
+    pa, sorts = mine.page_allocator, []
+    sort_free = pa._sort_free
+    pa._sort_free = lambda: (sorts.append(pa.num_free), sort_free())
+    for _ in range(400):
+        free_pages = mine.available_size() // ps
+        op = rng.random()
+        if op < 0.45:
+            lens = [rng.randint(1, 3 * ps) for _ in range(rng.randint(1, 3))]
+            if sum(-(-n // ps) for n in lens) + len(lens) + 1 > free_pages:
+                continue
+            idx = list(range(len(rows_m), len(rows_m) + len(lens)))
+            got = extend(mine, ps, [empty] * len(lens), lens)
+            want = extend(theirs, ps, [empty] * len(lens), lens)
+        elif op < 0.75 and rows_m:
+            idx = rng.sample(range(len(rows_m)), rng.randint(1, len(rows_m)))
+            if len(idx) > free_pages:
+                continue
+            got = decode(mine, ps, [rows_m[i] for i in idx])
+            want = decode(theirs, ps, [rows_t[i] for i in idx])
+            lens = [1] * len(idx)
+        elif rows_m:
+            i = rng.randrange(len(rows_m))
+            mine.free(rows_m.pop(i))
+            theirs.free(rows_t.pop(i))
+            assert mine.available_size() == theirs.available_size()
+            continue
+        else:
+            continue
+        assert want is not None
+        assert torch.equal(got, want)
+        assert mine.available_size() == theirs.available_size()
+        for rows, out in ((rows_m, got), (rows_t, want)):
+            for i, part in zip(idx, split(out, lens)):
+                if i < len(rows):
+                    rows[i] = torch.cat((rows[i], part))
+                else:
+                    rows.append(part)
+    assert mine.available_size() < size  # the run ended with requests held
+    assert len(sorts) >= 10, sorts  # the staged frees were sorted in, many times over
+    mine.page_allocator.check_invariants()
 
 
 @pytest.mark.parametrize("ps", [16, 64])
