@@ -1,4 +1,4 @@
-"""The ``kvmem`` command.
+"""The ``kvmem`` command (also ``python -m kvmem``).
 
 ``kvmem demo`` is the main job: a prefill worker and a decode worker in two processes
 moving KV over NIXL with every fault injected (:mod:`kvmem.demo`).  ``kvmem selfcheck``
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from kvmem import demo
+from kvmem import __version__, demo
 
 
 def _selfcheck_plan(args):
@@ -120,7 +120,8 @@ def _selfcheck(args, plan) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="kvmem", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="kvmem", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser.add_argument("--version", action="version", version=f"kvmem {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo_parser = sub.add_parser(
         "demo", help="the main job: prefill and decode processes over NIXL, every fault injected",
