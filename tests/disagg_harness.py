@@ -87,9 +87,12 @@ class Pair:
     def __init__(self, *, num_pages: int = 97, chunk_tokens: int = 64, max_tokens: int = 512,
                  bootstrap_timeout: float = 30.0, transfer_timeout: float = 30.0,
                  decode_timeout: float = 60.0, staging_chunks: int = 8, spec=SPEC,
-                 ready_event=None, landing_chunk: int | None = None):
+                 ready_event=None, landing_chunk: int | None = None,
+                 direct_threshold: int | None = None):
         """``ready_event``: the prefill's (see PrefillSide); ``landing_chunk``: register
-        the decode's landing buffer as regions of that many bytes (ChunkedLanding)."""
+        the decode's landing buffer as regions of that many bytes (ChunkedLanding);
+        ``direct_threshold``: the prefill's (None: every chunk packed, 0: every chunk
+        written direct, pool pages to pool pages)."""
         tag = f"{uuid.uuid4().hex[:8]}-{next(_ids)}"
         self.clock = Clock()
         self.faults = TestFaults()
@@ -111,7 +114,7 @@ class Pair:
             staging_bytes=staging_chunks * chunk_bytes + 64 * 64,
             bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
             clock=self.clock, faults=self.faults, ready_event=ready_event,
-            on_finish=lambda rid, reason: self.finished.__setitem__(rid, reason))
+            direct_threshold=direct_threshold, on_finish=lambda rid, reason: self.finished.__setitem__(rid, reason))
         self.pe.add_peer(self.de.local_metadata())
         self.de.add_peer(self.pe.local_metadata())
 

@@ -15,9 +15,11 @@ from kvmem.transfer.base import StaleEpochError
 from tests.disagg_harness import SPEC, Pair
 
 
-@pytest.fixture
-def pair():
-    p = Pair()
+@pytest.fixture(params=["packed", "direct"])
+def pair(request):
+    """Every row in both chunk modes: packed into the landing region, and written direct
+    (pool pages to the decode's pool pages; threshold 0: every chunk)."""
+    p = Pair(direct_threshold=None if request.param == "packed" else 0)
     yield p
     p.close()
 
@@ -83,13 +85,19 @@ def test_abort_in_transferring_drains_before_decode_frees(pair):
     req = pair.prefill.reqs[1]
     assert req.handles, "the first chunk's write is posted"
     pair.prefill.abort(1)
-    # prefill pages freed at once; the decode pages wait for the prefill's ABORT
-    assert freed(pair.prefill) == {"ended:499": 64 // 16}
+    if pair.prefill.direct_threshold is None:
+        # prefill pages freed at once (the packed copy is what is sent)
+        assert freed(pair.prefill) == {"ended:499": 64 // 16}
+    else:
+        # the direct write reads the prefill's pages: held until it is DONE or ERR
+        assert freed(pair.prefill) == {} and pair.prefill.ledger.holds(1)
+    # the decode pages wait for the prefill's ABORT
     assert pair.prefill.state(1) == KVPoll.Failed
     pair.decode.step()
     assert 1 in pair.decode.reqs  # not freed: a write may still land
     pair.run_idle()
     assert pair.finished[1].status == 499
+    assert freed(pair.prefill) == {"ended:499": 64 // 16}  # once, in either mode
     assert freed(pair.decode) == {"abort:499": pages_of(200)}
     # the chunk that landed was verified all the same
     assert pair.decode.metrics.bytes_verified == kvmem.packed_nbytes(SPEC, 4)
@@ -264,19 +272,19 @@ def test_bad_inputs_from_the_peer_change_nothing(pair):
     before = (dict(dec.ledger.owners()), dec.reqs[1].pages_done, dec.arena.used_bytes)
     pages = pages_of(200)
     bad = [
-        (dict(t="CHUNK", rid=77, first=0, last=1, off=0, nbytes=1, final=False), "unknown request 77"),
+        (dict(t="CHUNK", rid=77, first=0, last=1, off=0, nbytes=1, final=False, direct=False), "unknown request 77"),
         (dict(t="CHUNK", rid=1, first=4, last=pages + 1, off=kvmem.packed_nbytes(SPEC, 4),
-              nbytes=kvmem.packed_nbytes(SPEC, pages - 3), final=True), "outside its 13 pages"),
+              nbytes=kvmem.packed_nbytes(SPEC, pages - 3), final=True, direct=False), "outside its 13 pages"),
         (dict(t="CHUNK", rid=1, first=4, last=6, off=kvmem.packed_nbytes(SPEC, 4), nbytes=123,
-              final=False), "123 bytes, pages \\[4, 6\\) pack to"),
+              final=False, direct=False), "123 bytes, pages \\[4, 6\\) pack to"),
         (dict(t="CHUNK", rid=1, first=4, last=6, off=0, nbytes=kvmem.packed_nbytes(SPEC, 2),
-              final=False), "offset 0 is not where pages from 4 land"),
+              final=False, direct=False), "offset 0 is not where pages from 4 land"),
         (dict(t="AUX", rid=1, off=0, nbytes=64), "is not its extra-state slot"),
         (dict(t="REQ", rid=1, room=9, tokens=10), "request id 1 is in use"),
         (dict(t="REQ", rid=5, room=1, tokens=10), "bootstrap room 1 is in use"),
         (dict(t="REQ", rid=5, room=5, tokens=-1), "field 'tokens' must be an int in \\[1, 2\\*\\*63\\)"),
         (dict(t="REQ", rid=5, room=5, tokens=513), "tokens outside"),
-        (dict(t="BOOT", rid=1, room=1, off=0, nbytes=1, epoch=0), "unexpected message BOOT"),
+        (dict(t="BOOT", rid=1, room=1, off=0, nbytes=1, epoch=0, pages="1:1"), "unexpected message BOOT"),
     ]
     for msg, match in bad:
         with pytest.raises(ProtocolError, match=match):
@@ -287,10 +295,10 @@ def test_bad_inputs_from_the_peer_change_nothing(pair):
     assert dec.metrics.protocol_errors == errors + 1 and 1 in dec.reqs
     # the prefill side likewise
     for msg, match in [
-        (dict(t="BOOT", rid=42, room=42, off=0, nbytes=10, epoch=0), "unknown request 42"),
-        (dict(t="BOOT", rid=1, room=1, off=0, nbytes=10, epoch=0), "in state Transferring"),
+        (dict(t="BOOT", rid=42, room=42, off=0, nbytes=10, epoch=0, pages="1:1"), "unknown request 42"),
+        (dict(t="BOOT", rid=1, room=1, off=0, nbytes=10, epoch=0, pages="1:13"), "in state Transferring"),
         (dict(t="ABORT_REQ", rid=42, status=499, reason="x"), "unknown request 42"),
-        (dict(t="CHUNK", rid=1, first=0, last=1, off=0, nbytes=1, final=False), "unexpected message CHUNK"),
+        (dict(t="CHUNK", rid=1, first=0, last=1, off=0, nbytes=1, final=False, direct=False), "unexpected message CHUNK"),
     ]:
         with pytest.raises(ProtocolError, match=match):
             handle(pre, pair.de.name, msg)
@@ -311,7 +319,7 @@ def test_chunk_for_an_aborted_request_is_refused_once_freed(pair):
     pair.run_idle()
     with pytest.raises(ProtocolError, match="unknown request 1"):
         handle(pair.decode, pair.pe.name, dict(t="CHUNK", rid=1, first=0, last=1, off=0,
-                                               nbytes=kvmem.packed_nbytes(SPEC, 1), final=True))
+                                               nbytes=kvmem.packed_nbytes(SPEC, 1), final=True, direct=False))
     pair.assert_clean()
 
 

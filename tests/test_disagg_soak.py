@@ -7,6 +7,8 @@ from __future__ import annotations
 import collections
 import os
 
+import pytest
+
 from kvmem.disagg import Outcome
 from kvmem.disagg.faults import FAMILIES, FaultPlan
 from tests.disagg_harness import Pair
@@ -14,9 +16,15 @@ from tests.disagg_harness import Pair
 REQUESTS = int(os.environ.get("KVMEM_SOAK_REQUESTS", "2000"))
 
 
-def test_soak_every_fault_and_pauses():
+@pytest.mark.parametrize("chunks", ["packed", "direct", "mixed"])
+def test_soak_every_fault_and_pauses(chunks):
+    """``chunks``: every chunk packed, every chunk direct (pool pages to pool pages), or
+    chosen per chunk by its merged page runs (threshold of two pages of a layer: chunks
+    whose pages are scattered on either side pack, the others go direct)."""
+    threshold = {"packed": None, "direct": 0, "mixed": 2 * 16 * 2 * 64 * 2}[chunks]
     pair = Pair(num_pages=193, chunk_tokens=64, max_tokens=256, bootstrap_timeout=1.0,
-                transfer_timeout=1.0, decode_timeout=5.0, staging_chunks=16)
+                transfer_timeout=1.0, decode_timeout=5.0, staging_chunks=16,
+                direct_threshold=threshold)
     plan = FaultPlan(seed=1234, rates={"abort": 0.15, "timeout": 0.06, "fail": 0.09},
                      chunk_tokens=64, max_tokens=256, wait=0.02)
     pair.faults = plan
@@ -72,4 +80,12 @@ def test_soak_every_fault_and_pauses():
     m = dec.metrics
     assert m.bytes_landed == m.bytes_verified > 0 and m.bytes_corrupt == 0
     assert pre.metrics.protocol_errors == 0 and m.protocol_errors == 0
+    modes = pre.chunk_modes
+    if chunks == "packed":
+        assert modes["direct"] == 0 < modes["packed"]
+    elif chunks == "direct":
+        assert modes["packed"] == 0 < modes["direct"]
+    else:
+        assert modes["packed"] > 0 and modes["direct"] > 0, modes
+    assert dec.chunk_modes["direct"] <= modes["direct"]  # a chunk lands once at most
     pair.close()

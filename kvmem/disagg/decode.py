@@ -40,6 +40,7 @@ are refused by the prefill's engine before they are posted.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +52,8 @@ from kvmem.disagg.common import (
     Reason, check_caller_args, now, tell,
 )
 from kvmem.disagg.protocol import (
-    Abort, Aux, Chunk, Inbox, Meta, PauseAck, Req, apply_metadata, encode, meta_message,
+    Abort, Aux, Chunk, Inbox, Meta, PauseAck, Req, apply_metadata, encode, encode_runs,
+    meta_message,
 )
 from kvmem.disagg.prefill import AUX_BYTES, DEFAULT_TIMEOUT
 from kvmem.memory import make_backend
@@ -97,6 +99,7 @@ class DecodeSide:
         self.faults = faults or DecodeFaults()
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("decode")
+        self.chunk_modes: Counter = Counter()  # CHUNKs landed, "packed" / "direct"
         self._landing_mem = make_backend(landing_bytes, pool.device)
         self.landing = self._landing_mem.tensor
         self.arena = Arena(landing_bytes)
@@ -192,12 +195,14 @@ class DecodeSide:
             off = self.arena.alloc(nbytes)
         except ArenaFullError:
             return
-        self.ledger.hold(req.rid, self.alloc.alloc(n))
+        pages = self.alloc.alloc(n)
+        self.ledger.hold(req.rid, pages)
         req.landing_off, req.landing_nbytes = off, nbytes
         req.state = "booted"
         req.t_seen = self.clock()
         self._tell(encode(
-            "BOOT", rid=req.rid, room=req.room, off=off, nbytes=nbytes, epoch=self.pool.epoch))
+            "BOOT", rid=req.rid, room=req.room, off=off, nbytes=nbytes, epoch=self.pool.epoch,
+            pages=encode_runs(pages)))
 
     def _known(self, msg) -> DecodeRequest:
         req = self.reqs.get(msg.rid)
@@ -224,10 +229,17 @@ class DecodeSide:
         if first != req.pages_done:
             raise ProtocolError(f"CHUNK for request {req.rid}: pages from {first}, expected "
                                 f"from {req.pages_done}")
-        start = req.landing_off + msg.off
-        data = self.landing[start:start + nbytes]
         self.metrics.bytes_landed += nbytes
-        if self.synth.verify(req.rid, first, last, data):
+        if msg.direct:  # written straight into the request's pool pages: check them there
+            self.chunk_modes["direct"] += 1
+            ok = self.synth.verify_pages(self.pool, req.rid, first, last,
+                                         self.ledger.pages(req.rid)[first:last])
+        else:
+            self.chunk_modes["packed"] += 1
+            start = req.landing_off + msg.off
+            data = self.landing[start:start + nbytes]
+            ok = self.synth.verify(req.rid, first, last, data)
+        if ok:
             self.metrics.bytes_verified += nbytes
         else:
             self.metrics.bytes_corrupt += nbytes
@@ -235,7 +247,7 @@ class DecodeSide:
                       "sent", req.rid, first, last)
         req.pages_done = last
         req.t_seen = self.clock()
-        if req.state == "booted":
+        if req.state == "booted" and not msg.direct:
             kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last])
 
     def _on_aux(self, msg: Aux) -> None:

@@ -61,8 +61,10 @@ States of a request (sglang's KVPoll) and every way out of each::
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 import kvmem
@@ -72,10 +74,10 @@ from kvmem.disagg.common import (
     Metrics, ProtocolError, Reason, RegionMap, check_caller_args, check_id, now, tell,
 )
 from kvmem.disagg.protocol import (
-    AbortReq, Boot, Inbox, Meta, Pausing, apply_metadata, encode, meta_message,
+    AbortReq, Boot, Inbox, Meta, Pausing, apply_metadata, decode_runs, encode, meta_message,
 )
 from kvmem.memory import make_backend
-from kvmem.transfer.base import StaleEpochError, TransferError
+from kvmem.transfer.base import StaleEpochError, TransferError, TransferInFlightError
 
 log = logging.getLogger("kvmem.disagg.prefill")
 
@@ -115,13 +117,14 @@ class _Staged:
     """A write packed (or copied) into staging and not posted yet: posted once ``ready``
     says the staging bytes are written."""
 
-    off: int  # staging offset
+    off: int | None  # staging offset; None for a direct write (pool pages to pool pages)
     nbytes: int
     remote_off: int  # offset within the request's landing region
     notif: bytes
     aux: bool
     final: bool
     ready: object
+    direct: tuple | None = None  # (local block indices, remote block indices)
 
 
 class Faults:
@@ -165,6 +168,8 @@ class PrefillRequest:
     final_posted: bool = False
     result: Reason | None = None
     t_abort: float | None = None
+    dpages: np.ndarray | None = None  # the decode's page ids of this request (its BOOT)
+    deferred_release: str | None = None  # pages freed once the direct write reading them ends
 
 
 class PrefillSide:
@@ -175,7 +180,8 @@ class PrefillSide:
                  staging_bytes: int | None = None,
                  bootstrap_timeout: float = DEFAULT_TIMEOUT,
                  transfer_timeout: float = DEFAULT_TIMEOUT, clock=now,
-                 faults: Faults | None = None, on_finish=None, ready_event=None):
+                 faults: Faults | None = None, on_finish=None, ready_event=None,
+                 direct_threshold: int | None = None):
         spec = pool.spec
         if chunk_tokens <= 0 or chunk_tokens % spec.page_size:
             raise ValueError(f"chunk_tokens must be a positive multiple of page_size "
@@ -204,6 +210,15 @@ class PrefillSide:
             raise ValueError(f"staging_bytes {staging_bytes} cannot hold one chunk ({chunk_max} bytes)")
         engine.register("staging", [(self.staging.data_ptr(), self.arena.size)], 0, pool.device)
         engine.register_pool(pool, "kv")
+        # Direct writes (pool pages to the decode's pool pages, no pack) for chunks whose
+        # page runs, merged where adjacent on both sides, are at least this many bytes per
+        # descriptor; None: every chunk is packed.  Measured by kvmem.disagg.calibrate.
+        self.direct_threshold = direct_threshold
+        self.chunk_modes: Counter = Counter()  # chunks posted, "packed" / "direct"
+        self._local_table = None  # prepared block list of our pool (prep_local "kv")
+        self._remote_table = None  # ... of the decode's pool, at its newest epoch
+        self._retired_tables: list = []  # older remote tables, released once unused
+        self._prep_local()
         self.reqs: dict[int, PrefillRequest] = {}  # active (not finished)
         self.finished: dict[int, Reason] = {}
         self._rooms: set[int] = set()
@@ -384,10 +399,23 @@ class PrefillSide:
         is full (nothing changed)."""
         spec = self.spec
         nbytes = kvmem.packed_nbytes(spec, last - first)
+        direct = self._direct_indices(req, first, last)
+        if direct is not None:
+            ready = self.ready_event()  # the forward's writes to these pages are done
+            self.chunk_modes["direct"] += 1
+            notif = encode("CHUNK", rid=req.rid, first=first, last=last,
+                           off=kvmem.packed_nbytes(spec, first), nbytes=nbytes, final=final,
+                           direct=True)
+            req.staged = _Staged(None, nbytes, kvmem.packed_nbytes(spec, first), notif,
+                                 aux=False, final=final, ready=ready, direct=direct)
+            if final:  # the write reads the pages: freed once it is DONE or ERR
+                req.deferred_release = "sent"
+            return True
         try:
             off = self.arena.alloc(nbytes)
         except ArenaFullError:
             return False
+        self.chunk_modes["packed"] += 1
         kvmem.pack_pages(self.pool, self.ledger.pages(req.rid)[first:last],
                          out=self.staging[off:off + nbytes])
         ready = self.ready_event()  # right after the pack, on the stream it ran on
@@ -397,7 +425,7 @@ class PrefillSide:
             self.ledger.release(req.rid, "sent")
         chunk_off = kvmem.packed_nbytes(spec, first)
         notif = encode("CHUNK", rid=req.rid, first=first, last=last, off=chunk_off,
-                       nbytes=nbytes, final=final)
+                       nbytes=nbytes, final=final, direct=False)
         req.staged = _Staged(off, nbytes, chunk_off, notif, aux=False, final=final, ready=ready)
         return True
 
@@ -424,6 +452,13 @@ class PrefillSide:
         if not st.ready.query():
             return False
         req.staged = None
+        if st.direct is not None:
+            if not self._post_direct(req, st):
+                return True  # the request ended (500 / 503)
+            if req.state == KVPoll.WaitingForInput:
+                req.state = KVPoll.Transferring
+            req.aux_due = st.final
+            return True
         if not self._post(req, st.off, st.nbytes, st.remote_off, st.notif, aux=st.aux):
             return True  # the request ended (500 / 503); its slot is free again
         if st.aux:
@@ -458,6 +493,84 @@ class PrefillSide:
         req.handles.append((h, staging_off))
         return True
 
+    def _post_direct(self, req, st: _Staged) -> bool:
+        """Post one direct write (pool pages to the decode's pool pages, prepared block
+        lists); on failure end the request (500, or 503 when the decode's memory moved on)."""
+        seq = req.seq
+        req.seq += 1
+        try:
+            if self.faults.fail_send(req.rid, seq, False):
+                raise TransferError(f"injected send failure of chunk {seq} (direct)")
+            rt = self._decode_table()
+            if rt is None:
+                raise StaleEpochError(self.decode_peer, "kv", "no live pool", "-", "post_blocks")
+            li, ri = st.direct
+            h = self.engine.post_blocks(self._local_table, li, rt, ri, st.notif)
+        except StaleEpochError as e:
+            self._end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: the decode side "
+                                  f"released its KV memory (epoch moved on): {e}"))
+            return False
+        except TransferError as e:
+            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} "
+                                  f"(direct) failed: {e}"))
+            return False
+        req.handles.append((h, None))
+        return True
+
+    # --- direct writes ------------------------------------------------------------------------
+    def _prep_local(self) -> None:
+        self._local_table = None
+        if self.direct_threshold is not None and self.engine.registrations()["kv"].layout:
+            self._local_table = self.engine.prep_local("kv")
+
+    def _decode_table(self):
+        """The prepared block list of the decode's pool at the newest metadata this engine
+        knows (prepared once per epoch; the older one retired); None when it has none."""
+        try:
+            remote = self.engine.remote(self.decode_peer, "kv")
+        except KeyError:
+            return None
+        if not remote.live or remote.layout is None:
+            return None
+        t = self._remote_table
+        if t is None or t.remote != remote:
+            if t is not None:
+                self._retired_tables.append(t)
+            self._remote_table = t = self.engine.prep_remote(remote)
+        if self._retired_tables:
+            keep = []
+            for old in self._retired_tables:
+                try:
+                    self.engine.release_table(old)
+                except TransferInFlightError:
+                    keep.append(old)
+            self._retired_tables = keep
+        return t
+
+    def _direct_indices(self, req: PrefillRequest, first: int, last: int):
+        """``(local, remote)`` block indices when pages ``[first, last)`` go direct, else
+        None (packed).  Direct when the chunk's page runs, merged where adjacent on both
+        sides, average at least ``direct_threshold`` bytes per descriptor (one descriptor
+        per merged run per layer and K|V).  A head range (heterogeneous TP) always packs:
+        its rows are not whole pages (this side sends whole pages only)."""
+        if (self.direct_threshold is None or req.dpages is None or self._local_table is None
+                or self.peer_paused):
+            return None
+        src = self.ledger.pages(req.rid)[first:last].cpu().numpy()
+        dst = req.dpages[first:last]
+        n = last - first
+        runs = 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
+        lt = self._local_table
+        if n * int(lt.nbytes.min()) / runs < self.direct_threshold:
+            return None
+        rt = self._decode_table()
+        if rt is None or rt.nbytes.size != lt.nbytes.size or not np.array_equal(rt.nbytes, lt.nbytes):
+            return None
+        planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
+        li = (planes * lt.layout.count + src).reshape(-1)
+        ri = (planes * rt.layout.count + dst).reshape(-1)
+        return li, ri
+
     def _poll_writes(self) -> None:
         """Poll every posted write (this is also what sends its notification): DONE and
         ERR writes give their staging slot back; an ERR ends its request (500)."""
@@ -471,7 +584,8 @@ class PrefillSide:
                     keep.append((h, off))
                     continue
                 self.engine.release(h)
-                self.arena.free(off)
+                if off is not None:
+                    self.arena.free(off)
                 if st == "DONE":
                     self.metrics.bytes_sent += h.nbytes
                 elif failed is None:
@@ -487,6 +601,9 @@ class PrefillSide:
     def _maybe_finish(self, req: PrefillRequest) -> None:
         if req.handles:
             return
+        if req.deferred_release is not None and self.ledger.holds(req.rid):
+            self.ledger.release(req.rid, req.deferred_release)
+            req.deferred_release = None
         if req.ending is not None:
             self._finish(req, req.ending, tell_decode=True)
         elif req.aux_due:  # the last chunk is DONE: its extra state follows
@@ -505,9 +622,14 @@ class PrefillSide:
         req.ending = reason
         req.pending.clear()
         if req.staged is not None:  # packed, never posted: the slot is free again
-            self.arena.free(req.staged.off)
+            if req.staged.off is not None:
+                self.arena.free(req.staged.off)
             req.staged = None
-        if self.ledger.holds(req.rid):
+        req.deferred_release = None
+        if any(h.tables for h, _ in req.handles):
+            # a direct write is reading these pages: freed once it is DONE or ERR
+            req.deferred_release = f"ended:{reason.status}"
+        elif self.ledger.holds(req.rid):
             self.ledger.release(req.rid, f"ended:{reason.status}")
         self._maybe_finish(req)
 
@@ -654,6 +776,20 @@ class PrefillSide:
             raise ProtocolError(f"BOOT for request {req.rid}: landing region [{msg.off}, "
                                 f"+{msg.nbytes}) does not hold {need} bytes within "
                                 f"{landing_map.size}")
+        n_pages = -(-req.tokens // self.spec.page_size)
+        dpages = np.array(decode_runs(msg.pages, n_pages), dtype=np.int64)
+        if dpages.size != n_pages:
+            raise ProtocolError(f"BOOT for request {req.rid}: {dpages.size} decode pages for "
+                                f"its {n_pages} pages")
+        try:
+            kv = self.engine.remote(self.decode_peer, "kv")
+        except KeyError:
+            kv = None
+        if kv is not None and kv.layout is not None and (
+                dpages.min() < 1 or dpages.max() >= kv.layout.count):
+            raise ProtocolError(f"BOOT for request {req.rid}: decode pages outside "
+                                f"[1, {kv.layout.count})")
+        req.dpages = dpages
         req.remote, req.landing_map = remote, landing_map
         req.landing_off, req.landing_nbytes = msg.off, msg.nbytes
         req.state = KVPoll.WaitingForInput
@@ -691,6 +827,7 @@ class PrefillSide:
             return
         self.pool.resume()
         self.engine.register_pool(self.pool, "kv")
+        self._prep_local()  # deregister released the old list
         self._tell(meta_message(self.engine))
         self.paused = False
         self.metrics.pause_seconds += self.clock() - self._pause_t0

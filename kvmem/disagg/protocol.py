@@ -9,9 +9,13 @@ Wire format: a NIXL notification holding one UTF-8 JSON object, at most
 
     type        from      fields (every int in [0, 2**63))                  receiver
     REQ         prefill   rid, room, tokens (>= 1)                          decode
-    BOOT        decode    rid, room, off, nbytes (>= 1), epoch              prefill
+    BOOT        decode    rid, room, off, nbytes (>= 1), epoch, pages       prefill
+                          (str: the request's decode pages as runs
+                          "page:count,page:count", see encode_runs)
     CHUNK       prefill   rid, first, last, off, nbytes (>= 1), final       decode
-                          (bool), first < last
+                          (bool), direct (bool: the pages were written
+                          straight into the decode's pool pages, not
+                          packed into its landing region), first < last
     AUX         prefill   rid, off, nbytes (>= 1)                           decode
     ABORT       prefill   rid, status (200 | 499 | 500 | 503 | 504),        decode
                           reason (str, at most MAX_REASON characters)
@@ -35,6 +39,7 @@ import binascii
 import collections
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 from kvmem.disagg.common import END_STATUSES, OK, ProtocolError
@@ -44,6 +49,8 @@ MAX_MESSAGE_BYTES = 4 << 20  # a META with a NIXL blob is a few KiB; nothing els
 MAX_REASON = 4096  # characters of an abort reason
 MAX_DEPTH = 4  # a control message is a flat object; JSON nesting deeper is refused unread
 INT_MAX = (1 << 63) - 1
+MAX_RUNS_CHARS = 1 << 20  # a BOOT's page runs: 64k pages of 15-digit ids, far above any pool
+_RUNS = re.compile(r"[0-9]{1,18}:[0-9]{1,18}(,[0-9]{1,18}:[0-9]{1,18})*")
 
 ABORT_STATUSES = END_STATUSES | {OK}
 
@@ -64,6 +71,7 @@ class Boot:
     off: int
     nbytes: int
     epoch: int
+    pages: str  # runs of decode page ids (decode_runs)
     t = "BOOT"
 
 
@@ -75,6 +83,7 @@ class Chunk:
     off: int
     nbytes: int
     final: bool
+    direct: bool
     t = "CHUNK"
 
 
@@ -127,12 +136,14 @@ class Meta:
 
 
 # type -> (class, {field: kind}); kinds: "int" (0 <= v <= INT_MAX), "pos" (1 <= v),
-# "bool", "reason" (a str of at most MAX_REASON characters), "b64" (META's md).
+# "bool", "reason" (a str of at most MAX_REASON characters), "b64" (META's md), "runs"
+# (a str of "page:count" runs, see encode_runs).
 _TYPES = {
     "REQ": (Req, {"rid": "int", "room": "int", "tokens": "pos"}),
-    "BOOT": (Boot, {"rid": "int", "room": "int", "off": "int", "nbytes": "pos", "epoch": "int"}),
+    "BOOT": (Boot, {"rid": "int", "room": "int", "off": "int", "nbytes": "pos", "epoch": "int",
+                    "pages": "runs"}),
     "CHUNK": (Chunk, {"rid": "int", "first": "int", "last": "pos", "off": "int",
-                      "nbytes": "pos", "final": "bool"}),
+                      "nbytes": "pos", "final": "bool", "direct": "bool"}),
     "AUX": (Aux, {"rid": "int", "off": "int", "nbytes": "pos"}),
     "ABORT": (Abort, {"rid": "int", "status": "int", "reason": "reason"}),
     "ABORT_REQ": (AbortReq, {"rid": "int", "status": "int", "reason": "reason"}),
@@ -155,6 +166,34 @@ def encode(t: str, **fields) -> bytes:
     if set(fields) != set(want):
         raise ValueError(f"encode {t}: fields {sorted(fields)}, expected {sorted(want)}")
     return json.dumps({"t": t, **fields}, separators=(",", ":")).encode()
+
+
+def encode_runs(pages) -> str:
+    """Page ids (a sequence or int64 tensor, in request order) as runs of consecutive ids:
+    ``"12:4,40:1"`` is pages 12, 13, 14, 15, 40."""
+    ids = [int(p) for p in (pages.tolist() if hasattr(pages, "tolist") else pages)]
+    out, i = [], 0
+    while i < len(ids):
+        j = i + 1
+        while j < len(ids) and ids[j] == ids[j - 1] + 1:
+            j += 1
+        out.append(f"{ids[i]}:{j - i}")
+        i = j
+    return ",".join(out)
+
+
+def decode_runs(text: str, limit: int) -> list[int]:
+    """The page ids of ``encode_runs`` output (already format-checked by :func:`parse`);
+    ProtocolError when a count is 0 or the ids number more than ``limit``."""
+    ids: list[int] = []
+    for part in text.split(","):
+        a, n = part.split(":")
+        a, n = int(a), int(n)
+        if n < 1 or len(ids) + n > limit:
+            raise ProtocolError(f"page runs {text[:60]!r}: a count of 0 or more than "
+                                f"{limit} pages")
+        ids.extend(range(a, a + n))
+    return ids
 
 
 def meta_message(engine) -> bytes:
@@ -258,6 +297,10 @@ def _field(t: str, name: str, kind: str, v):
         if not isinstance(v, str) or len(v) > MAX_REASON:
             raise ProtocolError(f"{t}: field {name!r} must be a str of at most {MAX_REASON} "
                                 f"characters, got {_show(v)}")
+    elif kind == "runs":
+        if not isinstance(v, str) or len(v) > MAX_RUNS_CHARS or not _RUNS.fullmatch(v):
+            raise ProtocolError(f"{t}: field {name!r} must be runs 'page:count,...' (at most "
+                                f"{MAX_RUNS_CHARS} characters), got {_show(v)}")
     elif kind == "b64":
         if not isinstance(v, str):
             raise ProtocolError(f"{t}: field {name!r} must be a base64 str, got {_show(v)}")

@@ -4,7 +4,7 @@ is imported when a :class:`NixlEngine` is created, so ``import kvmem.transfer`` 
 without it)."""
 
 from kvmem.transfer.base import (
-    EngineClosedError, MetadataError, Registration, RemoteMemory, StaleEpochError,
+    BlockLayout, BlockTable, EngineClosedError, MetadataError, Registration, RemoteMemory, StaleEpochError,
     TransferEngine, TransferError, TransferHandle, TransferInFlightError,
 )
 from kvmem.transfer.nixl import NixlEngine
@@ -12,5 +12,5 @@ from kvmem.transfer.nixl import NixlEngine
 __all__ = [
     "TransferEngine", "NixlEngine", "Registration", "RemoteMemory", "TransferHandle",
     "StaleEpochError", "TransferInFlightError", "MetadataError", "TransferError",
-    "EngineClosedError",
+    "EngineClosedError", "BlockLayout", "BlockTable",
 ]

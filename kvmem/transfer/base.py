@@ -144,6 +144,7 @@ class Registration:
     regions: tuple
     mem: str          # "DRAM" | "VRAM"
     device_id: int    # 0 for DRAM, the CUDA index for VRAM
+    layout: "BlockLayout | None" = None  # the blocks inside (a pool's pages), if given
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ class RemoteMemory:
     device_id: int
     incarnation: int
     live: bool = True
+    layout: "BlockLayout | None" = None
 
     @property
     def order(self) -> tuple:
@@ -187,6 +189,67 @@ class TransferHandle:
     error: str | None = None
     released: bool = False
     native: object = field(default=None, repr=False)
+    tables: tuple = ()   # ids of the prepared tables a post_blocks handle uses
+    op: str = "WRITE"
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Equal-sized blocks inside a registration, addressed by index: ``planes`` is
+    ``((base, stride, nbytes), ...)``; block ``j * count + i`` is ``[base_j + i * stride_j,
+    + nbytes_j)``.  For a KVPool (:func:`pool_layout`): one plane per layer for K, then one
+    per layer for V, block ``i`` of a plane = page ``i`` of that layer::
+
+        index(plane j, page p) = j * num_pages + p      j < L: K of layer j; else V of j - L
+    """
+
+    planes: tuple   # ((base, stride, nbytes), ...)
+    count: int      # blocks per plane (a pool's num_pages)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """``(addr, nbytes)`` of each plane's whole span (first block to last byte)."""
+        return [(b, (self.count - 1) * st + n) for b, st, n in self.planes]
+
+    def descs(self) -> np.ndarray:
+        """``[len(planes) * count, 2]`` int64 ``(addr, nbytes)`` of every block, by index."""
+        i = np.arange(self.count, dtype=np.int64)
+        out = np.empty((len(self.planes), self.count, 2), dtype=np.int64)
+        for j, (b, st, n) in enumerate(self.planes):
+            out[j, :, 0], out[j, :, 1] = b + i * st, n
+        return out.reshape(-1, 2)
+
+    def as_json(self) -> dict:
+        return dict(planes=[list(p) for p in self.planes], count=self.count)
+
+
+def pool_layout(pool) -> BlockLayout | None:
+    """The block layout of a KVPool's pages (see :class:`BlockLayout`); None when a page of
+    a layer is not one contiguous range (then only packed transfers can move it)."""
+    planes = []
+    for buf in list(pool.k_buffer) + list(pool.v_buffer):
+        if buf.numel() == 0 or not buf[0].is_contiguous():
+            return None
+        es = buf.element_size()
+        planes.append((int(buf.data_ptr()), int(buf.stride(0)) * es, int(buf[0].numel()) * es))
+    return BlockLayout(tuple(planes), int(pool.num_pages)) if planes else None
+
+
+@dataclass
+class BlockTable:
+    """A descriptor list prepared once (NIXL ``prep_xfer_dlist``) for every block of a
+    layout, local (``key`` of this engine) or remote (``remote``: a peer's RemoteMemory).
+    :meth:`TransferEngine.post_blocks` then names blocks by index.  A local table dies with
+    its registration (deregister releases it); a remote one is refused as stale once the
+    engine learns newer metadata of its (peer, key)."""
+
+    id: int
+    key: str
+    epoch: int
+    layout: BlockLayout
+    remote: RemoteMemory | None = None
+    nbytes: np.ndarray = field(default=None, repr=False)  # bytes of each plane's blocks
+    native: object = field(default=None, repr=False)
+    released: bool = False
 
 
 @dataclass
@@ -316,7 +379,7 @@ def decode_metadata(data) -> tuple[dict, bytes]:
     regs = header.get("regs")
     if not isinstance(regs, dict):
         raise MetadataError("add_peer: metadata field 'regs' must be an object")
-    live = []
+    live, layouts = [], []
     for key, r in regs.items():
         if not isinstance(r, dict):
             raise MetadataError(f"add_peer: registration {key!r} is not an object")
@@ -335,8 +398,36 @@ def decode_metadata(data) -> tuple[dict, bytes]:
             _int(reg[1], f"regs[{key!r}] nbytes", 1)
             if r["live"]:
                 live.append((reg[0], reg[1]))
+        if "layout" in r:
+            layouts.append((r["layout"], key, regions))
     check_regions(live, "add_peer: metadata registrations", MetadataError)
+    for lay, key, regions in layouts:  # once the regions are known to be sane
+        _layout(lay, key, regions)
     return header, blob
+
+
+def _layout(obj, key: str, regions) -> BlockLayout:
+    """A registration's ``layout`` from metadata, checked: every plane's blocks inside one
+    of its regions.  MetadataError otherwise."""
+    planes = obj.get("planes") if isinstance(obj, dict) else None
+    count = obj.get("count") if isinstance(obj, dict) else None
+    if not isinstance(planes, list) or not planes or set(obj) != {"planes", "count"}:
+        raise MetadataError(f"add_peer: registration {key!r}: bad layout {obj!r:.200}")
+    _int(count, f"regs[{key!r}].layout.count", 1)
+    out = []
+    for pl in planes:
+        if not (isinstance(pl, list) and len(pl) == 3):
+            raise MetadataError(f"add_peer: registration {key!r}: bad layout plane {pl!r}")
+        b, st, n = (_int(pl[0], "layout base", 1), _int(pl[1], "layout stride", 1),
+                    _int(pl[2], "layout nbytes", 1))
+        out.append((b, st, n))
+    lay = BlockLayout(tuple(out), count)
+    idx = _RegionIndex([tuple(r) for r in regions])
+    for a, n in lay.spans():
+        if a > INT64_MAX - n or idx.find(a, n) < 0:
+            raise MetadataError(f"add_peer: registration {key!r}: layout plane [{a:#x}, +{n}) "
+                                "is not inside one of its regions")
+    return lay
 
 
 # --- ranges -----------------------------------------------------------------------------
@@ -445,6 +536,7 @@ class TransferEngine(abc.ABC):
         self._handles: dict[int, TransferHandle] = {}
         self._index: _RegionIndex | None = None  # of the live local regions; None: stale
         self._next_id = 1
+        self._tables: dict[int, BlockTable] = {}
         self._closed = False
 
     # --- transport primitives ---------------------------------------------------------
@@ -484,17 +576,33 @@ class TransferEngine(abc.ABC):
     @abc.abstractmethod
     def _t_close(self) -> None: ...
 
+    # Prepared block lists (optional: an engine without them moves packed chunks only).
+    def _t_prep(self, descs: np.ndarray, mem: str, device_id: int, peer: str | None) -> object:
+        """Prepare ``descs`` (``[n, 2]`` addr, nbytes) once; ``peer`` None: local."""
+        raise TransferError(f"{type(self).__name__} has no prepared descriptor lists")
+
+    def _t_unprep(self, native) -> None:
+        pass
+
+    def _t_post_blocks(self, op: str, local: object, lidx: np.ndarray, remote: object,
+                       ridx: np.ndarray, peer: str, notif: bytes) -> tuple[object, str]:
+        raise TransferError(f"{type(self).__name__} has no prepared descriptor lists")
+
     # --- registrations ----------------------------------------------------------------
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise EngineClosedError(f"{what}: transfer engine {self.name!r} is closed")
 
-    def register(self, key: str, regions, epoch: int, device="cpu") -> Registration:
+    def register(self, key: str, regions, epoch: int, device="cpu",
+                 layout: BlockLayout | None = None) -> Registration:
         """Register ``regions`` (``(addr, nbytes)`` pairs, disjoint from every live
         registration) under ``key`` at ``epoch``, in one transport call.
 
+        ``layout``: blocks inside the regions that peers may address by index (a pool's
+        pages, :func:`pool_layout`); carried in the metadata.
+
         Raises ValueError: key live already, epoch not newer than the key's last one,
-        malformed or overlapping regions.
+        malformed or overlapping regions, a layout plane outside the regions.
         """
         self._check_open("register")
         if not isinstance(key, str) or not key:
@@ -520,7 +628,13 @@ class TransferEngine(abc.ABC):
             i = int(clash[0])
             raise ValueError(f"register {key!r}: regions overlap: [{int(s[i]):#x}, {int(e[i]):#x}) "
                              f"and [{int(s[i + 1]):#x}, {int(e[i + 1]):#x})")
-        reg = Registration(key, epoch, tuple((int(a), int(n)) for a, n in arr), mem, dev)
+        reg = Registration(key, epoch, tuple((int(a), int(n)) for a, n in arr), mem, dev, layout)
+        if layout is not None:
+            idx = _RegionIndex(reg.regions)
+            for a, n in layout.spans():
+                if idx.find(a, n) < 0:
+                    raise ValueError(f"register {key!r}: layout plane [{a:#x}, +{n}) is not "
+                                     "inside one of its regions")
         self._native_regs[key] = self._t_register(reg)
         self._regs[key] = reg
         self._tombstones.pop(key, None)
@@ -529,11 +643,12 @@ class TransferEngine(abc.ABC):
         return reg
 
     def register_pool(self, pool, key: str = "kv") -> Registration:
-        """``register(key, pool.regions(), pool.epoch, pool.device)``; refuses a released pool."""
+        """``register(key, pool.regions(), pool.epoch, pool.device, pool_layout(pool))``;
+        refuses a released pool."""
         if getattr(pool, "released", False):
             raise ReleasedPoolError(f"register_pool {key!r}: the pool is released (epoch "
                                     f"{pool.epoch}); resume it first")
-        return self.register(key, pool.regions(), pool.epoch, pool.device)
+        return self.register(key, pool.regions(), pool.epoch, pool.device, pool_layout(pool))
 
     def deregister(self, key: str) -> None:
         """Deregister ``key``'s regions (one transport call) and leave a tombstone at its
@@ -554,6 +669,8 @@ class TransferEngine(abc.ABC):
             ids = [h.id for h in busy][:8]
             raise TransferInFlightError(f"deregister {key!r}", len(busy),
                                         f" (reading from it, handle ids {ids})")
+        for t in [t for t in self._tables.values() if t.remote is None and t.key == key]:
+            self._drop_table(t)
         self._t_deregister(self._native_regs[key])
         del self._native_regs[key]
         self._tombstones[key] = self._regs.pop(key)
@@ -578,6 +695,8 @@ class TransferEngine(abc.ABC):
         for k, r in self._regs.items():
             regs[k] = dict(epoch=r.epoch, live=True, mem=r.mem, dev=r.device_id,
                            regions=[list(x) for x in r.regions])
+            if r.layout is not None:
+                regs[k]["layout"] = r.layout.as_json()
         header = dict(engine=self.kind, agent=self.name, incarnation=self.incarnation,
                       version=self._version, regs=regs)
         return encode_metadata(header, self._t_blob())
@@ -600,7 +719,8 @@ class TransferEngine(abc.ABC):
             raise MetadataError(f"add_peer: metadata is this engine's own ({name!r})")
         inc, ver = header["incarnation"], header["version"]
         mems = {k: RemoteMemory(name, k, r["epoch"], tuple((a, n) for a, n in r["regions"]),
-                                r["mem"], r["dev"], inc, r["live"])
+                                r["mem"], r["dev"], inc, r["live"],
+                                _layout(r["layout"], k, r["regions"]) if "layout" in r else None)
                 for k, r in header["regs"].items()}
         old = self._peers.get(name)
         if old is not None:
@@ -749,6 +869,104 @@ class TransferEngine(abc.ABC):
         lo, ro = pair_ranges(loc, rem, "post_write")
         return lo, ro, local_keys
 
+    # --- prepared block tables ---------------------------------------------------------------
+    def prep_local(self, key: str) -> BlockTable:
+        """Prepare every block of the live registration ``key``'s layout, once (NIXL
+        ``prep_xfer_dlist``; O(blocks), e.g. 2 * layers * pages of a pool).  Released by
+        ``deregister(key)``."""
+        self._check_open("prep_local")
+        reg = self._regs.get(key)
+        if reg is None or reg.layout is None:
+            raise ValueError(f"prep_local: {key!r} is not a live registration with a layout "
+                             f"(live: {sorted(self._regs)})")
+        native = self._t_prep(reg.layout.descs(), reg.mem, reg.device_id, None)
+        return self._new_table(key, reg.epoch, reg.layout, None, native)
+
+    def prep_remote(self, remote: RemoteMemory) -> BlockTable:
+        """Prepare every block of a peer registration's layout, once per (peer, key,
+        epoch); refused as stale like a write (:meth:`check_fresh`)."""
+        self._check_open("prep_remote")
+        self.check_fresh(remote, "prep_remote")
+        if remote.layout is None:
+            raise ValueError(f"prep_remote: {remote.peer!r} key {remote.key!r} carries no layout")
+        native = self._t_prep(remote.layout.descs(), remote.mem, remote.device_id, remote.peer)
+        return self._new_table(remote.key, remote.epoch, remote.layout, remote, native)
+
+    def _new_table(self, key, epoch, layout, remote, native) -> BlockTable:
+        t = BlockTable(self._next_id, key, epoch, layout, remote,
+                       np.array([n for _, _, n in layout.planes], dtype=np.int64), native)
+        self._next_id += 1
+        self._tables[t.id] = t
+        return t
+
+    def _drop_table(self, t: BlockTable) -> None:
+        if not t.released:
+            self._t_unprep(t.native)
+            t.released, t.native = True, None
+            self._tables.pop(t.id, None)
+
+    def release_table(self, t: BlockTable) -> None:
+        """Free a prepared table (refused while a write posted from it is in flight)."""
+        busy = [h for h in self._handles.values()
+                if t.id in h.tables and self._refresh(h) == "PROC"]
+        if busy:
+            raise TransferInFlightError("release_table", len(busy))
+        self._drop_table(t)
+
+    def post_blocks(self, local: BlockTable, local_idx, remote: BlockTable, remote_idx,
+                    notif: bytes = b"", op: str = "WRITE") -> TransferHandle:
+        """Move blocks ``local_idx`` of ``local`` to (``"WRITE"``) or from (``"READ"``)
+        blocks ``remote_idx`` of ``remote`` (int64 arrays of equal length, i-th to i-th);
+        ``notif`` delivered to the peer once done.  Adjacent blocks that are adjacent on
+        both sides travel as one descriptor (NIXL merges them in prepared lists).
+
+        Checks, before posting (nothing changed on error): the remote table's metadata is
+        the newest known (StaleEpochError, the epoch rule), the local table's registration
+        is live at its epoch, indices within the tables and sizes equal pairwise
+        (ValueError).  Cost: a few numpy reductions over the indices, no range search
+        (the blocks were checked inside their registrations when prepared).
+        """
+        self._check_open("post_blocks")
+        if op not in ("WRITE", "READ"):
+            raise ValueError(f"post_blocks: op must be 'WRITE' or 'READ', got {op!r}")
+        for t, side in ((local, "local"), (remote, "remote")):
+            if not isinstance(t, BlockTable) or self._tables.get(t.id) is not t:
+                raise ValueError(f"post_blocks: {side} table {t!r} is not an open table of "
+                                 f"engine {self.name!r}")
+        if local.remote is not None or remote.remote is None:
+            raise ValueError("post_blocks: needs a local table (prep_local) and a remote one "
+                             "(prep_remote)")
+        self.check_fresh(remote.remote, "post_blocks")
+        reg = self._regs.get(local.key)
+        if reg is None or reg.epoch != local.epoch:
+            raise StaleEpochError(self.name, local.key, f"epoch {local.epoch}",
+                                  "closed" if reg is None else f"epoch {reg.epoch}",
+                                  "post_blocks (local table)")
+        if not isinstance(notif, (bytes, bytearray)):
+            raise ValueError(f"post_blocks: notif must be bytes, got {type(notif).__name__}")
+        li = np.ascontiguousarray(local_idx, dtype=np.int64).reshape(-1)
+        ri = np.ascontiguousarray(remote_idx, dtype=np.int64).reshape(-1)
+        if li.size == 0 or li.size != ri.size:
+            raise ValueError(f"post_blocks: {li.size} local and {ri.size} remote indices; "
+                             "they must be equal in number and > 0")
+        ln, rn = local.nbytes.size * local.layout.count, remote.nbytes.size * remote.layout.count
+        if li.min() < 0 or li.max() >= ln or ri.min() < 0 or ri.max() >= rn:
+            raise ValueError(f"post_blocks: an index outside the tables ({ln} local blocks, "
+                             f"{rn} remote)")
+        lb = local.nbytes[li // local.layout.count]
+        if not np.array_equal(lb, remote.nbytes[ri // remote.layout.count]):
+            raise ValueError("post_blocks: paired blocks differ in size")
+        native, state = self._t_post_blocks(op, local.native, li, remote.native, ri,
+                                            remote.remote.peer, bytes(notif))
+        h = TransferHandle(self._next_id, remote.remote.peer, remote.key, (local.key,),
+                           int(lb.sum()), bytes(notif), state,
+                           None if state != "ERR" else "failed at post", native=native)
+        h.tables = (local.id, remote.id)
+        h.op = op
+        self._next_id += 1
+        self._handles[h.id] = h
+        return h
+
     def _own(self, h: TransferHandle, what: str) -> TransferHandle:
         if not isinstance(h, TransferHandle) or self._handles.get(h.id) is not h:
             raise ValueError(f"{what}: {h!r} is not an open handle of engine {self.name!r}"
@@ -862,6 +1080,8 @@ class TransferEngine(abc.ABC):
         self.drain(timeout)
         for h in list(self._handles.values()):
             self.release(h)
+        for t in list(self._tables.values()):
+            self._drop_table(t)
         for key in list(self._regs):
             self.deregister(key)
         for name in list(self._peers):

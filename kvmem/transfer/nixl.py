@@ -199,6 +199,45 @@ class NixlEngine(TransferEngine):
                                 f"{type(e).__name__}: {e}") from None
         return h, state
 
+    def _t_prep(self, descs: np.ndarray, mem: str, device_id: int, peer: str | None):
+        # One prep_xfer_dlist per table: NIXL resolves every descriptor against the
+        # registrations (local) or the peer's loaded metadata (remote) here, once, so a
+        # post names blocks by index.  Adjacent blocks picked in a row are merged into one
+        # descriptor by make_prepped_xfer (its skip_desc_merge=False): a run of k pages of a
+        # layer, adjacent on both sides, goes as one cma write.
+        d = np.empty((descs.shape[0], 3), dtype=np.uint64)
+        d[:, :2], d[:, 2] = descs, device_id
+        try:
+            return self.agent.prep_xfer_dlist("NIXL_INIT_AGENT" if peer is None else peer,
+                                              d, mem)
+        except Exception as e:
+            raise TransferError(f"prep: NIXL refused {d.shape[0]} {mem} descriptor(s)"
+                                f"{'' if peer is None else ' of ' + repr(peer)}: "
+                                f"{type(e).__name__}: {e}") from None
+
+    def _t_unprep(self, native) -> None:
+        try:
+            self.agent.release_dlist_handle(native)
+        except Exception as e:
+            raise TransferError(f"NIXL could not release a prepared list: "
+                                f"{type(e).__name__}: {e}") from None
+
+    def _t_post_blocks(self, op, local, lidx, remote, ridx, peer, notif):
+        a = self.agent
+        try:
+            h = a.make_prepped_xfer(op, local, lidx.astype(np.int32), remote,
+                                    ridx.astype(np.int32), notif)
+        except Exception as e:
+            raise TransferError(f"post_blocks {op} with {peer!r}: NIXL refused the request "
+                                f"({lidx.size} block(s)): {type(e).__name__}: {e}") from None
+        try:
+            state = a.transfer(h)
+        except Exception as e:
+            h.release()
+            raise TransferError(f"post_blocks {op} with {peer!r}: NIXL could not post: "
+                                f"{type(e).__name__}: {e}") from None
+        return h, state
+
     def _t_state(self, native) -> str:
         return self.agent.check_xfer_state(native)
 

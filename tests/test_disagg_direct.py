@@ -1,0 +1,159 @@
+"""Direct chunks: the prefill writes a chunk's pages from its pool straight into the
+decode's pool pages (prepared block lists, page runs merged where adjacent on both sides),
+instead of packing it into the decode's landing region.  The lifecycle rows run in both
+modes in test_disagg_lifecycle.py and the soak; here: what only the direct path does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kvmem
+from kvmem.disagg import KVPoll
+from kvmem.transfer.base import StaleEpochError
+from tests.disagg_harness import SPEC, Pair
+
+PLANE_PAGE = SPEC.page_size * SPEC.num_kv_heads * SPEC.head_dim * 2  # bytes of one page of a layer's K
+
+
+@pytest.fixture
+def pair():
+    p = Pair(direct_threshold=0)
+    yield p
+    p.close()
+
+
+def test_direct_chunks_land_in_pool_pages_verified_in_place_pages_freed_once(pair):
+    pair.decode.landing.fill_(0xA5)  # a direct chunk never touches the landing region
+    pair.prefill.add_request(1, 200)  # 4 chunks of 64 tokens, the last one partial
+    pair.run_idle()
+    assert pair.finished[1].status == 200
+    assert pair.prefill.chunk_modes == {"direct": 4}
+    assert pair.decode.chunk_modes == {"direct": 4}
+    m = pair.decode.metrics
+    assert m.bytes_verified == m.bytes_landed == kvmem.packed_nbytes(SPEC, 13) + 64
+    assert pair.prefill.metrics.bytes_packed == 0
+    # only the AUX (extra state) went through the landing region
+    touched = int((pair.decode.landing != 0xA5).sum())
+    assert 0 < touched <= 64
+    assert dict(pair.prefill.ledger.freed_by_reason) == {"sent": 13}
+    assert dict(pair.decode.ledger.freed_by_reason) == {"completed": 13}
+    pair.assert_clean()
+
+
+def test_the_last_direct_write_holds_the_prefill_pages_until_done(pair):
+    pair.prefill.add_request(1, 64)  # one chunk, final
+    pair.run_until(lambda: pair.prefill.reqs[1].handles)
+    h, off = pair.prefill.reqs[1].handles[0]
+    assert off is None and h.tables  # a direct write, no staging slot
+    assert pair.prefill.ledger.holds(1) and not pair.prefill.ledger.freed_by_reason
+    pair.run_idle()
+    assert dict(pair.prefill.ledger.freed_by_reason) == {"sent": 4}
+    pair.assert_clean()
+
+
+def test_decode_abort_during_a_direct_write_quarantines_its_pool_pages(pair):
+    pair.faults.stall_at[1] = 1
+    pair.prefill.add_request(1, 200)
+    pair.run_until(lambda: pair.prefill.state(1) == KVPoll.Transferring)
+    h, _ = pair.prefill.reqs[1].handles[0]
+    assert h.tables and h.state == "PROC"
+    held = sorted(pair.decode.ledger.pages(1).tolist())
+    pair.decode.abort(1)
+    assert pair.decode.audit()["quarantined"] == {1: held}
+    pair.decode.step()
+    assert 1 in pair.decode.reqs  # held until the prefill's ABORT (its writes drained)
+    pair.run_idle()
+    assert dict(pair.decode.ledger.freed_by_reason) == {"abort:499": 13}
+    assert dict(pair.prefill.ledger.freed_by_reason) == {"ended:499": 4}
+    # the chunk that landed in the pool pages was verified there all the same
+    assert pair.decode.metrics.bytes_verified == kvmem.packed_nbytes(SPEC, 4)
+    pair.assert_clean()
+
+
+def test_corrupt_pool_pages_are_caught_in_place(pair):
+    pair.faults.stall_at[1] = 1
+    pair.prefill.add_request(1, 128)
+    pair.run_until(lambda: pair.prefill.state(1) == KVPoll.Transferring)
+    pair.step()  # chunk 0 landed in the decode's pool pages and was verified there
+    assert pair.decode.metrics.bytes_verified == kvmem.packed_nbytes(SPEC, 4)
+    # one flipped byte in a landed page: the in-place check (against the tape) sees it
+    dec = pair.decode
+    pages = dec.ledger.pages(1)
+    assert dec.synth.verify_pages(dec.pool, 1, 0, 4, pages[:4])
+    dec.pool.v_buffer[1][int(pages[2])].view(torch.uint8).view(-1)[7] ^= 1
+    assert not dec.synth.verify_pages(dec.pool, 1, 0, 4, pages[:4])
+    assert not dec.synth.verify_pages(dec.pool, 1, 0, 4, pages[:3])  # wrong count
+    pair.faults.stall_at.clear()
+    pair.run_idle()
+
+
+def test_choice_per_chunk_by_merged_runs():
+    """Threshold two pages of a layer: a chunk whose decode pages are scattered (runs of
+    one page) packs, one whose pages are adjacent on both sides goes direct."""
+    p = Pair(direct_threshold=2 * PLANE_PAGE)
+    try:
+        dec = p.decode
+        # scatter the decode's free pages: hold every other page for the first request's
+        # lifetime, so request 1 gets runs of one page
+        spread = dec.alloc.alloc(dec.alloc.num_free)
+        keep, give = spread[0::2], spread[1::2]
+        dec.alloc.free(give)
+        p.prefill.add_request(1, 64)
+        p.run_idle()
+        assert p.prefill.chunk_modes == {"packed": 1}
+        dec.alloc.free(keep)
+        dec.alloc.reset()
+        p.prefill.add_request(2, 64)
+        p.run_idle()
+        assert p.prefill.chunk_modes == {"packed": 1, "direct": 1}
+        assert p.finished[1].status == p.finished[2].status == 200
+        p.assert_clean()
+    finally:
+        p.close()
+
+
+def test_direct_write_from_older_decode_metadata_is_refused_before_posting(pair):
+    pair.prefill.add_request(1, 64)
+    pair.run_idle()
+    old = pair.prefill._remote_table
+    assert old is not None and old.epoch == 0
+    pair.decode.begin_pause()
+    pair.run_until(lambda: pair.decode.paused)
+    pair.decode.resume()
+    pair.step(2)
+    lt = pair.prefill._local_table
+    idx = np.arange(4, dtype=np.int64) + 1
+    opened = pair.pe.open_handles()
+    with pytest.raises(StaleEpochError):
+        pair.pe.post_blocks(lt, idx, old, idx)
+    assert pair.pe.open_handles() == opened
+    pair.prefill.add_request(2, 64)
+    pair.run_idle()
+    assert pair.finished[2].status == 200 and pair.prefill._remote_table.epoch == 1
+    assert pair.prefill.chunk_modes["direct"] == 2
+    pair.assert_clean()
+
+
+def test_post_blocks_checks_indices_and_sizes(pair):
+    pair.prefill.add_request(1, 64)
+    pair.run_idle()
+    lt, rt = pair.prefill._local_table, pair.prefill._remote_table
+    n_local = lt.layout.count * lt.nbytes.size
+    for li, ri, match in [
+        (np.array([1, 2]), np.array([1]), "equal in number"),
+        (np.array([n_local]), np.array([1]), "outside the tables"),
+        (np.array([-1]), np.array([1]), "outside the tables"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            pair.pe.post_blocks(lt, li, rt, ri)
+    with pytest.raises(ValueError, match="a local table .* and a remote one"):
+        pair.pe.post_blocks(rt, np.array([1]), lt, np.array([1]))
+    assert pair.pe.open_handles() == 0
+    # deregistering the pool releases its prepared list
+    pair.prefill.begin_pause()
+    pair.run_until(lambda: pair.prefill.paused)
+    assert lt.released
+    pair.prefill.resume()
+    assert pair.prefill._local_table is not lt and not pair.prefill._local_table.released
