@@ -120,16 +120,17 @@ def _selfcheck(args, plan) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="kvmem", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser = argparse.ArgumentParser(
+        prog="kvmem", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"kvmem {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo_parser = sub.add_parser(
         "demo", help="the main job: prefill and decode processes over NIXL, every fault injected",
         description="A prefill worker and a decode worker in two processes move KV over NIXL "
                     "(UCX, loopback) through kvmem's PD lifecycle, with every fault injected "
-                    "by default; a progress bar, then a report.  Exit status: 0 all checks "
-                    "passed, 1 a check failed (a leaked page, a corrupt byte, ...), 2 bad "
-                    "options, 3 a worker failed.")
+                    "by default; a progress line (on a terminal), then a report.  Exit "
+                    "status: 0 all checks passed, 1 a check failed (a leaked page, a corrupt "
+                    "byte, ...), 2 bad options, 3 a worker failed.")
     demo.add_arguments(demo_parser)
     p = sub.add_parser("selfcheck", help="pool + allocator + pack/unpack, end to end")
     p.add_argument("--device", default="cpu")

@@ -9,7 +9,7 @@ sides audit their pages.
 
     parent (this module)                      orchestration only: start, relay the two
       |  pipe                   |  pipe        metadata blobs once, pause the decode when
-      v                         v              the prefill asks, progress bar, report
+      v                         v              the prefill asks, progress line, report
     prefill worker  <== NIXL ==>  decode worker
     PrefillSide                   DecodeSide   every PD control message: NIXL notifications
     KVPool + alloc + staging      KVPool + alloc + landing buffer
@@ -41,6 +41,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
+CHUNK_MODES = ("auto", "packed", "direct")
 OUTCOMES = ("succeeded", "aborted", "timed_out", "failed")
 LANDING_ALIGN = 256  # the decode's landing Arena rounds each region up to this
 
@@ -73,6 +74,7 @@ class DemoConfig:
     abort_wait: float = 0.02  # how long a client abort waits in its target state
     bw_mib: int = 256  # raw NIXL bandwidth buffer; 0: skip that phase
     bw_rounds: int = 5
+    chunks: str = "auto"  # packed | direct | auto (per chunk, threshold calibrated at start)
 
     # --- derived ------------------------------------------------------------------------
     def spec(self):
@@ -161,6 +163,9 @@ class DemoConfig:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         if self.bw_mib < 0:
             raise ValueError(f"--bw-mib must be >= 0, got {self.bw_mib}")
+        if self.chunks not in CHUNK_MODES:
+            raise ValueError(f"--chunks must be one of {', '.join(CHUNK_MODES)}, got "
+                             f"{self.chunks!r}")
         for t in (self.bootstrap_timeout, self.transfer_timeout):
             if not (math.isfinite(t) and t > 0):
                 raise ValueError(f"--timeout must be a number of seconds > 0, got {t}")
@@ -212,10 +217,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--head-dim", type=int, default=d.head_dim, help="(%(default)s)")
     m.add_argument("--page-size", type=int, default=d.page_size, help="(%(default)s)")
     m.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="(%(default)s)")
+    x = p.add_argument_group("transfer (push: the prefill writes into the decode)")
+    x.add_argument("--chunks", default=d.chunks, choices=CHUNK_MODES,
+                   help="packed: every chunk packed into the decode's landing buffer; direct: "
+                        "pool pages written into the decode's pool pages; auto: per chunk, "
+                        "direct when its page runs (merged where adjacent on both sides) "
+                        "reach a threshold measured at start-up (%(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write the report as JSON (overwrites FILE)")
     o.add_argument("--quiet", action="store_true",
-                   help="no progress bar; a one-line summary instead of the report")
+                   help="no progress line; a one-line summary instead of the report (the "
+                        "progress line shows only when stderr is a terminal)")
     o.add_argument("--bw-mib", type=int, default=d.bw_mib,
                    help="raw NIXL bandwidth buffer, MiB; 0 skips that phase (%(default)s)")
 
@@ -236,7 +248,8 @@ def config_from_args(args) -> DemoConfig:
         fail_rate=faults["fail_rate"], layers=args.layers, heads=args.heads,
         head_dim=args.head_dim, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
         max_tokens=args.max_tokens, concurrency=args.concurrency, seed=args.seed,
-        bootstrap_timeout=args.timeout, transfer_timeout=args.timeout, bw_mib=args.bw_mib)
+        bootstrap_timeout=args.timeout, transfer_timeout=args.timeout, bw_mib=args.bw_mib,
+        chunks=args.chunks)
     cfg.validate()
     if args.json is not None:
         check_json_path(args.json)
@@ -476,7 +489,7 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
     """Run the demo; the result dict (what ``--json`` writes).  WorkerFailed if a worker
     fails; both processes are gone when this returns or raises."""
     t_begin = time.monotonic()
-    bar = ProgressBar(cfg, sys.stderr) if progress else None
+    bar = Progress(cfg) if progress else None
     w = Workers(cfg)  # stops what it started should it be interrupted itself
     clean = False
     try:
@@ -487,7 +500,7 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
         w.send("prefill", "peer", ready["decode"]["metadata"])
         w.send("decode", "peer", ready["prefill"]["metadata"])
         raw = None
-        if cfg.bw_mib:
+        if cfg.bw_mib or cfg.chunks == "auto":  # raw bandwidth and/or the calibration
             if bar:
                 bar.note(f"measuring raw NIXL write bandwidth ({cfg.bw_mib} MiB buffer)")
             w.send("decode", "bw_listen")
@@ -499,6 +512,8 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
         for r in ("prefill", "decode"):
             w.send(r, "start")
         t0 = time.monotonic()
+        if bar:
+            bar.start()
         phases["bandwidth"] = t0 - t_begin - phases["startup"]
         w.heard = {r: t0 for r in w.heard}
         w.watch = True
@@ -582,6 +597,9 @@ def build_result(cfg, final: dict, raw, wall: float, total: float, exit_codes: d
         throughput_gbps=float(verified / wall / 1e9) if wall > 0 else 0.0,
         wall_seconds=wall, total_seconds=total,
     )
+    calibration = raw.pop("calibration", None) if raw else None
+    if raw and "warm_s" not in raw:
+        raw = None  # the phase ran for the calibration only (--bw-mib 0)
     if raw:
         warm = raw["warm_s"]
         med = statistics.median(warm)
@@ -622,6 +640,7 @@ def build_result(cfg, final: dict, raw, wall: float, total: float, exit_codes: d
     res["delivered"] = dict(prefill=len(pre_ok), decode=len(dec_ok),
                             missing=sorted(pre_ok - dec_ok),
                             received_after_early_end=sorted(dec_ok - pre_ok))
+    res.update(transfer_fields(cfg, pre, dec, calibration))
     res["config"] = asdict(cfg)
     errors = check(res)
     res["ok"] = not errors
@@ -717,6 +736,7 @@ def format_report(r: dict) -> str:
                 f"({raw['nbytes'] >> 20} MiB, median of {raw['rounds']}; first write "
                 f"{raw['first_s'] * 1e3:.0f} ms): {r['throughput_vs_raw']:.2f}x raw")
     add(thr)
+    add(transfer_line(r))
     add(f"leaked pages: prefill {r['leaked_pages']['prefill']}, decode "
         f"{r['leaked_pages']['decode']}")
     for side in ("prefill", "decode"):
@@ -750,6 +770,41 @@ def _ms(x, digits: int = 0) -> str:
     return "-" if x is None else f"{x:.{digits}f} ms"
 
 
+def transfer_fields(cfg, pre: dict, dec: dict, calibration) -> dict:
+    """The report's transfer-mode and CPU fields: ``transfer_mode`` (push: the prefill
+    writes), ``chunk_mode`` (--chunks), ``direct_threshold`` (bytes per merged descriptor
+    from which a chunk went direct; None: every chunk packed), ``calibration`` (the
+    measurement behind it, --chunks auto), ``chunks`` (posted, by kind), and ``cpu``: per
+    worker, CPU seconds of the workload (``time.process_time``, every thread of the
+    process) and per GB it moved (prefill: bytes sent, decode: bytes landed)."""
+    cpu = {}
+    for side, f, moved in (("prefill", pre, "bytes_sent"), ("decode", dec, "bytes_landed")):
+        s, b = f.get("cpu_seconds"), int(f["metrics"][moved])
+        cpu[side] = dict(seconds=s, bytes=b,
+                         seconds_per_gb=(s / (b / 1e9)) if s is not None and b else None)
+    return dict(transfer_mode="push", chunk_mode=cfg.chunks,
+                direct_threshold=pre.get("direct_threshold"), calibration=calibration,
+                chunks=pre.get("chunk_modes", {}), cpu=cpu,
+                cpu_seconds_per_gb={k: v["seconds_per_gb"] for k, v in cpu.items()})
+
+
+def transfer_line(r: dict) -> str:
+    thr = r.get("direct_threshold")
+    cal = r.get("calibration")
+    how = {"auto": "per chunk", "packed": "all packed", "direct": "all direct"}[r["chunk_mode"]]
+    if r["chunk_mode"] == "auto":
+        how += (", direct from " + (f"{thr / 1024:g} KiB per merged descriptor" if thr is not None
+                                    else "nowhere (packing won at every run length)")
+                + (f" (calibrated at start-up over {len(cal['rows'])} run lengths)" if cal else ""))
+    ch = r.get("chunks", {})
+    cpu = r["cpu"]
+    per = "; ".join(f"{s} {c['seconds']:.1f} s" + (f" = {c['seconds_per_gb']:.2f} s/GB"
+                                                     if c["seconds_per_gb"] is not None else "")
+                    for s, c in cpu.items() if c["seconds"] is not None)
+    return (f"transfer: {r['transfer_mode']}, chunks {how}: {ch.get('direct', 0)} direct, "
+            f"{ch.get('packed', 0)} packed; CPU of the workload: {per or '-'}")
+
+
 def summary_line(r: dict) -> str:
     raw = f", {r['throughput_vs_raw']:.2f}x raw NIXL" if r.get("raw_nixl") else ""
     status = "OK" if r["ok"] else "FAILED: " + "; ".join(r["errors"])
@@ -758,42 +813,55 @@ def summary_line(r: dict) -> str:
             f"{r['throughput_gbps']:.2f} GB/s verified{raw}; {r['wall_seconds']:.1f} s: {status}")
 
 
-class ProgressBar:
-    """One stderr line, rewritten in place (``\\r``) at most 5 times a second."""
+class Progress:
+    """The demo's progress: one tqdm line on stderr, redrawn in place at most every
+    ``EVERY`` seconds: requests finished of ``cfg.requests``, their outcomes, pauses done,
+    GB/s verified.  tqdm draws nothing when the stream is not a terminal (``disable=None``):
+    a pipe or a log file gets only the report."""
 
-    WIDTH = 28
+    EVERY = 0.2  # seconds between redraws (the workers report about that often)
+    NOTE = "{desc} ... {elapsed}"  # before the workload: what happens, for how long
 
-    def __init__(self, cfg: DemoConfig, out):
-        self.cfg, self.out = cfg, out
-        self.t = 0.0
-        self.open = False
+    def __init__(self, cfg: DemoConfig, file=None):
+        from tqdm import tqdm  # here: the library and `kvmem selfcheck` do without it
+
+        self.cfg = cfg
+        self.t = -math.inf  # the last draw
+        self.bar = tqdm(total=cfg.requests, desc="kvmem demo", unit="req", leave=True,
+                        file=sys.stderr if file is None else file, disable=None,
+                        dynamic_ncols=True, bar_format=self.NOTE)
+
+    @property
+    def shown(self) -> bool:
+        return not self.bar.disable
 
     def note(self, text: str) -> None:
-        self._write(f"kvmem demo: {text} ...")
+        """What the demo does before the workload (start-up, the raw bandwidth)."""
+        self.bar.set_description_str(f"kvmem demo: {text}")
+
+    def start(self) -> None:
+        """The workload begins: count and clock from zero."""
+        self.bar.set_description_str("kvmem demo", refresh=False)
+        self.bar.bar_format = None  # tqdm's own: percentage, bar, count, times, postfix
+        self.bar.reset(total=self.cfg.requests)
 
     def update(self, last: dict, elapsed: float, force: bool = False) -> None:
+        """``last``: the workers' latest progress messages; ``elapsed``: seconds of
+        workload."""
         t = time.monotonic()
-        if not force and t - self.t < 0.2:
+        if not force and t - self.t < self.EVERY:
             return
         self.t = t
         p, d = last["prefill"], last["decode"]
-        n, total = p.get("finished", 0), self.cfg.requests
-        fill = int(self.WIDTH * n / total)
         o = p.get("outcomes", {})
         gbps = d.get("bytes_verified", 0) / elapsed / 1e9 if elapsed > 0 else 0.0
-        self._write(f"[{'#' * fill}{'.' * (self.WIDTH - fill)}] {n}/{total}  ok "
-                    f"{o.get('succeeded', 0)} abort {o.get('aborted', 0)} timeout "
-                    f"{o.get('timed_out', 0)} fail {o.get('failed', 0)}  pauses "
-                    f"{p.get('pauses', 0)}/{self.cfg.pauses}  {gbps:.2f} GB/s  {elapsed:.0f} s")
-
-    def _write(self, text: str) -> None:
-        self.out.write("\r" + text.ljust(getattr(self, "_w", 0)))
-        self._w = len(text)
-        self.out.flush()
-        self.open = True
+        self.bar.n = p.get("finished", 0)
+        self.bar.set_postfix_str(
+            f"ok {o.get('succeeded', 0)} abort {o.get('aborted', 0)} timeout "
+            f"{o.get('timed_out', 0)} fail {o.get('failed', 0)}, pauses "
+            f"{p.get('pauses', 0)}/{self.cfg.pauses}, {gbps:.2f} GB/s", refresh=False)
+        self.bar.refresh()
 
     def close(self) -> None:
-        if self.open:
-            self.out.write("\n")
-            self.out.flush()
-            self.open = False
+        """Leave the last state on its line; a second call does nothing."""
+        self.bar.close()

@@ -42,6 +42,9 @@ exposes it as it exposes any registry::
 or passes its own registry to :func:`register` (``prometheus_client.REGISTRY``, the one
 sglang and most hosts serve).  One registry holds at most one side of each kind.
 
+The collector reads the sides of its own process: prometheus_client's multiprocess mode
+(a host serving ``/metrics`` from another process, as sglang does) does not gather it.
+
 Scrapes may come from another thread (``start_http_server`` serves from one): the
 collector copies each counter dict and list in one C-level call under the GIL before
 reading it, and the allocator's counts are plain ints.

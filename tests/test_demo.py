@@ -1,13 +1,19 @@
 """`kvmem demo` end to end: two worker processes over NIXL, every fault injected; its JSON
-report, typed as DESIGN.md says; bad options; a worker that dies."""
+report, typed as DESIGN.md says; bad options; a worker that dies; the progress line on a
+terminal, and none on a pipe."""
 
 from __future__ import annotations
 
+import fcntl
+import io
 import json
 import os
+import pty
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from pathlib import Path
@@ -22,11 +28,64 @@ DEMO = [sys.executable, "-m", "kvmem.cli", "demo"]
 FAMILY_OUTCOME = {"abort": "aborted", "timeout": "timed_out", "fail": "failed"}
 
 
-def _run(args, timeout=120):
-    """The demo in a process of its own; stdout and stderr decoded as they are (text mode
-    would turn the progress bar's carriage returns into newlines)."""
-    p = subprocess.run(DEMO + args, cwd=ROOT, capture_output=True, timeout=timeout)
-    return subprocess.CompletedProcess(p.args, p.returncode, p.stdout.decode(), p.stderr.decode())
+class _Terminal:
+    """A pseudo-terminal of 150 columns for a child's stderr (the progress line shows only
+    on a terminal); :meth:`text` is what the child wrote to it so far, carriage returns
+    kept (a pty only adds a carriage return to each newline)."""
+
+    def __init__(self):
+        self.master, self.slave = pty.openpty()
+        fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 150, 0, 0))
+        self.chunks: list[bytes] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+
+    def started(self) -> None:
+        """The child holds the slave end now: close ours, so that reading ends with it."""
+        os.close(self.slave)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:  # EIO: every slave end closed
+                break
+            if not chunk:
+                break
+            self.chunks.append(chunk)
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode(errors="replace").replace("\r\n", "\n")
+
+    def close(self) -> str:
+        self.reader.join(10)
+        os.close(self.master)
+        return self.text()
+
+
+def _popen(args, tty: bool, **kw):
+    """The demo in a process of its own, stdout piped, stderr on a terminal or piped;
+    ``(process, terminal or None)``."""
+    term = _Terminal() if tty else None
+    proc = subprocess.Popen(DEMO + args, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=term.slave if tty else subprocess.PIPE, **kw)
+    if term:
+        term.started()
+    return proc, term
+
+
+def _run(args, timeout=120, tty=False):
+    """The demo to its end; stdout and stderr decoded as they are (text mode would turn
+    the progress line's carriage returns into newlines)."""
+    proc, term = _popen(args, tty)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = term.close() if term else err.decode()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err)
 
 
 def _is_int(x) -> bool:
@@ -36,7 +95,7 @@ def _is_int(x) -> bool:
 def test_demo_end_to_end_every_fault(tmp_path):
     out = tmp_path / "demo.json"
     out.write_text("not json: --json must overwrite it")
-    p = _run(["--requests", "60", "--json", str(out), "--bw-mib", "64"])
+    p = _run(["--requests", "60", "--json", str(out), "--bw-mib", "64"], tty=True)
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(out.read_text())
 
@@ -73,11 +132,16 @@ def test_demo_end_to_end_every_fault(tmp_path):
     assert raw["verified"] is True and raw["gbps"] > 0
     assert r["throughput_vs_raw"] == pytest.approx(r["throughput_gbps"] / raw["gbps"])
 
-    # the report on stdout, the progress bar on stderr
+    # the report on stdout, the progress line on the terminal (stderr): redrawn in place,
+    # one line, its last state the finished count
     assert "requests by outcome" in p.stdout
     assert "leaked pages: prefill 0, decode 0" in p.stdout
     assert p.stdout.rstrip().endswith("OK")
-    assert "\r[" in p.stderr and "60/60" in p.stderr
+    assert "\rkvmem demo: starting the prefill and decode workers" in p.stderr
+    assert "\rkvmem demo: measuring raw NIXL write bandwidth" in p.stderr
+    last = p.stderr.rstrip("\n").rsplit("\r", 1)[-1]
+    assert last.startswith("kvmem demo: 100%") and "| 60/60 [" in last, last
+    assert f"ok {r['succeeded']} abort {r['aborted']}" in last and "pauses 4/4" in last
 
 
 def test_bad_option_exits_2_with_the_reason():
@@ -192,17 +256,12 @@ def _workers_of(pid: int) -> list[int]:
 
 @pytest.mark.parametrize("group", [False, True], ids=["parent", "process-group"])
 def test_sigterm_stops_the_demo_cleanly(group):
-    proc = subprocess.Popen(DEMO + ["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
-                                    "--chunk-tokens", "64"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")))
-    reader.start()
+    proc, term = _popen(["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
+                         "--chunk-tokens", "64"], tty=True, start_new_session=True)
     try:
         end = time.monotonic() + 90
-        while "GB/s" not in "".join(err):
-            assert proc.poll() is None and time.monotonic() < end, "".join(err)
+        while "GB/s" not in term.text():  # the workload runs: the progress line shows
+            assert proc.poll() is None and time.monotonic() < end, term.text()
             time.sleep(0.1)
         workers = _workers_of(proc.pid)
         assert len(workers) == 2
@@ -217,8 +276,7 @@ def test_sigterm_stops_the_demo_cleanly(group):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        reader.join(5)
-    text = "".join(err)
+        text = term.close()
     assert rc == 128 + signal.SIGTERM, text
     assert "kvmem demo: terminated (SIGTERM); both workers stopped" in text
     assert "Traceback" not in text
@@ -227,16 +285,12 @@ def test_sigterm_stops_the_demo_cleanly(group):
 
 
 def test_a_worker_that_dies_does_not_hang_the_parent():
-    proc = subprocess.Popen(DEMO + ["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
-                                    "--chunk-tokens", "64"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(1), "")))
-    reader.start()
+    proc, term = _popen(["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
+                         "--chunk-tokens", "64"], tty=True)
     try:
         end = time.monotonic() + 90
-        while "GB/s" not in "".join(err):  # the workload runs: the progress bar shows
-            assert proc.poll() is None and time.monotonic() < end, "".join(err)
+        while "GB/s" not in term.text():  # the workload runs: the progress line shows
+            assert proc.poll() is None and time.monotonic() < end, term.text()
             time.sleep(0.1)
         workers = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
                    .read_text().split()
@@ -251,10 +305,67 @@ def test_a_worker_that_dies_does_not_hang_the_parent():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        reader.join(5)
-    text = "".join(err)
+        text = term.close()
     assert rc == 3, text
     assert "kvmem demo: FAILED" in text
     assert f"decode worker (pid {victim}): killed by signal 9 (SIGKILL)" in text
     for pid in workers:  # both workers are gone (joined by the parent before it exited)
         assert not Path(f"/proc/{pid}").exists(), pid
+
+
+def test_no_progress_line_when_stderr_is_not_a_terminal():
+    """Piped (a log file, CI): the report on stdout, no progress line on stderr."""
+    p = _run(["--requests", "6", "--no-faults", "--bw-mib", "0", "--layers", "1", "--heads",
+              "1", "--head-dim", "64", "--max-tokens", "64", "--chunk-tokens", "32"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "requests by outcome" in p.stdout and p.stdout.rstrip().endswith("OK")
+    assert "kvmem demo" not in p.stderr and "\r" not in p.stderr and "%|" not in p.stderr
+
+
+class _FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _progress_messages(finished: int) -> dict:
+    return {"prefill": {"finished": finished, "pauses": 1,
+                        "outcomes": {"succeeded": finished - 1, "aborted": 1}},
+            "decode": {"bytes_verified": 3 * 10**9}}
+
+
+def test_progress_redraws_one_line_on_a_terminal():
+    from kvmem.demo import DemoConfig, Progress
+
+    out = _FakeTerminal()
+    bar = Progress(DemoConfig(requests=10, pauses=2), out)
+    bar.EVERY = 3600.0  # only a forced update or the first one draws, however slow this is
+    assert bar.shown
+    bar.note("starting the prefill and decode workers")
+    bar.start()
+    bar.update(_progress_messages(3), 2.0)
+    bar.update(_progress_messages(4), 2.0)  # within EVERY of the last draw: skipped
+    bar.update(_progress_messages(5), 2.0, force=True)
+    bar.close()
+    bar.close()
+    text = out.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")  # one line, redrawn with \r
+    draws = text.rstrip("\n").split("\r")[1:]
+    assert any(d.startswith("kvmem demo: starting the prefill and decode workers")
+               for d in draws)
+    assert any(d.startswith("kvmem demo:  30%") and "3/10 [" in d and
+               "ok 2 abort 1 timeout 0 fail 0, pauses 1/2, 1.50 GB/s" in d for d in draws)
+    assert not any("4/10" in d for d in draws)
+    assert draws[-1].startswith("kvmem demo:  50%") and "5/10 [" in draws[-1]
+
+
+def test_progress_is_quiet_when_not_a_terminal():
+    from kvmem.demo import DemoConfig, Progress
+
+    out = io.StringIO()
+    bar = Progress(DemoConfig(requests=10), out)
+    assert not bar.shown
+    bar.note("starting")
+    bar.start()
+    bar.update(_progress_messages(3), 2.0, force=True)
+    bar.close()
+    assert out.getvalue() == ""

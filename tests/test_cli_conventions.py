@@ -1,0 +1,93 @@
+"""The ``kvmem`` command keeps the ecosystem's conventions: ``--version``, ``python -m
+kvmem`` as the same command, and in ``kvmem/`` no hand-written Prometheus text, no
+hand-drawn progress bar, no print outside the command line."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvmem
+from kvmem.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "kvmem"
+CONSOLE = Path(sys.executable).with_name("kvmem")  # the console script beside python
+SELFCHECK = ["selfcheck", "--layers", "2", "--heads", "2", "--head-dim", "64", "--pages", "129",
+             "--requests", "4"]
+
+
+def _run(argv, timeout=120):
+    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"kvmem {kvmem.__version__}\n" == "kvmem 0.1.0\n"
+    # the package's own string and the installed metadata (pyproject.toml) agree
+    assert kvmem.__version__ == importlib.metadata.version("kvmem")
+
+
+def test_python_m_kvmem_is_the_kvmem_command():
+    if not CONSOLE.exists():
+        pytest.skip(f"no kvmem console script at {CONSOLE} (kvmem not installed here)")
+    for args in (["--version"], ["--help"], SELFCHECK):
+        by_module = _run([sys.executable, "-m", "kvmem", *args])
+        by_script = _run([str(CONSOLE), *args])
+        assert by_module.returncode == by_script.returncode == 0, by_module.stderr
+        # the same output but for selfcheck's own timing line
+        strip = lambda out: re.sub(r"done in [0-9.]+ s", "done in T s", out)  # noqa: E731
+        assert strip(by_module.stdout) == strip(by_script.stdout)
+    assert by_module.stdout.rstrip().endswith(": OK")
+    bad = _run([sys.executable, "-m", "kvmem", "selfcheck", "--pages", "1"])
+    assert bad.returncode == 2
+    assert "usage: kvmem selfcheck" in bad.stderr and "--pages must be >= 2" in bad.stderr
+
+
+def test_python_m_kvmem_runs_the_demo():
+    """The demo's workers are started with 'spawn', which imports kvmem/__main__.py again
+    in each of them: they must run their work, not the command."""
+    p = _run([sys.executable, "-m", "kvmem", "demo", "--requests", "6", "--no-faults",
+              "--bw-mib", "0", "--layers", "1", "--heads", "1", "--head-dim", "64",
+              "--max-tokens", "64", "--chunk-tokens", "32", "--quiet"], timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.startswith("kvmem demo: 6 requests: succeeded 6")
+    assert p.stdout.rstrip().endswith(": OK")
+
+
+def _sources():
+    return sorted(PKG.rglob("*.py"))
+
+
+def test_no_hand_written_prometheus_text_or_progress_bar_in_kvmem():
+    """Metrics go through prometheus_client (kvmem.metrics), progress through tqdm."""
+    found = []
+    for path in _sources():
+        text = path.read_text()
+        for needle, what in (("# TYPE", "Prometheus exposition text"),
+                             ("# HELP", "Prometheus exposition text"),
+                             ("\\r", "a carriage return: a line redrawn by hand"),
+                             ("\r", "a carriage return: a line redrawn by hand")):
+            if needle in text:
+                found.append(f"{path.relative_to(ROOT)}: {needle!r} ({what})")
+        for ch in re.findall(r"[\u2580-\u259f]", text):  # block elements: drawn bars
+            found.append(f"{path.relative_to(ROOT)}: {ch!r} (a hand-drawn bar)")
+    assert not found, "\n".join(found)
+
+
+def test_only_the_command_line_prints():
+    """Library modules log (kvmem.* loggers); the command line (kvmem/cli.py and the demo's
+    parent, kvmem/demo.py) prints its report and its errors."""
+    cli = {PKG / "cli.py", PKG / "demo.py"}
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+             for p in _sources() if p not in cli
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"(?<![\w.])print\(|sys\.std(err|out)\.write", line)]
+    assert not found, "\n".join(found)
