@@ -167,10 +167,12 @@ class PageAllocator:
 
     .. [#p] with check=True, plus 1 sync when a check=False call since the last
        synchronising call may have left an error on the device.
-    .. [#s] plus, when the sorted part is short, a sort of the free list: O(num_free
-       log num_free) on CPU (NumPy), a gather, ``torch.sort`` and a copy on CUDA (no
-       sync, as sglang's own merge_and_sort_free).  Each sort hands out its pages before
-       the next one, so it costs O(log num_free) per page handed out.
+    .. [#s] plus, when the sorted part is short, a sort of the free list: on CPU a scan
+       of the ownership map, O(num_pages), or a NumPy sort, O(num_free log num_free),
+       whichever is cheaper; a gather, ``torch.sort`` and a copy on CUDA (no sync
+       expected, as sglang's own merge_and_sort_free; unmeasured without a GPU).  The
+       pages one sort orders are handed out before the next sort, so it costs
+       O(log num_free) per page handed out, or O(num_pages / num_free) with the scan.
     .. [#o] unless the free would overflow the free list (more pages freed than are
        allocated, a sure error): that one is validated at once, with a sync.
 
@@ -559,17 +561,29 @@ class PageAllocator:
 
     def _sort_free(self) -> None:
         """Sort every free page (sorted part and staged part) into ring[0:num_free],
-        ascending, with head 0.  CPU: NumPy's stable sort (timsort: the sorted part is
-        one run already).  Triton path: torch ops on the device, no host sync; after a
-        refused check=False free the ring may hold 0s, which then lead: the take kernel
-        flags them, and the free's own error, recorded first, is what gets raised."""
+        ascending, with head 0.  CPU: when at least 1/6 of the pages are free, read them
+        off the ownership map in page order (O(num_pages); on the CPU every free is
+        checked, so the map and the ring always hold the same free pages); else NumPy's
+        default sort of the live entries.  Triton path: torch ops on the device, no host
+        sync; after a refused check=False free the ring may hold 0s, which then lead:
+        the take kernel flags them, and the free's own error, recorded first, is what
+        gets raised."""
         head, count, cap = self._head, self._count, self._cap
         end = head + count
         if self._ring_np is not None and not self._triton():
             ring = self._ring_np
-            live = ring[head:end] if end <= cap else np.concatenate((ring[head:],
-                                                                     ring[:end - cap]))
-            ring[:count] = np.sort(live, kind="stable")
+            # 1/6: the map scan against np.sort of free lists made of 64-page ascending
+            # chunks in random order, 2-core CPU, 2026-11-30: 65536 pages, 8192 free:
+            # 31 vs 24 us, 16384 free: 32 vs 51 us; 524288 pages, 65536 free: 239 vs
+            # 245 us.  (A stable sort, timsort, took 8-14x the default sort there.)
+            if count * 6 >= self.num_pages:
+                free = np.flatnonzero(self._owned_np[1:self.num_pages] == 0)
+                assert free.shape[0] == count, "the free list and the map disagree"
+                np.add(free, 1, out=ring[:count])
+            else:
+                live = ring[head:end] if end <= cap else np.concatenate((ring[head:],
+                                                                         ring[:end - cap]))
+                ring[:count] = np.sort(live)
         else:
             ring = self._ring
             live = ring[head:end] if end <= cap else torch.cat((ring[head:],
