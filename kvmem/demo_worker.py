@@ -43,11 +43,6 @@ from collections import Counter
 import torch
 
 PROGRESS_EVERY = 0.2  # seconds between progress messages
-PIPE_EVERY = 0.002  # seconds between polls of the parent's pipe in the workload loops (a
-# poll is a syscall; the loop runs every few microseconds when busy)
-NAP_FIRST, NAP_MOST = 20e-6, 200e-6  # idle loop: sleep, doubling from NAP_FIRST to NAP_MOST
-# (the issue's measurement: a 50 us backoff did not change throughput; a sleep's real
-# length here is its value plus ~50 us of timer slack)
 
 
 class StageClock:
@@ -110,8 +105,6 @@ class _Worker:
         self.bw_buf = None
         self.t_progress = 0.0
         self.stages = None  # the stage clock when this worker's work was done
-        self.cpu_seconds = None  # CPU time of the workload (process_time, all threads)
-        self.cpu0 = 0.0
 
     # --- pipe -----------------------------------------------------------------------------
     def send(self, kind: str, payload=None) -> None:
@@ -122,7 +115,7 @@ class _Worker:
         sends ``want``; its payload."""
         end = time.monotonic() + timeout
         while True:
-            if self.conn.poll(0 if self.polling else 0.05):
+            if self.conn.poll(0.001 if self.polling else 0.05):
                 kind, payload = self.conn.recv()
                 if kind != want:
                     raise RuntimeError(f"{self.role} worker: expected {want!r} from the "
@@ -150,9 +143,8 @@ class _Worker:
             self.engine.register("bw", [(self.bw_buf.data_ptr(), n)], 0)
         self.send("ready", {"metadata": self.engine.local_metadata(), "setup": self.setup})
         self.engine.add_peer(self.recv("peer"))
-        if n or self.cfg.chunks == "auto":  # the raw bandwidth and/or the calibration
-            self.bandwidth()
         if n:
+            self.bandwidth()
             self.engine.deregister("bw")
             self.bw_buf = None
         self.instrument()
@@ -173,11 +165,8 @@ class _Worker:
             arena_used_bytes=int(side.arena.used_bytes),
             open_handles=int(self.engine.open_handles()),
             metrics=side.metrics.as_dict(),
-            chunk_modes=dict(side.chunk_modes),
-            direct_threshold=getattr(side, "direct_threshold", None),
             freed_by_reason=dict(side.ledger.freed_by_reason),
             stage_seconds=self.stages if self.stages is not None else self.clock.as_dict(),
-            cpu_seconds=self.cpu_seconds,
         )
         alloc.check_invariants()
         side.close()
@@ -186,9 +175,7 @@ class _Worker:
         return out
 
     def freeze_clock(self, loop_seconds: float) -> None:
-        """Keep the stage times and the CPU time of the workload (the idle steps until stop
-        are not)."""
-        self.cpu_seconds = time.process_time() - self.cpu0
+        """Keep the stage times of the workload (the idle steps until stop are not)."""
         self.clock.seconds["loop"] += loop_seconds
         self.clock.calls["loop"] += 1
         self.stages = self.clock.as_dict()
@@ -216,7 +203,7 @@ class PrefillWorker(_Worker):
             pool, alloc, self.engine, self.synth, decode_peer=names["decode"],
             chunk_tokens=cfg.chunk_tokens, max_batch_tokens=cfg.batch_tokens(),
             bootstrap_timeout=cfg.bootstrap_timeout, transfer_timeout=cfg.transfer_timeout,
-            faults=self.plan, direct_threshold=0 if cfg.chunks == "direct" else None)
+            faults=self.plan)
         self.setup["side"] = time.monotonic() - t
         self.populate()
 
@@ -234,18 +221,6 @@ class PrefillWorker(_Worker):
         """Raw NIXL write bandwidth to the decode process: one registered buffer written
         into one registered buffer, a cold write then ``bw_rounds`` warm ones."""
         self.recv("bw_run")
-        out = {}
-        if self.bw_buf is not None:
-            out.update(self.raw_writes())
-        if self.cfg.chunks == "auto":
-            from kvmem.disagg.calibrate import calibrate_direct
-
-            cal = calibrate_direct(self.side, self.cfg.chunk_tokens // self.spec.page_size)
-            self.side.set_direct_threshold(cal["threshold"])
-            out["calibration"] = cal
-        self.send("bw_result", out)
-
-    def raw_writes(self) -> dict:
         eng, buf = self.engine, self.bw_buf
         remote = eng.remote(self.names["decode"], "bw")
         local, rr = [(buf.data_ptr(), buf.numel())], [(remote.regions[0][0], buf.numel())]
@@ -260,7 +235,7 @@ class PrefillWorker(_Worker):
             eng.release(h)
             if state != "DONE":
                 raise RuntimeError(f"raw NIXL write ended {state}: {err}")
-        return dict(nbytes=buf.numel(), first_s=times[0], warm_s=times[1:])
+        self.send("bw_result", dict(nbytes=buf.numel(), first_s=times[0], warm_s=times[1:]))
 
     def snapshot(self) -> dict:
         s = self.side
@@ -275,17 +250,9 @@ class PrefillWorker(_Worker):
         self.pauses_done, pause_active = 0, None  # None | "prefill" | "decode"
         next_rid, done_sent = 0, False
         t0 = time.monotonic()
-        self.cpu0 = time.process_time()
-        next_pipe, nap = t0, 0.0
         while True:
-            t = time.monotonic()
-            msg = None
-            if t >= next_pipe:
-                next_pipe = t + PIPE_EVERY
-                if self.conn.poll():
-                    msg = self.conn.recv()
-            if msg is not None:
-                kind, payload = msg
+            if self.conn.poll():
+                kind, payload = self.conn.recv()
                 if kind == "stop":
                     break
                 if (kind, pause_active, payload) != ("decode_resumed", "decode", self.pauses_done):
@@ -312,11 +279,6 @@ class PrefillWorker(_Worker):
                 next_rid += 1
             plan.drive(side, side.clock())
             side.step()
-            if side.idle:  # nothing to send: back off (the decode's messages can wait)
-                nap = min(max(2 * nap, NAP_FIRST), NAP_MOST)
-                time.sleep(nap)
-            else:
-                nap = 0.0
             self.progress()
             if (not done_sent and len(side.finished) == n and side.idle
                     and self.pauses_done == cfg.pauses and pause_active is None):
@@ -371,8 +333,7 @@ class DecodeWorker(_Worker):
             self.recv("bw_end")
         finally:
             self.polling = False
-        ok = (self.bw_buf is None
-              or torch.equal(self.bw_buf, _pattern(self.bw_buf.numel(), self.cfg.seed)))
+        ok = torch.equal(self.bw_buf, _pattern(self.bw_buf.numel(), self.cfg.seed))
         self.send("bw_checked", dict(verified=bool(ok)))
 
     def snapshot(self) -> dict:
@@ -385,25 +346,16 @@ class DecodeWorker(_Worker):
         side, n = self.side, self.cfg.requests
         pausing, done_sent = None, False
         t0 = time.monotonic()
-        self.cpu0 = time.process_time()
-        next_pipe, nap = t0, 0.0
         while True:
-            t = time.monotonic()
-            if t >= next_pipe:
-                next_pipe = t + PIPE_EVERY
-                if self.conn.poll():
-                    kind, payload = self.conn.recv()
-                    if kind == "stop":
-                        break
-                    if kind != "pause" or pausing is not None:
-                        raise RuntimeError(f"decode worker: unexpected {kind!r} {payload!r}")
-                    side.begin_pause()
-                    pausing = payload
-            if side.step():
-                nap = 0.0
-            else:  # no message: back off (still polling; a write's ack needs this side)
-                nap = min(max(2 * nap, NAP_FIRST), NAP_MOST)
-                time.sleep(nap)
+            if self.conn.poll():
+                kind, payload = self.conn.recv()
+                if kind == "stop":
+                    break
+                if kind != "pause" or pausing is not None:
+                    raise RuntimeError(f"decode worker: unexpected {kind!r} {payload!r}")
+                side.begin_pause()
+                pausing = payload
+            side.step()
             if pausing is not None and side.paused:
                 side.resume()
                 self.send("resumed", pausing)
