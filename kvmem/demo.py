@@ -41,6 +41,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
+CHUNK_MODES = ("auto", "packed", "direct")
 OUTCOMES = ("succeeded", "aborted", "timed_out", "failed")
 LANDING_ALIGN = 256  # the decode's landing Arena rounds each region up to this
 
@@ -73,6 +74,7 @@ class DemoConfig:
     abort_wait: float = 0.02  # how long a client abort waits in its target state
     bw_mib: int = 256  # raw NIXL bandwidth buffer; 0: skip that phase
     bw_rounds: int = 5
+    chunks: str = "auto"  # packed | direct | auto (per chunk, threshold calibrated at start)
 
     # --- derived ------------------------------------------------------------------------
     def spec(self):
@@ -161,6 +163,9 @@ class DemoConfig:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         if self.bw_mib < 0:
             raise ValueError(f"--bw-mib must be >= 0, got {self.bw_mib}")
+        if self.chunks not in CHUNK_MODES:
+            raise ValueError(f"--chunks must be one of {', '.join(CHUNK_MODES)}, got "
+                             f"{self.chunks!r}")
         for t in (self.bootstrap_timeout, self.transfer_timeout):
             if not (math.isfinite(t) and t > 0):
                 raise ValueError(f"--timeout must be a number of seconds > 0, got {t}")
@@ -212,6 +217,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--head-dim", type=int, default=d.head_dim, help="(%(default)s)")
     m.add_argument("--page-size", type=int, default=d.page_size, help="(%(default)s)")
     m.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="(%(default)s)")
+    x = p.add_argument_group("transfer (push: the prefill writes into the decode)")
+    x.add_argument("--chunks", default=d.chunks, choices=CHUNK_MODES,
+                   help="packed: every chunk packed into the decode's landing buffer; direct: "
+                        "pool pages written into the decode's pool pages; auto: per chunk, "
+                        "direct when its page runs (merged where adjacent on both sides) "
+                        "reach a threshold measured at start-up (%(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write the report as JSON (overwrites FILE)")
     o.add_argument("--quiet", action="store_true",
@@ -237,7 +248,8 @@ def config_from_args(args) -> DemoConfig:
         fail_rate=faults["fail_rate"], layers=args.layers, heads=args.heads,
         head_dim=args.head_dim, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
         max_tokens=args.max_tokens, concurrency=args.concurrency, seed=args.seed,
-        bootstrap_timeout=args.timeout, transfer_timeout=args.timeout, bw_mib=args.bw_mib)
+        bootstrap_timeout=args.timeout, transfer_timeout=args.timeout, bw_mib=args.bw_mib,
+        chunks=args.chunks)
     cfg.validate()
     if args.json is not None:
         check_json_path(args.json)
@@ -488,7 +500,7 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
         w.send("prefill", "peer", ready["decode"]["metadata"])
         w.send("decode", "peer", ready["prefill"]["metadata"])
         raw = None
-        if cfg.bw_mib:
+        if cfg.bw_mib or cfg.chunks == "auto":  # raw bandwidth and/or the calibration
             if bar:
                 bar.note(f"measuring raw NIXL write bandwidth ({cfg.bw_mib} MiB buffer)")
             w.send("decode", "bw_listen")
@@ -585,6 +597,9 @@ def build_result(cfg, final: dict, raw, wall: float, total: float, exit_codes: d
         throughput_gbps=float(verified / wall / 1e9) if wall > 0 else 0.0,
         wall_seconds=wall, total_seconds=total,
     )
+    calibration = raw.pop("calibration", None) if raw else None
+    if raw and "warm_s" not in raw:
+        raw = None  # the phase ran for the calibration only (--bw-mib 0)
     if raw:
         warm = raw["warm_s"]
         med = statistics.median(warm)
@@ -625,6 +640,7 @@ def build_result(cfg, final: dict, raw, wall: float, total: float, exit_codes: d
     res["delivered"] = dict(prefill=len(pre_ok), decode=len(dec_ok),
                             missing=sorted(pre_ok - dec_ok),
                             received_after_early_end=sorted(dec_ok - pre_ok))
+    res.update(transfer_fields(cfg, pre, dec, calibration))
     res["config"] = asdict(cfg)
     errors = check(res)
     res["ok"] = not errors
@@ -720,6 +736,7 @@ def format_report(r: dict) -> str:
                 f"({raw['nbytes'] >> 20} MiB, median of {raw['rounds']}; first write "
                 f"{raw['first_s'] * 1e3:.0f} ms): {r['throughput_vs_raw']:.2f}x raw")
     add(thr)
+    add(transfer_line(r))
     add(f"leaked pages: prefill {r['leaked_pages']['prefill']}, decode "
         f"{r['leaked_pages']['decode']}")
     for side in ("prefill", "decode"):
@@ -751,6 +768,41 @@ def format_report(r: dict) -> str:
 
 def _ms(x, digits: int = 0) -> str:
     return "-" if x is None else f"{x:.{digits}f} ms"
+
+
+def transfer_fields(cfg, pre: dict, dec: dict, calibration) -> dict:
+    """The report's transfer-mode and CPU fields: ``transfer_mode`` (push: the prefill
+    writes), ``chunk_mode`` (--chunks), ``direct_threshold`` (bytes per merged descriptor
+    from which a chunk went direct; None: every chunk packed), ``calibration`` (the
+    measurement behind it, --chunks auto), ``chunks`` (posted, by kind), and ``cpu``: per
+    worker, CPU seconds of the workload (``time.process_time``, every thread of the
+    process) and per GB it moved (prefill: bytes sent, decode: bytes landed)."""
+    cpu = {}
+    for side, f, moved in (("prefill", pre, "bytes_sent"), ("decode", dec, "bytes_landed")):
+        s, b = f.get("cpu_seconds"), int(f["metrics"][moved])
+        cpu[side] = dict(seconds=s, bytes=b,
+                         seconds_per_gb=(s / (b / 1e9)) if s is not None and b else None)
+    return dict(transfer_mode="push", chunk_mode=cfg.chunks,
+                direct_threshold=pre.get("direct_threshold"), calibration=calibration,
+                chunks=pre.get("chunk_modes", {}), cpu=cpu,
+                cpu_seconds_per_gb={k: v["seconds_per_gb"] for k, v in cpu.items()})
+
+
+def transfer_line(r: dict) -> str:
+    thr = r.get("direct_threshold")
+    cal = r.get("calibration")
+    how = {"auto": "per chunk", "packed": "all packed", "direct": "all direct"}[r["chunk_mode"]]
+    if r["chunk_mode"] == "auto":
+        how += (", direct from " + (f"{thr / 1024:g} KiB per merged descriptor" if thr is not None
+                                    else "nowhere (packing won at every run length)")
+                + (f" (calibrated at start-up over {len(cal['rows'])} run lengths)" if cal else ""))
+    ch = r.get("chunks", {})
+    cpu = r["cpu"]
+    per = "; ".join(f"{s} {c['seconds']:.1f} s" + (f" = {c['seconds_per_gb']:.2f} s/GB"
+                                                     if c["seconds_per_gb"] is not None else "")
+                    for s, c in cpu.items() if c["seconds"] is not None)
+    return (f"transfer: {r['transfer_mode']}, chunks {how}: {ch.get('direct', 0)} direct, "
+            f"{ch.get('packed', 0)} packed; CPU of the workload: {per or '-'}")
 
 
 def summary_line(r: dict) -> str:

@@ -115,7 +115,7 @@ class _Worker:
         sends ``want``; its payload."""
         end = time.monotonic() + timeout
         while True:
-            if self.conn.poll(0.001 if self.polling else 0.05):
+            if self.conn.poll(0 if self.polling else 0.05):
                 kind, payload = self.conn.recv()
                 if kind != want:
                     raise RuntimeError(f"{self.role} worker: expected {want!r} from the "
@@ -143,8 +143,9 @@ class _Worker:
             self.engine.register("bw", [(self.bw_buf.data_ptr(), n)], 0)
         self.send("ready", {"metadata": self.engine.local_metadata(), "setup": self.setup})
         self.engine.add_peer(self.recv("peer"))
-        if n:
+        if n or self.cfg.chunks == "auto":  # the raw bandwidth and/or the calibration
             self.bandwidth()
+        if n:
             self.engine.deregister("bw")
             self.bw_buf = None
         self.instrument()
@@ -165,6 +166,8 @@ class _Worker:
             arena_used_bytes=int(side.arena.used_bytes),
             open_handles=int(self.engine.open_handles()),
             metrics=side.metrics.as_dict(),
+            chunk_modes=dict(side.chunk_modes),
+            direct_threshold=getattr(side, "direct_threshold", None),
             freed_by_reason=dict(side.ledger.freed_by_reason),
             stage_seconds=self.stages if self.stages is not None else self.clock.as_dict(),
         )
@@ -203,7 +206,7 @@ class PrefillWorker(_Worker):
             pool, alloc, self.engine, self.synth, decode_peer=names["decode"],
             chunk_tokens=cfg.chunk_tokens, max_batch_tokens=cfg.batch_tokens(),
             bootstrap_timeout=cfg.bootstrap_timeout, transfer_timeout=cfg.transfer_timeout,
-            faults=self.plan)
+            faults=self.plan, direct_threshold=0 if cfg.chunks == "direct" else None)
         self.setup["side"] = time.monotonic() - t
         self.populate()
 
@@ -221,6 +224,18 @@ class PrefillWorker(_Worker):
         """Raw NIXL write bandwidth to the decode process: one registered buffer written
         into one registered buffer, a cold write then ``bw_rounds`` warm ones."""
         self.recv("bw_run")
+        out = {}
+        if self.bw_buf is not None:
+            out.update(self.raw_writes())
+        if self.cfg.chunks == "auto":
+            from kvmem.disagg.calibrate import calibrate_direct
+
+            cal = calibrate_direct(self.side, self.cfg.chunk_tokens // self.spec.page_size)
+            self.side.set_direct_threshold(cal["threshold"])
+            out["calibration"] = cal
+        self.send("bw_result", out)
+
+    def raw_writes(self) -> dict:
         eng, buf = self.engine, self.bw_buf
         remote = eng.remote(self.names["decode"], "bw")
         local, rr = [(buf.data_ptr(), buf.numel())], [(remote.regions[0][0], buf.numel())]
@@ -235,7 +250,7 @@ class PrefillWorker(_Worker):
             eng.release(h)
             if state != "DONE":
                 raise RuntimeError(f"raw NIXL write ended {state}: {err}")
-        self.send("bw_result", dict(nbytes=buf.numel(), first_s=times[0], warm_s=times[1:]))
+        return dict(nbytes=buf.numel(), first_s=times[0], warm_s=times[1:])
 
     def snapshot(self) -> dict:
         s = self.side
@@ -333,7 +348,8 @@ class DecodeWorker(_Worker):
             self.recv("bw_end")
         finally:
             self.polling = False
-        ok = torch.equal(self.bw_buf, _pattern(self.bw_buf.numel(), self.cfg.seed))
+        ok = (self.bw_buf is None
+              or torch.equal(self.bw_buf, _pattern(self.bw_buf.numel(), self.cfg.seed)))
         self.send("bw_checked", dict(verified=bool(ok)))
 
     def snapshot(self) -> dict:

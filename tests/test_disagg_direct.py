@@ -157,3 +157,42 @@ def test_post_blocks_checks_indices_and_sizes(pair):
     assert lt.released
     pair.prefill.resume()
     assert pair.prefill._local_table is not lt and not pair.prefill._local_table.released
+
+
+def test_calibration_measures_both_ways_and_records_its_fit():
+    import threading
+
+    from kvmem.disagg.calibrate import calibrate_direct
+
+    p = Pair(direct_threshold=None)
+    stop = threading.Event()
+
+    def drive_decode():  # the decode's engine must progress (no NIXL progress thread)
+        while not stop.is_set():
+            p.de.get_notifs()
+
+    t = threading.Thread(target=drive_decode)
+    t.start()
+    try:
+        rec = calibrate_direct(p.prefill, chunk_pages=4, rounds=2)
+    finally:
+        stop.set()
+        t.join()
+    try:
+        assert [r["run_pages"] for r in rec["rows"]] == [1, 2, 4]
+        assert [r["descriptors"] for r in rec["rows"]] == [16, 8, 4]  # 4 planes x 4 pages / r
+        for r in rec["rows"]:
+            assert 0 < r["direct_s"] <= r["direct_median_s"] and 0 < r["packed_s"]
+        assert set(rec["fit"]) == {"direct_per_descriptor_s", "direct_rest_s", "packed_s"}
+        thr = rec["threshold"]
+        assert thr is None or (thr >= PLANE_PAGE and thr % PLANE_PAGE == 0)
+        # nothing of the side changed; its own lists were not prepared and none is left
+        assert p.prefill.direct_threshold is None and p.prefill._local_table is None
+        assert not p.pe._tables and p.pe.open_handles() == 0
+        p.prefill.set_direct_threshold(thr)
+        p.prefill.add_request(1, 128)
+        p.run_idle()
+        assert p.finished[1].status == 200
+        p.assert_clean()
+    finally:
+        p.close()

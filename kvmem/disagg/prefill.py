@@ -518,6 +518,17 @@ class PrefillSide:
         return True
 
     # --- direct writes ------------------------------------------------------------------------
+    def set_direct_threshold(self, threshold: int | None) -> None:
+        """Chunks whose merged page runs average at least ``threshold`` bytes per
+        descriptor go direct from now on (None: all packed); e.g. a calibrated value
+        (:func:`kvmem.disagg.calibrate.calibrate_direct`)."""
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
+                                      or threshold < 0):
+            raise ValueError(f"direct_threshold must be None or an int >= 0, got {threshold!r}")
+        self.direct_threshold = threshold
+        if self._local_table is None and not self.paused:
+            self._prep_local()
+
     def _prep_local(self) -> None:
         self._local_table = None
         if self.direct_threshold is not None and self.engine.registrations()["kv"].layout:
