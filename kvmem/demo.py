@@ -776,12 +776,17 @@ def transfer_fields(cfg, pre: dict, dec: dict, calibration) -> dict:
     from which a chunk went direct; None: every chunk packed), ``calibration`` (the
     measurement behind it, --chunks auto), ``chunks`` (posted, by kind), and ``cpu``: per
     worker, CPU seconds of the workload (``time.process_time``, every thread of the
-    process) and per GB it moved (prefill: bytes sent, decode: bytes landed)."""
+    process) and per GB it moved (prefill: bytes sent, decode: bytes landed), and
+    ``poll_share``: the share of its workload loop spent in ``get_notifs``."""
     cpu = {}
     for side, f, moved in (("prefill", pre, "bytes_sent"), ("decode", dec, "bytes_landed")):
         s, b = f.get("cpu_seconds"), int(f["metrics"][moved])
+        st = f.get("stage_seconds", {})
+        loop = st.get("loop", {}).get("seconds", 0.0)
         cpu[side] = dict(seconds=s, bytes=b,
-                         seconds_per_gb=(s / (b / 1e9)) if s is not None and b else None)
+                         seconds_per_gb=(s / (b / 1e9)) if s is not None and b else None,
+                         poll_share=(st.get("get_notifs", {}).get("seconds", 0.0) / loop
+                                     if loop > 0 else None))
     return dict(transfer_mode="push", chunk_mode=cfg.chunks,
                 direct_threshold=pre.get("direct_threshold"), calibration=calibration,
                 chunks=pre.get("chunk_modes", {}), cpu=cpu,
@@ -800,6 +805,8 @@ def transfer_line(r: dict) -> str:
     cpu = r["cpu"]
     per = "; ".join(f"{s} {c['seconds']:.1f} s" + (f" = {c['seconds_per_gb']:.2f} s/GB"
                                                      if c["seconds_per_gb"] is not None else "")
+                    + (f", {c['poll_share']:.0%} of its loop polling"
+                       if c.get("poll_share") is not None else "")
                     for s, c in cpu.items() if c["seconds"] is not None)
     return (f"transfer: {r['transfer_mode']}, chunks {how}: {ch.get('direct', 0)} direct, "
             f"{ch.get('packed', 0)} packed; CPU of the workload: {per or '-'}")

@@ -124,13 +124,16 @@ class DecodeSide:
         return tell(self.engine, self.prefill_peer, msg, self.metrics, log)
 
     # --- one iteration -----------------------------------------------------------------------
-    def step(self) -> None:
-        self.inbox.drain()
+    def step(self) -> bool:
+        """One iteration; True when a message arrived (False: idle, the caller may back
+        off)."""
+        busy = self.inbox.drain() > 0
         if not self.pausing and not self.paused:
             for req in list(self.reqs.values()):
                 if req.state == "waiting":
                     self._boot(req)
         self._check_timeouts()
+        return busy
 
     def handle_message(self, msg) -> None:
         """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from the

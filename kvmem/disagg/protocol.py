@@ -351,12 +351,17 @@ class Inbox:
         self._queue: collections.deque = collections.deque()  # (peer, raw)
         self.refused: dict[str, int] = {}
 
-    def drain(self) -> None:
+    def drain(self) -> int:
+        """Fetch and apply what arrived; the number of messages handled (refused ones
+        included)."""
         for peer, msgs in self.engine.get_notifs().items():
             self._queue.extend((peer, raw) for raw in msgs)
+        n = 0
         while self._queue:
             peer, raw = self._queue.popleft()
+            n += 1
             self.deliver(peer, raw)
+        return n
 
     def deliver(self, peer: str, raw) -> None:
         """Validate and apply one message; refusals counted, never raised."""
