@@ -6,22 +6,29 @@ process (issue 11, item 5: under load, pack stays within 2x of its quiet time).
 For page_size 1, 16 and 64 (32 layers x 8 heads x 128 dims, bf16, pages in random
 order) it times, in the same run: ``kvmem.pack_pages`` / ``unpack_pages`` (one op over
 all layers: the pool is one storage), the per-layer path they replaced (one op per layer
-and K/V, ``_torch_copy_per_layer``, what separate per-layer tensors still take) and a
-plain ``copy_`` of the same bytes.  Each at torch's default thread count, first with
-nothing else started, then with a ``while True: pass`` subprocess running.  Medians and
-the slowest round of ``--rounds`` calls; the load average (``os.getloadavg``) is printed
-with each phase, because on a shared machine "quiet" is only as quiet as the others
-let it be."""
+and K/V, ``_torch_copy_per_layer``, what separate per-layer tensors still take), the
+same rows gathered by NumPy's ``take`` (no OpenMP at all: one thread; an alternative,
+not what the library does) and a plain ``copy_`` of the same bytes.  All at torch's
+default thread count.
+
+Quiet and loaded rounds alternate: one ``while True: pass`` subprocess runs throughout
+and is stopped (SIGSTOP) for each quiet call and continued (SIGCONT) for each loaded
+one, so a change in what other processes do during the run hits both columns alike.
+Medians and the slowest of ``--rounds`` calls each; the load average
+(``os.getloadavg``) is printed, because on a shared machine "quiet" is only as quiet as
+the others let it be."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 import kvmem
@@ -49,6 +56,7 @@ def _cases(tokens: int):
         fns = {
             "pack (one op)": lambda: kvmem.pack_pages(pool, ids, out=out),
             "pack (per layer)": lambda: P._torch_copy_per_layer(plan, k, v, ids, out, True),
+            "pack (numpy take)": _numpy_take(plan, k, v, ids, out),
             "unpack (one op)": lambda: kvmem.unpack_pages(out, pool, ids),
             "unpack (per layer)": lambda: P._torch_copy_per_layer(plan, k, v, ids, out, False),
             "copy_": lambda: out.copy_(src),
@@ -57,56 +65,66 @@ def _cases(tokens: int):
         del pool, out, src
 
 
-def _time(fn, rounds: int) -> tuple[float, float]:
+def _numpy_take(plan, k, v, ids, out):
+    """The one-op rows gathered by np.take (single-threaded), when they are a contiguous
+    [R, seg] array (whole pages, dense pool)."""
+    (g,) = P._one_storage_rows(plan, k, v)
+    assert g.pitch == g.seg, "the pool's pages are not back to back"
+    item = g.base.element_size()
+    rows = g.base.as_strided((g.num_rows, g.seg // item), (g.pitch // item, 1), 0)
+    rows = rows.view(torch.int64).numpy()
+    idx = (np.asarray(g.starts)[:, None] + ids.numpy()[None, :] * g.page_step).reshape(-1)
+    dst = out.view(torch.int64).view(idx.shape[0], -1).numpy()
+    return lambda: np.take(rows, idx, axis=0, out=dst, mode="clip")
+
+
+def _time(fn, rounds: int, busy: subprocess.Popen) -> tuple[list, list]:
+    """(quiet times, loaded times): rounds alternate, the busy process stopped for the
+    quiet call and running for the loaded one."""
     fn()  # warm-up
-    ts = []
+    quiet, loaded = [], []
     for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts), max(ts)
-
-
-def _phase(name: str, tokens: int, rounds: int) -> dict:
-    load = os.getloadavg()
-    print(f"-- {name}: load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, "
-          f"torch threads {torch.get_num_threads()}", flush=True)
-    res = {}
-    for ps, nbytes, fns in _cases(tokens):
-        for op, fn in fns.items():
-            med, worst = _time(fn, rounds)
-            res[(ps, op)] = (med, worst, nbytes)
-            print(f"   P{ps:<3} {op:<20} median {med * 1e3:8.1f} ms  max {worst * 1e3:8.1f} ms"
-                  f"  {nbytes / med / 1e9:6.2f} GB/s", flush=True)
-    return dict(load=load, res=res)
+        for state, ts in ((signal.SIGSTOP, quiet), (signal.SIGCONT, loaded)):
+            busy.send_signal(state)
+            time.sleep(0.02)  # let the scheduler see the change
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return quiet, loaded
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--md", help="write the table as markdown to this file")
+    ap.add_argument("--md", help="append the table as markdown to this file")
     a = ap.parse_args()
-    quiet = _phase("quiet (nothing started by this script)", a.tokens, a.rounds)
+    load0 = os.getloadavg()
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    res = {}
     try:
-        time.sleep(1.0)
-        loaded = _phase("one core kept busy by a `while True: pass` subprocess", a.tokens,
-                        a.rounds)
+        for ps, nbytes, fns in _cases(a.tokens):
+            for op, fn in fns.items():
+                q, l = _time(fn, a.rounds, busy)
+                res[(ps, op)] = (statistics.median(q), max(q), statistics.median(l), max(l))
+                print(f"   P{ps:<3} {op:<20} quiet {res[(ps, op)][0] * 1e3:8.1f} ms  loaded "
+                      f"{res[(ps, op)][2] * 1e3:8.1f} ms", flush=True)
     finally:
         busy.kill()
         busy.wait()
+    load1 = os.getloadavg()
     lines = [
-        f"quiet phase load average {quiet['load'][0]:.2f} (1 min) / {quiet['load'][1]:.2f} "
-        f"(5 min); loaded phase {loaded['load'][0]:.2f} / {loaded['load'][1]:.2f}; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} "
-        f"CPUs; chunk {a.tokens} tokens, median (max) of {a.rounds} rounds",
+        f"load average (1 / 5 / 15 min) before: {load0[0]:.2f} / {load0[1]:.2f} / "
+        f"{load0[2]:.2f}, after: {load1[0]:.2f} / {load1[1]:.2f} / {load1[2]:.2f} (after "
+        f"includes the busy process); torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {os.cpu_count()} CPUs; chunk {a.tokens} "
+        f"tokens; median (max) of {a.rounds} quiet and {a.rounds} loaded calls, "
+        f"alternating",
         "",
         "| page_size | op | quiet ms | loaded ms | loaded / quiet |",
         "|---|---|---|---|---|",
     ]
-    for key, (qm, qw, _) in quiet["res"].items():
-        lm, lw, _ = loaded["res"][key]
+    for key, (qm, qw, lm, lw) in res.items():
         lines.append(f"| {key[0]} | {key[1]} | {qm * 1e3:.1f} ({qw * 1e3:.0f}) | "
                      f"{lm * 1e3:.1f} ({lw * 1e3:.0f}) | {lm / qm:.2f} |")
     print("\n".join(lines))
