@@ -17,17 +17,19 @@ kvmem_requests_total           counter    outcome     requests ended, by outcome
 kvmem_pages_freed_total        counter    reason      pages freed through the ledger, by
                                                       reason (sent, ended:503, abort:499, ...)
 kvmem_transfer_bytes_total     counter    stage       bytes at each stage of the path:
-                                                      packed, sent (prefill); landed,
-                                                      verified, corrupt (decode).  Stages
-                                                      are points on one path, not parts:
-                                                      never sum over ``stage``
+                                                      packed, sent, landed, verified,
+                                                      corrupt (``bytes_<stage>``; a side
+                                                      counts some of them, the others stay
+                                                      0).  Stages are points on one path,
+                                                      not parts: never sum over ``stage``
 kvmem_pauses_total             counter                pauses begun
 kvmem_pause_seconds_total      counter                seconds paused, pauses ended
 kvmem_protocol_errors_total    counter                peer messages refused
 kvmem_send_errors_total        counter                control messages the peer could not
                                                       be sent
 kvmem_abort_free_seconds       histogram              an abort in the running batch until
-                                                      its pages are free (prefill)
+                                                      its pages are free (``time_to_free``;
+                                                      the prefill's)
 kvmem_pages                    gauge      state       pages of the allocator: free,
                                                       allocated (sum: its capacity)
 =============================  =========  ==========  ======================================
@@ -68,8 +70,12 @@ REGISTRY = CollectorRegistry()
 """kvmem's registry: :func:`register` uses it unless given another."""
 
 OUTCOMES = tuple(o.value for o in Outcome)  # every one, 0 until it happens
-# Metrics.bytes_<stage> that each side counts (the other side's stay 0).
-STAGES = {"prefill": ("packed", "sent"), "decode": ("landed", "verified", "corrupt")}
+STAGES = ("packed", "sent", "landed", "verified", "corrupt")  # Metrics.bytes_<stage>
+SIDES = ("prefill", "decode")  # Metrics.side
+# The Metrics fields the collector reads: every one but ``side`` (tests/test_metrics.py
+# fails when Metrics gains a field that is not here).
+FIELDS = frozenset({"requests", *(f"bytes_{s}" for s in STAGES), "pauses", "pause_seconds",
+                    "protocol_errors", "send_errors", "time_to_free"})
 # Seconds from an abort inside the running batch to its pages being free (the same
 # step's fill_batch): median 0.25 ms, max 0.29 ms over 7 such aborts of a 200-request
 # `kvmem demo` on the 2-core CPU machine.  Buckets from 0.1 ms to 1 s around that; their
@@ -88,9 +94,9 @@ class DisaggCollector(Collector):
 
     def add(self, side) -> None:
         kind = side.metrics.side
-        if kind not in STAGES:
+        if kind not in SIDES:
             raise ValueError(f"kvmem.metrics: side.metrics.side must be one of "
-                             f"{sorted(STAGES)}, got {kind!r}")
+                             f"{sorted(SIDES)}, got {kind!r}")
         with self._lock:
             if kind in self._sides:
                 which = "this same side" if self._sides[kind] is side else "another one"
@@ -127,21 +133,20 @@ class DisaggCollector(Collector):
                 requests.add_metric([kind, o], by_outcome.get(o, 0))
             for reason, n in sorted(dict(side.ledger.freed_by_reason).items()):
                 freed.add_metric([kind, reason], n)
-            for stage in STAGES[kind]:
+            for stage in STAGES:
                 moved.add_metric([kind, stage], getattr(m, f"bytes_{stage}"))
             pauses.add_metric([kind], m.pauses)
             paused.add_metric([kind], m.pause_seconds)
             refused.add_metric([kind], m.protocol_errors)
             unsent.add_metric([kind], m.send_errors)
-            if kind == "prefill":  # only the prefill has a running batch
-                seen = sorted(list(m.time_to_free))
-                buckets, i = [], 0
-                for le in ABORT_FREE_BUCKETS:
-                    while i < len(seen) and seen[i] <= le:
-                        i += 1
-                    buckets.append((floatToGoString(le), i))
-                buckets.append(("+Inf", len(seen)))
-                ttf.add_metric([kind], buckets, sum_value=sum(seen))
+            seen = sorted(list(m.time_to_free))
+            buckets, i = [], 0
+            for le in ABORT_FREE_BUCKETS:
+                while i < len(seen) and seen[i] <= le:
+                    i += 1
+                buckets.append((floatToGoString(le), i))
+            buckets.append(("+Inf", len(seen)))
+            ttf.add_metric([kind], buckets, sum_value=sum(seen))
             alloc = side.alloc
             pages.add_metric([kind, "free"], alloc.num_free)
             pages.add_metric([kind, "allocated"], alloc.num_allocated)
