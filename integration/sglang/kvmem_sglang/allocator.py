@@ -41,14 +41,19 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     host before it launches anything that changes its state: ``need_size //
     page_size`` for ``alloc``, the ``*_cpu`` hints for ``alloc_extend`` /
     ``alloc_decode``.  (With ``check=True`` on CUDA kvmem first validates the inputs
-    on the device, read-only.)  kvmem's frees are immediate, so "staged frees are
-    merged before the capacity check" holds trivially: there are none, and
-    ``merge_and_sort_free`` is a no-op.  ``need_sort`` is accepted and ignored.
+    on the device, read-only.)  kvmem's frees are immediate (validated, counted and
+    available at once); kvmem stages the freed pages at its free list's tail and sorts
+    them in itself when a call's bound exceeds its sorted part (sglang's own bounds),
+    so "staged frees are merged before the capacity check" holds inside kvmem and
+    ``merge_and_sort_free`` is a no-op.  ``need_sort`` is accepted and ignored: kvmem
+    always keeps need_sort's order.
 
-    Order.  From a new or ``clear()``-ed allocator the slots are sglang's, call for
-    call (pages 1, 2, 3, ...).  After frees, kvmem reuses pages first-freed
-    first-reused; sglang sorts its staged frees (``need_sort``) or puts freed pages
-    first (no ``need_sort``), so the slots differ while the counts agree.
+    Order.  With ``need_sort=True`` the slots are sglang's, call for call, from a new or
+    ``clear()``-ed allocator and after frees too
+    (tests/sglang/test_allocator_backend.py::test_after_frees_same_slots_as_sglang_need_sort),
+    except after an alloc that found too few pages (sglang sorts before returning None;
+    kvmem changes nothing).  With ``need_sort=False`` sglang puts freed pages first, so
+    after frees the slots differ while the counts agree.
 
     Syncs.  ``check`` (default: sglang's ``SGLANG_DEBUG_MEMORY_POOL``, i.e. off) is
     passed to every kvmem call.  On the CPU nothing ever waits and kvmem checks
