@@ -88,11 +88,12 @@ class Pair:
                  bootstrap_timeout: float = 30.0, transfer_timeout: float = 30.0,
                  decode_timeout: float = 60.0, staging_chunks: int = 8, spec=SPEC,
                  ready_event=None, landing_chunk: int | None = None,
-                 direct_threshold: int | None = None):
+                 direct_threshold: int | None = None, transfer_mode: str = "push"):
         """``ready_event``: the prefill's (see PrefillSide); ``landing_chunk``: register
         the decode's landing buffer as regions of that many bytes (ChunkedLanding);
         ``direct_threshold``: the prefill's (None: every chunk packed, 0: every chunk
-        written direct, pool pages to pool pages)."""
+        written direct, pool pages to pool pages); ``transfer_mode``: both sides' ("pull":
+        the decode reads the prefill's pool pages)."""
         tag = f"{uuid.uuid4().hex[:8]}-{next(_ids)}"
         self.clock = Clock()
         self.faults = TestFaults()
@@ -106,7 +107,8 @@ class Pair:
             self.decode = DecodeSide(
                 kvmem.KVPool(spec, num_pages), kvmem.PageAllocator(num_pages, spec.page_size),
                 self.de, self.synth, prefill_peer=self.pe.name, landing_bytes=landing_bytes,
-                timeout=decode_timeout, clock=self.clock, faults=self.faults)
+                timeout=decode_timeout, clock=self.clock, faults=self.faults,
+                transfer_mode=transfer_mode)
         chunk_bytes = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         self.prefill = PrefillSide(
             kvmem.KVPool(spec, num_pages), kvmem.PageAllocator(num_pages, spec.page_size),
@@ -114,7 +116,7 @@ class Pair:
             staging_bytes=staging_chunks * chunk_bytes + 64 * 64,
             bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
             clock=self.clock, faults=self.faults, ready_event=ready_event,
-            direct_threshold=direct_threshold, on_finish=lambda rid, reason: self.finished.__setitem__(rid, reason))
+            direct_threshold=direct_threshold, transfer_mode=transfer_mode, on_finish=lambda rid, reason: self.finished.__setitem__(rid, reason))
         self.pe.add_peer(self.de.local_metadata())
         self.de.add_peer(self.pe.local_metadata())
 

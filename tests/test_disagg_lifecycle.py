@@ -15,11 +15,13 @@ from kvmem.transfer.base import StaleEpochError
 from tests.disagg_harness import SPEC, Pair
 
 
-@pytest.fixture(params=["packed", "direct"])
+@pytest.fixture(params=["packed", "direct", "pull"])
 def pair(request):
-    """Every row in both chunk modes: packed into the landing region, and written direct
-    (pool pages to the decode's pool pages; threshold 0: every chunk)."""
-    p = Pair(direct_threshold=None if request.param == "packed" else 0)
+    """Every row in both transfer modes: push with chunks packed into the landing region,
+    push with chunks written direct (pool pages to the decode's pool pages; threshold 0:
+    every chunk), and pull (the decode reads the prefill's pool pages)."""
+    p = Pair(direct_threshold=0 if request.param == "direct" else None,
+             transfer_mode="pull" if request.param == "pull" else "push")
     yield p
     p.close()
 
@@ -85,11 +87,12 @@ def test_abort_in_transferring_drains_before_decode_frees(pair):
     req = pair.prefill.reqs[1]
     assert req.handles, "the first chunk's write is posted"
     pair.prefill.abort(1)
-    if pair.prefill.direct_threshold is None:
+    if pair.prefill.direct_threshold is None and pair.prefill.transfer_mode == "push":
         # prefill pages freed at once (the packed copy is what is sent)
         assert freed(pair.prefill) == {"ended:499": 64 // 16}
     else:
-        # the direct write reads the prefill's pages: held until it is DONE or ERR
+        # the direct write (or the decode's read) reads the prefill's pages: held until it
+        # is DONE or ERR
         assert freed(pair.prefill) == {} and pair.prefill.ledger.holds(1)
     # the decode pages wait for the prefill's ABORT
     assert pair.prefill.state(1) == KVPoll.Failed
@@ -349,7 +352,11 @@ def test_vanished_decode_is_counted_not_fatal(pair):
     pair.clock.advance(31)
     for _ in range(5):
         pair.prefill.step()
-    assert pair.finished[1].status == 500 and "DISCONNECT" in pair.finished[1].message
+    # push: NIXL reports the write's remote disconnect; pull: the decode's read was
+    # cancelled with it and the offered pages' quarantine timed out (logged)
+    assert pair.finished[1].status == 500 and (
+        "DISCONNECT" in pair.finished[1].message if pair.prefill.transfer_mode == "push"
+        else "no PULLED" in pair.finished[1].message)
     assert pair.finished[2].status == 504
     assert pair.prefill.metrics.send_errors >= 1
     assert pair.prefill.audit() == {"leaked": {}, "quarantined": {}, "unaccounted": []}

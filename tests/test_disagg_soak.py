@@ -16,15 +16,16 @@ from tests.disagg_harness import Pair
 REQUESTS = int(os.environ.get("KVMEM_SOAK_REQUESTS", "2000"))
 
 
-@pytest.mark.parametrize("chunks", ["packed", "direct", "mixed"])
+@pytest.mark.parametrize("chunks", ["packed", "direct", "mixed", "pull"])
 def test_soak_every_fault_and_pauses(chunks):
-    """``chunks``: every chunk packed, every chunk direct (pool pages to pool pages), or
-    chosen per chunk by its merged page runs (threshold of two pages of a layer: chunks
-    whose pages are scattered on either side pack, the others go direct)."""
-    threshold = {"packed": None, "direct": 0, "mixed": 2 * 16 * 2 * 64 * 2}[chunks]
+    """Push with ``chunks``: every chunk packed, every chunk direct (pool pages to pool
+    pages), or chosen per chunk by its merged page runs (threshold of two pages of a layer:
+    chunks whose pages are scattered on either side pack, the others go direct); or pull
+    (the decode reads the prefill's pool pages)."""
+    threshold = {"packed": None, "direct": 0, "mixed": 2 * 16 * 2 * 64 * 2, "pull": None}[chunks]
     pair = Pair(num_pages=193, chunk_tokens=64, max_tokens=256, bootstrap_timeout=1.0,
                 transfer_timeout=1.0, decode_timeout=5.0, staging_chunks=16,
-                direct_threshold=threshold)
+                direct_threshold=threshold, transfer_mode="pull" if chunks == "pull" else "push")
     plan = FaultPlan(seed=1234, rates={"abort": 0.15, "timeout": 0.06, "fail": 0.09},
                      chunk_tokens=64, max_tokens=256, wait=0.02)
     pair.faults = plan
@@ -85,6 +86,8 @@ def test_soak_every_fault_and_pauses(chunks):
         assert modes["direct"] == 0 < modes["packed"]
     elif chunks == "direct":
         assert modes["packed"] == 0 < modes["direct"]
+    elif chunks == "pull":
+        assert set(modes) == {"pulled"} and dec.chunk_modes["pulled"] > 0
     else:
         assert modes["packed"] > 0 and modes["direct"] > 0, modes
     assert dec.chunk_modes["direct"] <= modes["direct"]  # a chunk lands once at most

@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 import torch
 
@@ -52,9 +54,10 @@ from kvmem.disagg.common import (
     Reason, check_caller_args, now, tell,
 )
 from kvmem.disagg.protocol import (
-    Abort, Aux, Chunk, Inbox, Meta, PauseAck, Req, apply_metadata, encode, encode_runs,
-    meta_message,
+    Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs, encode,
+    encode_runs, meta_message,
 )
+from kvmem.transfer.base import StaleEpochError, TransferError, TransferInFlightError
 from kvmem.disagg.prefill import AUX_BYTES, DEFAULT_TIMEOUT
 from kvmem.memory import make_backend
 
@@ -81,6 +84,8 @@ class DecodeRequest:
     t_quarantined: float | None = None
     pages_done: int = 0  # pages landed and verified, in order
     reason: Reason | None = None
+    reads: list = field(default_factory=list)  # pull: (TransferHandle, first, last) in flight
+    free_after_reads: tuple | None = None  # (why, reason) of a free waiting for our reads
 
 
 class DecodeSide:
@@ -89,10 +94,17 @@ class DecodeSide:
     def __init__(self, pool, allocator, engine, synth, *, prefill_peer: str,
                  landing_bytes: int, timeout: float = DEFAULT_TIMEOUT,
                  quarantine_timeout: float | None = None, clock=now,
-                 faults: DecodeFaults | None = None):
+                 faults: DecodeFaults | None = None, transfer_mode: str = "push"):
+        if transfer_mode not in ("push", "pull"):
+            raise ValueError(f"transfer_mode must be 'push' or 'pull', got {transfer_mode!r}")
         self.pool, self.alloc, self.engine, self.synth = pool, allocator, engine, synth
         self.spec = pool.spec
         self.prefill_peer = prefill_peer
+        self.transfer_mode = transfer_mode  # pull: this side reads the offered pages
+        self._local_table = None  # pull: prepared block list of our pool
+        self._remote_table = None  # pull: ... of the prefill's pool, newest epoch
+        self._retired_tables: list = []
+        self._ack_pending = False  # PAUSE_ACK came while own reads were in flight
         self.timeout = timeout
         self.quarantine_timeout = timeout if quarantine_timeout is None else quarantine_timeout
         self.clock = clock
@@ -116,6 +128,8 @@ class DecodeSide:
         self.engine.register_pool(self.pool, "kv")
         self.engine.register("landing", self._landing_mem.regions(), self.pool.epoch,
                              self.pool.device)
+        if self.transfer_mode == "pull":
+            self._local_table = self.engine.prep_local("kv")
 
     def publish_metadata(self) -> None:
         self._tell(meta_message(self.engine))
@@ -128,6 +142,11 @@ class DecodeSide:
         """One iteration; True when a message arrived (False: idle, the caller may back
         off)."""
         busy = self.inbox.drain() > 0
+        if self.transfer_mode == "pull":
+            busy = self._poll_reads() or busy
+            if self._ack_pending and not any(r.reads for r in self.reqs.values()):
+                self._ack_pending = False
+                self._finish_pause()
         if not self.pausing and not self.paused:
             for req in list(self.reqs.values()):
                 if req.state == "waiting":
@@ -151,6 +170,8 @@ class DecodeSide:
             self._on_pause_ack(msg)
         elif isinstance(msg, Meta):
             apply_metadata(self.engine, msg)
+        elif isinstance(msg, Ready):
+            self._on_ready(msg)
         else:
             raise ProtocolError(f"unexpected message {type(msg).__name__} on the decode side")
 
@@ -162,6 +183,9 @@ class DecodeSide:
         if msg.epoch != self.pool.epoch:
             raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this pause is epoch "
                                 f"{self.pool.epoch}")
+        if any(r.reads for r in self.reqs.values()):
+            self._ack_pending = True  # our own reads into the pool first (step polls them)
+            return
         self._finish_pause()
 
     # --- requests ------------------------------------------------------------------------------
@@ -253,6 +277,111 @@ class DecodeSide:
         if req.state == "booted" and not msg.direct:
             kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last])
 
+    # --- pull mode --------------------------------------------------------------------------
+    def _prefill_table(self):
+        """The prepared block list of the prefill's pool at the newest metadata known; None
+        when its pool is closed (pausing) or unknown."""
+        try:
+            remote = self.engine.remote(self.prefill_peer, "kv")
+        except KeyError:
+            return None
+        if not remote.live or remote.layout is None:
+            return None
+        t = self._remote_table
+        if t is None or t.remote != remote:
+            if t is not None:
+                self._retired_tables.append(t)
+            self._remote_table = t = self.engine.prep_remote(remote)
+        keep = []
+        for old in self._retired_tables:
+            try:
+                self.engine.release_table(old)
+            except TransferInFlightError:
+                keep.append(old)
+        self._retired_tables = keep
+        return t
+
+    def _on_ready(self, msg: Ready) -> None:
+        """Pull mode: read the offered pages, pool to pool, into the request's pages.  The
+        answer (PULLED) goes once the read is DONE or ERR, or at once when it is refused
+        (the prefill's pool moved on: the epoch guard, before posting)."""
+        if self.transfer_mode != "pull":
+            raise ProtocolError("READY on a decode side in push mode")
+        req = self._known(msg)
+        n_pages = -(-req.tokens // self.spec.page_size)
+        first, last = msg.first, msg.last
+        if not 0 <= first < last <= n_pages:
+            raise ProtocolError(f"READY for request {req.rid}: pages [{first}, {last}) outside "
+                                f"its {n_pages} pages")
+        if first != req.pages_done or req.reads:
+            raise ProtocolError(f"READY for request {req.rid}: pages from {first}, expected "
+                                f"from {req.pages_done}" + (" (a read is in flight)" if req.reads
+                                                             else ""))
+        src = np.array(decode_runs(msg.pages, last - first), dtype=np.int64)
+        if src.size != last - first:
+            raise ProtocolError(f"READY for request {req.rid}: {src.size} pages for "
+                                f"[{first}, {last})")
+        ok = False
+        try:
+            if req.state == "quarantined":  # aborted here: nothing more is read into it
+                raise TransferError(f"request {req.rid} is aborted on the decode side")
+            rt = self._prefill_table()
+            if rt is None or rt.epoch != msg.epoch:
+                raise StaleEpochError(self.prefill_peer, "kv", f"epoch {msg.epoch}",
+                                      "closed" if rt is None else f"epoch {rt.epoch}", "READY")
+            if src.min() < 1 or src.max() >= rt.layout.count:
+                raise ProtocolError(f"READY for request {req.rid}: prefill pages outside "
+                                    f"[1, {rt.layout.count})")
+            lt = self._local_table
+            dst = self.ledger.pages(req.rid)[first:last].cpu().numpy()
+            planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
+            h = self.engine.post_blocks(lt, (planes * lt.layout.count + dst).reshape(-1), rt,
+                                        (planes * rt.layout.count + src).reshape(-1), b"",
+                                        op="READ")
+            req.reads.append((h, first, last))
+            req.t_seen = self.clock()
+            ok = True
+        except (StaleEpochError, TransferError) as e:
+            log.warning("decode: request %d: read of pages [%d, %d) refused: %s", req.rid,
+                        first, last, e)
+        if not ok:
+            self._tell(encode("PULLED", rid=req.rid, first=first, last=last, ok=False))
+
+    def _poll_reads(self) -> bool:
+        """Poll this side's reads; a DONE one is verified in place and acknowledged
+        (PULLED ok), an ERR one acknowledged as failed.  True when one finished."""
+        done = False
+        for req in list(self.reqs.values()):
+            if not req.reads:
+                continue
+            keep = []
+            for h, first, last in req.reads:
+                st = self.engine.poll(h)
+                if st == "PROC":
+                    keep.append((h, first, last))
+                    continue
+                self.engine.release(h)
+                done = True
+                if st == "DONE":
+                    nbytes = kvmem.packed_nbytes(self.spec, last - first)
+                    self.chunk_modes["pulled"] += 1
+                    self.metrics.bytes_landed += nbytes
+                    if self.synth.verify_pages(self.pool, req.rid, first, last,
+                                               self.ledger.pages(req.rid)[first:last]):
+                        self.metrics.bytes_verified += nbytes
+                    else:
+                        self.metrics.bytes_corrupt += nbytes
+                        log.error("decode: request %d pages [%d, %d): read bytes differ from "
+                                  "what the prefill computed", req.rid, first, last)
+                    req.pages_done = last
+                    req.t_seen = self.clock()
+                self._tell(encode("PULLED", rid=req.rid, first=first, last=last,
+                                  ok=st == "DONE"))
+            req.reads = keep
+            if not keep and req.free_after_reads is not None:
+                self._free(req, *req.free_after_reads)
+        return done
+
     def _on_aux(self, msg: Aux) -> None:
         req = self._known(msg)
         n_pages = -(-req.tokens // self.spec.page_size)
@@ -288,6 +417,9 @@ class DecodeSide:
             raise ProtocolError(f"ABORT for request {req.rid} with status 200: this side did "
                                 "not ask for it (200 only answers an ABORT_REQ)")
         reason = req.reason or Reason(msg.status, msg.reason)
+        if req.reads:  # (the prefill gave up waiting for our PULLED) our read targets the
+            req.free_after_reads = (f"abort:{msg.status}", reason)  # pages: after it ends
+            return
         self._free(req, f"abort:{msg.status}", reason)
 
     def abort(self, rid: int, status: int = CLIENT_CLOSED, message: str | None = None) -> None:
@@ -324,6 +456,8 @@ class DecodeSide:
         t = self.clock()
         for req in list(self.reqs.values()):
             if req.state == "quarantined":
+                if req.reads:
+                    continue  # our own read still targets its pages: wait for DONE/ERR
                 if t - req.t_quarantined > self.quarantine_timeout:
                     log.error("decode: request %d: no answer from the prefill for %.1f s after "
                               "its abort; freeing its quarantined pages", req.rid,
@@ -364,6 +498,7 @@ class DecodeSide:
     def resume(self) -> None:
         if not self.paused:
             return
+        self._local_table = None  # deregister released it; _register prepares the new one
         self.pool.resume()
         self._landing_mem.resume()
         self._register()
@@ -384,6 +519,12 @@ class DecodeSide:
         return self.ledger.audit()
 
     def close(self) -> None:
+        """Cancel this side's own reads (pull), deregister what it registered (the engine
+        stays the caller's)."""
+        for req in self.reqs.values():
+            for h, *_ in req.reads:
+                self.engine.release(h, abort=True)
+            req.reads = []
         for key in ("kv", "landing"):
             if key in self.engine.registrations():
                 self.engine.deregister(key)

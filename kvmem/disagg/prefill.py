@@ -74,7 +74,8 @@ from kvmem.disagg.common import (
     Metrics, ProtocolError, Reason, RegionMap, check_caller_args, check_id, now, tell,
 )
 from kvmem.disagg.protocol import (
-    AbortReq, Boot, Inbox, Meta, Pausing, apply_metadata, decode_runs, encode, meta_message,
+    AbortReq, Boot, Inbox, Meta, Pausing, Pulled, apply_metadata, decode_runs, encode,
+    encode_runs, meta_message,
 )
 from kvmem.memory import make_backend
 from kvmem.transfer.base import StaleEpochError, TransferError, TransferInFlightError
@@ -110,6 +111,23 @@ def default_ready_event(device):
         return ev
 
     return record
+
+
+@dataclass
+class _Offer:
+    """Pull mode: pages [first, last) offered to the decode (``READY``), which reads them
+    from this side's pool; PROC until its ``PULLED`` (DONE or ERR) or the quarantine
+    timeout (ERR, logged).  Kept in ``req.handles`` like a write: one operation of a
+    request at a time, the pages held while it is open."""
+
+    first: int
+    last: int
+    nbytes: int
+    t_sent: float
+    state: str = "PROC"
+    error: str | None = None
+    tables: tuple = ("peer reads our pool",)  # truthy: the pages are read, hold them
+    op: str = "READ"
 
 
 @dataclass
@@ -181,14 +199,23 @@ class PrefillSide:
                  bootstrap_timeout: float = DEFAULT_TIMEOUT,
                  transfer_timeout: float = DEFAULT_TIMEOUT, clock=now,
                  faults: Faults | None = None, on_finish=None, ready_event=None,
-                 direct_threshold: int | None = None):
+                 direct_threshold: int | None = None, transfer_mode: str = "push",
+                 quarantine_timeout: float | None = None):
         spec = pool.spec
         if chunk_tokens <= 0 or chunk_tokens % spec.page_size:
             raise ValueError(f"chunk_tokens must be a positive multiple of page_size "
                              f"{spec.page_size}, got {chunk_tokens}")
+        if transfer_mode not in ("push", "pull"):
+            raise ValueError(f"transfer_mode must be 'push' or 'pull', got {transfer_mode!r}")
         self.pool, self.alloc, self.engine, self.synth = pool, allocator, engine, synth
         self.spec = spec
         self.decode_peer = decode_peer
+        # push: this side writes each chunk (packed or direct); pull: it offers the pages
+        # (READY) and the decode reads them, pool to pool; the AUX is written in both
+        self.transfer_mode = transfer_mode
+        # pull: how long pages offered to a decode read stay held without its PULLED
+        self.quarantine_timeout = (transfer_timeout if quarantine_timeout is None
+                                   else quarantine_timeout)
         self.chunk_tokens = chunk_tokens
         self.max_batch_tokens = max(max_batch_tokens, chunk_tokens)
         self.bootstrap_timeout = bootstrap_timeout
@@ -399,6 +426,14 @@ class PrefillSide:
         is full (nothing changed)."""
         spec = self.spec
         nbytes = kvmem.packed_nbytes(spec, last - first)
+        if self.transfer_mode == "pull":  # offered once the forward's writes are done
+            self.chunk_modes["pulled"] += 1
+            req.staged = _Staged(None, nbytes, kvmem.packed_nbytes(spec, first), b"",
+                                 aux=False, final=final, ready=self.ready_event(),
+                                 direct=("pull", first, last))
+            if final:  # the decode reads the pages: freed once its read is DONE or ERR
+                req.deferred_release = "sent"
+            return True
         direct = self._direct_indices(req, first, last)
         if direct is not None:
             ready = self.ready_event()  # the forward's writes to these pages are done
@@ -453,7 +488,8 @@ class PrefillSide:
             return False
         req.staged = None
         if st.direct is not None:
-            if not self._post_direct(req, st):
+            pull = isinstance(st.direct[0], str)  # ("pull", first, last) or (li, ri)
+            if not (self._offer(req, st) if pull else self._post_direct(req, st)):
                 return True  # the request ended (500 / 503)
             if req.state == KVPoll.WaitingForInput:
                 req.state = KVPoll.Transferring
@@ -492,6 +528,37 @@ class PrefillSide:
             return False
         req.handles.append((h, staging_off))
         return True
+
+    def _offer(self, req, st: _Staged) -> bool:
+        """Pull mode: tell the decode to read pages ``[first, last)`` from this pool."""
+        _, first, last = st.direct
+        seq = req.seq
+        req.seq += 1
+        if self.faults.fail_send(req.rid, seq, False):
+            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} "
+                                  "(a READY offer, pull) failed: injected send failure"))
+            return False
+        pages = self.ledger.pages(req.rid)[first:last]
+        msg = encode("READY", rid=req.rid, first=first, last=last, pages=encode_runs(pages),
+                     epoch=self.pool.epoch, final=st.final)
+        if not self._tell(msg):
+            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: the decode cannot be "
+                                  f"reached to read chunk {seq}"))
+            return False
+        req.handles.append((_Offer(first, last, st.nbytes, self.clock()), None))
+        return True
+
+    def _on_pulled(self, msg: Pulled) -> None:
+        req = self.reqs.get(msg.rid)
+        offer = None if req is None else next(
+            (h for h, _ in req.handles if isinstance(h, _Offer) and h.state == "PROC"
+             and (h.first, h.last) == (msg.first, msg.last)), None)
+        if offer is None:
+            raise ProtocolError(f"PULLED for request {msg.rid} pages [{msg.first}, {msg.last}):"
+                                " no such read offered")
+        offer.state = "DONE" if msg.ok else "ERR"
+        if not msg.ok:
+            offer.error = "the decode's read failed or was refused"
 
     def _post_direct(self, req, st: _Staged) -> bool:
         """Post one direct write (pool pages to the decode's pool pages, prepared block
@@ -590,6 +657,22 @@ class PrefillSide:
                 continue
             keep, failed = [], None
             for h, off in req.handles:
+                if isinstance(h, _Offer):
+                    st = h.state
+                    if st == "PROC" and self.clock() - h.t_sent > self.quarantine_timeout:
+                        log.error("prefill: request %d: no PULLED from the decode %.1f s after "
+                                  "offering pages [%d, %d); freeing them", req.rid,
+                                  self.quarantine_timeout, h.first, h.last)
+                        st = h.state = "ERR"
+                        h.error = "no PULLED within the quarantine timeout"
+                    if st == "PROC":
+                        keep.append((h, off))
+                        continue
+                    if st == "DONE":
+                        self.metrics.bytes_sent += h.nbytes
+                    elif failed is None:
+                        failed = h
+                    continue
                 st = self.engine.poll(h)
                 if st == "PROC":
                     keep.append((h, off))
@@ -698,6 +781,8 @@ class PrefillSide:
             self._on_pausing(msg)
         elif isinstance(msg, Meta):
             self._on_meta(msg)
+        elif isinstance(msg, Pulled):
+            self._on_pulled(msg)
         else:
             raise ProtocolError(f"unexpected message {type(msg).__name__} on the prefill side")
 
@@ -829,6 +914,8 @@ class PrefillSide:
                                  f"request: {audit}")
         self.alloc.reset()
         self.engine.deregister("kv")
+        if self.transfer_mode == "pull":  # the decode refuses reads from the old pool now
+            self._tell(meta_message(self.engine))
         self.pool.release()
         self.paused = True
         self._pause_t0, self._pausing_since = self._pausing_since, None

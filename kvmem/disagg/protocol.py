@@ -22,6 +22,12 @@ Wire format: a NIXL notification holding one UTF-8 JSON object, at most
     ABORT_REQ   decode    rid, status (499 | 500 | 503 | 504), reason       prefill
     PAUSING     decode    epoch                                             prefill
     PAUSE_ACK   prefill   epoch                                             decode
+    READY       prefill   rid, first, last, pages (runs: the prefill's      decode
+                          pages holding them), epoch (of the prefill's
+                          pool), final (bool), first < last: pull mode,
+                          "read these pages now"
+    PULLED      decode    rid, first, last, ok (bool): the decode's read    prefill
+                          of that READY is DONE (ok) or ERR / refused
     META        either    md: standard base64 (strict) of a kvmem transfer  either
                           metadata envelope whose agent is the sender
 
@@ -124,6 +130,26 @@ class PauseAck:
 
 
 @dataclass(frozen=True)
+class Ready:
+    rid: int
+    first: int
+    last: int
+    pages: str
+    epoch: int
+    final: bool
+    t = "READY"
+
+
+@dataclass(frozen=True)
+class Pulled:
+    rid: int
+    first: int
+    last: int
+    ok: bool
+    t = "PULLED"
+
+
+@dataclass(frozen=True)
 class Meta:
     """``metadata``: the decoded envelope bytes (for ``engine.add_peer``); ``agent``,
     ``incarnation``, ``version``: from its header (already checked)."""
@@ -150,10 +176,13 @@ _TYPES = {
     "PAUSING": (Pausing, {"epoch": "int"}),
     "PAUSE_ACK": (PauseAck, {"epoch": "int"}),
     "META": (Meta, {"md": "b64"}),
+    "READY": (Ready, {"rid": "int", "first": "int", "last": "pos", "pages": "runs",
+                      "epoch": "int", "final": "bool"}),
+    "PULLED": (Pulled, {"rid": "int", "first": "int", "last": "pos", "ok": "bool"}),
 }
 TYPES = tuple(_TYPES)
-PREFILL_RECEIVES = frozenset({"BOOT", "ABORT_REQ", "PAUSING", "META"})
-DECODE_RECEIVES = frozenset({"REQ", "CHUNK", "AUX", "ABORT", "PAUSE_ACK", "META"})
+PREFILL_RECEIVES = frozenset({"BOOT", "ABORT_REQ", "PAUSING", "META", "PULLED"})
+DECODE_RECEIVES = frozenset({"REQ", "CHUNK", "AUX", "ABORT", "PAUSE_ACK", "META", "READY"})
 FIELDS = {t: tuple(spec) for t, (_, spec) in _TYPES.items()}
 
 
@@ -271,8 +300,8 @@ def parse(raw, *, sender: str, receiver: str) -> object:
         if name not in msg:
             raise ProtocolError(f"{t}: field {name!r} missing")
         values[name] = _field(t, name, kind, msg[name])
-    if t == "CHUNK" and values["first"] >= values["last"]:
-        raise ProtocolError(f"CHUNK: pages [{values['first']}, {values['last']}) are empty")
+    if t in ("CHUNK", "READY", "PULLED") and values["first"] >= values["last"]:
+        raise ProtocolError(f"{t}: pages [{values['first']}, {values['last']}) are empty")
     if t == "ABORT" and values["status"] not in ABORT_STATUSES:
         raise ProtocolError(f"ABORT: status {values['status']} is not one of "
                             f"{sorted(ABORT_STATUSES)}")
