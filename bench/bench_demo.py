@@ -1,9 +1,10 @@
 """`kvmem demo` throughput (GB/s of KV delivered and verified) against the raw NIXL write
 bandwidth between the same two worker processes, measured in the same run (one registered
 256 MiB buffer written into one registered buffer of the decode process, median of 5 warm
-writes), with faults off and with every fault on, chunks packed (the path before direct
-chunks) and chosen per chunk (``--chunks auto``, the threshold calibrated at start-up);
-and where the demo's time goes.
+writes), with faults off and with every fault on, in push mode with chunks packed (the
+path before direct chunks) and chosen per chunk (``--chunks auto``, the threshold
+calibrated at start-up), and in pull mode (the decode reads pool to pool); and where the
+demo's time goes.
 
 Each mode runs ``KVMEM_BENCH_DEMO_RUNS`` times (3); a run's ratio is its throughput over
 its own raw NIXL figure.  A row gives the median wall time and bytes of the runs, and its
@@ -13,7 +14,7 @@ this process's and its children's (the two workers), in cores.  On this 2-core m
 anything above ``LOADED_CORES`` of others' CPU is flagged ``under_load`` (and named in
 the row), and such a figure is no measurement of a target.
 
-The ``stage`` groups (last run of "faults off, chunks auto") are seconds inside the worker
+The ``stage`` groups (last run of each transfer mode, faults off) are seconds inside the worker
 loops (one core each, measured by timing the workers' real calls; see
 :class:`kvmem.demo_worker.StageClock`) with the bytes each stage handled.
 
@@ -46,7 +47,11 @@ FAULTS = {
     "faults off": dict(abort_rate=0.0, timeout_rate=0.0, fail_rate=0.0, pauses=0),
     "faults on": pick({}, dict(pauses=1)),  # the demo's defaults: every family, 4 pauses
 }
-CHUNKS = ("packed", "auto")
+TRANSFERS = {
+    "push, chunks packed": dict(transfer_mode="push", chunks="packed"),
+    "push, chunks auto": dict(transfer_mode="push", chunks="auto"),
+    "pull": dict(transfer_mode="pull"),
+}
 STAGES = {  # group name -> (side, stage names summed, the byte counter they handled)
     "prefill: forward stand-in (Synth.chunk + unpack_pages into the pool)":
         ("prefill", ("forward: synth KV into pool pages",), "bytes_sent"),
@@ -60,6 +65,8 @@ STAGES = {  # group name -> (side, stage names summed, the byte counter they han
          "bytes_landed"),
     "decode: unpack_pages into the pool":
         ("decode", ("unpack_pages into pool",), "bytes_landed"),
+    "decode: post_blocks READ (pull; UCX cma copies from the prefill here)":
+        ("decode", ("post_blocks (pull; UCX reads here)",), "bytes_landed"),
 }
 
 
@@ -93,10 +100,10 @@ def _spread(xs) -> dict:
     return dict(median=statistics.median(xs), min=min(xs), max=max(xs))
 
 
-@pytest.mark.parametrize("chunks", CHUNKS)
+@pytest.mark.parametrize("transfer", list(TRANSFERS))
 @pytest.mark.parametrize("faults", list(FAULTS))
-def test_demo_vs_raw_nixl(benchmark, report, faults, chunks):
-    cfg = DemoConfig(requests=REQUESTS, chunks=chunks, **{**SIZES, **FAULTS[faults]})
+def test_demo_vs_raw_nixl(benchmark, report, faults, transfer):
+    cfg = DemoConfig(requests=REQUESTS, **{**SIZES, **FAULTS[faults], **TRANSFERS[transfer]})
     results = []
     load0 = os.getloadavg()[0]
     busy0, own0, t0 = _busy_seconds(), _own_seconds(), time.monotonic()
@@ -113,7 +120,7 @@ def test_demo_vs_raw_nixl(benchmark, report, faults, chunks):
         assert r["leaked_pages"] == {"prefill": 0, "decode": 0}
         assert r["bytes_transferred"] == r["bytes_verified"] > 0
         assert r["raw_nixl"]["verified"]
-        assert r["chunk_mode"] == chunks and r["transfer_mode"] == "push"
+        assert r["transfer_mode"] == cfg.transfer_mode
     ratios = [r["throughput_vs_raw"] for r in results]
     raws = [r["raw_nixl_gbps"] for r in results]
     moved = int(statistics.median(r["bytes_verified"] for r in results))
@@ -128,7 +135,7 @@ def test_demo_vs_raw_nixl(benchmark, report, faults, chunks):
                for r in results]
     flag = f" UNDER LOAD (others {others:.2f} cores)" if loaded else ""
     group = f"kvmem demo vs raw NIXL write between the same 2 processes, {faults}"
-    _row(report, group, f"kvmem demo, chunks {chunks}: {REQUESTS} requests x {len(results)} "
+    _row(report, group, f"kvmem demo, {transfer}: {REQUESTS} requests x {len(results)} "
          f"runs, ratio {statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
          + flag, statistics.median(walls), moved, ratio_to_raw=_spread(ratios),
          raw_gbps=_spread(raws), per_run=per_run, **env, **_fig("kvmem"))
@@ -137,7 +144,7 @@ def test_demo_vs_raw_nixl(benchmark, report, faults, chunks):
          moved / statistics.median(raws) / 1e9, moved, **env, **_fig("baseline"))
     benchmark.extra_info.update(ratio=_spread(ratios), raw_gbps=_spread(raws), **env,
                                 cpu_s_per_gb=[p["cpu_s_per_gb"] for p in per_run])
-    if faults != "faults off" or chunks != "auto":
+    if faults != "faults off" or transfer == "push, chunks packed":
         return
     r = results[-1]
     for stage, (side, names, counter) in STAGES.items():
@@ -145,13 +152,13 @@ def test_demo_vs_raw_nixl(benchmark, report, faults, chunks):
         seconds = sum(st.get(n, {}).get("seconds", 0.0) for n in names)
         nbytes = r[side]["metrics"][counter]
         if seconds > 0 and nbytes:
-            _row(report, f"demo stage, {faults}, chunks {chunks}: {stage}",
+            _row(report, f"demo stage, {faults}, {transfer}: {stage}",
                  f"{seconds / r['wall_seconds']:.0%} of the workload wall", seconds, nbytes)
     for side in ("prefill", "decode"):
         st = r[side]["stage_seconds"]
         step = st["step"]["seconds"]
         inner = sum(v["seconds"] for k, v in st.items() if k not in ("step", "loop"))
-        group = f"demo stage, {faults}, chunks {chunks}: {side}: the rest of step() (Python)"
+        group = f"demo stage, {faults}, {transfer}: {side}: the rest of step() (Python)"
         _row(report, group, f"{(step - inner) / r['wall_seconds']:.0%} of the workload wall",
              max(step - inner, 1e-9),
              r[side]["metrics"]["bytes_landed" if side == "decode" else "bytes_sent"])

@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
 CHUNK_MODES = ("auto", "packed", "direct")
+TRANSFER_MODES = ("push", "pull")
 OUTCOMES = ("succeeded", "aborted", "timed_out", "failed")
 LANDING_ALIGN = 256  # the decode's landing Arena rounds each region up to this
 
@@ -75,6 +76,7 @@ class DemoConfig:
     bw_mib: int = 256  # raw NIXL bandwidth buffer; 0: skip that phase
     bw_rounds: int = 5
     chunks: str = "auto"  # packed | direct | auto (per chunk, threshold calibrated at start)
+    transfer_mode: str = "push"  # push: the prefill writes; pull: the decode reads
 
     # --- derived ------------------------------------------------------------------------
     def spec(self):
@@ -86,6 +88,10 @@ class DemoConfig:
               "fp8": torch.float8_e4m3fn}[self.dtype]
         return kvmem.KVSpec(num_layers=self.layers, num_kv_heads=self.heads,
                             head_dim=self.head_dim, page_size=self.page_size, dtype=dt)
+
+    def calibrates(self) -> bool:
+        """Whether the start-up measures the packed/direct threshold (push, --chunks auto)."""
+        return self.transfer_mode == "push" and self.chunks == "auto"
 
     def rates(self) -> dict:
         return {"abort": self.abort_rate, "timeout": self.timeout_rate, "fail": self.fail_rate}
@@ -163,6 +169,9 @@ class DemoConfig:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
         if self.bw_mib < 0:
             raise ValueError(f"--bw-mib must be >= 0, got {self.bw_mib}")
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ValueError(f"--transfer-mode must be one of {', '.join(TRANSFER_MODES)}, "
+                             f"got {self.transfer_mode!r}")
         if self.chunks not in CHUNK_MODES:
             raise ValueError(f"--chunks must be one of {', '.join(CHUNK_MODES)}, got "
                              f"{self.chunks!r}")
@@ -217,12 +226,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--head-dim", type=int, default=d.head_dim, help="(%(default)s)")
     m.add_argument("--page-size", type=int, default=d.page_size, help="(%(default)s)")
     m.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="(%(default)s)")
-    x = p.add_argument_group("transfer (push: the prefill writes into the decode)")
+    x = p.add_argument_group("transfer")
+    x.add_argument("--transfer-mode", default=d.transfer_mode, choices=TRANSFER_MODES,
+                   help="push: the prefill writes each chunk into the decode (as sglang); "
+                        "pull: the prefill offers the pages and the decode reads them from "
+                        "its pool, pool to pool (as vLLM's NIXL connector) (%(default)s)")
     x.add_argument("--chunks", default=d.chunks, choices=CHUNK_MODES,
                    help="packed: every chunk packed into the decode's landing buffer; direct: "
                         "pool pages written into the decode's pool pages; auto: per chunk, "
                         "direct when its page runs (merged where adjacent on both sides) "
-                        "reach a threshold measured at start-up (%(default)s)")
+                        "reach a threshold measured at start-up; push only (%(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write the report as JSON (overwrites FILE)")
     o.add_argument("--quiet", action="store_true",
@@ -249,7 +262,7 @@ def config_from_args(args) -> DemoConfig:
         head_dim=args.head_dim, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
         max_tokens=args.max_tokens, concurrency=args.concurrency, seed=args.seed,
         bootstrap_timeout=args.timeout, transfer_timeout=args.timeout, bw_mib=args.bw_mib,
-        chunks=args.chunks)
+        chunks=args.chunks, transfer_mode=args.transfer_mode)
     cfg.validate()
     if args.json is not None:
         check_json_path(args.json)
@@ -500,7 +513,7 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
         w.send("prefill", "peer", ready["decode"]["metadata"])
         w.send("decode", "peer", ready["prefill"]["metadata"])
         raw = None
-        if cfg.bw_mib or cfg.chunks == "auto":  # raw bandwidth and/or the calibration
+        if cfg.bw_mib or cfg.calibrates():  # raw bandwidth and/or the calibration
             if bar:
                 bar.note(f"measuring raw NIXL write bandwidth ({cfg.bw_mib} MiB buffer)")
             w.send("decode", "bw_listen")
@@ -787,7 +800,8 @@ def transfer_fields(cfg, pre: dict, dec: dict, calibration) -> dict:
                          seconds_per_gb=(s / (b / 1e9)) if s is not None and b else None,
                          poll_share=(st.get("get_notifs", {}).get("seconds", 0.0) / loop
                                      if loop > 0 else None))
-    return dict(transfer_mode="push", chunk_mode=cfg.chunks,
+    return dict(transfer_mode=cfg.transfer_mode,
+                chunk_mode=cfg.chunks if cfg.transfer_mode == "push" else "pulled",
                 direct_threshold=pre.get("direct_threshold"), calibration=calibration,
                 chunks=pre.get("chunk_modes", {}), cpu=cpu,
                 cpu_seconds_per_gb={k: v["seconds_per_gb"] for k, v in cpu.items()})
@@ -796,7 +810,8 @@ def transfer_fields(cfg, pre: dict, dec: dict, calibration) -> dict:
 def transfer_line(r: dict) -> str:
     thr = r.get("direct_threshold")
     cal = r.get("calibration")
-    how = {"auto": "per chunk", "packed": "all packed", "direct": "all direct"}[r["chunk_mode"]]
+    how = {"auto": "per chunk", "packed": "all packed", "direct": "all direct",
+           "pulled": "read by the decode, pool to pool"}[r["chunk_mode"]]
     if r["chunk_mode"] == "auto":
         how += (", direct from " + (f"{thr / 1024:g} KiB per merged descriptor" if thr is not None
                                     else "nowhere (packing won at every run length)")
@@ -808,8 +823,9 @@ def transfer_line(r: dict) -> str:
                     + (f", {c['poll_share']:.0%} of its loop polling"
                        if c.get("poll_share") is not None else "")
                     for s, c in cpu.items() if c["seconds"] is not None)
-    return (f"transfer: {r['transfer_mode']}, chunks {how}: {ch.get('direct', 0)} direct, "
-            f"{ch.get('packed', 0)} packed; CPU of the workload: {per or '-'}")
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(ch.items())) or "none"
+    return (f"transfer: {r['transfer_mode']}, chunks {how}: {kinds}; CPU of the workload: "
+            f"{per or '-'}")
 
 
 def summary_line(r: dict) -> str:

@@ -150,7 +150,7 @@ class _Worker:
             self.engine.register("bw", [(self.bw_buf.data_ptr(), n)], 0)
         self.send("ready", {"metadata": self.engine.local_metadata(), "setup": self.setup})
         self.engine.add_peer(self.recv("peer"))
-        if n or self.cfg.chunks == "auto":  # the raw bandwidth and/or the calibration
+        if n or self.cfg.calibrates():  # the raw bandwidth and/or the calibration
             self.bandwidth()
         if n:
             self.engine.deregister("bw")
@@ -216,7 +216,8 @@ class PrefillWorker(_Worker):
             pool, alloc, self.engine, self.synth, decode_peer=names["decode"],
             chunk_tokens=cfg.chunk_tokens, max_batch_tokens=cfg.batch_tokens(),
             bootstrap_timeout=cfg.bootstrap_timeout, transfer_timeout=cfg.transfer_timeout,
-            faults=self.plan, direct_threshold=0 if cfg.chunks == "direct" else None)
+            faults=self.plan, direct_threshold=0 if cfg.chunks == "direct" else None,
+            transfer_mode=cfg.transfer_mode)
         self.setup["side"] = time.monotonic() - t
         self.populate()
 
@@ -238,7 +239,7 @@ class PrefillWorker(_Worker):
         out = {}
         if self.bw_buf is not None:
             out.update(self.raw_writes())
-        if self.cfg.chunks == "auto":
+        if self.cfg.calibrates():
             from kvmem.disagg.calibrate import calibrate_direct
 
             cal = calibrate_direct(self.side, self.cfg.chunk_tokens // self.spec.page_size)
@@ -352,7 +353,8 @@ class DecodeWorker(_Worker):
         alloc = kvmem.PageAllocator(cfg.decode_pages(), spec.page_size)
         self.side = DecodeSide(
             pool, alloc, self.engine, self.synth, prefill_peer=names["prefill"],
-            landing_bytes=cfg.landing_bytes(), timeout=cfg.decode_timeout, faults=self.plan)
+            landing_bytes=cfg.landing_bytes(), timeout=cfg.decode_timeout, faults=self.plan,
+            transfer_mode=cfg.transfer_mode)
         self.setup["side"] = time.monotonic() - t
         self.populate()
 
@@ -361,6 +363,7 @@ class DecodeWorker(_Worker):
         c.wrap(s, "step", "step")
         c.wrap(s.synth, "verify", "verify (Synth.verify)")
         c.wrap(s.synth, "verify_pages", "verify in place (Synth.verify_pages)")
+        c.wrap(s.engine, "post_blocks", "post_blocks (pull; UCX reads here)")
         c.wrap(s.pool, "unpack", "unpack_pages into pool")
         c.wrap(s.engine, "get_notifs", "get_notifs")
         c.wrap(s.engine, "send_notif", "send_notif")
