@@ -329,9 +329,15 @@ def test_chunk_for_an_aborted_request_is_refused_once_freed(pair):
 def test_metrics_exposition(pair):
     pair.prefill.add_request(1, 64)
     pair.run_idle()
-    text = pair.prefill.metrics.prometheus(pair.prefill.ledger.freed_by_reason)
-    assert 'kvmem_prefill_requests_total{outcome="succeeded"} 1' in text
-    assert 'kvmem_prefill_pages_freed_total{reason="sent"} 4' in text
+    from prometheus_client import CollectorRegistry
+
+    import kvmem.metrics
+
+    reg = kvmem.metrics.register(pair.prefill, CollectorRegistry())
+    get = reg.get_sample_value
+    assert get("kvmem_requests_total", {"side": "prefill", "outcome": "succeeded"}) == 1
+    assert get("kvmem_pages_freed_total", {"side": "prefill", "reason": "sent"}) == 4
+    kvmem.metrics.unregister(pair.prefill, reg)
     line = pair.decode.metrics.log_line(pair.decode.ledger.freed_by_reason)
     assert "succeeded=1" in line and "completed=4" in line
     assert torch.tensor(0).numel() == 1

@@ -607,3 +607,61 @@ def test_post_write_paths_agree(engines):
     assert torch.equal(pages_u8(pb, [7, 8]), pages_u8(pa, [4, 5]))
     a.release(h1)
     a.release(h2)
+
+
+def test_pool_layout_travels_in_metadata_and_blocks_move_both_ways(engines):
+    """register_pool carries the pages' block layout; add_peer refuses a layout outside
+    the registration's regions; post_blocks writes and reads named blocks (runs adjacent
+    on both sides merge), checks indices and sizes, and refuses a stale remote list."""
+    pa, pb = make_pool(seed=11), make_pool(fill=SENTINEL)
+    a, b = engines("prefill"), engines("decode")
+    a.register_pool(pa)
+    b.register_pool(pb)
+    md = b.local_metadata()
+    remote = a.add_peer(md)["kv"]
+    b.add_peer(a.local_metadata())
+    lay = remote.layout
+    assert lay.count == pb.num_pages and len(lay.planes) == 2 * pb.spec.num_layers
+    assert lay.planes[0][0] == pb.k_buffer[0].data_ptr()
+    header, blob = decode_metadata(md)
+    bad = dict(header["regs"]["kv"], layout=dict(lay.as_json(), count=lay.count * 4))
+    h2 = dict(header, version=header["version"] + 1, regs={"kv": bad})
+    with pytest.raises(MetadataError, match="layout plane .* not inside"):
+        a.add_peer(encode_metadata(h2, blob))
+    assert a.remote(b.name, "kv") == remote  # nothing changed
+    lt, rt = a.prep_local("kv"), a.prep_remote(remote)
+    src, dst = np.array([3, 4, 5, 9]), np.array([10, 11, 12, 2])
+    planes = np.arange(2 * pa.spec.num_layers)[:, None]
+    li = (planes * pa.num_pages + src).reshape(-1)
+    ri = (planes * pb.num_pages + dst).reshape(-1)
+    h = a.post_blocks(lt, li, rt, ri, b"blocks")
+    assert h.nbytes == 4 * pa.spec.page_bytes
+    wait_notif(b, a, b"blocks")
+    a.release(h)
+    for x, y in zip(pa.k_buffer + pa.v_buffer, pb.k_buffer + pb.v_buffer):
+        assert torch.equal(x[src].view(torch.int16), y[dst].view(torch.int16))  # bits: NaNs
+    assert untouched_except(pb, dst.tolist(), SENTINEL)
+    # READ: b's pages 10..12 back into a's pages 20..22
+    fill_pool(pa, 0)
+    h = a.post_blocks(lt, (planes * pa.num_pages + np.array([20, 21, 22])).reshape(-1), rt,
+                      (planes * pb.num_pages + np.array([10, 11, 12])).reshape(-1), op="READ")
+    while a.poll(h) == "PROC":
+        b.get_notifs()
+    assert h.state == "DONE"
+    a.release(h)
+    for x, y in zip(pa.k_buffer + pa.v_buffer, pb.k_buffer + pb.v_buffer):
+        assert torch.equal(x[20:23].view(torch.int16), y[10:13].view(torch.int16))
+    with pytest.raises(ValueError, match="op must be"):
+        a.post_blocks(lt, li, rt, ri, op="COPY")
+    # b's memory moves on: the prepared remote list is stale, refused before posting
+    b.deregister("kv")
+    pb.release()
+    pb.resume()
+    b.register_pool(pb)
+    a.add_peer(b.local_metadata())
+    with pytest.raises(StaleEpochError):
+        a.post_blocks(lt, li, rt, ri)
+    assert a.open_handles() == 0
+    a.release_table(rt)
+    a.deregister("kv")
+    assert lt.released

@@ -19,10 +19,22 @@ A request, as the decode side sees it::
                           v        DONE/ERR), or after quarantine_timeout if it vanished.
                         freed
 
-Each chunk lands in the request's *landing region* (a registered buffer, one region per
-request, sized for its whole KV plus the extra state) and its notification (``CHUNK``)
-arrives after the bytes: the chunk is verified against what the prefill computed
-(:mod:`kvmem.disagg.synth`) and unpacked into the request's pages with ``unpack_pages``.
+A packed chunk lands in the request's *landing region* (a registered buffer, one region
+per request, sized for its whole KV plus the extra state) and its notification
+(``CHUNK``) arrives after the bytes: the chunk is verified against what the prefill
+computed (:mod:`kvmem.disagg.synth`) and unpacked into the request's pages with
+``unpack_pages``.  A *direct* chunk (``CHUNK`` with ``direct``) was written straight into
+the request's pool pages (their ids went to the prefill in ``BOOT``): it is verified there
+(``Synth.verify_pages``) and nothing is unpacked.  The quarantine holds the request's pool
+pages and landing region alike: both may be the target of a posted write.
+
+Pull mode (``transfer_mode="pull"``): the prefill offers each chunk (``READY``: its own
+page ids and pool epoch); this side reads them into the request's pool pages (one
+``post_blocks`` READ, prepared block lists), verifies them in place once DONE and answers
+``PULLED`` (ok or failed).  A read built from the prefill's older metadata is refused
+before it is posted (answered failed).  Pages that one of this side's own reads targets
+are never freed before that read is DONE or ERR (an ``ABORT``, the quarantine timeout and
+a ``PAUSE_ACK`` wait for it).  The extra state still arrives as the prefill's AUX write.
 Every peer message is validated by :func:`kvmem.disagg.protocol.parse` first (types,
 ranges, statuses); the handlers here then check what depends on state (request known,
 page range within the request, size equal to the packed size, offset where that chunk

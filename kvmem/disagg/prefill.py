@@ -35,9 +35,21 @@ States of a request (sglang's KVPoll) and every way out of each::
   the request id, freed once: when the last chunk is packed (the packed copy is what is
   sent) or when the request ends early.  The packed copies live in the registered
   staging buffer until their write is DONE or ERR.
-* The decode side is told of every early end by ``ABORT`` once no write of the request is
-  in flight: that message is also its acknowledgement that it may free (un-quarantine)
-  the request's decode pages.
+* Direct chunks (``direct_threshold``; push): a chunk whose page runs, merged where
+  adjacent on both sides, average at least the threshold per descriptor is written from
+  this pool's pages straight into the decode's pool pages (prepared block lists, one
+  ``post_blocks``); no pack, no staging slot.  Such a write reads the request's pages, so
+  they are freed once it is DONE or ERR, also when the request ends early.  A head range
+  (heterogeneous TP) always packs; this side sends whole pages only.
+* Pull mode (``transfer_mode="pull"``): each chunk is offered (``READY``) instead of
+  written; the decode reads it from this pool and answers ``PULLED``.  The offer is held
+  like a write in flight (one per request at a time): the pages stay held until the
+  answer, or until ``quarantine_timeout`` (logged as an error) if none comes: the
+  quarantine is on this side.  A pause publishes the ``kv`` tombstone, so the decode
+  refuses reads built from the older metadata before posting them.
+* The decode side is told of every early end by ``ABORT`` once no write (or offered read)
+  of the request is in flight: that message is also its acknowledgement that it may free
+  (un-quarantine) the request's decode pages.
 * Pause (:meth:`begin_pause`): stop posting, drain every posted write, abort every request
   (503), reset the allocator, deregister, release.  Resume: resume, register, publish the
   new metadata (``META``).  When the decode side pauses (``PAUSING``), requests bound to
