@@ -653,7 +653,11 @@ class PrefillSide:
         lt = self._local_table
         if n * int(lt.nbytes.min()) / runs < self.direct_threshold:
             return None
-        rt = self._decode_table()
+        try:
+            rt = self._decode_table()
+        except TransferError as e:  # NIXL refused to prepare the decode's list: pack
+            log.warning("prefill: direct writes unavailable, packing: %s", e)
+            return None
         if rt is None or rt.nbytes.size != lt.nbytes.size or not np.array_equal(rt.nbytes, lt.nbytes):
             return None
         planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
