@@ -76,7 +76,8 @@ def test_corrupt_pool_pages_are_caught_in_place(pair):
     pair.faults.stall_at[1] = 1
     pair.prefill.add_request(1, 128)
     pair.run_until(lambda: pair.prefill.state(1) == KVPoll.Transferring)
-    pair.step()  # chunk 0 landed in the decode's pool pages and was verified there
+    # chunk 0 lands in the decode's pool pages and is verified there
+    pair.run_until(lambda: pair.decode.metrics.bytes_verified > 0)
     assert pair.decode.metrics.bytes_verified == kvmem.packed_nbytes(SPEC, 4)
     # one flipped byte in a landed page: the in-place check (against the tape) sees it
     dec = pair.decode

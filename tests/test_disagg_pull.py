@@ -5,6 +5,8 @@ here: what only pull does (quarantine on the prefill side, the epoch guard on re
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -102,9 +104,13 @@ def test_a_read_built_from_the_prefills_older_metadata_is_refused_before_posting
     opened = pair.de.open_handles()
     pair.pe.send_notif(pair.de.name, encode("READY", rid=2, first=0, last=4, pages="1:4",
                                             epoch=0, final=False))
-    pair.decode.step()
-    assert pair.de.open_handles() == opened and not pair.decode.reqs[2].reads
-    pair.step(3)  # its PULLED(ok=False) names no offer of the prefill's: refused there
+    # refused by the decode (no read posted), its PULLED(ok=False) names no offer of the
+    # prefill's: refused there
+    end = time.monotonic() + 5
+    while pair.prefill.metrics.protocol_errors == 0 and time.monotonic() < end:
+        pair.step()
+        assert pair.de.open_handles() == opened and not pair.decode.reqs[2].reads
+        time.sleep(0.001)
     assert pair.prefill.metrics.protocol_errors == 1
     pair.faults.stall_at.clear()
     pair.run_idle()
