@@ -44,7 +44,8 @@ import torch
 
 PROGRESS_EVERY = 0.2  # seconds between progress messages
 PIPE_EVERY = 0.002  # seconds between polls of the parent's pipe in the workload loops (a
-# poll is a syscall; the loop runs every few microseconds when busy)
+# poll is a syscall; the loop runs every few microseconds when busy).  Not measured: any
+# value well under the 0.2 s progress period would do; a pause request waits this long.
 NAP_FIRST, NAP_MOST = 20e-6, 200e-6  # idle loop: sleep, doubling from NAP_FIRST to NAP_MOST
 # (the measurement: a 50 us backoff did not change throughput; a sleep's real
 # length here is its value plus ~50 us of timer slack)

@@ -2,8 +2,14 @@
 
 :class:`PrefillSide` and :class:`DecodeSide` (their module docstrings draw the state
 machines), the control messages and the one parser every received message goes through
-(:mod:`.protocol`), the counters and page ledger they share (:mod:`.common`), and the
-deterministic stand-in KV data the demo verifies (:mod:`.synth`).
+(:mod:`.protocol`), the counters and page ledger they share (:mod:`.common`), the
+deterministic stand-in KV data the demo verifies (:mod:`.synth`), and the measurement of
+the packed/direct threshold of push mode (:mod:`.calibrate`).
+
+Transfer modes: push (the prefill writes each chunk: packed into the decode's landing
+region, or direct from its pool pages into the decode's pool pages, chosen per chunk by
+``direct_threshold``) and pull (``transfer_mode="pull"`` on both sides: the decode reads
+the prefill's pool pages).  The lifecycle table holds in both.
 """
 
 from kvmem.disagg.common import (
