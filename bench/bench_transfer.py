@@ -3,7 +3,7 @@ copy of the same bytes, so later issues can put the demo's throughput next to ra
 
 Both agents live in ONE process (UCX still moves the bytes through its transports: RMA by
 ``cma``/process_vm_writev, notifications over ``tcp``, as between two processes; the
-cross-process figures in ENV_NOTES.md were of the same order).  UCX transports are UCX's
+cross-process figures measured earlier on this machine were of the same order).  UCX transports are UCX's
 defaults: on this CPU machine they beat ``UCX_TLS=tcp,self`` by about 2x (1.4-1.9 vs
 0.5-1.0 GB/s in one run) and ``sm,self`` / ``posix,cma,self`` fail at agent creation.
 

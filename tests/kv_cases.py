@@ -1,4 +1,4 @@
-"""Test grid shared by the pack/unpack tests (STYLE.md rule 1): readable case ids like
+"""Test grid shared by the pack/unpack tests (the grid every kernel test uses): readable case ids like
 ``P16-D128-bf16-strided``; buffers filled with distinct bytes so any misplaced byte shows."""
 
 from __future__ import annotations

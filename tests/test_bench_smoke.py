@@ -59,7 +59,7 @@ def test_every_benchmark_runs_in_smoke_mode(smoke):
         ran.setdefault(c.get("classname").split(".")[-1], []).extend(outcome or ["passed"])
     files = {os.path.basename(f)[:-3] for f in glob.glob(os.path.join(ROOT, "bench", "bench_*.py"))}
     assert files and set(ran) == files, (sorted(files), sorted(ran))
-    # a benchmark never skips: a missing baseline is a failure (STYLE.md rule 10)
+    # a benchmark never skips: a missing baseline is a failure (every benchmark has its baseline in the same run)
     assert all(set(o) == {"passed"} for o in ran.values()), ran
     print(f"smoke run: {smoke['seconds']:.1f} s")
 

@@ -1,5 +1,5 @@
 """`kvmem demo` end to end: two worker processes over NIXL, every fault injected; its JSON
-report, typed as DESIGN.md says; bad options; a worker that dies; the progress line on a
+report, typed as docs/demo.md says; bad options; a worker that dies; the progress line on a
 terminal, and none on a pipe."""
 
 from __future__ import annotations

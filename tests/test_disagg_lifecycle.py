@@ -1,4 +1,4 @@
-"""One test per row of DESIGN.md's lifecycle table (and the quarantine rule): the state
+"""One test per row of the lifecycle table (docs/disagg.md) (and the quarantine rule): the state
 reached, the pages freed exactly once, what the client and the decode side were told.
 Both sides run in this process over two real NIXL agents; the clock is the test's."""
 

@@ -1,4 +1,4 @@
-"""pack/unpack on the torch (CPU) path against the plain references, over STYLE.md's grid."""
+"""pack/unpack on the torch (CPU) path against the plain references, over the shared test grid."""
 
 from __future__ import annotations
 

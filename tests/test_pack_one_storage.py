@@ -1,7 +1,7 @@
 """The CPU pack/unpack path for buffers that share one storage (a KVPool in either layout,
 or per-layer views carved out of one tensor at irregular offsets): one op over every
 layer (kvmem.kernels.pack._one_storage_rows), compared with the plain references over
-STYLE.md's grid; unpack is checked against the reference on the whole storage, so the
+the shared test grid; unpack is checked against the reference on the whole storage, so the
 gaps between layers stay untouched too."""
 
 from __future__ import annotations

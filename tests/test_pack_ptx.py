@@ -1,7 +1,7 @@
 """The pack/unpack kernel compiled ahead of time for the H200 (sm_90) on this CPU machine:
 its page-copy loops must issue 16-byte global loads and stores (``ld/st.global.v4``) for
 bf16 pages whose rows are multiples of 16 bytes.  Reading the PTX is the CPU-checkable
-proxy for how the kernel will use HBM bandwidth (ENV_NOTES.md)."""
+proxy for how the kernel will use HBM bandwidth."""
 
 from __future__ import annotations
 

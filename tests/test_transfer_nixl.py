@@ -246,8 +246,8 @@ def test_stale_epoch_refused_before_posting_and_new_epoch_lands(engines):
 def test_nixl_itself_does_not_revoke(engines):
     """Why the guard is kvmem's: through raw NIXL, writes built from the old descriptors
     land after the target deregistered, and after it released, resumed and registered its
-    memory again (ENV_NOTES.md).  If this starts failing, NIXL began revoking: revisit
-    kvmem/transfer's docstrings."""
+    memory again (seen on this project's 2-core VM).  If this starts failing, NIXL began
+    revoking: revisit kvmem/transfer's docstrings."""
     pa, pb = make_pool(seed=4), make_pool(fill=SENTINEL)
     a, b = engines("prefill"), engines("decode")
     a.register_pool(pa)

@@ -48,7 +48,7 @@ _OUTCOME_OF_STATUS = {
 }
 
 
-# The statuses an early end of a request carries (DESIGN.md, PD lifecycle table): what a
+# The statuses an early end of a request carries (docs/disagg.md, the lifecycle table): what a
 # caller's abort and a peer's ABORT_REQ may give.
 END_STATUSES = frozenset({CLIENT_CLOSED, INTERNAL_ERROR, SERVICE_UNAVAILABLE, GATEWAY_TIMEOUT})
 

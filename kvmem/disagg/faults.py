@@ -1,7 +1,7 @@
 """A seeded fault plan: which fault each request gets, decided from the seed and the
 request id alone, so the prefill and decode processes agree without talking about it.
 
-Kinds (each a row of DESIGN.md's lifecycle table):
+Kinds (each a row of the lifecycle table (docs/disagg.md)):
 
 =====================  =========================================================
 kind                   how it is injected

@@ -36,7 +36,7 @@ Offsets.  Every offset that reaches an address is computed in int64 (program ids
 has token slots and page ids far below 2^31, but nothing here relies on it, and
 tests/test_pack_ptx.py checks the sm_90 PTX of these kernels for 32-bit address math.
 
-File order (STYLE.md rule 1): Triton kernels, their launchers, the CPU implementations,
+File order (the project's kernel-file order): Triton kernels, their launchers, the CPU implementations,
 the plain references ``*_ref``, then the per-call dispatchers of the slot computations
 (the allocator dispatches take/free itself).  On CPU, take/free work on numpy views of
 the allocator's tensors (zero copy) rather than torch: they move a few hundred integers,

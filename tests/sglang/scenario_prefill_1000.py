@@ -2,7 +2,7 @@
 (``prefill_env.PrefillHarness``), flag off or on (``SGLANG_KVMEM``), in 20 waves of 50.
 
 Each request has a fate, drawn with a fixed seed, and the status kvmem's lifecycle table
-(DESIGN.md) gives it:
+(docs/disagg.md) gives it:
 
 ===================  ===================================================  ==============
 fate                 what happens                                         table status

@@ -61,7 +61,7 @@ def test_writes_while_released(runs):
     """A peer that loads the prefill agent's metadata while the KV is released cannot
     write into it with the flag on (nothing is registered); stock keeps it registered.
     A peer holding metadata from before the release still writes on both (NIXL's
-    deregistration revokes nothing already loaded, as DESIGN.md records), which is why
+    deregistration revokes nothing already loaded, as docs/transfer.md records), which is why
     the adapter also refuses, before posting, chunk sends set up before the release
     (test_prefill_inputs)."""
     off, on = runs["off"]["while_released"], runs["on"]["while_released"]

@@ -1,7 +1,7 @@
 """The PD prefill lifecycle under sglang 0.5.23's scheduler: every request's KV freed
-once, every request answered once, with the status of kvmem's lifecycle table (DESIGN.md).
+once, every request answered once, with the status of kvmem's lifecycle table (docs/disagg.md).
 
-What stock 0.5.23 does and what these hooks change (SGLANG_NOTES.md has file:line):
+What stock 0.5.23 does and what these hooks change (file:line of sglang 0.5.23 in each hook's docstring):
 
 ==========================================  ==================================  ===========================
 event                                       stock 0.5.23                        with SGLANG_KVMEM=1
