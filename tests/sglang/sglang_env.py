@@ -37,6 +37,30 @@ def run_script(code: str, *, kvmem: bool, env: dict | None = None, timeout: floa
                           env=full, timeout=timeout, cwd=ROOT)
 
 
+def run_both(script: Path, *, env: dict | None = None, timeout: float = 240) -> dict:
+    """Run the script file ``script`` twice at once, with SGLANG_KVMEM off and on (the
+    other SGLANG_KVMEM_* variables unset: the adapter's defaults); ``{"off": ..., "on":
+    ...}``, each the JSON its last stdout line holds, plus its ``"stderr"``."""
+    procs = {}
+    for key, flag in (("off", "0"), ("on", "1")):
+        full = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KVMEM_")}
+        full.update(env or {}, SGLANG_KVMEM=flag)
+        full["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT)] + [q for q in full.get("PYTHONPATH", "").split(os.pathsep) if q])
+        procs[key] = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=full,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True)
+    out = {}
+    for key, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=timeout)
+        if proc.returncode != 0:
+            raise AssertionError(f"SGLANG_KVMEM {key}: {script.name} failed with "
+                                 f"{proc.returncode}:\n{stderr[-4000:]}")
+        out[key] = json.loads(stdout.strip().splitlines()[-1])
+        out[key]["stderr"] = stderr
+    return out
+
+
 def result_of(proc) -> dict:
     """The JSON a script printed on its last stdout line (``emit``)."""
     if proc.returncode != 0:

@@ -16,38 +16,19 @@ registrations, against 2 x layers for stock sglang.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.sglang.sglang_env import run_both
+
 SCRIPT = Path(__file__).parent / "scripts" / "nixl_registration.py"
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _start(flag: str) -> subprocess.Popen:
-    env = dict(os.environ, SGLANG_KVMEM=flag)
-    for name in list(env):  # the script's options are the adapter's defaults
-        if name.startswith("SGLANG_KVMEM_"):
-            del env[name]
-    return subprocess.Popen([sys.executable, str(SCRIPT)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict]:
     """{"off": stock's report, "on": kvmem's}; both processes run at once."""
-    procs = {"off": _start("0"), "on": _start("1")}
-    out = {}
-    for key, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=120)
-        if proc.returncode != 0:
-            pytest.fail(f"SGLANG_KVMEM={'1' if key == 'on' else '0'} run failed "
-                        f"(rc {proc.returncode}):\n{stderr[-3000:]}")
-        out[key] = json.loads(stdout.strip().splitlines()[-1])
+    out = run_both(SCRIPT, timeout=120)
     return out
 
 

@@ -7,35 +7,19 @@ scheduler, one process per flag."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.sglang.sglang_env import run_both
+
 SCRIPT = Path(__file__).parent / "scenario_prefill_nixl.py"
-
-
-def _start(flag: str) -> subprocess.Popen:
-    env = dict(os.environ, SGLANG_KVMEM=flag)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get(
-        "PYTHONPATH", "").split(os.pathsep) if p])
-    return subprocess.Popen([sys.executable, str(SCRIPT)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict]:
-    procs = {"off": _start("0"), "on": _start("1")}
-    out = {}
-    for key, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=180)
-        if proc.returncode != 0:
-            pytest.fail(f"flag {key}: rc {proc.returncode}\n{stderr[-4000:]}")
-        out[key] = json.loads(stdout.strip().splitlines()[-1])
+    """{"off": stock's report, "on": kvmem's}; both processes run at once."""
+    out = run_both(SCRIPT, timeout=180)
     return out
 
 
