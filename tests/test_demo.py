@@ -186,18 +186,24 @@ def test_json_naming_a_directory_exits_2_before_any_work(tmp_path, capsys):
 
 
 def test_json_in_a_read_only_directory_exits_2(tmp_path, capsys):
+    """A directory the user cannot create files in: mode 0500, and, for root (whom modes
+    do not stop; CI runs as root), also immutable (``chattr +i``), which stops root too."""
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
+    immutable = os.geteuid() == 0
+    if immutable:
+        subprocess.run(["chattr", "+i", str(ro)], check=True)
     try:
-        if os.access(ro, os.W_OK) and os.geteuid() == 0:
-            pytest.skip("root writes into read-only directories")
+        assert not os.access(ro, os.W_OK) or immutable
         with pytest.raises(SystemExit) as e:
             main(["demo", "--json", str(ro / "r.json")])
         assert e.value.code == 2
         assert f"--json {ro / 'r.json'}: cannot create a file in {ro}" in capsys.readouterr().err
         assert list(ro.iterdir()) == []
     finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(ro)], check=True)
         ro.chmod(0o700)
 
 
