@@ -64,7 +64,7 @@ def calibrate_direct(side, chunk_pages: int, rounds: int = 5, runs=None) -> dict
     spec = pool.spec
     own = side._local_table is None  # the side sends packed only: prepare lists here
     lt = eng.prep_local("kv") if own else side._local_table
-    rt = eng.prep_remote(eng.remote(side.decode_peer, "kv")) if own else side._decode_table()
+    rt = eng.prep_remote(eng.remote(side.decode_peer, "kv")) if own else side._remote.get()
     landing = eng.remote(side.decode_peer, "landing")
     plane = int(lt.nbytes.min())
     nbytes = kvmem.packed_nbytes(spec, chunk_pages)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmem.errors import KVMemError
-from kvmem.transfer.base import TransferError
+from kvmem.transfer.base import TransferError, TransferInFlightError
 
 
 class KVPoll(enum.IntEnum):
@@ -145,6 +145,42 @@ def tell(engine, peer: str, msg: bytes, metrics: "Metrics", log) -> bool:
 
 
 # --- page ledger -----------------------------------------------------------------------------
+class PeerTable:
+    """The prepared block list of a peer's pool (``engine.prep_remote``) at the newest
+    metadata the engine holds for it: prepared once per epoch; an older list is retired
+    and released once no transfer uses it any more.
+
+    ``table``: the current list, or None before the first :meth:`get` that found one."""
+
+    def __init__(self, engine, peer: str):
+        self.engine, self.peer = engine, peer
+        self.table = None
+        self._retired: list = []
+
+    def get(self):
+        """The current list; None when the peer's pool is closed (pausing) or unknown."""
+        try:
+            remote = self.engine.remote(self.peer, "kv")
+        except KeyError:
+            return None
+        if not remote.live or remote.layout is None:
+            return None
+        t = self.table
+        if t is None or t.remote != remote:
+            if t is not None:
+                self._retired.append(t)
+            self.table = t = self.engine.prep_remote(remote)
+        if self._retired:
+            keep = []
+            for old in self._retired:
+                try:
+                    self.engine.release_table(old)
+                except TransferInFlightError:
+                    keep.append(old)
+            self._retired = keep
+        return t
+
+
 class Ledger:
     """Who holds which pages of one allocator: an owner (a request id, or a name such as
     "prefix-cache") per set of pages.  Every allocation is recorded here and every free

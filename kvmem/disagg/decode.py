@@ -62,14 +62,14 @@ import torch
 import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
-    CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, Ledger, Metrics, ProtocolError,
-    Reason, check_caller_args, now, tell,
+    CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, Ledger, Metrics, PeerTable,
+    ProtocolError, Reason, check_caller_args, now, tell,
 )
 from kvmem.disagg.protocol import (
     Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs, encode,
     encode_runs, meta_message,
 )
-from kvmem.transfer.base import StaleEpochError, TransferError, TransferInFlightError
+from kvmem.transfer.base import StaleEpochError, TransferError
 from kvmem.disagg.prefill import AUX_BYTES, DEFAULT_TIMEOUT
 from kvmem.memory import make_backend
 
@@ -114,8 +114,7 @@ class DecodeSide:
         self.prefill_peer = prefill_peer
         self.transfer_mode = transfer_mode  # pull: this side reads the offered pages
         self._local_table = None  # pull: prepared block list of our pool
-        self._remote_table = None  # pull: ... of the prefill's pool, newest epoch
-        self._retired_tables: list = []
+        self._remote = PeerTable(engine, prefill_peer)  # pull: ... of the prefill's pool
         self._ack_pending = False  # PAUSE_ACK came while own reads were in flight
         self.timeout = timeout
         self.quarantine_timeout = timeout if quarantine_timeout is None else quarantine_timeout
@@ -290,29 +289,6 @@ class DecodeSide:
             kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last])
 
     # --- pull mode --------------------------------------------------------------------------
-    def _prefill_table(self):
-        """The prepared block list of the prefill's pool at the newest metadata known; None
-        when its pool is closed (pausing) or unknown."""
-        try:
-            remote = self.engine.remote(self.prefill_peer, "kv")
-        except KeyError:
-            return None
-        if not remote.live or remote.layout is None:
-            return None
-        t = self._remote_table
-        if t is None or t.remote != remote:
-            if t is not None:
-                self._retired_tables.append(t)
-            self._remote_table = t = self.engine.prep_remote(remote)
-        keep = []
-        for old in self._retired_tables:
-            try:
-                self.engine.release_table(old)
-            except TransferInFlightError:
-                keep.append(old)
-        self._retired_tables = keep
-        return t
-
     def _on_ready(self, msg: Ready) -> None:
         """Pull mode: read the offered pages, pool to pool, into the request's pages.  The
         answer (PULLED) goes once the read is DONE or ERR, or at once when it is refused
@@ -337,7 +313,7 @@ class DecodeSide:
         try:
             if req.state == "quarantined":  # aborted here: nothing more is read into it
                 raise TransferError(f"request {req.rid} is aborted on the decode side")
-            rt = self._prefill_table()
+            rt = self._remote.get()
             if rt is None or rt.epoch != msg.epoch:
                 raise StaleEpochError(self.prefill_peer, "kv", f"epoch {msg.epoch}",
                                       "closed" if rt is None else f"epoch {rt.epoch}", "READY")

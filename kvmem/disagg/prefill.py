@@ -83,14 +83,15 @@ import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Ledger,
-    Metrics, ProtocolError, Reason, RegionMap, check_caller_args, check_id, now, tell,
+    Metrics, PeerTable, ProtocolError, Reason, RegionMap, check_caller_args, check_id, now,
+    tell,
 )
 from kvmem.disagg.protocol import (
     AbortReq, Boot, Inbox, Meta, Pausing, Pulled, apply_metadata, decode_runs, encode,
     encode_runs, meta_message,
 )
 from kvmem.memory import make_backend
-from kvmem.transfer.base import StaleEpochError, TransferError, TransferInFlightError
+from kvmem.transfer.base import StaleEpochError, TransferError
 
 log = logging.getLogger("kvmem.disagg.prefill")
 
@@ -255,8 +256,7 @@ class PrefillSide:
         self.direct_threshold = direct_threshold
         self.chunk_modes: Counter = Counter()  # chunks posted, "packed" / "direct"
         self._local_table = None  # prepared block list of our pool (prep_local "kv")
-        self._remote_table = None  # ... of the decode's pool, at its newest epoch
-        self._retired_tables: list = []  # older remote tables, released once unused
+        self._remote = PeerTable(engine, decode_peer)  # ... of the decode's pool
         self._prep_local()
         self.reqs: dict[int, PrefillRequest] = {}  # active (not finished)
         self.finished: dict[int, Reason] = {}
@@ -580,7 +580,7 @@ class PrefillSide:
         try:
             if self.faults.fail_send(req.rid, seq, False):
                 raise TransferError(f"injected send failure of chunk {seq} (direct)")
-            rt = self._decode_table()
+            rt = self._remote.get()
             if rt is None:
                 raise StaleEpochError(self.decode_peer, "kv", "no live pool", "-", "post_blocks")
             li, ri = st.direct
@@ -613,30 +613,6 @@ class PrefillSide:
         if self.direct_threshold is not None and self.engine.registrations()["kv"].layout:
             self._local_table = self.engine.prep_local("kv")
 
-    def _decode_table(self):
-        """The prepared block list of the decode's pool at the newest metadata this engine
-        knows (prepared once per epoch; the older one retired); None when it has none."""
-        try:
-            remote = self.engine.remote(self.decode_peer, "kv")
-        except KeyError:
-            return None
-        if not remote.live or remote.layout is None:
-            return None
-        t = self._remote_table
-        if t is None or t.remote != remote:
-            if t is not None:
-                self._retired_tables.append(t)
-            self._remote_table = t = self.engine.prep_remote(remote)
-        if self._retired_tables:
-            keep = []
-            for old in self._retired_tables:
-                try:
-                    self.engine.release_table(old)
-                except TransferInFlightError:
-                    keep.append(old)
-            self._retired_tables = keep
-        return t
-
     def _direct_indices(self, req: PrefillRequest, first: int, last: int):
         """``(local, remote)`` block indices when pages ``[first, last)`` go direct, else
         None (packed).  Direct when the chunk's page runs, merged where adjacent on both
@@ -654,7 +630,7 @@ class PrefillSide:
         if n * int(lt.nbytes.min()) / runs < self.direct_threshold:
             return None
         try:
-            rt = self._decode_table()
+            rt = self._remote.get()
         except TransferError as e:  # NIXL refused to prepare the decode's list: pack
             log.warning("prefill: direct writes unavailable, packing: %s", e)
             return None
