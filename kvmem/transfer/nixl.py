@@ -191,13 +191,7 @@ class NixlEngine(TransferEngine):
         except Exception as e:
             raise TransferError(f"post_write to {rmem.peer!r}: NIXL refused the request "
                                 f"({ld.shape[0]} descriptor(s)): {type(e).__name__}: {e}") from None
-        try:
-            state = a.transfer(h)
-        except Exception as e:
-            h.release()
-            raise TransferError(f"post_write to {rmem.peer!r}: NIXL could not post: "
-                                f"{type(e).__name__}: {e}") from None
-        return h, state
+        return self._post(h, f"post_write to {rmem.peer!r}")
 
     def _t_prep(self, descs: np.ndarray, mem: str, device_id: int, peer: str | None):
         # One prep_xfer_dlist per table: NIXL resolves every descriptor against the
@@ -230,13 +224,16 @@ class NixlEngine(TransferEngine):
         except Exception as e:
             raise TransferError(f"post_blocks {op} with {peer!r}: NIXL refused the request "
                                 f"({lidx.size} block(s)): {type(e).__name__}: {e}") from None
+        return self._post(h, f"post_blocks {op} with {peer!r}")
+
+    def _post(self, h, what: str):
+        """``(h, state)`` of a created transfer, posted; its handle released if NIXL
+        cannot post it."""
         try:
-            state = a.transfer(h)
+            return h, self.agent.transfer(h)
         except Exception as e:
             h.release()
-            raise TransferError(f"post_blocks {op} with {peer!r}: NIXL could not post: "
-                                f"{type(e).__name__}: {e}") from None
-        return h, state
+            raise TransferError(f"{what}: NIXL could not post: {type(e).__name__}: {e}") from None
 
     def _t_state(self, native) -> str:
         return self.agent.check_xfer_state(native)
