@@ -396,6 +396,17 @@ class PrefillHarness:
     def inflight(self):
         return self.s.process_disagg_prefill_inflight_queue()
 
+    def prefill_to_transferring(self, rid: str) -> None:
+        """Bootstrap the request just submitted, run its forward, and leave its sender in
+        Transferring (the decode has not finished reading): it goes to the inflight queue
+        at the next :meth:`inflight`."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        self.pop_bootstrapped()
+        batch = self.launch()
+        self.sender(rid).hold = KVPoll.Transferring
+        self.finish_forward(batch)
+
     def step(self):
         """One iteration of the prefill event loop (ingest happened before)."""
         self.pop_bootstrapped()

@@ -77,10 +77,7 @@ def main() -> dict:
     h.submit("c-boot", 9, hold=K.Bootstrapping)
     h.step()
     h.submit("c-fly", 9)
-    h.pop_bootstrapped()
-    batch = h.launch()
-    h.sender("c-fly").hold = K.Transferring
-    h.finish_forward(batch)
+    h.prefill_to_transferring("c-fly")
     h.inflight()
     h.s.last_batch = None
     h.abort("c-boot")
@@ -97,10 +94,7 @@ def main() -> dict:
     h.step()
     h.s.last_batch = None
     h.submit("r-fly", 9)
-    h.pop_bootstrapped()
-    batch = h.launch()
-    h.sender("r-fly").hold = K.Transferring
-    h.finish_forward(batch)
+    h.prefill_to_transferring("r-fly")
     h.inflight()
     h.s.last_batch = None
     h.submit("r-wait", 9)

@@ -60,10 +60,7 @@ def main() -> dict:
 
     # -- regression: an inflight abort reaches the sender -------------------------------------
     h.submit("fly", 9)
-    h.pop_bootstrapped()
-    batch = h.launch()
-    h.sender("fly").hold = K.Transferring
-    h.finish_forward(batch)
+    h.prefill_to_transferring("fly")
     h.inflight()
     h.s.last_batch = None
     h.abort("fly")
@@ -103,10 +100,7 @@ def main() -> dict:
     # -- leak audit: a request lost by a buggy path while in flight ---------------------------
     from_audit = _audit_stats()
     h.submit("lost", 9)
-    h.pop_bootstrapped()
-    batch = h.launch()
-    h.sender("lost").hold = K.Transferring
-    h.finish_forward(batch)
+    h.prefill_to_transferring("lost")
     h.s.last_batch = None
     h.s.disagg_prefill_inflight_queue.remove(h.reqs["lost"])  # the bug: dropped, unfreed
     h.inflight()  # the scheduler is idle now
