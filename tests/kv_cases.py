@@ -89,3 +89,17 @@ def grid() -> list[Case]:
     cases.append(Case(16, 576, "bf16", False, num_heads=1, v_head_dim=0))
     cases.append(Case(1, 576, "fp8", True, num_heads=1, v_head_dim=0))
     return cases
+
+
+def scrambled_ids(case: Case, gen: torch.Generator) -> torch.Tensor:
+    """An odd number of distinct pages in a scrambled order, page 0 included."""
+    n = case.num_pages - 2 if case.num_pages % 2 else case.num_pages - 1
+    return torch.randperm(case.num_pages, generator=gen)[:n]
+
+
+def selections(case: Case):
+    """(layers, heads) selections every pack test runs: all; two layers out of order with
+    a head range; the last head of one layer."""
+    yield None, None
+    yield [2, 0], (1, 3) if case.num_heads >= 3 else (0, 1)
+    yield [1], (case.num_heads - 1, case.num_heads)

@@ -7,29 +7,17 @@ import torch
 
 import kvmem
 from kvmem.kernels.pack import pack_buffers_ref, unpack_buffers_ref
-from tests.kv_cases import Case, fill_random, grid, make_buffers
+from tests.kv_cases import fill_random, grid, make_buffers, scrambled_ids, selections
 
 GRID = grid()
-
-
-def _ids(case: Case, gen: torch.Generator) -> torch.Tensor:
-    """An odd number of distinct pages in a scrambled order, page 0 included."""
-    n = case.num_pages - 2 if case.num_pages % 2 else case.num_pages - 1
-    return torch.randperm(case.num_pages, generator=gen)[:n]
-
-
-def _selections(case: Case):
-    yield None, None
-    yield [2, 0], (1, 3) if case.num_heads >= 3 else (0, 1)
-    yield [1], (case.num_heads - 1, case.num_heads)
 
 
 @pytest.mark.parametrize("case", GRID, ids=[c.id for c in GRID])
 def test_pack_matches_ref(case):
     gen = torch.Generator().manual_seed(hash(case.id) % 2**31)
     ks, vs = make_buffers(case, gen)
-    ids = _ids(case, gen)
-    for layers, heads in _selections(case):
+    ids = scrambled_ids(case, gen)
+    for layers, heads in selections(case):
         got = kvmem.pack_buffers(ks, vs, ids, layers=layers, heads=heads)
         want = pack_buffers_ref(ks, vs, ids, layers=layers, heads=heads)
         assert got.dtype == torch.uint8 and got.dim() == 1
@@ -42,8 +30,8 @@ def test_pack_matches_ref(case):
 def test_unpack_round_trip_leaves_other_pages_untouched(case):
     gen = torch.Generator().manual_seed(hash(case.id) % 2**31 + 1)
     ks, vs = make_buffers(case, gen)
-    ids = _ids(case, gen)
-    for layers, heads in _selections(case):
+    ids = scrambled_ids(case, gen)
+    for layers, heads in selections(case):
         buf = kvmem.pack_buffers(ks, vs, ids, layers=layers, heads=heads)
         dst_k, dst_v = make_buffers(case, gen, sentinel=0xA5)
         ref_k, ref_v = make_buffers(case, gen, sentinel=0xA5)

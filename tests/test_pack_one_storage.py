@@ -12,7 +12,7 @@ import torch
 import kvmem
 from kvmem.kernels import pack as P
 from kvmem.kernels.pack import pack_buffers_ref, unpack_buffers_ref
-from tests.kv_cases import Case, fill_random, grid
+from tests.kv_cases import Case, fill_random, grid, scrambled_ids, selections
 
 GRID = grid()
 
@@ -47,23 +47,12 @@ def carved(case: Case, gen: torch.Generator, sentinel: int | None = None):
     return storage, views[:case.num_layers], views[case.num_layers:]
 
 
-def _ids(case: Case, gen: torch.Generator) -> torch.Tensor:
-    n = case.num_pages - 2 if case.num_pages % 2 else case.num_pages - 1
-    return torch.randperm(case.num_pages, generator=gen)[:n]
-
-
-def _selections(case: Case):
-    yield None, None
-    yield [2, 0], (1, 3) if case.num_heads >= 3 else (0, 1)
-    yield [1], (case.num_heads - 1, case.num_heads)
-
-
 @pytest.mark.parametrize("case", GRID, ids=[c.id for c in GRID])
 def test_one_storage_pack_and_unpack_match_ref(case):
     gen = torch.Generator().manual_seed(hash(case.id) % 2**31)
     _, ks, vs = carved(case, gen)
-    ids = _ids(case, gen)
-    for layers, heads in _selections(case):
+    ids = scrambled_ids(case, gen)
+    for layers, heads in selections(case):
         plan = P.make_plan(ks, vs, None, P._check_layers(layers, len(ks)),
                            P._check_heads(heads, case.num_heads))
         rows = P._one_storage_rows(plan, ks, vs)
