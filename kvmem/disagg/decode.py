@@ -277,14 +277,7 @@ class DecodeSide:
             start = req.landing_off + msg.off
             data = self.landing[start:start + nbytes]
             ok = self.synth.verify(req.rid, first, last, data)
-        if ok:
-            self.metrics.bytes_verified += nbytes
-        else:
-            self.metrics.bytes_corrupt += nbytes
-            log.error("decode: request %d pages [%d, %d): landed bytes differ from what was "
-                      "sent", req.rid, first, last)
-        req.pages_done = last
-        req.t_seen = self.clock()
+        self._landed(req, first, last, nbytes, ok, "landed bytes differ from what was sent")
         if req.state == "booted" and not msg.direct:
             kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last])
 
@@ -335,6 +328,17 @@ class DecodeSide:
         if not ok:
             self._tell(encode("PULLED", rid=req.rid, first=first, last=last, ok=False))
 
+    def _landed(self, req, first: int, last: int, nbytes: int, ok: bool, bad: str) -> None:
+        """Pages ``[first, last)`` of ``req`` arrived and were checked (``ok``): count the
+        bytes verified or corrupt (and log ``bad``), and move the request on."""
+        if ok:
+            self.metrics.bytes_verified += nbytes
+        else:
+            self.metrics.bytes_corrupt += nbytes
+            log.error("decode: request %d pages [%d, %d): %s", req.rid, first, last, bad)
+        req.pages_done = last
+        req.t_seen = self.clock()
+
     def _poll_reads(self) -> bool:
         """Poll this side's reads; a DONE one is verified in place and acknowledged
         (PULLED ok), an ERR one acknowledged as failed.  True when one finished."""
@@ -354,15 +358,10 @@ class DecodeSide:
                     nbytes = kvmem.packed_nbytes(self.spec, last - first)
                     self.chunk_modes["pulled"] += 1
                     self.metrics.bytes_landed += nbytes
-                    if self.synth.verify_pages(self.pool, req.rid, first, last,
-                                               self.ledger.pages(req.rid)[first:last]):
-                        self.metrics.bytes_verified += nbytes
-                    else:
-                        self.metrics.bytes_corrupt += nbytes
-                        log.error("decode: request %d pages [%d, %d): read bytes differ from "
-                                  "what the prefill computed", req.rid, first, last)
-                    req.pages_done = last
-                    req.t_seen = self.clock()
+                    ok = self.synth.verify_pages(self.pool, req.rid, first, last,
+                                                 self.ledger.pages(req.rid)[first:last])
+                    self._landed(req, first, last, nbytes, ok,
+                                 "read bytes differ from what the prefill computed")
                 self._tell(encode("PULLED", rid=req.rid, first=first, last=last,
                                   ok=st == "DONE"))
             req.reads = keep
