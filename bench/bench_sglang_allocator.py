@@ -132,3 +132,51 @@ def test_pd_prefill_kvmem(benchmark, report, ps):
 def test_pd_prefill_sglang(benchmark, report, ps):
     a = _stock(ps)
     _run(benchmark, report, ps, f"sglang {type(a).__name__}", a)
+
+
+# -- the free of an aborted request's row ------------------------------------------------
+# What the prefill scheduler calls when it retires a request aborted in its running batch
+# (``release_kv_cache`` -> ``free_kv_row`` -> ``free_segments([(row, 0)])``): short rows,
+# where kvmem's validated free (range, ownership and duplicate checks) against sglang's
+# append to its staging list is all fixed per-call cost.  Issue 8 target: no slower.
+
+ABORT_ROWS = 64  # rows freed one by one per timed round
+ABORT_CASES = [(16, 100), (4, 37), (1, 30)]  # (page_size, tokens per request)
+
+
+def _abort_run(benchmark, report, ps: int, tokens: int, name: str, a):
+    done = sync(DEV)
+    rows: list = []
+
+    def setup():
+        slots = a.alloc(ABORT_ROWS * -(-tokens // ps) * ps).to(torch.int32)
+        step = -(-tokens // ps) * ps
+        rows[:] = [slots[i * step:i * step + tokens] for i in range(ABORT_ROWS)]
+        done()
+
+    def free_rows():
+        for row in rows:
+            a.free_segments([(row, 0)])
+        done()
+
+    for _ in range(warmups(3)):
+        setup()
+        free_rows()
+    benchmark.pedantic(free_rows, setup=setup, rounds=ROUNDS * 4, iterations=1,
+                       warmup_rounds=warmups(1))
+    assert a.available_size() == POOL_TOKENS
+    if benchmark.enabled:
+        report.add(f"free of an aborted request's row ({ABORT_ROWS} rows of {tokens} tokens), "
+                   f"P{ps}", name, benchmark, figure="allocator",
+                   role="kvmem" if name.startswith("kvmem") else "baseline")
+
+
+@pytest.mark.parametrize("ps,tokens", ABORT_CASES, ids=lambda v: str(v))
+def test_abort_free_kvmem(benchmark, report, ps, tokens):
+    _abort_run(benchmark, report, ps, tokens, "kvmem KvmemTokenToKVPoolAllocator", _kvmem(ps))
+
+
+@pytest.mark.parametrize("ps,tokens", ABORT_CASES, ids=lambda v: str(v))
+def test_abort_free_sglang(benchmark, report, ps, tokens):
+    a = _stock(ps)
+    _abort_run(benchmark, report, ps, tokens, f"sglang {type(a).__name__}", a)

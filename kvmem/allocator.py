@@ -240,6 +240,14 @@ class PageAllocator:
         # CPU: numpy views of the state (zero copy) for the take/free bookkeeping
         self._ring_np = self._ring.numpy() if device.type == "cpu" else None
         self._owned_np = self._owned_ext.numpy() if device.type == "cpu" else None
+        # the Triton kernels on CUDA, and on CPU tensors under KVMEM_FORCE_TRITON=1 as it
+        # was when the allocator was made (an environment read per call costs ~0.6 us)
+        self._use_triton = self._on_cuda or force_triton()
+        # CPU without Triton: memoryviews of the ring and of the map proper, for a free of
+        # a short Python list (kvmem.kernels.alloc.free_pages_list)
+        cpu_py = device.type == "cpu" and not self._use_triton
+        self._ring_mv = memoryview(self._ring_np) if cpu_py else None
+        self._owned_mv = memoryview(self._owned_np[:num_pages]) if cpu_py else None
         self._err = torch.empty(4, dtype=torch.int64, device=device)
         # CPU free's scratch (kvmem.kernels.alloc.free_pages_cpu), this allocator's own
         self._marks = K.free_marks(min(self._cap, 1024)) if device.type == "cpu" else None
@@ -363,6 +371,15 @@ class PageAllocator:
         at its outermost exit.  DoubleFreeError, with nothing freed, if one is out of
         range, page 0, not allocated, or listed twice; ValueError, with nothing freed,
         for ids that are not integers (bool and float included)."""
+        if type(pages) is list and 0 < len(pages) <= K.PY_FREE_MAX \
+                and self._owned_mv is not None and self._group is None:
+            # a few pages on the CPU: plain Python (kvmem.kernels.alloc.free_pages_list);
+            # anything it does not take goes the general way, which reports it
+            if K.free_pages_list(pages, self._ring_mv, self._owned_mv,
+                                 (self._head + self._count) % self._cap):
+                self._count += len(pages)
+                self._allocated -= len(pages)
+                return
         p = as_page_ids(pages, self.device, what="free: pages", where="the allocator",
                         int64=not self._on_cuda)
         if self._group is not None:
@@ -528,9 +545,10 @@ class PageAllocator:
 
     def _triton(self) -> bool:
         """kvmem.kernels._dispatch.use_triton for the allocator's device (every tensor a
-        call touches is on it), asked per call; the device type is cached because a
-        torch attribute read is a measurable part of a ~20 us alloc+free on CPU."""
-        return self._on_cuda or force_triton()
+        call touches is on it), decided when the allocator was made: a torch attribute
+        or environment read per call is a measurable part of a ~7 us alloc+free on
+        CPU."""
+        return self._use_triton
 
     def _flag(self, check: bool) -> bool:
         """True when this call defers its checks to the device (check=False on the

@@ -551,6 +551,56 @@ def test_free_impls_match_ref(pages, tail):
     else:
         assert got is None
         assert torch.equal(r, want[0]) and torch.equal(o, want[1])
+    # the short-list path: the same result, or nothing changed and False when refused
+    r, o = ring.clone(), owned.clone()
+    took = K.free_pages_list(list(pages), memoryview(r.numpy()), memoryview(o.numpy()),
+                             tail)
+    if want_err is not None or not pages:
+        assert took is (not pages)
+        assert torch.equal(r, ring) and torch.equal(o, owned)
+    else:
+        assert took is True
+        assert torch.equal(r, want[0]) and torch.equal(o, want[1])
+
+
+def test_free_short_list_path_and_long_lists_agree():
+    """A free of a Python list takes the short path up to PY_FREE_MAX pages and the
+    general one beyond: the same state either way, ring wrap included."""
+    n = K.PY_FREE_MAX + 3
+    states = []
+    for split in (True, False):
+        a = PageAllocator(num_pages=n + 2, page_size=2)
+        pages = a.alloc(n + 1).tolist()
+        a.free(pages[:3])
+        a.alloc(3)  # the ring now wraps at its end
+        order = pages[3:][::-1] + [pages[0]]
+        if split:  # short lists
+            for i in range(0, len(order), 5):
+                a.free(order[i:i + 5])
+        else:  # one list longer than PY_FREE_MAX
+            a.free(order)
+        a.check_invariants()
+        states.append((a.alloc(a.num_free).tolist(), a.num_allocated))
+    assert states[0] == states[1]
+
+
+@pytest.mark.parametrize("bad", [[True], [1, False], [np.int64(1), 2.0]])
+def test_free_short_list_refuses_what_the_general_path_refuses(bad):
+    a = PageAllocator(num_pages=5, page_size=2)
+    a.alloc(2)
+    snap = snapshot(a)
+    with pytest.raises(ValueError):
+        a.free(bad)
+    assert_same(a, snap)
+
+
+def test_free_short_list_takes_numpy_integers_via_the_general_path():
+    a = PageAllocator(num_pages=5, page_size=2)
+    a.alloc(3)
+    a.free([np.int64(2), np.int32(1)])
+    a.free([3])
+    assert a.num_free == 4
+    a.check_invariants()
 
 
 def test_free_errors_impls_agree_on_random_lists():

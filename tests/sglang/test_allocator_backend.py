@@ -289,6 +289,29 @@ def _three_requests(a, ps):
 
 
 @pytest.mark.parametrize("ps,need_sort", CASES, ids=CASE_IDS)
+def test_free_segments_short_and_long_rows_match_sglang(ps, need_sort):
+    """free_segments of rows on either side of the adapter's short-row path (up to
+    PY_FREE_MAX pages go to kvmem as one Python list; longer rows as a tensor), in one
+    and in two segments, frees the same pages as sglang's."""
+    from kvmem.kernels.alloc import PY_FREE_MAX
+
+    lens = [PY_FREE_MAX * ps, PY_FREE_MAX * ps + 1, 3 * ps - 1, 2 * PY_FREE_MAX * ps + 5]
+    size = (sum(lens) // ps + 8) * ps
+    mine, theirs = ours(size, ps, need_sort), stock(size, ps, need_sort)
+    empty = torch.empty(0, dtype=torch.int32)
+    rm = split(extend(mine, ps, [empty] * 4, lens), lens)
+    rt = split(extend(theirs, ps, [empty] * 4, lens), lens)
+    for i in (1, 0, 3, 2):
+        cut = (len(rm[i]) // ps // 2) * ps
+        for a, r in ((mine, rm[i]), (theirs, rt[i])):
+            a.free_segments([(r[:cut], 0), (r[cut:], cut)] if i % 2 else [(r, 0)])
+        assert mine.available_size() == theirs.available_size()
+        assert free_set(mine) == set(theirs.get_all_free_pages().tolist())
+    assert mine.available_size() == size
+    mine.page_allocator.check_invariants()
+
+
+@pytest.mark.parametrize("ps,need_sort", CASES, ids=CASE_IDS)
 def test_free_paths_match_sglang(ps, need_sort):
     """Each free path frees the same pages as sglang's (same history, so the same sets)."""
     size = 40 * ps

@@ -43,6 +43,10 @@ def table(off: dict, on: dict) -> str:
         m = r["abort_free_us"]["median"]
         return "-" if m is None else f"{m:.0f} us (n={r['abort_free_us']['n']})"
 
+    def loop(r):
+        m = r["abort_free_loop_us"]
+        return f"{m['median']:.1f} us [{m['q1']:.1f}, {m['q3']:.1f}] (n={m['n']})"
+
     rows = [
         ("requests", off["requests"], on["requests"]),
         ("answered exactly once", off["answered_once"], on["answered_once"]),
@@ -52,8 +56,9 @@ def table(off: dict, on: dict) -> str:
         ("leaked at the end: KV pages / request slots / metadata slots", leaked(off),
          leaked(on)),
         ("crashes (exceptions that end the scheduler loop)", crashes(off), crashes(on)),
-        ("free an abort in the running batch (sglang's retire call, median)", us(off),
-         us(on)),
+        ("free an abort in the running batch (sglang's retire call, median, in the waves)",
+         us(off), us(on)),
+        ("the same, 400 in a row after the waves (median [q1, q3])", loop(off), loop(on)),
         ("wall time of the run", f"{off['seconds']:.1f} s", f"{on['seconds']:.1f} s"),
     ]
     out = ["| | stock sglang 0.5.23 (flag off) | kvmem adapter (SGLANG_KVMEM=1) |",

@@ -13,6 +13,7 @@ from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 from sglang.srt.utils import get_bool_env_var
 
 from kvmem import OutOfPagesError, PageAllocator
+from kvmem.kernels.alloc import PY_FREE_MAX
 
 
 class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
@@ -117,6 +118,9 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         dev = self.page_allocator.device
         # offsets of the slots in a page, for alloc's page -> slot expansion
         self._offsets = torch.arange(ps, dtype=torch.int64, device=dev)
+        # a CPU free of up to this many slots goes to kvmem as a Python list (its short
+        # path, kvmem.kernels.alloc.PY_FREE_MAX pages), with no NumPy or torch op between
+        self._short_slots = PY_FREE_MAX * ps if dev.type == "cpu" else 0
         self.free_group = None  # None, or the token-slot frees of an open group
         self._group_page_ids: list[torch.Tensor] = []
 
@@ -225,7 +229,7 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def free_page_ids(self, page_ids: torch.Tensor) -> None:
         """Free exactly these pages (int32/int64 [n] on the device, each once).  In a
         free group: at its end."""
-        if page_ids.numel() == 0:
+        if len(page_ids) == 0:
             return
         if self.free_group is not None:
             self._group_page_ids.append(self._copy_for_free_group(page_ids))
@@ -236,17 +240,25 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         """Free ``kv_row[start_pos : start_pos + n]`` of one request (``free_index``:
         int32/int64 [n], ``start_pos`` a multiple of page_size): pages
         ``free_index[::page_size] // page_size``, the last one whole."""
-        if free_index.numel() == 0:
-            return
-        self.free_page_ids(self._segment_pages(free_index, start_pos))
+        self.free_segments([(free_index, start_pos)])
 
     def free_segments(self, segments) -> None:
         """Free several ``(free_index, start_pos)`` segments of one request's kv row
         (ascending, no page shared: sglang's contract, which its base class asserts),
         in one kvmem free."""
-        pages = [self._segment_pages(f, s) for f, s in self._page_disjoint(segments)]
-        if pages:
-            self.free_page_ids(pages[0] if len(pages) == 1 else torch.cat(pages))
+        segments = list(self._page_disjoint(segments))
+        if not segments:
+            return
+        if self.free_group is None \
+                and sum(f.numel() for f, _ in segments) <= self._short_slots:
+            # CPU, a few pages (an aborted request's row): one Python list to kvmem
+            pages = []
+            for f, s in segments:
+                pages += self._segment_page_list(f, s)
+            self.page_allocator.free(pages, check=self.check)
+            return
+        pages = [self._segment_pages(f, s) for f, s in segments]
+        self.free_page_ids(pages[0] if len(pages) == 1 else torch.cat(pages))
 
     def free_full_segment(self, free_index: torch.Tensor, *, start_pos: int) -> None:
         """One pool, no SWA peer: ``free_segment``."""
@@ -306,6 +318,17 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if self.page_size == 1:
             return slots
         return torch.unique(slots // self.page_size)
+
+    def _segment_page_list(self, free_index: torch.Tensor, start_pos: int) -> list[int]:
+        """``_segment_pages`` as a Python list, for a short CPU segment: one ``tolist``
+        and no NumPy or torch op (each costs about 1 us whatever its size)."""
+        ps = self.page_size
+        if start_pos % ps:
+            raise ValueError(f"free_segment: start_pos {start_pos} is not a multiple of "
+                             f"page_size {ps}; nothing freed")
+        if ps == 1:
+            return free_index.tolist()
+        return [s // ps for s in free_index.tolist()[::ps]]
 
     def _segment_pages(self, free_index: torch.Tensor, start_pos: int) -> torch.Tensor:
         """int32/int64 [ceil(n / page_size)] (int64 on CPU, else the dtype of
