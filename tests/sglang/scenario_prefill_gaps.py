@@ -17,6 +17,7 @@ from tests.sglang.prefill_env import PrefillHarness
 
 TRANSFER_TIMEOUT = 0.3  # SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT set by the test
 BOOTSTRAP_TIMEOUT = 1  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (sglang reads an int)
+SETTLE_S = 0.6  # a posted write settles this long after the release starts (case 6)
 
 
 def main() -> dict:
@@ -132,7 +133,74 @@ def main() -> dict:
     o["resume"] = _call(h.resume)
     out["release_without_assert"] = o
     o["after"] = settle()
+
+    # -- 6. release while writes posted earlier are still in flight --------------------------
+    out["posted_writes"] = _posted_writes(h)
+    out["posted_writes"]["after"] = settle()
     return out
+
+
+def _posted_writes(h) -> dict:
+    """An idle scheduler whose transfer workers still hold a chunk: the write of a
+    request already answered and freed (a client aborted it while in flight) has been
+    posted and not yet settled.  sglang's ``CommonKVManager`` counts such chunks per room
+    in ``_staging_outstanding`` (its ``__init__`` makes the defaultdict; the fake manager
+    has no workers, so the case gives it one): a worker counts a chunk when it dequeues it
+    and uncounts it once every handle it posted is DONE or ERR.  Here a thread plays the
+    worker: room 900's write settles SETTLE_S after the release starts; room 901's never
+    does.  Recorded: when sglang's queue release (the deregistration) ran against when
+    the write settled, and what the drain timeout (``SGLANG_KVMEM_DRAIN_TIMEOUT``, set
+    by the test) did with the room that never settles."""
+    import collections
+    import threading
+
+    counts = collections.defaultdict(int)
+    h.mgr._staging_outstanding = counts
+    queue = h.s.disagg_prefill_bootstrap_queue
+    real = queue.release_memory_occupation
+    marks: dict = {}
+
+    def release_spy(*a, **k):
+        marks.setdefault("deregistered", time.monotonic())
+        return real(*a, **k)
+
+    queue.release_memory_occupation = release_spy
+    out: dict = {}
+    try:
+        counts[900] += 1
+
+        def settle_later():
+            time.sleep(SETTLE_S)
+            marks["settled"] = time.monotonic()
+            counts[900] -= 1
+
+        worker = threading.Thread(target=settle_later)
+        t0 = time.monotonic()
+        worker.start()
+        out["release"] = _call(h.release)
+        out["release_s"] = time.monotonic() - t0
+        worker.join()
+        out["deregistered_after_settle"] = marks["deregistered"] >= marks["settled"]
+        out["resume"] = _call(h.resume)
+        marks.clear()
+        counts[901] += 1  # never settles
+        t0 = time.monotonic()
+        out["stuck_release"] = _call(h.release)
+        out["stuck_release_s"] = time.monotonic() - t0
+        out["stuck_resume"] = _call(h.resume)
+        out["stats"] = _prefill_stats()
+    finally:
+        counts.clear()
+        del queue.release_memory_occupation
+    return out
+
+
+def _prefill_stats():
+    try:
+        from kvmem_sglang.prefill import STATS
+    except ImportError:
+        return None
+    return {"drain_waits": STATS.drain_waits, "drain_timeouts": STATS.drain_timeouts}
 
 
 def _call(fn) -> dict:

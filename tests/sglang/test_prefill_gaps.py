@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.sglang.scenario_prefill_gaps import SETTLE_S
 from tests.sglang.sglang_env import run_both
 
 SCRIPT = Path(__file__).parent / "scenario_prefill_gaps.py"
 ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "0.3",
-       "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1"}
+       "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1", "SGLANG_KVMEM_DRAIN_TIMEOUT": "1.5"}
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +121,20 @@ def test_release_under_python_O_drops_requests_unanswered(runs):
     assert off["answer"] == [] and off["aborts"] == 0
     got = one(on["answer"])
     assert got["status"] == 503 and on["aborts"] == 1
+
+
+def test_release_waits_for_posted_writes(runs):
+    """The lifecycle table's pause row: wait until every posted write is DONE or ERR
+    before deregistering and releasing.  Stock deregisters while sglang's transfer
+    worker still counts a chunk with a write posted (the NIC may still read the pool);
+    kvmem waits for it, and a write that never settles holds the release no longer than
+    SGLANG_KVMEM_DRAIN_TIMEOUT (1.5 s here), then the release goes on."""
+    off, on = runs["off"]["posted_writes"], runs["on"]["posted_writes"]
+    for run in (off, on):
+        assert run["release"]["ok"] and run["resume"]["ok"], run
+        assert run["stuck_release"]["ok"] and run["stuck_resume"]["ok"], run
+        assert run["after"]["held"] == EMPTY
+    assert not off["deregistered_after_settle"]
+    assert on["deregistered_after_settle"] and on["release_s"] >= SETTLE_S
+    assert 1.5 <= on["stuck_release_s"] < 6
+    assert on["stats"] == {"drain_waits": 2, "drain_timeouts": 1}

@@ -35,3 +35,20 @@ print("still running")
 """, kvmem=True, env={VAR: "soon"})
     assert proc.returncode != 0 and "still running" not in proc.stdout
     assert f"{VAR}='soon' is not a positive number of seconds" in proc.stderr
+
+
+@pytest.mark.parametrize("raw,value", [(None, 30.0), ("", 30.0), ("2.5", 2.5)])
+def test_drain_timeout_values(raw, value):
+    from kvmem_sglang.options import Options
+
+    env = {"SGLANG_KVMEM": "1"} | ({} if raw is None else {"SGLANG_KVMEM_DRAIN_TIMEOUT": raw})
+    assert Options.from_env(env).drain_timeout == value
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "soon", "inf"])
+def test_drain_timeout_refused(raw):
+    from kvmem_sglang.options import Options
+
+    with pytest.raises(AdapterError, match=f"SGLANG_KVMEM_DRAIN_TIMEOUT='{raw}' is not a "
+                                           "positive number of seconds"):
+        Options.from_env({"SGLANG_KVMEM": "1", "SGLANG_KVMEM_DRAIN_TIMEOUT": raw})

@@ -44,7 +44,28 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
     "SGLANG_KVMEM_PREFAULT": (
         "1", ("0", "1"),
         "1 backs every page of a host pool again at resume instead of at first touch"),
+    "SGLANG_KVMEM_DRAIN_TIMEOUT": (
+        "30", None,
+        "seconds a KV release waits for transfer writes already posted to settle (DONE "
+        "or ERR) before it goes on with an error log; a positive number"),
 }
+DEFAULT_DRAIN_TIMEOUT = 30.0
+
+
+def positive_seconds(name: str, raw: str | None, default: float) -> float:
+    """The variable ``name`` (its text ``raw``, None when unset) as a positive, finite
+    number of seconds; blank or unset: ``default``.  AdapterError naming the value
+    otherwise."""
+    raw_s = (raw or "").strip()
+    if not raw_s:
+        return default
+    try:
+        value = float(raw_s)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise AdapterError(f"{name}={raw!r} is not a positive number of seconds")
+    return value
 
 
 @dataclass(frozen=True)
@@ -55,6 +76,7 @@ class Options:
     register_regions: bool
     staging: bool
     prefault: bool
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
 
     @classmethod
     def from_env(cls, env=None) -> Options:
@@ -72,6 +94,9 @@ class Options:
             if name == "SGLANG_KVMEM" and value == "0":
                 return cls(False, None, False, True, True, True)
         backend = values["SGLANG_KVMEM_BACKEND"]
+        drain_timeout = positive_seconds("SGLANG_KVMEM_DRAIN_TIMEOUT",
+                                         env.get("SGLANG_KVMEM_DRAIN_TIMEOUT"),
+                                         DEFAULT_DRAIN_TIMEOUT)
         return cls(
             enabled=True,
             backend=None if backend == "auto" else backend,
@@ -79,4 +104,5 @@ class Options:
             register_regions=values["SGLANG_KVMEM_REGISTER"] == "regions",
             staging=values["SGLANG_KVMEM_STAGING"] == "1",
             prefault=values["SGLANG_KVMEM_PREFAULT"] == "1",
+            drain_timeout=drain_timeout,
         )

@@ -11,6 +11,8 @@ SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT      ever, KV and metadata slot held     
 release_memory_occupation(kv_cache) with    AssertionError in the scheduler     each answered 503 with the
 requests bootstrapping / waiting /          loop (under -O: dropped unanswered, reason, sender aborted, KV and
 in flight                                   senders never aborted)              slots freed; release goes on
+release while a transfer worker still has   deregisters and releases under the  waits until they are DONE or ERR
+writes posted (sglang's per-room count)     NIC's read                          (at most SGLANG_KVMEM_DRAIN_TIMEOUT)
 a request arriving while released           queued; its bootstrap may run on    503 at once, until the resume
                                             deregistered buffers
 release / resume on NIXL                    never deregisters; every resume     deregistered at release,
@@ -49,12 +51,14 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from kvmem_sglang import audit
-from kvmem_sglang.options import AdapterError
+from kvmem_sglang.options import DEFAULT_DRAIN_TIMEOUT, AdapterError, positive_seconds
 
 logger = logging.getLogger("kvmem.sglang")
 
 TRANSFER_TIMEOUT_VAR = "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"
 DEFAULT_TRANSFER_TIMEOUT = 600.0
+DRAIN_POLL_S = 0.001  # how often a release re-reads the transfer workers' counts
+DRAIN_LOG_S = 5.0  # a release still waiting logs the rooms it waits for this often
 
 _P = "sglang.srt.disaggregation.prefill"
 _MIXIN = f"{_P}.SchedulerDisaggregationPrefillMixin"
@@ -80,6 +84,8 @@ class PrefillStats:
     unknown_aborts: int = 0
     deregistrations: int = 0  # NIXL descriptor lists deregistered at release
     registrations_skipped: int = 0
+    drain_waits: int = 0  # releases that waited for posted writes to settle
+    drain_timeouts: int = 0  # releases that went on with writes still unsettled
 
 
 STATS = PrefillStats()
@@ -92,17 +98,8 @@ def transfer_timeout_from_env(env=None) -> float:
     """``SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT`` in seconds (default 600); AdapterError
     naming the value when it is not a positive number."""
     env = os.environ if env is None else env
-    raw = env.get(TRANSFER_TIMEOUT_VAR, "").strip()
-    if not raw:
-        return DEFAULT_TRANSFER_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise AdapterError(f"{TRANSFER_TIMEOUT_VAR}={raw!r} is not a positive number of "
-                           "seconds")
-    return value
+    return positive_seconds(TRANSFER_TIMEOUT_VAR, env.get(TRANSFER_TIMEOUT_VAR),
+                            DEFAULT_TRANSFER_TIMEOUT)
 
 
 def hooks(options) -> list[tuple[str, object, str]]:
@@ -342,6 +339,7 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
     sched = manager.scheduler
     if GPU_MEMORY_TYPE_KV_CACHE in tags and sched is not None and _is_prefill(sched):
         _drain_for_release(sched)
+        _await_posted_writes(sched)
     out = original(manager, recv_req, *args, **kwargs)
     if GPU_MEMORY_TYPE_KV_CACHE in tags and sched is not None:
         _EPOCH[id(sched)] = _EPOCH.get(id(sched), 0) + 1
@@ -429,6 +427,63 @@ def _drain_for_release(sched) -> None:
         sched.output_streamer.stream_output(answered, any(r.return_logprob for r in answered))
     if last is not None and last.reqs:
         last.filter_batch()  # drops finished requests: all of them are answered now
+
+
+def _await_posted_writes(sched) -> None:
+    """Wait until the transfer backend's workers hold no chunk: none dequeued and none
+    with a write posted and not yet DONE or ERR.  sglang's ``CommonKVManager`` (NIXL and
+    mooncake) counts exactly that per room in ``_staging_outstanding`` (common/conn.py:412;
+    a worker counts a chunk when it dequeues it and uncounts it once every handle it
+    posted has settled, nixl/conn.py:1631 and 1896).  The drain above aborted every
+    sender, so a worker skips the chunks still queued (their room is Failed) and only the
+    writes already posted remain: the NIC may still read the pool's pages, so neither the
+    deregistration nor the release may run before they settle.
+
+    Bounded by ``SGLANG_KVMEM_DRAIN_TIMEOUT`` seconds (progress logged every
+    DRAIN_LOG_S): a handle that never settles (sglang then keeps its room counted for
+    ever, "poisoned") must not hang the release.  Past it the release goes on, with an
+    error naming the rooms; their decode falls back to its own release timeout, as sglang
+    arranges for a poisoned room."""
+    mgr = getattr(getattr(sched, "disagg_prefill_bootstrap_queue", None), "kv_manager", None)
+    counts = getattr(mgr, "_staging_outstanding", None)
+    if not isinstance(counts, dict):
+        return  # a backend without transfer workers (fake)
+
+    def busy() -> dict:
+        return {room: n for room, n in dict(counts).items() if n > 0}
+
+    rooms = busy()
+    if not rooms:
+        return
+    STATS.drain_waits += 1
+    start = time.monotonic()
+    deadline, next_log = start + _drain_timeout(), start + DRAIN_LOG_S
+    logger.info("kvmem-sglang: release_memory_occupation(kv_cache) waits for the writes "
+                "already posted for %d room(s) to settle: %s", len(rooms), rooms)
+    while rooms:
+        now = time.monotonic()
+        if now >= deadline:
+            STATS.drain_timeouts += 1
+            logger.error("kvmem-sglang: release_memory_occupation(kv_cache): writes of "
+                         "room(s) %s still unsettled after %.1f s (SGLANG_KVMEM_DRAIN_"
+                         "TIMEOUT); releasing anyway: their decode side falls back to its "
+                         "release timeout", rooms, now - start)
+            return
+        if now >= next_log:
+            next_log = now + DRAIN_LOG_S
+            logger.warning("kvmem-sglang: release still waiting (%.1f s) for posted writes "
+                           "of room(s) %s", now - start, rooms)
+        time.sleep(DRAIN_POLL_S)
+        rooms = busy()
+    logger.info("kvmem-sglang: posted writes settled after %.3f s; releasing",
+                time.monotonic() - start)
+
+
+def _drain_timeout() -> float:
+    from kvmem_sglang import plugin
+
+    return plugin.OPTIONS.drain_timeout if plugin.OPTIONS is not None \
+        else DEFAULT_DRAIN_TIMEOUT
 
 
 # -- transfer-engine registrations: every backend deregisters at release ---------------------
