@@ -18,7 +18,10 @@ Stood in (what a CPU test cannot have):
 * the forward pass: ``finish_forward`` hands a ``GenerationBatchResult`` with the sampled
   tokens to the result handler;
 * admission: ``launch`` runs the match -> lock -> ``init_new`` -> ``prepare_for_extend``
-  sequence on the bootstrapped requests (sglang's ``PrefillAdder`` needs a model);
+  sequence on the bootstrapped requests (sglang's ``PrefillAdder`` needs a model); for
+  chunked prefill (``chunk_pages``) ``schedule`` / ``loop_step`` run sglang's own
+  ``get_next_disagg_prefill_batch_to_run`` with only ``get_new_batch_prefill``'s sizing
+  stood in (``_admit``: the chunk budget and the free pages instead of the model's);
 * the zmq sockets: :class:`Outbox` records every message the scheduler sends to the
   detokenizer (``BatchTokenIDOutput``) or the tokenizer (``AbortReq``);
 * the decode side: :class:`ScriptedKVSender`, a subclass of sglang's ``FakeKVSender``
@@ -195,6 +198,10 @@ class PrefillHarness:
                                     rank=0, world_size=1)
         group = dist.group.WORLD
         self.page_size = page_size
+        # chunked prefill (sglang's --chunked-prefill-size): at most this many tokens of
+        # one pass; None: a prompt is prefilled whole (schedule() only; launch() never
+        # chunks)
+        self.chunk_tokens = chunk_pages * page_size if chunk_pages else None
         size = page_size * pages
         req_pool, kv, alloc, tree = build_pools(page_size=page_size, size=size,
                                                 max_reqs=max_reqs)
@@ -233,6 +240,7 @@ class PrefillHarness:
         s.enable_continuous_input_polling = False
         s.enable_unified_memory = False
         s.enable_lmcache = False
+        s.enable_unified_cache_external_linker = False
         s.rust_server = None
         s.kv_shard_widening = 1
         s.processed_tokens_counter = 0
@@ -240,6 +248,10 @@ class PrefillHarness:
         s.waiting_queue = []
         s.disagg_prefill_inflight_queue = []
         s.disagg_prefill_pending_chunk_rids = set()
+        s.chunked_prefill_size = self.chunk_tokens
+        # what get_next_disagg_prefill_batch_to_run reaches besides the admission
+        s.dp_attn_adapter = SimpleNamespace(maybe_prepare_mlp_sync_batch=lambda b: b)
+        s.get_new_batch_prefill = self._admit  # admission sizing: PrefillAdder stood in
         s.result_queue = []
         s._engine_paused = False
         s.last_batch = None
@@ -415,6 +427,101 @@ class PrefillHarness:
             self.finish_forward(batch)
         self.inflight()
         self.s.last_batch = batch
+
+    # -- chunked prefill: sglang's own scheduling step around a stand-in admission ----------
+    def _admit(self, running_batch):
+        """``Scheduler.get_new_batch_prefill`` for a PD prefill server, with the sizing
+        ``PrefillAdder`` does from the model's budgets replaced by: a pass holds at most
+        ``chunk_tokens`` tokens (sglang's ``chunked_prefill_size``) and what the allocator
+        has free.  The rest is sglang's sequence (scheduler.py ``_get_new_batch_prefill_raw``
+        and schedule_policy.py ``add_chunked_req`` / ``_select_prefill_admission`` /
+        ``_commit_prefill_admission``): the continuing ``chunked_req`` first
+        (``init_next_round_input()``, its next chunk page-floored unless it is the last),
+        then waiting requests (match, ``extend_end``, lock; one that does not fit whole
+        becomes the new ``chunked_req``, page-floored), ``inflight_middle_chunks += 1``,
+        ``ScheduleBatch.init_new(..., chunked_req=...)``, ``prepare_for_extend``."""
+        from sglang.srt.managers.schedule_batch import NextBatchPlan, ScheduleBatch
+
+        s, page = self.s, self.page_size
+        if not s.waiting_queue and s.chunked_req is None:
+            return NextBatchPlan(batch_to_run=None, running_batch=running_batch)
+        rem = self.chunk_tokens
+        free = int(self.alloc.available_size())
+        picked, new_chunked, used = [], None, 0
+        cont = int(s.chunked_req is not None)  # the continuing one holds its slot already
+        if cont:
+            req = s.chunked_req
+            req.init_next_round_input()
+            left = len(req.full_untruncated_fill_ids) - req.prefix_len
+            n = left if rem is None or left <= rem else rem // page * page
+            req.extend_end = req.prefix_len + n
+            picked.append(req)
+            used += -(-n // page) * page
+            if rem is not None:
+                rem -= n
+            s.chunked_req = req if n < left else None
+        for req in list(s.waiting_queue):
+            if rem is not None and rem <= 0:
+                break
+            if len(picked) - cont >= self.req_pool.available_size():  # request slots
+                break
+            req.init_next_round_input(self.tree)
+            left = len(req.full_untruncated_fill_ids) - req.prefix_len
+            n = left
+            if rem is not None and -(-left // page) * page > rem:
+                n = rem // page * page  # chunked: page-floored, no new tokens
+                if n <= 0:
+                    break
+            if used + -(-n // page) * page > free:
+                break
+            req.extend_end = req.prefix_len + n
+            req.lock = self.tree.lock(req.last_node)
+            picked.append(req)
+            used += -(-n // page) * page
+            if rem is not None:
+                rem -= n
+            if n < left:
+                new_chunked = req
+                break
+        if not picked:
+            return NextBatchPlan(batch_to_run=None, running_batch=running_batch)
+        s.waiting_queue = [r for r in s.waiting_queue if r not in picked]
+        if new_chunked is not None:
+            assert s.chunked_req is None
+            s.chunked_req = new_chunked
+        if s.chunked_req is not None:
+            s.chunked_req.inflight_middle_chunks += 1
+        batch = ScheduleBatch.init_new(picked, self.req_pool, self.alloc, self.tree, self.mc,
+                                       s.enable_overlap, s.spec_algorithm,
+                                       chunked_req=s.chunked_req)
+        batch.contains_last_prefill_chunk = s.chunked_req is None or len(picked) != 1
+        batch.prepare_for_extend()
+        return NextBatchPlan(batch_to_run=batch, running_batch=running_batch)
+
+    def schedule(self):
+        """The scheduling half of one ``event_loop_normal_disagg_prefill`` iteration after
+        ingest: ``pop_bootstrapped`` and sglang's ``get_next_disagg_prefill_batch_to_run``
+        (pending chunked abort, waiting-queue bootstrap check, ``process_prefill_chunk``:
+        the previous chunk of ``chunked_req`` sent, ``last_batch`` filtered; then the
+        admission).  The returned batch's forward is 'running' until
+        :meth:`finish_forward`."""
+        s = self.s
+        self.pop_bootstrapped()
+        plan = s.get_next_disagg_prefill_batch_to_run(running_batch=s.running_batch,
+                                                     last_batch=s.last_batch)
+        s.running_batch = plan.running_batch
+        return plan.batch_to_run
+
+    def loop_step(self):
+        """One whole ``event_loop_normal_disagg_prefill`` iteration (ingest happened
+        before): schedule, forward + result, inflight queue, ``last_batch = batch``.
+        Returns the batch (None when idle)."""
+        batch = self.schedule()
+        if batch is not None:
+            self.finish_forward(batch)
+        self.inflight()
+        self.s.last_batch = batch
+        return batch
 
     # -- accounting ----------------------------------------------------------------------------
     def held(self) -> dict:
