@@ -190,7 +190,9 @@ def test_double_free_across_calls():
 @pytest.mark.parametrize("bad", [torch.zeros(2, 2, dtype=torch.int64),
                                  torch.tensor([1.0]), torch.tensor([True]),
                                  torch.tensor([1], device="meta"), "12", 3, [1.5],
-                                 np.array([[1]])])
+                                 np.array([[1]]),
+                                 # short lists: the Python path hands them on, refused there
+                                 [True], [1, False], [np.int64(1), 2.0]])
 def test_free_bad_input_is_valueerror(bad):
     a = PageAllocator(num_pages=5, page_size=2)
     a.alloc(2)
@@ -582,16 +584,6 @@ def test_free_short_list_path_and_long_lists_agree():
         a.check_invariants()
         states.append((a.alloc(a.num_free).tolist(), a.num_allocated))
     assert states[0] == states[1]
-
-
-@pytest.mark.parametrize("bad", [[True], [1, False], [np.int64(1), 2.0]])
-def test_free_short_list_refuses_what_the_general_path_refuses(bad):
-    a = PageAllocator(num_pages=5, page_size=2)
-    a.alloc(2)
-    snap = snapshot(a)
-    with pytest.raises(ValueError):
-        a.free(bad)
-    assert_same(a, snap)
 
 
 def test_free_short_list_takes_numpy_integers_via_the_general_path():
