@@ -1,7 +1,7 @@
 """Run by tests/sglang/test_prefill_inputs.py in a process of its own, flag off or on:
 what 0.5.23 already does right (regressions), bad inputs through the adapter's surface,
 the idle leak audit, the time to free an abort in the running batch, a release while a
-forward is in progress, and (last, because it leaves the scheduler inconsistent on
+batch's result is pending, and (last, because it leaves the scheduler inconsistent on
 purpose) a chunk send set up before a release.  Prints one JSON object on its last line."""
 
 from __future__ import annotations
@@ -135,14 +135,16 @@ def main() -> dict:
     out["abort_free_us"] = {"median": statistics.median(times[5:]) * 1e6,
                             "n": len(times) - 5, "reqs_per_batch": 4}
 
-    # -- release while a forward is in progress: refused, nothing changed -------------------
+    # -- release while a batch's result is pending (its forward launched) --------------------
     h.submit("busy", 9)
     h.submit("busy-q", 9, hold=K.Bootstrapping)
     h.pop_bootstrapped()
     batch = h.launch()  # running: last_batch holds it
     before = snapshot()
     out["release_busy"] = {"before": before, "call": _call(h.release), "after": snapshot()}
-    h.finish_forward(batch)
+    h.finish_forward(batch)  # the pending result reaches the result handler
+    out["release_busy"]["after_result"] = snapshot()
+    out["release_busy"]["resume"] = _call(h.resume)  # stock: KeyError (nothing released)
     h.sender("busy-q").hold = None
     for _ in range(3):
         h.step()

@@ -11,6 +11,12 @@ SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT      ever, KV and metadata slot held     
 release_memory_occupation(kv_cache) with    AssertionError in the scheduler     each answered 503 with the
 requests bootstrapping / waiting /          loop (under -O: dropped unanswered, reason, sender aborted, KV and
 in flight                                   senders never aborted)              slots freed; release goes on
+release with a request between the chunks   AssertionError in the scheduler     answered 503, sender aborted,
+of a chunked prefill (sched.chunked_req)    loop                                KV + request and metadata slot
+                                                                                freed, chunked_req cleared
+release with a batch's result still queued  AssertionError in the scheduler     device synchronized; its
+(overlap loop; also paused in place)        loop                                requests answered 503 and
+                                                                                freed, the result dropped
 release while a transfer worker still has   deregisters and releases under the  waits until they are DONE or ERR
 writes posted (sglang's per-room count)     NIC's read                          (at most SGLANG_KVMEM_DRAIN_TIMEOUT)
 a request arriving while released           queued; its bootstrap may run on    503 at once, until the resume
@@ -361,30 +367,39 @@ def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
 
 def _drain_for_release(sched) -> None:
     """Answer every PD request of ``sched`` with 503 and free what it holds, before
-    sglang's release (which asserts an idle scheduler).  A batch in its forward cannot be
-    drained: then AdapterError, before anything changed."""
-    busy = []
-    running = getattr(sched, "running_batch", None)
-    if running is not None and not running.is_empty():
-        busy.append(f"running batch {[r.rid for r in running.reqs]}")
-    chunked = getattr(sched, "chunked_req", None)
-    if chunked is not None:
-        busy.append(f"chunked request {chunked.rid}")
-    if getattr(sched, "enable_overlap", False) and len(getattr(sched, "result_queue", ())):
-        busy.append(f"{len(sched.result_queue)} batch result(s) pending")
-    inflight_q = getattr(sched, "disagg_prefill_inflight_queue", [])
-    inflight = set(map(id, inflight_q))
-    last = getattr(sched, "last_batch", None)
-    if last is not None:
-        live = [r.rid for r in last.reqs if not r.finished() and id(r) not in inflight]
-        if live:
-            busy.append(f"last batch {live}")
-    if busy:
-        raise AdapterError("release_memory_occupation(kv_cache) while a prefill forward "
-                           "is in progress (" + "; ".join(busy) + "); pause generation "
-                           "and retry; nothing was released")
+    sglang's release (which asserts an idle scheduler, weight_updater.py:339).  Never
+    raises: sglang dispatches the release with no try/except (scheduler.py:2253), so an
+    exception here ends the scheduler loop.
+
+    sglang 0.5.23 ingests a release at the top of a loop iteration (prefill.py:691 and
+    :785, all in disaggregation/ unless named); what a request can be doing then:
+
+    * bootstrapping, waiting, in flight: answered and freed through sglang's own paths;
+    * ``chunked_req`` between two chunks (normal loop): its last chunk's forward and
+      result are done (prefill.py:715, before the next ingest); it is in no forward.
+      Freed as sglang's ``process_pending_chunked_abort`` frees a chunked request
+      (scheduler.py:3778): sender aborted, pending chunk send cleared, metadata slot, tree
+      handle, KV pages and request slot; ``chunked_req`` cleared;
+    * in a batch whose result is still queued (overlap loop only: a batch is launched and
+      queued at prefill.py:833 and its result processed in the next iteration, :854, so an
+      ingest can come between; also while the engine is paused in place): its forward may
+      still be writing the pages.  The device is synchronized first, then its requests are
+      freed like the chunked one; the queued results then concern only answered requests,
+      so they are dropped and ``last_batch`` is cleared (the loop pops a result only while
+      ``last_batch`` is set, :837).  Not covered: with continuous input polling, a
+      pause retained behind the release in the same receive (scheduler.py:2209) skips
+      the next batch creation, so the loop sets ``last_batch`` back to its local
+      ``batch`` (:872) and pops the dropped result one iteration later (:854,
+      IndexError);
+    * ``running_batch``: a PD prefill server never fills it (prefill.py:675 passes it
+      through), so only its live requests, if any, are freed like the others.
+
+    A request already aborted by its client is answered with that abort."""
+    import torch
     from sglang.srt.disaggregation.prefill import maybe_release_metadata_buffer
     from sglang.srt.disaggregation.utils import prepare_abort
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.mem_cache.common import release_kv_cache
 
     def reason(req, where):
         return _abort_reason(
@@ -394,6 +409,11 @@ def _drain_for_release(sched) -> None:
 
     queue = sched.disagg_prefill_bootstrap_queue
     waiting = getattr(sched, "waiting_queue", [])
+    inflight_q = getattr(sched, "disagg_prefill_inflight_queue", [])
+    inflight = set(map(id, inflight_q))
+    chunked = getattr(sched, "chunked_req", None)
+    pending = list(getattr(sched, "result_queue", None) or ())
+    last = getattr(sched, "last_batch", None)
     answered = []
     for where, reqs in (("bootstrapping", queue.queue), ("waiting", waiting)):
         for req in list(reqs):
@@ -419,6 +439,41 @@ def _drain_for_release(sched) -> None:
         answered.append(req)  # streamed once: sglang skips an answer already sent
     if inflight_q:
         sched.disagg_prefill_inflight_queue = []
+    # requests of a batch: the chunked one between chunks, those of a queued result
+    batches = [getattr(sched, "running_batch", None), last] + [b for b, _ in pending]
+    live, seen = [], set(map(id, answered)) | inflight
+    for req in ([chunked] if chunked is not None else []) + [
+            r for b in batches if b is not None for r in b.reqs]:
+        if id(req) not in seen and not req.finished():
+            seen.add(id(req))
+            live.append(req)
+    if live and pending:  # a forward of the overlap loop may still write their pages
+        torch.get_device_module().synchronize()
+    for req in live:
+        if isinstance(req.to_finish, FINISH_ABORT):  # its client's abort, not yet applied
+            _decide(req, req.to_finish)
+        _decide(req, reason(req, "between the chunks of its prefill" if req is chunked
+                            else "in a prefill batch"))
+        req.to_finish = None
+        prepare_abort(req, req._kvmem_reason.message,
+                      status_code=req._kvmem_reason.status_code)
+        sched.clear_pending_chunk_send(req)
+        if req.disagg_kv_sender is not None:
+            req.disagg_kv_sender.abort()
+        maybe_release_metadata_buffer(req, sched.req_to_metadata_buffer_idx_allocator)
+        req.pending_bootstrap = False
+        sched._release_aborted_request(req)
+        if req.kv.holds_kv or req.kv.holds_mamba:
+            release_kv_cache(req, sched.tree_cache, checkpoint=False)
+        answered.append(req)
+    if chunked is not None and chunked.finished():
+        sched.chunked_req = None
+    if getattr(sched, "_pending_chunked_abort_req", None) is not None \
+            and sched._pending_chunked_abort_req.finished():
+        sched._pending_chunked_abort_req = None
+    if pending:
+        sched.result_queue.clear()
+        sched.last_batch = last = None
     if answered:  # one answer per request, as the inflight queue streams its done ones
         STATS.released_aborts += len(answered)
         logger.warning("kvmem-sglang: release_memory_occupation(kv_cache): %d request(s) "
