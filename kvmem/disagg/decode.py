@@ -150,20 +150,23 @@ class DecodeSide:
 
     # --- one iteration -----------------------------------------------------------------------
     def step(self) -> bool:
-        """One iteration; True when a message arrived (False: idle, the caller may back
-        off)."""
+        """One iteration.  True when it made progress: a message was handled, one of this
+        side's reads ended, a waiting request was booted, a request timed out or left the
+        quarantine, or the pause completed.  False: nothing changed, what is left waits
+        for the prefill or the clock, and the caller may back off
+        (:class:`~kvmem.disagg.common.Backoff`)."""
         busy = self.inbox.drain() > 0
         if self.transfer_mode == "pull":
             busy = self._poll_reads() or busy
             if self._ack_pending and not any(r.reads for r in self.reqs.values()):
                 self._ack_pending = False
                 self._finish_pause()
+                busy = True
         if not self.pausing and not self.paused:
             for req in list(self.reqs.values()):
                 if req.state == "waiting":
-                    self._boot(req)
-        self._check_timeouts()
-        return busy
+                    busy = self._boot(req) or busy
+        return self._check_timeouts() or busy
 
     def handle_message(self, msg) -> None:
         """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from the
@@ -224,15 +227,17 @@ class DecodeSide:
         if req.state == "waiting" and not self.pausing and not self.paused:
             self._boot(req)
 
-    def _boot(self, req: DecodeRequest) -> None:
+    def _boot(self, req: DecodeRequest) -> bool:
+        """Allocate the request's pages and landing region and send BOOT; False (nothing
+        changed) when there is no memory for it yet."""
         n = -(-req.tokens // self.spec.page_size)
         nbytes = kvmem.packed_nbytes(self.spec, n) + AUX_BYTES
         if n > self.alloc.num_free:
-            return  # retried next step
+            return False  # retried next step
         try:
             off = self.arena.alloc(nbytes)
         except ArenaFullError:
-            return
+            return False
         pages = self.alloc.alloc(n)
         self.ledger.hold(req.rid, pages)
         req.landing_off, req.landing_nbytes = off, nbytes
@@ -241,6 +246,7 @@ class DecodeSide:
         self._tell(encode(
             "BOOT", rid=req.rid, room=req.room, off=off, nbytes=nbytes, epoch=self.pool.epoch,
             pages=encode_runs(pages)))
+        return True
 
     def _known(self, msg) -> DecodeRequest:
         req = self.reqs.get(msg.rid)
@@ -439,21 +445,27 @@ class DecodeSide:
         self.completed[req.rid] = reason
         self.metrics.requests[reason.outcome.value] += 1
 
-    def _check_timeouts(self) -> None:
-        t = self.clock()
+    def _check_timeouts(self) -> bool:
+        """Abort the requests without news for ``timeout`` (504, quarantined), free the
+        quarantined ones without an answer for ``quarantine_timeout``; True when either
+        happened."""
+        t, moved = self.clock(), False
         for req in list(self.reqs.values()):
             if req.state == "quarantined":
                 if req.reads:
                     continue  # our own read still targets its pages: wait for DONE/ERR
                 if t - req.t_quarantined > self.quarantine_timeout:
+                    moved = True
                     log.error("decode: request %d: no answer from the prefill for %.1f s after "
                               "its abort; freeing its quarantined pages", req.rid,
                               self.quarantine_timeout)
                     self._free(req, "quarantine-expired", req.reason)
             elif t - req.t_seen > self.timeout:
+                moved = True
                 self.abort(req.rid, GATEWAY_TIMEOUT, (
                     f"decode timeout (> {self.timeout:g} s without news from the prefill) "
                     f"for request {req.rid} (room {req.room})"))
+        return moved
 
     # --- pause / resume ---------------------------------------------------------------------
     def begin_pause(self) -> None:

@@ -327,16 +327,20 @@ class PrefillSide:
         return not self.reqs
 
     # --- one scheduler iteration -------------------------------------------------------------
-    def step(self) -> None:
-        self._handle_notifs()
-        self._poll_writes()
-        self._check_timeouts()
+    def step(self) -> bool:
+        """One iteration.  True when it made progress: a message from the decode was
+        handled, a write (or an offered read) ended, a request ended or timed out, the
+        pause completed, a chunk was staged or posted, or a batch ran its forward.  False:
+        nothing changed; what is left waits for the peer, a posted write, free memory or
+        the clock, and the caller may back off (:class:`~kvmem.disagg.common.Backoff`)."""
+        moved = self._handle_notifs()
+        moved = self._poll_writes() or moved
+        moved = self._check_timeouts() or moved
         if self._pausing_since is not None:
-            self._advance_pause()
-            return
+            return self._advance_pause() or moved
         if self.paused:
-            return
-        self._flush_pending()
+            return moved
+        moved = self._flush_pending() or moved
         batch = self._schedule()
         if batch:
             for req, *_ in batch:
@@ -344,6 +348,8 @@ class PrefillSide:
             self._forward(batch)
             self.faults.during_forward(self, batch)
             self.fill_batch(batch)
+            return True
+        return moved
 
     def _schedule(self) -> list:
         """Pick chunks of WaitingForInput/Transferring requests and allocate their pages
@@ -411,13 +417,15 @@ class PrefillSide:
         self._flush_pending()
 
     # --- sending ----------------------------------------------------------------------------
-    def _flush_pending(self) -> None:
+    def _flush_pending(self) -> bool:
         # One write of a request in flight at a time.  NIXL sends a write's notification
         # (CHUNK, AUX) when the write completes: inside post_write for a write that is done
         # at once, else at the poll that sees it DONE.  So two writes of one request in
         # flight can announce themselves out of order (seen across two processes: a 64-byte
         # AUX overtook the 16 MiB chunk before it).  After DONE, the next write's
-        # notification follows on the same endpoint, in order.
+        # notification follows on the same endpoint, in order.  True when something was
+        # staged or posted (or a request ended trying).
+        moved = False
         for rid in list(self._order):
             req = self.reqs.get(rid)
             while (req is not None and req.ending is None and not self.peer_paused
@@ -425,13 +433,16 @@ class PrefillSide:
                 if req.staged is not None:
                     if not self._post_staged(req):
                         break  # its pack is still running: next step
+                    moved = True
                     continue
                 if not req.pending:
                     break
                 if not self._stage_chunk(req, *req.pending[0]):
-                    return  # staging full: retry next step, in order
+                    return moved  # staging full: retry next step, in order
+                moved = True
                 if req.pending and req.ending is None:
                     req.pending.pop(0)
+        return moved
 
     def _stage_chunk(self, req: PrefillRequest, first: int, last: int, final: bool) -> bool:
         """Pack pages ``[first, last)`` of ``req`` into a staging slot; False when staging
@@ -641,9 +652,11 @@ class PrefillSide:
         ri = (planes * rt.layout.count + dst).reshape(-1)
         return li, ri
 
-    def _poll_writes(self) -> None:
+    def _poll_writes(self) -> bool:
         """Poll every posted write (this is also what sends its notification): DONE and
-        ERR writes give their staging slot back; an ERR ends its request (500)."""
+        ERR writes give their staging slot back; an ERR ends its request (500).  True when
+        a write or an offered read ended."""
+        ended = False
         for req in list(self.reqs.values()):
             if not req.handles:
                 continue
@@ -660,6 +673,7 @@ class PrefillSide:
                     if st == "PROC":
                         keep.append((h, off))
                         continue
+                    ended = True
                     if st == "DONE":
                         self.metrics.bytes_sent += h.nbytes
                     elif failed is None:
@@ -669,6 +683,7 @@ class PrefillSide:
                 if st == "PROC":
                     keep.append((h, off))
                     continue
+                ended = True
                 self.engine.release(h)
                 if off is not None:
                     self.arena.free(off)
@@ -683,6 +698,7 @@ class PrefillSide:
             else:
                 self._maybe_finish(req)
         self._maybe_ack_peer_pause()
+        return ended
 
     def _maybe_finish(self, req: PrefillRequest) -> None:
         if req.handles:
@@ -734,24 +750,31 @@ class PrefillSide:
         if self.on_finish is not None:
             self.on_finish(req.rid, reason)
 
-    def _check_timeouts(self) -> None:
-        t = self.clock()
+    def _check_timeouts(self) -> bool:
+        """End the requests whose bootstrap or transfer took too long (504); True when one
+        ended."""
+        t, ended = self.clock(), False
         for req in list(self.reqs.values()):
             if req.ending is not None:
                 continue
             if req.state == KVPoll.Bootstrapping and t - req.t_created > self.bootstrap_timeout:
+                ended = True
                 self._end(req, Reason(GATEWAY_TIMEOUT, (
                     f"prefill bootstrap timeout (> {self.bootstrap_timeout:g} s) for request "
                     f"{req.rid} (room {req.room})")))
             elif (req.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
                   and t - req.t_bootstrapped > self.transfer_timeout):
+                ended = True
                 self._end(req, Reason(GATEWAY_TIMEOUT, (
                     f"prefill transfer timeout (> {self.transfer_timeout:g} s) in "
                     f"{req.state.name} for request {req.rid} (room {req.room})")))
+        return ended
 
     # --- control messages ---------------------------------------------------------------------
-    def _handle_notifs(self) -> None:
-        self.inbox.drain()
+    def _handle_notifs(self) -> bool:
+        """Apply what the decode sent, then the BOOTs held for its META; True when a
+        message was handled (refused ones too) or a held BOOT was taken up."""
+        moved = self.inbox.drain() > 0
         if self._held_boots and not self.peer_paused:
             held, self._held_boots = self._held_boots, {}
             for boot in held.values():
@@ -760,6 +783,9 @@ class PrefillSide:
                 except ProtocolError as e:
                     self.metrics.protocol_errors += 1
                     log.warning("prefill: refused a held BOOT: %s", e)
+            # held again (its META is still on the way) is no progress
+            moved = moved or any(rid not in self._held_boots for rid in held)
+        return moved
 
     def handle_message(self, msg) -> None:
         """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from the
@@ -893,9 +919,10 @@ class PrefillSide:
         self._pausing_since = self.clock()
         self.metrics.pauses += 1
 
-    def _advance_pause(self) -> None:
+    def _advance_pause(self) -> bool:
+        """True once the pause is complete (memory released), False while writes drain."""
         if any(req.handles for req in self.reqs.values()):
-            return  # step() polls them to DONE/ERR
+            return False  # step() polls them to DONE/ERR
         for req in list(self.reqs.values()):
             self._end(req, Reason(SERVICE_UNAVAILABLE, (
                 f"request {req.rid} (room {req.room}) aborted: prefill paused to release "
@@ -911,6 +938,7 @@ class PrefillSide:
         self.pool.release()
         self.paused = True
         self._pause_t0, self._pausing_since = self._pausing_since, None
+        return True
 
     def resume(self) -> None:
         if not self.paused:
