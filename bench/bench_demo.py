@@ -8,7 +8,8 @@ demo's time goes.
 
 Each mode runs ``KVMEM_BENCH_DEMO_RUNS`` times (3); a run's ratio is its throughput over
 its own raw NIXL figure.  A row gives the median wall time and bytes of the runs, and its
-extra fields the median ratio with its spread (min, max), each run's figures, and how
+extra fields the median ratio with its spread (min, max), each run's figures (with the
+worker loops' step, get_notifs and nap call counts), and how
 much CPU *other* processes used meanwhile: /proc/stat's busy time over the runs minus
 this process's and its children's (the two workers), in cores.  On this 2-core machine
 anything above ``LOADED_CORES`` of others' CPU is flagged ``under_load`` (and named in
@@ -131,7 +132,11 @@ def test_demo_vs_raw_nixl(benchmark, report, faults, transfer):
                     raw_gbps=r["raw_nixl_gbps"], chunks=r["chunks"],
                     direct_threshold=r["direct_threshold"],
                     cpu_s_per_gb={k: v["seconds_per_gb"] for k, v in r["cpu"].items()},
-                    poll_share={k: v["poll_share"] for k, v in r["cpu"].items()})
+                    poll_share={k: v["poll_share"] for k, v in r["cpu"].items()},
+                    **{f"{k}_calls": {side: r[side]["stage_seconds"].get(name, {}).get("calls", 0)
+                                      for side in ("prefill", "decode")}
+                       for k, name in (("step", "step"), ("get_notifs", "get_notifs"),
+                                       ("nap", "nap"))})
                for r in results]
     flag = f" UNDER LOAD (others {others:.2f} cores)" if loaded else ""
     group = f"kvmem demo vs raw NIXL write between the same 2 processes, {faults}"
@@ -157,7 +162,7 @@ def test_demo_vs_raw_nixl(benchmark, report, faults, transfer):
     for side in ("prefill", "decode"):
         st = r[side]["stage_seconds"]
         step = st["step"]["seconds"]
-        inner = sum(v["seconds"] for k, v in st.items() if k not in ("step", "loop"))
+        inner = sum(v["seconds"] for k, v in st.items() if k not in ("step", "loop", "nap"))
         group = f"demo stage, {faults}, {transfer}: {side}: the rest of step() (Python)"
         _row(report, group, f"{(step - inner) / r['wall_seconds']:.0%} of the workload wall",
              max(step - inner, 1e-9),

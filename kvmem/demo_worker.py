@@ -46,9 +46,19 @@ PROGRESS_EVERY = 0.2  # seconds between progress messages
 PIPE_EVERY = 0.002  # seconds between polls of the parent's pipe in the workload loops (a
 # poll is a syscall; the loop runs every few microseconds when busy).  Not measured: any
 # value well under the 0.2 s progress period would do; a pause request waits this long.
-NAP_FIRST, NAP_MOST = 20e-6, 200e-6  # idle loop: sleep, doubling from NAP_FIRST to NAP_MOST
-# (the measurement: a 50 us backoff did not change throughput; a sleep's real
-# length here is its value plus ~50 us of timer slack)
+# A loop step that made no progress (nothing arrived, posted, ended or computed): after
+# NAP_SPINS such steps in a row the loop sleeps, doubling from NAP_FIRST to NAP_MOST, and
+# stops at the first step that progresses (kvmem.disagg.common.Backoff).  Measured on this
+# 2-core VM, 2026-11-30, quiet (others 0.02-0.04 core): a prefill step while it only waits
+# for PULLED answers takes ~34 us (pull, faults off, 200 requests: 28-38k steps in a
+# 1.16 s loop, each polling get_notifs; 5-8% of the loop in get_notifs), so one spin
+# catches an answer that is already on its way without a sleep; a sleep's real length
+# here is its value plus the 50 us timer slack (time.sleep median of 2000: 2 us -> 67 us,
+# 20 us -> 85 us, 200 us -> 266 us), so NAP_FIRST only sets where the doubling starts.
+# NAP_MOST keeps the earlier idle cap (the measurement: a 50 us backoff did not
+# change throughput): a waiting loop polls every ~0.27 ms, against chunks of 16 MiB that
+# take ~2 ms to move at 8 GB/s.
+NAP_FIRST, NAP_MOST, NAP_SPINS = 5e-6, 200e-6, 1
 
 
 class StageClock:
@@ -94,6 +104,7 @@ class _Worker:
     polling = False  # recv() drives the engine meanwhile (the raw bandwidth writes need it)
 
     def __init__(self, cfg, conn, names: dict):
+        from kvmem.disagg.common import Backoff
         from kvmem.disagg.faults import FaultPlan
         from kvmem.disagg.synth import Synth
         from kvmem.transfer.nixl import NixlEngine
@@ -111,6 +122,8 @@ class _Worker:
         self.bw_buf = None
         self.t_progress = 0.0
         self.stages = None  # the stage clock when this worker's work was done
+        # naps of the workload loop; instrument() times its sleeps as the stage "nap"
+        self.backoff = Backoff(NAP_FIRST, NAP_MOST, NAP_SPINS)
         self.cpu_seconds = None  # CPU time of the workload (process_time, all threads)
         self.cpu0 = 0.0
 
@@ -225,6 +238,7 @@ class PrefillWorker(_Worker):
     def instrument(self) -> None:
         c, s = self.clock, self.side
         c.wrap(s, "step", "step")
+        c.wrap(self.backoff, "sleep", "nap")
         c.wrap(s.synth, "fill", "forward: synth KV into pool pages")
         c.wrap(s.pool, "pack", "pack_pages")
         c.wrap(s.engine, "post_write", "post_write (UCX copies here)")
@@ -279,7 +293,7 @@ class PrefillWorker(_Worker):
         next_rid, done_sent = 0, False
         t0 = time.monotonic()
         self.cpu0 = time.process_time()
-        next_pipe, nap = t0, 0.0
+        next_pipe = t0
         while True:
             t = time.monotonic()
             msg = None
@@ -295,8 +309,11 @@ class PrefillWorker(_Worker):
                     raise RuntimeError(f"prefill worker: unexpected {kind!r} {payload!r}")
                 self.pauses_done += 1
                 pause_active = None
+            # progress besides step(): a pipe message, a pause begun or ended, a request added
+            moved = msg is not None
             if (pause_active is None and self.pauses_done < cfg.pauses
                     and len(side.finished) >= thresholds[self.pauses_done]):
+                moved = True
                 if self.pauses_done % 2 == 0:
                     side.begin_pause()
                     pause_active = "prefill"
@@ -304,6 +321,7 @@ class PrefillWorker(_Worker):
                     self.send("pause_decode", self.pauses_done)
                     pause_active = "decode"
             if pause_active == "prefill" and side.paused:
+                moved = True
                 side.resume()
                 self.pauses_done += 1
                 pause_active = None
@@ -311,15 +329,12 @@ class PrefillWorker(_Worker):
             gate = thresholds[nxt] + cap if nxt < cfg.pauses else n
             while (next_rid < min(n, gate) and len(side.reqs) < cap
                    and pause_active != "prefill"):
+                moved = True
                 side.add_request(next_rid, plan.tokens(next_rid))
                 next_rid += 1
             plan.drive(side, side.clock())
-            side.step()
-            if side.idle:  # nothing to send: back off (the decode's messages can wait)
-                nap = min(max(2 * nap, NAP_FIRST), NAP_MOST)
-                time.sleep(nap)
-            else:
-                nap = 0.0
+            # no progress (waiting for the decode's answers, a posted write, or idle): nap
+            self.backoff.pace(side.step() or moved)
             self.progress()
             if (not done_sent and len(side.finished) == n and side.idle
                     and self.pauses_done == cfg.pauses and pause_active is None):
@@ -362,6 +377,7 @@ class DecodeWorker(_Worker):
     def instrument(self) -> None:
         c, s = self.clock, self.side
         c.wrap(s, "step", "step")
+        c.wrap(self.backoff, "sleep", "nap")
         c.wrap(s.synth, "verify", "verify (Synth.verify)")
         c.wrap(s.synth, "verify_pages", "verify in place (Synth.verify_pages)")
         c.wrap(s.engine, "post_blocks", "post_blocks (pull; UCX reads here)")
@@ -392,9 +408,10 @@ class DecodeWorker(_Worker):
         pausing, done_sent = None, False
         t0 = time.monotonic()
         self.cpu0 = time.process_time()
-        next_pipe, nap = t0, 0.0
+        next_pipe = t0
         while True:
             t = time.monotonic()
+            moved = False  # a pipe message, a pause begun or ended
             if t >= next_pipe:
                 next_pipe = t + PIPE_EVERY
                 if self.conn.poll():
@@ -404,16 +421,14 @@ class DecodeWorker(_Worker):
                     if kind != "pause" or pausing is not None:
                         raise RuntimeError(f"decode worker: unexpected {kind!r} {payload!r}")
                     side.begin_pause()
-                    pausing = payload
-            if side.step():
-                nap = 0.0
-            else:  # no message: back off (still polling; a write's ack needs this side)
-                nap = min(max(2 * nap, NAP_FIRST), NAP_MOST)
-                time.sleep(nap)
+                    pausing, moved = payload, True
+            moved = side.step() or moved
             if pausing is not None and side.paused:
                 side.resume()
                 self.send("resumed", pausing)
-                pausing = None
+                pausing, moved = None, True
+            # no progress: back off (still polling; a write's ack needs this side)
+            self.backoff.pace(moved)
             self.progress()
             if not done_sent and len(side.completed) == n and side.idle and pausing is None:
                 self.progress(force=True)

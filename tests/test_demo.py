@@ -128,6 +128,10 @@ def test_demo_end_to_end_every_fault(tmp_path):
     for side in ("prefill", "decode"):
         assert r[side]["closed"] is True and r[side]["exit_code"] == 0
         assert r[side]["allocator_allocated"] == 0 and r[side]["open_handles"] == 0
+        # the workload loop napped (the faults leave both sides waiting for the other and
+        # for timeouts), and fewer times than it stepped (steps that progress do not nap)
+        st = r[side]["stage_seconds"]
+        assert 0 < st["nap"]["calls"] < st["step"]["calls"], (side, st["nap"], st["step"])
     raw = r["raw_nixl"]
     assert raw["verified"] is True and raw["gbps"] > 0
     assert r["throughput_vs_raw"] == pytest.approx(r["throughput_gbps"] / raw["gbps"])
