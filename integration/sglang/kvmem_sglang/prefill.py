@@ -112,6 +112,8 @@ def hooks(options) -> list[tuple[str, object, str]]:
     """(target, hook, kind) of the prefill lifecycle hooks for these options."""
     global TRANSFER_TIMEOUT
     TRANSFER_TIMEOUT = transfer_timeout_from_env()
+    from kvmem_sglang import notify  # an aborted sender's decode is told (notify.py)
+
     return [
         (f"{_SCHED}._add_request_to_queue", add_request_to_queue, "AROUND"),
         (f"{_SCHED}.abort_request", abort_request, "AROUND"),
@@ -124,6 +126,7 @@ def hooks(options) -> list[tuple[str, object, str]]:
         (f"{_WU}.resume_memory_occupation", resume_memory_occupation, "AROUND"),
         (f"{_QUEUE}.release_memory_occupation", queue_release, "AFTER"),
         (f"{_QUEUE}.resume_memory_occupation", queue_resume, "AROUND"),
+        *notify.hooks(options),
     ]
 
 

@@ -1,0 +1,164 @@
+"""The decode side is told when the prefill aborts a KV sender (issue 8 item 5).
+
+sglang 0.5.23 (file:line of the installed package, ``sglang/srt/disaggregation/``):
+
+* ``CommonKVSender.abort`` (common/conn.py:2458) records "Aborted by AbortReq." and marks
+  the room Failed in the *prefill's* own table; it sends nothing.  The failure path that
+  follows (``failure_exception`` -> ``clear``, common/conn.py:2446/2409) drops the room;
+  ``clear`` tells the decode only under ``--disaggregation-decode-allocation-policy
+  prefill_complete`` (the default is ``early``).  A transfer worker that later dequeues a
+  chunk of the room skips it silently (nixl/conn.py:1615 and 1633).
+* The decode learns a room's end only from a status message (``apply_prefill_status``,
+  common/conn.py:921, from the listener at nixl/conn.py:1017), from its heartbeat to a
+  *dead* prefill (common/conn.py:2004), or from its own waiting timeout: its receiver stays
+  WaitingForInput until ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (default 300 s) after
+  ``send_metadata`` (``_check_waiting_timeout``, common/conn.py:2888), holding the KV pages
+  and the metadata slot it pre-allocated for the request all that time.
+* A room aborted while Bootstrapping whose decode metadata arrives afterwards: the
+  prefill's bootstrap thread stores its ``transfer_infos`` and ``update_status(room,
+  WaitingForInput)`` re-creates the cleared room (common/conn.py:653-667, nixl/conn.py:
+  3384-3410); both stay for good on the prefill, and the decode again waits out its
+  waiting timeout.
+
+With SGLANG_KVMEM=1:
+
+* ``sender_abort`` (around ``CommonKVSender.abort``, so every caller: the adapter's
+  transfer timeout and release, ``Scheduler.abort_request``, sglang's own retire paths):
+  a room that was Bootstrapping, WaitingForInput or Transferring has Failed, with the
+  reason, pushed to every decode endpoint of the room on sglang's status channel
+  (``send_kv_status_message``, the message its transfer workers send on a failure).  The
+  decode's receiver reports Failed at its next poll; its transfer queue answers the
+  request and, with deferred KV release (sglang's default), sends ABORT and frees the pages
+  at the prefill's ABORT_ACK, which the prefill sends only once no write of the room is
+  outstanding (common/conn.py:1044).  Without deferred release on the manager and with a
+  write still outstanding, nothing is sent (the decode would free pages the NIC may still
+  write): the decode falls back to its waiting timeout, as sglang arranges for an
+  unsettled write (nixl/conn.py:1940-1950).  Success or an already Failed room is not
+  touched (a Failed one was told, or must not be).
+* ``manager_update_status`` (around ``CommonKVManager.update_status``): the decode
+  metadata of a room aborted while Bootstrapping is answered Failed and dropped, instead of
+  re-creating the room.  Such rooms are remembered for
+  ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT + SGLANG_DISAGGREGATION_WAITING_TIMEOUT``; a new
+  sender for the same room (its ``Bootstrapping``) forgets it.
+
+The messages leave on one background thread: a send to a dead decode may block for
+``SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT`` and must not stall the scheduler loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+logger = logging.getLogger("kvmem.sglang")
+
+_CONN = "sglang.srt.disaggregation.common.conn"
+
+
+@dataclass
+class NotifyStats:
+    told: int = 0  # aborted rooms whose decode endpoints were sent Failed
+    told_late: int = 0  # late decode metadata of a room aborted while bootstrapping
+    not_told_writing: int = 0  # aborts left to the decode's timeout (write outstanding)
+
+
+STATS = NotifyStats()
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def hooks(options) -> list[tuple[str, object, str]]:
+    return [
+        (f"{_CONN}.CommonKVSender.abort", sender_abort, "AROUND"),
+        (f"{_CONN}.CommonKVManager.update_status", manager_update_status, "AROUND"),
+    ]
+
+
+def _is_prefill(mgr) -> bool:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    return getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL
+
+
+def _send(mgr, targets, room: int, reason: str) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(1, thread_name_prefix="kvmem-notify")
+    _POOL.submit(mgr.send_kv_status_message, targets=list(targets), bootstrap_room=room,
+                 status=KVPoll.Failed, failure_reason=reason)
+
+
+def _remember(mgr, room: int) -> None:
+    from sglang.srt.environ import envs
+
+    rooms = mgr.__dict__.setdefault("_kvmem_aborted_rooms", {})
+    now = time.monotonic()
+    keep = (envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+            + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
+    for old in [r for r, t in list(rooms.items()) if now - t > keep]:
+        rooms.pop(old, None)
+    rooms[room] = now
+
+
+def sender_abort(original, sender, *args, **kwargs):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = sender.kv_mgr
+    room = sender.bootstrap_room
+    before = mgr.request_status.get(room) if _is_prefill(mgr) else None
+    concluded = sender.conclude_state
+    out = original(sender, *args, **kwargs)
+    if concluded is not None or before not in (
+            KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring):
+        return out
+    if mgr.request_status.get(room) != KVPoll.Failed:
+        return out  # sglang declined the abort (a room it does not own)
+    if before == KVPoll.Bootstrapping:
+        _remember(mgr, room)  # the decode's metadata may still come
+    targets = mgr._room_notify_targets(room)
+    if not targets:
+        return out
+    if (mgr._staging_outstanding.get(room, 0) > 0
+            and not mgr.enable_deferred_decode_kv_release):
+        STATS.not_told_writing += 1
+        logger.warning("kvmem-sglang: room %s aborted with a write still outstanding and "
+                       "no deferred decode KV release: its decode is not told (it "
+                       "falls back to its waiting timeout)", room)
+        return out
+    name = {KVPoll.Bootstrapping: "Bootstrapping", KVPoll.WaitingForInput:
+            "WaitingForInput", KVPoll.Transferring: "Transferring"}[before]
+    reason = (f"Prefill aborted the KV transfer of room {room} in {name} "
+              f"({mgr.failure_records.get(room) or 'aborted'})")
+    STATS.told += 1
+    logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
+    _send(mgr, targets, room, reason)
+    return out
+
+
+def manager_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
+    rooms = mgr.__dict__.get("_kvmem_aborted_rooms")
+    if rooms and bootstrap_room in rooms:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        if status == KVPoll.Bootstrapping:  # a new sender: a new lifecycle of the room
+            rooms.pop(bootstrap_room, None)
+        elif (status == KVPoll.WaitingForInput
+              and mgr.request_status.get(bootstrap_room) in (None, KVPoll.Failed)):
+            rooms.pop(bootstrap_room, None)
+            targets = mgr._room_notify_targets(bootstrap_room)
+            mgr.transfer_infos.pop(bootstrap_room, None)
+            mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
+            STATS.told_late += 1
+            reason = (f"Prefill aborted room {bootstrap_room} while bootstrapping; its "
+                      "decode metadata came after the abort")
+            logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
+            if targets:
+                _send(mgr, targets, bootstrap_room, reason)
+            return None
+    return original(mgr, bootstrap_room, status, *args, **kwargs)
