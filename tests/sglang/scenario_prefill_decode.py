@@ -162,7 +162,7 @@ def main() -> dict:
             room = h.reqs[rid].bootstrap_room
             if rid in published and rid not in failed and r.poll() == KVPoll.Failed:
                 failed[rid] = time.monotonic()
-                r.ensure_abort_notified(force_arm=True)  # decode.py:2889-2896
+                r.ensure_abort_notified(force_arm=True)  # decode.py:2899-2906
                 try:
                     r.failure_exception()
                 except Exception as e:  # KVTransferError: the decode's answer carries it
@@ -259,7 +259,8 @@ def main() -> dict:
 
         out["notify"] = vars(notify.STATS)
         out["transfer_timeouts"] = prefill.STATS.transfer_timeouts
-    del NixlKVSender
+    out["senders"] = sorted({type(r.disagg_kv_sender).__name__ for r in h.reqs.values()})
+    assert out["senders"] == [NixlKVSender.__name__]
     return out
 
 

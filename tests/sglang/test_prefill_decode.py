@@ -44,6 +44,7 @@ def test_the_scenario_ran_on_real_transfers(runs):
     side."""
     for key in ("off", "on"):
         run = runs[key]
+        assert run["senders"] == ["NixlKVSender"]
         assert run["states_at_abort"] == STATES, (key, run["states_at_abort"])
         assert run["xfer_decode_pages"] == {"chunk1_k": [7.0], "chunk1_v": [-3.0],
                                             "chunk2_k": [0.0]}, (key, run)

@@ -7,7 +7,7 @@ sglang 0.5.23 (file:line of the installed package, ``sglang/srt/disaggregation/`
   follows (``failure_exception`` -> ``clear``, common/conn.py:2446/2409) drops the room;
   ``clear`` tells the decode only under ``--disaggregation-decode-allocation-policy
   prefill_complete`` (the default is ``early``).  A transfer worker that later dequeues a
-  chunk of the room skips it silently (nixl/conn.py:1615 and 1633).
+  chunk of the room skips it silently (nixl/conn.py:1615-1624 and 1633-1639).
 * The decode learns a room's end only from a status message (``apply_prefill_status``,
   common/conn.py:921, from the listener at nixl/conn.py:1017), from its heartbeat to a
   *dead* prefill (common/conn.py:2004), or from its own waiting timeout: its receiver stays
@@ -17,7 +17,7 @@ sglang 0.5.23 (file:line of the installed package, ``sglang/srt/disaggregation/`
 * A room aborted while Bootstrapping whose decode metadata arrives afterwards: the
   prefill's bootstrap thread stores its ``transfer_infos`` and ``update_status(room,
   WaitingForInput)`` re-creates the cleared room (common/conn.py:653-667, nixl/conn.py:
-  3384-3410); both stay for good on the prefill, and the decode again waits out its
+  3395-3413); both stay for good on the prefill, and the decode again waits out its
   waiting timeout.
 
 With SGLANG_KVMEM=1:
@@ -33,7 +33,7 @@ With SGLANG_KVMEM=1:
   outstanding (common/conn.py:1044).  Without deferred release on the manager and with a
   write still outstanding, nothing is sent (the decode would free pages the NIC may still
   write): the decode falls back to its waiting timeout, as sglang arranges for an
-  unsettled write (nixl/conn.py:1940-1950).  Success or an already Failed room is not
+  unsettled write (nixl/conn.py:1958-1967).  Success or an already Failed room is not
   touched (a Failed one was told, or must not be).
 * ``manager_update_status`` (around ``CommonKVManager.update_status``): the decode
   metadata of a room aborted while Bootstrapping is answered Failed and dropped, instead of
