@@ -161,6 +161,23 @@ def main() -> dict:
     rel["answers_settled"] = {rid: answer(rid) for rid in ("e-chunked", "e-boot", "e-after")}
     out["release"] = rel
 
+    # -- e2. a client abort of the chunked request, not yet applied, then the release -------
+    h.submit("e-aborted", 29)
+    h.loop_step()
+    h.loop_step()
+    h.abort("e-aborted")  # _pending_chunked_abort_req set; applied at the next step
+    ra: dict = {"before": state()}
+    ra["release"] = _call(h.release)
+    ra["after_release"] = state()
+    ra["resume"] = _call(h.resume)
+    h.loop_step()  # the next step: the pending chunked abort (stock) or nothing left
+    h.loop_step()
+    ra.update(report(["e-aborted"]))
+    ra["end"] = state()
+    ra["after"] = settle()
+    ra["answers_settled"] = answer("e-aborted")
+    out["release_after_abort"] = ra
+
     # -- f. release while a chunk's result is queued (overlap loop) --------------------------
     flushes.clear()
     out["release_overlap"] = _release_overlap(h, answer, state, report, settle)

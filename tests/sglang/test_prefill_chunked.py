@@ -25,7 +25,7 @@ EMPTY = {"kv_tokens": 0, "req_slots": 0, "meta_slots": 0}
 IDLE = {"held": EMPTY, "queues": {"bootstrap": [], "waiting": [], "inflight": []},
         "chunked": None, "pending_chunk_rids": [], "pending_chunked_abort": False}
 CASES = ("complete", "abort_between", "abort_during", "abort_last", "middle_send_failed",
-         "transfer_timeout", "release", "release_overlap")
+         "transfer_timeout", "release", "release_after_abort", "release_overlap")
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +168,25 @@ def test_release_between_chunks(runs):
     assert on["end"] == IDLE
 
 
+def test_release_after_a_client_abort_of_the_chunked_request(runs):
+    """The client aborted the chunked request; the abort is pending
+    (``_pending_chunked_abort_req``, applied at the next step) when the release comes.
+    Stock: AssertionError in the loop; the next step then applies the abort (one
+    answer).  kvmem: answered once with the client's abort (not 503), freed, the pending
+    marker cleared, so the next step answers nothing more."""
+    off, on = runs["off"]["release_after_abort"], runs["on"]["release_after_abort"]
+    for run in (off, on):
+        assert run["before"]["pending_chunked_abort"]
+        assert run["before"]["chunked"] == "e-aborted"
+        got = one(run["e-aborted"]["answer"])
+        assert got["type"] == "abort" and got["status"] == "abort", got
+        assert run["answers_settled"] == run["e-aborted"]["answer"]
+        assert run["e-aborted"]["sends"] == [[2, False]] and run["end"] == IDLE
+    assert off["release"]["error"].startswith("AssertionError")
+    assert on["release"] == {"ok": True} and on["after_release"] == IDLE
+    assert on["e-aborted"]["aborts"] == 1
+
+
 def test_release_with_a_chunk_result_queued(runs):
     """The overlap loop's state at an ingest: chunk 2 of a chunked request launched and
     queued with its result (``result_queue``), ``last_batch`` that batch.  Stock:
@@ -185,4 +204,4 @@ def test_release_with_a_chunk_result_queued(runs):
     assert got["status"] == 503 and "release_memory_occupation" in got["message"]
     assert on["f-chunked"]["aborts"] == 1 and on["f-chunked"]["sends"] == [[2, False]]
     assert on["answers_settled"] == on["f-chunked"]["answer"]
-    assert runs["on"]["prefill_stats"]["released_aborts"] == 3
+    assert runs["on"]["prefill_stats"]["released_aborts"] == 4
