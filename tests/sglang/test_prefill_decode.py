@@ -77,6 +77,8 @@ def test_decode_learns_of_a_prefill_abort(runs):
     for rid in ("xfer", "wait", "late"):
         assert on["decode_reasons"][rid].startswith("Prefill aborted the KV transfer"), on
     assert "while bootstrapping" in on["decode_reasons"]["boot"]
+    # the decode gets the adapter's own reason where the adapter decided the abort
+    assert "Prefill KV transfer timed out" in on["decode_reasons"]["late"], on
     assert on["notify"] == {"told": 3, "told_late": 1, "not_told_writing": 0}
 
 

@@ -133,8 +133,11 @@ def sender_abort(original, sender, *args, **kwargs):
         return out
     name = {KVPoll.Bootstrapping: "Bootstrapping", KVPoll.WaitingForInput:
             "WaitingForInput", KVPoll.Transferring: "Transferring"}[before]
-    reason = (f"Prefill aborted the KV transfer of room {room} in {name} "
-              f"({mgr.failure_records.get(room) or 'aborted'})")
+    # the adapter's reason (a timeout, a release, ...: prefill._decide) where it decided
+    # the abort, else what sglang recorded ("Aborted by AbortReq.")
+    why = (getattr(sender, "_kvmem_abort_why", None) or mgr.failure_records.get(room)
+           or "aborted")
+    reason = f"Prefill aborted the KV transfer of room {room} in {name} ({why})"
     STATS.told += 1
     logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
     _send(mgr, targets, room, reason)

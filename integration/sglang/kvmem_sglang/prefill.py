@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from kvmem_sglang import audit
-from kvmem_sglang.options import DEFAULT_DRAIN_TIMEOUT, AdapterError, positive_seconds
+from kvmem_sglang.options import DEFAULT_DRAIN_TIMEOUT, positive_seconds
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -156,6 +156,9 @@ def _decide(req, reason) -> bool:
     if getattr(req, "_kvmem_reason", None) is not None:
         return False
     req._kvmem_reason = reason
+    sender = getattr(req, "disagg_kv_sender", None)
+    if sender is not None:  # what notify.py tells the decode when the sender is aborted
+        sender._kvmem_abort_why = reason.message
     return True
 
 
