@@ -252,6 +252,32 @@ def main() -> dict:
     for rid in h.reqs:
         got = h.outbox.answers.get(rid, [])
         out["answers"][rid] = [[k, r.get("status_code")] for k, r in got]
+
+    # boom: telling the decode fails (its notify targets cannot be read): the abort
+    # itself still goes through and the request is answered once (best effort)
+    h.submit("boom", sizes["wait"])
+    decode_bootstrap("boom", sizes["wait"])
+    publish("boom")
+    wait_status("boom", KVPoll.WaitingForInput)
+    step()
+    real_targets = pm._room_notify_targets
+
+    def no_targets(room):
+        raise RuntimeError("kvmem test: notify targets unreadable")
+
+    pm._room_notify_targets = no_targets
+    try:
+        h.abort("boom")
+        out["boom_abort"] = "returned"
+    except BaseException as e:  # noqa: BLE001
+        out["boom_abort"] = f"{type(e).__name__}: {e}"
+    finally:
+        pm._room_notify_targets = real_targets
+    out["boom_failed"] = prefill_status("boom") == KVPoll.Failed
+    for _ in range(3):
+        step()
+    out["answers"]["boom"] = [[k, r.get("status_code")]
+                              for k, r in h.outbox.answers.get("boom", [])]
     out["prefill_held"] = h.held()
     out["prefill_queues"] = h.queues()
     if os.environ.get("SGLANG_KVMEM") == "1":

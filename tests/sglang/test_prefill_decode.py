@@ -107,3 +107,13 @@ def test_prefill_keeps_no_room_of_a_request_aborted_while_bootstrapping(runs):
         assert on[rid] == {"status": None, "transfer_infos": False}, (rid, on)
     for rid in ("xfer", "wait", "late"):
         assert off[rid] == {"status": None, "transfer_infos": False}, (rid, off)
+
+
+def test_a_failing_notification_never_escapes_abort(runs):
+    """Telling the decode is best effort: when it fails (here: the room's notify targets
+    cannot be read) sglang's abort still returns, the sender is Failed and the request is
+    answered once; the decode falls back to its waiting timeout."""
+    for run in (runs["off"], runs["on"]):
+        assert run["boom_abort"] == "returned", run["boom_abort"]
+        assert run["boom_failed"] is True
+        assert len(run["answers"]["boom"]) == 1, run["answers"]["boom"]

@@ -107,30 +107,43 @@ def _remember(mgr, room: int) -> None:
 
 
 def sender_abort(original, sender, *args, **kwargs):
+    mgr = getattr(sender, "kv_mgr", None)
+    room = getattr(sender, "bootstrap_room", None)
+    status = getattr(mgr, "request_status", None)
+    before = status.get(room) if status is not None and _is_prefill(mgr) else None
+    concluded = getattr(sender, "conclude_state", None)
+    out = original(sender, *args, **kwargs)
+    if before is None:
+        return out
+    try:  # telling the decode is best effort: never an exception out of abort()
+        _tell(sender, mgr, room, before, concluded)
+    except Exception:  # noqa: BLE001 (callers such as abort_request run in the loop)
+        logger.exception("kvmem-sglang: telling the decode of room %s's abort failed; it "
+                         "falls back to its waiting timeout", room)
+    return out
+
+
+def _tell(sender, mgr, room, before, concluded) -> None:
+    """sender_abort's notification, after sglang's abort ran (module docstring)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    mgr = sender.kv_mgr
-    room = sender.bootstrap_room
-    before = mgr.request_status.get(room) if _is_prefill(mgr) else None
-    concluded = sender.conclude_state
-    out = original(sender, *args, **kwargs)
     if concluded is not None or before not in (
             KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring):
-        return out
+        return
     if mgr.request_status.get(room) != KVPoll.Failed:
-        return out  # sglang declined the abort (a room it does not own)
+        return  # sglang declined the abort (a room it does not own)
     if before == KVPoll.Bootstrapping:
         _remember(mgr, room)  # the decode's metadata may still come
     targets = mgr._room_notify_targets(room)
     if not targets:
-        return out
+        return
     if (mgr._staging_outstanding.get(room, 0) > 0
             and not mgr.enable_deferred_decode_kv_release):
         STATS.not_told_writing += 1
         logger.warning("kvmem-sglang: room %s aborted with a write still outstanding and "
                        "no deferred decode KV release: its decode is not told (it "
                        "falls back to its waiting timeout)", room)
-        return out
+        return
     name = {KVPoll.Bootstrapping: "Bootstrapping", KVPoll.WaitingForInput:
             "WaitingForInput", KVPoll.Transferring: "Transferring"}[before]
     # the adapter's reason (a timeout, a release, ...: prefill._decide) where it decided
@@ -141,7 +154,6 @@ def sender_abort(original, sender, *args, **kwargs):
     STATS.told += 1
     logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
     _send(mgr, targets, room, reason)
-    return out
 
 
 def manager_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
