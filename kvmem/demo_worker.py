@@ -333,8 +333,10 @@ class PrefillWorker(_Worker):
                 side.add_request(next_rid, plan.tokens(next_rid))
                 next_rid += 1
             plan.drive(side, side.clock())
-            # no progress (waiting for the decode's answers, a posted write, or idle): nap
-            self.backoff.pace(side.step() or moved)
+            # no progress (waiting for the decode's BOOT or PULLED answers, the clock, or
+            # idle): nap; never while a write of ours is in flight (our polls complete it)
+            moved = side.step() or moved
+            self.backoff.pace(moved or side.writes_in_flight)
             self.progress()
             if (not done_sent and len(side.finished) == n and side.idle
                     and self.pauses_done == cfg.pauses and pause_active is None):
@@ -427,8 +429,9 @@ class DecodeWorker(_Worker):
                 side.resume()
                 self.send("resumed", pausing)
                 pausing, moved = None, True
-            # no progress: back off (still polling; a write's ack needs this side)
-            self.backoff.pace(moved)
+            # no progress: back off (still polling; a write's ack needs this side), never
+            # while a read of ours is in flight (pull: our polls complete it)
+            self.backoff.pace(moved or side.reads_in_flight)
             self.progress()
             if not done_sent and len(side.completed) == n and side.idle and pausing is None:
                 self.progress(force=True)

@@ -165,3 +165,62 @@ def test_pull_quarantine_expiry_on_the_prefill_is_progress():
         assert dict(p.prefill.ledger.freed_by_reason) == {"ended:499": 4}
     finally:
         p.close()
+
+
+def test_a_write_in_flight_is_the_prefills_to_poll_an_offer_is_not():
+    # push: a posted write completes (and sends its CHUNK) only at this side's poll: the
+    # loop must not nap on it
+    p = Pair()
+    try:
+        p.prefill.add_request(1, 200)
+        for _ in range(500):
+            if p.prefill.step() and p.prefill.writes_in_flight:
+                break
+            p.decode.step()
+        else:
+            raise AssertionError("no write posted")
+        handles = list(p.prefill.reqs[1].handles)
+        assert handles and p.pe.open_handles() >= 1
+        for _ in range(2000):
+            moved = p.prefill.step()
+            if p.prefill.reqs[1].handles != handles:
+                assert moved  # the poll that saw it DONE (and sent its CHUNK): progress
+                break
+            assert p.prefill.writes_in_flight  # PROC: the loop keeps polling, no nap
+            p.decode.step()  # (UCX over loopback completes it as both engines are driven)
+            time.sleep(0.0002)
+        else:
+            raise AssertionError("the write never completed")
+        p.run_idle()
+        assert p.finished[1].status == 200
+        p.assert_clean()
+    finally:
+        p.close()
+    # pull: an offer waits for the decode's PULLED: no write of ours in flight, nap
+    p = Pair(transfer_mode="pull")
+    try:
+        p.faults.stall_at[1] = 1
+        p.prefill.add_request(1, 200)
+        p.run_until(lambda: 1 in p.prefill.reqs and p.prefill.reqs[1].handles)
+        assert not p.prefill.writes_in_flight
+        # the decode's read stays PROC while its engine says so: its own to poll
+        real = p.de.poll
+        p.de.poll = lambda h: "PROC"
+        p.run_until(lambda: p.decode.reads_in_flight)
+        assert p.decode.step() is False and p.decode.reads_in_flight
+        p.de.poll = real
+        for _ in range(2000):
+            moved = p.decode.step()
+            if not p.decode.reads_in_flight:
+                assert moved  # the poll that saw it DONE (verified, PULLED sent): progress
+                break
+            p.prefill.step()
+            time.sleep(0.0002)
+        else:
+            raise AssertionError("the read never completed")
+        p.faults.stall_at.clear()
+        p.run_idle()
+        assert p.finished[1].status == 200
+        p.assert_clean()
+    finally:
+        p.close()

@@ -514,6 +514,12 @@ class DecodeSide:
     def idle(self) -> bool:
         return not self.reqs
 
+    @property
+    def reads_in_flight(self) -> bool:
+        """Pull: True while a read this side posted is not seen DONE or ERR yet; it
+        completes only when this side polls it, so a loop should not nap then."""
+        return any(req.reads for req in self.reqs.values())
+
     def audit(self) -> dict:
         return self.ledger.audit()
 

@@ -326,6 +326,14 @@ class PrefillSide:
     def idle(self) -> bool:
         return not self.reqs
 
+    @property
+    def writes_in_flight(self) -> bool:
+        """True while a write this side posted (a chunk, direct or packed, or an AUX) is
+        not seen DONE or ERR yet.  Such a write completes, and sends its notification, only
+        when this side polls it (no progress thread: see kvmem/transfer/nixl.py), so a
+        loop should not nap then; an offered read (pull) is the decode's to finish."""
+        return any(not isinstance(h, _Offer) for req in self.reqs.values() for h, _ in req.handles)
+
     # --- one scheduler iteration -------------------------------------------------------------
     def step(self) -> bool:
         """One iteration.  True when it made progress: a message from the decode was
