@@ -554,3 +554,15 @@ def _batch_result_processor(s):
         metrics_reporter=s.metrics_reporter, draft_worker=None, model_worker=None,
         logprob_result_processor=None, output_streamer=s.output_streamer,
         beam_coordinator=s.beam_coordinator, abort_request=s.abort_request)
+
+
+def prefill_stats() -> dict | None:
+    """What the adapter's prefill hooks counted in this process (``PrefillStats`` as a
+    dict); None with the flag off (the adapter is not loaded)."""
+    try:
+        from dataclasses import asdict
+
+        from kvmem_sglang import plugin, prefill
+    except ImportError:
+        return None
+    return asdict(prefill.STATS) if plugin.OPTIONS is not None else None

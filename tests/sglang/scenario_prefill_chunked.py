@@ -18,6 +18,7 @@ import json
 import sys
 import time
 
+from tests.sglang.prefill_env import prefill_stats
 from tests.sglang.scenario_prefill_gaps import _call, _code, _kvmem_on
 
 TRANSFER_TIMEOUT = 0.3  # SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT set by the test
@@ -182,7 +183,7 @@ def main() -> dict:
     flushes.clear()
     out["release_overlap"] = _release_overlap(h, answer, state, report, settle)
     out["release_overlap"]["held_at_flush"] = list(flushes)
-    out["prefill_stats"] = _prefill_stats()
+    out["prefill_stats"] = prefill_stats()
     return out
 
 
@@ -221,17 +222,6 @@ def _release_overlap(h, answer, state, report, settle) -> dict:
     f["after"] = settle()
     f["answers_settled"] = answer("f-chunked")
     return f
-
-
-def _prefill_stats():
-    try:
-        from dataclasses import asdict
-
-        from kvmem_sglang import prefill
-
-        return asdict(prefill.STATS)
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":

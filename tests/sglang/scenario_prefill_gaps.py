@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 
-from tests.sglang.prefill_env import PrefillHarness
+from tests.sglang.prefill_env import PrefillHarness, prefill_stats
 
 TRANSFER_TIMEOUT = 0.3  # SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT set by the test
 BOOTSTRAP_TIMEOUT = 1  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (sglang reads an int)
@@ -188,19 +188,12 @@ def _posted_writes(h) -> dict:
         out["stuck_release"] = _call(h.release)
         out["stuck_release_s"] = time.monotonic() - t0
         out["stuck_resume"] = _call(h.resume)
-        out["stats"] = _prefill_stats()
+        stats = prefill_stats()
+        out["stats"] = stats and {k: stats[k] for k in ("drain_waits", "drain_timeouts")}
     finally:
         counts.clear()
         del queue.release_memory_occupation
     return out
-
-
-def _prefill_stats():
-    try:
-        from kvmem_sglang.prefill import STATS
-    except ImportError:
-        return None
-    return {"drain_waits": STATS.drain_waits, "drain_timeouts": STATS.drain_timeouts}
 
 
 def _call(fn) -> dict:

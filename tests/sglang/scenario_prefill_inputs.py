@@ -12,6 +12,7 @@ import statistics
 import sys
 import time
 
+from tests.sglang.prefill_env import prefill_stats
 from tests.sglang.scenario_prefill_gaps import _call, _kvmem_on
 
 
@@ -166,7 +167,7 @@ def main() -> dict:
     st["sends"] = h.sender("stale").sends
     st["aborts"] = h.sender("stale").aborts
     out["stale_send"] = st
-    out["prefill_stats"] = _prefill_stats()
+    out["prefill_stats"] = prefill_stats()
     return out
 
 
@@ -191,17 +192,6 @@ def _audit_stats():
             "req_slot_owners": list(s.last.req_slot_owners) if s.last else None,
             "metadata_owners": list(s.last.metadata_owners) if s.last else None,
             "metric": metric}
-
-
-def _prefill_stats():
-    try:
-        from dataclasses import asdict
-
-        from kvmem_sglang import prefill
-
-        return asdict(prefill.STATS)
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":

@@ -61,6 +61,13 @@ def run_both(script: Path, *, env: dict | None = None, timeout: float = 240) -> 
     return out
 
 
+def one(answers: list) -> dict:
+    """The one answer of a request (a scenario's list of its answers); fails naming
+    them when there are none or several."""
+    assert len(answers) == 1, f"answered {len(answers)} times: {answers}"
+    return answers[0]
+
+
 def result_of(proc) -> dict:
     """The JSON a script printed on its last stdout line (``emit``)."""
     if proc.returncode != 0:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.sglang.scenario_prefill_gaps import SETTLE_S
-from tests.sglang.sglang_env import run_both
+from tests.sglang.sglang_env import one, run_both
 
 SCRIPT = Path(__file__).parent / "scenario_prefill_gaps.py"
 ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "0.3",
@@ -28,11 +28,6 @@ def runs() -> dict[str, dict]:
     out = run_both(SCRIPT, env=ENV, timeout=180)
     assert out["on"]["kvmem"] and not out["off"]["kvmem"]
     return out
-
-
-def one(answers: list) -> dict:
-    assert len(answers) == 1, f"answered {len(answers)} times: {answers}"
-    return answers[0]
 
 
 EMPTY = {"kv_tokens": 0, "req_slots": 0, "meta_slots": 0}
