@@ -246,6 +246,13 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         """Free several ``(free_index, start_pos)`` segments of one request's kv row
         (ascending, no page shared: sglang's contract, which its base class asserts),
         in one kvmem free."""
+        if type(segments) is list and len(segments) == 1 and self.free_group is None:
+            free_index, start_pos = segments[0]  # one request's row: the retire path
+            n = free_index.numel()
+            if 0 < n <= self._short_slots:
+                self.page_allocator.free(self._segment_page_list(free_index, start_pos),
+                                         check=self.check)
+                return
         segments = list(self._page_disjoint(segments))
         if not segments:
             return
