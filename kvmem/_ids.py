@@ -1,6 +1,8 @@
 """Page ids from a caller: the one coercion every public function that takes them uses
 (``pack_pages`` / ``unpack_pages`` / ``pack_buffers`` / ``unpack_buffers`` through
-``kvmem.kernels.pack``, and ``PageAllocator.free``).
+``kvmem.kernels.pack``, and ``PageAllocator.free``; the one exception: on the CPU a
+``free`` of a short list of Python ints is checked in plain Python first,
+``kvmem.kernels.alloc.free_pages_list``, and anything else it meets comes here).
 
 What is accepted, and what comes out::
 

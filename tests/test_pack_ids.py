@@ -107,11 +107,19 @@ def test_every_public_function_uses_the_one_coercion(pool, monkeypatch):
         call([1])
         assert len(seen) == before + 1, name
     a = kvmem.PageAllocator(num_pages=5, page_size=2)
-    a.alloc(2)
-    a.free([1])
+    a.alloc(4)
+    a.free(torch.tensor([1]))
     with a.free_group():
         a.free(np.array([2]))
     assert seen[-2:] == ["free: pages", "free: pages"]
+    # the one exception: a short list of Python ints on the CPU is checked in plain
+    # Python (kvmem.kernels.alloc.free_pages_list); any other entry, a NumPy integer
+    # here, goes through the coercion
+    n = len(seen)
+    a.free([3])
+    assert len(seen) == n
+    a.free([np.int64(4)])
+    assert seen[n:] == ["free: pages"]
     assert a.num_allocated == 0
 
 
