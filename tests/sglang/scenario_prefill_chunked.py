@@ -192,7 +192,8 @@ def _release_overlap(h, answer, state, report, settle) -> dict:
     processes it in the next iteration, after that iteration's ingest: a release can be
     ingested with it queued.  Here: chunk 2 of f-chunked launched and queued, last_batch
     that batch, then the release; then the loop's next steps as the overlap loop takes
-    them (it pops a queued result only while last_batch is set)."""
+    them (it pops a queued result only while last_batch is set): the queued result is
+    processed after the release."""
     import torch
     from sglang.srt.managers.utils import GenerationBatchResult
 
@@ -201,7 +202,7 @@ def _release_overlap(h, answer, state, report, settle) -> dict:
     h.loop_step()  # chunk 1
     batch = h.schedule()  # chunk 1 sent, chunk 2 launched
     result = GenerationBatchResult(next_token_ids=torch.arange(len(batch.reqs)) + 11)
-    s.result_queue.append((batch, result))
+    s.result_queue.append((batch.copy(), result))  # as the loop queues it (prefill.py:833)
     s.last_batch = batch
     s.enable_overlap = True  # is_fully_idle counts the queued result
     f: dict = {"before": state(), "queued": len(s.result_queue)}

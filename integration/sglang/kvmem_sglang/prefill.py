@@ -50,6 +50,7 @@ same step, so all ranks free the request together.  The answer the client gets i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -352,7 +353,10 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
     if GPU_MEMORY_TYPE_KV_CACHE in tags and sched is not None and _is_prefill(sched):
         _drain_for_release(sched)
         _await_posted_writes(sched)
-    out = original(manager, recv_req, *args, **kwargs)
+        with _queued_results_set_aside(sched):
+            out = original(manager, recv_req, *args, **kwargs)
+    else:
+        out = original(manager, recv_req, *args, **kwargs)
     if GPU_MEMORY_TYPE_KV_CACHE in tags and sched is not None:
         _EPOCH[id(sched)] = _EPOCH.get(id(sched), 0) + 1
     return out
@@ -390,13 +394,9 @@ def _drain_for_release(sched) -> None:
       queued at prefill.py:833 and its result processed in the next iteration, :854, so an
       ingest can come between; also while the engine is paused in place): its forward may
       still be writing the pages.  The device is synchronized first, then its requests are
-      freed like the chunked one; the queued results then concern only answered requests,
-      so they are dropped and ``last_batch`` is cleared (the loop pops a result only while
-      ``last_batch`` is set, :837).  Not covered: with continuous input polling, a
-      pause retained behind the release in the same receive (scheduler.py:2209) skips
-      the next batch creation, so the loop sets ``last_batch`` back to its local
-      ``batch`` (:872) and pops the dropped result one iteration later (:854,
-      IndexError);
+      freed like the chunked one.  The queued results stay queued (set aside only during
+      sglang's release, ``_queued_results_set_aside``) and the loop processes them as
+      usual, skipping these answered requests;
     * ``running_batch``: a PD prefill server never fills it (prefill.py:675 passes it
       through), so only its live requests, if any, are freed like the others.
 
@@ -477,9 +477,6 @@ def _drain_for_release(sched) -> None:
     if getattr(sched, "_pending_chunked_abort_req", None) is not None \
             and sched._pending_chunked_abort_req.finished():
         sched._pending_chunked_abort_req = None
-    if pending:
-        sched.result_queue.clear()
-        sched.last_batch = last = None
     if answered:  # one answer per request, as the inflight queue streams its done ones
         STATS.released_aborts += len(answered)
         logger.warning("kvmem-sglang: release_memory_occupation(kv_cache): %d request(s) "
@@ -488,6 +485,30 @@ def _drain_for_release(sched) -> None:
         sched.output_streamer.stream_output(answered, any(r.return_logprob for r in answered))
     if last is not None and last.reqs:
         last.filter_batch()  # drops finished requests: all of them are answered now
+
+
+@contextlib.contextmanager
+def _queued_results_set_aside(sched):
+    """The overlap loop's queued batch results and ``last_batch`` out of sight of
+    sglang's release, which asserts an idle scheduler (weight_updater.py:339, counting
+    both, scheduler.py:5348-5349), and back afterwards.  ``_drain_for_release`` has
+    answered and freed every request in them, so the loop then processes each result as
+    it would have (prefill.py:854): it skips an aborted request whose resources are gone
+    (``is_aborted`` -> ``_retire_aborted_prefill_result``, prefill.py:980 and :1088).
+    The loop's own state (its local ``batch``, ``last_batch``, the queue) stays as stock
+    left it, so no later iteration pops a result that is not there."""
+    queued = list(getattr(sched, "result_queue", None) or ())
+    if not queued:
+        yield
+        return
+    last = sched.last_batch
+    sched.result_queue.clear()
+    sched.last_batch = None
+    try:
+        yield
+    finally:
+        sched.result_queue.extend(queued)
+        sched.last_batch = last
 
 
 def _await_posted_writes(sched) -> None:
