@@ -766,14 +766,13 @@ def format_report(r: dict) -> str:
     add(f"where the time went (seconds of the {r['wall_seconds']:.1f} s workload)")
     for side in ("prefill", "decode"):
         st = r[side]["stage_seconds"]
-        step = st.get("step", {}).get("seconds", 0.0)
-        loop = st.get("loop", {}).get("seconds", 0.0)
-        parts = [(k, v["seconds"]) for k, v in st.items() if k not in ("step", "loop")]
-        inner = sum(s for _, s in parts)
-        add(f"  {side}: worker loop {loop:.2f}, of which in step() {step:.2f}")
-        for k, s in sorted(parts, key=lambda x: -x[1]):
-            add(f"    {k:<32} {s:7.2f}   {st[k]['calls']:>8} calls")
-        add(f"    {'rest of step() (Python)':<32} {step - inner:7.2f}")
+        b = loop_breakdown(st)
+        nap = st.get("nap", {})
+        add(f"  {side}: worker loop {b['loop']:.2f}, of which in step() {b['step']:.2f}, "
+            f"napping {b['nap']:.2f} ({nap.get('calls', 0)} naps)")
+        for k, sec in sorted(b["in_step"].items(), key=lambda x: -x[1]):
+            add(f"    {k:<32} {sec:7.2f}   {st[k]['calls']:>8} calls")
+        add(f"    {'rest of step() (Python)':<32} {b['rest_of_step']:7.2f}")
     add("")
     ph = r.get("phase_seconds", {})
     add(f"total {r['total_seconds']:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in ph.items()))
@@ -782,6 +781,21 @@ def format_report(r: dict) -> str:
             + " (the rest of start-up: interpreter and imports)")
     add("OK" if r["ok"] else "FAILED:\n  " + "\n  ".join(r["errors"]))
     return "\n".join(lines)
+
+
+# stages a worker times outside step(): its loop, the naps between steps
+_OUTSIDE_STEP = ("step", "loop", "nap")
+
+
+def loop_breakdown(stage_seconds: dict) -> dict:
+    """A worker's ``stage_seconds`` (name -> {"seconds", "calls"}) as ``loop``, ``step``
+    and ``nap`` seconds, ``in_step`` (the stages timed inside ``step()``, name -> seconds)
+    and ``rest_of_step``: ``step`` minus those, the Python of ``step()`` itself."""
+    sec = {k: v["seconds"] for k, v in stage_seconds.items()}
+    in_step = {k: v for k, v in sec.items() if k not in _OUTSIDE_STEP}
+    step = sec.get("step", 0.0)
+    return {"loop": sec.get("loop", 0.0), "step": step, "nap": sec.get("nap", 0.0),
+            "in_step": in_step, "rest_of_step": step - sum(in_step.values())}
 
 
 def _ms(x, digits: int = 0) -> str:

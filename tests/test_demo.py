@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvmem.cli import main
+from kvmem.demo import loop_breakdown
 from kvmem.disagg.faults import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,6 +133,12 @@ def test_demo_end_to_end_every_fault(tmp_path):
         # for timeouts), and fewer times than it stepped (steps that progress do not nap)
         st = r[side]["stage_seconds"]
         assert 0 < st["nap"]["calls"] < st["step"]["calls"], (side, st["nap"], st["step"])
+        # the report's breakdown: naps are outside step(), the rest of step() is what
+        # step() took beyond its timed stages (never below a timer's slack)
+        b = loop_breakdown(st)
+        assert "nap" not in b["in_step"] and b["nap"] == st["nap"]["seconds"]
+        assert -0.05 * b["step"] <= b["rest_of_step"] <= b["step"], (side, b)
+        assert b["step"] + b["nap"] <= b["loop"] * 1.05, (side, b)
     raw = r["raw_nixl"]
     assert raw["verified"] is True and raw["gbps"] > 0
     assert r["throughput_vs_raw"] == pytest.approx(r["throughput_gbps"] / raw["gbps"])
