@@ -256,13 +256,19 @@ class DecodeSide:
             raise ProtocolError(f"{msg.t} for request {req.rid} in state {req.state}")
         return req
 
-    def _on_chunk(self, msg: Chunk) -> None:
-        req = self._known(msg)
+    def _page_range(self, req: DecodeRequest, msg) -> tuple[int, int]:
+        """``(first, last)`` of a CHUNK or READY: ProtocolError unless it is a non-empty
+        range inside the request's pages."""
         n_pages = -(-req.tokens // self.spec.page_size)
         first, last = msg.first, msg.last
         if not 0 <= first < last <= n_pages:
-            raise ProtocolError(f"CHUNK for request {req.rid}: pages [{first}, {last}) outside "
-                                f"its {n_pages} pages")
+            raise ProtocolError(f"{msg.t} for request {req.rid}: pages [{first}, {last}) "
+                                f"outside its {n_pages} pages")
+        return first, last
+
+    def _on_chunk(self, msg: Chunk) -> None:
+        req = self._known(msg)
+        first, last = self._page_range(req, msg)
         nbytes = kvmem.packed_nbytes(self.spec, last - first)
         if msg.nbytes != nbytes:
             raise ProtocolError(f"CHUNK for request {req.rid}: {msg.nbytes} bytes, pages "
@@ -295,11 +301,7 @@ class DecodeSide:
         if self.transfer_mode != "pull":
             raise ProtocolError("READY on a decode side in push mode")
         req = self._known(msg)
-        n_pages = -(-req.tokens // self.spec.page_size)
-        first, last = msg.first, msg.last
-        if not 0 <= first < last <= n_pages:
-            raise ProtocolError(f"READY for request {req.rid}: pages [{first}, {last}) outside "
-                                f"its {n_pages} pages")
+        first, last = self._page_range(req, msg)
         if first != req.pages_done or req.reads:
             raise ProtocolError(f"READY for request {req.rid}: pages from {first}, expected "
                                 f"from {req.pages_done}" + (" (a read is in flight)" if req.reads
