@@ -75,6 +75,16 @@ def split(out: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
     return [p.to(torch.int32) for p in torch.split(out, lens)]
 
 
+def grow_rows(rows: list, idx: list[int], out: torch.Tensor, lens: list[int]) -> None:
+    """Add each request's new slots (``out`` split by ``lens``) to its int32 row:
+    ``rows[i]`` extended, or a new row where ``i`` is past the end."""
+    for i, part in zip(idx, split(out, lens)):
+        if i < len(rows):
+            rows[i] = torch.cat((rows[i], part))
+        else:
+            rows.append(part)
+
+
 def free_set(a) -> set[int]:
     return set(a.get_all_free_pages().tolist())
 
@@ -130,12 +140,8 @@ def test_fresh_allocator_same_slots_as_sglang(ps, need_sort):
             assert torch.equal(got, want), (kind, args)
             assert got.dtype == torch.int64
             assert mine.available_size() == theirs.available_size()
-            for rows, out in ((rows_m, got), (rows_t, want)):
-                for i, part in zip(idx, split(out, lens)):
-                    if i < len(rows):
-                        rows[i] = torch.cat((rows[i], part))
-                    else:
-                        rows.append(part)
+            grow_rows(rows_m, idx, got, lens)
+            grow_rows(rows_t, idx, want, lens)
 
         step("extend", [0, 1, 2], [5, ps + 3, 2 * ps])  # three new requests
         step("extend", [0, 3], [ps, 7])                   # a chunk after a partial page
@@ -195,12 +201,8 @@ def test_after_frees_same_slots_as_sglang_need_sort(ps):
         assert want is not None
         assert torch.equal(got, want)
         assert mine.available_size() == theirs.available_size()
-        for rows, out in ((rows_m, got), (rows_t, want)):
-            for i, part in zip(idx, split(out, lens)):
-                if i < len(rows):
-                    rows[i] = torch.cat((rows[i], part))
-                else:
-                    rows.append(part)
+        grow_rows(rows_m, idx, got, lens)
+        grow_rows(rows_t, idx, want, lens)
     assert mine.available_size() < size  # the run ended with requests held
     assert len(sorts) >= 10, sorts  # the staged frees were sorted in, many times over
     mine.page_allocator.check_invariants()
@@ -290,9 +292,9 @@ def _three_requests(a, ps):
 
 @pytest.mark.parametrize("ps,need_sort", CASES, ids=CASE_IDS)
 def test_free_segments_short_and_long_rows_match_sglang(ps, need_sort):
-    """free_segments of rows on either side of the adapter's short-row path (up to
-    PY_FREE_MAX pages go to kvmem as one Python list; longer rows as a tensor), in one
-    and in two segments, frees the same pages as sglang's."""
+    """free_segments of rows on either side of the adapter's short-row path (one segment
+    of up to PY_FREE_MAX pages goes to kvmem as a Python list; longer rows and rows in two
+    segments as a tensor) frees the same pages as sglang's."""
     from kvmem.kernels.alloc import PY_FREE_MAX
 
     lens = [PY_FREE_MAX * ps, PY_FREE_MAX * ps + 1, 3 * ps - 1, 2 * PY_FREE_MAX * ps + 5]

@@ -118,8 +118,8 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         dev = self.page_allocator.device
         # offsets of the slots in a page, for alloc's page -> slot expansion
         self._offsets = torch.arange(ps, dtype=torch.int64, device=dev)
-        # a CPU free of up to this many slots goes to kvmem as a Python list (its short
-        # path, kvmem.kernels.alloc.PY_FREE_MAX pages), with no NumPy or torch op between
+        # a CPU free of one row of up to this many slots goes to kvmem as a Python list
+        # (its short path, kvmem.kernels.alloc.PY_FREE_MAX pages), no NumPy or torch op
         self._short_slots = PY_FREE_MAX * ps if dev.type == "cpu" else 0
         self.free_group = None  # None, or the token-slot frees of an open group
         self._group_page_ids: list[torch.Tensor] = []
@@ -247,22 +247,15 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         (ascending, no page shared: sglang's contract, which its base class asserts),
         in one kvmem free."""
         if type(segments) is list and len(segments) == 1 and self.free_group is None:
-            free_index, start_pos = segments[0]  # one request's row: the retire path
-            n = free_index.numel()
-            if 0 < n <= self._short_slots:
+            # one short row on the CPU (the retire of an aborted request): one Python
+            # list to kvmem, no NumPy or torch op
+            free_index, start_pos = segments[0]
+            if 0 < free_index.numel() <= self._short_slots:
                 self.page_allocator.free(self._segment_page_list(free_index, start_pos),
                                          check=self.check)
                 return
         segments = list(self._page_disjoint(segments))
         if not segments:
-            return
-        if self.free_group is None \
-                and sum(f.numel() for f, _ in segments) <= self._short_slots:
-            # CPU, a few pages (an aborted request's row): one Python list to kvmem
-            pages = []
-            for f, s in segments:
-                pages += self._segment_page_list(f, s)
-            self.page_allocator.free(pages, check=self.check)
             return
         pages = [self._segment_pages(f, s) for f, s in segments]
         self.free_page_ids(pages[0] if len(pages) == 1 else torch.cat(pages))
@@ -326,13 +319,18 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             return slots
         return torch.unique(slots // self.page_size)
 
-    def _segment_page_list(self, free_index: torch.Tensor, start_pos: int) -> list[int]:
-        """``_segment_pages`` as a Python list, for a short CPU segment: one ``tolist``
-        and no NumPy or torch op (each costs about 1 us whatever its size)."""
+    def _page_aligned(self, start_pos: int) -> int:
+        """page_size; ValueError when a segment's ``start_pos`` is not a multiple of it."""
         ps = self.page_size
         if start_pos % ps:
             raise ValueError(f"free_segment: start_pos {start_pos} is not a multiple of "
                              f"page_size {ps}; nothing freed")
+        return ps
+
+    def _segment_page_list(self, free_index: torch.Tensor, start_pos: int) -> list[int]:
+        """``_segment_pages`` as a Python list, for a short CPU segment: one ``tolist``
+        and no NumPy or torch op (each costs about 1 us whatever its size)."""
+        ps = self._page_aligned(start_pos)
         if ps == 1:
             return free_index.tolist()
         return [s // ps for s in free_index.tolist()[::ps]]
@@ -341,10 +339,7 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         """int32/int64 [ceil(n / page_size)] (int64 on CPU, else the dtype of
         ``free_index``): the pages of a page-aligned row segment, each page's first slot
         divided by page_size (no sync)."""
-        ps = self.page_size
-        if start_pos % ps:
-            raise ValueError(f"free_segment: start_pos {start_pos} is not a multiple of "
-                             f"page_size {ps}; nothing freed")
+        ps = self._page_aligned(start_pos)
         if ps == 1:
             return free_index
         if free_index.device.type == "cpu":
