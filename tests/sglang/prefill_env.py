@@ -410,14 +410,36 @@ class PrefillHarness:
 
     def prefill_to_transferring(self, rid: str) -> None:
         """Bootstrap the request just submitted, run its forward, and leave its sender in
-        Transferring (the decode has not finished reading): it goes to the inflight queue
-        at the next :meth:`inflight`."""
+        Transferring (the decode has not finished reading); the loop iteration ends with
+        a poll of the inflight queue, where the request stays, and no last batch."""
         from sglang.srt.disaggregation.base.conn import KVPoll
 
         self.pop_bootstrapped()
         batch = self.launch()
         self.sender(rid).hold = KVPoll.Transferring
         self.finish_forward(batch)
+        self.inflight()
+        self.s.last_batch = None
+
+    def time_retires(self, which=None) -> list[float]:
+        """From now on, time sglang's ``_retire_aborted_prefill_result`` (the result
+        step's free of an aborted request) for the requests ``which(req)`` accepts (all
+        when None): the list each call's microseconds are appended to.  A timed call that
+        retired its request must have given back its KV row."""
+        retire = self.s._retire_aborted_prefill_result
+        times: list[float] = []
+
+        def timed(req):
+            t0 = time.perf_counter()
+            out = retire(req)
+            if which is None or which(req):
+                times.append((time.perf_counter() - t0) * 1e6)
+                assert not out or req.kv.req_pool_idx is None, \
+                    f"{req.rid} still holds its KV row"
+            return out
+
+        self.s._retire_aborted_prefill_result = timed
+        return times
 
     def step(self):
         """One iteration of the prefill event loop (ingest happened before)."""

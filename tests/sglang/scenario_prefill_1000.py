@@ -68,7 +68,6 @@ def main() -> dict:
     rng = random.Random(8)
     fate: dict[str, str] = {}
     crashes: list[str] = []
-    free_step_us: list[float] = []
     n = 0
 
     def new(f: str, hold=None):
@@ -108,17 +107,7 @@ def main() -> dict:
 
     # time to free an abort in the running batch: sglang's own retire call, in the result
     # step of that batch (the same step on both flags)
-    retire = h.s._retire_aborted_prefill_result
-
-    def timed_retire(req):
-        t0 = time.perf_counter()
-        out = retire(req)
-        if fate.get(req.rid) == "abort-running":
-            free_step_us.append((time.perf_counter() - t0) * 1e6)
-            assert req.kv.req_pool_idx is None, f"{req.rid} still holds its KV row"
-        return out
-
-    h.s._retire_aborted_prefill_result = timed_retire
+    free_step_us = h.time_retires(lambda req: fate.get(req.rid) == "abort-running")
 
     wave = -1
     while n < REQUESTS:
@@ -203,16 +192,7 @@ def _abort_free_loop(n: int = ABORT_FREE_LOOP) -> dict:
     from tests.sglang.prefill_env import PrefillHarness
 
     h = PrefillHarness(page_size=4, pages=64, max_reqs=4)
-    retire = h.s._retire_aborted_prefill_result
-    times = []
-
-    def timed(req):
-        t0 = time.perf_counter()
-        out = retire(req)
-        times.append((time.perf_counter() - t0) * 1e6)
-        return out
-
-    h.s._retire_aborted_prefill_result = timed
+    times = h.time_retires()
     for i in range(n + 50):
         rid = f"free-loop-{i}"
         h.submit(rid, n_tokens=37)

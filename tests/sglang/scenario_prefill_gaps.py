@@ -79,8 +79,6 @@ def main() -> dict:
     h.step()
     h.submit("c-fly", 9)
     h.prefill_to_transferring("c-fly")
-    h.inflight()
-    h.s.last_batch = None
     h.abort("c-boot")
     h.abort("c-fly")
     h.step()
@@ -96,8 +94,6 @@ def main() -> dict:
     h.s.last_batch = None
     h.submit("r-fly", 9)
     h.prefill_to_transferring("r-fly")
-    h.inflight()
-    h.s.last_batch = None
     h.submit("r-wait", 9)
     h.pop_bootstrapped()  # bootstrapped (metadata slot taken), not yet in a batch
     rel: dict = {"before": {"held": h.held(), "queues": h.queues()}}

@@ -62,8 +62,6 @@ def main() -> dict:
     # -- regression: an inflight abort reaches the sender -------------------------------------
     h.submit("fly", 9)
     h.prefill_to_transferring("fly")
-    h.inflight()
-    h.s.last_batch = None
     h.abort("fly")
     aborts_at_once = h.sender("fly").aborts
     h.inflight()
@@ -102,7 +100,6 @@ def main() -> dict:
     from_audit = _audit_stats()
     h.submit("lost", 9)
     h.prefill_to_transferring("lost")
-    h.s.last_batch = None
     h.s.disagg_prefill_inflight_queue.remove(h.reqs["lost"])  # the bug: dropped, unfreed
     h.inflight()  # the scheduler is idle now
     h.inflight()  # and stays idle: no second report
