@@ -271,17 +271,24 @@ def _workers_of(pid: int) -> list[int]:
             if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
+def _workload_running(proc, term) -> list[int]:
+    """Wait (90 s at most) until the demo's progress line shows its workload running;
+    its two workers' pids."""
+    end = time.monotonic() + 90
+    while "GB/s" not in term.text():
+        assert proc.poll() is None and time.monotonic() < end, term.text()
+        time.sleep(0.1)
+    workers = _workers_of(proc.pid)
+    assert len(workers) == 2
+    return workers
+
+
 @pytest.mark.parametrize("group", [False, True], ids=["parent", "process-group"])
 def test_sigterm_stops_the_demo_cleanly(group):
     proc, term = _popen(["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
                          "--chunk-tokens", "64"], tty=True, start_new_session=True)
     try:
-        end = time.monotonic() + 90
-        while "GB/s" not in term.text():  # the workload runs: the progress line shows
-            assert proc.poll() is None and time.monotonic() < end, term.text()
-            time.sleep(0.1)
-        workers = _workers_of(proc.pid)
-        assert len(workers) == 2
+        workers = _workload_running(proc, term)
         if group:
             os.killpg(proc.pid, signal.SIGTERM)
         else:
@@ -305,14 +312,7 @@ def test_a_worker_that_dies_does_not_hang_the_parent():
     proc, term = _popen(["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
                          "--chunk-tokens", "64"], tty=True)
     try:
-        end = time.monotonic() + 90
-        while "GB/s" not in term.text():  # the workload runs: the progress line shows
-            assert proc.poll() is None and time.monotonic() < end, term.text()
-            time.sleep(0.1)
-        workers = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-                   .read_text().split()
-                   if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-        assert len(workers) == 2
+        workers = _workload_running(proc, term)
         victim = max(workers)  # the decode worker, started second
         os.kill(victim, signal.SIGKILL)
         t0 = time.monotonic()

@@ -24,9 +24,10 @@ import pytest
 import torch
 
 import kvmem
-from kvmem.errors import ClosedPoolError, CudaDriverError, PoolMemoryError, ReleasedPoolError
+from kvmem.errors import CudaDriverError, PoolMemoryError, ReleasedPoolError
 from kvmem.memory.cuda_vmm import NONE, READY, CudaVmmBackend
 from tests.kv_cases import fill_random
+from tests.util import assert_closed_pool_refuses
 
 GRAN = 4096
 CHUNK = 32 << 10
@@ -405,16 +406,7 @@ def test_close_frees_everything_and_refuses_every_use(fake):
     assert fake.empty()
     assert pool.closed and pool.released
     pool.close()  # idempotent
-    calls = {
-        "k_buffer": lambda: pool.k_buffer, "v_buffer": lambda: pool.v_buffer,
-        "token_buffers": pool.token_buffers, "pack": lambda: kvmem.pack_pages(pool, ids),
-        "unpack": lambda: kvmem.unpack_pages(chunk, pool, ids), "release": pool.release,
-        "resume": pool.resume, "regions": pool.regions, "resident_bytes": pool.resident_bytes,
-        "prefault": pool.prefault, "as_cupy": pool.as_cupy,
-    }
-    for name, call in calls.items():
-        with pytest.raises(ClosedPoolError, match=r"the KV pool is closed; create a new pool"):
-            call()
+    assert_closed_pool_refuses(pool, ids, chunk, as_cupy=pool.as_cupy)
     assert "closed" in repr(pool)
     del outside
     gc.collect()

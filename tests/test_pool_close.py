@@ -11,7 +11,7 @@ import torch
 import kvmem
 from kvmem.errors import ClosedPoolError
 from tests.kv_cases import fill_random
-from tests.util import vm_rss
+from tests.util import assert_closed_pool_refuses, vm_rss
 
 SPEC = kvmem.KVSpec(num_layers=4, num_kv_heads=4, head_dim=128, page_size=16, dtype=torch.bfloat16)
 PAGES = 257  # about 32 MiB
@@ -64,16 +64,7 @@ def test_closed_pool_refuses_every_use():
     ids = torch.tensor([1, 2])
     chunk = kvmem.pack_pages(pool, ids)
     pool.close()
-    calls = {
-        "k_buffer": lambda: pool.k_buffer, "v_buffer": lambda: pool.v_buffer,
-        "token_buffers": pool.token_buffers, "pack": lambda: kvmem.pack_pages(pool, ids),
-        "unpack": lambda: kvmem.unpack_pages(chunk, pool, ids), "release": pool.release,
-        "resume": pool.resume, "regions": pool.regions, "resident_bytes": pool.resident_bytes,
-        "prefault": pool.prefault, "check_live": pool.check_live,
-    }
-    for name, call in calls.items():
-        with pytest.raises(ClosedPoolError, match=r"the KV pool is closed; create a new pool"):
-            call()
+    assert_closed_pool_refuses(pool, ids, chunk, check_live=pool.check_live)
     # a closed pool counts as released for code that only knows ReleasedPoolError
     assert issubclass(ClosedPoolError, kvmem.ReleasedPoolError)
 

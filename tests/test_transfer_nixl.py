@@ -105,6 +105,16 @@ def engines():
         e.close(timeout=5.0)
 
 
+def connected(engines, pa, pb, **engine_kw):
+    """A "prefill" engine with ``pa`` registered and a "decode" engine with ``pb``, the
+    decode's metadata known to the prefill: ``(a, b, remote)``, ``remote`` the decode's kv
+    registration as the prefill sees it."""
+    a, b = engines("prefill", **engine_kw), engines("decode", **engine_kw)
+    a.register_pool(pa)
+    b.register_pool(pb)
+    return a, b, a.add_peer(b.local_metadata())["kv"]
+
+
 # --- writes that land ---------------------------------------------------------------------
 
 def test_packed_chunk_lands_in_chosen_pages_and_notifies(engines):
@@ -136,10 +146,7 @@ def test_packed_chunk_lands_in_chosen_pages_and_notifies(engines):
 def test_write_directly_from_pool_pages(engines):
     """No staging: local page ranges of pool A to remote page ranges of pool B."""
     pa, pb = make_pool(seed=2), make_pool(fill=SENTINEL)
-    a, b = engines("prefill"), engines("decode")
-    a.register_pool(pa)
-    b.register_pool(pb)
-    remote = a.add_peer(b.local_metadata())["kv"]
+    a, b, remote = connected(engines, pa, pb)
     src, dst = [1, 2, 3, 30], [47, 10, 11, 12]
     h = a.post_write(page_ranges(pa, src), remote, page_ranges(pb, dst), b"direct")
     assert a.drain(timeout=5.0) in ([h], [])   # [] when the write completed inside post
@@ -154,10 +161,7 @@ def test_without_progress_thread_both_engines_driven(engines):
     """progress_thread=False: a write with and one without a notif complete when the
     initiator polls and the target calls get_notifs (wait_notif does both)."""
     pa, pb = make_pool(seed=10), make_pool(fill=SENTINEL)
-    a, b = engines("prefill", progress_thread=False), engines("decode", progress_thread=False)
-    a.register_pool(pa)
-    b.register_pool(pb)
-    remote = a.add_peer(b.local_metadata())["kv"]
+    a, b, remote = connected(engines, pa, pb, progress_thread=False)
     h1 = a.post_write(page_ranges(pa, [1]), remote, page_ranges(pb, [2]), b"")
     h2 = a.post_write(page_ranges(pa, [3, 4]), remote, page_ranges(pb, [5, 6]), b"polled")
     wait_notif(b, a, b"polled")
@@ -315,10 +319,7 @@ def test_release_resume_50_cycles_no_growth(engines):
     pool's regions), new metadata to A, one write verified.  Registrations, handles, peers
     and RSS stay flat."""
     pa, pb = make_pool(seed=6, num_pages=64), make_pool(fill=0, num_pages=64)
-    a, b = engines("prefill"), engines("decode")
-    a.register_pool(pa)
-    b.register_pool(pb)
-    remote = a.add_peer(b.local_metadata())["kv"]
+    a, b, remote = connected(engines, pa, pb)
     nregions = len(pb.regions())
     rss = []
     for cycle in range(50):
@@ -350,10 +351,7 @@ def test_release_resume_50_cycles_no_growth(engines):
 
 def test_ranges_outside_registrations_are_refused(engines):
     pa, pb = make_pool(seed=7), make_pool(fill=SENTINEL)
-    a, b = engines("prefill"), engines("decode")
-    a.register_pool(pa)
-    b.register_pool(pb)
-    remote = a.add_peer(b.local_metadata())["kv"]
+    a, b, remote = connected(engines, pa, pb)
     (base, size), = pb.regions()
     (lbase, lsize), = pa.regions()
     src = (lbase, 4096)
@@ -584,10 +582,7 @@ def test_post_write_paths_agree(engines):
     """The few-ranges path (Python ints, bisect) and the numpy path take and refuse the
     same writes; a write of many ranges lands the same bytes."""
     pa, pb = make_pool(seed=10), make_pool(fill=SENTINEL)
-    a, b = engines("prefill"), engines("decode")
-    a.register_pool(pa)
-    b.register_pool(pb)
-    remote = a.add_peer(b.local_metadata())["kv"]
+    a, b, remote = connected(engines, pa, pb)
     (base, size), = pb.regions()
     (lbase, lsize), = pa.regions()
     for local, rem in [([(lbase, 64)], [(base + size - 32, 64)]),

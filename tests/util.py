@@ -8,3 +8,25 @@ def vm_rss() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def assert_closed_pool_refuses(pool, ids, chunk, **more) -> None:
+    """Every use of the closed ``pool`` raises ClosedPoolError with its message: its
+    buffers, pack/unpack of ``ids`` (``chunk`` packed from them before the close),
+    release/resume, regions, residency, prefault, and the calls in ``more`` (name ->
+    callable) that a test adds for its backend."""
+    import pytest
+
+    import kvmem
+    from kvmem.errors import ClosedPoolError
+
+    calls = {
+        "k_buffer": lambda: pool.k_buffer, "v_buffer": lambda: pool.v_buffer,
+        "token_buffers": pool.token_buffers, "pack": lambda: kvmem.pack_pages(pool, ids),
+        "unpack": lambda: kvmem.unpack_pages(chunk, pool, ids), "release": pool.release,
+        "resume": pool.resume, "regions": pool.regions, "resident_bytes": pool.resident_bytes,
+        "prefault": pool.prefault, **more,
+    }
+    for name, call in calls.items():
+        with pytest.raises(ClosedPoolError, match=r"the KV pool is closed; create a new pool"):
+            call()
