@@ -36,8 +36,8 @@ def test_version(capsys):
 
 
 def test_python_m_kvmem_is_the_kvmem_command():
-    if not CONSOLE.exists():
-        pytest.skip(f"no kvmem console script at {CONSOLE} (kvmem not installed here)")
+    # pyproject.toml's [project.scripts]: the install (make test) puts it beside python
+    assert CONSOLE.exists(), f"no kvmem console script at {CONSOLE}: kvmem is not installed"
     for args in (["--version"], ["--help"], SELFCHECK):
         by_module = _run([sys.executable, "-m", "kvmem", *args])
         by_script = _run([str(CONSOLE), *args])

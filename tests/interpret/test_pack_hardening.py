@@ -53,7 +53,8 @@ def _reserve(nbytes: int):
     try:
         m = mmap.mmap(-1, nbytes, flags=flags)
     except (OSError, OverflowError) as e:  # a 32-bit host or strict overcommit
-        pytest.skip(f"cannot reserve {nbytes} bytes of address space: {e}")
+        pytest.fail(f"cannot reserve {nbytes} bytes of address space here ({e}): the int64 "
+                    "offset checks need a 64-bit host without strict overcommit")
     return m, torch.frombuffer(m, dtype=torch.uint8)
 
 
