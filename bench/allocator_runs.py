@@ -34,6 +34,7 @@ from collections import Counter, deque
 import numpy as np
 import torch
 
+from bench import print_table
 from kvmem import PageAllocator
 
 PS = 16
@@ -234,10 +235,7 @@ def main() -> None:
             f"{s['run_8_63']:.0%} / {s['run_64']:.0%} | {s['median_run_page']} | "
             f"{s['both_pages_per_desc']:.1f} | {s['both_desc_per_req']:.1f} | "
             f"{s['both_kib_per_desc']:.0f} |")
-    print("\n".join(lines))
-    if a.md:
-        with open(a.md, "a") as f:
-            f.write("\n".join(lines) + "\n\n")
+    print_table(lines, a.md)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import time
 import numpy as np
 import torch
 
+from bench import print_table
 import kvmem
 from kvmem.kernels import pack as P
 
@@ -127,10 +128,7 @@ def main() -> None:
     for key, (qm, qw, lm, lw) in res.items():
         lines.append(f"| {key[0]} | {key[1]} | {qm * 1e3:.1f} ({qw * 1e3:.0f}) | "
                      f"{lm * 1e3:.1f} ({lw * 1e3:.0f}) | {lm / qm:.2f} |")
-    print("\n".join(lines))
-    if a.md:
-        with open(a.md, "a") as f:
-            f.write("\n".join(lines) + "\n\n")
+    print_table(lines, a.md)
 
 
 if __name__ == "__main__":

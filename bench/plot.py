@@ -27,7 +27,6 @@ import json
 import os
 import re
 import sys
-from collections import defaultdict
 
 import matplotlib
 
