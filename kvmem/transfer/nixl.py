@@ -85,16 +85,17 @@ from kvmem.transfer.base import (
 
 
 def import_nixl():
-    """NIXL's Python API module: ``KVMEM_NIXL_MODULE`` when set, else the build that
-    matches torch's CUDA major version (``nixl_cu13`` for CUDA 13, else ``nixl_cu12``),
-    then the other one, then ``nixl``."""
+    """NIXL's Python API module: ``KVMEM_NIXL_MODULE`` when set; else the ``nixl`` meta
+    package where it is installed, which is what sglang imports (``from nixl._api import
+    nixl_agent``), so that kvmem and sglang in one process use one NIXL build; else the
+    build that matches torch's CUDA major version (``nixl_cu13`` for CUDA 13, else
+    ``nixl_cu12``), then the other one."""
     forced = os.environ.get("KVMEM_NIXL_MODULE")
     if forced:
         names = [forced]
     else:
         cu13 = (torch.version.cuda or "").startswith("13")
-        names = ["nixl_cu13", "nixl_cu12"] if cu13 else ["nixl_cu12", "nixl_cu13"]
-        names.append("nixl")
+        names = ["nixl"] + (["nixl_cu13", "nixl_cu12"] if cu13 else ["nixl_cu12", "nixl_cu13"])
     errors = []
     for name in names:
         try:
