@@ -584,7 +584,7 @@ def prefill_stats() -> dict | None:
     try:
         from dataclasses import asdict
 
-        from kvmem_sglang import plugin, prefill
+        from kvmem_sglang import options, prefill
     except ImportError:
         return None
-    return asdict(prefill.STATS) if plugin.OPTIONS is not None else None
+    return asdict(prefill.STATS) if options.is_active() else None

@@ -210,9 +210,9 @@ def _code(reason: dict):
 
 def _kvmem_on() -> bool:
     try:
-        from kvmem_sglang import plugin
+        from kvmem_sglang import options
 
-        return plugin.OPTIONS is not None
+        return options.is_active()
     except ImportError:
         return False
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvmem_sglang.options import AdapterError
-from kvmem_sglang.prefill import DEFAULT_TRANSFER_TIMEOUT, transfer_timeout_from_env
+from kvmem_sglang.options import DEFAULT_TRANSFER_TIMEOUT, transfer_timeout_from_env
 from tests.sglang.sglang_env import run_script
 
 VAR = "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"

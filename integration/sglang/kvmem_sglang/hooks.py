@@ -5,21 +5,16 @@ REPLACE ``hook(*args, **kwargs)``).  Each maps one sglang call onto kvmem; the w
 
 from __future__ import annotations
 
-import functools
 import logging
 
-from kvmem_sglang import kvpool, staging
+from kvmem_sglang import kvpool, options, staging
 from kvmem_sglang.options import AdapterError
 
 logger = logging.getLogger("kvmem.sglang")
 
 
 def _options():
-    from kvmem_sglang import plugin
-
-    if plugin.OPTIONS is None:  # hooks are only registered by load() with the flag on
-        raise AdapterError("kvmem hook called before the plugin loaded")
-    return plugin.OPTIONS
+    return options.active()
 
 
 # -- KV pool ------------------------------------------------------------------------------
@@ -53,7 +48,7 @@ def build_allocator(original, configurator, *args, **kwargs):
         raise AdapterError(
             f"the KV pool is a {type(kvcache).__name__}, which kvmem does not back (kvmem "
             "backs plain MHA and MLA pools; hybrid SWA, mamba/linear, quantized, DSA and "
-            "sharded pools are refused); unset SGLANG_KVMEM to run this model stock")
+            "sharded pools are refused)")
     stock = original(configurator, *args, **kwargs)
     if reused is not None:  # a draft worker shares the target's allocator
         if not isinstance(stock, KvmemTokenToKVPoolAllocator):
@@ -104,55 +99,7 @@ def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
     return original(manager, recv_req, *args, **kwargs)
 
 
-# -- transfer registrations ---------------------------------------------------------------
-
-def nixl_register_buffer_to_engine(original, manager, *args, **kwargs):
-    """NIXL registers ``kv_args.kv_data_ptrs`` one by one (2 x layers entries); with
-    ``SGLANG_KVMEM_REGISTER=regions`` give it the pool's regions instead for the call,
-    then put sglang's per-layer lists back (transfers still address each layer inside
-    the registered regions).
-
-    sglang 0.5.23's NixlKVManager has no ``deregister_buffer_to_engine``, so its queues'
-    release leaves everything registered (and each resume registers it all again).  The
-    manager gets one here, as an instance attribute, which the prefill and decode queues'
-    ``release_memory_occupation`` call when present: memory kvmem is about to release is
-    never left registered."""
-    if "deregister_buffer_to_engine" not in vars(manager):
-        manager.deregister_buffer_to_engine = functools.partial(nixl_deregister, manager)
-    kv_args = manager.kv_args
-    ptrs, lens = list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens)
-    kinds = list(getattr(kv_args, "kv_data_mem_kinds", None) or [])
-    if not _options().register_regions:
-        return original(manager, *args, **kwargs)
-    new_ptrs, new_lens = kvpool.coalesce(ptrs, lens)
-    if new_ptrs == ptrs or len(set(kinds)) > 1:
-        return original(manager, *args, **kwargs)
-    saved = (kv_args.kv_data_ptrs, kv_args.kv_data_lens, getattr(kv_args, "kv_data_mem_kinds", None))
-    kv_args.kv_data_ptrs, kv_args.kv_data_lens = new_ptrs, new_lens
-    if kinds:
-        kv_args.kv_data_mem_kinds = kinds[:1] * len(new_ptrs)
-    try:
-        return original(manager, *args, **kwargs)
-    finally:
-        kv_args.kv_data_ptrs, kv_args.kv_data_lens = saved[0], saved[1]
-        if kinds:
-            kv_args.kv_data_mem_kinds = saved[2]
-
-
-def nixl_deregister(manager) -> None:
-    """Deregister what ``NixlKVManager.register_buffer_to_engine`` registered (KV, aux and
-    state descriptors), each list once; a second call finds nothing left."""
-    agent = manager.agent
-    for descs in getattr(manager, "kv_descs", None) or []:
-        agent.deregister_memory(descs)
-    manager.kv_descs = []
-    for name in ("aux_descs", "state_descs"):
-        descs = getattr(manager, name, None)
-        if descs is not None:
-            agent.deregister_memory(descs)
-            setattr(manager, name, None)
-    logger.info("kvmem: NIXL KV, aux and state buffers deregistered")
-
+# -- transfer registrations (NIXL: kvmem_sglang.nixl) -------------------------------------
 
 def mooncake_registerable_regions(result, manager, *args, **kwargs):
     ptrs, lens = kvpool.coalesce([p for p, _ in result], [n for _, n in result])

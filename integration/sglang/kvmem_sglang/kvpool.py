@@ -65,7 +65,9 @@ def _make_pool(kind: str, kvcache, spec: kvmem.KVSpec, options: Options) -> kvme
         pool = kvmem.KVPool(spec, num_pages, device, backend=options.backend, layout="sglang")
     except (ValueError, MemoryError, OSError) as e:
         raise AdapterError(f"kvmem could not create the {kind} KV pool "
-                           f"({spec.pool_bytes(num_pages)} bytes on {device}): {e}") from e
+                           f"({spec.pool_bytes(num_pages)} bytes on {device}): {e}",
+                           "lower --mem-fraction-static or --max-total-tokens, or unset "
+                           "SGLANG_KVMEM to run this server on stock sglang") from e
     if pool.backend != "host":  # a fresh host mapping reads as zeros already
         for buf in pool.k_buffer + pool.v_buffer:
             buf.zero_()  # sglang's own buffers are torch.zeros
@@ -104,8 +106,8 @@ def check_mha(kvcache) -> None:
         raise AdapterError(f"a quantized KV cache ({type(kvcache.quant_method).__name__}) "
                            "is not placed by kvmem")
     if getattr(kvcache, "post_capture_active", False):
-        raise AdapterError("post-capture KV backing is on; kvmem owns the KV memory itself "
-                           "(turn post-capture backing off, or unset SGLANG_KVMEM)")
+        raise AdapterError("post-capture KV backing is on; kvmem owns the KV memory itself",
+                           "turn post-capture backing off, or unset SGLANG_KVMEM")
     if getattr(kvcache, "use_hnd", False) or kvcache.kv_cache_layout != "nhd":
         layout = "hnd" if getattr(kvcache, "use_hnd", False) else kvcache.kv_cache_layout
         raise AdapterError(f"the {layout!r} KV layout is not supported by kvmem (NHD only)")

@@ -37,7 +37,11 @@ With SGLANG_KVMEM=1:
   touched (a Failed one was told, or must not be).
 * ``manager_update_status`` (around ``CommonKVManager.update_status``): the decode
   metadata of a room aborted while Bootstrapping is answered Failed and dropped, instead of
-  re-creating the room.  Such rooms are remembered for
+  re-creating the room.
+* :func:`refuse_room`: a request the prefill refuses on arrival (its KV cache is
+  released) never gets a sender; its decode, which the router asked at the same time and
+  which waits for the room's KV, is sent Failed at once if its metadata is already in
+  (``transfer_infos``), else when it comes (the room is remembered as aborted).  Such rooms are remembered for
   ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT + SGLANG_DISAGGREGATION_WAITING_TIMEOUT``; a new
   sender for the same room (its ``Bootstrapping``) forgets it.
 
@@ -70,7 +74,7 @@ _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def hooks(options) -> list[tuple[str, object, str]]:
+def hooks() -> list[tuple[str, object, str]]:
     return [
         (f"{_CONN}.CommonKVSender.abort", sender_abort, "AROUND"),
         (f"{_CONN}.CommonKVManager.update_status", manager_update_status, "AROUND"),
@@ -94,16 +98,18 @@ def _send(mgr, targets, room: int, reason: str) -> None:
                  status=KVPoll.Failed, failure_reason=reason)
 
 
-def _remember(mgr, room: int) -> None:
+def _remember(mgr, room: int, reason: str | None = None) -> None:
+    """Remember ``room`` as aborted before its decode metadata came (room -> (when, the
+    reason to tell the decode, or None for the generic one))."""
     from sglang.srt.environ import envs
 
     rooms = mgr.__dict__.setdefault("_kvmem_aborted_rooms", {})
     now = time.monotonic()
     keep = (envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
             + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
-    for old in [r for r, t in list(rooms.items()) if now - t > keep]:
+    for old in [r for r, (t, _) in list(rooms.items()) if now - t > keep]:
         rooms.pop(old, None)
-    rooms[room] = now
+    rooms[room] = (now, reason)
 
 
 def sender_abort(original, sender, *args, **kwargs):
@@ -132,8 +138,11 @@ def _tell(sender, mgr, room, before, concluded) -> None:
         return
     if mgr.request_status.get(room) != KVPoll.Failed:
         return  # sglang declined the abort (a room it does not own)
+    why = (getattr(sender, "_kvmem_abort_why", None) or mgr.failure_records.get(room)
+           or "aborted")
     if before == KVPoll.Bootstrapping:
-        _remember(mgr, room)  # the decode's metadata may still come
+        _remember(mgr, room, f"Prefill aborted room {room} while bootstrapping ({why}); "
+                             "its decode metadata came after the abort")
     targets = mgr._room_notify_targets(room)
     if not targets:
         return
@@ -146,14 +155,43 @@ def _tell(sender, mgr, room, before, concluded) -> None:
         return
     name = {KVPoll.Bootstrapping: "Bootstrapping", KVPoll.WaitingForInput:
             "WaitingForInput", KVPoll.Transferring: "Transferring"}[before]
-    # the adapter's reason (a timeout, a release, ...: prefill._decide) where it decided
-    # the abort, else what sglang recorded ("Aborted by AbortReq.")
-    why = (getattr(sender, "_kvmem_abort_why", None) or mgr.failure_records.get(room)
-           or "aborted")
+    # why: the adapter's reason (a timeout, a release, ...: reasons.decide) where it
+    # decided the abort, with its status; else what sglang recorded ("Aborted by AbortReq.")
     reason = f"Prefill aborted the KV transfer of room {room} in {name} ({why})"
     STATS.told += 1
     logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
     _send(mgr, targets, room, reason)
+
+
+def refuse_room(mgr, room, reason: str) -> None:
+    """A room whose request the prefill answered before creating its sender: tell its
+    decode Failed with ``reason`` now, if the decode's metadata for the room is here,
+    and remember the room so that metadata coming later is answered Failed too
+    (:func:`manager_update_status`).  Best effort, never raises."""
+    if mgr is None or room is None or not _is_prefill(mgr):
+        return
+    try:
+        _remember(mgr, room, reason)
+        targets = mgr._room_notify_targets(room)
+        if targets:
+            rooms = mgr.__dict__.get("_kvmem_aborted_rooms", {})
+            rooms.pop(room, None)  # told now: later metadata of the room goes to sglang
+            mgr.transfer_infos.pop(room, None)
+            mgr.req_to_decode_prefix_len.pop(room, None)
+            if mgr.request_status.get(room) == _waiting():
+                mgr.request_status.pop(room, None)  # left by the bootstrap thread
+            STATS.told += 1
+            logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
+            _send(mgr, targets, room, reason)
+    except Exception:  # noqa: BLE001 - the request is answered; the decode may time out
+        logger.exception("kvmem-sglang: telling the decode of refused room %s failed; it "
+                         "falls back to its waiting timeout", room)
+
+
+def _waiting():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return KVPoll.WaitingForInput
 
 
 def manager_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
@@ -165,13 +203,13 @@ def manager_update_status(original, mgr, bootstrap_room, status, *args, **kwargs
             rooms.pop(bootstrap_room, None)
         elif (status == KVPoll.WaitingForInput
               and mgr.request_status.get(bootstrap_room) in (None, KVPoll.Failed)):
-            rooms.pop(bootstrap_room, None)
+            _, reason = rooms.pop(bootstrap_room, (None, None))
             targets = mgr._room_notify_targets(bootstrap_room)
             mgr.transfer_infos.pop(bootstrap_room, None)
             mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
             STATS.told_late += 1
-            reason = (f"Prefill aborted room {bootstrap_room} while bootstrapping; its "
-                      "decode metadata came after the abort")
+            reason = reason or (f"Prefill aborted room {bootstrap_room} while "
+                                "bootstrapping; its decode metadata came after the abort")
             logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
             if targets:
                 _send(mgr, targets, bootstrap_room, reason)

@@ -13,13 +13,25 @@ import os
 from dataclasses import dataclass
 
 
+PREFIX = "kvmem-sglang (SGLANG_KVMEM=1): "
+RUN_STOCK = "unset SGLANG_KVMEM (or set it to 0) to run this server on stock sglang"
+
+
 class AdapterError(RuntimeError):
     """The adapter cannot do what the flag asks: a hook target is missing, the sglang
     version or the model's KV layout is one it does not support, an option is bad.
 
+    Its text starts with :data:`PREFIX` and ends with what to change (``change``;
+    default: :data:`RUN_STOCK`), so an operator who sees only that line knows whose
+    refusal it is and which setting to touch.
+
     Raised at call time (inside sglang's pool or allocator construction) it propagates
     to sglang and stops the scheduler; at plugin load it is turned into ``SystemExit``,
     since sglang logs and swallows plugin exceptions."""
+
+    def __init__(self, reason: str, change: str = RUN_STOCK):
+        self.reason, self.change = reason, change
+        super().__init__(f"{PREFIX}{reason}; {change}")
 
 
 # name -> (default, allowed values or None for free text, one-line meaning)
@@ -50,6 +62,10 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
         "or ERR) before it goes on with an error log; a positive number"),
 }
 DEFAULT_DRAIN_TIMEOUT = 30.0
+# sglang's own variable for the prefill-side transfer timeout, which 0.5.23 reads nowhere
+# (the adapter applies it: kvmem_sglang.prefill); the seed fix's default.
+TRANSFER_TIMEOUT_VAR = "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"
+DEFAULT_TRANSFER_TIMEOUT = 600.0
 
 
 def positive_seconds(name: str, raw: str | None, default: float) -> float:
@@ -64,7 +80,9 @@ def positive_seconds(name: str, raw: str | None, default: float) -> float:
     except ValueError:
         value = float("nan")
     if not 0 < value < float("inf"):
-        raise AdapterError(f"{name}={raw!r} is not a positive number of seconds")
+        raise AdapterError(f"{name}={raw!r} is not a positive number of seconds",
+                           f"set {name} to a positive number, or unset it for the "
+                           f"default ({default:g})")
     return value
 
 
@@ -77,6 +95,7 @@ class Options:
     staging: bool
     prefault: bool
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
+    transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT
 
     @classmethod
     def from_env(cls, env=None) -> Options:
@@ -89,7 +108,9 @@ class Options:
             value = raw.strip() or default
             if allowed is not None and value not in allowed:
                 raise AdapterError(
-                    f"{name}={raw!r} is not understood (allowed: {', '.join(allowed)})")
+                    f"{name}={raw!r} is not understood (allowed: {', '.join(allowed)})",
+                    f"set {name} to one of those, or unset it for the default "
+                    f"({default})")
             values[name] = value
             if name == "SGLANG_KVMEM" and value == "0":
                 return cls(False, None, False, True, True, True)
@@ -97,6 +118,7 @@ class Options:
         drain_timeout = positive_seconds("SGLANG_KVMEM_DRAIN_TIMEOUT",
                                          env.get("SGLANG_KVMEM_DRAIN_TIMEOUT"),
                                          DEFAULT_DRAIN_TIMEOUT)
+        transfer_timeout = transfer_timeout_from_env(env)
         return cls(
             enabled=True,
             backend=None if backend == "auto" else backend,
@@ -105,4 +127,40 @@ class Options:
             staging=values["SGLANG_KVMEM_STAGING"] == "1",
             prefault=values["SGLANG_KVMEM_PREFAULT"] == "1",
             drain_timeout=drain_timeout,
+            transfer_timeout=transfer_timeout,
         )
+
+
+def transfer_timeout_from_env(env=None) -> float:
+    """``SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT`` in seconds (default 600); AdapterError
+    naming the value when it is not a positive number."""
+    env = os.environ if env is None else env
+    return positive_seconds(TRANSFER_TIMEOUT_VAR, env.get(TRANSFER_TIMEOUT_VAR),
+                            DEFAULT_TRANSFER_TIMEOUT)
+
+
+_ACTIVE: Options | None = None  # the options of this process, once the plugin loaded
+
+
+def activate(options: Options) -> None:
+    """Make ``options`` this process's options (the plugin does, once, with the flag
+    on).  A second activation with other options is an error: hooks already installed
+    read the first."""
+    global _ACTIVE
+    if _ACTIVE is not None and _ACTIVE != options:
+        raise AdapterError(f"the adapter's options are already set ({_ACTIVE}); "
+                           f"cannot change them to {options} in a running process")
+    _ACTIVE = options
+
+
+def is_active() -> bool:
+    """Whether the plugin loaded with the flag on in this process."""
+    return _ACTIVE is not None
+
+
+def active() -> Options:
+    """This process's options; AdapterError when the plugin has not loaded with the flag
+    on (the hooks are only installed then)."""
+    if _ACTIVE is None:
+        raise AdapterError("kvmem hook called before the plugin loaded with SGLANG_KVMEM=1")
+    return _ACTIVE

@@ -42,8 +42,12 @@ The mooncake and staging hooks depend on options (``SGLANG_KVMEM_REGISTER``,
 from __future__ import annotations
 
 import logging
+import os
 import pkgutil
+import sys
+import time
 
+from kvmem_sglang import options as _options
 from kvmem_sglang.options import AdapterError, Options
 
 logger = logging.getLogger("kvmem.sglang")
@@ -55,20 +59,18 @@ _CONF = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 _WU = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
 _STAGING = "sglang.srt.disaggregation.common.staging_buffer"
 
-OPTIONS: Options | None = None  # what load() read; None until the flag is on
 INSTALLED: list[str] = []  # targets patched in this process
 
 
 def load() -> None:
     """Entry point: install kvmem's hooks when ``SGLANG_KVMEM=1``, else nothing."""
-    global OPTIONS
     try:
         options = Options.from_env()
     except AdapterError as e:
         _fatal(str(e))
     if not options.enabled:
         return
-    if OPTIONS is not None:  # sglang guards against a second load; so do we
+    if _options.is_active():  # sglang guards against a second load; so do we
         return
     try:
         _check_version()
@@ -76,20 +78,32 @@ def load() -> None:
         _install(hooks)
     except AdapterError as e:
         _fatal(str(e))
-    OPTIONS = options
-    from kvmem_sglang import staging
+    _options.activate(options)
+    _announce("kvmem-sglang: SGLANG_KVMEM=1, %d hooks installed (pid %d, backend %s, "
+              "check %s, register %s, staging %s): %s", len(hooks),
+              os.getpid(), options.backend or "auto", options.check,
+              "regions" if options.register_regions else "layers", options.staging,
+              ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1]
+                        for t, _, _ in hooks))
 
-    staging.CHECK = options.check
-    logger.info("kvmem-sglang: SGLANG_KVMEM=1, %d hooks installed (backend %s, check %s, "
-                "register %s, staging %s): %s", len(hooks), options.backend or "auto",
-                options.check, "regions" if options.register_regions else "layers",
-                options.staging, ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1]
-                                           for t, _, _ in hooks))
+
+def _announce(fmt: str, *args) -> None:
+    """Log at INFO, or, before anyone configured logging, write the line to stderr.
+
+    sglang loads plugins before it configures logging (``launch_server.py:79``; in the
+    scheduler ``load_plugins()`` at ``managers/scheduler.py:6323`` comes before
+    ``configure_logger``): an INFO record then reaches no handler and the start line
+    would never show in a server's log."""
+    if logger.isEnabledFor(logging.INFO) and (logger.handlers or logging.getLogger().handlers):
+        logger.info(fmt, *args)
+        return
+    line = time.strftime("[%Y-%m-%d %H:%M:%S] ") + (fmt % args)
+    print(line, file=sys.stderr, flush=True)
 
 
 def _fatal(msg: str):
-    logger.critical("kvmem-sglang: %s", msg)
-    raise SystemExit(f"kvmem-sglang (SGLANG_KVMEM=1): {msg}")
+    logger.critical("%s", msg)
+    raise SystemExit(msg)
 
 
 def _check_version() -> None:
@@ -100,7 +114,8 @@ def _check_version() -> None:
     version = getattr(sglang, "__version__", "unknown")
     if version != SGLANG_VERSION:
         raise AdapterError(f"this adapter supports sglang {SGLANG_VERSION}, found sglang "
-                           f"{version}; unset SGLANG_KVMEM to run it stock")
+                           f"{version}", f"install sglang=={SGLANG_VERSION}, or "
+                           "unset SGLANG_KVMEM to run this sglang stock")
 
 
 def _hooks(options: Options) -> list[tuple[str, object, str]]:
@@ -116,14 +131,16 @@ def _hooks(options: Options) -> list[tuple[str, object, str]]:
         (f"{_WU}.release_memory_occupation", H.release_memory_occupation, "AROUND"),
         (f"{_WU}.resume_memory_occupation", H.resume_memory_occupation, "AROUND"),
     ]
+    from kvmem_sglang import nixl
+
     out.append(("sglang.srt.disaggregation.nixl.conn.NixlKVManager.register_buffer_to_engine",
-                H.nixl_register_buffer_to_engine, "AROUND"))
+                nixl.register_buffer_to_engine, "AROUND"))
     if options.register_regions:
         out.append(("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager."
                     "_registerable_regions", H.mooncake_registerable_regions, "AFTER"))
     from kvmem_sglang import prefill
 
-    out += prefill.hooks(options)  # the PD prefill lifecycle (timeouts, statuses, audit)
+    out += prefill.hooks()  # the PD prefill lifecycle (timeouts, statuses, audit)
     if options.staging:
         out += [
             (f"{_STAGING}.gather_all_layers_to_staging", H.gather_all_layers_to_staging,

@@ -52,18 +52,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from kvmem_sglang import audit
-from kvmem_sglang.options import DEFAULT_DRAIN_TIMEOUT, positive_seconds
+from kvmem_sglang import audit, decode, notify, options
+from kvmem_sglang.reasons import abort_reason as _abort_reason
+from kvmem_sglang.reasons import decide as _decide
+from kvmem_sglang.reasons import tag
+from kvmem_sglang.options import TRANSFER_TIMEOUT_VAR
 
 logger = logging.getLogger("kvmem.sglang")
 
-TRANSFER_TIMEOUT_VAR = "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"
-DEFAULT_TRANSFER_TIMEOUT = 600.0
 DRAIN_POLL_S = 0.001  # how often a release re-reads the transfer workers' counts
 DRAIN_LOG_S = 5.0  # a release still waiting logs the rooms it waits for this often
 
@@ -96,24 +96,13 @@ class PrefillStats:
 
 
 STATS = PrefillStats()
-TRANSFER_TIMEOUT = DEFAULT_TRANSFER_TIMEOUT
 _WARNED: set[str] = set()  # managers already warned about (once per class)
 _EPOCH: dict[int, int] = {}  # id(scheduler) -> registration epoch (+1 per kv release)
 
 
-def transfer_timeout_from_env(env=None) -> float:
-    """``SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT`` in seconds (default 600); AdapterError
-    naming the value when it is not a positive number."""
-    env = os.environ if env is None else env
-    return positive_seconds(TRANSFER_TIMEOUT_VAR, env.get(TRANSFER_TIMEOUT_VAR),
-                            DEFAULT_TRANSFER_TIMEOUT)
-
-
-def hooks(options) -> list[tuple[str, object, str]]:
-    """(target, hook, kind) of the prefill lifecycle hooks for these options."""
-    global TRANSFER_TIMEOUT
-    TRANSFER_TIMEOUT = transfer_timeout_from_env()
-    from kvmem_sglang import notify  # an aborted sender's decode is told (notify.py)
+def hooks() -> list[tuple[str, object, str]]:
+    """(target, hook, kind) of the prefill lifecycle hooks (an aborted sender's decode
+    is told: :mod:`kvmem_sglang.notify`)."""
 
     return [
         (f"{_SCHED}._add_request_to_queue", add_request_to_queue, "AROUND"),
@@ -127,7 +116,8 @@ def hooks(options) -> list[tuple[str, object, str]]:
         (f"{_WU}.resume_memory_occupation", resume_memory_occupation, "AROUND"),
         (f"{_QUEUE}.release_memory_occupation", queue_release, "AFTER"),
         (f"{_QUEUE}.resume_memory_occupation", queue_resume, "AROUND"),
-        *notify.hooks(options),
+        *notify.hooks(),
+        *decode.hooks(),
     ]
 
 
@@ -146,23 +136,6 @@ def _kv_released(sched) -> bool:
     return wu is not None and GPU_MEMORY_TYPE_KV_CACHE in wu.offload_tags
 
 
-def _abort_reason(message: str, status):
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-    return FINISH_ABORT(message, status)
-
-
-def _decide(req, reason) -> bool:
-    """Give ``req`` its answer unless it already has one; True if this one holds."""
-    if getattr(req, "_kvmem_reason", None) is not None:
-        return False
-    req._kvmem_reason = reason
-    sender = getattr(req, "disagg_kv_sender", None)
-    if sender is not None:  # what notify.py tells the decode when the sender is aborted
-        sender._kvmem_abort_why = reason.message
-    return True
-
-
 def _matches(recv_req, req) -> bool:  # sglang's own rule in Scheduler.abort_request
     return recv_req.abort_all or req.rid.startswith(recv_req.rid)
 
@@ -170,14 +143,25 @@ def _matches(recv_req, req) -> bool:  # sglang's own rule in Scheduler.abort_req
 # -- arrival: 503 while released; stamp the registration epoch ----------------------------
 
 def add_request_to_queue(original, sched, req, *args, **kwargs):
-    if _is_prefill(sched) and _kv_released(sched):
+    """A request that arrives while the KV cache is released is answered 503 at once: a
+    forward would write pages whose memory is gone (on a GPU an illegal address).  On a
+    prefill its decode is told too (notify.refuse_room).  A decode refuses in its
+    prealloc queue instead (kvmem_sglang.decode.pop_preallocated), where its receiver
+    exists to tell the prefill."""
+    if _kv_released(sched) and not decode.is_decode(sched):
         from sglang.srt.disaggregation.utils import prepare_abort
 
-        msg = (f"Prefill server {getattr(sched, 'tp_rank', 0)} has released its KV cache "
+        role = "Prefill server" if _is_prefill(sched) else "Server"
+        msg = (f"{role} {getattr(sched, 'tp_rank', 0)} has released its KV cache "
                f"(release_memory_occupation); request {req.rid} refused until "
                "resume_memory_occupation")
         STATS.refused_while_released += 1
         logger.warning("kvmem-sglang: %s", msg)
+        if _is_prefill(sched):
+            queue = getattr(sched, "disagg_prefill_bootstrap_queue", None)
+            notify.refuse_room(getattr(queue, "kv_manager", None),
+                               getattr(req, "bootstrap_room", None),
+                               tag(msg, HTTPStatus.SERVICE_UNAVAILABLE))
         sched._release_aborted_request(req)
         prepare_abort(req, msg, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
         sched.output_streamer.stream_output([req], req.return_logprob)
@@ -289,6 +273,7 @@ def _expire_transfers(sched, queue) -> None:
     from sglang.srt.disaggregation.base import KVPoll
 
     now = time.monotonic()
+    timeout = options.active().transfer_timeout
     for req in queue:
         if req.pending_bootstrap or getattr(req, "_kvmem_reason", None) is not None:
             continue
@@ -296,13 +281,13 @@ def _expire_transfers(sched, queue) -> None:
         if since is None:  # first seen in flight: the clock starts
             req._kvmem_inflight_since = now
             continue
-        if now - since <= TRANSFER_TIMEOUT:
+        if now - since <= timeout:
             continue
         state = req.disagg_kv_sender.poll()
         if state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
             continue
         name = "WaitingForInput" if state == KVPoll.WaitingForInput else "Transferring"
-        msg = (f"Prefill KV transfer timed out (> {TRANSFER_TIMEOUT:g}s in {name}, "
+        msg = (f"Prefill KV transfer timed out (> {timeout:g}s in {name}, "
                f"{TRANSFER_TIMEOUT_VAR}) for request {req.rid} "
                f"bootstrap_room={req.bootstrap_room}; sender aborted, KV freed")
         logger.error("kvmem-sglang: %s", msg)
@@ -355,6 +340,9 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
         _await_posted_writes(sched)
         with _queued_results_set_aside(sched):
             out = original(manager, recv_req, *args, **kwargs)
+    elif GPU_MEMORY_TYPE_KV_CACHE in tags and sched is not None:  # decode or plain server
+        decode.drain_for_release(sched)
+        out = original(manager, recv_req, *args, **kwargs)
     else:
         out = original(manager, recv_req, *args, **kwargs)
     if GPU_MEMORY_TYPE_KV_CACHE in tags and sched is not None:
@@ -539,7 +527,7 @@ def _await_posted_writes(sched) -> None:
         return
     STATS.drain_waits += 1
     start = time.monotonic()
-    deadline, next_log = start + _drain_timeout(), start + DRAIN_LOG_S
+    deadline, next_log = start + options.active().drain_timeout, start + DRAIN_LOG_S
     logger.info("kvmem-sglang: release_memory_occupation(kv_cache) waits for the writes "
                 "already posted for %d room(s) to settle: %s", len(rooms), rooms)
     while rooms:
@@ -561,44 +549,21 @@ def _await_posted_writes(sched) -> None:
                 time.monotonic() - start)
 
 
-def _drain_timeout() -> float:
-    from kvmem_sglang import plugin
-
-    return plugin.OPTIONS.drain_timeout if plugin.OPTIONS is not None \
-        else DEFAULT_DRAIN_TIMEOUT
-
-
 # -- transfer-engine registrations: every backend deregisters at release ---------------------
 
 def queue_release(result, queue, *args, **kwargs):
-    """After sglang's queue release (which calls ``deregister_buffer_to_engine`` where the
-    backend has one): NIXL has none in 0.5.23, so deregister what its
-    ``register_buffer_to_engine`` registered (KV, aux and state descriptor lists)."""
+    """After sglang's queue release, which calls ``deregister_buffer_to_engine`` where the
+    backend has one (NIXL's is the adapter's, :mod:`kvmem_sglang.nixl`; mooncake has its
+    own): a backend without one keeps its registrations across the release, which is
+    logged once per backend (the fake backend registers nothing)."""
     mgr = queue.kv_manager
-    if hasattr(mgr, "deregister_buffer_to_engine"):
-        return None
-    agent = getattr(mgr, "agent", None)
-    if agent is None or not hasattr(agent, "deregister_memory"):
-        name = type(mgr).__name__
-        if name != "FakeKVManager" and name not in _WARNED:  # fake registers nothing
-            _WARNED.add(name)
-            logger.warning("kvmem-sglang: the transfer backend's %s has no "
-                           "deregistration; what it registered stays registered across "
-                           "release_memory_occupation", name)
-        return None
-    if getattr(mgr, "_kvmem_deregistered", False):
-        return None
-    lists = list(getattr(mgr, "kv_descs", None) or [])
-    for name in ("aux_descs", "state_descs"):
-        descs = getattr(mgr, name, None)
-        if descs is not None:
-            lists.append(descs)
-    for descs in lists:
-        agent.deregister_memory(descs)
-        STATS.deregistrations += 1
-    mgr.kv_descs = []
-    mgr.aux_descs = mgr.state_descs = None
-    mgr._kvmem_deregistered = True
+    name = type(mgr).__name__
+    if (not hasattr(mgr, "deregister_buffer_to_engine") and name != "FakeKVManager"
+            and name not in _WARNED):
+        _WARNED.add(name)
+        logger.warning("kvmem-sglang: the transfer backend's %s has no deregistration; "
+                       "what it registered stays registered across "
+                       "release_memory_occupation", name)
     return None
 
 
@@ -606,13 +571,11 @@ def queue_resume(original, queue, *args, **kwargs):
     """Register once: only what the release deregistered (a NIXL manager still
     registered would otherwise hold two registrations of the same buffers)."""
     mgr = queue.kv_manager
-    if (not hasattr(mgr, "deregister_buffer_to_engine")
-            and getattr(mgr, "agent", None) is not None
+    if (getattr(mgr, "agent", None) is not None
+            and hasattr(mgr, "deregister_buffer_to_engine")
             and not getattr(mgr, "_kvmem_deregistered", False)):
         STATS.registrations_skipped += 1
         logger.warning("kvmem-sglang: resume: the transfer engine still holds its "
                        "registrations; not registering them twice")
         return None
-    out = original(queue, *args, **kwargs)
-    mgr._kvmem_deregistered = False
-    return out
+    return original(queue, *args, **kwargs)

@@ -21,9 +21,12 @@ import numpy as np
 import torch
 
 import kvmem
+from kvmem_sglang import options
 
-# Set by the plugin from SGLANG_KVMEM_CHECK: validate page ids on the host (one sync).
-CHECK = False
+
+def _host_check() -> bool:
+    """``SGLANG_KVMEM_CHECK=1``: validate page ids on the host (one sync per call)."""
+    return options.is_active() and options.active().check
 
 
 def _ids(page_indices, device: torch.device) -> torch.Tensor:
@@ -63,7 +66,7 @@ def gather_all_layers_to_staging(k_buffers, v_buffers, page_indices_np, staging_
     stream.wait_stream(staging_buffer.producer_stream())
     with torch.cuda.device(device), torch.cuda.stream(stream):
         kvmem.pack_buffers(k_buffers, v_buffers, ids, page_size=page_size, heads=heads,
-                           out=out, check=CHECK)
+                           out=out, check=_host_check())
     stream.synchronize()
     return nbytes
 
@@ -89,6 +92,6 @@ def scatter_staging_to_kv(staging_buffer_view, k_buffers, v_buffers, page_idx_te
             kvmem.unpack_buffers(staging_buffer_view[base:base + nbytes], k_buffers,
                                  v_buffers, ids, page_size=page_size,
                                  heads=(dst_head_start, dst_head_start + num_heads),
-                                 check=CHECK or device.type == "cpu")
+                                 check=_host_check() or device.type == "cpu")
         base += nbytes
 

@@ -1,0 +1,251 @@
+"""The PD decode server across a KV release, and the status a decode answers for a
+transfer the kvmem prefill ended.
+
+sglang 0.5.23 (file:line of the installed package, ``sglang/srt/``):
+
+* ``release_memory_occupation`` asserts an idle scheduler
+  (``managers/scheduler_components/weight_updater.py:339``).  On a decode server
+  ``is_fully_idle`` (``managers/scheduler.py:5337``) also needs empty prealloc and
+  transfer queues, no retracted requests and no deferred KV releases (:5377-5381): a
+  release that comes while any request is bootstrapping, waiting for its KV, queued,
+  decoding, or held for an ABORT_ACK raises ``AssertionError`` inside the scheduler loop,
+  and the decode server dies.  RL frameworks release every engine, decode included.
+  :func:`drain_for_release` (called by the adapter's release hook, before sglang's
+  release) answers every such request 503 with the reason and frees what it holds,
+  through sglang's own paths: a request whose KV the prefill may still be writing is
+  aborted (its receiver sends ABORT to the prefill) and its pages are freed only at the
+  prefill's ABORT_ACK (sglang's deferred release), or after
+  ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` as sglang arranges; the
+  whole wait is bounded by ``SGLANG_KVMEM_DRAIN_TIMEOUT``.
+* A request that reaches a decode whose KV cache is released would be given pages of
+  the released pool when it leaves the prealloc queue (``pop_preallocated``,
+  disaggregation/decode.py:1333), which on a GPU is an illegal address the moment the
+  prefill writes there.  :func:`pop_preallocated` answers such requests 503 first and
+  aborts their receivers (the prefill is told through sglang's ABORT and frees its
+  side), so nothing is allocated until the resume.
+* A transfer that fails is answered ``500 INTERNAL_SERVER_ERROR`` by the decode, whatever
+  the prefill's reason (``disaggregation/decode.py:2885``, handshake :1171), and through
+  sglang's router the client gets the decode's answer (the router returns the decode's
+  status).  A kvmem prefill puts the status it answered into the reason it sends the
+  decode (``kvmem_sglang.reasons.tag``: 503 for a request refused or aborted by a release, 504 for a
+  timeout); with the flag on the decode too, :func:`prepare_abort` answers that status
+  instead of 500, so the client sees what the prefill decided.  A stock decode still
+  answers 500, promptly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from http import HTTPStatus
+
+from kvmem_sglang import options
+from kvmem_sglang.reasons import decide, status_of
+
+logger = logging.getLogger("kvmem.sglang")
+
+DRAIN_POLL_S = 0.002
+
+
+def hooks() -> list[tuple[str, object, str]]:
+    return [
+        ("sglang.srt.disaggregation.utils.prepare_abort", prepare_abort, "AROUND"),
+        ("sglang.srt.disaggregation.decode.DecodePreallocQueue.pop_preallocated",
+         pop_preallocated, "AROUND"),
+    ]
+
+
+def _kv_released(sched) -> bool:
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+    wu = getattr(sched, "weight_updater", None)
+    return wu is not None and GPU_MEMORY_TYPE_KV_CACHE in wu.offload_tags
+
+
+def pop_preallocated(original, queue, *args, **kwargs):
+    """While the decode's KV cache is released, every request waiting for pages is
+    answered 503 and its receiver aborted before sglang's preallocation runs (module
+    docstring); sglang's own pass then removes and answers them."""
+    sched = queue.scheduler
+    if queue.queue and _kv_released(sched):
+        from sglang.srt.disaggregation.utils import prepare_abort as sglang_prepare_abort
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        refused = []
+        for decode_req in queue.queue:
+            req = decode_req.req
+            if getattr(req, "_kvmem_reason", None) is not None:
+                continue
+            decide(req, FINISH_ABORT(
+                f"Decode server {getattr(sched, 'tp_rank', 0)} has released its KV cache "
+                f"(release_memory_occupation); request {req.rid} refused until "
+                "resume_memory_occupation", HTTPStatus.SERVICE_UNAVAILABLE))
+            sglang_prepare_abort(req, req._kvmem_reason.message,
+                                 status_code=req._kvmem_reason.status_code)
+            decode_req.kv_receiver.abort()
+            refused.append(req.rid)
+        if refused:
+            logger.warning("kvmem-sglang: decode KV cache released: %d request(s) refused "
+                           "503 until resume_memory_occupation: %s", len(refused),
+                           ", ".join(refused))
+    return original(queue, *args, **kwargs)
+
+
+def prepare_abort(original, req, error_message, *args, **kwargs):
+    """A decode's 500 for a transfer a kvmem prefill ended with a status of its own
+    answers that status (module docstring)."""
+    status = kwargs.get("status_code", args[0] if args else HTTPStatus.INTERNAL_SERVER_ERROR)
+    tagged = status_of(error_message)
+    if tagged is not None and status == HTTPStatus.INTERNAL_SERVER_ERROR:
+        if args:
+            args = (HTTPStatus(tagged), *args[1:])
+        else:
+            kwargs["status_code"] = HTTPStatus(tagged)
+    return original(req, error_message, *args, **kwargs)
+
+
+def is_decode(sched) -> bool:
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    return getattr(sched, "disaggregation_mode", None) == DisaggregationMode.DECODE
+
+
+def drain_for_release(sched) -> None:
+    """Answer every request of a decode (or plain, non-PD) scheduler 503 and free what it
+    holds, so that sglang's release finds the scheduler idle.  Never raises: sglang dispatches the
+    release with no try/except (``managers/scheduler.py:2253``)."""
+    try:
+        answered = _drain(sched)
+    except Exception:  # noqa: BLE001 - sglang's release then asserts, as stock would
+        logger.exception("kvmem-sglang: draining the scheduler for "
+                         "release_memory_occupation failed")
+        return
+    if answered:
+        logger.warning("kvmem-sglang: release_memory_occupation(kv_cache): %d request(s) "
+                       "answered 503: %s", len(answered),
+                       ", ".join(r.rid for r in answered))
+
+
+def _drain(sched) -> list:
+    from sglang.srt.disaggregation.utils import prepare_abort as sglang_prepare_abort
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    role = "Decode server" if is_decode(sched) else "Server"
+
+    def reason(req, where):
+        return FINISH_ABORT(
+            f"{role} released its KV cache (release_memory_occupation) while "
+            f"request {req.rid} was {where}; aborted, retry after the resume",
+            HTTPStatus.SERVICE_UNAVAILABLE)
+
+    def answer(req, where) -> None:
+        decide(req, reason(req, where))
+        sglang_prepare_abort(req, req._kvmem_reason.message,
+                             status_code=req._kvmem_reason.status_code)
+
+    answered = []
+    # the overlap loop's queued results first, as its next iteration would
+    # (disaggregation/decode.py:3165, pop_and_process): their requests then finish or go
+    # on decoding with their KV accounted as usual
+    queued = getattr(sched, "result_queue", None)
+    if queued:
+        while queued:
+            batch, result = queued.popleft()
+            sched.process_batch_result(batch, result)
+        # the loop pops a result whenever last_batch is set (decode.py:3216): none is left
+        sched.last_batch = None
+    # requests that hold their KV: running (decoding, or between the chunks of a chunked
+    # prefill on a plain server), or waiting to run (a decode's hold their transferred KV)
+    batches = [getattr(sched, "running_batch", None), getattr(sched, "last_batch", None)]
+    chunked = getattr(sched, "chunked_req", None)
+    live, seen = [], set()
+    for req in ([chunked] if chunked is not None else []) + [
+            r for b in batches if b is not None for r in b.reqs]:
+        if id(req) not in seen and not req.finished():
+            seen.add(id(req))
+            live.append(req)
+    for req in live:
+        answer(req, "running")
+        req.to_finish = None
+        sched._release_aborted_request(req)
+        if req.kv.holds_kv or req.kv.holds_mamba:
+            release_kv_cache(req, sched.tree_cache, checkpoint=False)
+        answered.append(req)
+    if chunked is not None:
+        sched.chunked_req = None
+    for b in batches:
+        if b is not None and b.reqs:
+            b.filter_batch()
+    for req in list(sched.waiting_queue):
+        answer(req, "waiting to run")
+        sched._release_aborted_request(req)
+        if req.kv.holds_kv:  # a decode's transferred request; a plain server's holds none
+            release_kv_cache(req, sched.tree_cache, checkpoint=True)
+        answered.append(req)
+    sched.waiting_queue = []
+    if answered:
+        sched.output_streamer.stream_output(answered, any(r.return_logprob for r in answered))
+    if not is_decode(sched):
+        return answered
+    # requests before their KV arrived: sglang's own abort and queue paths answer them
+    # (with the reason above, kvmem_sglang.prefill.stream_output) and free their pages,
+    # at the prefill's ABORT_ACK where a write may still be in flight
+    prealloc, transfer = sched.disagg_decode_prealloc_queue, sched.disagg_decode_transfer_queue
+    for where, queue in (("bootstrapping", prealloc.queue), ("receiving its KV", transfer.queue)):
+        for decode_req in list(queue):
+            answer(decode_req.req, where)
+            if not getattr(decode_req, "host_staged", False):
+                decode_req.kv_receiver.abort()
+            answered.append(decode_req.req)
+    for req in list(prealloc.retracted_queue):
+        from sglang.srt.disaggregation.decode import discard_kv_cache_backup
+        from sglang.srt.disaggregation.utils import get_disagg
+
+        discard_kv_cache_backup(req, sched.tree_cache,
+                                get_disagg().disaggregation_decode_retraction_backup)
+        answer(req, "retracted")
+        sched.output_streamer.stream_output([req], req.return_logprob)
+        answered.append(req)
+    prealloc.retracted_queue = []
+    _run_queues(sched, prealloc, transfer)
+    return answered
+
+
+def _run_queues(sched, prealloc, transfer) -> None:
+    """sglang's decode queue steps (``process_decode_queue``, disaggregation/decode.py:3458)
+    until the aborted requests have left the prealloc and transfer queues and no
+    deferred release is held, bounded by ``SGLANG_KVMEM_DRAIN_TIMEOUT``.  Every TP rank
+    runs the same number of steps (the steps hold collectives): the stop condition is
+    agreed across the attention-TP group."""
+    from torch.distributed import ReduceOp
+
+    from sglang.srt.disaggregation.utils import all_reduce_flags
+
+    start = time.monotonic()
+    deadline = start + options.active().drain_timeout
+    steps = 0
+    while True:
+        busy = bool(prealloc.queue or transfer.queue or transfer.has_pending_deferred_releases())
+        late = time.monotonic() >= deadline
+        busy, late = all_reduce_flags([int(busy), int(late)], group=transfer.gloo_group,
+                                      op=ReduceOp.MAX)
+        if not busy:
+            break
+        if late:
+            logger.error("kvmem-sglang: release_memory_occupation(kv_cache) on the decode: "
+                         "after %.1f s (SGLANG_KVMEM_DRAIN_TIMEOUT) %d request(s) still "
+                         "queued and %d KV release(s) still wait for their prefill's ABORT_ACK; "
+                         "sglang's release drops them", time.monotonic() - start,
+                         len(prealloc.queue) + len(transfer.queue),
+                         transfer.num_pending_deferred_releases())
+            break
+        transfer.resolve_deferred_releases()
+        req_conns, _ = prealloc.pop_preallocated()
+        transfer.extend(req_conns)
+        sched.waiting_queue.extend(transfer.pop_transferred())
+        steps += 1
+        time.sleep(DRAIN_POLL_S)
+    if steps:
+        logger.info("kvmem-sglang: decode queues drained for the release in %.3f s (%d "
+                    "step(s))", time.monotonic() - start, steps)

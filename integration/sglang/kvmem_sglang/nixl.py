@@ -1,0 +1,161 @@
+"""sglang 0.5.23's ``NixlKVManager`` across a KV release: what it registered and what it
+prepared over that registration are given back together, and built again at the resume.
+
+File:line below are of the installed sglang 0.5.23 (``sglang/srt/disaggregation/nixl/
+conn.py``).
+
+* sglang registers the KV buffers one by one (``register_buffer_to_engine``, :1972) and
+  has no ``deregister_buffer_to_engine``, so a release leaves everything registered and
+  each resume registers it all again.  The manager gets one here (an instance attribute,
+  which the prefill and decode queues' ``release_memory_occupation`` call when present).
+* The prefill prepares NIXL descriptor lists once, when a decode peer registers
+  (``_prepare_payload_xfer``, :1482): the local one over its own KV (``prep_handles[""]``,
+  :1553; also the heterogeneous-TP and mixed-memory variants, :1245-1430, and the state
+  plans, :827) and one per peer over the peer's KV.  Every KV send then uses them
+  (``make_prepped_xfer``, :2115-2136).  A prepared local list refers to the registration
+  it was made over: after that registration is gone, a transfer made from it reads freed
+  NIXL state and the process dies (a segfault in ``transfer``, :1090, seen on the first
+  request after a release and a resume).  So :func:`deregister` releases every prepared
+  list *before* it deregisters the memory, and the registration at the resume prepares
+  them again for every known peer (:func:`register_buffer_to_engine`).  If that fails
+  for a peer, no prepared list is kept (the local one is shared by all peers): sends
+  then take sglang's unprepared path (``_send_kvcache_generic``, :2117-2121), which
+  builds descriptors per transfer over the new registration.
+* With ``SGLANG_KVMEM_REGISTER=regions`` the registration covers the kvmem pool's few
+  regions instead of one buffer per layer and per K/V (transfers still address each
+  layer inside them).
+
+Chunk sends set up before a release are refused by the prefill lifecycle hooks
+(:mod:`kvmem_sglang.prefill`, ``send_kv_chunk``) before they reach a prepared list.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from kvmem_sglang import kvpool, options
+
+logger = logging.getLogger("kvmem.sglang")
+
+
+def register_buffer_to_engine(original, manager, *args, **kwargs):
+    """AROUND ``NixlKVManager.register_buffer_to_engine``: give the manager its
+    deregistration; register the pool's regions (``SGLANG_KVMEM_REGISTER=regions``) or
+    sglang's per-layer buffers; after a deregistration, prepare the transfer lists of
+    every known peer again over the new registration."""
+    if "deregister_buffer_to_engine" not in vars(manager):
+        manager.deregister_buffer_to_engine = functools.partial(deregister, manager)
+    again = getattr(manager, "_kvmem_deregistered", False)
+    out = _register(original, manager, options.active().register_regions, *args, **kwargs)
+    manager._kvmem_deregistered = False
+    if again:
+        prepare_peers(manager)
+    return out
+
+
+def _register(original, manager, regions: bool, *args, **kwargs):
+    kv_args = manager.kv_args
+    ptrs, lens = list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens)
+    kinds = list(getattr(kv_args, "kv_data_mem_kinds", None) or [])
+    if not regions:
+        return original(manager, *args, **kwargs)
+    new_ptrs, new_lens = kvpool.coalesce(ptrs, lens)
+    if new_ptrs == ptrs or len(set(kinds)) > 1:
+        return original(manager, *args, **kwargs)
+    saved = (kv_args.kv_data_ptrs, kv_args.kv_data_lens,
+             getattr(kv_args, "kv_data_mem_kinds", None))
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens = new_ptrs, new_lens
+    if kinds:
+        kv_args.kv_data_mem_kinds = kinds[:1] * len(new_ptrs)
+    try:
+        return original(manager, *args, **kwargs)
+    finally:
+        kv_args.kv_data_ptrs, kv_args.kv_data_lens = saved[0], saved[1]
+        if kinds:
+            kv_args.kv_data_mem_kinds = saved[2]
+
+
+def deregister(manager) -> None:
+    """Release every descriptor list prepared over the manager's registrations, then
+    deregister what ``register_buffer_to_engine`` registered (KV, aux and state lists),
+    each once; a second call finds nothing left."""
+    from kvmem_sglang import prefill
+
+    released = release_prepared(manager)
+    agent = manager.agent
+    lists = list(getattr(manager, "kv_descs", None) or [])
+    for name in ("aux_descs", "state_descs"):
+        descs = getattr(manager, name, None)
+        if descs is not None:
+            lists.append(descs)
+    for descs in lists:
+        agent.deregister_memory(descs)
+        prefill.STATS.deregistrations += 1
+    manager.kv_descs = []
+    manager.aux_descs = manager.state_descs = None
+    if lists:
+        manager._kvmem_deregistered = True
+    logger.info("kvmem: NIXL KV, aux and state buffers deregistered (%d list(s); %d "
+                "prepared transfer list(s) released first)", len(lists), released)
+
+
+def _prepared(manager) -> list:
+    """Every prepared descriptor-list handle the manager holds (sglang's caches of them,
+    nixl/conn.py:637-643 and the state plans)."""
+    out = list(getattr(manager, "prep_handles", {}).values())
+    slice_src = getattr(manager, "prep_handle_slice_src", None)
+    if slice_src is not None:
+        out.append(slice_src[0])
+    out += [v[0] for v in getattr(manager, "prep_handles_slice_dst", {}).values()]
+    out += list(getattr(manager, "prep_handles_segment_src", {}).values())
+    for plan in getattr(manager, "_prepared_state_plans", {}).values():
+        out += [plan.src_handle, plan.dst_handle]
+    return [h for h in out if h is not None]
+
+
+def release_prepared(manager) -> int:
+    """Release and forget every prepared descriptor list of ``manager``; the number
+    released.  sglang then takes its unprepared path until :func:`prepare_peers`."""
+    handles = _prepared(manager)
+    for h in handles:
+        try:
+            manager.agent.release_dlist_handle(h)
+        except Exception:  # noqa: BLE001 - a list NIXL cannot release is dropped all the same
+            logger.exception("kvmem-sglang: NIXL could not release a prepared list %r", h)
+    for name in ("prep_handles", "prep_handles_slice_dst", "prep_handles_segment_src",
+                 "_prepared_state_plans"):
+        table = getattr(manager, name, None)
+        if table is not None:
+            table.clear()
+    if getattr(manager, "prep_handle_slice_src", None) is not None:
+        manager.prep_handle_slice_src = None
+    for peer in getattr(manager, "decode_kv_args_table", {}).values():
+        if hasattr(peer, "kv_xfer_segments"):
+            peer.kv_xfer_segments = None
+    return len(handles)
+
+
+def prepare_peers(manager) -> None:
+    """Prepare the transfer lists of every decode peer the prefill knows, as sglang does
+    when a peer registers (``_add_remote_peer``, nixl/conn.py:2030).  If one fails, the
+    failure is logged and no prepared list is kept, for any peer (the local list is
+    shared): every send then takes the unprepared path."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    if getattr(manager, "disaggregation_mode", None) != DisaggregationMode.PREFILL:
+        return
+    peers = list(getattr(manager, "decode_kv_args_table", {}).values())
+    for peer in peers:
+        try:
+            manager._prepare_payload_xfer(peer)
+            manager._prepare_state_xfer(peer)
+        except Exception:  # noqa: BLE001 - the unprepared path still serves this peer
+            logger.exception("kvmem-sglang: preparing NIXL transfer lists for decode peer "
+                             "%s after the resume failed; its sends build descriptors per "
+                             "transfer", peer.agent_name)
+            release_prepared(manager)
+            return
+    if peers:
+        logger.info("kvmem-sglang: NIXL transfer lists prepared again for %d decode "
+                    "peer(s) over the new registration", len(peers))
