@@ -126,6 +126,26 @@ class RegionMap:
         return out
 
 
+def buffer_map(tensor: torch.Tensor, regions) -> RegionMap:
+    """The :class:`RegionMap` of a buffer's own registration: ``regions`` (its memory
+    backend's, one per physical chunk) must tile ``tensor`` (uint8 ``[nbytes]``) in order
+    from its first byte, so that a byte offset into ``tensor`` is the same offset into the
+    map and :meth:`RegionMap.ranges` cuts a slot at the chunk boundaries it crosses.
+    ValueError naming the regions otherwise."""
+    m = RegionMap(regions)
+    pos = tensor.data_ptr()
+    for addr, n in m.regions:
+        if addr != pos:
+            break
+        pos += n
+    else:
+        if m.size == tensor.numel():
+            return m
+    shown = ", ".join(f"[{a:#x}, +{n})" for a, n in m.regions[:4])
+    raise ValueError(f"regions {shown}{' ...' if len(m.regions) > 4 else ''} do not tile the "
+                     f"{tensor.numel()}-byte buffer at {tensor.data_ptr():#x} in order")
+
+
 # --- control messages ---------------------------------------------------------------------
 # Their format, the parser every received message goes through, and the inbox that counts
 # refusals: kvmem.disagg.protocol.

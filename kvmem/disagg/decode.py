@@ -63,7 +63,7 @@ import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, Ledger, Metrics, PeerTable,
-    ProtocolError, Reason, check_caller_args, now, tell,
+    ProtocolError, Reason, buffer_map, check_caller_args, now, tell,
 )
 from kvmem.disagg.protocol import (
     Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs, encode,
@@ -136,9 +136,12 @@ class DecodeSide:
         self._register()
 
     def _register(self) -> None:
+        # one region per physical chunk; the prefill's landing offsets (RegionMap of these
+        # regions) are offsets into self.landing only when they tile it in order
+        regions = self._landing_mem.regions()
+        buffer_map(self.landing, regions)
         self.engine.register_pool(self.pool, "kv")
-        self.engine.register("landing", self._landing_mem.regions(), self.pool.epoch,
-                             self.pool.device)
+        self.engine.register("landing", regions, self.pool.epoch, self.pool.device)
         if self.transfer_mode == "pull":
             self._local_table = self.engine.prep_local("kv")
 

@@ -62,10 +62,14 @@ States of a request (sglang's KVPoll) and every way out of each::
   ``torch.cuda.Event`` recorded on the pool device's current stream, the one pack ran on,
   right after the pack); ``step`` posts it once ``ready.query()`` is True, and never
   blocks on it.  On the CPU pack is done when it returns and ready at once.
-* The landing region is addressed as an offset into the decode's ``landing``
-  registration, its regions concatenated in order (:class:`~kvmem.disagg.common.RegionMap`):
-  a write that spans two regions (the CUDA VMM backend registers one per 2 GiB chunk) is
-  posted as one write of two remote ranges.
+* Physical chunks: NIXL refuses a descriptor that spans two registered regions, and a
+  memory backend reports one region per physical allocation (the CUDA VMM backend: one
+  per 2 GiB chunk).  The staging buffer is registered with its backend's regions, and a
+  slot's bytes are posted as one local range per chunk they lie in
+  (:func:`~kvmem.disagg.common.buffer_map`); the landing region is addressed as an offset
+  into the decode's ``landing`` registration, its regions concatenated in order
+  (:class:`~kvmem.disagg.common.RegionMap`), cut the same way.  A write that spans two
+  chunks on either side is one write of several ranges.
 * Peer messages arrive validated (:mod:`kvmem.disagg.protocol`); the handlers here check
   what depends on state, before they change anything.
 """
@@ -83,8 +87,8 @@ import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Ledger,
-    Metrics, PeerTable, ProtocolError, Reason, RegionMap, check_caller_args, check_id, now,
-    tell,
+    Metrics, PeerTable, ProtocolError, Reason, RegionMap, buffer_map, check_caller_args,
+    check_id, now, tell,
 )
 from kvmem.disagg.protocol import (
     AbortReq, Boot, Inbox, Meta, Pausing, Pulled, apply_metadata, decode_runs, encode,
@@ -243,12 +247,17 @@ class PrefillSide:
                            handle=self.handle_message, metrics=self.metrics, log=log)
         chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
-        self._staging_mem = make_backend(staging_bytes, pool.device)
-        self.staging = self._staging_mem.tensor
         self.arena = Arena(staging_bytes)
         if self.arena.size < chunk_max + AUX_BYTES:
             raise ValueError(f"staging_bytes {staging_bytes} cannot hold one chunk ({chunk_max} bytes)")
-        engine.register("staging", [(self.staging.data_ptr(), self.arena.size)], 0, pool.device)
+        self._staging_mem = make_backend(staging_bytes, pool.device)
+        self.staging = self._staging_mem.tensor
+        # One region per physical chunk of the staging memory (NIXL refuses a descriptor
+        # across two registrations); a slot's write is cut at the chunk boundaries it
+        # crosses (_post)
+        regions = self._staging_mem.regions()
+        self._staging_map = buffer_map(self.staging, regions)
+        engine.register("staging", regions, 0, pool.device)
         engine.register_pool(pool, "kv")
         # Direct writes (pool pages to the decode's pool pages, no pack) for chunks whose
         # page runs, merged where adjacent on both sides, are at least this many bytes per
@@ -541,7 +550,7 @@ class PrefillSide:
         slot and end the request (500, or 503 when the decode's memory moved on)."""
         seq = req.seq
         req.seq += 1
-        local = [(self.staging.data_ptr() + staging_off, nbytes)]
+        local = self._staging_map.ranges(staging_off, nbytes)  # one range per chunk it spans
         what = "extra-state (last) chunk" if aux else f"chunk {seq}"
         try:
             if self.faults.fail_send(req.rid, seq, aux):
