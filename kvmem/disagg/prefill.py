@@ -40,7 +40,10 @@ States of a request (sglang's KVPoll) and every way out of each::
   this pool's pages straight into the decode's pool pages (prepared block lists, one
   ``post_blocks``); no pack, no staging slot.  Such a write reads the request's pages, so
   they are freed once it is DONE or ERR, also when the request ends early.  A head range
-  (heterogeneous TP) always packs; this side sends whole pages only.
+  (heterogeneous TP) always packs; this side sends whole pages only.  The decode's page
+  ids are those of its ``BOOT``'s kv epoch: a direct write is refused before posting
+  (StaleEpochError, the request ends 503) once the decode's kv registration is newer than
+  that BOOT's, as packed writes and pull offers are.
 * Pull mode (``transfer_mode="pull"``): each chunk is offered (``READY``) instead of
   written; the decode reads it from this pool and answers ``PULLED``.  The offer is held
   like a write in flight (one per request at a time): the pages stay held until the
@@ -204,6 +207,7 @@ class PrefillRequest:
     result: Reason | None = None
     t_abort: float | None = None
     dpages: np.ndarray | None = None  # the decode's page ids of this request (its BOOT)
+    kv: object = None  # RemoteMemory of the decode's kv those ids belong to (its BOOT's epoch)
     deferred_release: str | None = None  # pages freed once the direct write reading them ends
 
 
@@ -609,8 +613,11 @@ class PrefillSide:
             if self.faults.fail_send(req.rid, seq, False):
                 raise TransferError(f"injected send failure of chunk {seq} (direct)")
             rt = self._remote.get()
-            if rt is None:
-                raise StaleEpochError(self.decode_peer, "kv", "no live pool", "-", "post_blocks")
+            if rt is None or rt.remote != req.kv:
+                # the decode's kv moved on since the BOOT that gave these page ids
+                raise StaleEpochError(self.decode_peer, "kv", req.kv.describe(),
+                                      "closed" if rt is None else rt.remote.describe(),
+                                      "post_blocks (the BOOT's kv)")
             li, ri = st.direct
             h = self.engine.post_blocks(self._local_table, li, rt, ri, st.notif)
         except StaleEpochError as e:
@@ -647,8 +654,8 @@ class PrefillSide:
         sides, average at least ``direct_threshold`` bytes per descriptor (one descriptor
         per merged run per layer and K|V).  A head range (heterogeneous TP) always packs:
         its rows are not whole pages (this side sends whole pages only)."""
-        if (self.direct_threshold is None or req.dpages is None or self._local_table is None
-                or self.peer_paused):
+        if (self.direct_threshold is None or req.dpages is None or req.kv is None
+                or self._local_table is None or self.peer_paused):
             return None
         src = self.ledger.pages(req.rid)[first:last].cpu().numpy()
         dst = req.dpages[first:last]
@@ -921,6 +928,10 @@ class PrefillSide:
             raise ProtocolError(f"BOOT for request {req.rid}: decode pages outside "
                                 f"[1, {kv.layout.count})")
         req.dpages = dpages
+        # The page ids are the decode's pool pages at this BOOT's epoch: direct writes
+        # target that registration only (None: it is not known here at that epoch, so
+        # every chunk of the request packs)
+        req.kv = kv if kv is not None and kv.live and kv.epoch == msg.epoch else None
         req.remote, req.landing_map = remote, landing_map
         req.landing_off, req.landing_nbytes = msg.off, msg.nbytes
         req.state = KVPoll.WaitingForInput
