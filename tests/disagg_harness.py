@@ -158,11 +158,13 @@ class Pair:
                  decode_timeout: float = 60.0, staging_chunks: int = 8, spec=SPEC,
                  ready_event=None, landing_chunk: int | None = None,
                  direct_threshold: int | None = None, transfer_mode: str = "push",
-                 staging_chunk: int | None = None):
+                 staging_chunk: int | None = None, done_event=None, device="cpu"):
         """``ready_event``: the prefill's (see PrefillSide); ``landing_chunk``: register
         the decode's landing buffer as regions of that many bytes (ChunkedLanding);
         ``staging_chunk``: the prefill's staging buffer made of separate mappings of that
-        many bytes side by side (SideBySideMappings), one region each;
+        many bytes side by side (SideBySideMappings), one region each; ``done_event``: the
+        decode's (see DecodeSide); ``device``: where both pools and allocators live (the
+        staging and landing buffers follow the pools);
         ``direct_threshold``: the prefill's (None: every chunk packed, 0: every chunk
         written direct, pool pages to pool pages); ``transfer_mode``: both sides' ("pull":
         the decode reads the prefill's pool pages)."""
@@ -177,16 +179,18 @@ class Pair:
         landing_bytes = kvmem.packed_nbytes(spec, num_pages) + 64 * 1024
         with unittest.mock.patch("kvmem.disagg.decode.make_backend", _landing_backend(landing_chunk)):
             self.decode = DecodeSide(
-                kvmem.KVPool(spec, num_pages), kvmem.PageAllocator(num_pages, spec.page_size),
+                kvmem.KVPool(spec, num_pages, device),
+                kvmem.PageAllocator(num_pages, spec.page_size, device),
                 self.de, self.synth, prefill_peer=self.pe.name, landing_bytes=landing_bytes,
                 timeout=decode_timeout, clock=self.clock, faults=self.faults,
-                transfer_mode=transfer_mode)
+                transfer_mode=transfer_mode, done_event=done_event)
         chunk_bytes = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         staging = (unittest.mock.patch("kvmem.disagg.prefill.make_backend", side_by_side(staging_chunk))
                    if staging_chunk else contextlib.nullcontext())
         with staging:
             self.prefill = PrefillSide(
-                kvmem.KVPool(spec, num_pages), kvmem.PageAllocator(num_pages, spec.page_size),
+                kvmem.KVPool(spec, num_pages, device),
+                kvmem.PageAllocator(num_pages, spec.page_size, device),
                 self.pe, self.synth, decode_peer=self.de.name, chunk_tokens=chunk_tokens,
                 staging_bytes=staging_chunks * chunk_bytes + 64 * 64,
                 bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
