@@ -94,6 +94,19 @@ class DeviceReads(TorchFunctionMode):
         return out
 
 
+def _mark_results(mode: DeviceReads, obj, names) -> None:
+    """Wrap ``obj``'s methods ``names`` (the real calls) so that what they return is marked."""
+    for name in names:
+        real = getattr(obj, name)
+
+        def marked(*a, _real=real, **k):
+            out = _real(*a, **k)
+            mode.mark(out)
+            return out
+
+        setattr(obj, name, marked)
+
+
 def watch(pair: Pair, mode: DeviceReads) -> None:
     """Mark what lives on the device on a GPU: both pools, the staging and landing
     buffers, and from now on every page id the allocators hand out and every verdict of
@@ -102,26 +115,10 @@ def watch(pair: Pair, mode: DeviceReads) -> None:
         pool = side.pool
         for t in [pool._mem.tensor] + pool._k_buffer + pool._v_buffer:
             mode.mark(t)
-        for name in ("alloc", "alloc_extend", "alloc_decode"):
-            real = getattr(side.alloc, name)
-
-            def wrapped(*a, _real=real, **k):
-                out = _real(*a, **k)
-                mode.mark(out)
-                return out
-
-            setattr(side.alloc, name, wrapped)
+        _mark_results(mode, side.alloc, ("alloc", "alloc_extend", "alloc_decode"))
     mode.mark(pair.prefill.staging)
     mode.mark(pair.decode.landing)
-    for name in ("verify", "verify_pages"):
-        real = getattr(pair.synth, name)
-
-        def checked(*a, _real=real, **k):
-            out = _real(*a, **k)
-            mode.mark(out)
-            return out
-
-        setattr(pair.synth, name, checked)
+    _mark_results(mode, pair.synth, ("verify", "verify_pages"))
 
 
 def lifecycle(pair: Pair) -> None:

@@ -18,8 +18,6 @@ available (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -40,20 +38,10 @@ from kvmem.disagg import KVPoll  # noqa: E402
 from kvmem.disagg.common import HostCopy  # noqa: E402
 from tests.disagg_harness import Pair  # noqa: E402
 from tests.test_disagg_sync_free import lifecycle  # noqa: E402
+from tests.util import no_host_sync  # noqa: E402
 
 DEV = torch.device("cuda", torch.cuda.current_device())
 MODES = ["packed", "direct", "pull"]
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    """Raise on any host sync torch makes inside (blocking copies, .item(), ...)."""
-    old = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(old)
 
 
 def make_pair(mode: str, **kw) -> Pair:
