@@ -138,13 +138,15 @@ def test_pool_pages_hold_the_delivered_kv():
     into its pages, read back and compared on the host once, at the end."""
     pair = make_pair("packed")
     try:
+        pair.faults.stall_at[1] = 3  # the last chunk (page 12) held back: pages stay held
         pair.prefill.add_request(1, 200)
-        pair.run_until(lambda: 1 in pair.decode.reqs and pair.decode.reqs[1].pages_done == 13)
+        pair.run_until(lambda: 1 in pair.decode.reqs and pair.decode.reqs[1].pages_done == 12)
         dec = pair.decode
-        pages = dec.ledger.pages(1)
+        pages = dec.ledger.pages(1)[:12]
         torch.cuda.synchronize()
         got = kvmem.pack_pages(dec.pool, pages)
-        assert torch.equal(got.cpu(), pair.synth.chunk(1, 0, 13))
+        assert torch.equal(got.cpu(), pair.synth.chunk(1, 0, 12))
+        pair.faults.stall_at.clear()
         pair.run_idle()
         assert pair.prefill.state(1) == KVPoll.Success
         pair.assert_clean()
