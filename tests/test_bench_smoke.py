@@ -5,9 +5,12 @@
   its JSON and every plot come out: a renamed field, a broken baseline or a plot that no
   longer draws fails here.
 - bench/gpu_check.sh (run by hand on a CUDA host) parses, every path it hands pytest
-  exists, and its CUDA-only test files collect on this CPU machine: imported, or skipped
-  at module level, never an import error.  The bench files it runs are the ones the smoke
-  run just ran.
+  exists, it names every CUDA-only test file, and those collect on this CPU machine:
+  imported, or skipped at module level, never an import error.  The bench files it runs
+  are the ones the smoke run just ran.  Its plan (``--plan``) for a bare H200 host fits
+  its time limit with the small kernel grid first, its step runner (``--selftest``)
+  reports passes, failures, steps past their budget and skips, and the parts it runs the
+  pack grid in (KVMEM_GPU_GRID, KVMEM_GPU_SHARD) partition the grid.
 """
 
 from __future__ import annotations
@@ -100,11 +103,12 @@ def test_plot_cli_redraws_from_json(smoke, tmp_path):
 # -- bench/gpu_check.sh --------------------------------------------------------------------
 
 def _pytest_paths(script: str) -> list[str]:
-    """Every repository path on gpu_check.sh's pytest lines (its --ignore'd ones too)."""
+    """Every repository path on gpu_check.sh's pytest lines (its --ignore'd ones too);
+    ``${pyt[@]}`` is its pytest command."""
     text = script.replace("\\\n", " ")
     paths = []
     for line in text.splitlines():
-        if "pytest" in line or "--ignore" in line:
+        if "pytest" in line or "${pyt[@]}" in line or "--ignore" in line:
             paths += re.findall(r"(?<![\w/.$-])((?:tests|bench)(?:/[\w.]+)*)(?=[\s=)\"]|$)", line)
     return paths
 
@@ -116,9 +120,11 @@ def test_gpu_check_parses():
 
 def test_gpu_check_paths_exist():
     paths = _pytest_paths(open(GPU_CHECK).read())
-    assert "tests/gpu" in paths and "bench" in paths, paths
+    assert "bench" in paths, paths
     missing = [x for x in paths if not os.path.exists(os.path.join(ROOT, x))]
     assert not missing
+    files = {os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "gpu", "test_*.py"))}
+    assert files and files <= set(paths), sorted(files - set(paths))  # none left out
 
 
 def test_gpu_check_cuda_tests_collect_on_cpu():
@@ -135,3 +141,71 @@ def test_gpu_check_cuda_tests_collect_on_cpu():
     for f in files:  # each file either contributed tests or said why it skipped
         rel = os.path.relpath(f, ROOT)
         assert rel in p.stdout, (rel, p.stdout[-3000:])
+
+
+def _gpu_check(*args, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", GPU_CHECK, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=_env(KVMEM_PYTHON=sys.executable, **env))
+
+
+def test_gpu_check_plan_for_a_bare_h200_fits_its_time():
+    """A bare H200 host: 16 cores, no NIXL, no sglang, no pytest-benchmark.  The plan puts
+    the small kernel grid first, skips the steps those packages carry (saying which), and
+    the budgets of the rest, each sized from its kernels, fit the time limit."""
+    p = _gpu_check("--plan", KVMEM_GPU_CORES="16",
+                   KVMEM_GPU_WITHOUT="nixl sglang pytest-benchmark")
+    assert p.returncode == 0, p.stderr
+    lines = [x for x in p.stdout.splitlines() if x.startswith("plan ")]
+    steps = [x.split()[1] for x in lines if "budget=" in x]
+    assert steps[0] == "smoke" and "small kernel grid first" in lines[0], lines
+    assert set(steps) == {"smoke", "disagg", "hardening", "allocator-pool", "pack-grid",
+                          "sglang-staging", "bench"}, steps
+    would = {x.split()[1]: x.split("would=")[1] for x in lines if "budget=" in x}
+    assert would["disagg"].startswith("skip: NIXL is not importable")
+    assert would["sglang-staging"].startswith("skip: sglang is not importable")
+    assert would["bench"].startswith("skip: pytest-benchmark is not importable")
+    for name in ("smoke", "hardening", "allocator-pool", "pack-grid"):
+        assert would[name].startswith("run"), (name, would[name])
+    assert "processes=8" in next(x for x in lines if x.startswith("plan pack-grid"))
+    total = re.search(r"plan total: (\d+)s of budgets .*, (\d+)s allowed", p.stdout)
+    assert total and int(total.group(1)) <= int(total.group(2)) <= 290, p.stdout
+    # with every package there, what does not fit is said to be out of time
+    p = _gpu_check("--plan", KVMEM_GPU_CORES="16")
+    assert p.returncode == 0 and "would=skip: out of time" in p.stdout, p.stdout
+
+
+def test_gpu_check_step_runner(tmp_path):
+    """--selftest: a pass, a failure, a step killed at its budget, a sharded step, a step
+    that cannot run here; one line each, the table, the exit status of a failure."""
+    p = _gpu_check("--selftest", str(tmp_path), KVMEM_GPU_BASE_S="1", KVMEM_GPU_CORES="4")
+    assert p.returncode == 1, p.stdout + p.stderr
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("[pass] ran: 3 passed, 1 skipped") and summary[0].endswith("| ok")
+    assert summary[1].startswith("[fail] ran: 1 failed, 2 passed") and "FAILED (exit 1)" in summary[1]
+    assert summary[2].startswith("[slow] ") and "TIMEOUT (ran past its 2s budget)" in summary[2]
+    assert summary[3].startswith("[sharded] ran: 1 passed in 0.01s;1 passed in 0.01s")
+    assert summary[4] == "[missing] skipped: a package is not importable here | a step that cannot run here"
+    assert summary[-1].startswith("gpu_check: 2 ran ok, 2 failed, 1 skipped")
+    rows = [r.split("\t") for r in (tmp_path / "steps.tsv").read_text().splitlines()]
+    assert rows[0][:4] == ["step", "status", "seconds", "budget"]
+    assert [r[:2] for r in rows[1:]] == [["pass", "ok"], ["fail", "FAILED"], ["slow", "TIMEOUT"],
+                                        ["sharded", "ok"], ["missing", "skipped"]]
+    log = (tmp_path / "sharded.log").read_text()
+    assert "shard 0/2" in log and "shard 1/2" in log
+
+
+def test_gpu_grid_parts_partition_the_pack_grid():
+    """KVMEM_GPU_GRID=small, the rest in shards: every case of the grid exactly once."""
+
+    def ids(**env) -> list[str]:
+        p = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+             "--noconftest", "tests/gpu/test_cuda_pack_pool.py", "-k", "kernel_matches_ref"],
+            cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return [x for x in p.stdout.splitlines() if "::" in x]
+
+    full, small = ids(), ids(KVMEM_GPU_GRID="small")
+    shards = [ids(KVMEM_GPU_GRID="rest", KVMEM_GPU_SHARD=f"{i}/3") for i in range(3)]
+    parts = small + [x for s in shards for x in s]
+    assert len(small) == 6 and sorted(parts) == sorted(full) and len(set(parts)) == len(full) == 75

@@ -197,3 +197,60 @@ def test_calibration_measures_both_ways_and_records_its_fit():
         p.assert_clean()
     finally:
         p.close()
+
+
+def _reregister_decode_kv(pair) -> None:
+    """The decode moves its kv to a new epoch without a pause (no PAUSING: nothing tells
+    the prefill to end its requests), then publishes the new metadata."""
+    dec = pair.decode
+    dec.engine.deregister("kv")
+    dec.pool.release()
+    dec.pool.resume()
+    dec.engine.register_pool(dec.pool, "kv")
+    dec.publish_metadata()
+
+
+@pytest.mark.parametrize("when", ["before-staging", "staged-not-posted"])
+def test_direct_chunk_is_tied_to_the_kv_epoch_of_its_boot(when):
+    """Issue 15, item 10: the decode's page ids in a BOOT belong to the kv registration of
+    that BOOT's epoch.  A direct chunk posted after the decode moved its kv to a newer
+    epoch is refused before posting (StaleEpochError: 503, as a packed chunk or a pull
+    offer is), never written into the new epoch's pool and answered 200."""
+    from tests.test_disagg_hardening import Gate
+
+    gate = Gate()
+    gate.auto = True
+    p = Pair(direct_threshold=0, ready_event=gate)
+    try:
+        p.faults.stall_at[1] = 1
+        p.prefill.add_request(1, 200)  # 4 direct chunks; chunk 1 held back
+        p.run_until(lambda: p.decode.chunk_modes["direct"] == 1)
+        boot_kv = p.prefill.reqs[1].kv
+        assert boot_kv is not None and boot_kv.epoch == 0
+        if when == "staged-not-posted":
+            gate.auto = False
+            p.faults.stall_at.clear()
+            p.run_until(lambda: p.prefill.reqs[1].staged is not None)
+        _reregister_decode_kv(p)
+        p.run_until(lambda: p.pe.remote(p.de.name, "kv").epoch == 1)
+        p.faults.stall_at.clear()
+        gate.open_all(auto=True)
+        opened = p.pe.open_handles()
+        p.run_idle()
+        assert p.finished[1].status == 503, p.finished[1]
+        assert "epoch" in p.finished[1].message
+        assert p.decode.chunk_modes["direct"] == 1  # nothing more landed in the new pool
+        assert p.pe.open_handles() <= opened
+        assert p.decode.completed[1].status == 503
+        # the decode moves its landing buffer to the new epoch too; a request booted
+        # there goes direct again
+        dec = p.decode
+        dec.engine.deregister("landing")
+        dec.engine.register("landing", dec._landing_mem.regions(), dec.pool.epoch, dec.pool.device)
+        dec.publish_metadata()
+        p.prefill.add_request(2, 64)
+        p.run_idle()
+        assert p.finished[2].status == 200 and p.decode.chunk_modes["direct"] == 2
+        p.assert_clean()
+    finally:
+        p.close()

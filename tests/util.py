@@ -1,5 +1,7 @@
 """Small helpers shared by tests."""
 
+import contextlib
+
 
 def vm_rss() -> int:
     """This process's resident set size in bytes (VmRSS of /proc/self/status)."""
@@ -30,3 +32,17 @@ def assert_closed_pool_refuses(pool, ids, chunk, **more) -> None:
     for name, call in calls.items():
         with pytest.raises(ClosedPoolError, match=r"the KV pool is closed; create a new pool"):
             call()
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Raise on any host sync torch makes inside (blocking copies, .item(), ...): CUDA's
+    sync-debug mode "error" for the block, the previous mode restored after."""
+    import torch
+
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)

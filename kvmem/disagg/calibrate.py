@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 import kvmem
+from kvmem.disagg.common import RegionMap
 
 
 def _spread(n: int, r: int) -> np.ndarray:
@@ -78,25 +79,31 @@ def calibrate_direct(side, chunk_pages: int, rounds: int = 5, runs=None) -> dict
         raise ValueError(f"calibrate_direct: {chunk_pages} pages spread in runs need pool "
                          f"pages up to {most} and {nbytes} bytes of staging")
     staging = side.staging[:nbytes]
-    local = [(staging.data_ptr(), nbytes)]
-    remote = [(landing.regions[0][0], nbytes)] if landing.regions[0][1] >= nbytes else None
-    if remote is None:
-        raise ValueError("calibrate_direct: the landing buffer's first region is smaller "
-                         "than one chunk")
+    landing_map = RegionMap(landing.regions)
+    if nbytes > landing_map.size:
+        raise ValueError(f"calibrate_direct: the decode's landing buffer ({landing_map.size} "
+                         f"bytes) is smaller than one chunk ({nbytes} bytes)")
+    # both cut at their physical chunks' boundaries, as the side's own writes are
+    local = side._staging_map.ranges(0, nbytes)
+    remote = landing_map.ranges(0, nbytes)
     planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
+    # a timed pack ends when the device is done (CUDA runs it asynchronously): this is a
+    # measurement at start-up, not the hot path
+    done = ((lambda: torch.cuda.synchronize(pool.device)) if pool.device.type == "cuda"
+            else (lambda: None))
     rows = []
     try:
         for r in runs:
             pages = _spread(chunk_pages, r)
             li = (planes * lt.layout.count + pages).reshape(-1)
             ri = (planes * rt.layout.count + pages).reshape(-1)
-            tp = torch.from_numpy(pages)
             d, p, k = [], [], []
             for i in range(rounds + 1):  # the first of each is a warm-up
                 t0 = time.perf_counter()
                 _wait(eng, eng.post_blocks(lt, li, rt, ri))
                 t1 = time.perf_counter()
-                kvmem.pack_pages(pool, tp, out=staging)
+                kvmem.pack_pages(pool, pages, out=staging)  # NumPy ids: to the pool's device
+                done()
                 t2 = time.perf_counter()
                 _wait(eng, eng.post_write(local, landing, remote))
                 t3 = time.perf_counter()

@@ -1,5 +1,7 @@
 """What both sides of the PD lifecycle share: states, abort reasons, control messages,
-the page ledger (who holds which page) and the counters."""
+the page ledger (who holds which page), the counters, and the device plumbing of the hot
+path: host copies made without a host sync (:class:`HostCopy`, :func:`to_device`) and
+the events that order host decisions after device work (:func:`device_event`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvmem.errors import KVMemError
@@ -92,6 +95,86 @@ def check_caller_args(what: str, rid, status=None, message=None) -> None:
                          f"{type(message).__name__}")
 
 
+# --- device and host, without a host sync ----------------------------------------------------
+# On CUDA the sides' step() never waits for the device: what the host must know of device
+# values (page ids for messages and descriptors, the stand-in's verdicts) comes through a
+# HostCopy polled in later steps, host values go to the device through pinned memory, and
+# host decisions that depend on device work finishing (post a packed chunk, reuse a
+# landing slot) poll an event recorded after that work.  On the CPU every copy is done when
+# it returns and every event is ready at once, so behaviour there is the same step for step.
+
+class _Ready:
+    """What :func:`device_event` gives on the CPU: device work is done when it returns."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+
+READY = _Ready()
+
+
+def device_event(device):
+    """``() -> object with query()``: on CUDA a ``torch.cuda.Event`` recorded on
+    ``device``'s current stream (where the side's kernels and copies run) when called; on
+    the CPU an object that is always ready.  Polled with ``query()``, never waited on."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return lambda: READY
+
+    def record():
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+        return ev
+
+    return record
+
+
+class HostCopy:
+    """A host copy of a device tensor made without a host sync: on CUDA a non-blocking
+    copy into pinned host memory queued on the tensor's device's current stream (after
+    the work that produced the tensor) and an event recorded after it; on the CPU the
+    tensor itself (which must not change afterwards).
+
+    ``t`` : any shape, a dtype NumPy has (``int64 [n]`` page ids, a 0-dim bool verdict).
+    :meth:`ready` polls (never waits); :meth:`numpy` gives the copy once ready.  The one
+    way the disagg sides read device values (tests/test_disagg_sync_free.py)."""
+
+    __slots__ = ("_host", "_event")
+
+    def __init__(self, t: torch.Tensor):
+        if t.device.type == "cuda":
+            with torch.cuda.device(t.device):
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(t.device))
+            self._host, self._event = host, ev
+        else:
+            self._host, self._event = t, None
+
+    def ready(self) -> bool:
+        if self._event is not None and self._event.query():
+            self._event = None
+        return self._event is None
+
+    def numpy(self) -> np.ndarray:
+        """The copy (a NumPy view of host memory); RuntimeError while not :meth:`ready`."""
+        if not self.ready():
+            raise RuntimeError("HostCopy.numpy: the copy is still in flight; poll ready()")
+        return self._host.numpy()
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """The CPU tensor ``t`` on ``device`` without a host sync: through pinned memory and a
+    non-blocking copy on CUDA (torch's pinned-memory cache keeps the staging copy until
+    the device has read it, so ``t`` may change at once); ``t`` itself on the CPU."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 # --- addressing a peer's registration -------------------------------------------------------
 class RegionMap:
     """A registration's regions as one byte space: offset ``o`` is byte ``o`` of the
@@ -124,6 +207,26 @@ class RegionMap:
             out.append((addr + inner, take))
             off, nbytes, i = off + take, nbytes - take, i + 1
         return out
+
+
+def buffer_map(tensor: torch.Tensor, regions) -> RegionMap:
+    """The :class:`RegionMap` of a buffer's own registration: ``regions`` (its memory
+    backend's, one per physical chunk) must tile ``tensor`` (uint8 ``[nbytes]``) in order
+    from its first byte, so that a byte offset into ``tensor`` is the same offset into the
+    map and :meth:`RegionMap.ranges` cuts a slot at the chunk boundaries it crosses.
+    ValueError naming the regions otherwise."""
+    m = RegionMap(regions)
+    pos = tensor.data_ptr()
+    for addr, n in m.regions:
+        if addr != pos:
+            break
+        pos += n
+    else:
+        if m.size == tensor.numel():
+            return m
+    shown = ", ".join(f"[{a:#x}, +{n})" for a, n in m.regions[:4])
+    raise ValueError(f"regions {shown}{' ...' if len(m.regions) > 4 else ''} do not tile the "
+                     f"{tensor.numel()}-byte buffer at {tensor.data_ptr():#x} in order")
 
 
 # --- control messages ---------------------------------------------------------------------
@@ -208,6 +311,15 @@ class Ledger:
     def pages(self, owner) -> torch.Tensor:
         return self._held[owner]
 
+    def rename(self, owner, to) -> None:
+        """Move what ``owner`` holds (and its quarantine) to ``to``, which holds nothing."""
+        if owner not in self._held or to in self._held:
+            raise KVMemError(f"ledger: cannot move the pages of {owner!r} to {to!r}")
+        self._held[to] = self._held.pop(owner)
+        if owner in self._quarantined:
+            self._quarantined.discard(owner)
+            self._quarantined.add(to)
+
     def quarantine(self, owner) -> None:
         """Mark ``owner``'s pages as possibly the target of a posted write: they are not
         freed until :meth:`release` (after DONE/ERR or the sender's ack)."""
@@ -215,13 +327,15 @@ class Ledger:
             self._quarantined.add(owner)
 
     def release(self, owner, reason: str) -> int:
-        """Free every page ``owner`` holds, once.  Returns the number of pages freed."""
+        """Free every page ``owner`` holds, once.  Returns the number of pages freed.  The
+        free is unchecked on the device (no host sync on CUDA: a bad free is raised by the
+        allocator's next synchronising call, e.g. :meth:`audit`); the CPU checks anyway."""
         if owner not in self._held:
             raise KVMemError(f"ledger: {owner!r} holds no pages (freed twice?)")
         pages = self._held.pop(owner)
         self._quarantined.discard(owner)
         if pages.numel():
-            self.alloc.free(pages)
+            self.alloc.free(pages, check=False)
         self.freed_by_reason[reason] += int(pages.numel())
         return int(pages.numel())
 

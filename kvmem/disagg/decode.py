@@ -19,6 +19,11 @@ A request, as the decode side sees it::
                           v        DONE/ERR), or after quarantine_timeout if it vanished.
                         freed
 
+Booting: the BOOT carries the request's page ids, which the allocator hands out on the
+pool's device; the request is ``booting`` until their copy to the host is done (at once on
+the CPU, a step or so later on CUDA: :class:`~kvmem.disagg.common.HostCopy`, polled, never
+waited on), then the BOOT goes out.
+
 A packed chunk lands in the request's *landing region* (a registered buffer, one region
 per request, sized for its whole KV plus the extra state) and its notification
 (``CHUNK``) arrives after the bytes: the chunk is verified against what the prefill
@@ -27,6 +32,14 @@ computed (:mod:`kvmem.disagg.synth`) and unpacked into the request's pages with
 the request's pool pages (their ids went to the prefill in ``BOOT``): it is verified there
 (``Synth.verify_pages``) and nothing is unpacked.  The quarantine holds the request's pool
 pages and landing region alike: both may be the target of a posted write.
+
+Device order: the check of a landed chunk and its unpack run on the pool device's stream
+(asynchronously on CUDA), and an event (``done_event``) is recorded after them.  A NIXL
+write is not ordered with that stream, so a request that ends gives its pages and landing
+region back only once its last event is done (owner ``("device-busy", rid)`` in the ledger
+meanwhile, quarantined); until then a new BOOT cannot have them.  A check's verdict is a
+device tensor that reaches the counters through a HostCopy.  So ``step`` makes no host
+sync on CUDA; :attr:`idle` also waits for verdicts and memory still in flight.
 
 Pull mode (``transfer_mode="pull"``): the prefill offers each chunk (``READY``: its own
 page ids and pool epoch); this side reads them into the request's pool pages (one
@@ -62,8 +75,9 @@ import torch
 import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
-    CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, Ledger, Metrics, PeerTable,
-    ProtocolError, Reason, check_caller_args, now, tell,
+    CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, HostCopy, Ledger, Metrics,
+    PeerTable, ProtocolError, Reason, buffer_map, check_caller_args, device_event, now, tell,
+    to_device,
 )
 from kvmem.disagg.protocol import (
     Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs, encode,
@@ -89,7 +103,7 @@ class DecodeRequest:
     rid: int
     room: int
     tokens: int
-    state: str = "waiting"  # waiting | withheld | booted | quarantined
+    state: str = "waiting"  # waiting | withheld | booting | booted | quarantined
     landing_off: int = -1
     landing_nbytes: int = 0
     t_seen: float = 0.0  # last message about this request
@@ -98,6 +112,9 @@ class DecodeRequest:
     reason: Reason | None = None
     reads: list = field(default_factory=list)  # pull: (TransferHandle, first, last) in flight
     free_after_reads: tuple | None = None  # (why, reason) of a free waiting for our reads
+    ids: HostCopy | None = None  # booting: its page ids on their way to the host
+    host_pages: np.ndarray | None = None  # int64 [pages]: its page ids, on the host
+    busy: object = None  # event after the last device work on its pages / landing region
 
 
 class DecodeSide:
@@ -106,7 +123,13 @@ class DecodeSide:
     def __init__(self, pool, allocator, engine, synth, *, prefill_peer: str,
                  landing_bytes: int, timeout: float = DEFAULT_TIMEOUT,
                  quarantine_timeout: float | None = None, clock=now,
-                 faults: DecodeFaults | None = None, transfer_mode: str = "push"):
+                 faults: DecodeFaults | None = None, transfer_mode: str = "push",
+                 done_event=None):
+        """``done_event``: ``() -> object with query()``, called after the device work of
+        each landed chunk, AUX or read (checks, unpack); a request's pages and landing
+        region are reused only once its last one says True.  Default
+        :func:`~kvmem.disagg.common.device_event` of the pool's device (always True on
+        the CPU, where that work is done when it returns)."""
         if transfer_mode not in ("push", "pull"):
             raise ValueError(f"transfer_mode must be 'push' or 'pull', got {transfer_mode!r}")
         self.pool, self.alloc, self.engine, self.synth = pool, allocator, engine, synth
@@ -120,6 +143,15 @@ class DecodeSide:
         self.quarantine_timeout = timeout if quarantine_timeout is None else quarantine_timeout
         self.clock = clock
         self.faults = faults or DecodeFaults()
+        self.done_event = done_event or device_event(pool.device)
+        synth.tape_on(pool.device)  # the checks compare against the tape there
+        # verdicts of the checks, in order, on their way to the host: (HostCopy, nbytes,
+        # rid, first, last, what a mismatch means or None)
+        self._checks: list = []
+        # memory of ended requests that device work may still touch: (event, ledger
+        # owner, ledger reason, landing offset), freed once the event is done
+        self._draining: list = []
+        self._complete_pause_due = False  # the pause's frees wait for _draining
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("decode")
         self.chunk_modes: Counter = Counter()  # CHUNKs landed, "packed" / "direct"
@@ -136,9 +168,12 @@ class DecodeSide:
         self._register()
 
     def _register(self) -> None:
+        # one region per physical chunk; the prefill's landing offsets (RegionMap of these
+        # regions) are offsets into self.landing only when they tile it in order
+        regions = self._landing_mem.regions()
+        buffer_map(self.landing, regions)
         self.engine.register_pool(self.pool, "kv")
-        self.engine.register("landing", self._landing_mem.regions(), self.pool.epoch,
-                             self.pool.device)
+        self.engine.register("landing", regions, self.pool.epoch, self.pool.device)
         if self.transfer_mode == "pull":
             self._local_table = self.engine.prep_local("kv")
 
@@ -156,6 +191,11 @@ class DecodeSide:
         for the prefill or the clock, and the caller may back off
         (:class:`~kvmem.disagg.common.Backoff`)."""
         busy = self.inbox.drain() > 0
+        busy = self._apply_checks() or busy
+        busy = self._drain_device() or busy
+        if self._complete_pause_due and not self._draining:
+            self._complete_pause()
+            busy = True
         if self.transfer_mode == "pull":
             busy = self._poll_reads() or busy
             if self._ack_pending and not any(r.reads for r in self.reqs.values()):
@@ -166,6 +206,8 @@ class DecodeSide:
             for req in list(self.reqs.values()):
                 if req.state == "waiting":
                     busy = self._boot(req) or busy
+                elif req.state == "booting":
+                    busy = self._send_boot(req) or busy
         return self._check_timeouts() or busy
 
     def handle_message(self, msg) -> None:
@@ -228,8 +270,9 @@ class DecodeSide:
             self._boot(req)
 
     def _boot(self, req: DecodeRequest) -> bool:
-        """Allocate the request's pages and landing region and send BOOT; False (nothing
-        changed) when there is no memory for it yet."""
+        """Allocate the request's pages and landing region and send BOOT (once their ids
+        are on the host: at once on the CPU, at a later step on CUDA, state ``booting``
+        meanwhile); False (nothing changed) when there is no memory for it yet."""
         n = -(-req.tokens // self.spec.page_size)
         nbytes = kvmem.packed_nbytes(self.spec, n) + AUX_BYTES
         if n > self.alloc.num_free:
@@ -238,14 +281,26 @@ class DecodeSide:
             off = self.arena.alloc(nbytes)
         except ArenaFullError:
             return False
-        pages = self.alloc.alloc(n)
+        pages = self.alloc.alloc(n, check=False)  # n <= num_free: no host sync on CUDA
         self.ledger.hold(req.rid, pages)
         req.landing_off, req.landing_nbytes = off, nbytes
+        req.ids = HostCopy(pages)
+        req.state = "booting"
+        req.t_seen = self.clock()
+        self._send_boot(req)
+        return True
+
+    def _send_boot(self, req: DecodeRequest) -> bool:
+        """Send the BOOT of a booting request once its page ids are on the host; False
+        while their copy is in flight."""
+        if not req.ids.ready():
+            return False
+        req.host_pages, req.ids = req.ids.numpy(), None
         req.state = "booted"
         req.t_seen = self.clock()
         self._tell(encode(
-            "BOOT", rid=req.rid, room=req.room, off=off, nbytes=nbytes, epoch=self.pool.epoch,
-            pages=encode_runs(pages)))
+            "BOOT", rid=req.rid, room=req.room, off=req.landing_off, nbytes=req.landing_nbytes,
+            epoch=self.pool.epoch, pages=encode_runs(req.host_pages)))
         return True
 
     def _known(self, msg) -> DecodeRequest:
@@ -283,15 +338,17 @@ class DecodeSide:
         if msg.direct:  # written straight into the request's pool pages: check them there
             self.chunk_modes["direct"] += 1
             ok = self.synth.verify_pages(self.pool, req.rid, first, last,
-                                         self.ledger.pages(req.rid)[first:last])
+                                         req.host_pages[first:last])
         else:
             self.chunk_modes["packed"] += 1
             start = req.landing_off + msg.off
             data = self.landing[start:start + nbytes]
             ok = self.synth.verify(req.rid, first, last, data)
         self._landed(req, first, last, nbytes, ok, "landed bytes differ from what was sent")
-        if req.state == "booted" and not msg.direct:
-            kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last])
+        if req.state == "booted" and not msg.direct:  # our own page ids: unchecked, no sync
+            kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last],
+                               check=False)
+        req.busy = self.done_event()  # the check and the unpack read the region, write pages
 
     # --- pull mode --------------------------------------------------------------------------
     def _on_ready(self, msg: Ready) -> None:
@@ -322,7 +379,7 @@ class DecodeSide:
                 raise ProtocolError(f"READY for request {req.rid}: prefill pages outside "
                                     f"[1, {rt.layout.count})")
             lt = self._local_table
-            dst = self.ledger.pages(req.rid)[first:last].cpu().numpy()
+            dst = req.host_pages[first:last]
             planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
             h = self.engine.post_blocks(lt, (planes * lt.layout.count + dst).reshape(-1), rt,
                                         (planes * rt.layout.count + src).reshape(-1), b"",
@@ -336,16 +393,36 @@ class DecodeSide:
         if not ok:
             self._tell(encode("PULLED", rid=req.rid, first=first, last=last, ok=False))
 
-    def _landed(self, req, first: int, last: int, nbytes: int, ok: bool, bad: str) -> None:
-        """Pages ``[first, last)`` of ``req`` arrived and were checked (``ok``): count the
-        bytes verified or corrupt (and log ``bad``), and move the request on."""
-        if ok:
-            self.metrics.bytes_verified += nbytes
-        else:
-            self.metrics.bytes_corrupt += nbytes
-            log.error("decode: request %d pages [%d, %d): %s", req.rid, first, last, bad)
+    def _landed(self, req, first: int, last: int, nbytes: int, ok, bad: str) -> None:
+        """Pages ``[first, last)`` of ``req`` arrived and were checked (``ok``, a 0-dim
+        bool tensor on the device): the bytes are counted verified or corrupt (``bad``
+        logged) once the verdict is on the host, and the request moves on now."""
+        self._verdict(ok, nbytes, req.rid, first, last, bad)
         req.pages_done = last
         req.t_seen = self.clock()
+
+    def _verdict(self, ok, nbytes: int, rid: int, first: int, last: int, bad) -> None:
+        """Queue a check's verdict (a 0-dim bool tensor) for the counters, in order; it
+        counts at once when it is already on the host (the CPU: always)."""
+        self._checks.append((HostCopy(ok), nbytes, rid, first, last, bad))
+        self._apply_checks()
+
+    def _apply_checks(self) -> bool:
+        """Count the verdicts that reached the host (in the order they were made; no wait);
+        True when one did."""
+        done = 0
+        for copy, nbytes, rid, first, last, bad in self._checks:
+            if not copy.ready():
+                break
+            done += 1
+            if bool(copy.numpy()):
+                self.metrics.bytes_verified += nbytes
+            else:
+                self.metrics.bytes_corrupt += nbytes
+                if bad is not None:
+                    log.error("decode: request %d pages [%d, %d): %s", rid, first, last, bad)
+        del self._checks[:done]
+        return done > 0
 
     def _poll_reads(self) -> bool:
         """Poll this side's reads; a DONE one is verified in place and acknowledged
@@ -367,7 +444,8 @@ class DecodeSide:
                     self.chunk_modes["pulled"] += 1
                     self.metrics.bytes_landed += nbytes
                     ok = self.synth.verify_pages(self.pool, req.rid, first, last,
-                                                 self.ledger.pages(req.rid)[first:last])
+                                                 req.host_pages[first:last])
+                    req.busy = self.done_event()  # the check reads the pages
                     self._landed(req, first, last, nbytes, ok,
                                  "read bytes differ from what the prefill computed")
                 self._tell(encode("PULLED", rid=req.rid, first=first, last=last,
@@ -392,10 +470,9 @@ class DecodeSide:
         want = torch.tensor([req.rid, req.tokens], dtype=torch.int64).view(torch.uint8)
         got = self.landing[start:start + want.numel()]
         self.metrics.bytes_landed += AUX_BYTES
-        if torch.equal(got.cpu(), want):
-            self.metrics.bytes_verified += AUX_BYTES
-        else:
-            self.metrics.bytes_corrupt += AUX_BYTES
+        ok = (got == to_device(want, got.device)).all()  # on the device: no host sync
+        req.busy = self.done_event()  # the comparison reads the landing region
+        self._verdict(ok, AUX_BYTES, req.rid, n_pages, n_pages, None)
         if req.state == "quarantined":
             return  # aborted here meanwhile: freed when the prefill's ABORT comes
         self._free(req, "completed", Reason(OK, f"request {req.rid}: KV received"))
@@ -438,14 +515,43 @@ class DecodeSide:
         self.ledger.quarantine(rid)
 
     def _free(self, req: DecodeRequest, why: str, reason: Reason) -> None:
-        if self.ledger.holds(req.rid):
-            self.ledger.release(req.rid, why)
-        if req.landing_off >= 0:
-            self.arena.free(req.landing_off)
+        """End ``req``: its pages and landing region go back now, or, while device work on
+        them (an unpack, a check; CUDA runs it asynchronously) is still queued, once that
+        work is done (:meth:`_drain_device`): a NIXL write is not ordered with the
+        device's stream, so a page or region reused by a new BOOT at once could receive
+        the new request's bytes before the old unpack ran."""
+        busy, req.busy = req.busy, None
+        if busy is not None and not busy.query():
+            owner = ("device-busy", req.rid)
+            if self.ledger.holds(req.rid):
+                self.ledger.rename(req.rid, owner)
+                self.ledger.quarantine(owner)
+            self._draining.append((busy, owner, why, req.landing_off))
+        else:
+            if self.ledger.holds(req.rid):
+                self.ledger.release(req.rid, why)
+            if req.landing_off >= 0:
+                self.arena.free(req.landing_off)
         del self.reqs[req.rid]
         del self._rooms[req.room]
         self.completed[req.rid] = reason
         self.metrics.requests[reason.outcome.value] += 1
+
+    def _drain_device(self) -> bool:
+        """Give back the pages and landing regions of ended requests whose device work is
+        done (polled, never waited on); True when some were."""
+        keep = []
+        for ev, owner, why, off in self._draining:
+            if not ev.query():
+                keep.append((ev, owner, why, off))
+                continue
+            if self.ledger.holds(owner):
+                self.ledger.release(owner, why)
+            if off >= 0:
+                self.arena.free(off)
+        moved = len(keep) < len(self._draining)
+        self._draining = keep
+        return moved
 
     def _check_timeouts(self) -> bool:
         """Abort the requests without news for ``timeout`` (504, quarantined), free the
@@ -479,12 +585,24 @@ class DecodeSide:
         self._tell(encode("PAUSING", epoch=self.pool.epoch))
 
     def _finish_pause(self) -> None:
-        """The prefill acknowledged: none of its writes into this side is in flight."""
+        """The prefill acknowledged: none of its writes into this side is in flight.  The
+        memory is released once the device work on it is done too (a later step, polled,
+        when some is still queued)."""
         for req in list(self.reqs.values()):
-            if req.state in ("booted", "quarantined"):
+            if req.state in ("booting", "booted", "quarantined"):
                 self._free(req, "abort:503", req.reason or Reason(SERVICE_UNAVAILABLE, (
                     f"request {req.rid} (room {req.room}) aborted: decode paused to release "
                     "its KV memory")))
+        self._drain_device()
+        if self._draining:
+            self._complete_pause_due = True  # step() completes it
+            return
+        self._complete_pause()
+
+    def _complete_pause(self) -> None:
+        """Every page is free and no device work touches the memory: release it."""
+        self._complete_pause_due = False
+        self._apply_checks()
         audit = self.ledger.audit()
         if audit["leaked"] or audit["unaccounted"] or audit["quarantined"]:
             raise AssertionError(f"decode pause: pages still held: {audit}")
@@ -514,7 +632,8 @@ class DecodeSide:
 
     @property
     def idle(self) -> bool:
-        return not self.reqs
+        """No request, no verdict on its way to the host, no memory waiting for device work."""
+        return not self.reqs and not self._checks and not self._draining
 
     @property
     def reads_in_flight(self) -> bool:

@@ -40,7 +40,10 @@ States of a request (sglang's KVPoll) and every way out of each::
   this pool's pages straight into the decode's pool pages (prepared block lists, one
   ``post_blocks``); no pack, no staging slot.  Such a write reads the request's pages, so
   they are freed once it is DONE or ERR, also when the request ends early.  A head range
-  (heterogeneous TP) always packs; this side sends whole pages only.
+  (heterogeneous TP) always packs; this side sends whole pages only.  The decode's page
+  ids are those of its ``BOOT``'s kv epoch: a direct write is refused before posting
+  (StaleEpochError, the request ends 503) once the decode's kv registration is newer than
+  that BOOT's, as packed writes and pull offers are.
 * Pull mode (``transfer_mode="pull"``): each chunk is offered (``READY``) instead of
   written; the decode reads it from this pool and answers ``PULLED``.  The offer is held
   like a write in flight (one per request at a time): the pages stay held until the
@@ -62,10 +65,20 @@ States of a request (sglang's KVPoll) and every way out of each::
   ``torch.cuda.Event`` recorded on the pool device's current stream, the one pack ran on,
   right after the pack); ``step`` posts it once ``ready.query()`` is True, and never
   blocks on it.  On the CPU pack is done when it returns and ready at once.
-* The landing region is addressed as an offset into the decode's ``landing``
-  registration, its regions concatenated in order (:class:`~kvmem.disagg.common.RegionMap`):
-  a write that spans two regions (the CUDA VMM backend registers one per 2 GiB chunk) is
-  posted as one write of two remote ranges.
+* Physical chunks: NIXL refuses a descriptor that spans two registered regions, and a
+  memory backend reports one region per physical allocation (the CUDA VMM backend: one
+  per 2 GiB chunk).  The staging buffer is registered with its backend's regions, and a
+  slot's bytes are posted as one local range per chunk they lie in
+  (:func:`~kvmem.disagg.common.buffer_map`); the landing region is addressed as an offset
+  into the decode's ``landing`` registration, its regions concatenated in order
+  (:class:`~kvmem.disagg.common.RegionMap`), cut the same way.  A write that spans two
+  chunks on either side is one write of several ranges.
+* No host sync in ``step`` on CUDA: alloc_extend with sglang's ``*_cpu`` hints and
+  ``check=False``, lengths and the AUX bytes through pinned memory, each request's last
+  slot kept on the device, pack with ``check=False``; the page ids a READY offer or a
+  direct write needs reach the host through a :class:`~kvmem.disagg.common.HostCopy` made
+  when they were allocated, and such a chunk is staged once it is there (a step or so
+  later on CUDA, at once on the CPU).
 * Peer messages arrive validated (:mod:`kvmem.disagg.protocol`); the handlers here check
   what depends on state, before they change anything.
 """
@@ -83,8 +96,8 @@ import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Ledger,
-    Metrics, PeerTable, ProtocolError, Reason, RegionMap, check_caller_args, check_id, now,
-    tell,
+    HostCopy, Metrics, PeerTable, ProtocolError, Reason, RegionMap, buffer_map,
+    check_caller_args, check_id, device_event, now, tell, to_device,
 )
 from kvmem.disagg.protocol import (
     AbortReq, Boot, Inbox, Meta, Pausing, Pulled, apply_metadata, decode_runs, encode,
@@ -99,31 +112,10 @@ AUX_BYTES = 64  # the "extra state" written after the last KV chunk (first token
 DEFAULT_TIMEOUT = 600.0
 
 
-class _Ready:
-    """What ``ready_event()`` gives on the CPU: pack is synchronous there."""
-
-    @staticmethod
-    def query() -> bool:
-        return True
-
-
-_READY = _Ready()
-
-
-def default_ready_event(device):
-    """``() -> object with query()``, called right after each pack into staging: on CUDA a
-    ``torch.cuda.Event`` recorded on ``device``'s current stream (where pack ran); on the
-    CPU an object that is always ready."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return lambda: _READY
-
-    def record():
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(device))
-        return ev
-
-    return record
+# ``() -> object with query()``, called right after each pack into staging: on CUDA a
+# ``torch.cuda.Event`` recorded on the pool device's current stream (where pack ran); on
+# the CPU an object that is always ready (kvmem.disagg.common.device_event).
+default_ready_event = device_event
 
 
 @dataclass
@@ -183,7 +175,10 @@ class PrefillRequest:
     t_created: float = 0.0
     t_bootstrapped: float | None = None
     done_tokens: int = 0  # tokens whose KV the forward produced
-    last_slot: int = -1  # token slot of the last produced token
+    last_loc: torch.Tensor | None = None  # int64 [1] on the device: slot of the last token
+    host_pages: np.ndarray | None = None  # int64 [pages]: its page ids, known on the host
+    ids_known: int = 0  # host_pages[:ids_known] are filled in
+    ids: list = field(default_factory=list)  # (first, last, HostCopy) of chunks' page ids
     seq: int = 0  # chunks posted
     landing_off: int = -1
     landing_nbytes: int = 0
@@ -200,6 +195,7 @@ class PrefillRequest:
     result: Reason | None = None
     t_abort: float | None = None
     dpages: np.ndarray | None = None  # the decode's page ids of this request (its BOOT)
+    kv: object = None  # RemoteMemory of the decode's kv those ids belong to (its BOOT's epoch)
     deferred_release: str | None = None  # pages freed once the direct write reading them ends
 
 
@@ -236,19 +232,25 @@ class PrefillSide:
         self.clock = clock
         self.faults = faults or Faults()
         self.on_finish = on_finish
-        self.ready_event = ready_event or default_ready_event(pool.device)
+        self.ready_event = ready_event or device_event(pool.device)
+        synth.tape_on(pool.device)  # the stand-in forward reads its tape there
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("prefill")
         self.inbox = Inbox(engine, peer=decode_peer, receiver="prefill",
                            handle=self.handle_message, metrics=self.metrics, log=log)
         chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
-        self._staging_mem = make_backend(staging_bytes, pool.device)
-        self.staging = self._staging_mem.tensor
         self.arena = Arena(staging_bytes)
         if self.arena.size < chunk_max + AUX_BYTES:
             raise ValueError(f"staging_bytes {staging_bytes} cannot hold one chunk ({chunk_max} bytes)")
-        engine.register("staging", [(self.staging.data_ptr(), self.arena.size)], 0, pool.device)
+        self._staging_mem = make_backend(staging_bytes, pool.device)
+        self.staging = self._staging_mem.tensor
+        # One region per physical chunk of the staging memory (NIXL refuses a descriptor
+        # across two registrations); a slot's write is cut at the chunk boundaries it
+        # crosses (_post)
+        regions = self._staging_mem.regions()
+        self._staging_map = buffer_map(self.staging, regions)
+        engine.register("staging", regions, 0, pool.device)
         engine.register_pool(pool, "kv")
         # Direct writes (pool pages to the decode's pool pages, no pack) for chunks whose
         # page runs, merged where adjacent on both sides, are at least this many bytes per
@@ -267,6 +269,8 @@ class PrefillSide:
         self.peer_paused = False
         self._peer_pause_epoch: int | None = None
         self._held_boots: dict[int, Boot] = {}  # rid -> BOOT waiting for the decode's META
+        # last_loc of a request with no token yet (alloc_extend's -1), on the device
+        self._no_slot = torch.full((1,), -1, dtype=torch.int64, device=allocator.device)
 
     def _tell(self, msg: bytes) -> bool:
         return tell(self.engine, self.decode_peer, msg, self.metrics, log)
@@ -288,7 +292,8 @@ class PrefillSide:
             raise ProtocolError(f"add_request: request id {rid} is in use")
         if room in self._rooms:
             raise ProtocolError(f"add_request: request {rid}: bootstrap room {room} is in use")
-        req = PrefillRequest(rid, room, tokens, t_created=self.clock())
+        req = PrefillRequest(rid, room, tokens, t_created=self.clock(),
+                             host_pages=np.zeros(-(-tokens // self.spec.page_size), np.int64))
         self.reqs[rid] = req
         self._rooms.add(room)
         self.ledger.hold(rid, torch.empty(0, dtype=torch.int64, device=self.alloc.device))
@@ -386,13 +391,16 @@ class PrefillSide:
             budget -= n
         if not picked:
             return []
+        # No host sync on CUDA: lengths go to the device through pinned memory, sglang's
+        # *_cpu hints give the counts, check=False (errors surface at the allocator's next
+        # synchronising call), and each request's last slot stays on the device.
         pre = torch.tensor([r.done_tokens for r, _ in picked], dtype=torch.int64)
         seq = pre + torch.tensor([n for _, n in picked], dtype=torch.int64)
-        last = torch.tensor([r.last_slot for r, _ in picked], dtype=torch.int64)
         dev = self.alloc.device
-        slots = self.alloc.alloc_extend(pre.to(dev), seq.to(dev), last.to(dev),
+        last = torch.cat([self._no_slot if r.last_loc is None else r.last_loc for r, _ in picked])
+        slots = self.alloc.alloc_extend(to_device(pre, dev), to_device(seq, dev), last,
                                         prefix_lens_cpu=pre, seq_lens_cpu=seq,
-                                        extend_num_tokens=int((seq - pre).sum()))
+                                        extend_num_tokens=int((seq - pre).sum()), check=False)
         batch, off = [], 0
         for req, n in picked:
             s = slots[off:off + n]
@@ -401,8 +409,13 @@ class PrefillSide:
             new = s[(ps - req.done_tokens % ps) % ps::ps] // ps  # pages that start here
             self.ledger.hold(req.rid, new)
             req.done_tokens += n
-            req.last_slot = int(s[-1])
-            batch.append((req, first, -(-req.done_tokens // ps)))
+            req.last_loc = s[-1:]
+            last_page = -(-req.done_tokens // ps)
+            # Chunks start on a page boundary (all but a request's last are whole pages),
+            # so the new pages are exactly pages [first, last_page) of the request; their
+            # ids reach the host without a sync, for READY and direct descriptors.
+            req.ids.append((first, last_page, HostCopy(new)))
+            batch.append((req, first, last_page))
         return batch
 
     def _forward(self, batch) -> None:
@@ -445,18 +458,28 @@ class PrefillSide:
                     continue
                 if not req.pending:
                     break
-                if not self._stage_chunk(req, *req.pending[0]):
+                got = self._stage_chunk(req, *req.pending[0])
+                if got == "full":
                     return moved  # staging full: retry next step, in order
+                if got == "wait":
+                    break  # its page ids are still on their way to the host: next step
                 moved = True
                 if req.pending and req.ending is None:
                     req.pending.pop(0)
         return moved
 
-    def _stage_chunk(self, req: PrefillRequest, first: int, last: int, final: bool) -> bool:
-        """Pack pages ``[first, last)`` of ``req`` into a staging slot; False when staging
-        is full (nothing changed)."""
+    def _stage_chunk(self, req: PrefillRequest, first: int, last: int, final: bool) -> str:
+        """Stage pages ``[first, last)`` of ``req``: packed into a staging slot, or as a
+        direct write or a pull offer.  ``"staged"``; ``"full"`` when staging is full, or
+        ``"wait"`` when the chunk needs its page ids on the host (pull, direct) and their
+        copy is not done yet (nothing changed either way)."""
         spec = self.spec
         nbytes = kvmem.packed_nbytes(spec, last - first)
+        host_ids = None
+        if self.transfer_mode == "pull" or self._may_go_direct(req):
+            host_ids = self._host_ids(req, first, last)
+            if host_ids is None:
+                return "wait"
         if self.transfer_mode == "pull":  # offered once the forward's writes are done
             self.chunk_modes["pulled"] += 1
             req.staged = _Staged(None, nbytes, kvmem.packed_nbytes(spec, first), b"",
@@ -464,8 +487,8 @@ class PrefillSide:
                                  direct=("pull", first, last))
             if final:  # the decode reads the pages: freed once its read is DONE or ERR
                 req.deferred_release = "sent"
-            return True
-        direct = self._direct_indices(req, first, last)
+            return "staged"
+        direct = None if host_ids is None else self._direct_indices(req, first, last, host_ids)
         if direct is not None:
             ready = self.ready_event()  # the forward's writes to these pages are done
             self.chunk_modes["direct"] += 1
@@ -476,14 +499,15 @@ class PrefillSide:
                                  aux=False, final=final, ready=ready, direct=direct)
             if final:  # the write reads the pages: freed once it is DONE or ERR
                 req.deferred_release = "sent"
-            return True
+            return "staged"
         try:
             off = self.arena.alloc(nbytes)
         except ArenaFullError:
-            return False
+            return "full"
         self.chunk_modes["packed"] += 1
+        # the ids came from this side's allocator: unchecked, no host sync on CUDA
         kvmem.pack_pages(self.pool, self.ledger.pages(req.rid)[first:last],
-                         out=self.staging[off:off + nbytes])
+                         out=self.staging[off:off + nbytes], check=False)
         ready = self.ready_event()  # right after the pack, on the stream it ran on
         self.metrics.bytes_packed += nbytes
         if final:  # the packed copies are what is sent: the pages are free to go (a later
@@ -493,7 +517,17 @@ class PrefillSide:
         notif = encode("CHUNK", rid=req.rid, first=first, last=last, off=chunk_off,
                        nbytes=nbytes, final=final, direct=False)
         req.staged = _Staged(off, nbytes, chunk_off, notif, aux=False, final=final, ready=ready)
-        return True
+        return "staged"
+
+    def _host_ids(self, req: PrefillRequest, first: int, last: int) -> np.ndarray | None:
+        """``int64 [last - first]``: the page ids of pages ``[first, last)`` of ``req`` on
+        the host, once their copies (made by ``_schedule``, in chunk order) are done; None
+        before.  Never waits."""
+        while req.ids and req.ids[0][2].ready():
+            f, l, copy = req.ids.pop(0)
+            req.host_pages[f:l] = copy.numpy()
+            req.ids_known = l
+        return req.host_pages[first:last] if req.ids_known >= last else None
 
     def _send_aux(self, req: PrefillRequest) -> None:
         """The last write carries the request's extra state (first output token, lengths)."""
@@ -504,7 +538,8 @@ class PrefillSide:
             return
         aux = torch.zeros(AUX_BYTES, dtype=torch.uint8)
         aux[:16].view(torch.int64).copy_(torch.tensor([req.rid, req.tokens]))
-        self.staging[off:off + AUX_BYTES].copy_(aux)  # may be asynchronous on CUDA
+        # through pinned memory on CUDA: asynchronous, ordered before ``ready`` below
+        self.staging[off:off + AUX_BYTES].copy_(to_device(aux, self.staging.device))
         ready = self.ready_event()
         aux_off = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size))
         notif = encode("AUX", rid=req.rid, off=aux_off, nbytes=AUX_BYTES)
@@ -541,7 +576,7 @@ class PrefillSide:
         slot and end the request (500, or 503 when the decode's memory moved on)."""
         seq = req.seq
         req.seq += 1
-        local = [(self.staging.data_ptr() + staging_off, nbytes)]
+        local = self._staging_map.ranges(staging_off, nbytes)  # one range per chunk it spans
         what = "extra-state (last) chunk" if aux else f"chunk {seq}"
         try:
             if self.faults.fail_send(req.rid, seq, aux):
@@ -569,7 +604,7 @@ class PrefillSide:
             self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} "
                                   "(a READY offer, pull) failed: injected send failure"))
             return False
-        pages = self.ledger.pages(req.rid)[first:last]
+        pages = req.host_pages[first:last]  # known on the host: _stage_chunk waited for them
         msg = encode("READY", rid=req.rid, first=first, last=last, pages=encode_runs(pages),
                      epoch=self.pool.epoch, final=st.final)
         if not self._tell(msg):
@@ -600,8 +635,11 @@ class PrefillSide:
             if self.faults.fail_send(req.rid, seq, False):
                 raise TransferError(f"injected send failure of chunk {seq} (direct)")
             rt = self._remote.get()
-            if rt is None:
-                raise StaleEpochError(self.decode_peer, "kv", "no live pool", "-", "post_blocks")
+            if rt is None or rt.remote != req.kv:
+                # the decode's kv moved on since the BOOT that gave these page ids
+                raise StaleEpochError(self.decode_peer, "kv", req.kv.describe(),
+                                      "closed" if rt is None else rt.remote.describe(),
+                                      "post_blocks (the BOOT's kv)")
             li, ri = st.direct
             h = self.engine.post_blocks(self._local_table, li, rt, ri, st.notif)
         except StaleEpochError as e:
@@ -632,16 +670,22 @@ class PrefillSide:
         if self.direct_threshold is not None and self.engine.registrations()["kv"].layout:
             self._local_table = self.engine.prep_local("kv")
 
-    def _direct_indices(self, req: PrefillRequest, first: int, last: int):
+    def _may_go_direct(self, req: PrefillRequest) -> bool:
+        """Whether a chunk of ``req`` could be written direct now (push, a threshold, the
+        BOOT's page ids and kv known, the local list prepared, the decode not pausing)."""
+        return not (self.transfer_mode != "push" or self.direct_threshold is None
+                    or req.dpages is None or req.kv is None or self._local_table is None
+                    or self.peer_paused)
+
+    def _direct_indices(self, req: PrefillRequest, first: int, last: int, src: np.ndarray):
         """``(local, remote)`` block indices when pages ``[first, last)`` go direct, else
-        None (packed).  Direct when the chunk's page runs, merged where adjacent on both
-        sides, average at least ``direct_threshold`` bytes per descriptor (one descriptor
-        per merged run per layer and K|V).  A head range (heterogeneous TP) always packs:
-        its rows are not whole pages (this side sends whole pages only)."""
-        if (self.direct_threshold is None or req.dpages is None or self._local_table is None
-                or self.peer_paused):
+        None (packed); ``src``: their page ids here (host).  Direct when the chunk's page
+        runs, merged where adjacent on both sides, average at least ``direct_threshold``
+        bytes per descriptor (one descriptor per merged run per layer and K|V).  A head
+        range (heterogeneous TP) always packs: its rows are not whole pages (this side
+        sends whole pages only)."""
+        if not self._may_go_direct(req):
             return None
-        src = self.ledger.pages(req.rid)[first:last].cpu().numpy()
         dst = req.dpages[first:last]
         n = last - first
         runs = 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
@@ -912,6 +956,10 @@ class PrefillSide:
             raise ProtocolError(f"BOOT for request {req.rid}: decode pages outside "
                                 f"[1, {kv.layout.count})")
         req.dpages = dpages
+        # The page ids are the decode's pool pages at this BOOT's epoch: direct writes
+        # target that registration only (None: it is not known here at that epoch, so
+        # every chunk of the request packs)
+        req.kv = kv if kv is not None and kv.live and kv.epoch == msg.epoch else None
         req.remote, req.landing_map = remote, landing_map
         req.landing_off, req.landing_nbytes = msg.off, msg.nbytes
         req.state = KVPoll.WaitingForInput

@@ -198,8 +198,10 @@ def encode(t: str, **fields) -> bytes:
 
 
 def encode_runs(pages) -> str:
-    """Page ids (a sequence or int64 tensor, in request order) as runs of consecutive ids:
-    ``"12:4,40:1"`` is pages 12, 13, 14, 15, 40."""
+    """Page ids on the host (a sequence, a NumPy array or a CPU tensor, in request order)
+    as runs of consecutive ids: ``"12:4,40:1"`` is pages 12, 13, 14, 15, 40.  (A CUDA
+    tensor works too, but reading it waits for the device: the sides pass the host copies
+    of their ids, :class:`~kvmem.disagg.common.HostCopy`.)"""
     ids = [int(p) for p in (pages.tolist() if hasattr(pages, "tolist") else pages)]
     out, i = [], 0
     while i < len(ids):

@@ -10,6 +10,11 @@ data is sent for verification, and nothing is recomputed byte by byte).
 Chunks are in kvmem's packed layout (K of every layer, then V; each
 ``[tokens, heads, head_dim]``), for the request's pages ``[first, last)`` (page ``j`` of a
 request holds its tokens ``j * page_size ...``).
+
+On a CUDA pool the tape is copied to the device once (:meth:`Synth.tape_on`, which the
+sides call at construction); ``fill`` and the checks then run on the device with no host
+sync, and a check's verdict is a 0-dim bool tensor on the device that the decode reads
+through a :class:`~kvmem.disagg.common.HostCopy`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,18 @@ class Synth:
         longest = max(self.rows) * (-(-max_tokens // spec.page_size) * spec.page_size)
         gen = torch.Generator().manual_seed(seed)
         self.tape = torch.randint(0, 256, (_PERIOD + longest,), generator=gen, dtype=torch.uint8)
+        self._tapes = {torch.device("cpu"): self.tape}  # device -> the tape there
+
+    def tape_on(self, device) -> torch.Tensor:
+        """The tape on ``device`` (copied there at the first call: one blocking copy of
+        16 MiB and the longest request's rows, at set-up rather than in a step)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        t = self._tapes.get(device)
+        if t is None:
+            t = self._tapes[device] = self.tape.to(device)
+        return t
 
     def _base(self, rid: int, layer: int, kv: int) -> int:
         x = (rid * 0x9E3779B97F4A7C15 + layer * 0xBF58476D1CE4E5B9 + kv * 0x94D049BB133111EB)
@@ -45,8 +62,9 @@ class Synth:
         x ^= x >> 31
         return (x % _PERIOD) & ~63  # 64-byte aligned slices
 
-    def _slices(self, rid: int, first_page: int, last_page: int):
+    def _slices(self, rid: int, first_page: int, last_page: int, device=None):
         ps = self.spec.page_size
+        tape = self.tape if device is None else self.tape_on(device)
         if not 0 <= first_page <= last_page or last_page * ps > -(-self.max_tokens // ps) * ps:
             raise ValueError(f"synth: page range [{first_page}, {last_page}) outside a "
                              f"{self.max_tokens}-token request")
@@ -54,7 +72,7 @@ class Synth:
         for kv, row in enumerate(self.rows):
             for l in range(self.spec.num_layers):
                 b = self._base(rid, l, kv)
-                yield self.tape[b + t0 * row: b + t1 * row]
+                yield tape[b + t0 * row: b + t1 * row]
 
     def chunk(self, rid: int, first_page: int, last_page: int, out=None) -> torch.Tensor:
         """uint8 ``[packed_nbytes(spec, last - first)]``: pages ``[first, last)`` of ``rid``
@@ -70,34 +88,41 @@ class Synth:
         n = last_page - first_page
         bufs = pool.k_buffer + pool.v_buffer
         idx = pages.numpy() if pages.device.type == "cpu" else pages
-        for buf, piece in zip(bufs, self._slices(rid, first_page, last_page)):
+        for buf, piece in zip(bufs, self._slices(rid, first_page, last_page, pool.device)):
             rows = buf.view(buf.shape[0], -1).view(torch.uint8)  # [num_pages, page bytes]
             src = piece.view(n, -1)
             if rows.device.type == "cpu":  # NumPy's row assignment: a memcpy per row
                 rows.numpy()[idx] = src.numpy()
-            else:
-                rows.index_copy_(0, idx, src.to(rows.device))
+            else:  # device ids, the device tape: no host sync
+                rows.index_copy_(0, idx, src)
 
-    def verify(self, rid: int, first_page: int, last_page: int, data: torch.Tensor) -> bool:
-        """True when ``data`` (uint8, packed) is exactly what :meth:`chunk` gives."""
-        off = 0
-        for s in self._slices(rid, first_page, last_page):
-            n = s.numel()
-            if off + n > data.numel() or not _equal(data[off:off + n], s):
-                return False
-            off += n
-        return off == data.numel()
+    def verify(self, rid: int, first_page: int, last_page: int,
+               data: torch.Tensor) -> torch.Tensor:
+        """Whether ``data`` (uint8 ``[nbytes]``, packed) is exactly what :meth:`chunk`
+        gives: a 0-dim bool tensor on ``data``'s device (on CUDA computed there, no host
+        sync; ``bool()`` of it waits)."""
+        slices = list(self._slices(rid, first_page, last_page, data.device))
+        if sum(s.numel() for s in slices) != data.numel():
+            return _verdict(data, False)
+        verdicts, off = [], 0
+        for s in slices:
+            verdicts.append(_equal(data[off:off + s.numel()], s))
+            off += s.numel()
+        return _all(data, verdicts)
 
 
-    def verify_pages(self, pool, rid: int, first_page: int, last_page: int, pages) -> bool:
-        """True when ``pool``'s ``pages`` (int64 [last - first], the pages holding the
-        request's pages ``[first, last)``) hold exactly what :meth:`fill` writes there:
-        the check of a chunk written straight into the pool, in place.  One comparison per
-        layer, K|V and run of consecutive page ids (a run is one range of a layer)."""
+    def verify_pages(self, pool, rid: int, first_page: int, last_page: int,
+                     pages) -> torch.Tensor:
+        """Whether ``pool``'s ``pages`` (int64 [last - first] on the host, the pages
+        holding the request's pages ``[first, last)``) hold exactly what :meth:`fill`
+        writes there: the check of a chunk written straight into the pool, in place.  One
+        comparison per layer, K|V and run of consecutive page ids (a run is one range of a
+        layer).  A 0-dim bool tensor on the pool's device, as :meth:`verify`."""
         ids = pages.tolist() if hasattr(pages, "tolist") else list(pages)
         n = last_page - first_page
+        probe = pool.k_buffer[0]
         if len(ids) != n:
-            return False
+            return _verdict(probe, False)
         runs, i = [], 0  # (first index, first page id, length)
         while i < n:
             j = i + 1
@@ -106,21 +131,39 @@ class Synth:
             runs.append((i, ids[i], j - i))
             i = j
         bufs = pool.k_buffer + pool.v_buffer
-        for buf, piece in zip(bufs, self._slices(rid, first_page, last_page)):
+        verdicts = []
+        for buf, piece in zip(bufs, self._slices(rid, first_page, last_page, pool.device)):
             rows = buf.view(buf.shape[0], -1).view(torch.uint8)  # [num_pages, page bytes]
             pb = rows.shape[1]
             for i, p, k in runs:
-                if not _equal(rows[p:p + k].reshape(-1), piece[i * pb:(i + k) * pb]):
-                    return False
-        return True
+                verdicts.append(_equal(rows[p:p + k].reshape(-1), piece[i * pb:(i + k) * pb]))
+        return _all(probe, verdicts)
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """torch.equal of two uint8 ranges.  On the CPU: libc's memcmp (9.3 GB/s vs 6.1 GB/s
-    for torch.equal of int64 views, 1 MiB ranges out of cache, 2-core CPU); elsewhere
-    compared as int64 words when aligned (several times faster than byte-wise)."""
+def _equal(a: torch.Tensor, b: torch.Tensor):
+    """Whether two uint8 ranges of one device are equal.  On the CPU a bool, by libc's
+    memcmp (9.3 GB/s vs 6.1 GB/s for torch.equal of int64 views, 1 MiB ranges out of
+    cache, 2-core CPU); elsewhere a 0-dim bool tensor computed on the device (no host
+    sync), comparing int64 words when aligned (several times faster than byte-wise)."""
     if a.device.type == "cpu" and b.device.type == "cpu" and a.is_contiguous() and b.is_contiguous():
         return a.nbytes == b.nbytes and _libc.memcmp(a.data_ptr(), b.data_ptr(), a.nbytes) == 0
+    if a.numel() != b.numel():
+        return False
     if a.numel() % 8 == 0 and a.data_ptr() % 8 == 0 and b.data_ptr() % 8 == 0:
-        return torch.equal(a.view(torch.int64), b.view(torch.int64))
-    return torch.equal(a, b)
+        a, b = a.view(torch.int64), b.view(torch.int64)
+    return (a == b).all()
+
+
+def _verdict(like: torch.Tensor, ok: bool) -> torch.Tensor:
+    """``ok`` as a 0-dim bool tensor on ``like``'s device (a fill there, no copy)."""
+    return torch.full((), ok, dtype=torch.bool, device=like.device)
+
+
+def _all(like: torch.Tensor, verdicts: list) -> torch.Tensor:
+    """The conjunction of ``verdicts`` (bools and 0-dim bool tensors on ``like``'s device)
+    as one 0-dim bool tensor there; the host bools are decided here, the tensors on the
+    device."""
+    if not all(v for v in verdicts if isinstance(v, bool)):
+        return _verdict(like, False)
+    ts = [v for v in verdicts if not isinstance(v, bool)]
+    return torch.stack(ts).all() if ts else _verdict(like, True)

@@ -12,8 +12,6 @@ Collected only where CUDA is available (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -21,6 +19,7 @@ import torch
 import kvmem
 from kvmem.kernels import pack as P
 from tests.kv_cases import Case, fill_random, make_buffers
+from tests.util import no_host_sync
 
 if not torch.cuda.is_available():  # on CPU only tests/test_bench_smoke.py collects this file
     pytest.skip("CUDA is not available: the hardening checks run on CUDA hosts only",
@@ -32,17 +31,6 @@ GiB = 1 << 30
 
 def _free_bytes(device=DEV) -> int:
     return torch.cuda.mem_get_info(device)[0]
-
-
-@contextlib.contextmanager
-def _no_host_sync():
-    """Raise on any host sync torch makes inside (blocking copies, .item(), ...)."""
-    old = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(old)
 
 
 # -- item 14: a K half past 2^31 units ---------------------------------------------------
@@ -213,7 +201,7 @@ def test_documented_sync_free_paths_make_no_sync():
     a = kvmem.PageAllocator(65, 16, device=DEV)
     ks, vs = pool.k_buffer, pool.v_buffer
     torch.cuda.synchronize()
-    with _no_host_sync():
+    with no_host_sync():
         a.reset()
         p = a.alloc(6, check=False)
         a.free([1, 2], check=False)  # a Python list: pinned + non-blocking copy

@@ -1,8 +1,21 @@
 """On a CUDA device (bench/gpu_check.sh): the pack/unpack Triton kernel over the shared test
 grid against the CPU reference, the unchecked-call error flag, and a cuda_vmm pool's
-release/resume, CuPy views and refusals.  Collected only where CUDA is available."""
+release/resume, CuPy views and refusals.  Collected only where CUDA is available.
+
+The grid compiles about 200 kernel variants on an empty Triton cache (issue 15), so
+bench/gpu_check.sh runs it in parts, chosen by the environment:
+
+    KVMEM_GPU_GRID=small   the SMALL cases only (every page size, head dim and dtype once,
+                           strided and contiguous, K|V of two head dims, K only): the
+                           script's first step
+    KVMEM_GPU_GRID=rest    the others
+    (unset, or full)       the whole grid
+    KVMEM_GPU_SHARD=i/n    of those, every n-th case from the i-th (n processes compile in
+                           parallel)"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -12,7 +25,32 @@ from kvmem.kernels.pack import pack_buffers_ref, unpack_buffers_ref
 from tests.kv_cases import fill_random, grid, make_buffers
 
 DEV = torch.device("cuda")
-GRID = grid()
+SMALL = ("P16-D128-bf16-contig", "P1-D576-fp8-strided", "P64-D64-fp32-strided",
+         "P1-D64-fp16-contig", "P16-D128-V64-bf16-contig", "P16-D576-V0-bf16-contig")
+
+
+def selected(cases, part: str | None, shard: str | None):
+    """The cases of ``part`` (``small`` | ``rest`` | ``full``/None) and ``shard``
+    (``"i/n"`` or None): see the module docstring.  ValueError for anything else."""
+    ids = [c.id for c in cases]
+    missing = set(SMALL) - set(ids)
+    if missing:
+        raise ValueError(f"SMALL names cases the grid lacks: {sorted(missing)}")
+    if part in (None, "", "full"):
+        out = list(cases)
+    elif part in ("small", "rest"):
+        out = [c for c in cases if (c.id in SMALL) == (part == "small")]
+    else:
+        raise ValueError(f"KVMEM_GPU_GRID must be small, rest or full, got {part!r}")
+    if shard:
+        i, _, n = shard.partition("/")
+        if not (i.isdigit() and n.isdigit() and 0 <= int(i) < int(n)):
+            raise ValueError(f"KVMEM_GPU_SHARD must be i/n with 0 <= i < n, got {shard!r}")
+        out = out[int(i)::int(n)]
+    return out
+
+
+GRID = selected(grid(), os.environ.get("KVMEM_GPU_GRID"), os.environ.get("KVMEM_GPU_SHARD"))
 
 
 @pytest.mark.parametrize("case", GRID, ids=[c.id for c in GRID])
