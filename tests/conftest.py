@@ -6,10 +6,15 @@
   main run leaves that folder out.
 - ``tests/gpu``: CUDA-only tests (bench/gpu_check.sh), collected only where CUDA is
   available.
+
+A run that loaded NIXL ends through :func:`kvmem.transfer.nixl_exit.finish_pytest` once
+pytest has written everything (on a host with RDMA libraries NIXL's native destructors
+crash at exit, status 139, after the tests passed; docs/transfer.md, "Process exit").
 """
 
 import os
 
+import pytest
 import torch
 
 collect_ignore = []
@@ -17,3 +22,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     collect_ignore.append("interpret")
 if not torch.cuda.is_available():
     collect_ignore.append("gpu")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config):
+    status = yield
+    from kvmem.transfer.nixl_exit import finish_pytest  # here: collection imports no kvmem
+
+    return finish_pytest(config, status)
