@@ -10,7 +10,6 @@ import io
 import json
 import os
 import pty
-import resource
 import signal
 import struct
 import subprocess
@@ -25,6 +24,7 @@ import pytest
 from kvmem.cli import main
 from kvmem.demo import loop_breakdown
 from kvmem.disagg.faults import FAMILIES
+from tests.util import communicate, no_core_dumps, pythonpath_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = [sys.executable, "-m", "kvmem.cli", "demo"]
@@ -78,21 +78,11 @@ def _popen(args, tty: bool, **kw):
     return proc, term
 
 
-def _no_core_dumps() -> None:
-    """For a child whose workers a test crashes: no core file."""
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
 def _run(args, timeout=120, tty=False, **kw):
     """The demo to its end; stdout and stderr decoded as they are (text mode would turn
     the progress line's carriage returns into newlines)."""
     proc, term = _popen(args, tty, **kw)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out, err = communicate(proc, timeout)
     err = term.close() if term else err.decode()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err)
 
@@ -315,7 +305,7 @@ def test_sigterm_stops_the_demo_cleanly(group):
 def test_a_worker_that_dies_does_not_hang_the_parent(sig):
     """Killed during the workload, before its final report: the run fails (status 3)."""
     proc, term = _popen(["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
-                         "--chunk-tokens", "64"], tty=True, preexec_fn=_no_core_dumps)
+                         "--chunk-tokens", "64"], tty=True, preexec_fn=no_core_dumps)
     try:
         workers = _workload_running(proc, term)
         victim = max(workers)  # the decode worker, started second
@@ -342,11 +332,10 @@ def test_a_worker_that_dies_after_its_final_report_leaves_the_results_valid(tmp_
     prefill worker carries a C-level exit handler that aborts: its status 0 shows that a
     worker leaves without running those (kvmem.transfer.nixl_exit)."""
     out = tmp_path / "demo.json"
-    env = dict(os.environ, KVMEM_EXIT_PROBE="abort@kvmem-demo-prefill,segv@kvmem-demo-decode",
-               PYTHONPATH=os.pathsep.join([str(PROBE), str(ROOT)] + [
-                   q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q]))
+    env = pythonpath_env(PROBE, ROOT,
+                         KVMEM_EXIT_PROBE="abort@kvmem-demo-prefill,segv@kvmem-demo-decode")
     p = _run(["--requests", "30", "--bw-mib", "0", "--max-tokens", "256", "--chunk-tokens",
-              "64", "--json", str(out)], env=env, preexec_fn=_no_core_dumps)
+              "64", "--json", str(out)], env=env, preexec_fn=no_core_dumps)
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(out.read_text())
     assert r["ok"] is True and r["errors"] == []
