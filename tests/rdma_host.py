@@ -19,6 +19,7 @@ and the kernel's overlay filesystem; :class:`RdmaHostError` names what is missin
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import shutil
 import subprocess
@@ -47,14 +48,10 @@ def _run(argv: list[str], what: str, timeout: float = 120) -> str:
 
 
 def installed_here() -> bool:
-    """Whether this machine has PACKAGES installed (an RDMA host already)."""
-    try:
-        p = subprocess.run(["dpkg-query", "-W", "-f=${Status}\n", *PACKAGES],
-                           capture_output=True, text=True)
-    except FileNotFoundError:
-        raise RdmaHostError("dpkg-query is not installed: not a Debian system") from None
-    lines = p.stdout.splitlines()
-    return len(lines) == len(PACKAGES) and all(x.endswith(" installed") for x in lines)
+    """Whether this machine's processes see those libraries already (ld.so finds
+    ``libibverbs.so.1`` and ``libefa.so.1``): an RDMA host, or a process already inside
+    a namespace of :func:`command`."""
+    return all(ctypes.util.find_library(n) is not None for n in ("ibverbs", "efa"))
 
 
 def _to_install(apt_opts: list[str]) -> list[str]:
@@ -72,9 +69,9 @@ def _to_install(apt_opts: list[str]) -> list[str]:
 def fetch(dest: str) -> str | None:
     """Download PACKAGES and the dependencies apt would add into ``dest`` and unpack them
     into ``dest/root``; that root (reused when a previous call completed it), or None
-    when this machine has them installed already.  apt's own package lists are used when
-    they know the packages; else a private ``apt-get update`` under ``dest`` (the host's
-    lists stay as they are)."""
+    when this machine's processes have them already (:func:`installed_here`).  apt's own
+    package lists are used when they know the packages; else a private ``apt-get
+    update`` under ``dest`` (the host's lists stay as they are)."""
     if installed_here():
         return None
     root = os.path.join(dest, "root")
@@ -115,7 +112,8 @@ def fetch(dest: str) -> str | None:
 def command(root: str | None, argv: list[str]) -> list[str]:
     """The command line that runs ``argv`` in a private mount namespace with ``root``'s
     files in place (see the module docstring); ``argv`` is exec'd there, so its exit
-    status (or signal) is the command line's.  ``root`` None (installed here): ``argv``."""
+    status (or signal) is the command line's.  ``root`` None (this machine has them):
+    ``argv``."""
     if root is None:
         return list(argv)
     return ["unshare", "--mount", "--propagation", "private", sys.executable,
@@ -179,7 +177,7 @@ def _inside(root: str, argv: list[str]) -> None:
 
 def main(args: list[str]) -> int:
     if len(args) >= 2 and args[0] == "fetch":
-        print(fetch(args[1]) or "installed on this machine already")
+        print(fetch(args[1]) or "this machine has them already")
         return 0
     if len(args) >= 3 and args[0] == "run":
         rc = subprocess.call(command(args[1], args[2:]))

@@ -50,7 +50,7 @@ SYSTEM_LIBNL = "libnl-route-3.so.200"  # the system's; the wheel's is libnl-rout
 
 @pytest.fixture(scope="module")
 def rdma_root(tmp_path_factory):
-    """The unpacked packages (None: this machine has them installed)."""
+    """The unpacked packages (None: this machine's processes have them already)."""
     try:
         return rdma_host.fetch(str(tmp_path_factory.mktemp("rdma")))
     except rdma_host.RdmaHostError as e:

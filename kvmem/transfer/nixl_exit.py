@@ -32,7 +32,6 @@ import atexit
 import contextlib
 import os
 import sys
-import traceback
 from typing import NoReturn
 
 # The importable names of NIXL's Python API (kvmem.transfer.nixl.import_nixl tries these).
@@ -75,35 +74,27 @@ def finish(status: int) -> int:
     return status
 
 
-def exit_status(code) -> int:
-    """The exit status ``sys.exit(code)`` gives: None -> 0, an int as it is, anything else
-    printed to stderr -> 1."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
 @contextlib.contextmanager
 def process_body():
     """The body of a process that may load NIXL: a script's ``if __name__ ==
     "__main__":`` or a multiprocessing target.  Leaving the block ends the process through
-    :func:`finish`: status 0 when it ends normally, the code of a ``SystemExit``, 1 with
-    the traceback on stderr for any other exception (what the interpreter, or
-    multiprocessing, would have printed)::
+    :func:`finish`: status 0 when it ends normally, the code of a ``SystemExit`` with an
+    int code (or None: 0); any other exception, a ``SystemExit`` with a message included,
+    goes to ``sys.excepthook`` (what the interpreter calls for an uncaught exception: the
+    traceback on stderr) and the status is 1::
 
         if __name__ == "__main__":
             with process_body():
-                print(json.dumps(main()))
+                main()
     """
     try:
         yield
     except SystemExit as e:
-        status = exit_status(e.code)
-    except BaseException:  # noqa: BLE001 - reported as the interpreter would, then status 1
-        traceback.print_exc()
+        if e.code is not None and not isinstance(e.code, int):
+            sys.excepthook(type(e), e, e.__traceback__)
+        status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except BaseException as e:  # noqa: BLE001 - reported as the interpreter would, then 1
+        sys.excepthook(type(e), e, e.__traceback__)
         status = 1
     else:
         status = 0
