@@ -9,10 +9,15 @@
 - ``tests/e2e``: real sglang servers and sglang's router, run by ``make test-e2e`` with
   ``.venv-e2e`` (sglang with its full dependencies and the router), which sets
   ``KVMEM_E2E=1``; the main run leaves that folder out.
+
+A run that loaded NIXL ends through :func:`kvmem.transfer.nixl_exit.finish_pytest` once
+pytest has written everything (on a host with RDMA libraries NIXL's native destructors
+crash at exit, status 139, after the tests passed; docs/transfer.md, "Process exit").
 """
 
 import os
 
+import pytest
 import torch
 
 collect_ignore = []
@@ -22,3 +27,11 @@ if not torch.cuda.is_available():
     collect_ignore.append("gpu")
 if os.environ.get("KVMEM_E2E") != "1":
     collect_ignore.append("e2e")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config):
+    status = yield
+    from kvmem.transfer.nixl_exit import finish_pytest  # here: collection imports no kvmem
+
+    return finish_pytest(config, status)
