@@ -133,7 +133,8 @@ def test_release_with_requests_in_flight(deployments, reference, kind, role):
     answers, rel, res = _in_flight(d, server)
     assert rel.status == 200 and res is not None and res.status == 200, (rel, res)
     statuses = sorted(a.status for a in answers)
-    print(f"{role} released with 6 requests in flight: {statuses}")
+    print(f"{role} released with 6 requests in flight: "
+          f"{[(a.status, a.error, round(a.seconds, 1)) for a in answers]}")
     assert set(statuses) <= {200, 503}, [(a.status, a.body, a.error, round(a.seconds, 1))
                                          for a in answers]
     for a in answers:
