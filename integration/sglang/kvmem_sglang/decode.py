@@ -76,6 +76,11 @@ def pop_preallocated(original, queue, *args, **kwargs):
             req = decode_req.req
             if getattr(req, "_kvmem_reason", None) is not None:
                 continue
+            if not getattr(decode_req.kv_receiver, "bootstrap_infos", None):
+                # not yet resolved where its prefill is: an abort now would reach no
+                # prefill, which would then bootstrap the request alone until its
+                # timeout; refused at a later pass (no page is given before then)
+                continue
             decide(req, FINISH_ABORT(
                 f"Decode server {getattr(sched, 'tp_rank', 0)} has released its KV cache "
                 f"(release_memory_occupation); request {req.rid} refused until "
