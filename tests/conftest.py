@@ -6,11 +6,20 @@
   main run leaves that folder out.
 - ``tests/gpu``: CUDA-only tests (bench/gpu_check.sh), collected only where CUDA is
   available.
+
+Physical chunks: ``KVMEM_CHUNK_BYTES`` is set to 256 KiB here (unless the caller set it),
+for this process and every process it starts (demo workers, sglang servers), so the
+small pools of the tests have several chunks, each one mapping and one registered region,
+as a GPU pool has at 2 GiB: a descriptor, registration or page run that crosses a chunk
+fails here as it would on the GPU.  Most test pools then have a chunk boundary after
+every one to five layer planes.
 """
 
 import os
 
 import torch
+
+os.environ.setdefault("KVMEM_CHUNK_BYTES", str(256 << 10))
 
 collect_ignore = []
 if os.environ.get("TRITON_INTERPRET") != "1":
