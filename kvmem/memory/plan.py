@@ -215,7 +215,9 @@ def plan_pool(spec: KVSpec, num_pages: int, layout: str, granularity: int,
 def plan_range(nbytes: int, granularity: int, target: int | None) -> ChunkPlan:
     """The chunk plan of a plain range of ``nbytes`` (a staging or landing buffer): chunks
     of ``target`` rounded up to the granularity (one chunk with ``target=None``), the last
-    one shorter.  Nothing inside such a range is placed for the caller: whoever cuts it
+    one shorter.  The chunks' used bytes tile the range with no gap, so byte ``o`` of the
+    regions listed in order is byte ``o`` of the range.  Nothing inside such a range is
+    placed for the caller: whoever cuts it
     into slots must keep a slot inside one chunk (or split its writes at the chunks)."""
     align = _check_granularity(granularity)
     target = _check_target(target)
