@@ -168,12 +168,16 @@ def test_a_write_across_two_adjacent_registered_chunks_is_refused(engines):
     src = pa.k_buffer[0].data_ptr()
     with pytest.raises(ValueError, match=r"range 0 .* is not inside one registered region"):
         a.post_write([(src, 4096)], remote, [(cut - 2048, 4096)])
+    a.prep_local("kv")  # NIXL accepts both tables: every block inside one chunk
+    rt = a.prep_remote(remote)
+    assert all(_inside_one(pb.regions(), s, n) for s, n in rt.layout.spans())
     # raw NIXL, no kvmem check in between: NIXL_ERR_NOT_FOUND
     ag = a.agent
     local = ag.get_xfer_descs(np.array([[src, 4096, 0]], dtype=np.uint64), "DRAM")
     across = ag.get_xfer_descs(np.array([[cut - 2048, 4096, 0]], dtype=np.uint64), "DRAM")
-    with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):
-        ag.initialize_xfer("WRITE", local, across, b.name, b"")
+    for op in ("WRITE", "READ"):
+        with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):
+            ag.initialize_xfer(op, local, across, b.name, b"")
     with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):  # a strided row too
         ag.prep_xfer_dlist(b.name, np.array([[cut - 2048, 1024, 0, 1024, 4]], dtype=np.uint64),
                            "DRAM")
