@@ -264,3 +264,44 @@ def test_nixl_reads_block_indices_as_int32():
     assert (mb[5], mb[big]) == (0x11, 0x00), "NIXL now reads int64 indices"
     h.release()
     del lt, rt, a, b
+
+
+def test_a_nixl_without_strided_lists_gets_one_row_per_block_up_to_a_bound(engines, monkeypatch):
+    """An older NIXL refuses the Nx5 form with TypeError (its get_xfer_descs returns
+    None for it; sglang 0.5.23 falls back the same way): kvmem then prepares one row per
+    block, and refuses (with the reason, before NIXL) a table past EXPANDED_MAX_BLOCKS."""
+    from kvmem.transfer import nixl as nixl_engine
+
+    spec, pages = SPECS["MLA576-fp8-P1"]
+    pa = kvmem.KVPool(spec, pages, chunk_bytes=TARGET)
+    pb = kvmem.KVPool(spec, pages, chunk_bytes=TARGET)
+    a, b = engines("prefill"), engines("decode")
+    a.register_pool(pa)
+    b.register_pool(pb)
+    remote = a.add_peer(b.local_metadata())["kv"]
+    b.add_peer(a.local_metadata())
+    real = a.agent.prep_xfer_dlist
+    rows = []
+
+    def old_nixl(name, descs, mem=None, backends=[]):
+        if isinstance(descs, np.ndarray) and descs.shape[1] == 5:
+            raise TypeError("prepXferDlist(): incompatible function arguments")
+        rows.append(descs.shape[0])
+        return real(name, descs, mem)
+
+    monkeypatch.setattr(a.agent, "prep_xfer_dlist", old_nixl)
+    lt, rt = a.prep_local("kv"), a.prep_remote(remote)
+    assert rows == [lt.layout.blocks, rt.layout.blocks] and a._strided is False
+    _fill(pa, 5)
+    ids = np.arange(1, pages, dtype=np.int64)
+    planes = np.arange(len(lt.layout.planes), dtype=np.int64)[:, None]
+    blocks = (planes * pages + ids).reshape(-1)
+    _wait(a, b, a.post_blocks(lt, blocks, rt, blocks))
+    assert torch.equal(kvmem.pack_pages(pb, torch.from_numpy(ids)),
+                       kvmem.pack_pages(pa, torch.from_numpy(ids)))
+    monkeypatch.setattr(nixl_engine, "EXPANDED_MAX_BLOCKS", lt.layout.blocks - 1)
+    why = a.direct_refusal(lt.layout)
+    assert why is not None and "no strided descriptor lists" in why
+    with pytest.raises(TransferError, match="no strided descriptor lists"):
+        a.prep_remote(remote)
+    assert len(rows) == 2  # NIXL was not asked again
