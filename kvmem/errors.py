@@ -83,3 +83,30 @@ class CudaDriverError(KVMemError, RuntimeError):
         self.code = code
         self.detail = detail
         super().__init__(f"{call} failed: {code}" + (f" ({detail})" if detail else ""))
+
+
+# Error codes.  1-4: reasons a free is refused (host checks name the exact one);
+# 5-12: recorded on the device by the check=False paths.
+FREE_OUT_OF_RANGE = 1
+FREE_PAGE_ZERO = 2
+FREE_NOT_ALLOCATED = 3
+FREE_LISTED_TWICE = 4
+ERR_FREE_NOT_ALLOCATED_OR_TWICE = 5  # the device cannot tell which of the two
+ERR_TAKE_OWNED = 6  # a page taken off the ring was already owned (or not a page)
+ERR_EXTEND_LENGTHS = 7  # prefix_len < 0 or prefix_len > seq_len
+ERR_EXTEND_LAST_LOC = 8  # (last_loc + 1) % page_size != prefix_len % page_size
+ERR_EXTEND_COUNTS = 9  # hints / extend_num_tokens disagree with the device lengths
+ERR_DECODE_SEQ = 10  # seq_len < 1
+ERR_DECODE_LAST_LOC = 11  # (last_loc + 1) % page_size != (seq_len - 1) % page_size
+ERR_DECODE_COUNTS = 12  # seq_lens_cpu disagrees with seq_lens
+
+FREE_REASONS = {
+    FREE_OUT_OF_RANGE: "is out of range",
+    FREE_PAGE_ZERO: "is page 0, the padding page, which is never allocated",
+    FREE_NOT_ALLOCATED: "is not allocated (freed already or never handed out)",
+    FREE_LISTED_TWICE: "is listed twice in this free",
+    ERR_FREE_NOT_ALLOCATED_OR_TWICE: "is not allocated (freed already, never handed "
+    "out, or listed twice in one free)",
+}
+
+NO_BAD = 1 << 62  # "no offending position" in the per-free scratch slots of err

@@ -15,6 +15,7 @@ import kvmem
 from kvmem.allocator import PageAllocator
 from kvmem.errors import DoubleFreeError, OutOfPagesError
 from kvmem.kernels import alloc as K
+from kvmem.kernels.alloc import triton as alloc_triton
 
 # -- helpers ---------------------------------------------------------------------------
 
@@ -631,13 +632,13 @@ _SIG = {
                                  out_ptr="*i64", err_ptr="*i64", bs="i32", num_new="i32"),
 }
 _CONST = {
-    "_take_pages_kernel": [dict(BLOCK=K.TAKE_BLOCK, FLAG=f) for f in (False, True)],
-    "_free_apply_kernel": [dict(BLOCK=K.TAKE_BLOCK, FLAG=f) for f in (False, True)],
-    "_free_commit_kernel": [dict(BLOCK=K.TAKE_BLOCK)],
-    "_extend_slots_kernel": [dict(PAGE_SIZE=ps, REQ_BLOCK=K.REQ_BLOCK,
-                                  TOKEN_BLOCK=K.TOKEN_BLOCK, FLAG=f)
+    "_take_pages_kernel": [dict(BLOCK=alloc_triton.TAKE_BLOCK, FLAG=f) for f in (False, True)],
+    "_free_apply_kernel": [dict(BLOCK=alloc_triton.TAKE_BLOCK, FLAG=f) for f in (False, True)],
+    "_free_commit_kernel": [dict(BLOCK=alloc_triton.TAKE_BLOCK)],
+    "_extend_slots_kernel": [dict(PAGE_SIZE=ps, REQ_BLOCK=alloc_triton.REQ_BLOCK,
+                                  TOKEN_BLOCK=alloc_triton.TOKEN_BLOCK, FLAG=f)
                              for ps, f in itertools.product((1, 16), (False, True))],
-    "_decode_slots_kernel": [dict(PAGE_SIZE=ps, BLOCK=K.DECODE_BLOCK, FLAG=f)
+    "_decode_slots_kernel": [dict(PAGE_SIZE=ps, BLOCK=alloc_triton.DECODE_BLOCK, FLAG=f)
                              for ps, f in itertools.product((1, 64), (False, True))],
 }
 
@@ -648,7 +649,7 @@ def test_kernels_compile_for_sm90(name):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(K, name)
+    fn = getattr(alloc_triton, name)
     for consts in _CONST[name]:
         sig = dict(_SIG[name], **{k: "constexpr" for k in consts})
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),

@@ -14,6 +14,7 @@ import torch
 from kvmem.allocator import PageAllocator
 from kvmem.errors import DoubleFreeError, KVMemError
 from kvmem.kernels import alloc as K
+from kvmem.kernels.alloc import triton as alloc_triton
 
 
 def i64(*xs):
@@ -88,7 +89,7 @@ def test_decode_slots_kernel(ps, flag):
 
 def test_decode_slots_kernel_many_programs(monkeypatch):
     """More requests than one program holds: the rank carries across programs."""
-    monkeypatch.setattr(K, "DECODE_BLOCK", 4)
+    monkeypatch.setattr(alloc_triton, "DECODE_BLOCK", 4)
     seq = [1, 3, 5, 2, 9, 4, 1, 5, 6, 13, 2]
     last = [(9 + i) * 4 + (s - 2) % 4 for i, s in enumerate(seq)]
     num_new = int(K.decode_counts(i64(*seq), 4))
@@ -102,8 +103,8 @@ def test_decode_slots_kernel_many_programs(monkeypatch):
 def test_extend_slots_kernel_long_batch(monkeypatch):
     """Prefix sums over more requests than REQ_BLOCK, and extends longer than
     TOKEN_BLOCK: the kernels' loops, with small blocks."""
-    monkeypatch.setattr(K, "REQ_BLOCK", 4)
-    monkeypatch.setattr(K, "TOKEN_BLOCK", 8)
+    monkeypatch.setattr(alloc_triton, "REQ_BLOCK", 4)
+    monkeypatch.setattr(alloc_triton, "TOKEN_BLOCK", 8)
     rng = random.Random(3)
     pre = [rng.randrange(0, 12) for _ in range(11)]
     seq = [p + rng.randrange(0, 20) for p in pre]
