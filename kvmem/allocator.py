@@ -12,41 +12,15 @@ import numpy as np
 import torch
 
 from kvmem._ids import as_page_ids
-from kvmem.errors import DoubleFreeError, KVMemError, OutOfPagesError
+from kvmem.errors import (
+    _DEVICE_ERROR_WHAT, _LEN_REASONS, DoubleFreeError, KVMemError, OutOfPagesError,
+)
 from kvmem.kernels import alloc as K
 from kvmem.kernels._dispatch import force_triton, is_async_device
-
-# Reasons an alloc_extend / alloc_decode batch is refused (host checks, check=True).
-_LEN_NEGATIVE_PREFIX = 1
-_LEN_PREFIX_OVER_SEQ = 2
-_LEN_LAST_LOC_OFFSET = 3
-_LEN_LAST_PAGE_FREE = 4
-_LEN_SEQ_BELOW_ONE = 5
-_LEN_REASONS = {
-    _LEN_NEGATIVE_PREFIX: "prefix_len < 0",
-    _LEN_PREFIX_OVER_SEQ: "prefix_len > seq_len",
-    _LEN_LAST_LOC_OFFSET: "last_loc is inconsistent with the length: (last_loc + 1) % "
-    "page_size must equal the number of tokens on the request's partial last page",
-    _LEN_LAST_PAGE_FREE: "last_loc is not in an allocated page (the request's partial "
-    "last page must be allocated)",
-    _LEN_SEQ_BELOW_ONE: "seq_len < 1",
-}
-
-_DEVICE_ERROR_WHAT = {
-    K.ERR_TAKE_OWNED: "alloc(check=False) took a page off the free list that was "
-    "allocated already (or not a page id)",
-    K.ERR_EXTEND_LENGTHS: "alloc_extend(check=False): prefix_len < 0 or prefix_len > "
-    "seq_len",
-    K.ERR_EXTEND_LAST_LOC: "alloc_extend(check=False): (last_loc + 1) % page_size != "
-    "prefix_len % page_size for a request with a partial last page",
-    K.ERR_EXTEND_COUNTS: "alloc_extend(check=False): prefix_lens_cpu / seq_lens_cpu / "
-    "extend_num_tokens disagree with the device lengths",
-    K.ERR_DECODE_SEQ: "alloc_decode(check=False): seq_len < 1",
-    K.ERR_DECODE_LAST_LOC: "alloc_decode(check=False): (last_loc + 1) % page_size != "
-    "(seq_len - 1) % page_size for a request that does not start a page",
-    K.ERR_DECODE_COUNTS: "alloc_decode(check=False): seq_lens_cpu disagrees with "
-    "seq_lens",
-}
+from kvmem.kernels.alloc.checks import (
+    _agree, _decode_count_host, _decode_problems, _decode_problems_np, _extend_counts_host,
+    _extend_problems, _extend_problems_np,
+)
 
 
 def _on_own_stream(method):
@@ -787,117 +761,3 @@ def _check_hints(what: str, bs: int, **hints: torch.Tensor | None):
             raise ValueError(f"{what}: {name} must be int32 or int64, got {t.dtype}")
         out.append(t)
     return out
-
-
-def _extend_counts_host(pre: torch.Tensor, seq: torch.Tensor, ps: int) -> tuple[int, int]:
-    """(new pages, extend tokens) from the CPU hints, with numpy (no torch dispatch)."""
-    pre = pre.numpy().astype(np.int64, copy=False)
-    seq = seq.numpy().astype(np.int64, copy=False)
-    new = (seq + ps - 1) // ps - (pre + ps - 1) // ps
-    return int(new.sum()), int((seq - pre).sum())
-
-
-def _decode_count_host(seq: torch.Tensor, ps: int) -> int:
-    seq = seq.numpy().astype(np.int64, copy=False)
-    return int(np.count_nonzero((seq - 1) % ps == 0))
-
-
-def _agree(t: torch.Tensor, hint: torch.Tensor) -> torch.Tensor:
-    """int64 [1] on t's device: 1 if the CPU hint holds the same values as t."""
-    same = (t.to(torch.int64) == hint.to(device=t.device, dtype=torch.int64)).all()
-    return same.to(torch.int64).reshape(1)
-
-
-def _first_problem(code: torch.Tensor) -> torch.Tensor:
-    """int64 [2]: [index of the first nonzero code or -1, that code]."""
-    if code.numel() == 0:
-        return torch.tensor([-1, 0], dtype=torch.int64, device=code.device)
-    bad = code != 0
-    first = bad.to(torch.int8).argmax()
-    return torch.stack((torch.where(bad.any(), first, -1), code[first]))
-
-
-def _last_page_problem(partial, last, owned, ps):
-    """Codes for requests with a partial last page: its slot ``last`` must be in an
-    allocated page."""
-    page = torch.where(partial, last // ps, 0)
-    in_range = (page >= 1) & (page < owned.numel())
-    owned_page = owned[torch.where(in_range, page, 0)] == 1
-    return partial & ~(in_range & owned_page)
-
-
-def _extend_problems(prefix_lens, seq_lens, last_loc, owned, ps) -> torch.Tensor:
-    """int64 [4] on the device: [first bad request or -1, its code, new pages, tokens]."""
-    pre = prefix_lens.to(torch.int64)
-    seq = seq_lens.to(torch.int64)
-    last = last_loc.to(torch.int64)
-    partial = (pre > 0) & (pre % ps != 0)
-    code = torch.zeros_like(pre)
-    code = torch.where(_last_page_problem(partial, last, owned, ps), _LEN_LAST_PAGE_FREE, code)
-    code = torch.where(partial & ((last + 1) % ps != pre % ps), _LEN_LAST_LOC_OFFSET, code)
-    code = torch.where(pre > seq, _LEN_PREFIX_OVER_SEQ, code)
-    code = torch.where(pre < 0, _LEN_NEGATIVE_PREFIX, code)
-    num_new, total = K.extend_counts(pre, seq, ps)
-    return torch.cat((_first_problem(code), torch.stack((num_new, total))))
-
-
-def _decode_problems(seq_lens, last_loc, owned, ps) -> torch.Tensor:
-    """int64 [3] on the device: [first bad request or -1, its code, new pages]."""
-    seq = seq_lens.to(torch.int64)
-    last = last_loc.to(torch.int64)
-    partial = (seq >= 1) & ((seq - 1) % ps != 0)
-    code = torch.zeros_like(seq)
-    code = torch.where(_last_page_problem(partial, last, owned, ps), _LEN_LAST_PAGE_FREE, code)
-    code = torch.where(partial & ((last + 1) % ps != (seq - 1) % ps), _LEN_LAST_LOC_OFFSET,
-                       code)
-    code = torch.where(seq < 1, _LEN_SEQ_BELOW_ONE, code)
-    return torch.cat((_first_problem(code), K.decode_counts(seq, ps).reshape(1)))
-
-
-def _last_page_problem_np(partial, last, owned_ext, ps):
-    """_last_page_problem on the CPU, with the ownership map's end marker (``owned_ext``
-    is one entry longer, that entry 0): one clipped lookup checks range (below 1 lands on
-    page 0, past the end on the marker, both never owned) and ownership at once."""
-    return partial & (owned_ext.take(last // ps, mode="clip") != 1)
-
-
-def _extend_problems_np(pre, seq, last, owned_ext, ps) -> list[int]:
-    """numpy twin of _extend_problems for CPU batches (a torch call costs 5-10 us of
-    dispatch there, a numpy call ~1-2 us): [first bad request or -1, code, new pages,
-    tokens]."""
-    pre = pre.astype(np.int64, copy=False)
-    seq = seq.astype(np.int64, copy=False)
-    num_new = int(((seq + ps - 1) // ps - (pre + ps - 1) // ps).sum())
-    total = int((seq - pre).sum())
-    code = np.zeros(pre.shape[0], dtype=np.int64)
-    if ps > 1:
-        filled = pre % ps  # tokens on the request's partial last page
-        partial = (pre > 0) & (filled != 0)
-        if np.count_nonzero(partial):
-            last = last.astype(np.int64, copy=False)
-            code[_last_page_problem_np(partial, last, owned_ext, ps)] = _LEN_LAST_PAGE_FREE
-            code[partial & ((last + 1) % ps != filled)] = _LEN_LAST_LOC_OFFSET
-    code[pre > seq] = _LEN_PREFIX_OVER_SEQ
-    code[pre < 0] = _LEN_NEGATIVE_PREFIX
-    bad = np.flatnonzero(code)
-    first = int(bad[0]) if bad.size else -1
-    return [first, int(code[first]) if bad.size else 0, num_new, total]
-
-
-def _decode_problems_np(seq, last, owned_ext, ps) -> list[int]:
-    """numpy twin of _decode_problems: [first bad request or -1, code, new pages]."""
-    seq = seq.astype(np.int64, copy=False)
-    offset = (seq - 1) % ps  # where the new token goes in its page
-    starts = offset == 0
-    num_new = int(np.count_nonzero(starts))
-    code = np.zeros(seq.shape[0], dtype=np.int64)
-    if ps > 1:
-        partial = (seq >= 1) & ~starts
-        if np.count_nonzero(partial):
-            last = last.astype(np.int64, copy=False)
-            code[_last_page_problem_np(partial, last, owned_ext, ps)] = _LEN_LAST_PAGE_FREE
-            code[partial & ((last + 1) % ps != offset)] = _LEN_LAST_LOC_OFFSET
-    code[seq < 1] = _LEN_SEQ_BELOW_ONE
-    bad = np.flatnonzero(code)
-    first = int(bad[0]) if bad.size else -1
-    return [first, int(code[first]) if bad.size else 0, num_new]

@@ -110,3 +110,35 @@ FREE_REASONS = {
 }
 
 NO_BAD = 1 << 62  # "no offending position" in the per-free scratch slots of err
+
+# Reasons an alloc_extend / alloc_decode batch is refused (host checks, check=True).
+_LEN_NEGATIVE_PREFIX = 1
+_LEN_PREFIX_OVER_SEQ = 2
+_LEN_LAST_LOC_OFFSET = 3
+_LEN_LAST_PAGE_FREE = 4
+_LEN_SEQ_BELOW_ONE = 5
+_LEN_REASONS = {
+    _LEN_NEGATIVE_PREFIX: "prefix_len < 0",
+    _LEN_PREFIX_OVER_SEQ: "prefix_len > seq_len",
+    _LEN_LAST_LOC_OFFSET: "last_loc is inconsistent with the length: (last_loc + 1) % "
+    "page_size must equal the number of tokens on the request's partial last page",
+    _LEN_LAST_PAGE_FREE: "last_loc is not in an allocated page (the request's partial "
+    "last page must be allocated)",
+    _LEN_SEQ_BELOW_ONE: "seq_len < 1",
+}
+
+_DEVICE_ERROR_WHAT = {
+    ERR_TAKE_OWNED: "alloc(check=False) took a page off the free list that was "
+    "allocated already (or not a page id)",
+    ERR_EXTEND_LENGTHS: "alloc_extend(check=False): prefix_len < 0 or prefix_len > "
+    "seq_len",
+    ERR_EXTEND_LAST_LOC: "alloc_extend(check=False): (last_loc + 1) % page_size != "
+    "prefix_len % page_size for a request with a partial last page",
+    ERR_EXTEND_COUNTS: "alloc_extend(check=False): prefix_lens_cpu / seq_lens_cpu / "
+    "extend_num_tokens disagree with the device lengths",
+    ERR_DECODE_SEQ: "alloc_decode(check=False): seq_len < 1",
+    ERR_DECODE_LAST_LOC: "alloc_decode(check=False): (last_loc + 1) % page_size != "
+    "(seq_len - 1) % page_size for a request that does not start a page",
+    ERR_DECODE_COUNTS: "alloc_decode(check=False): seq_lens_cpu disagrees with "
+    "seq_lens",
+}

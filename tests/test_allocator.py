@@ -665,8 +665,8 @@ def test_kernels_compile_for_sm90(name):
 
 @pytest.mark.parametrize("ps", [1, 4, 16])
 def test_batch_checks_numpy_and_torch_agree(ps):
-    from kvmem.allocator import (_decode_problems, _decode_problems_np, _extend_problems,
-                                 _extend_problems_np)
+    from kvmem.kernels.alloc.checks import (_decode_problems, _decode_problems_np,
+                                            _extend_problems, _extend_problems_np)
 
     rng = random.Random(ps)
     num_pages = 12

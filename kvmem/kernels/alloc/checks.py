@@ -7,7 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvmem.errors import FREE_LISTED_TWICE, FREE_NOT_ALLOCATED, FREE_OUT_OF_RANGE, FREE_PAGE_ZERO
+from kvmem.errors import (
+    _LEN_LAST_LOC_OFFSET, _LEN_LAST_PAGE_FREE, _LEN_NEGATIVE_PREFIX, _LEN_PREFIX_OVER_SEQ,
+    _LEN_SEQ_BELOW_ONE, FREE_LISTED_TWICE, FREE_NOT_ALLOCATED, FREE_OUT_OF_RANGE, FREE_PAGE_ZERO,
+)
 
 
 def free_errors_cpu(pages: np.ndarray, owned: np.ndarray) -> tuple[int, int] | None:
@@ -65,3 +68,116 @@ def decode_counts(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     """New pages a decode step needs, int64 0-d tensor on the batch's device."""
     return ((seq_lens.to(torch.int64) - 1) % page_size == 0).sum()
 
+
+def _extend_counts_host(pre: torch.Tensor, seq: torch.Tensor, ps: int) -> tuple[int, int]:
+    """(new pages, extend tokens) from the CPU hints, with numpy (no torch dispatch)."""
+    pre = pre.numpy().astype(np.int64, copy=False)
+    seq = seq.numpy().astype(np.int64, copy=False)
+    new = (seq + ps - 1) // ps - (pre + ps - 1) // ps
+    return int(new.sum()), int((seq - pre).sum())
+
+
+def _decode_count_host(seq: torch.Tensor, ps: int) -> int:
+    seq = seq.numpy().astype(np.int64, copy=False)
+    return int(np.count_nonzero((seq - 1) % ps == 0))
+
+
+def _agree(t: torch.Tensor, hint: torch.Tensor) -> torch.Tensor:
+    """int64 [1] on t's device: 1 if the CPU hint holds the same values as t."""
+    same = (t.to(torch.int64) == hint.to(device=t.device, dtype=torch.int64)).all()
+    return same.to(torch.int64).reshape(1)
+
+
+def _first_problem(code: torch.Tensor) -> torch.Tensor:
+    """int64 [2]: [index of the first nonzero code or -1, that code]."""
+    if code.numel() == 0:
+        return torch.tensor([-1, 0], dtype=torch.int64, device=code.device)
+    bad = code != 0
+    first = bad.to(torch.int8).argmax()
+    return torch.stack((torch.where(bad.any(), first, -1), code[first]))
+
+
+def _last_page_problem(partial, last, owned, ps):
+    """Codes for requests with a partial last page: its slot ``last`` must be in an
+    allocated page."""
+    page = torch.where(partial, last // ps, 0)
+    in_range = (page >= 1) & (page < owned.numel())
+    owned_page = owned[torch.where(in_range, page, 0)] == 1
+    return partial & ~(in_range & owned_page)
+
+
+def _extend_problems(prefix_lens, seq_lens, last_loc, owned, ps) -> torch.Tensor:
+    """int64 [4] on the device: [first bad request or -1, its code, new pages, tokens]."""
+    pre = prefix_lens.to(torch.int64)
+    seq = seq_lens.to(torch.int64)
+    last = last_loc.to(torch.int64)
+    partial = (pre > 0) & (pre % ps != 0)
+    code = torch.zeros_like(pre)
+    code = torch.where(_last_page_problem(partial, last, owned, ps), _LEN_LAST_PAGE_FREE, code)
+    code = torch.where(partial & ((last + 1) % ps != pre % ps), _LEN_LAST_LOC_OFFSET, code)
+    code = torch.where(pre > seq, _LEN_PREFIX_OVER_SEQ, code)
+    code = torch.where(pre < 0, _LEN_NEGATIVE_PREFIX, code)
+    num_new, total = extend_counts(pre, seq, ps)
+    return torch.cat((_first_problem(code), torch.stack((num_new, total))))
+
+
+def _decode_problems(seq_lens, last_loc, owned, ps) -> torch.Tensor:
+    """int64 [3] on the device: [first bad request or -1, its code, new pages]."""
+    seq = seq_lens.to(torch.int64)
+    last = last_loc.to(torch.int64)
+    partial = (seq >= 1) & ((seq - 1) % ps != 0)
+    code = torch.zeros_like(seq)
+    code = torch.where(_last_page_problem(partial, last, owned, ps), _LEN_LAST_PAGE_FREE, code)
+    code = torch.where(partial & ((last + 1) % ps != (seq - 1) % ps), _LEN_LAST_LOC_OFFSET,
+                       code)
+    code = torch.where(seq < 1, _LEN_SEQ_BELOW_ONE, code)
+    return torch.cat((_first_problem(code), decode_counts(seq, ps).reshape(1)))
+
+
+def _last_page_problem_np(partial, last, owned_ext, ps):
+    """_last_page_problem on the CPU, with the ownership map's end marker (``owned_ext``
+    is one entry longer, that entry 0): one clipped lookup checks range (below 1 lands on
+    page 0, past the end on the marker, both never owned) and ownership at once."""
+    return partial & (owned_ext.take(last // ps, mode="clip") != 1)
+
+
+def _extend_problems_np(pre, seq, last, owned_ext, ps) -> list[int]:
+    """numpy twin of _extend_problems for CPU batches (a torch call costs 5-10 us of
+    dispatch there, a numpy call ~1-2 us): [first bad request or -1, code, new pages,
+    tokens]."""
+    pre = pre.astype(np.int64, copy=False)
+    seq = seq.astype(np.int64, copy=False)
+    num_new = int(((seq + ps - 1) // ps - (pre + ps - 1) // ps).sum())
+    total = int((seq - pre).sum())
+    code = np.zeros(pre.shape[0], dtype=np.int64)
+    if ps > 1:
+        filled = pre % ps  # tokens on the request's partial last page
+        partial = (pre > 0) & (filled != 0)
+        if np.count_nonzero(partial):
+            last = last.astype(np.int64, copy=False)
+            code[_last_page_problem_np(partial, last, owned_ext, ps)] = _LEN_LAST_PAGE_FREE
+            code[partial & ((last + 1) % ps != filled)] = _LEN_LAST_LOC_OFFSET
+    code[pre > seq] = _LEN_PREFIX_OVER_SEQ
+    code[pre < 0] = _LEN_NEGATIVE_PREFIX
+    bad = np.flatnonzero(code)
+    first = int(bad[0]) if bad.size else -1
+    return [first, int(code[first]) if bad.size else 0, num_new, total]
+
+
+def _decode_problems_np(seq, last, owned_ext, ps) -> list[int]:
+    """numpy twin of _decode_problems: [first bad request or -1, code, new pages]."""
+    seq = seq.astype(np.int64, copy=False)
+    offset = (seq - 1) % ps  # where the new token goes in its page
+    starts = offset == 0
+    num_new = int(np.count_nonzero(starts))
+    code = np.zeros(seq.shape[0], dtype=np.int64)
+    if ps > 1:
+        partial = (seq >= 1) & ~starts
+        if np.count_nonzero(partial):
+            last = last.astype(np.int64, copy=False)
+            code[_last_page_problem_np(partial, last, owned_ext, ps)] = _LEN_LAST_PAGE_FREE
+            code[partial & ((last + 1) % ps != offset)] = _LEN_LAST_LOC_OFFSET
+    code[seq < 1] = _LEN_SEQ_BELOW_ONE
+    bad = np.flatnonzero(code)
+    first = int(bad[0]) if bad.size else -1
+    return [first, int(code[first]) if bad.size else 0, num_new]
