@@ -12,9 +12,7 @@ import numpy as np
 import torch
 
 from kvmem._ids import as_page_ids
-from kvmem.errors import (
-    _DEVICE_ERROR_WHAT, _LEN_REASONS, DoubleFreeError, KVMemError, OutOfPagesError,
-)
+from kvmem.errors import OutOfPagesError, alloc_error
 from kvmem.kernels import alloc as K
 from kvmem.kernels._dispatch import force_triton, is_async_device
 from kvmem.kernels.alloc.checks import (
@@ -486,7 +484,7 @@ class PageAllocator:
                 np.array_equal(prefix_lens.numpy(), hints[0].numpy()),
                 np.array_equal(seq_lens.numpy(), hints[1].numpy())]
         if first >= 0:
-            raise ValueError(f"alloc_extend: request {first}: {_LEN_REASONS[code]}")
+            raise alloc_error(code, first, self.num_pages, call="alloc_extend")
         if not all(agree):
             raise ValueError("alloc_extend: prefix_lens_cpu / seq_lens_cpu disagree with "
                              "prefix_lens / seq_lens")
@@ -511,7 +509,7 @@ class PageAllocator:
             agree = [] if hints is None else [np.array_equal(seq_lens.numpy(),
                                                              hints[0].numpy())]
         if first >= 0:
-            raise ValueError(f"alloc_decode: request {first}: {_LEN_REASONS[code]}")
+            raise alloc_error(code, first, self.num_pages, call="alloc_decode")
         if not all(agree):
             raise ValueError("alloc_decode: seq_lens_cpu disagrees with seq_lens")
         return num_new
@@ -608,10 +606,7 @@ class PageAllocator:
                                        self._marks)
             if bad is not None:
                 first, code = bad
-                reason = K.FREE_REASONS[code]
-                if code == K.FREE_OUT_OF_RANGE:
-                    reason += f" [1, {self.num_pages})"
-                raise DoubleFreeError(int(p[first]), reason)
+                raise alloc_error(code, int(p[first]), self.num_pages)
         self._count += n
         self._allocated -= n
 
@@ -693,18 +688,7 @@ class PageAllocator:
         n_free = self._rebuild_from_owned()
         rebuilt = (f"found on the device after a check=False call; the free list was "
                    f"rebuilt from the ownership map ({n_free} pages free)")
-        if code in K.FREE_REASONS:
-            reason = K.FREE_REASONS[code]
-            if code == K.FREE_OUT_OF_RANGE:
-                reason += f" [1, {self.num_pages})"
-            raise DoubleFreeError(value, f"{reason}; {rebuilt}")
-        what = _DEVICE_ERROR_WHAT.get(code, f"device error code {code}")
-        where = "page" if code == K.ERR_TAKE_OWNED else "request"
-        msg = f"{what} ({where} {value}); {rebuilt}"
-        if code == K.ERR_TAKE_OWNED:
-            raise KVMemError(msg)
-        raise ValueError(msg + "; the slots that call returned are wrong and the pages it "
-                         "took stay allocated")
+        raise alloc_error(code, value, self.num_pages, rebuilt=rebuilt)
 
 
 # -- helpers ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 import kvmem
 from kvmem.allocator import PageAllocator
-from kvmem.errors import DoubleFreeError, OutOfPagesError
+from kvmem.errors import AllocCode, DoubleFreeError, OutOfPagesError, alloc_error
 from kvmem.kernels import alloc as K
 from kvmem.kernels.alloc import triton as alloc_triton
 
@@ -660,6 +660,18 @@ def test_kernels_compile_for_sm90(name):
             assert "atom.global" in ptx  # the device-side checks are really there
 
 
+@pytest.mark.parametrize("code", list(AllocCode), ids=lambda c: c.name)
+def test_every_refusal_code_raises_its_rows_exception_and_message(code):
+    """kvmem.errors.AllocCode is the one table of refusals: whatever a host check returns
+    or a kernel records becomes that row's exception, with its message and the value."""
+    found_on_device = code.name.startswith("ERR_")
+    e = alloc_error(code, 7, 11, call="alloc_extend",
+                    rebuilt="rebuilt from the map" if found_on_device else "")
+    assert type(e) is code.raises
+    assert code.message in str(e) and "7" in str(e)
+    assert ("rebuilt from the map" in str(e)) == found_on_device
+
+
 # -- the batch checks: numpy (CPU) and torch (what CUDA runs) agree --------------------
 
 
@@ -690,4 +702,8 @@ def test_batch_checks_numpy_and_torch_agree(ps):
         got = _decode_problems_np(t[1].numpy(), t[2].numpy(), owned_ext.numpy(), ps)
         assert got == want, (seq, last)
         seen_codes.add(got[1])
-    assert seen_codes >= ({0, 1, 2, 5} if ps == 1 else {0, 1, 2, 3, 4, 5})
+    every = {0, AllocCode.LEN_NEGATIVE_PREFIX, AllocCode.LEN_PREFIX_OVER_SEQ,
+             AllocCode.LEN_SEQ_BELOW_ONE}
+    if ps > 1:  # at page_size 1 no request has a partial last page
+        every |= {AllocCode.LEN_LAST_LOC_OFFSET, AllocCode.LEN_LAST_PAGE_FREE}
+    assert seen_codes >= every

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvmem.allocator import PageAllocator
-from kvmem.errors import DoubleFreeError, KVMemError
+from kvmem.errors import AllocCode, DoubleFreeError, KVMemError
 from kvmem.kernels import alloc as K
 from kvmem.kernels.alloc import triton as alloc_triton
 
@@ -43,7 +43,7 @@ def test_take_pages_kernel(head, n, flag):
 def test_take_pages_kernel_flags_an_owned_page():
     ring, owned, err = i64(3, 1, 2), torch.tensor([0, 0, 1, 0], dtype=torch.int32), fresh_err()
     K.take_pages_triton(ring, owned, err, 0, 3, flag=True)
-    assert err[:2].tolist() == [K.ERR_TAKE_OWNED, 2]
+    assert err[:2].tolist() == [AllocCode.ERR_TAKE_OWNED, 2]
 
 
 BATCHES = {  # (prefix_lens, seq_lens) as functions of page_size
@@ -133,10 +133,10 @@ def test_free_kernels_clean(pages, tail, flag):
 
 
 @pytest.mark.parametrize("pages,code,page", [
-    ([3, 5, 2], K.ERR_FREE_NOT_ALLOCATED_OR_TWICE, 2),
-    ([3, 5, 3], K.ERR_FREE_NOT_ALLOCATED_OR_TWICE, 3),
-    ([4, 0], K.FREE_PAGE_ZERO, 0),
-    ([9, 4], K.FREE_OUT_OF_RANGE, 9),
+    ([3, 5, 2], AllocCode.ERR_FREE_NOT_ALLOCATED_OR_TWICE, 2),
+    ([3, 5, 3], AllocCode.ERR_FREE_NOT_ALLOCATED_OR_TWICE, 3),
+    ([4, 0], AllocCode.FREE_PAGE_ZERO, 0),
+    ([9, 4], AllocCode.FREE_OUT_OF_RANGE, 9),
 ], ids=str)
 @pytest.mark.parametrize("parity", [0, 1])
 def test_free_kernels_undo_a_bad_call(pages, code, page, parity):

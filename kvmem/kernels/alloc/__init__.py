@@ -7,7 +7,7 @@ Layouts (one allocator, all tensors on its device; ``cap = num_pages - 1``)::
                                    ring[(head + k) % cap] for k < count
     owned     : int32 [num_pages]  1 = allocated, 0 = free; owned[0] == 0 always
     err       : int64 [4]          device-side error record of the check=False paths:
-                                   err[0] = code (0 = none, else one of the ERR_* below),
+                                   err[0] = code (0 = none, else a kvmem.errors.AllocCode),
                                    err[1] = the page (or request index) it names,
                                    err[2], err[3] = per-free scratch: lowest offending
                                    position of a flagged free, NO_BAD when clean; frees
@@ -48,12 +48,6 @@ from __future__ import annotations
 
 import torch
 
-from kvmem.errors import (
-    ERR_DECODE_COUNTS, ERR_DECODE_LAST_LOC, ERR_DECODE_SEQ, ERR_EXTEND_COUNTS,
-    ERR_EXTEND_LAST_LOC, ERR_EXTEND_LENGTHS, ERR_FREE_NOT_ALLOCATED_OR_TWICE, ERR_TAKE_OWNED,
-    FREE_LISTED_TWICE, FREE_NOT_ALLOCATED, FREE_OUT_OF_RANGE, FREE_PAGE_ZERO, FREE_REASONS,
-    NO_BAD,
-)
 from kvmem.kernels._dispatch import use_triton
 from kvmem.kernels.alloc.checks import (
     decode_counts, extend_counts, free_errors_cpu, free_errors_torch,
@@ -66,19 +60,16 @@ from kvmem.kernels.alloc.ref import (
     decode_slots_ref, extend_slots_ref, free_errors_ref, free_pages_ref, take_pages_ref,
 )
 from kvmem.kernels.alloc.triton import (
-    decode_slots_triton, extend_slots_triton, free_pages_triton, take_pages_triton,
+    NO_BAD, decode_slots_triton, extend_slots_triton, free_pages_triton, take_pages_triton,
 )
 
 __all__ = [
-    "ERR_DECODE_COUNTS", "ERR_DECODE_LAST_LOC", "ERR_DECODE_SEQ", "ERR_EXTEND_COUNTS",
-    "ERR_EXTEND_LAST_LOC", "ERR_EXTEND_LENGTHS", "ERR_FREE_NOT_ALLOCATED_OR_TWICE",
-    "ERR_TAKE_OWNED", "FREE_LISTED_TWICE", "FREE_NOT_ALLOCATED", "FREE_OUT_OF_RANGE",
-    "FREE_PAGE_ZERO", "FREE_REASONS", "NO_BAD",
-    "PY_FREE_MAX", "decode_counts", "decode_slots", "decode_slots_ref", "decode_slots_torch",
-    "decode_slots_triton", "extend_counts", "extend_slots", "extend_slots_ref",
-    "extend_slots_torch", "extend_slots_triton", "free_errors_cpu", "free_errors_ref",
-    "free_errors_torch", "free_marks", "free_pages_cpu", "free_pages_list", "free_pages_ref",
-    "free_pages_triton", "take_pages_cpu", "take_pages_ref", "take_pages_triton",
+    "NO_BAD", "PY_FREE_MAX", "decode_counts", "decode_slots", "decode_slots_ref",
+    "decode_slots_torch", "decode_slots_triton", "extend_counts", "extend_slots",
+    "extend_slots_ref", "extend_slots_torch", "extend_slots_triton", "free_errors_cpu",
+    "free_errors_ref", "free_errors_torch", "free_marks", "free_pages_cpu",
+    "free_pages_list", "free_pages_ref", "free_pages_triton", "take_pages_cpu",
+    "take_pages_ref", "take_pages_triton",
 ]
 
 

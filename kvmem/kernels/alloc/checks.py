@@ -7,10 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvmem.errors import (
-    _LEN_LAST_LOC_OFFSET, _LEN_LAST_PAGE_FREE, _LEN_NEGATIVE_PREFIX, _LEN_PREFIX_OVER_SEQ,
-    _LEN_SEQ_BELOW_ONE, FREE_LISTED_TWICE, FREE_NOT_ALLOCATED, FREE_OUT_OF_RANGE, FREE_PAGE_ZERO,
-)
+from kvmem.errors import AllocCode as C
 
 
 def free_errors_cpu(pages: np.ndarray, owned: np.ndarray) -> tuple[int, int] | None:
@@ -19,13 +16,13 @@ def free_errors_cpu(pages: np.ndarray, owned: np.ndarray) -> tuple[int, int] | N
     n = pages.shape[0]
     num_pages = owned.shape[0]
     in_range = (pages >= 1) & (pages < num_pages)
-    code = np.where(pages == 0, FREE_PAGE_ZERO, FREE_OUT_OF_RANGE)
+    code = np.where(pages == 0, C.FREE_PAGE_ZERO, C.FREE_OUT_OF_RANGE)
     not_owned = owned[np.where(in_range, pages, 0)] != 1
     order = np.argsort(pages, kind="stable")
     twice = np.zeros(n, dtype=bool)
     twice[order[1:]] = pages[order[1:]] == pages[order[:-1]]
-    code = np.where(in_range, np.where(not_owned, FREE_NOT_ALLOCATED,
-                                       np.where(twice, FREE_LISTED_TWICE, 0)), code)
+    code = np.where(in_range, np.where(not_owned, C.FREE_NOT_ALLOCATED,
+                                       np.where(twice, C.FREE_LISTED_TWICE, 0)), code)
     bad = np.flatnonzero(code)
     return None if bad.size == 0 else (int(bad[0]), int(code[bad[0]]))
 
@@ -47,9 +44,9 @@ def free_errors_torch(pages: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
     twice[order[1:]] = s[1:] == s[:-1]
     code = torch.where(
         in_range,
-        torch.where(not_owned, FREE_NOT_ALLOCATED,
-                    torch.where(twice, FREE_LISTED_TWICE, 0)),
-        torch.where(p == 0, FREE_PAGE_ZERO, FREE_OUT_OF_RANGE),
+        torch.where(not_owned, C.FREE_NOT_ALLOCATED,
+                    torch.where(twice, C.FREE_LISTED_TWICE, 0)),
+        torch.where(p == 0, C.FREE_PAGE_ZERO, C.FREE_OUT_OF_RANGE),
     )
     bad = code != 0
     first = bad.to(torch.int8).argmax()
@@ -113,10 +110,10 @@ def _extend_problems(prefix_lens, seq_lens, last_loc, owned, ps) -> torch.Tensor
     last = last_loc.to(torch.int64)
     partial = (pre > 0) & (pre % ps != 0)
     code = torch.zeros_like(pre)
-    code = torch.where(_last_page_problem(partial, last, owned, ps), _LEN_LAST_PAGE_FREE, code)
-    code = torch.where(partial & ((last + 1) % ps != pre % ps), _LEN_LAST_LOC_OFFSET, code)
-    code = torch.where(pre > seq, _LEN_PREFIX_OVER_SEQ, code)
-    code = torch.where(pre < 0, _LEN_NEGATIVE_PREFIX, code)
+    code = torch.where(_last_page_problem(partial, last, owned, ps), C.LEN_LAST_PAGE_FREE, code)
+    code = torch.where(partial & ((last + 1) % ps != pre % ps), C.LEN_LAST_LOC_OFFSET, code)
+    code = torch.where(pre > seq, C.LEN_PREFIX_OVER_SEQ, code)
+    code = torch.where(pre < 0, C.LEN_NEGATIVE_PREFIX, code)
     num_new, total = extend_counts(pre, seq, ps)
     return torch.cat((_first_problem(code), torch.stack((num_new, total))))
 
@@ -127,10 +124,10 @@ def _decode_problems(seq_lens, last_loc, owned, ps) -> torch.Tensor:
     last = last_loc.to(torch.int64)
     partial = (seq >= 1) & ((seq - 1) % ps != 0)
     code = torch.zeros_like(seq)
-    code = torch.where(_last_page_problem(partial, last, owned, ps), _LEN_LAST_PAGE_FREE, code)
-    code = torch.where(partial & ((last + 1) % ps != (seq - 1) % ps), _LEN_LAST_LOC_OFFSET,
+    code = torch.where(_last_page_problem(partial, last, owned, ps), C.LEN_LAST_PAGE_FREE, code)
+    code = torch.where(partial & ((last + 1) % ps != (seq - 1) % ps), C.LEN_LAST_LOC_OFFSET,
                        code)
-    code = torch.where(seq < 1, _LEN_SEQ_BELOW_ONE, code)
+    code = torch.where(seq < 1, C.LEN_SEQ_BELOW_ONE, code)
     return torch.cat((_first_problem(code), decode_counts(seq, ps).reshape(1)))
 
 
@@ -155,10 +152,10 @@ def _extend_problems_np(pre, seq, last, owned_ext, ps) -> list[int]:
         partial = (pre > 0) & (filled != 0)
         if np.count_nonzero(partial):
             last = last.astype(np.int64, copy=False)
-            code[_last_page_problem_np(partial, last, owned_ext, ps)] = _LEN_LAST_PAGE_FREE
-            code[partial & ((last + 1) % ps != filled)] = _LEN_LAST_LOC_OFFSET
-    code[pre > seq] = _LEN_PREFIX_OVER_SEQ
-    code[pre < 0] = _LEN_NEGATIVE_PREFIX
+            code[_last_page_problem_np(partial, last, owned_ext, ps)] = C.LEN_LAST_PAGE_FREE
+            code[partial & ((last + 1) % ps != filled)] = C.LEN_LAST_LOC_OFFSET
+    code[pre > seq] = C.LEN_PREFIX_OVER_SEQ
+    code[pre < 0] = C.LEN_NEGATIVE_PREFIX
     bad = np.flatnonzero(code)
     first = int(bad[0]) if bad.size else -1
     return [first, int(code[first]) if bad.size else 0, num_new, total]
@@ -175,9 +172,9 @@ def _decode_problems_np(seq, last, owned_ext, ps) -> list[int]:
         partial = (seq >= 1) & ~starts
         if np.count_nonzero(partial):
             last = last.astype(np.int64, copy=False)
-            code[_last_page_problem_np(partial, last, owned_ext, ps)] = _LEN_LAST_PAGE_FREE
-            code[partial & ((last + 1) % ps != offset)] = _LEN_LAST_LOC_OFFSET
-    code[seq < 1] = _LEN_SEQ_BELOW_ONE
+            code[_last_page_problem_np(partial, last, owned_ext, ps)] = C.LEN_LAST_PAGE_FREE
+            code[partial & ((last + 1) % ps != offset)] = C.LEN_LAST_LOC_OFFSET
+    code[seq < 1] = C.LEN_SEQ_BELOW_ONE
     bad = np.flatnonzero(code)
     first = int(bad[0]) if bad.size else -1
     return [first, int(code[first]) if bad.size else 0, num_new]

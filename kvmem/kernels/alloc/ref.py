@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmem.errors import FREE_LISTED_TWICE, FREE_NOT_ALLOCATED, FREE_OUT_OF_RANGE, FREE_PAGE_ZERO
+from kvmem.errors import AllocCode as C
 
 
 def take_pages_ref(ring: torch.Tensor, owned: torch.Tensor, head: int, n: int):
@@ -24,13 +24,13 @@ def free_errors_ref(pages, owned) -> tuple[int, int] | None:
     seen = set()
     for i, p in enumerate(int(x) for x in pages):
         if p == 0:
-            return i, FREE_PAGE_ZERO
+            return i, C.FREE_PAGE_ZERO
         if not 0 < p < len(owned):
-            return i, FREE_OUT_OF_RANGE
+            return i, C.FREE_OUT_OF_RANGE
         if owned[p] != 1:
-            return i, FREE_NOT_ALLOCATED
+            return i, C.FREE_NOT_ALLOCATED
         if p in seen:
-            return i, FREE_LISTED_TWICE
+            return i, C.FREE_LISTED_TWICE
         seen.add(p)
     return None
 

@@ -8,24 +8,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kvmem.errors import (
-    ERR_DECODE_COUNTS, ERR_DECODE_LAST_LOC, ERR_DECODE_SEQ, ERR_EXTEND_COUNTS,
-    ERR_EXTEND_LAST_LOC, ERR_EXTEND_LENGTHS, ERR_FREE_NOT_ALLOCATED_OR_TWICE, ERR_TAKE_OWNED,
-    FREE_OUT_OF_RANGE, FREE_PAGE_ZERO, NO_BAD,
-)
+from kvmem.errors import AllocCode
 from kvmem.kernels._dispatch import device_guard
 
-# The same values as Triton constants (kernels may only read constexpr globals).
-_K_FREE_OUT_OF_RANGE = tl.constexpr(FREE_OUT_OF_RANGE)
-_K_FREE_PAGE_ZERO = tl.constexpr(FREE_PAGE_ZERO)
-_K_ERR_FREE_NOT_ALLOCATED_OR_TWICE = tl.constexpr(ERR_FREE_NOT_ALLOCATED_OR_TWICE)
-_K_ERR_TAKE_OWNED = tl.constexpr(ERR_TAKE_OWNED)
-_K_ERR_EXTEND_LENGTHS = tl.constexpr(ERR_EXTEND_LENGTHS)
-_K_ERR_EXTEND_LAST_LOC = tl.constexpr(ERR_EXTEND_LAST_LOC)
-_K_ERR_EXTEND_COUNTS = tl.constexpr(ERR_EXTEND_COUNTS)
-_K_ERR_DECODE_SEQ = tl.constexpr(ERR_DECODE_SEQ)
-_K_ERR_DECODE_LAST_LOC = tl.constexpr(ERR_DECODE_LAST_LOC)
-_K_ERR_DECODE_COUNTS = tl.constexpr(ERR_DECODE_COUNTS)
+NO_BAD = 1 << 62  # "no offending position" in the per-free scratch slots of err
+
+# The codes the kernels record, as Triton constants (kernels may only read constexpr
+# globals); what each means, raises and says: kvmem.errors.AllocCode.
+_K_FREE_OUT_OF_RANGE = tl.constexpr(int(AllocCode.FREE_OUT_OF_RANGE))
+_K_FREE_PAGE_ZERO = tl.constexpr(int(AllocCode.FREE_PAGE_ZERO))
+_K_ERR_FREE_NOT_ALLOCATED_OR_TWICE = tl.constexpr(int(AllocCode.ERR_FREE_NOT_ALLOCATED_OR_TWICE))
+_K_ERR_TAKE_OWNED = tl.constexpr(int(AllocCode.ERR_TAKE_OWNED))
+_K_ERR_EXTEND_LENGTHS = tl.constexpr(int(AllocCode.ERR_EXTEND_LENGTHS))
+_K_ERR_EXTEND_LAST_LOC = tl.constexpr(int(AllocCode.ERR_EXTEND_LAST_LOC))
+_K_ERR_EXTEND_COUNTS = tl.constexpr(int(AllocCode.ERR_EXTEND_COUNTS))
+_K_ERR_DECODE_SEQ = tl.constexpr(int(AllocCode.ERR_DECODE_SEQ))
+_K_ERR_DECODE_LAST_LOC = tl.constexpr(int(AllocCode.ERR_DECODE_LAST_LOC))
+_K_ERR_DECODE_COUNTS = tl.constexpr(int(AllocCode.ERR_DECODE_COUNTS))
 _K_NO_BAD = tl.constexpr(NO_BAD)
 _K_INT64_MAX = tl.constexpr(9223372036854775807)
 
