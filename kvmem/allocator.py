@@ -65,26 +65,24 @@ def _own_stream(device: torch.device, stream) -> torch.cuda.Stream | None:
 
 
 class PageAllocator:
-    """Hands out the pages ``1 .. num_pages - 1`` of a KV pool and takes them back.
+    """Hands out the pages ``1 .. num_pages - 1`` of a KV pool and takes them back, on the
+    pool's device, in sglang 0.5.23's order and with its token-slot semantics
+    (``PagedTokenToKVPoolAllocator``, ``need_sort=True``).
 
-    ``num_pages`` counts the padding page 0 (it is sglang's ``size // page_size + 1``);
-    page 0 is never handed out.  All state lives on ``device``::
+    ``num_pages`` counts the padding page 0 (sglang's ``size // page_size + 1``).  State,
+    all on ``device`` (cap = num_pages - 1)::
 
-        _ring  : int64 [num_pages - 1]  the free pages are _ring[(_head + k) % cap],
-                                        k < _count (cap = num_pages - 1)
-        _owned : int32 [num_pages]      1 = allocated, 0 = free; _owned[0] == 0
-                                        (a view of _owned_ext, one entry longer,
-                                        whose last entry is always 0)
-        _err   : int64 [4]              errors found on the device (check=False paths;
-                                        layout in kvmem.kernels.alloc)
+        _ring  : int64 [cap]        the free pages are _ring[(_head + k) % cap], k < num_free:
+                                    the first _sorted ascend (handed out from the head),
+                                    the rest were freed since the last sort (staged)
+        _owned : int32 [num_pages]  1 = allocated, 0 = free; the source of truth (a view
+                                    of _owned_ext, one entry longer, that entry always 0)
+        _err   : int64 [4]          what check=False calls found on the device (layout:
+                                    kvmem.kernels.alloc)
 
-    with ``_head``, ``_count`` (= num_free), ``_sorted`` and ``num_allocated`` as host
-    ints.  The live ring entries are two parts: the first ``_sorted`` (ascending, handed
-    out from the head) and, after them, the pages freed since the last sort (the staged
-    part, in the order freed, never handed out before the next sort).
+    with ``_head``, ``_sorted``, ``num_free`` and ``num_allocated`` host ints.
 
-    Invariants (``check_invariants()`` asserts them; the map ``_owned`` is the source
-    of truth):
+    Invariants (``check_invariants()`` asserts them):
 
     - a page is free xor owned: the live ring entries are exactly the pages
       ``1 .. num_pages - 1`` with ``_owned == 0``, each once;
@@ -92,99 +90,31 @@ class PageAllocator:
     - page 0 is never handed out and never owned;
     - ``0 <= _sorted <= num_free`` and the first ``_sorted`` live entries ascend.
 
-    Order (sglang 0.5.23's ``need_sort``).  A new or ``reset()`` allocator hands out
-    1, 2, 3, ...  ``free`` appends pages to the ring's tail at once (staged: free, but
-    not handed out yet).  Pages are handed out from the sorted part; when a call may need
-    more pages than it holds (``alloc(n)``: n; ``alloc_decode``: bs;
-    ``alloc_extend``: ``tokens // page_size + bs + 1``, sglang's own bounds) every free
-    page is sorted first, so what a request gets is ascending and, where free pages are
-    adjacent, runs of consecutive pages (one transfer descriptor per run).  So kvmem
-    hands out the same pages as sglang's ``PagedTokenToKVPoolAllocator`` /
-    ``TokenToKVPoolAllocator`` with ``need_sort=True``, call for call, also after frees
-    (except after an OutOfPagesError: sglang sorts before it finds it is short, kvmem
-    changes nothing).  FIFO reuse, kvmem's order before, gave a request scattered pages
-    after a soak: bench/allocator_runs.py, bench/results/cpu-2026-11-30-runs.md.
+    Contracts:
 
-    Errors.  ``OutOfPagesError`` leaves the allocator unchanged; ``DoubleFreeError``
-    (a page out of range, page 0, not allocated, or listed twice) frees nothing; bad
-    batch inputs raise ValueError and change nothing.
+    - A call that raises has changed nothing (but for the deferred check=False errors
+      below): ``OutOfPagesError`` (pages asked, pages free), ``DoubleFreeError`` (the
+      page and why: out of range, page 0, not allocated, listed twice; nothing of that
+      free is applied), ``ValueError`` for bad arguments or batches.  The refusals and
+      their messages: ``kvmem.errors.AllocCode``.
+    - Order: a new or ``reset()`` allocator hands out 1, 2, 3, ...; a free is staged at
+      once (free, counted, not handed out before the next sort); when a call may need
+      more pages than the sorted part holds, every free page is sorted first.
+    - ``check=True`` (the default) validates before changing anything: one host sync on
+      CUDA, none on the CPU.  ``check=False`` on the Triton path (CUDA, or CPU tensors
+      under ``KVMEM_FORCE_TRITON=1``) makes no sync and checks on the device; what it
+      finds is raised at the next synchronising call (any ``check=True`` call,
+      ``check_invariants()``, ``synchronize()``), after the free list is rebuilt from
+      ``_owned``, and results in between are unreliable.  On the CPU path every check
+      always runs.
+    - CUDA: every call runs on the allocator's device and its one stream (``stream=``,
+      else the device's current stream at construction), ordered against the caller's
+      stream without a host sync.  CPU: no stream; ``stream=`` is refused.
+    - Not thread-safe (the counts are host ints): one thread, or the caller's lock.  Two
+      allocators share nothing.
 
-    Costs (n pages, bs requests, T token slots; "sync" = the host waits for the device,
-    which only costs anything on CUDA; "launch" = one Triton kernel):
-
-    =========================  ===================================  ======================
-    call                       CUDA (Triton kernels)                CPU (numpy/torch)
-    =========================  ===================================  ======================
-    alloc(n)                   1 launch, no sync [#p]_ [#s]_        a slice copy and one
-                                                                    scatter, O(n) [#s]_
-    free(n), check=True        device validation + 1 sync, 1 launch  ~8 numpy calls, O(n)
-    free(n), check=False       2 launches, no sync [#o]_            same as check=True
-    free_group()               one free at the outermost exit       one free
-    alloc_extend(bs, T),       device validation + 1 sync, then     ~15 torch ops over bs
-    check=True                 alloc(n) + 1 slot launch             (checks), ~15 over T
-                                                                    (slots); no loop
-    alloc_extend, check=False  with the *_cpu hints: 2 launches,    same as check=True
-                               no sync; without them +1 sync
-    alloc_decode(bs)           as alloc_extend (seq_lens_cpu)       as alloc_extend
-    num_free, num_allocated    host ints, no sync                   same
-    reset()                    an arange and 3 fills, no sync       O(num_pages)
-    check_invariants()         copies the state to the host         O(num_pages)
-    synchronize()              1 sync                               nothing to wait for
-    =========================  ===================================  ======================
-
-    At page_size 1 the slots of a checked call are the new pages themselves: no slot
-    launch.  ``free`` takes its pages through ``kvmem._ids.as_page_ids``: a Python sequence
-    or a NumPy array goes to the device through pinned memory and a non-blocking copy
-    (no sync); bool and float ids are refused.
-
-    .. [#p] with check=True, plus 1 sync when a check=False call since the last
-       synchronising call may have left an error on the device.
-    .. [#s] plus, when the sorted part is short, a sort of the free list: on CPU a scan
-       of the ownership map, O(num_pages), or a NumPy sort, O(num_free log num_free),
-       whichever is cheaper; a gather, ``torch.sort`` and a copy on CUDA (no sync
-       expected, as sglang's own merge_and_sort_free; unmeasured without a GPU).  The
-       pages one sort orders are handed out before the next sort, so it costs
-       O(log num_free) per page handed out, or O(num_pages / num_free) with the scan.
-    .. [#o] unless the free would overflow the free list (more pages freed than are
-       allocated, a sure error): that one is validated at once, with a sync.
-
-    Stream (CUDA).  Each allocator runs on one stream, ``stream`` (the constructor's
-    ``stream=``, else the device's current stream when it was built), and on its own
-    device whatever device is current.  Every call that touches the state (alloc, free
-    and free_group's exit, alloc_extend, alloc_decode, reset, synchronize,
-    check_invariants, allocated_pages) runs its kernels and torch ops on that stream, so
-    the ring and the ownership map see one order of operations.  A call made while
-    another stream is current is ordered against it without a host sync: the
-    allocator's stream first waits for the caller's (so input tensors the caller
-    produced are ready), the caller's stream then waits for the allocator's (so what it
-    queues next sees the result), input tensors are recorded on the allocator's stream
-    and a returned tensor on the caller's (so the caching allocator reuses neither too
-    early).  Host reads (the checks' one sync, ``check_invariants``) read on the
-    allocator's stream; ``synchronize()`` waits for that stream.  On CPU there is no
-    stream and ``stream=`` is refused.
-
-    Threads.  An allocator is not thread-safe (its counts are host ints): one thread, or
-    the caller's lock.  Different allocators share nothing: the CPU free's scratch array
-    is per allocator.
-
-    check=False.  On CUDA (and on CPU tensors under ``KVMEM_FORCE_TRITON=1``, which
-    runs the same kernels under the Triton interpreter) ``check=False`` skips every
-    check that would make the host wait for the device.  The kernels then check on
-    the device and record the first error in ``_err``: the free kernel releases pages
-    with atomic exchanges and writes the ring, and a second small kernel undoes the
-    whole call (ownership and ring writes) if any page of it could not be released;
-    the take kernel flags a page taken off the ring that was already owned; the slot
-    kernels flag bad lengths, inconsistent ``last_loc`` and hints that disagree with
-    the device lengths.  Such an error is raised at the next *synchronising* call
-    (any ``check=True`` call, ``check_invariants()``, ``synchronize()``), and before
-    raising the allocator rebuilds its ring from the ownership map (what was owned
-    stays owned; the message says so): DoubleFreeError for a refused free,
-    ValueError for bad alloc_extend / alloc_decode inputs (the pages that call took
-    stay allocated, its slots are wrong), KVMemError for a page taken twice.  Between
-    the bad call and that point the host's counts may be wrong (a refused free was
-    still counted as freed), so calls in between may hand out page 0 or pages flagged
-    as taken twice: their results are unreliable until the error is raised.  On the
-    CPU path every check always runs (it costs no sync), whatever ``check`` says.
+    What each call costs, the order in detail, streams and check=False:
+    docs/allocator.md.
     """
 
     def __init__(self, num_pages: int, page_size: int, device: str | torch.device = "cpu",
@@ -213,7 +143,7 @@ class PageAllocator:
         self._ring_np = self._ring.numpy() if device.type == "cpu" else None
         self._owned_np = self._owned_ext.numpy() if device.type == "cpu" else None
         # the Triton kernels on CUDA, and on CPU tensors under KVMEM_FORCE_TRITON=1 as it
-        # was when the allocator was made (an environment read per call costs ~0.6 us)
+        # was when the allocator was made (not read per call: _triton)
         self._use_triton = self._on_cuda or force_triton()
         # CPU without Triton: memoryviews of the ring and of the map proper, for a free of
         # a short Python list (kvmem.kernels.alloc.free_pages_list)
@@ -517,9 +447,9 @@ class PageAllocator:
 
     def _triton(self) -> bool:
         """kvmem.kernels._dispatch.use_triton for the allocator's device (every tensor a
-        call touches is on it), decided when the allocator was made: a torch attribute
-        or environment read per call is a measurable part of a ~7 us alloc+free on
-        CPU."""
+        call touches is on it), decided when the allocator was made: a read per call is
+        a measurable part of an alloc+free on the CPU
+        (bench/results/cpu-2026-11-30-cpu-paths.md)."""
         return self._use_triton
 
     def _flag(self, check: bool) -> bool:
@@ -562,10 +492,8 @@ class PageAllocator:
         end = head + count
         if self._ring_np is not None and not self._triton():
             ring = self._ring_np
-            # 1/6: the map scan against np.sort of free lists made of 64-page ascending
-            # chunks in random order, 2-core CPU, 2026-11-30: 65536 pages, 8192 free:
-            # 31 vs 24 us, 16384 free: 32 vs 51 us; 524288 pages, 65536 free: 239 vs
-            # 245 us.  (A stable sort, timsort, took 8-14x the default sort there.)
+            # 1/6, where the map scan overtakes np.sort:
+            # bench/results/cpu-2026-11-30-cpu-paths.md
             if count * 6 >= self.num_pages:
                 free = np.flatnonzero(self._owned_np[1:self.num_pages] == 0)
                 assert free.shape[0] == count, "the free list and the map disagree"

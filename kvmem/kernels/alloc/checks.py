@@ -139,9 +139,9 @@ def _last_page_problem_np(partial, last, owned_ext, ps):
 
 
 def _extend_problems_np(pre, seq, last, owned_ext, ps) -> list[int]:
-    """numpy twin of _extend_problems for CPU batches (a torch call costs 5-10 us of
-    dispatch there, a numpy call ~1-2 us): [first bad request or -1, code, new pages,
-    tokens]."""
+    """numpy twin of _extend_problems for CPU batches (NumPy calls cost a fraction of
+    torch's there: bench/results/cpu-2026-11-30-cpu-paths.md): [first bad request or -1,
+    code, new pages, tokens]."""
     pre = pre.astype(np.int64, copy=False)
     seq = seq.astype(np.int64, copy=False)
     num_new = int(((seq + ps - 1) // ps - (pre + ps - 1) // ps).sum())

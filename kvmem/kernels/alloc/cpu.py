@@ -2,12 +2,9 @@
 tensors (zero copy), a free of a short Python list in plain Python, and the torch slot
 computations of alloc_extend / alloc_decode.  Layouts: ``kvmem.kernels.alloc``.
 
-On CPU, take/free work on numpy views of the allocator's tensors (zero copy) rather
-than torch: they move a few hundred integers,
-and a torch call's dispatch (3-15 us on this project's 2-core CPU machines, measured
-2026-11-30) against numpy's 0.5-2 us decides whether an alloc+free cycle keeps up with
-sglang's TokenToKVPoolAllocator (bench/bench_allocator.py).  The slot computations are
-torch.
+Take and free are NumPy, not torch: they move a few hundred integers, where a torch
+call's dispatch costs several times a NumPy call's (bench/results/cpu-2026-11-30-cpu-paths.md).
+The slot computations are torch.
 """
 
 from __future__ import annotations
@@ -80,11 +77,8 @@ def free_pages_cpu(pages: np.ndarray, ring: np.ndarray, owned_ext: np.ndarray,
     return None
 
 
-# Longest Python list free_pages_list takes.  Per call on the project's 2-core VM
-# (2026-11-30, bench/bench_allocator.py::test_free_short_list, min of 5 x 3000):
-# free_pages_list costs
-# 0.23 / 1.28 / 3.43 / 6.45 us at 1 / 10 / 32 / 64 pages, free_pages_cpu of the same list
-# (np.array first) 1.45 / 2.69 / 3.21 / 3.79 us: they cross at about 30 pages.
+# Longest Python list free_pages_list takes: where it and free_pages_cpu cross
+# (bench/results/cpu-2026-11-30-cpu-paths.md).
 PY_FREE_MAX = 32
 
 
@@ -95,8 +89,8 @@ def free_pages_list(pages: list, ring: memoryview, owned: memoryview, tail: int)
     scalars are not) naming an allocated page, listed once: mark them free, write them
     to the ring from ``tail`` (wrapping) and return True.  Else change nothing and
     return False, and the caller takes free_pages_cpu's path, which reports the first
-    offending entry.  Each NumPy call costs about 1 us here whatever its size, so for a
-    few pages plain Python is cheaper (PY_FREE_MAX, measured)."""
+    offending entry.  For a few pages (up to PY_FREE_MAX) plain Python is cheaper than
+    NumPy's per-call cost."""
     num_pages = len(owned)
     for p in pages:
         if type(p) is not int or not 0 < p < num_pages or owned[p] != 1:
@@ -136,8 +130,8 @@ def extend_slots_torch(prefix_lens, seq_lens, last_loc, new_pages, page_size: in
     owner = torch.repeat_interleave(
         torch.arange(seq.numel(), device=device), ext, output_size=total
     )
-    # index_select, not advanced indexing: one thread on CPU, 32k rows, 66 vs 171 us
-    # (2-D) and 11 vs 98 us (1-D), same result
+    # index_select, not advanced indexing: same result, faster
+    # (bench/results/cpu-2026-11-30-cpu-paths.md)
     per_tok = per_req.index_select(0, owner)
     pos = torch.arange(total, device=device) + per_tok[:, 0]
     old_slot = pos + per_tok[:, 1]

@@ -53,12 +53,10 @@ def _one_storage_rows(plan: _Plan, k_buffers, v_buffers) -> list[_Rows] | None:
 
     Why: each torch op on the CPU is one OpenMP parallel region, and each region waits
     for all its threads; with another process keeping a core busy that wait is one
-    scheduler slice per region.  A 128 MiB pack (32 layers, page_size 1/16/64) took a
-    median of 29-996 ms with one op per layer and K/V (64 regions) against 15-64 ms with
-    one op, quiet and loaded, same runs, 2-core CPU at load 5-6, 2026-11-30
-    (bench/results/cpu-2026-11-30-contention.md, bench/pack_contention.py).  Offsets need not
-    be equal strides: every row sits a multiple of ``pitch`` (the gcd of all offsets
-    and strides) from the storage's start, so any layout in one storage is one view."""
+    scheduler slice per region (measured: bench/results/cpu-2026-11-30-contention.md).
+    Offsets need not be equal strides: every row sits a multiple of ``pitch`` (the gcd of
+    all offsets and strides) from the storage's start, so any layout in one storage is one
+    view."""
     h0, h1 = plan.heads
     kinds = [[_as_pages(k_buffers[l], plan.page_size, "buffer") for l in plan.layers]]
     if plan.has_v:
@@ -142,9 +140,8 @@ def _torch_copy_per_layer(plan: _Plan, k_buffers, v_buffers, ids: torch.Tensor,
             dst = chunk[off:off + nbytes].view(word).view((n,) + tuple(sel_w.shape[1:]))
             if pack:
                 torch.index_select(sel_w, 0, ids, out=dst)
-            else:  # index_put_ (2 threads here): 1.3-1.5x index_copy_, and 1.2-1.4x
-                # NumPy row assignment for chunks past the cache (64 layers x 1024 tokens);
-                # NumPy wins in cache only.  2-core CPU, 2026-11-30.
+            else:  # index_put_, not index_copy_ or NumPy
+                # (bench/results/cpu-2026-11-30-cpu-paths.md)
                 sel_w.index_put_((ids,), dst)
             off += nbytes
 
