@@ -178,3 +178,47 @@ def _decode_problems_np(seq, last, owned_ext, ps) -> list[int]:
     bad = np.flatnonzero(code)
     first = int(bad[0]) if bad.size else -1
     return [first, int(code[first]) if bad.size else 0, num_new]
+
+
+def _same_device(t: torch.Tensor, device: torch.device) -> bool:
+    if t.device.type != device.type:
+        return False
+    return device.index is None or t.device.index is None or t.device.index == device.index
+
+
+def _check_batch(what: str, device: torch.device, **tensors: torch.Tensor) -> int:
+    """Host-only checks (no sync) of the batch tensors; returns bs."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 1:
+            raise ValueError(f"{what}: {name} must be 1-D, got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{what}: {name} must be int32 or int64, got {t.dtype}")
+        if not _same_device(t, device):
+            raise ValueError(f"{what}: {name} is on {t.device}, the allocator on {device}")
+    sizes = {name: t.shape[0] for name, t in tensors.items()}
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ValueError(f"{what}: batch tensors differ in length ({listed})")
+    return next(iter(sizes.values()))
+
+
+def _check_hints(what: str, bs: int, **hints: torch.Tensor | None):
+    """The *_cpu hints (checked: CPU, int32/int64, [bs]), or None when none is given."""
+    given = {k: v for k, v in hints.items() if v is not None}
+    if not given:
+        return None
+    if len(given) != len(hints):
+        missing = ", ".join(k for k in hints if k not in given)
+        raise ValueError(f"{what}: give all of the *_cpu hints or none ({missing} missing)")
+    out = []
+    for name, t in given.items():
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise ValueError(f"{what}: {name} must be a CPU tensor")
+        if t.dim() != 1 or t.numel() != bs:
+            raise ValueError(f"{what}: {name} must have shape ({bs},), got {tuple(t.shape)}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{what}: {name} must be int32 or int64, got {t.dtype}")
+        out.append(t)
+    return out
