@@ -16,8 +16,8 @@ from kvmem.errors import OutOfPagesError, alloc_error
 from kvmem.kernels import alloc as K
 from kvmem.kernels._dispatch import force_triton, is_async_device
 from kvmem.kernels.alloc.checks import (
-    _agree, _check_batch, _check_hints, _decode_count_host, _decode_problems,
-    _decode_problems_np, _extend_counts_host, _extend_problems, _extend_problems_np,
+    agree, check_batch, check_hints, decode_count_host, decode_problems,
+    decode_problems_np, extend_counts_host, extend_problems, extend_problems_np,
 )
 
 
@@ -334,9 +334,9 @@ class PageAllocator:
         nothing changed.  With check=False on CUDA the count of new pages comes from
         the hints (no sync) and the inputs are checked on the device (class
         docstring)."""
-        bs = _check_batch("alloc_extend", self.device, prefix_lens=prefix_lens,
+        bs = check_batch("alloc_extend", self.device, prefix_lens=prefix_lens,
                           seq_lens=seq_lens, last_loc=last_loc)
-        hints = _check_hints("alloc_extend", bs, prefix_lens_cpu=prefix_lens_cpu,
+        hints = check_hints("alloc_extend", bs, prefix_lens_cpu=prefix_lens_cpu,
                              seq_lens_cpu=seq_lens_cpu)
         if extend_num_tokens is not None:
             extend_num_tokens = _as_int("extend_num_tokens", extend_num_tokens)
@@ -346,7 +346,7 @@ class PageAllocator:
             num_new, total = self._checked_extend_counts(prefix_lens, seq_lens, last_loc,
                                                          hints, extend_num_tokens, check)
         elif hints is not None:  # no sync
-            num_new, total = _extend_counts_host(hints[0], hints[1], ps)
+            num_new, total = extend_counts_host(hints[0], hints[1], ps)
             if extend_num_tokens is not None:
                 total = extend_num_tokens
         else:  # one sync
@@ -372,14 +372,14 @@ class PageAllocator:
         0.5.23 alloc_decode): a new page when ``(seq_len - 1) % page_size == 0``, else
         ``last_loc[i] + 1``.  int64 [bs].  ValueError / OutOfPagesError, nothing
         changed."""
-        bs = _check_batch("alloc_decode", self.device, seq_lens=seq_lens, last_loc=last_loc)
-        hints = _check_hints("alloc_decode", bs, seq_lens_cpu=seq_lens_cpu)
+        bs = check_batch("alloc_decode", self.device, seq_lens=seq_lens, last_loc=last_loc)
+        hints = check_hints("alloc_decode", bs, seq_lens_cpu=seq_lens_cpu)
         flag = self._flag(check)
         ps = self.page_size
         if not flag:
             num_new = self._checked_decode_count(seq_lens, last_loc, hints, check)
         elif hints is not None:  # no sync
-            num_new = _decode_count_host(hints[0], ps)
+            num_new = decode_count_host(hints[0], ps)
         else:  # one sync
             num_new = int(K.decode_counts(seq_lens, ps).item())
         if num_new > self._count:
@@ -399,16 +399,16 @@ class PageAllocator:
         CUDA: torch checks on the device and one sync; CPU: numpy."""
         ps = self.page_size
         if is_async_device(seq_lens):
-            problems = _extend_problems(prefix_lens, seq_lens, last_loc, self._owned, ps)
+            problems = extend_problems(prefix_lens, seq_lens, last_loc, self._owned, ps)
             if hints is not None:
-                problems = torch.cat((problems, _agree(prefix_lens, hints[0]),
-                                      _agree(seq_lens, hints[1])))
+                problems = torch.cat((problems, agree(prefix_lens, hints[0]),
+                                      agree(seq_lens, hints[1])))
             first, code, num_new, total, *agree = self._read_device(problems,
                                                                     raise_pending=check)
         else:
             if check and self._pending:
                 self._read_device(None)
-            first, code, num_new, total = _extend_problems_np(
+            first, code, num_new, total = extend_problems_np(
                 prefix_lens.numpy(), seq_lens.numpy(), last_loc.numpy(), self._owned_np, ps)
             agree = [] if hints is None else [
                 np.array_equal(prefix_lens.numpy(), hints[0].numpy()),
@@ -427,14 +427,14 @@ class PageAllocator:
         """New pages of a checked alloc_decode; ValueError for bad inputs."""
         ps = self.page_size
         if is_async_device(seq_lens):
-            problems = _decode_problems(seq_lens, last_loc, self._owned, ps)
+            problems = decode_problems(seq_lens, last_loc, self._owned, ps)
             if hints is not None:
-                problems = torch.cat((problems, _agree(seq_lens, hints[0])))
+                problems = torch.cat((problems, agree(seq_lens, hints[0])))
             first, code, num_new, *agree = self._read_device(problems, raise_pending=check)
         else:
             if check and self._pending:
                 self._read_device(None)
-            first, code, num_new = _decode_problems_np(seq_lens.numpy(), last_loc.numpy(),
+            first, code, num_new = decode_problems_np(seq_lens.numpy(), last_loc.numpy(),
                                                        self._owned_np, ps)
             agree = [] if hints is None else [np.array_equal(seq_lens.numpy(),
                                                              hints[0].numpy())]

@@ -677,8 +677,8 @@ def test_every_refusal_code_raises_its_rows_exception_and_message(code):
 
 @pytest.mark.parametrize("ps", [1, 4, 16])
 def test_batch_checks_numpy_and_torch_agree(ps):
-    from kvmem.kernels.alloc.checks import (_decode_problems, _decode_problems_np,
-                                            _extend_problems, _extend_problems_np)
+    from kvmem.kernels.alloc.checks import (decode_problems, decode_problems_np,
+                                            extend_problems, extend_problems_np)
 
     rng = random.Random(ps)
     num_pages = 12
@@ -694,12 +694,12 @@ def test_batch_checks_numpy_and_torch_agree(ps):
         last = [rng.randrange(-1, num_pages + 2) * ps + (p - 1) % ps
                 + (rng.random() < 0.2) for p in pre]
         t = [torch.tensor(x, dtype=torch.int64) for x in (pre, seq, last)]
-        want = _extend_problems(*t, owned, ps).tolist()
-        got = _extend_problems_np(*(x.numpy() for x in t), owned_ext.numpy(), ps)
+        want = extend_problems(*t, owned, ps).tolist()
+        got = extend_problems_np(*(x.numpy() for x in t), owned_ext.numpy(), ps)
         assert got == want, (pre, seq, last)
         seen_codes.add(got[1])
-        want = _decode_problems(t[1], t[2], owned, ps).tolist()
-        got = _decode_problems_np(t[1].numpy(), t[2].numpy(), owned_ext.numpy(), ps)
+        want = decode_problems(t[1], t[2], owned, ps).tolist()
+        got = decode_problems_np(t[1].numpy(), t[2].numpy(), owned_ext.numpy(), ps)
         assert got == want, (seq, last)
         seen_codes.add(got[1])
     every = {0, AllocCode.LEN_NEGATIVE_PREFIX, AllocCode.LEN_PREFIX_OVER_SEQ,

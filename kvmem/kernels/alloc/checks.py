@@ -1,6 +1,16 @@
-"""What a checked (check=True) allocator call validates before it changes anything, and
-the counts of a batch: on the device in torch (CUDA; the caller reads the result in
-its one sync) and the NumPy twin on the CPU.  Codes: ``kvmem.errors``."""
+"""What the allocator's calls check, and the counts of a batch.
+
+- ``check_batch`` / ``check_hints``: the host checks of a batch's tensors (dtype, shape,
+  device), every call, no sync;
+- ``free_errors_*``, ``extend_problems*``, ``decode_problems*``: what a checked
+  (check=True) call validates before it changes anything, in torch on the device (CUDA:
+  the caller reads the result in its one sync) and the NumPy twin on the CPU
+  (``*_cpu`` / ``*_np``);
+- ``extend_counts`` / ``decode_counts`` and their ``*_host`` twins: the pages and tokens
+  a batch needs.
+
+Each check returns the first offending entry and its ``kvmem.errors.AllocCode``.
+"""
 
 from __future__ import annotations
 
@@ -48,9 +58,7 @@ def free_errors_torch(pages: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
                     torch.where(twice, C.FREE_LISTED_TWICE, 0)),
         torch.where(p == 0, C.FREE_PAGE_ZERO, C.FREE_OUT_OF_RANGE),
     )
-    bad = code != 0
-    first = bad.to(torch.int8).argmax()
-    return torch.stack((torch.where(bad.any(), first, -1), code[first]))
+    return _first_problem(code)
 
 
 def extend_counts(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, page_size: int):
@@ -66,7 +74,7 @@ def decode_counts(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     return ((seq_lens.to(torch.int64) - 1) % page_size == 0).sum()
 
 
-def _extend_counts_host(pre: torch.Tensor, seq: torch.Tensor, ps: int) -> tuple[int, int]:
+def extend_counts_host(pre: torch.Tensor, seq: torch.Tensor, ps: int) -> tuple[int, int]:
     """(new pages, extend tokens) from the CPU hints, with numpy (no torch dispatch)."""
     pre = pre.numpy().astype(np.int64, copy=False)
     seq = seq.numpy().astype(np.int64, copy=False)
@@ -74,12 +82,12 @@ def _extend_counts_host(pre: torch.Tensor, seq: torch.Tensor, ps: int) -> tuple[
     return int(new.sum()), int((seq - pre).sum())
 
 
-def _decode_count_host(seq: torch.Tensor, ps: int) -> int:
+def decode_count_host(seq: torch.Tensor, ps: int) -> int:
     seq = seq.numpy().astype(np.int64, copy=False)
     return int(np.count_nonzero((seq - 1) % ps == 0))
 
 
-def _agree(t: torch.Tensor, hint: torch.Tensor) -> torch.Tensor:
+def agree(t: torch.Tensor, hint: torch.Tensor) -> torch.Tensor:
     """int64 [1] on t's device: 1 if the CPU hint holds the same values as t."""
     same = (t.to(torch.int64) == hint.to(device=t.device, dtype=torch.int64)).all()
     return same.to(torch.int64).reshape(1)
@@ -103,7 +111,7 @@ def _last_page_problem(partial, last, owned, ps):
     return partial & ~(in_range & owned_page)
 
 
-def _extend_problems(prefix_lens, seq_lens, last_loc, owned, ps) -> torch.Tensor:
+def extend_problems(prefix_lens, seq_lens, last_loc, owned, ps) -> torch.Tensor:
     """int64 [4] on the device: [first bad request or -1, its code, new pages, tokens]."""
     pre = prefix_lens.to(torch.int64)
     seq = seq_lens.to(torch.int64)
@@ -118,7 +126,7 @@ def _extend_problems(prefix_lens, seq_lens, last_loc, owned, ps) -> torch.Tensor
     return torch.cat((_first_problem(code), torch.stack((num_new, total))))
 
 
-def _decode_problems(seq_lens, last_loc, owned, ps) -> torch.Tensor:
+def decode_problems(seq_lens, last_loc, owned, ps) -> torch.Tensor:
     """int64 [3] on the device: [first bad request or -1, its code, new pages]."""
     seq = seq_lens.to(torch.int64)
     last = last_loc.to(torch.int64)
@@ -138,8 +146,8 @@ def _last_page_problem_np(partial, last, owned_ext, ps):
     return partial & (owned_ext.take(last // ps, mode="clip") != 1)
 
 
-def _extend_problems_np(pre, seq, last, owned_ext, ps) -> list[int]:
-    """numpy twin of _extend_problems for CPU batches (NumPy calls cost a fraction of
+def extend_problems_np(pre, seq, last, owned_ext, ps) -> list[int]:
+    """numpy twin of extend_problems for CPU batches (NumPy calls cost a fraction of
     torch's there: bench/results/cpu-2026-11-30-cpu-paths.md): [first bad request or -1,
     code, new pages, tokens]."""
     pre = pre.astype(np.int64, copy=False)
@@ -161,8 +169,8 @@ def _extend_problems_np(pre, seq, last, owned_ext, ps) -> list[int]:
     return [first, int(code[first]) if bad.size else 0, num_new, total]
 
 
-def _decode_problems_np(seq, last, owned_ext, ps) -> list[int]:
-    """numpy twin of _decode_problems: [first bad request or -1, code, new pages]."""
+def decode_problems_np(seq, last, owned_ext, ps) -> list[int]:
+    """numpy twin of decode_problems: [first bad request or -1, code, new pages]."""
     seq = seq.astype(np.int64, copy=False)
     offset = (seq - 1) % ps  # where the new token goes in its page
     starts = offset == 0
@@ -186,7 +194,7 @@ def _same_device(t: torch.Tensor, device: torch.device) -> bool:
     return device.index is None or t.device.index is None or t.device.index == device.index
 
 
-def _check_batch(what: str, device: torch.device, **tensors: torch.Tensor) -> int:
+def check_batch(what: str, device: torch.device, **tensors: torch.Tensor) -> int:
     """Host-only checks (no sync) of the batch tensors; returns bs."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -204,7 +212,7 @@ def _check_batch(what: str, device: torch.device, **tensors: torch.Tensor) -> in
     return next(iter(sizes.values()))
 
 
-def _check_hints(what: str, bs: int, **hints: torch.Tensor | None):
+def check_hints(what: str, bs: int, **hints: torch.Tensor | None):
     """The *_cpu hints (checked: CPU, int32/int64, [bs]), or None when none is given."""
     given = {k: v for k, v in hints.items() if v is not None}
     if not given:
