@@ -1,5 +1,5 @@
-"""Page-allocator kernels: take pages off the free ring, compute token slots for
-alloc_extend / alloc_decode, put pages back on the ring.
+"""The page allocator's operations on its device state: take pages off the free ring,
+compute token slots for alloc_extend / alloc_decode, put pages back on the ring.
 
 Layouts (one allocator, all tensors on its device; ``cap = num_pages - 1``)::
 
@@ -37,9 +37,9 @@ has token slots and page ids far below 2^31, but nothing here relies on it, and
 tests/test_pack_ptx.py checks the sm_90 PTX of these kernels for 32-bit address math.
 
 Files: ``triton.py`` holds the Triton kernels and their launchers, ``cpu.py`` the CPU
-path (NumPy take/free, torch slot computations), ``checks.py`` the validation of
-check=True calls and the batch counts, ``ref.py`` the plain references ``*_ref`` the
-tests compare against; the error codes are ``kvmem.errors``'.  This module: the
+path (NumPy take/free, torch slot computations), ``checks.py`` what the allocator's
+calls check and the batch counts, ``ref.py`` the plain references ``*_ref`` the
+tests compare against; the error codes: ``kvmem.errors.AllocCode``.  This module: the
 per-call dispatchers of the slot computations (the allocator dispatches take/free
 itself) and the names the allocator imports.
 """

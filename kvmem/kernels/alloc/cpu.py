@@ -3,8 +3,8 @@ tensors (zero copy), a free of a short Python list in plain Python, and the torc
 computations of alloc_extend / alloc_decode.  Layouts: ``kvmem.kernels.alloc``.
 
 Take and free are NumPy, not torch: they move a few hundred integers, where a torch
-call's dispatch costs several times a NumPy call's (bench/results/cpu-2026-11-30-cpu-paths.md).
-The slot computations are torch.
+call's dispatch costs several times a NumPy call's
+(bench/results/cpu-2026-11-30-cpu-paths.md).  The slot computations are torch.
 """
 
 from __future__ import annotations
