@@ -1,5 +1,9 @@
 """PageAllocator: the KV pages of one pool, handed out and taken back on the pool's
-device, with sglang 0.5.23's token-slot semantics for alloc_extend / alloc_decode."""
+device, with sglang 0.5.23's token-slot semantics for alloc_extend / alloc_decode.
+
+About 630 lines, one class over one state: its methods keep the invariants the class
+docstring states, so they stay together; what they launch and check lives in
+kvmem/kernels/alloc/, the refusals in kvmem/errors.py."""
 
 from __future__ import annotations
 
