@@ -132,17 +132,30 @@ def main(argv=None) -> int:
                     "status: 0 all checks passed, 1 a check failed (a leaked page, a corrupt "
                     "byte, ...), 2 bad options, 3 a worker failed before its final report.")
     demo.add_arguments(demo_parser)
-    p = sub.add_parser("selfcheck", help="pool + allocator + pack/unpack, end to end")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"])
-    p.add_argument("--pages", type=int, default=1025)
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    p = sub.add_parser(
+        "selfcheck", help="pool + allocator + pack/unpack, end to end",
+        description="Builds a KV pool and a page allocator on one device, allocates a "
+                    "batch of prompts, fills their pages, packs each request's pages into "
+                    "one chunk, unpacks it into a second pool and compares byte for byte, "
+                    "then frees everything and checks that no page is left allocated.  "
+                    "Exit status: 0 OK, 1 a check failed, 2 bad options.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--layers", type=int, default=8, help="layers of the model")
+    p.add_argument("--heads", type=int, default=4, help="KV heads per layer")
+    p.add_argument("--head-dim", type=int, default=128, help="elements per head")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"],
+                   help="KV element type")
+    p.add_argument("--pages", type=int, default=1025,
+                   help="pages in each of the two pools (page 0 is padding)")
+    p.add_argument("--requests", type=int, default=32,
+                   help="prompts in the batch (1 to 8 pages long each)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt lengths and bytes")
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand's usage, not the top level's: `kvmem demo --bogus`
+        (demo_parser if args.cmd == "demo" else p).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "demo":
         return demo.main(args, demo_parser)
     try:

@@ -91,3 +91,41 @@ def test_only_the_command_line_prints():
              for i, line in enumerate(p.read_text().splitlines(), 1)
              if re.search(r"(?<![\w.])print\(|sys\.std(err|out)\.write", line)]
     assert not found, "\n".join(found)
+
+
+def test_version_from_any_directory(tmp_path):
+    # not the repository's root: the installed package answers, not a kvmem/ folder nearby
+    p = subprocess.run([sys.executable, "-m", "kvmem", "--version"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in __import__("os").environ.items()
+                            if k != "PYTHONPATH"})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == f"kvmem {kvmem.__version__}\n"
+
+
+def test_selfcheck_help_describes_every_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["selfcheck", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal
+    assert "compares byte for byte" in out and "Exit status" in out
+    for opt, words in (("--device DEVICE", "cpu or cuda[:N] (default: cpu)"),
+                       ("--layers LAYERS", "layers of the model (default: 8)"),
+                       ("--heads HEADS", "KV heads per layer"),
+                       ("--head-dim HEAD_DIM", "elements per head"),
+                       ("--page-size PAGE_SIZE", "tokens per page (default: 16)"),
+                       ("--dtype {bf16,fp16,fp32,fp8}", "KV element type (default: bf16)"),
+                       ("--pages PAGES", "pages in each of the two pools (page 0 is padding) (default: 1025)"),
+                       ("--requests REQUESTS", "prompts in the batch"),
+                       ("--seed SEED", "seed of the prompt lengths")):
+        assert f"{opt} {words}" in out, (opt, out)
+
+
+@pytest.mark.parametrize("cmd", ["demo", "selfcheck"])
+def test_an_unknown_option_prints_the_subcommands_usage(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: kvmem {cmd} ")
+    assert f"kvmem {cmd}: error: unrecognized arguments: --bogus" in err

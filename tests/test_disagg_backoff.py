@@ -64,6 +64,14 @@ def test_backoff_spins_then_doubles_to_the_cap_and_resets_on_progress():
                 dict(first=1e-6, most=1e-5, spins=-1), dict(first=1e-6, most=1e-5, spins=True)):
         with pytest.raises(ValueError):
             Backoff(**bad)
+    # naps that are not finite numbers of seconds: named in the message
+    for bad, name in ((dict(first=True, most=1.0), "first"), (dict(first=1e-6, most=True), "most"),
+                      (dict(first=float("nan"), most=1.0), "first"),
+                      (dict(first=1e-6, most=float("nan")), "most"),
+                      (dict(first=1e-6, most=float("inf")), "most"),
+                      (dict(first="1e-6", most=1.0), "first")):
+        with pytest.raises(ValueError, match=f"Backoff: {name} must be a finite number"):
+            Backoff(**bad)
 
 
 def _state(side) -> tuple:

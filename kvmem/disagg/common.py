@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import enum
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -412,6 +413,10 @@ class Backoff:
     asked ``sleep`` for (0.0: no nap).  ``naps`` and ``napped`` count them."""
 
     def __init__(self, first: float, most: float, spins: int = 0, sleep=time.sleep):
+        for name, v in (("first", first), ("most", most)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"Backoff: {name} must be a finite number of seconds, "
+                                 f"got {v!r}")
         if not 0 < first <= most:
             raise ValueError(f"Backoff: need 0 < first <= most, got {first!r}, {most!r}")
         if isinstance(spins, bool) or not isinstance(spins, int) or spins < 0:

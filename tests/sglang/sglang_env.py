@@ -92,7 +92,10 @@ def model_dir(*, layers: int = 2, heads: int = 2, head_dim: int = 16) -> Path:
            "num_key_value_heads": heads, "head_dim": head_dim, "vocab_size": 32000,
            "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
            "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
-    (d / "config.json").write_text(json.dumps(cfg))
+    # Atomically: other test processes (and other runs on the machine) read the same file.
+    tmp = d / f"config.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(cfg))
+    os.replace(tmp, d / "config.json")
     return d
 
 
