@@ -182,6 +182,9 @@ class DemoConfig:
         if self.chunks not in CHUNK_MODES:
             raise ValueError(f"--chunks must be one of {', '.join(CHUNK_MODES)}, got "
                              f"{self.chunks!r}")
+        if self.transfer_mode == "pull" and self.chunks != "auto":
+            raise ValueError(f"--chunks {self.chunks} contradicts --transfer-mode pull (the "
+                             "decode reads pool pages; --chunks chooses how a push writes)")
         for t in (self.bootstrap_timeout, self.transfer_timeout):
             if not (math.isfinite(t) and t > 0):
                 raise ValueError(f"--timeout must be a number of seconds > 0, got {t}")
