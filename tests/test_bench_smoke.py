@@ -210,3 +210,17 @@ def test_gpu_grid_parts_partition_the_pack_grid():
     shards = [ids(KVMEM_GPU_GRID="rest", KVMEM_GPU_SHARD=f"{i}/3") for i in range(3)]
     parts = small + [x for s in shards for x in s]
     assert len(small) == 6 and sorted(parts) == sorted(full) and len(set(parts)) == len(full) == 75
+
+
+def test_plot_ratios_are_against_the_rows_own_kvmem_mode():
+    """A group of several kvmem modes (the demo: each mode, then the raw NIXL write of its
+    own runs) compares each baseline with the mode above it, not with the group's first."""
+    from bench.plot import _ref_row
+
+    a, raw_a = dict(role="kvmem", name="push"), dict(role="baseline", name="raw of push")
+    b, raw_b = dict(role="kvmem", name="pull"), dict(role="baseline", name="raw of pull")
+    ceiling = dict(role="ceiling", name="copy")
+    rows = [a, raw_a, b, raw_b, ceiling]
+    assert [_ref_row(rows, r) for r in rows] == [a, a, b, b, b]
+    lone = dict(role="baseline", name="first")
+    assert _ref_row([lone, a], lone) is a  # a baseline above every kvmem row: the first kvmem
