@@ -122,3 +122,40 @@ def test_nothing_points_outside():
             if needle in text:
                 bad.append(path.relative_to(ROOT).as_posix())
     assert not bad, f"files that point outside the repository: {bad}"
+
+
+def test_every_quoted_figure_matches_its_results_file():
+    """A figure quoted as ``<!-- fig:NAME -->`` is what bench/figures.py computes from its
+    bench/results/ file now (``python -m bench.figures`` rewrites them after a new run)."""
+    from bench import figures
+
+    quoted = [name for page in figures.pages() for name, _ in figures.spans(page.read_text())]
+    assert set(quoted) == set(figures.FIGURES), "a figure nobody quotes, or one not defined"
+    assert figures.stale() == []
+
+
+MEASURED = re.compile(r"\d(?:\.\d+)?\s?(?:GB/s|MB/s|µs|us\b|ms\b)|\b\d+\.\d+x\b")
+
+
+def _prose_paragraphs(text: str) -> list[str]:
+    """The page's paragraphs outside fenced code blocks, quoted figures taken out."""
+    from bench import figures
+
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"(?:^(?: {4}|\t).*\n)+", "", text, flags=re.M)  # indented code: examples
+    text = figures.SPAN.sub("FIG", text)
+    return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def test_every_measured_figure_is_traced_to_a_results_file():
+    """A measured figure in README or docs/ prose (GB/s, µs, ms, a ratio like 0.42x) is a
+    quoted figure, or its paragraph names the bench/results/ file it was taken from."""
+    from bench import figures
+
+    untraced = []
+    for page in figures.pages():
+        for para in _prose_paragraphs(page.read_text()):
+            if MEASURED.search(para) and "bench/results/" not in para:
+                untraced.append(f"{page.relative_to(ROOT)}: {MEASURED.findall(para)} in "
+                                f"{para.strip()[:160]!r}")
+    assert untraced == [], "\n".join(untraced)
