@@ -90,10 +90,12 @@ test-interpret: $(VENV)/.test-ready
 test-e2e: $(E2E_VENV)/.adapter
 	KVMEM_E2E=1 $(E2E_PY) -m pytest -q tests/e2e
 
-# Writes bench/results/bench-<device>.json and the PNG plots of bench/plot.py beside it.
+# Writes bench/results/bench-<device>.json and the PNG plots of bench/plot.py beside it,
+# then the figures README.md and docs/ quote from it (bench/figures.py).
 bench: $(VENV)/.test-ready
 	KVMEM_BENCH_OUT=bench/results $(BIN)/python -m pytest -q bench \
 	  --benchmark-columns=median,iqr,ops --benchmark-sort=name
+	$(BIN)/python -m bench.figures
 
 # Every benchmark once at tiny sizes (what tests/test_bench_smoke.py runs), into /tmp.
 bench-smoke: $(VENV)/.test-ready
