@@ -78,11 +78,8 @@ class DemoConfig:
     bw_mib: int = 256  # raw NIXL bandwidth buffer; 0: skip that phase
     bw_rounds: int = 5
     chunks: str = "auto"  # packed | direct | auto (per chunk, threshold calibrated at start)
-    # pull: the decode reads; push: the prefill writes.  Pull by default: 0.86x [0.85, 0.89]
-    # of raw NIXL against push auto's 0.71x [0.65, 0.78], faults off, 3 runs each, in a quiet
-    # window of the 2-core VM (others' CPU <= 0.06 core; faults on 0.57x vs 0.52x); under
-    # load (others ~1 core) push auto led, 0.85x vs 0.76x (bench/results/
-    # cpu-2026-11-30-transfer-modes.md).  To be confirmed on a quiet machine.
+    # pull: the decode reads; push: the prefill writes.  Pull by default: it led push in a
+    # quiet window, push led under load (bench/results/cpu-2026-11-30-transfer-modes.md).
     transfer_mode: str = "pull"
 
     # --- derived ------------------------------------------------------------------------

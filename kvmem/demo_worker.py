@@ -48,22 +48,8 @@ PIPE_EVERY = 0.002  # seconds between polls of the parent's pipe in the workload
 # value well under the 0.2 s progress period would do; a pause request waits this long.
 # A loop step that made no progress (nothing arrived, posted, ended or computed): after
 # NAP_SPINS such steps in a row the loop sleeps, doubling from NAP_FIRST to NAP_MOST, and
-# stops at the first step that progresses (kvmem.disagg.common.Backoff).  Measured on this
-# 2-core VM, 2026-11-30, quiet (others 0.02-0.04 core): a prefill step while it only waits
-# for PULLED answers takes ~34 us (pull, faults off, 200 requests: 28-38k steps in a
-# 1.16 s loop, each polling get_notifs; 5-8% of the loop in get_notifs), so one spin
-# catches an answer that is already on its way without a sleep; a sleep's real length
-# here is its value plus the 50 us timer slack (time.sleep median of 2000: 2 us -> 67 us,
-# 20 us -> 85 us, 200 us -> 266 us), so NAP_FIRST only sets where the doubling starts.
-# NAP_MOST keeps the earlier idle cap (the measurement: a 50 us backoff did not
-# change throughput): a waiting loop polls every ~0.27 ms, against chunks of 16 MiB that
-# take ~2 ms to move at 8 GB/s.
-# With these values (same VM, 2026-12-01 00:09-00:11, quiet: others 0.00-0.03 core; pull,
-# faults off, 200 requests, 5 runs each, old and new code alternating): the prefill's
-# get_notifs calls 33.6k -> 6.9k, its CPU 0.161 -> 0.136 s/GB, its loop's share in
-# get_notifs 5.1% -> 2.3%; decode CPU 0.158 -> 0.167 s/GB; throughput over raw NIXL
-# 0.85x [0.74, 0.91] -> 0.86x [0.74, 0.87].  The default demo (300 requests, every
-# fault, 3 runs each): prefill get_notifs ~375k -> ~14k, CPU 0.46 -> 0.20 s/GB.
+# stops at the first step that progresses (kvmem.disagg.common.Backoff).  Why these
+# values: bench/results/cpu-2026-12-01-demo-naps.md.
 NAP_FIRST, NAP_MOST, NAP_SPINS = 5e-6, 200e-6, 1
 
 

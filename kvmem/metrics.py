@@ -76,10 +76,8 @@ SIDES = ("prefill", "decode")  # Metrics.side
 # fails when Metrics gains a field that is not here).
 FIELDS = frozenset({"requests", *(f"bytes_{s}" for s in STAGES), "pauses", "pause_seconds",
                     "protocol_errors", "send_errors", "time_to_free"})
-# Seconds from an abort inside the running batch to its pages being free (the same
-# step's fill_batch): median 0.25 ms, max 0.29 ms over 7 such aborts of a 200-request
-# `kvmem demo` on the 2-core CPU machine.  Buckets from 0.1 ms to 1 s around that; their
-# spread on a GPU host or under load is a guess.
+# Seconds from an abort inside the running batch to its pages being free, 0.1 ms to 1 s
+# around what the demo measured (bench/results/cpu-2026-12-01-demo-naps.md).
 ABORT_FREE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                       0.25, 1.0)
 
