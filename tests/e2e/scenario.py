@@ -129,7 +129,7 @@ def run(d, seed: int = 0, scale: int = 1) -> Report:
     report = Report()
     outcomes: list[Outcome] = []
     lock = threading.Lock()
-    pool = ThreadPoolExecutor(16)
+    pool = ThreadPoolExecutor(256)  # every request leaves when submitted, as clients send
     futures = []
     t_start = time.monotonic()
     serial = iter(range(10**9))

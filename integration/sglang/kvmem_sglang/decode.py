@@ -31,6 +31,13 @@ sglang 0.5.23 (file:line of the installed package, ``sglang/srt/``):
   timeout); with the flag on the decode too, :func:`prepare_abort` answers that status
   instead of 500, so the client sees what the prefill decided.  A stock decode still
   answers 500, promptly.
+* The same 500 answers a request the user aborted with ``/abort_request`` while it was
+  bootstrapping or waiting for its KV (the receiver's failure reason is "Aborted by
+  AbortReq.", ``disaggregation/common/conn.py:2463``, :2960).  sglang's router retries
+  a 500, so the user's abort re-sends the request, and when the client gave the request
+  its own ``rid`` the retry is never answered (seen with sglang-router 0.3.2, stock and
+  with the flag alike).  :func:`prepare_abort` answers such a request as sglang answers
+  an aborted request outside PD: finish reason ``abort``, no error status.
 """
 
 from __future__ import annotations
@@ -96,16 +103,36 @@ def pop_preallocated(original, queue, *args, **kwargs):
     return original(queue, *args, **kwargs)
 
 
+# What sglang's KV sender and receiver record when ``/abort_request`` aborted them
+# (``disaggregation/common/conn.py``: ``record_failure(room, "Aborted by AbortReq.")``);
+# its transfer-failure paths then answer 500.
+USER_ABORT = "Aborted by AbortReq."
+
+
 def prepare_abort(original, req, error_message, *args, **kwargs):
-    """A decode's 500 for a transfer a kvmem prefill ended with a status of its own
-    answers that status (module docstring)."""
-    status = kwargs.get("status_code", args[0] if args else HTTPStatus.INTERNAL_SERVER_ERROR)
-    tagged = status_of(error_message)
-    if tagged is not None and status == HTTPStatus.INTERNAL_SERVER_ERROR:
+    """The answer of a PD request that failed, as a client should see it:
+
+    - a transfer a kvmem prefill ended with a status of its own answers that status
+      instead of the generic 500 (module docstring);
+    - a request the user aborted (``/abort_request`` by rid or ``abort_all``) is
+      answered as an sglang server outside PD answers an aborted request: finish reason
+      ``abort`` with no HTTP error status (sglang's ``FINISH_ABORT(message)``), not the
+      500 of a failed transfer.  A router retries a 500 (sglang-router: 408, 429, 500,
+      502-504), so stock's 500 re-sends a request the user aborted, and with the
+      client's own rid that retry never ends (docs/sglang.md, "Aborts through the
+      router").
+    """
+    status = kwargs.get("status_code", args[0] if args else None)
+    if status == HTTPStatus.INTERNAL_SERVER_ERROR:
+        tagged = status_of(error_message)
+        if tagged is not None:
+            status = HTTPStatus(tagged)
+        elif isinstance(error_message, str) and error_message.endswith(USER_ABORT):
+            status = None
         if args:
-            args = (HTTPStatus(tagged), *args[1:])
+            args = (status, *args[1:])
         else:
-            kwargs["status_code"] = HTTPStatus(tagged)
+            kwargs["status_code"] = status
     return original(req, error_message, *args, **kwargs)
 
 

@@ -1,0 +1,49 @@
+"""The status a PD request's failure is answered with when the flag is on: sglang's own
+``prepare_abort`` (disaggregation/utils.py) under the adapter's hook, on real ``Req``s."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import pytest
+
+from kvmem_sglang import decode
+from kvmem_sglang.reasons import tag
+from tests.sglang.sglang_env import make_req
+
+
+def _answer(message, *args, **kwargs):
+    from sglang.srt.disaggregation.utils import prepare_abort
+
+    req = make_req("r0", 16)
+    decode.prepare_abort(prepare_abort, req, message, *args, **kwargs)
+    return req.finished_reason.to_json()
+
+
+# what the decode's transfer-failure path writes for a receiver /abort_request aborted
+USER = ("Decode transfer failed for request rank=0 decode_req.req.rid='a-1' "
+        "decode_req.req.bootstrap_room=7 with exception KVTransferError(bootstrap_room=7): "
+        "Aborted by AbortReq.")
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+def test_a_user_abort_is_answered_as_an_abort_not_a_500(how):
+    args, kwargs = ((HTTPStatus.INTERNAL_SERVER_ERROR,), {}) if how == "positional" else \
+        ((), {"status_code": HTTPStatus.INTERNAL_SERVER_ERROR})
+    out = _answer(USER, *args, **kwargs)
+    # as sglang answers an aborted request outside PD: no error status, so routers do
+    # not retry it (sglang-router retries 500)
+    assert out == {"type": "abort", "message": USER, "status_code": None, "err_type": None}
+
+
+def test_other_failures_keep_their_status():
+    timeout = "Decode transfer failed for request rank=0: KVTransferError: timed out"
+    assert _answer(timeout, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)["status_code"] == 500
+    # a reason a kvmem prefill tagged: its status, user abort or not
+    tagged = tag("Prefill server 0 has released its KV cache; refused", 503)
+    assert _answer(tagged, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)["status_code"] == 503
+    # a user abort whose caller chose a status of its own keeps it
+    assert _answer(USER, status_code=HTTPStatus.SERVICE_UNAVAILABLE)["status_code"] == 503
+    assert _answer(USER)["status_code"] is None  # sglang's default
+    assert _answer("Aborted by AbortReq. then something else",
+                   status_code=HTTPStatus.INTERNAL_SERVER_ERROR)["status_code"] == 500
