@@ -35,13 +35,22 @@ def _print(name, rep):
           f"{json.dumps(rep.by_category)}\n  wrong {rep.wrong_examples}")
 
 
+def _keep(name, rep):
+    """Keep ``rep``; with ``KVMEM_E2E_REPORT`` set, write every report kept so far."""
+    REPORTS[name] = rep.as_json()
+    path = os.environ.get("KVMEM_E2E_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump(REPORTS, f, indent=1)
+
+
 @pytest.mark.leaves_broken
 def test_scenario_stock(deployments):
     name = "scenario-stock"
     d = deployments.get(name, **_kinds()[name])
     try:
         rep = scenario.run(d)
-        REPORTS["stock"] = rep.as_json()
+        _keep("stock", rep)
         _print("stock sglang 0.5.23", rep)
         assert rep.requests >= 200
         # stock's release with requests in flight kills a scheduler (weight_updater.py:339)
@@ -54,12 +63,8 @@ def test_scenario_kvmem(deployments):
     name = "scenario-kvmem"
     d = deployments.get(name, **_kinds()[name])
     rep = scenario.run(d)
-    REPORTS["kvmem"] = rep.as_json()
+    _keep("kvmem", rep)
     _print("SGLANG_KVMEM=1 on both servers", rep)
-    path = os.environ.get("KVMEM_E2E_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump(REPORTS, f, indent=1)
     assert rep.requests >= 200
     assert rep.hangs == 0 and rep.crashes == [] and rep.leaks == {}, rep.as_json()
     assert rep.wrong == 0 and rep.answered == rep.requests, rep.wrong_examples
