@@ -1,7 +1,7 @@
 """NixlEngine: the TransferEngine over NIXL (UCX), DRAM on the CPU, VRAM on CUDA.
 
 The epoch rule, the tombstones and the pause/resume ordering are in
-:mod:`kvmem.transfer.base`; this module only maps them onto NIXL's agent API.  Facts it
+:mod:`kvmem.transfer.engine`; this module only maps them onto NIXL's agent API.  Facts it
 relies on, checked with nixl-cu12 1.5.1 on a 2-core CPU machine (UCX bundled in the wheel):
 
 * **No revocation.**  ``deregister_memory`` does not stop a peer: a write built from old
@@ -79,10 +79,10 @@ import os
 import numpy as np
 import torch
 
-from kvmem.transfer.base import (
-    MAX_TABLE_BLOCKS, BlockLayout, MetadataError, Registration, RemoteMemory, TransferEngine,
-    TransferError,
-)
+from kvmem.transfer.engine import TransferEngine
+from kvmem.transfer.errors import MetadataError, TransferError
+from kvmem.transfer.layout import MAX_TABLE_BLOCKS, BlockLayout
+from kvmem.transfer.records import Registration, RemoteMemory
 
 # Blocks a table may hold where NIXL has no strided lists and every block is one row:
 # 2**24 rows are 0.5 GB of numpy for a moment and about 1.3 s of prep per table (32 bytes
