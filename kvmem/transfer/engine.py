@@ -85,12 +85,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvmem.errors import ReleasedPoolError
-from kvmem.transfer.envelope import _layout, decode_metadata, encode_metadata
+from kvmem.transfer.envelope import decode_metadata, encode_metadata, parse_layout
 from kvmem.transfer.errors import (
     EngineClosedError, MetadataError, StaleEpochError, TransferError, TransferInFlightError,
 )
 from kvmem.transfer.layout import MAX_TABLE_BLOCKS, BlockLayout, pool_layout
-from kvmem.transfer.ranges import _few_pairs, _locate, _RegionIndex, as_ranges, pair_ranges
+from kvmem.transfer.ranges import RegionIndex, as_ranges, few_pairs, locate, pair_ranges
 from kvmem.transfer.records import BlockTable, Registration, RemoteMemory, TransferHandle, mem_of
 
 STATES = ("PROC", "DONE", "ERR")
@@ -102,7 +102,7 @@ class _Peer:
     incarnation: int
     version: int
     mems: dict  # key -> RemoteMemory
-    index: dict = field(default_factory=dict)  # key -> _RegionIndex of its live regions
+    index: dict = field(default_factory=dict)  # key -> RegionIndex of its live regions
 
 
 
@@ -135,7 +135,7 @@ class TransferEngine(abc.ABC):
         self._tombstones: dict[str, Registration] = {}
         self._peers: dict[str, _Peer] = {}
         self._handles: dict[int, TransferHandle] = {}
-        self._index: _RegionIndex | None = None  # of the live local regions; None: stale
+        self._index: RegionIndex | None = None  # of the live local regions; None: stale
         self._next_id = 1
         self._tables: dict[int, BlockTable] = {}
         self._closed = False
@@ -236,7 +236,7 @@ class TransferEngine(abc.ABC):
                              f"and [{int(s[i + 1]):#x}, {int(e[i + 1]):#x})")
         reg = Registration(key, epoch, tuple((int(a), int(n)) for a, n in arr), mem, dev, layout)
         if layout is not None:
-            idx = _RegionIndex(reg.regions)
+            idx = RegionIndex(reg.regions)
             for a, n in layout.spans():
                 if idx.find(a, n) < 0:
                     raise ValueError(f"register {key!r}: layout plane [{a:#x}, +{n}) is not "
@@ -326,7 +326,8 @@ class TransferEngine(abc.ABC):
         inc, ver = header["incarnation"], header["version"]
         mems = {k: RemoteMemory(name, k, r["epoch"], tuple((a, n) for a, n in r["regions"]),
                                 r["mem"], r["dev"], inc, r["live"],
-                                _layout(r["layout"], k, r["regions"]) if "layout" in r else None)
+                                parse_layout(r["layout"], k, r["regions"]) if "layout" in r
+                                else None)
                 for k, r in header["regs"].items()}
         old = self._peers.get(name)
         if old is not None:
@@ -352,7 +353,7 @@ class TransferEngine(abc.ABC):
                 self._t_unload_peer(loaded)
             raise MetadataError(f"add_peer: header names agent {name!r}, transport metadata "
                                 f"names {loaded!r}")
-        index = {k: _RegionIndex(m.regions) for k, m in mems.items() if m.live}
+        index = {k: RegionIndex(m.regions) for k, m in mems.items() if m.live}
         self._peers[name] = _Peer(name, inc, ver, mems, index)
         return dict(mems)
 
@@ -391,10 +392,10 @@ class TransferEngine(abc.ABC):
                              "bytes it came from")
 
     # --- writes -----------------------------------------------------------------------
-    def _local_index(self) -> _RegionIndex:
+    def _local_index(self) -> RegionIndex:
         if self._index is None:
             regs = [(a, n, k) for k, r in self._regs.items() for a, n in r.regions]
-            self._index = _RegionIndex([(a, n) for a, n, _ in regs], [k for _, _, k in regs])
+            self._index = RegionIndex([(a, n) for a, n, _ in regs], [k for _, _, k in regs])
         return self._index
 
     def post_write(self, local_ranges, remote: RemoteMemory, remote_ranges,
@@ -435,11 +436,11 @@ class TransferEngine(abc.ABC):
         return h
 
     @staticmethod
-    def _few(local_ranges, remote_ranges, lindex: _RegionIndex, rindex: _RegionIndex):
+    def _few(local_ranges, remote_ranges, lindex: RegionIndex, rindex: RegionIndex):
         """The common write (a few ranges a side, each inside one region, equal totals, one
         local key): ``(lo, ro, (key,))``; None for anything else, which :meth:`_many`
         then checks in full (and words the error)."""
-        loc, rem = _few_pairs(local_ranges), _few_pairs(remote_ranges)
+        loc, rem = few_pairs(local_ranges), few_pairs(remote_ranges)
         if loc is None or rem is None:
             return None
         keys = set()
@@ -460,18 +461,18 @@ class TransferEngine(abc.ABC):
             lo, ro = pair_ranges(lo, ro, "post_write")
         return lo, ro, (keys.pop(),)
 
-    def _many(self, local_ranges, remote, remote_ranges, lindex: _RegionIndex,
-              rindex: _RegionIndex):
+    def _many(self, local_ranges, remote, remote_ranges, lindex: RegionIndex,
+              rindex: RegionIndex):
         loc = as_ranges(local_ranges, "post_write local")
         rem = as_ranges(remote_ranges, "post_write remote")
-        li = _locate(loc, lindex.starts, lindex.ends, "post_write local", f"engine {self.name!r}")
+        li = locate(loc, lindex.starts, lindex.ends, "post_write local", f"engine {self.name!r}")
         local_keys = tuple(sorted({lindex.keys[i] for i in np.unique(li)}))
         kinds = {(self._regs[k].mem, self._regs[k].device_id) for k in local_keys}
         if len(kinds) != 1:
             raise ValueError(f"post_write: local ranges span memory kinds {sorted(kinds)} "
                              f"(keys {local_keys}); one write reads one kind")
-        _locate(rem, rindex.starts, rindex.ends, "post_write remote",
-                f"peer {remote.peer!r} key {remote.key!r} ({remote.describe()})")
+        locate(rem, rindex.starts, rindex.ends, "post_write remote",
+               f"peer {remote.peer!r} key {remote.key!r} ({remote.describe()})")
         lo, ro = pair_ranges(loc, rem, "post_write")
         return lo, ro, local_keys
 

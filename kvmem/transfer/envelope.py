@@ -10,7 +10,7 @@ import struct
 
 from kvmem.transfer.errors import MetadataError
 from kvmem.transfer.layout import BlockLayout
-from kvmem.transfer.ranges import INT64_MAX, _RegionIndex, check_regions
+from kvmem.transfer.ranges import INT64_MAX, RegionIndex, check_regions
 
 # MAGIC (8) | u32 header length | u32 blob length | blake2b-128 of header+blob (16) |
 # header (UTF-8 JSON) | blob (the engine's own bytes, e.g. NIXL agent metadata).
@@ -99,11 +99,11 @@ def decode_metadata(data) -> tuple[dict, bytes]:
             layouts.append((r["layout"], key, regions))
     check_regions(live, "add_peer: metadata registrations", MetadataError)
     for lay, key, regions in layouts:  # once the regions are known to be sane
-        _layout(lay, key, regions)
+        parse_layout(lay, key, regions)
     return header, blob
 
 
-def _layout(obj, key: str, regions) -> BlockLayout:
+def parse_layout(obj, key: str, regions) -> BlockLayout:
     """A registration's ``layout`` from metadata, checked: every plane's blocks inside one
     of its regions.  MetadataError otherwise."""
     planes = obj.get("planes") if isinstance(obj, dict) else None
@@ -119,7 +119,7 @@ def _layout(obj, key: str, regions) -> BlockLayout:
                     _int(pl[2], "layout nbytes", 1))
         out.append((b, st, n))
     lay = BlockLayout(tuple(out), count)
-    idx = _RegionIndex([tuple(r) for r in regions])
+    idx = RegionIndex([tuple(r) for r in regions])
     for a, n in lay.spans():
         if a > INT64_MAX - n or idx.find(a, n) < 0:
             raise MetadataError(f"add_peer: registration {key!r}: layout plane [{a:#x}, +{n}) "

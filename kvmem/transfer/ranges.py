@@ -13,7 +13,7 @@ import numpy as np
 INT64_MAX = (1 << 63) - 1  # every address and end (addr + nbytes) must fit: ranges are int64
 
 
-class _RegionIndex:
+class RegionIndex:
     """Regions sorted by address (disjoint: register and add_peer refuse overlaps), built
     once per registration or snapshot: numpy arrays for long range lists, Python lists
     for bisect on the few ranges of a common write."""
@@ -35,7 +35,7 @@ class _RegionIndex:
 _FEW = 8  # range lists up to this long take the pure-Python path of post_write
 
 
-def _few_pairs(ranges):
+def few_pairs(ranges):
     """``ranges`` as a list of (addr, nbytes) Python ints when it is a short list of
     valid pairs (both > 0, end within int64); None otherwise (the numpy path then checks
     and words the error)."""
@@ -94,8 +94,8 @@ def as_ranges(ranges, what: str) -> np.ndarray:
     return arr
 
 
-def _locate(ranges: np.ndarray, starts: np.ndarray, ends: np.ndarray, what: str,
-            where: str) -> np.ndarray:
+def locate(ranges: np.ndarray, starts: np.ndarray, ends: np.ndarray, what: str,
+           where: str) -> np.ndarray:
     """Index of the region (sorted, disjoint ``[starts, ends)``) holding each range whole;
     ValueError naming the first range that no single region holds."""
     idx = np.searchsorted(starts, ranges[:, 0], side="right") - 1
