@@ -1,77 +1,12 @@
-"""TransferEngine: one-sided writes between registered memory of two agents, under epochs.
+"""TransferEngine: registrations, peers and one-sided writes between the registered memory
+of two agents, under epochs.
 
-This module holds the rules every transfer engine obeys (registrations, metadata, the
-epoch guard, range checks, the in-flight table); an engine subclass (``kvmem.transfer.nixl``)
-only moves bytes.  The PD lifecycle (``kvmem.disagg``) drives it.
-
-Vocabulary::
-
-    registration   a named set of local regions: key -> (epoch, [(addr, nbytes)], mem, device)
-                   e.g. "kv" = a KVPool's regions() (few, large), "staging" = a packed buffer
-    metadata       local_metadata(): bytes a peer needs to write into us (our agent name,
-                   incarnation, snapshot version, every registration with its epoch, and
-                   the transport's own blob).  Published out of band (bootstrap, notif).
-    RemoteMemory   one registration of a peer as this engine learned it (add_peer)
-    handle         one posted write; poll() -> "PROC" | "DONE" | "ERR"
-
-The epoch rule
---------------
-A registration's epoch is the epoch of the memory behind it (``KVPool.epoch``: +1 on every
-resume).  Per key, epochs only grow: ``register(key, .., epoch)`` refuses an epoch not
-newer than the key's last one, and ``deregister(key)`` leaves a *tombstone* ("key closed
-at epoch e") in the metadata until the key is registered again.  A metadata snapshot is
-ordered by ``(incarnation, version)``: ``incarnation`` is the engine's creation time in
-ns (a restarted peer with the same name supersedes the old one), ``version`` grows on
-every register/deregister.  An engine remembers, per peer, the newest snapshot it was
-given; ``post_write`` refuses with :class:`StaleEpochError`, *before anything is posted*,
-a RemoteMemory that is not the newest one this engine knows for that (peer, key): an
-older epoch, an older incarnation, or a key whose newest entry is a tombstone.
-``add_peer`` refuses a snapshot older than the one it holds.
-
-What the transport does not do (NIXL over UCX, checked on this machine)
------------------------------------------------------------------------
-* Deregistration revokes nothing.  A write built from a peer's old metadata still lands
-  after the peer deregistered (and again after it re-registered), and the initiator's
-  NIXL keeps the sections of a region the peer dropped (loading newer metadata merges).
-  A target cannot refuse a one-sided write.  So the guard is on the initiator (the epoch
-  rule above) and on ordering (below); raw NIXL calls bypass it.
-* The epoch guard acts on what the initiator *knows*: the pause path must make sure every
-  peer has applied the tombstone (and acknowledged) before the memory is released.
-* Cancelling an in-flight write (``release(h, abort=True)``) does not tell whether its
-  bytes landed; its target pages must be treated as written (quarantined), and its
-  notification is never delivered.
-* A write's notification leaves when the initiator's poll sees the write complete, not
-  by itself: the sender polls its writes (``in_flight()`` once per loop step, or
-  ``drain``), or the target never hears of them.  PROC does not mean "not landed".
-
-Ordering the pause path must follow (``kvmem.disagg`` owns it)
----------------------------------------------------------------
-Pause, on the engine B that owns the memory::
-
-    1. stop posting writes from the pool (abort / hold requests)
-    2. B.drain(timeout): every write B posted is DONE or ERR
-    3. B.deregister(key)      (refused while B's writes from it are in flight)
-    4. send every peer B.local_metadata() (now a tombstone for key); each peer A:
-         A.add_peer(tombstone)   -> A's posts into key are refused from here on
-         A.drain(peer=B.name)    -> A's writes into B are DONE/ERR
-         A acknowledges (send_notif); B waits for every ack (or the peer's timeout)
-    5. pool.release()
-
-Resume::
-
-    6. pool.resume()          (epoch + 1)
-    7. B.register_pool(pool, key)   one call, O(regions), never O(layers)
-    8. send every peer B.local_metadata(); A.add_peer() it; only then do A's writes land
-
-Deregistering (3) before the peers stop (4) is safe because deregistration revokes
-nothing: a late peer write still lands in memory that is not released yet.  What matters
-is that no peer write can be in flight when 5 runs.
-
-Ranges are ``(addr, nbytes)`` pairs (a list, or an ``[n, 2]`` integer array).  The local
-and remote lists of one write are two views of the same byte stream: their totals must be
-equal, and they are cut at each other's boundaries (a packed chunk as one local range can
-fill ``2 * layers * pages`` remote page ranges).  Every local range must lie inside a live
-registration of this engine, every remote range inside the RemoteMemory's regions.
+This module owns the rules every engine obeys: the epoch rule and its tombstones, the
+snapshot order of a peer's metadata, the checks made before anything is posted, the
+in-flight table and the prepared block tables.  An engine subclass
+(:mod:`kvmem.transfer.nixl`) implements only the ``_t_*`` transport primitives.  The
+rules, what the transport does not do, and the pause/resume ordering the PD lifecycle
+(:mod:`kvmem.disagg`) follows are written out in docs/transfer.md.
 
 An engine is driven by one thread (NIXL's agent is created without locking).
 """
@@ -109,7 +44,7 @@ class _Peer:
 # --- the engine ---------------------------------------------------------------------------
 
 class TransferEngine(abc.ABC):
-    """Registrations, peers and one-sided writes, with the epoch guard (module docstring).
+    """Registrations, peers and one-sided writes, with the epoch guard (docs/transfer.md).
 
     Invariants:
       * a key is live xor closed (tombstone) xor unknown; its epochs strictly grow;
@@ -261,7 +196,7 @@ class TransferEngine(abc.ABC):
         epoch in the metadata.  Refused with :class:`TransferInFlightError` while a write
         this engine posted from them is in flight (an engine never writes into its own
         registrations: add_peer refuses its own metadata).  Writes *peers* posted into them
-        are invisible here: the pause protocol drains those (module docstring).
+        are invisible here: the pause protocol drains those (docs/transfer.md).
         Deregistration does not revoke peers' access."""
         self._check_open("deregister")
         if key not in self._regs:
@@ -293,7 +228,7 @@ class TransferEngine(abc.ABC):
     # --- metadata and peers -----------------------------------------------------------
     def local_metadata(self) -> bytes:
         """What a peer needs to write into this engine's registrations (and to send it
-        notifications): see the module docstring.  Tombstones included."""
+        notifications), in the envelope of :mod:`kvmem.transfer.envelope`.  Tombstones included."""
         self._check_open("local_metadata")
         regs = {}
         for k, r in self._tombstones.items():

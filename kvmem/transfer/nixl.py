@@ -1,7 +1,7 @@
 """NixlEngine: the TransferEngine over NIXL (UCX), DRAM on the CPU, VRAM on CUDA.
 
-The epoch rule, the tombstones and the pause/resume ordering are in
-:mod:`kvmem.transfer.engine`; this module only maps them onto NIXL's agent API.  Facts it
+The epoch rule, the tombstones and the pause/resume ordering are in docs/transfer.md (and
+:mod:`kvmem.transfer.engine`); this module only maps them onto NIXL's agent API.  Facts it
 relies on, checked with nixl-cu12 1.5.1 on a 2-core CPU machine (UCX bundled in the wheel):
 
 * **No revocation.**  ``deregister_memory`` does not stop a peer: a write built from old
