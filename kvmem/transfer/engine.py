@@ -345,11 +345,8 @@ class TransferEngine(abc.ABC):
 
         Cost: the regions of both sides are indexed once (at register / add_peer), sorted.
         A write of up to 8 ranges a side given as Python ints is checked by bisect in
-        Python: 5 us a call for one range each with a no-op transport on this 2-core CPU
-        (100-125 us before, when the index was rebuilt and numpy ran on every call).
-        Longer lists go through numpy: 0.56-0.59 ms for 4096 ranges a side as ``[n, 2]``
-        int64 arrays (1.23-1.29 ms before); a Python list of them costs about 2 ms more to
-        convert.
+        Python; longer lists, and arrays, go through numpy, O(n log n) (figures:
+        bench/results/cpu-2026-11-30-transfer-checks.md).
         """
         self._check_open("post_write")
         self.check_fresh(remote)
@@ -501,9 +498,8 @@ class TransferEngine(abc.ABC):
         the newest known (StaleEpochError, the epoch rule), the local table's registration
         is live at its epoch, indices within the tables and sizes equal pairwise
         (ValueError).  Cost: a few numpy reductions over the indices, no range search
-        (the blocks were checked inside their registrations when prepared): 10.6 us a call
-        for 512 blocks (32 pages x 16 planes) with the transport stubbed, on the 2-core CPU
-        machine at load 3.5.
+        (the blocks were checked inside their registrations when prepared; figures:
+        bench/results/cpu-2026-11-30-transfer-checks.md).
         """
         self._check_open("post_blocks")
         if op not in ("WRITE", "READ"):

@@ -32,7 +32,9 @@ class RegionIndex:
         return i if i >= 0 and addr + nbytes <= self.ends_l[i] else -1
 
 
-_FEW = 8  # range lists up to this long take the pure-Python path of post_write
+# Range lists up to this long take the pure-Python path of post_write.  A guess: only one
+# range a side was timed on it (bench/results/cpu-2026-11-30-transfer-checks.md).
+_FEW = 8
 
 
 def few_pairs(ranges):
