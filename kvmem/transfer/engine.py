@@ -9,6 +9,10 @@ rules, what the transport does not do, and the pause/resume ordering the PD life
 (:mod:`kvmem.disagg`) follows are written out in docs/transfer.md.
 
 An engine is driven by one thread (NIXL's agent is created without locking).
+
+About 650 lines, one class: every method reads or changes the same registrations, peers,
+handles and tables, under the invariants of the class docstring; what needs none of that
+state lives beside it (errors, ranges, layout, records, envelope).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from kvmem.transfer.errors import (
     EngineClosedError, MetadataError, StaleEpochError, TransferError, TransferInFlightError,
 )
 from kvmem.transfer.layout import MAX_TABLE_BLOCKS, BlockLayout, pool_layout
-from kvmem.transfer.ranges import RegionIndex, as_ranges, few_pairs, locate, pair_ranges
+from kvmem.transfer.ranges import RegionIndex, as_ranges, locate, pair_few, pair_ranges
 from kvmem.transfer.records import BlockTable, Registration, RemoteMemory, TransferHandle, mem_of
 
 STATES = ("PROC", "DONE", "ERR")
@@ -354,7 +358,7 @@ class TransferEngine(abc.ABC):
             raise ValueError(f"post_write: notif must be bytes, got {type(notif).__name__}")
         rindex = self._peers[remote.peer].index[remote.key]
         lindex = self._local_index()
-        quick = self._few(local_ranges, remote_ranges, lindex, rindex)
+        quick = pair_few(local_ranges, remote_ranges, lindex, rindex)
         if quick is not None:
             lo, ro, local_keys = quick
         else:
@@ -366,32 +370,6 @@ class TransferEngine(abc.ABC):
         self._next_id += 1
         self._handles[h.id] = h
         return h
-
-    @staticmethod
-    def _few(local_ranges, remote_ranges, lindex: RegionIndex, rindex: RegionIndex):
-        """The common write (a few ranges a side, each inside one region, equal totals, one
-        local key): ``(lo, ro, (key,))``; None for anything else, which :meth:`_many`
-        then checks in full (and words the error)."""
-        loc, rem = few_pairs(local_ranges), few_pairs(remote_ranges)
-        if loc is None or rem is None:
-            return None
-        keys = set()
-        for a, n in loc:
-            i = lindex.find(a, n)
-            if i < 0:
-                return None
-            keys.add(lindex.keys[i])
-        if len(keys) != 1:
-            return None
-        for a, n in rem:
-            if rindex.find(a, n) < 0:
-                return None
-        if sum(n for _, n in loc) != sum(n for _, n in rem):
-            return None
-        lo, ro = np.array(loc, dtype=np.int64), np.array(rem, dtype=np.int64)
-        if len(loc) > 1 or len(rem) > 1:
-            lo, ro = pair_ranges(lo, ro, "post_write")
-        return lo, ro, (keys.pop(),)
 
     def _many(self, local_ranges, remote, remote_ranges, lindex: RegionIndex,
               rindex: RegionIndex):

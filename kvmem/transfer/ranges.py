@@ -1,8 +1,8 @@
 """Range checks of kvmem.transfer: ``(addr, nbytes)`` pairs as int64 arrays, region sets that
 must be disjoint and end within int64, the sorted region index a write's ranges are located
-in, and the cutting of a local and a remote list of one byte stream at each other's
-boundaries.  Pure functions over numbers; the engine (:mod:`kvmem.transfer.engine`) calls
-them."""
+in, the cutting of a local and a remote list of one byte stream at each other's
+boundaries, and the quick path of a common write of a few ranges.  Pure functions over
+numbers; the engine (:mod:`kvmem.transfer.engine`) calls them."""
 
 from __future__ import annotations
 
@@ -129,3 +129,29 @@ def pair_ranges(local: np.ndarray, remote: np.ndarray, what: str) -> tuple[np.nd
     lo = np.stack([local[li, 0] + (s - lc[li]), sizes], axis=1)
     ro = np.stack([remote[ri, 0] + (s - rc[ri]), sizes], axis=1)
     return lo, ro
+
+
+def pair_few(local_ranges, remote_ranges, lindex: RegionIndex, rindex: RegionIndex):
+    """The common write (a few ranges a side, each inside one region, equal totals, one
+    local key): ``(lo, ro, (key,))``; None for anything else, which the engine then checks
+    in full (and words the error)."""
+    loc, rem = few_pairs(local_ranges), few_pairs(remote_ranges)
+    if loc is None or rem is None:
+        return None
+    keys = set()
+    for a, n in loc:
+        i = lindex.find(a, n)
+        if i < 0:
+            return None
+        keys.add(lindex.keys[i])
+    if len(keys) != 1:
+        return None
+    for a, n in rem:
+        if rindex.find(a, n) < 0:
+            return None
+    if sum(n for _, n in loc) != sum(n for _, n in rem):
+        return None
+    lo, ro = np.array(loc, dtype=np.int64), np.array(rem, dtype=np.int64)
+    if len(loc) > 1 or len(rem) > 1:
+        lo, ro = pair_ranges(lo, ro, "post_write")
+    return lo, ro, (keys.pop(),)
