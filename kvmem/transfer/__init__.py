@@ -1,7 +1,13 @@
 """Transfer registration: the :class:`TransferEngine` interface with the epoch guard
 (:mod:`kvmem.transfer.engine`) and the NIXL engine (:mod:`kvmem.transfer.nixl`; NIXL itself
 is imported when a :class:`NixlEngine` is created, so ``import kvmem.transfer`` works
-without it)."""
+without it).
+
+One job a module: ``engine`` (the rules), ``nixl`` (NIXL's agent API), ``errors``,
+``ranges`` (range checks), ``layout`` (block layouts), ``records`` (the values an engine
+hands out), ``envelope`` (the metadata envelope), ``nixl_exit`` (ending a process that
+loaded NIXL).  The rules themselves: docs/transfer.md.
+"""
 
 from kvmem.transfer.engine import TransferEngine
 from kvmem.transfer.errors import (

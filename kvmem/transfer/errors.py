@@ -1,9 +1,11 @@
-"""Errors of kvmem.transfer: what each one means and what state it leaves (every one: the
-engine unchanged).  The engine that raises them is :mod:`kvmem.transfer.engine`."""
+"""Errors of kvmem.transfer, each saying what it means and what it leaves changed (nothing:
+every error of an engine leaves it as it was).  Raised by :mod:`kvmem.transfer.engine` and
+:mod:`kvmem.transfer.envelope`; the table is in docs/transfer.md (Errors)."""
 
 from __future__ import annotations
 
 from kvmem.errors import KVMemError
+
 
 class StaleEpochError(KVMemError):
     """A write (or a metadata snapshot) was built from a peer's memory that this engine

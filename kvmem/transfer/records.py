@@ -22,7 +22,7 @@ class Registration:
     regions: tuple
     mem: str          # "DRAM" | "VRAM"
     device_id: int    # 0 for DRAM, the CUDA index for VRAM
-    layout: "BlockLayout | None" = None  # the blocks inside (a pool's pages), if given
+    layout: BlockLayout | None = None  # the blocks inside (a pool's pages), if given
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class RemoteMemory:
     device_id: int
     incarnation: int
     live: bool = True
-    layout: "BlockLayout | None" = None
+    layout: BlockLayout | None = None
 
     @property
     def order(self) -> tuple:
