@@ -11,7 +11,7 @@ import torch
 
 import kvmem
 from kvmem.disagg import KVPoll
-from kvmem.transfer.base import StaleEpochError
+from kvmem.transfer.errors import StaleEpochError
 from tests.disagg_harness import SPEC, Pair
 
 PLANE_PAGE = SPEC.page_size * SPEC.num_kv_heads * SPEC.head_dim * 2  # bytes of one page of a layer's K

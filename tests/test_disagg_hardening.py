@@ -16,7 +16,7 @@ import kvmem
 from kvmem.disagg import KVPoll, ProtocolError
 from kvmem.disagg.common import RegionMap
 from kvmem.disagg.protocol import encode, meta_message, parse
-from kvmem.transfer.base import decode_metadata, encode_metadata
+from kvmem.transfer.envelope import decode_metadata, encode_metadata
 from tests.disagg_harness import SPEC, Pair
 
 

@@ -11,7 +11,7 @@ import kvmem
 from kvmem.disagg import KVPoll, Outcome, ProtocolError
 from kvmem.disagg.decode import DecodeSide
 from kvmem.disagg.protocol import encode, parse
-from kvmem.transfer.base import StaleEpochError
+from kvmem.transfer.errors import StaleEpochError
 from tests.disagg_harness import SPEC, Pair
 
 

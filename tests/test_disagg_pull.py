@@ -13,7 +13,7 @@ import pytest
 import kvmem
 from kvmem.disagg import KVPoll
 from kvmem.disagg.protocol import encode
-from kvmem.transfer.base import StaleEpochError
+from kvmem.transfer.errors import StaleEpochError
 from tests.disagg_harness import SPEC, Pair
 
 

@@ -40,7 +40,7 @@ from kvmem.disagg.protocol import (
     ABORT_STATUSES, DECODE_RECEIVES, END_STATUSES, FIELDS, PREFILL_RECEIVES, TYPES,
     meta_message, parse,
 )
-from kvmem.transfer.base import decode_metadata, encode_metadata
+from kvmem.transfer.envelope import decode_metadata, encode_metadata
 from tests.disagg_harness import Pair
 
 LONG = os.environ.get("KVMEM_FUZZ_EXAMPLES")

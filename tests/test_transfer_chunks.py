@@ -20,7 +20,7 @@ import torch
 import kvmem
 from kvmem.memory import make_backend
 from kvmem.transfer import NixlEngine, TransferError
-from kvmem.transfer.base import MAX_TABLE_BLOCKS, BlockLayout, pool_layout
+from kvmem.transfer.layout import MAX_TABLE_BLOCKS, BlockLayout, pool_layout
 
 _ids = itertools.count()
 

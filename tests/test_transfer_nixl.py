@@ -24,7 +24,7 @@ import kvmem
 from kvmem.transfer import (
     EngineClosedError, MetadataError, NixlEngine, StaleEpochError, TransferInFlightError,
 )
-from kvmem.transfer.base import decode_metadata, encode_metadata
+from kvmem.transfer.envelope import decode_metadata, encode_metadata
 from tests.util import vm_rss
 
 SENTINEL = 0x5A

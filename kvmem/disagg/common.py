@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvmem.errors import KVMemError
-from kvmem.transfer.base import TransferError, TransferInFlightError
+from kvmem.transfer.errors import TransferError, TransferInFlightError
 
 
 class KVPoll(enum.IntEnum):

@@ -83,7 +83,7 @@ from kvmem.disagg.protocol import (
     Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs, encode,
     encode_runs, meta_message,
 )
-from kvmem.transfer.base import StaleEpochError, TransferError
+from kvmem.transfer.errors import StaleEpochError, TransferError
 from kvmem.disagg.prefill import AUX_BYTES, DEFAULT_TIMEOUT
 from kvmem.memory import make_backend
 

@@ -104,7 +104,7 @@ from kvmem.disagg.protocol import (
     encode_runs, meta_message,
 )
 from kvmem.memory import make_backend
-from kvmem.transfer.base import StaleEpochError, TransferError
+from kvmem.transfer.errors import StaleEpochError, TransferError
 
 log = logging.getLogger("kvmem.disagg.prefill")
 

@@ -49,7 +49,8 @@ import re
 from dataclasses import dataclass
 
 from kvmem.disagg.common import END_STATUSES, OK, ProtocolError
-from kvmem.transfer.base import MetadataError, StaleEpochError, TransferError, decode_metadata
+from kvmem.transfer.envelope import decode_metadata
+from kvmem.transfer.errors import MetadataError, StaleEpochError, TransferError
 
 MAX_MESSAGE_BYTES = 4 << 20  # a META with a NIXL blob is a few KiB; nothing else is near
 MAX_REASON = 4096  # characters of an abort reason

@@ -1,12 +1,20 @@
 """Transfer registration: the :class:`TransferEngine` interface with the epoch guard
-(:mod:`kvmem.transfer.base`) and the NIXL engine (:mod:`kvmem.transfer.nixl`; NIXL itself
+(:mod:`kvmem.transfer.engine`) and the NIXL engine (:mod:`kvmem.transfer.nixl`; NIXL itself
 is imported when a :class:`NixlEngine` is created, so ``import kvmem.transfer`` works
-without it)."""
+without it).
 
-from kvmem.transfer.base import (
-    BlockLayout, BlockTable, EngineClosedError, MetadataError, Registration, RemoteMemory, StaleEpochError,
-    TransferEngine, TransferError, TransferHandle, TransferInFlightError,
+One job a module: ``engine`` (the rules), ``nixl`` (NIXL's agent API), ``errors``,
+``ranges`` (range checks), ``layout`` (block layouts), ``records`` (the values an engine
+hands out), ``envelope`` (the metadata envelope), ``nixl_exit`` (ending a process that
+loaded NIXL).  The rules themselves: docs/transfer.md.
+"""
+
+from kvmem.transfer.engine import TransferEngine
+from kvmem.transfer.errors import (
+    EngineClosedError, MetadataError, StaleEpochError, TransferError, TransferInFlightError,
 )
+from kvmem.transfer.layout import BlockLayout
+from kvmem.transfer.records import BlockTable, Registration, RemoteMemory, TransferHandle
 from kvmem.transfer.nixl import NixlEngine
 
 __all__ = [

@@ -1,7 +1,7 @@
 """NixlEngine: the TransferEngine over NIXL (UCX), DRAM on the CPU, VRAM on CUDA.
 
-The epoch rule, the tombstones and the pause/resume ordering are in
-:mod:`kvmem.transfer.base`; this module only maps them onto NIXL's agent API.  Facts it
+The epoch rule, the tombstones and the pause/resume ordering are in docs/transfer.md (and
+:mod:`kvmem.transfer.engine`); this module only maps them onto NIXL's agent API.  Facts it
 relies on, checked with nixl-cu12 1.5.1 on a 2-core CPU machine (UCX bundled in the wheel):
 
 * **No revocation.**  ``deregister_memory`` does not stop a peer: a write built from old
@@ -79,15 +79,14 @@ import os
 import numpy as np
 import torch
 
-from kvmem.transfer.base import (
-    MAX_TABLE_BLOCKS, BlockLayout, MetadataError, Registration, RemoteMemory, TransferEngine,
-    TransferError,
-)
+from kvmem.transfer.engine import TransferEngine
+from kvmem.transfer.errors import MetadataError, TransferError
+from kvmem.transfer.layout import MAX_TABLE_BLOCKS, BlockLayout
+from kvmem.transfer.records import Registration, RemoteMemory
 
-# Blocks a table may hold where NIXL has no strided lists and every block is one row:
-# 2**24 rows are 0.5 GB of numpy for a moment and about 1.3 s of prep per table (32 bytes
-# and 75 ns a row, measured with nixl-cu12 1.5.1 on the 2-core CPU machine); the bound
-# is a choice, not a limit NIXL reported.
+# Blocks a table may hold where NIXL has no strided lists and every block is one row: a
+# choice, not a limit NIXL reported (what 2**24 rows cost:
+# bench/results/cpu-2026-11-30-transfer-checks.md).
 EXPANDED_MAX_BLOCKS = 1 << 24
 
 
