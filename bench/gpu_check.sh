@@ -228,9 +228,10 @@ step disagg 10 25 1 "$need_nixl" "the disagg sides on CUDA pools: no host sync i
   "${pyt[@]}" tests/gpu/test_gpu_disagg.py
 step hardening 12 40 1 - "chunks past 2^31 units, two devices where there are two, streams, sync-free paths" -- \
   "${pyt[@]}" tests/gpu/test_cuda_hardening.py
-step allocator-pool 30 25 1 - "allocator kernels vs the CPU allocator, cuda_vmm pools under pressure, CuPy views" -- \
+step allocator-pool 30 30 1 - "allocator kernels vs the CPU allocator, cuda_vmm pools under pressure and over several chunks, CuPy views" -- \
   "${pyt[@]}" tests/gpu/test_cuda_allocator.py tests/gpu/test_cuda_allocator_order.py \
-  tests/gpu/test_gpu_memory_vmm.py tests/gpu/test_cuda_pack_pool.py -k "not kernel_matches_ref"
+  tests/gpu/test_gpu_memory_vmm.py tests/gpu/test_gpu_memory_chunks.py \
+  tests/gpu/test_cuda_pack_pool.py -k "not kernel_matches_ref"
 KVMEM_GPU_GRID=rest step pack-grid 186 10 shards - "the rest of the pack grid (69 cases), sharded" -- \
   "${pyt[@]}" tests/gpu/test_cuda_pack_pool.py -k kernel_matches_ref
 KVMEM_GPU_OUT="$out" step sglang-staging 16 15 1 "$need_sglang" "the adapter's staging gather/scatter vs sglang's Triton kernels" -- \

@@ -59,7 +59,7 @@ def check_plan(spec, num_pages, layout, gran, target):
         if target is not None and len(sizes) > 1:
             assert chunks[i].nbytes <= target
         if target is not None and i + 1 < len(chunks):  # closed only when the next did not fit
-            nxt = per_chunk[i + 1][0]
+            nxt = -(-per_chunk[i + 1][0] // LAYER_ALIGN) * LAYER_ALIGN  # with its padding
             assert -(-chunks[i].nbytes // LAYER_ALIGN) * LAYER_ALIGN + nxt > target
     # no two items overlap, in address order
     spans = sorted(items)
@@ -83,6 +83,15 @@ specs = st.builds(
        st.one_of(st.none(), st.integers(1, 8 * MiB)))
 def test_every_plane_lies_inside_one_chunk(spec, num_pages, layout, gran, target):
     check_plan(spec, num_pages, layout, gran, target)
+
+
+def test_a_planes_padding_counts_against_the_target():
+    # found by the property above: a 640-byte V plane after a 128-byte K plane ends at
+    # 1152 bytes, but its padding to LAYER_ALIGN takes the chunk to 1536
+    spec = kvmem.KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, page_size=16,
+                        dtype=torch.float32, v_head_dim=5)
+    plan = check_plan(spec, 2, "kvmem", 1, 1152)
+    assert [c.nbytes for c in plan.chunks] == [512, 1024]
 
 
 @pytest.mark.parametrize("layout", ["kvmem", "sglang"])

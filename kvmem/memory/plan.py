@@ -199,7 +199,9 @@ def plan_pool(spec: KVSpec, num_pages: int, layout: str, granularity: int,
     start, used = 0, 0  # the open chunk: its offset, bytes used from there
     for nbytes, parts in items:
         at = _round_up(used, LAYER_ALIGN)
-        if used and target is not None and at + nbytes > target:
+        # an item takes its padding to LAYER_ALIGN with it: a chunk's bytes, padding
+        # included, stay within the target unless one item alone exceeds it
+        if used and target is not None and _round_up(at + nbytes, LAYER_ALIGN) > target:
             size = _round_up(used, align)
             chunks.append(Chunk(start, used, size))
             start, used, at = start + size, 0, 0

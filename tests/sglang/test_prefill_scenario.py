@@ -112,7 +112,6 @@ def test_scenario_1000_requests(runs):
     assert on["crashes"] == []
     assert on["held_end"] == {"kv_tokens": 0, "req_slots": 0, "meta_slots": 0}
     assert on["audit"]["leaks"] == 0 and on["audit"]["audits"] > 0
-    assert on["seconds"] < 60
     # flag off: what stock does, as observed (documents the gaps)
     assert off["hangs"] == off["by_fate"]["transfer-timeout"]["n"] > 0
     assert off["held_end"]["req_slots"] == off["hangs"]  # hung requests keep their KV
