@@ -12,7 +12,9 @@ one deployment and returns what happened, per request category:
 * leaks: KV tokens or requests still held by a server once everything was answered and
   the servers had ``IDLE_S`` to settle (its own ``/v1/loads``), the adapter's leak counter
   (``kvmem_sglang_prefill_leaked_total`` in ``/metrics``) and leak log lines;
-* TTFT of the streamed requests that succeeded (time to the first streamed token).
+* TTFT of the streamed requests that succeeded (time to the first streamed token), of
+  the plain traffic before any fault (``plain``: the same conditions for stock and the
+  flag) and after all of them (``plain_after``; stock has usually crashed by then).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ KV = {"tags": ["kv_cache"]}
 # status codes each category may end with (0: the client disconnected on purpose)
 ALLOWED = {
     "plain": {200},
+    "plain_after": {200},                # the same traffic after every fault below
     "disconnect": {0},
     "abort_rid": {200, 400, 499, 503},   # finished first, or answered as the abort
     "abort_all": {200, 400, 499, 503},
@@ -182,7 +185,7 @@ def run(d, seed: int = 0, scale: int = 1) -> Report:
         _drain(futures)
     # 7. plain traffic after everything
     for k in range(40 * scale):
-        submit("plain", 1, stream=k % 3 == 0)
+        submit("plain_after", 1, stream=k % 3 == 0)
     _drain(futures)
     with lock:
         outcomes = [f.result() for f in futures]
@@ -202,11 +205,13 @@ def run(d, seed: int = 0, scale: int = 1) -> Report:
             report.wrong += 1
             if len(report.wrong_examples) < 8:
                 report.wrong_examples.append([o.category, o.status, o.body[:200]])
-    ttfts = sorted(o.ttft for o in outcomes if o.category == "plain" and o.ttft is not None
-                   and o.status == 200)
-    if ttfts:
-        report.ttft_ms = {"n": len(ttfts), "median": 1e3 * statistics.median(ttfts),
-                          "p99": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]}
+    for cat in ("plain", "plain_after"):  # before any fault, and after all of them
+        ttfts = sorted(o.ttft for o in outcomes if o.category == cat and o.ttft is not None
+                       and o.status == 200)
+        if ttfts:
+            report.ttft_ms[cat] = {
+                "n": len(ttfts), "median": 1e3 * statistics.median(ttfts),
+                "p99": 1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]}
     report.crashes = d.crashed()
     report.leaks = _leaks(d) if not report.crashes else {"unknown": "a server crashed"}
     return report
