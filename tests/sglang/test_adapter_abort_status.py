@@ -26,14 +26,21 @@ USER = ("Decode transfer failed for request rank=0 decode_req.req.rid='a-1' "
         "Aborted by AbortReq.")
 
 
+# what the prefill's transfer-failure path writes when the decode's ABORT came first
+BY_DECODE = ("Prefill transfer failed for request rank=0 req.rid='a-1' "
+             "req.bootstrap_room=7 with exception KVTransferError(bootstrap_room=7): "
+             "Aborted by decode-side abort notification.")
+
+
+@pytest.mark.parametrize("message", [USER, BY_DECODE], ids=["user", "by-decode"])
 @pytest.mark.parametrize("how", ["keyword", "positional"])
-def test_a_user_abort_is_answered_as_an_abort_not_a_500(how):
+def test_an_aborted_request_is_answered_as_an_abort_not_a_500(how, message):
     args, kwargs = ((HTTPStatus.INTERNAL_SERVER_ERROR,), {}) if how == "positional" else \
         ((), {"status_code": HTTPStatus.INTERNAL_SERVER_ERROR})
-    out = _answer(USER, *args, **kwargs)
+    out = _answer(message, *args, **kwargs)
     # as sglang answers an aborted request outside PD: no error status, so routers do
     # not retry it (sglang-router retries 500)
-    assert out == {"type": "abort", "message": USER, "status_code": None, "err_type": None}
+    assert out == {"type": "abort", "message": message, "status_code": None, "err_type": None}
 
 
 def test_other_failures_keep_their_status():

@@ -36,8 +36,11 @@ sglang 0.5.23 (file:line of the installed package, ``sglang/srt/``):
   AbortReq.", ``disaggregation/common/conn.py:2463``, :2960).  sglang's router retries
   a 500, so the user's abort re-sends the request, and when the client gave the request
   its own ``rid`` the retry is never answered (seen with sglang-router 0.3.2, stock and
-  with the flag alike).  :func:`prepare_abort` answers such a request as sglang answers
-  an aborted request outside PD: finish reason ``abort``, no error status.
+  with the flag alike).  The prefill's own answer for the request, when the decode's
+  ABORT reached it first, is the same 500 ("Aborted by decode-side abort
+  notification.", ``disaggregation/nixl/conn.py:3324``), which the router retries too.
+  :func:`prepare_abort` answers both as sglang answers an aborted request outside PD:
+  finish reason ``abort``, no error status.
 """
 
 from __future__ import annotations
@@ -104,9 +107,10 @@ def pop_preallocated(original, queue, *args, **kwargs):
 
 
 # What sglang's KV sender and receiver record when ``/abort_request`` aborted them
-# (``disaggregation/common/conn.py``: ``record_failure(room, "Aborted by AbortReq.")``);
-# its transfer-failure paths then answer 500.
-USER_ABORT = "Aborted by AbortReq."
+# (``disaggregation/common/conn.py``: ``record_failure(room, "Aborted by AbortReq.")``),
+# and what a prefill records when its decode aborted the request
+# (``disaggregation/nixl/conn.py:3324``); its transfer-failure paths then answer 500.
+ABORTED = ("Aborted by AbortReq.", "Aborted by decode-side abort notification.")
 
 
 def prepare_abort(original, req, error_message, *args, **kwargs):
@@ -114,20 +118,21 @@ def prepare_abort(original, req, error_message, *args, **kwargs):
 
     - a transfer a kvmem prefill ended with a status of its own answers that status
       instead of the generic 500 (module docstring);
-    - a request the user aborted (``/abort_request`` by rid or ``abort_all``) is
+    - a request the user aborted (``/abort_request`` by rid or ``abort_all``), or, on
+      the prefill, one its decode aborted (the decode has answered the client then), is
       answered as an sglang server outside PD answers an aborted request: finish reason
       ``abort`` with no HTTP error status (sglang's ``FINISH_ABORT(message)``), not the
-      500 of a failed transfer.  A router retries a 500 (sglang-router: 408, 429, 500,
-      502-504), so stock's 500 re-sends a request the user aborted, and with the
-      client's own rid that retry never ends (docs/sglang.md, "Aborts through the
-      router").
+      500 of a failed transfer.  A router retries a 500 from either server
+      (sglang-router: 408, 429, 500, 502-504), so stock's 500 re-sends a request that
+      was aborted, and with the client's own rid that retry never ends (module
+      docstring).
     """
     status = kwargs.get("status_code", args[0] if args else None)
     if status == HTTPStatus.INTERNAL_SERVER_ERROR:
         tagged = status_of(error_message)
         if tagged is not None:
             status = HTTPStatus(tagged)
-        elif isinstance(error_message, str) and error_message.endswith(USER_ABORT):
+        elif isinstance(error_message, str) and error_message.endswith(ABORTED):
             status = None
         if args:
             args = (status, *args[1:])
