@@ -6,7 +6,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 # torch 2.14.1 is what sglang 0.5.23 pins; on this machine pip takes it from local disk.
-TORCH  := torch==2.14.1 torchvision==0.29.1
+# The demo needs torch alone; sglang's modules (tests, e2e) also import torchvision.
+TORCH  := torch==2.14.1
+TORCHVISION := torchvision==0.29.1
 SGLANG := sglang==0.5.23
 # The GPU host's triton alone (no torch), for tests/test_aot_sm90.py: every kernel must
 # compile for sm_90 with it as well as with the triton above.  A 188 MB wheel; the
@@ -39,7 +41,7 @@ $(VENV)/.demo-ready: pyproject.toml | $(BIN)/python
 # dependencies, then only what its allocator / memory pool / PD modules import), and the
 # sglang adapter (integration/sglang, which registers sglang's `kvmem` plugin).
 $(VENV)/.test-ready: pyproject.toml integration/sglang/pyproject.toml | $(BIN)/python
-	$(PIP) install -q $(TORCH) -e '.[test,nixl,sglang-deps]'
+	$(PIP) install -q $(TORCH) $(TORCHVISION) -e '.[test,nixl,sglang-deps]'
 	$(PIP) install -q --no-deps $(SGLANG)
 	$(PIP) install -q --no-deps -e integration/sglang
 	touch $@
@@ -53,7 +55,7 @@ $(TRITON36_VENV)/.ready:
 $(E2E_VENV)/.ready: pyproject.toml
 	rm -rf $(E2E_VENV)
 	$(PYTHON) -m venv $(E2E_VENV)
-	$(E2E_PY) -m pip --disable-pip-version-check install -q $(TORCH) $(E2E_PKGS)
+	$(E2E_PY) -m pip --disable-pip-version-check install -q $(TORCH) $(TORCHVISION) $(E2E_PKGS)
 	$(E2E_PY) -m pip --disable-pip-version-check install -q --no-deps -e .
 	touch $@
 

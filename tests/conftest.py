@@ -13,12 +13,21 @@
 A run that loaded NIXL ends through :func:`kvmem.transfer.nixl_exit.finish_pytest` once
 pytest has written everything (on a host with RDMA libraries NIXL's native destructors
 crash at exit, status 139, after the tests passed; docs/transfer.md, "Process exit").
+
+Physical chunks: ``KVMEM_CHUNK_BYTES`` is set to 256 KiB here (unless the caller set it),
+for this process and every process it starts (demo workers, sglang servers), so the
+small pools of the tests have several chunks, each one mapping and one registered region,
+as a GPU pool has at 2 GiB: a descriptor, registration or page run that crosses a chunk
+fails here as it would on the GPU.  Most test pools then have a chunk boundary after
+every one to five layer planes.
 """
 
 import os
 
 import pytest
 import torch
+
+os.environ.setdefault("KVMEM_CHUNK_BYTES", str(256 << 10))
 
 collect_ignore = []
 if os.environ.get("TRITON_INTERPRET") != "1":

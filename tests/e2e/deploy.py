@@ -67,6 +67,7 @@ class Response:
     body: object  # parsed JSON, or the text
     seconds: float
     error: str = ""
+    rid: str = ""  # the request id the client gave, when it gave one
 
     @property
     def answered(self) -> bool:
@@ -336,6 +337,14 @@ class Deployment:
             elif any(m in text for m in CRASH_MARKERS):
                 out.append(f"{s.name}: " + next(m for m in CRASH_MARKERS if m in text))
         return out
+
+    def trace(self, needle: str, lines: int = 12) -> str:
+        """The log lines of every server that mention ``needle`` (a request id)."""
+        out = []
+        for s in self.servers:
+            hits = [ln for ln in s.log_text().splitlines() if needle in ln]
+            out += [f"{s.name}: {ln[:300]}" for ln in hits[-lines:]]
+        return "\n".join(out)
 
     def logs(self, lines: int = 60) -> str:
         return "\n".join(f"---- {s.name} ({s.log}) ----\n{tail(s.log, lines)}"

@@ -111,12 +111,17 @@ def test_request_while_released_answered_promptly(deployments, reference, kind, 
 
 def _in_flight(d, server, n=6, tokens=48):
     """Start ``n`` requests of ``tokens`` new tokens, release ``server``'s KV cache while
-    they run, then resume it; (the answers, the release's response)."""
+    they run, then resume it; (the answers, the release's response).  Each answer
+    carries its request id (``.rid``) for :meth:`Deployment.trace`."""
     pool = ThreadPoolExecutor(n)
-    futs = [pool.submit(d.generate, p, tokens, timeout=90) for p in PROMPTS[:n]]
+    rids = [f"inflight-{server.name}-{time.monotonic_ns()}-{i}" for i in range(n)]
+    futs = [pool.submit(d.generate, p, tokens, timeout=90, rid=r)
+            for p, r in zip(PROMPTS[:n], rids)]
     time.sleep(0.3)
     rel = d.control(server, "/release_memory_occupation", KV, timeout=90)
     answers = [f.result() for f in futs]
+    for a, r in zip(answers, rids):
+        a.rid = r
     pool.shutdown()
     res = d.control(server, "/resume_memory_occupation", KV, timeout=90) if rel.status == 200 else None
     return answers, rel, res
@@ -133,9 +138,11 @@ def test_release_with_requests_in_flight(deployments, reference, kind, role):
     answers, rel, res = _in_flight(d, server)
     assert rel.status == 200 and res is not None and res.status == 200, (rel, res)
     statuses = sorted(a.status for a in answers)
-    print(f"{role} released with 6 requests in flight: {statuses}")
-    assert set(statuses) <= {200, 503}, [(a.status, a.body, a.error, round(a.seconds, 1))
-                                         for a in answers]
+    print(f"{role} released with 6 requests in flight: "
+          f"{[(a.status, a.error, round(a.seconds, 1)) for a in answers]}")
+    assert set(statuses) <= {200, 503}, "\n".join(
+        f"{a.rid}: {a.status} {a.error} after {a.seconds:.1f} s\n{d.trace(a.rid)}"
+        for a in answers if a.status not in (200, 503))
     for a in answers:
         if a.status == 503:
             assert "released its KV cache" in str(a.body)
