@@ -441,7 +441,9 @@ class PrefillWorker(_Worker):
                    status_by_peer={d: dict(c) for d, c in by_peer.items()},
                    routed=dict(self.routed),
                    gone={d: {"active": rids_, "status": {r: side.finished[r].status
-                                                         for r in rids_}}
+                                                         for r in rids_},
+                             "bound": {r: why.status for r, why in side.finished.items()
+                                       if side.finished_peer[r] == d}}
                          for d, rids_ in self.gone_active.items()})
         self.send("final", out)
 
