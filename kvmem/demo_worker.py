@@ -89,6 +89,16 @@ PIPE_EVERY = 0.002  # seconds between polls of the parent's pipe in the workload
 # 0.85x [0.74, 0.91] -> 0.86x [0.74, 0.87].  The default demo (300 requests, every
 # fault, 3 runs each): prefill get_notifs ~375k -> ~14k, CPU 0.46 -> 0.20 s/GB.
 NAP_FIRST, NAP_MOST, NAP_SPINS = 5e-6, 200e-6, 1
+# Over TCP (--hosts netns) the kernel moves the bytes (socket copies, the veth's softirq)
+# and UCX only needs its worker polled now and then, so a loop that spins while its
+# transfers are in flight takes the core the kernel needs: with TCP the loops nap (as
+# above) also then, and the raw bandwidth phase naps NAP_MOST between polls on both
+# sides.  Measured on this 2-core VM, 2026-12-01 13:15 UTC, under load (loadavg 10-14):
+# the raw NIXL write of 256 MiB over the veth (median of 5 warm) 0.15 and 0.35 GB/s with
+# both sides spinning, 1.53 and 1.06 GB/s with both napping 200 us between polls (the
+# two alternating, 2 runs each).  On one host UCX copies by cross-memory attach inside
+# the poll that drives it: there the loops keep spinning while a transfer is in flight.
+NAP_WHILE_MOVING = {"one": False, "netns": True}
 
 
 class StageClock:
@@ -169,6 +179,7 @@ class _Worker:
         self.stages = None  # the stage clock when this worker's work was done
         # naps of the workload loop; instrument() times its sleeps as the stage "nap"
         self.backoff = Backoff(NAP_FIRST, NAP_MOST, NAP_SPINS)
+        self.nap_moving = NAP_WHILE_MOVING[cfg.hosts]  # nap while our transfers move
         self.cpu_seconds = None  # CPU time of the workload (process_time, all threads)
         self.cpu0 = 0.0
 
@@ -181,7 +192,8 @@ class _Worker:
         sends ``want``; its payload."""
         end = time.monotonic() + timeout
         while True:
-            if self.conn.poll(0 if self.polling else 0.05):
+            wait = (NAP_MOST if self.nap_moving else 0.0) if self.polling else 0.05
+            if self.conn.poll(wait):
                 kind, payload = self.conn.recv()
                 if kind != want:
                     raise RuntimeError(f"{self.role} worker: expected {want!r} from the "
@@ -325,7 +337,8 @@ class PrefillWorker(_Worker):
             t0 = time.perf_counter()
             h = eng.post_write(local, remote, rr, b"")
             while eng.poll(h) == "PROC":
-                pass
+                if self.nap_moving:
+                    time.sleep(NAP_MOST)
             times.append(time.perf_counter() - t0)
             state, err = h.state, h.error
             eng.release(h)
@@ -413,9 +426,10 @@ class PrefillWorker(_Worker):
                 next_i += 1
             plan.drive(side, side.clock())
             # no progress (waiting for the decode's BOOT or PULLED answers, the clock, or
-            # idle): nap; never while a write of ours is in flight (our polls complete it)
+            # idle): nap; on one host never while a write of ours is in flight (our polls
+            # complete it), over TCP then too (NAP_WHILE_MOVING)
             moved = side.step() or moved
-            self.backoff.pace(moved or side.writes_in_flight)
+            self.backoff.pace(moved or (side.writes_in_flight and not self.nap_moving))
             self.progress()
             if (not done_sent and len(side.finished) == n and side.idle
                     and self.pauses_done == len(mine) and pause_active is None):
@@ -550,9 +564,10 @@ class DecodeWorker(_Worker):
                 side.resume()
                 self.send("resumed", pausing)
                 pausing, moved = None, True
-            # no progress: back off (still polling; a write's ack needs this side), never
-            # while a read of ours is in flight (pull: our polls complete it)
-            self.backoff.pace(moved or side.reads_in_flight)
+            # no progress: back off (still polling; a write's ack needs this side); on one
+            # host never while a read of ours is in flight (pull: our polls complete it),
+            # over TCP then too (NAP_WHILE_MOVING)
+            self.backoff.pace(moved or (side.reads_in_flight and not self.nap_moving))
             self.progress()
             if (not done_sent and n is not None and len(side.completed) == n and side.idle
                     and pausing is None):
