@@ -26,12 +26,11 @@ from pathlib import Path
 import pytest
 
 from kvmem.demo_hosts import ADDRESS, NetnsHosts, PREFIX, netns_refusal, remove_stale
-from kvmem.disagg.faults import FAMILIES
+from tests.test_demo import assert_every_fault_lifecycle
 from tests.util import communicate
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = [sys.executable, "-m", "kvmem.cli", "demo"]
-FAMILY_OUTCOME = {"abort": "aborted", "timeout": "timed_out", "fail": "failed"}
 # A small model, so that four workers start and run in tens of seconds on 2 busy cores:
 # 2 layers x 8 KV heads x 128, bf16 (8 KiB of KV per token), prompts of 1..512 tokens in
 # 128-token chunks (1 MiB each, up to 4 per request).
@@ -139,26 +138,8 @@ def test_demo_over_two_netns_hosts_every_fault(netns_demo, tmp_path):
     p = netns_demo(SMALL + ["--requests", "60", "--bw-mib", "8", "--json", str(out)])
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(out.read_text())
-    assert r["ok"] is True and r["errors"] == [], r["errors"]
-    assert r["succeeded"] + r["aborted"] + r["timed_out"] + r["failed"] == 60
-    assert r["leaked_pages"] == {"prefill": 0, "decode": 0}
-    assert r["bytes_transferred"] == r["bytes_verified"] > 0 and r["bytes_corrupt"] == 0
-    assert r["protocol_errors"] == {"prefill": 0, "decode": 0}
-    assert not r["delivered"]["missing"]
-    # every pause, alternating sides, with traffic in flight
-    assert r["pauses"] == 4 and r["pauses_by_side"] == {"prefill": 2, "decode": 2}
-    assert r["outcomes_by_status"].get("503", 0) > 0
-    # every family injected, each request ending as its row of the lifecycle table says
-    planned = r["faults_planned"]
-    for fam, kinds in FAMILIES.items():
-        assert sum(planned.get(k, 0) for k in kinds) > 0, fam
-        for k in kinds:
-            assert set(r["outcomes_by_fault"].get(k, {})) <= {FAMILY_OUTCOME[fam], "pause_503"}, k
-    assert set(r["outcomes_by_fault"]["none"]) <= {"succeeded", "pause_503"}
-    assert r["succeeded"] == r["outcomes_by_fault"]["none"].get("succeeded", 0) > 0
-    for side in ("prefill", "decode"):
-        assert r[side]["closed"] is True and r[side]["exit_code"] == 0
-        assert r[side]["allocator_allocated"] == 0 and r[side]["open_handles"] == 0
+    assert r["errors"] == []
+    assert_every_fault_lifecycle(r, 60)  # what a run on one host is checked for
     assert r["raw_nixl"]["verified"] is True and r["raw_nixl"]["gbps"] > 0
     # the two hosts, and the KV crossed the veth: the prefills' end sent at least every
     # byte the decode verified (pull: the decode reads them, over TCP), plus the raw
@@ -173,10 +154,12 @@ def test_demo_over_two_netns_hosts_every_fault(netns_demo, tmp_path):
 
 def test_two_prefills_two_decodes_one_paused_one_killed(tmp_path):
     """Random faults off, two pauses on: the first a prefill's, the second a decode's
-    (decode0: the one --kill-decode spares); decode1 killed mid-transfer."""
+    (decode0: the one --kill-decode spares); decode1 killed mid-transfer.  64-token
+    chunks (up to 8 per request), so that requests spend long enough half-received for
+    the kill to find one from every prefill."""
     out = tmp_path / "demo.json"
     proc = subprocess.Popen(
-        DEMO + SMALL + ["--prefills", "2", "--decodes", "2", "--kill-decode", "--requests",
+        DEMO + SMALL + ["--chunk-tokens", "64", "--prefills", "2", "--decodes", "2", "--kill-decode", "--requests",
                         "80", "--abort-rate", "0", "--timeout-rate", "0", "--fail-rate", "0",
                         "--pauses", "2", "--bw-mib", "0", "--json", str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -227,14 +210,19 @@ def test_two_prefills_two_decodes_one_paused_one_killed(tmp_path):
         for rid in k["mid_transfer"].get(p, []):
             assert bound[rid] in (500, 503, 504), (p, rid, bound[rid])
     # the survivor unaffected: requests bound to decode0 ended succeeded, or with the
-    # pauses' 503 (no random faults); decode0 received exactly what the prefills sent it
+    # pauses' 503 (no random faults); decode0 received exactly what the prefills sent it,
+    # and completed the requests they count delivered, plus those a pause ended on the
+    # prefill after their last write had landed (delivered.received_after_early_end)
     got = peers["decode0"]["by_peer"]
+    late = len(r["delivered"]["received_after_early_end"])
     for p in ("prefill0", "prefill1"):
         to = peers[p]["by_peer"]["decode0"]
         assert set(peers[p]["status_by_peer"]["decode0"]) <= {"200", "503"}, p
         assert set(to["requests"]) <= {"succeeded", "aborted"}, p
         assert to["send_errors"] == 0, p
         assert to["requests"].get("succeeded", 0) > 0, p
-        assert got[p]["requests"].get("succeeded", 0) == to["requests"].get("succeeded", 0)
+        extra = got[p]["requests"].get("succeeded", 0) - to["requests"].get("succeeded", 0)
+        assert 0 <= extra <= late, (p, got[p], to, r["delivered"])
+        late -= extra
         assert got[p]["bytes"] == to["bytes"], p
     assert "decode1   KILLED by the demo (SIGKILL)" in o.decode()
