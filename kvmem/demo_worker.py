@@ -93,11 +93,9 @@ NAP_FIRST, NAP_MOST, NAP_SPINS = 5e-6, 200e-6, 1
 # and UCX only needs its worker polled now and then, so a loop that spins while its
 # transfers are in flight takes the core the kernel needs: with TCP the loops nap (as
 # above) also then, and the raw bandwidth phase naps NAP_MOST between polls on both
-# sides.  Measured on this 2-core VM, 2026-12-01 13:15 UTC, under load (loadavg 10-14):
-# the raw NIXL write of 256 MiB over the veth (median of 5 warm) 0.15 and 0.35 GB/s with
-# both sides spinning, 1.53 and 1.06 GB/s with both napping 200 us between polls (the
-# two alternating, 2 runs each).  On one host UCX copies by cross-memory attach inside
-# the poll that drives it: there the loops keep spinning while a transfer is in flight.
+# sides (the raw write spinning vs napping: bench/results/cpu-2026-12-01-netns.md, "The
+# raw baseline over TCP").  On one host UCX copies by cross-memory attach inside the
+# poll that drives it: there the loops keep spinning while a transfer is in flight.
 NAP_WHILE_MOVING = {"one": False, "netns": True}
 
 
