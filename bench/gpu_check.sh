@@ -243,6 +243,9 @@ step sglang-memory-saver 4 30 1 "$need_tms" "the adapter beside --enable-memory-
 bench_args=()
 [ "$has_sglang_alloc" = 0 ] && bench_args+=(-k "not sglang")
 [ "$has_nixl" = 0 ] && bench_args+=(--ignore bench/bench_transfer.py --ignore bench/bench_demo.py)
+# bench_netns.py measures TCP over a veth between host-memory pools (no GPU part; it needs
+# root to make network namespaces): the CPU run's, not this script's
+bench_args+=(--ignore bench/bench_netns.py)
 KVMEM_BENCH_OUT="$out" step bench 20 60 1 "$need_bench" "pytest bench: kvmem vs its baselines (no sglang baselines without sglang, no NIXL ones without NIXL)" -- \
   "${pyt[@]}" bench "${bench_args[@]}" --benchmark-columns=median,iqr,ops --benchmark-sort=name
 

@@ -14,6 +14,8 @@ say which figure they belong to (``figure``) and what they are (``role``: ``kvme
     <tag>-release.png    release / resume time against pool size (bench_release.py)
     <tag>-demo.png       kvmem demo throughput against raw NIXL (bench_demo.py)
     <tag>-transfer.png   NixlEngine writes against raw NIXL and memcpy (bench_transfer.py)
+    <tag>-netns.png      kvmem demo over two network namespaces (TCP over a veth) against
+                         raw NIXL over the same link, packed / direct / pull (bench_netns.py)
 
 ``<tag>`` is ``cpu`` for a CPU run and the GPU's name for a CUDA run (``nvidia-h200``),
 so GPU figures never overwrite the CPU ones.  Each title names the device, the time and
@@ -249,7 +251,12 @@ def plot_transfer(report, out_dir):
                  "a plain copy", rate=True)
 
 
-FIGURES = (plot_pack, plot_allocator, plot_release, plot_demo, plot_transfer)
+def plot_netns(report, out_dir):
+    return _bars(report, out_dir, "netns", "kvmem demo between two network namespaces (UCX "
+                 "over TCP on a veth) against raw NIXL writes over the same link", rate=True)
+
+
+FIGURES = (plot_pack, plot_allocator, plot_release, plot_demo, plot_transfer, plot_netns)
 
 
 def plot_report(report: dict, out_dir: str) -> list[str]:

@@ -38,9 +38,12 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
+
+from kvmem.demo_hosts import HOSTS, HostsError, NetnsHosts, netns_refusal
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
 CHUNK_MODES = ("auto", "packed", "direct")
@@ -81,6 +84,10 @@ class DemoConfig:
     # pull: the decode reads; push: the prefill writes.  Pull by default: it led push in a
     # quiet window, push led under load (bench/results/cpu-2026-11-30-transfer-modes.md).
     transfer_mode: str = "pull"
+    hosts: str = "one"  # one: every worker on this host; netns: two network namespaces
+    prefills: int = 1  # prefill workers
+    decodes: int = 1  # decode workers
+    kill_decode: bool = False  # SIGKILL the last decode mid-transfer (needs decodes >= 2)
 
     # --- derived ------------------------------------------------------------------------
     def spec(self):
@@ -123,24 +130,26 @@ class DemoConfig:
         return self.slots() * self.request_pages() + 1
 
     def decode_pages(self) -> int:
-        return self.slots() * self.request_pages() + 1
+        # Every prefill's requests may be routed to one decode (the others paused or gone).
+        return self.prefills * self.slots() * self.request_pages() + 1
 
     def landing_bytes(self) -> int:
         import kvmem
         from kvmem.disagg.prefill import AUX_BYTES
 
         per = kvmem.packed_nbytes(self.spec(), self.request_pages()) + AUX_BYTES
-        return self.slots() * (per + LANDING_ALIGN)
+        return self.prefills * self.slots() * (per + LANDING_ALIGN)
 
     def batch_tokens(self) -> int:
         return 4 * self.chunk_tokens
 
     def memory_bytes(self) -> int:
-        """About what the two workers allocate (pools, staging, landing, bandwidth buffers)."""
+        """About what the workers allocate (pools, staging, landing, bandwidth buffers)."""
         page = self.spec().page_bytes
         staging = 8 * (self.chunk_tokens // self.page_size) * page  # PrefillSide's default
-        return ((self.prefill_pages() + self.decode_pages()) * page + staging
-                + self.landing_bytes() + 2 * (self.bw_mib << 20))
+        return (self.prefills * (self.prefill_pages() * page + staging)
+                + self.decodes * (self.decode_pages() * page + self.landing_bytes())
+                + 2 * (self.bw_mib << 20))
 
     def validate(self) -> None:
         """ValueError naming the option, for anything the run would trip on later."""
@@ -150,8 +159,16 @@ class DemoConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
 
         for name in ("requests", "page_size", "layers", "heads", "head_dim", "chunk_tokens",
-                     "max_tokens", "concurrency"):
+                     "max_tokens", "concurrency", "prefills", "decodes"):
             positive(name)
+        if self.hosts not in HOSTS:
+            raise ValueError(f"--hosts must be one of {', '.join(HOSTS)}, got {self.hosts!r}")
+        if self.requests < self.prefills:
+            raise ValueError(f"--requests {self.requests} is fewer than --prefills "
+                             f"{self.prefills}: every prefill runs at least one request")
+        if self.kill_decode and self.decodes < 2:
+            raise ValueError(f"--kill-decode needs --decodes >= 2 (a decode that survives "
+                             f"serves the rest), got --decodes {self.decodes}")
         for name in ("abort_rate", "timeout_rate", "fail_rate"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
@@ -197,8 +214,13 @@ class DemoConfig:
         if need > 0.75 * have:
             raise ValueError(
                 f"this model and workload need about {need / 2**30:.1f} GiB of memory for the "
-                f"two workers, more than 3/4 of this machine's {have / 2**30:.1f} GiB: lower "
-                "--max-tokens, --concurrency or the model size")
+                f"{self.prefills + self.decodes} workers, more than 3/4 of this machine's "
+                f"{have / 2**30:.1f} GiB: lower --max-tokens, --concurrency, the model size "
+                "or the worker counts")
+        if self.hosts == "netns":
+            why = netns_refusal()
+            if why:
+                raise ValueError(why)
 
 
 # --- command line ---------------------------------------------------------------------------
@@ -243,6 +265,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pool pages written into the decode's pool pages; auto: per chunk, "
                         "direct when its page runs (merged where adjacent on both sides) "
                         "reach a threshold measured at start-up; push only (%(default)s)")
+    h = p.add_argument_group("workers and hosts")
+    h.add_argument("--prefills", type=int, default=d.prefills,
+                   help="prefill workers; request ids are dealt among them (%(default)s)")
+    h.add_argument("--decodes", type=int, default=d.decodes,
+                   help="decode workers; each prefill routes each request to the least "
+                        "loaded decode that is neither paused nor gone (%(default)s)")
+    h.add_argument("--kill-decode", action="store_true",
+                   help="kill the last decode worker with SIGKILL in the middle of "
+                        "receiving requests, once half of them have finished; its requests "
+                        "end as the lifecycle says, the others go on (needs --decodes >= 2)")
+    h.add_argument("--hosts", default=d.hosts, choices=HOSTS,
+                   help="one: every worker on this host (UCX moves KV by cross-memory "
+                        "attach); netns: prefills and decodes in two network namespaces "
+                        "joined by a veth pair, made and removed by the demo, KV over TCP "
+                        "(needs root and `ip`) (%(default)s)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write the report as JSON (overwrites FILE)")
     o.add_argument("--quiet", action="store_true",
@@ -269,7 +306,8 @@ def config_from_args(args) -> DemoConfig:
         head_dim=args.head_dim, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
         max_tokens=args.max_tokens, concurrency=args.concurrency, seed=args.seed,
         bootstrap_timeout=args.timeout, transfer_timeout=args.timeout, bw_mib=args.bw_mib,
-        chunks=args.chunks, transfer_mode=args.transfer_mode)
+        chunks=args.chunks, transfer_mode=args.transfer_mode, hosts=args.hosts,
+        prefills=args.prefills, decodes=args.decodes, kill_decode=args.kill_decode)
     cfg.validate()
     if args.json is not None:
         check_json_path(args.json)
@@ -328,6 +366,9 @@ def main(args, parser: argparse.ArgumentParser) -> int:
 def _main(args, cfg: DemoConfig) -> int:
     try:
         result = run(cfg, progress=not args.quiet)
+    except HostsError as e:
+        print(f"\nkvmem demo: --hosts netns: {e}", file=sys.stderr)
+        return 2
     except WorkerFailed as e:
         print(f"\nkvmem demo: FAILED: {e}", file=sys.stderr)
         if args.json:
@@ -392,108 +433,139 @@ def exit_how(code) -> str:
     return f"exit status {code}"
 
 
-class Workers:
-    """The two worker processes and their pipes."""
+def worker_keys(cfg) -> list[tuple[str, int, str]]:
+    """``(role, index, key)`` of every worker, prefills first.  ``key`` names the worker
+    in the report and the errors: "prefill" and "decode" when a kind has one worker,
+    "prefill0", "prefill1", ... when it has several."""
+    out = []
+    for role, n in (("prefill", cfg.prefills), ("decode", cfg.decodes)):
+        out += [(role, i, role if n == 1 else f"{role}{i}") for i in range(n)]
+    return out
 
-    def __init__(self, cfg: DemoConfig):
+
+class Workers:
+    """The worker processes and their pipes, by key (:func:`worker_keys`)."""
+
+    def __init__(self, cfg: DemoConfig, hosts=None):
         from kvmem.demo_worker import worker_main
 
         ctx = mp.get_context("spawn")
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.names = {r: f"kvmem-demo-{r}-{tag}" for r in ("prefill", "decode")}
+        keys = worker_keys(cfg)
+        self.keys = [k for _, _, k in keys]
+        self.role = {k: r for r, _, k in keys}
+        self.agent = {k: f"kvmem-demo-{k}-{tag}" for k in self.keys}
+        names = {r: [self.agent[k] for rr, _, k in keys if rr == r] for r in ("prefill", "decode")}
+        self.names = names
         self.conns, self.procs, self.heard = {}, {}, {}
         self.inbox: list = []  # received, not consumed yet
-        self.ended: set = set()  # roles whose "final" arrived
+        self.ended: set = set()  # keys whose "final" arrived
+        self.killed: set = set()  # keys the demo killed on purpose (--kill-decode)
         self.watch = False  # silence detection: on while the workload runs
         self.closed = False
         try:
-            for role in ("prefill", "decode"):
+            for role, index, key in keys:
                 here, there = ctx.Pipe()
-                proc = ctx.Process(target=worker_main, name=f"kvmem-demo-{role}",
-                                   args=(role, cfg, there, self.names), daemon=True)
-                self.conns[role] = here
+                place = None if hosts is None else hosts.place(role)
+                proc = ctx.Process(target=worker_main, name=f"kvmem-demo-{key}",
+                                   args=(role, cfg, there, names, index, place), daemon=True)
+                self.conns[key] = here
                 proc.start()
-                self.procs[role] = proc
+                self.procs[key] = proc
                 there.close()
-                self.heard[role] = time.monotonic()
+                self.heard[key] = time.monotonic()
         except BaseException:  # SIGTERM / Ctrl-C while starting: stop what started
             self.close(failed=True)
             raise
 
-    def send(self, role: str, kind: str, payload=None) -> None:
-        try:
-            self.conns[role].send((kind, payload))
-        except (OSError, EOFError) as e:
-            raise WorkerFailed(self._why(role, f"pipe closed ({e})")) from None
+    def of(self, role: str) -> list[str]:
+        return [k for k in self.keys if self.role[k] == role]
 
-    def _why(self, role: str, what: str) -> str:
-        proc = self.procs[role]
+    def send(self, key: str, kind: str, payload=None) -> None:
+        try:
+            self.conns[key].send((kind, payload))
+        except (OSError, EOFError) as e:
+            raise WorkerFailed(self._why(key, f"pipe closed ({e})")) from None
+
+    def _why(self, key: str, what: str) -> str:
+        proc = self.procs[key]
         proc.join(0.5)
         code = proc.exitcode
         state = "still running" if code is None else f"exit status {code}"
-        return f"the {role} worker: {what} ({state}, pid {proc.pid})"
+        return f"the {key} worker: {what} ({state}, pid {proc.pid})"
+
+    def kill(self, key: str) -> int:
+        """SIGKILL worker ``key`` on purpose and reap it; its exit code."""
+        proc = self.procs[key]
+        self.killed.add(key)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10.0)
+        self.conns[key].close()
+        return proc.exitcode
 
     def poll(self, timeout: float) -> list[tuple[str, str, object]]:
-        """Messages that arrived within ``timeout`` s: ``[(role, kind, payload)]``, the
+        """Messages that arrived within ``timeout`` s: ``[(key, kind, payload)]``, the
         buffered ones (:meth:`expect` left them) first.  WorkerFailed for an ``error``
-        message, a worker that exited before its ``final`` message, a closed pipe, or a
-        worker silent for SILENT_S while the workload runs."""
+        message, a worker that exited before its ``final`` message (unless the demo killed
+        it), a closed pipe, or a worker silent for SILENT_S while the workload runs."""
         out, self.inbox = self.inbox, []
-        live = [r for r in self.procs if r not in self.ended]
-        by_obj = {self.conns[r]: r for r in live}
-        by_obj.update({self.procs[r].sentinel: r for r in live})
+        live = [k for k in self.keys if k not in self.ended and k not in self.killed]
+        by_obj = {self.conns[k]: k for k in live}
+        by_obj.update({self.procs[k].sentinel: k for k in live})
         for obj in mpc.wait(list(by_obj), 0 if out else timeout):
-            role = by_obj[obj]
-            if role in self.ended:
+            key = by_obj[obj]
+            if key in self.ended or key in self.killed:
                 continue
-            conn, got = self.conns[role], 0
+            conn, got = self.conns[key], 0
             while True:
                 try:
                     if not conn.poll():
                         break
                     kind, payload = conn.recv()
                 except (OSError, EOFError):
-                    raise WorkerFailed(self._why(role, "its pipe closed")) from None
+                    raise WorkerFailed(self._why(key, "its pipe closed")) from None
                 if kind == "error":
-                    raise WorkerFailed(f"the {role} worker raised:\n{payload}")
-                self.heard[role] = time.monotonic()
-                out.append((role, kind, payload))
+                    raise WorkerFailed(f"the {key} worker raised:\n{payload}")
+                self.heard[key] = time.monotonic()
+                out.append((key, kind, payload))
                 got += 1
-                if kind == "final":
-                    self.ended.add(role)
+                if kind in ("final", "kill_me"):
+                    if kind == "final":
+                        self.ended.add(key)
                     break
-            if obj is self.procs[role].sentinel and not got and role not in self.ended:
-                raise WorkerFailed(self._why(role, "exited"))
+            if obj is self.procs[key].sentinel and not got and key not in self.ended:
+                raise WorkerFailed(self._why(key, "exited"))
         if self.watch:
             t = time.monotonic()
-            for role in live:
-                if t - self.heard[role] > SILENT_S:
-                    raise WorkerFailed(self._why(role, f"silent for {t - self.heard[role]:.0f} s"))
+            for key in live:
+                if key not in self.killed and t - self.heard[key] > SILENT_S:
+                    raise WorkerFailed(self._why(key, f"silent for {t - self.heard[key]:.0f} s"))
         return out
 
-    def expect(self, role: str, kind: str, timeout: float = PHASE_S):
-        """The payload of the next ``kind`` message from ``role``; other messages stay
-        buffered for later (the two workers' hand-shake messages come in either order)."""
+    def expect(self, key: str, kind: str, timeout: float = PHASE_S):
+        """The payload of the next ``kind`` message from ``key``; other messages stay
+        buffered for later (the workers' hand-shake messages come in any order)."""
         end = time.monotonic() + timeout
         while True:
             msgs = self.poll(min(1.0, max(end - time.monotonic(), 0.0)))
-            for i, (r, k, payload) in enumerate(msgs):
-                if (r, k) == (role, kind):
+            for i, (k, kd, payload) in enumerate(msgs):
+                if (k, kd) == (key, kind):
                     self.inbox = msgs[:i] + msgs[i + 1:] + self.inbox
                     return payload
             self.inbox = msgs + self.inbox
             if time.monotonic() >= end:
-                raise WorkerFailed(self._why(role, f"no {kind!r} in {timeout:.0f} s"))
+                raise WorkerFailed(self._why(key, f"no {kind!r} in {timeout:.0f} s"))
 
     def status(self) -> str:
-        """How each worker ended, e.g. 'decode worker: killed by signal 9 (SIGKILL)'."""
-        return "; ".join(f"{role} worker (pid {proc.pid}): {exit_how(proc.exitcode)}"
-                         for role, proc in self.procs.items())
+        """How each worker ended, e.g. 'decode worker (pid 12): killed by signal 9 (SIGKILL)'."""
+        return "; ".join(f"{key} worker (pid {proc.pid}): {exit_how(proc.exitcode)}"
+                         + (" (killed by the demo)" if key in self.killed else "")
+                         for key, proc in self.procs.items())
 
     def close(self, failed: bool = False) -> None:
-        """Join both.  After a failure the pipes are closed first (a worker exits when its
-        pipe ends) and the grace time is short; a worker still alive after it is
-        terminated, then killed.  Calling it again does nothing."""
+        """Join every worker.  After a failure the pipes are closed first (a worker exits
+        when its pipe ends) and the grace time is short; a worker still alive after it is
+        killed.  Calling it again does nothing."""
         if self.closed:
             return
         self.closed = True
@@ -510,79 +582,199 @@ class Workers:
                 c.close()
 
 
+def _sum_progress(msgs: list[dict]) -> dict:
+    """The progress messages of the workers of one kind, added up (outcomes by key)."""
+    out: dict = {}
+    for m in msgs:
+        for k, v in m.items():
+            if isinstance(v, dict):
+                d = out.setdefault(k, {})
+                for kk, vv in v.items():
+                    d[kk] = d.get(kk, 0) + vv
+            elif isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+class _Orchestra:
+    """The parent's part of the workload: relays the decode pauses the prefills ask for
+    (the decode is picked here: the decodes in turn, never the one --kill-decode will
+    kill while another remains, one pause at a time per decode), runs --kill-decode, and
+    tells the decodes how many requests are theirs once every prefill is done."""
+
+    def __init__(self, cfg: DemoConfig, w: Workers):
+        self.cfg, self.w = cfg, w
+        self.prefills, self.decodes = w.of("prefill"), w.of("decode")
+        self.live = list(self.decodes)
+        self.target = self.decodes[-1] if cfg.kill_decode else None
+        self.queue: list = []  # (prefill key, pause index) waiting for a decode
+        self.pausing: dict = {}  # decode key -> (prefill key, pause index)
+        self.decode_pauses = 0
+        self.armed = False
+        self.kill: dict | None = None
+        self.confirmed: dict = {k: [] for k in self.decodes}  # ok rids seen in progress
+        self.routed: dict = {}  # prefill key -> {decode agent: requests}
+        self.expect_sent = False
+
+    def on_message(self, key: str, kind: str, payload, last: dict, done: dict) -> None:
+        w = self.w
+        if kind == "progress":
+            last[key] = payload
+            self.confirmed.get(key, []).extend(payload.get("ok_rids", ()))
+        elif kind == "pause_decode":
+            self.queue.append((key, payload))
+        elif kind == "resumed":
+            driver, i = self.pausing.pop(key)
+            if i != payload:
+                raise WorkerFailed(f"the {key} worker resumed from pause {payload}, not {i}")
+            w.send(driver, "decode_resumed", i)
+        elif kind == "kill_me" and key == self.target and self.kill is None:
+            self._kill(payload, last)
+        elif kind == "done":
+            done[key] = payload
+            if w.role[key] == "prefill":
+                self.routed[key] = payload.get("routed", {})
+        else:
+            raise WorkerFailed(f"the {key} worker sent an unexpected {kind!r}")
+
+    def tick(self, last: dict, done: dict) -> None:
+        w, cfg = self.w, self.cfg
+        candidates = [d for d in self.live if d != self.target or len(self.live) == 1]
+        waiting, self.queue = self.queue, []
+        for driver, i in waiting:
+            free = [d for d in candidates if d not in self.pausing]
+            if not free:
+                self.queue.append((driver, i))
+                continue
+            target = candidates[self.decode_pauses % len(candidates)]
+            if target in self.pausing:
+                target = free[0]
+            self.decode_pauses += 1
+            self.pausing[target] = (driver, i)
+            w.send(target, "pause", i)
+        finished = sum(last[p].get("finished", 0) for p in self.prefills)
+        if (self.target is not None and self.kill is None and not self.armed
+                and finished >= cfg.requests // 2):
+            self.armed = True
+            w.send(self.target, "arm_kill")
+        if self.target is not None and self.kill is None and all(p in done for p in self.prefills):
+            self._kill({"mid_transfer": {}, "armed_s": None}, last)  # never got the chance
+        if (not self.expect_sent and cfg.decodes > 1
+                and all(p in done for p in self.prefills)):
+            self.expect_sent = True
+            for d in self.live:
+                agent = w.agent[d]
+                w.send(d, "expect", sum(r.get(agent, 0) for r in self.routed.values()))
+
+    def _kill(self, payload: dict, last: dict) -> None:
+        w, key = self.w, self.target
+        finished = sum(last[p].get("finished", 0) for p in self.prefills)
+        code = w.kill(key)
+        self.live.remove(key)
+        by_agent = {w.agent[k]: k for k in w.keys}
+        self.kill = dict(worker=key, agent=w.agent[key], exit_code=code,
+                         finished_before=finished, armed_seconds=payload.get("armed_s"),
+                         mid_transfer={by_agent.get(a, a): sorted(r)
+                                       for a, r in payload.get("mid_transfer", {}).items()},
+                         last_progress=last.get(key, {}))
+        for p in self.prefills:
+            w.send(p, "peer_gone", w.agent[key])
+
+
 def run(cfg: DemoConfig, progress: bool = True) -> dict:
     """Run the demo; the result dict (what ``--json`` writes).  WorkerFailed if a worker
-    fails; both processes are gone when this returns or raises."""
+    fails, HostsError if the network namespaces cannot be made; every worker process is
+    gone, and the namespaces removed, when this returns or raises."""
+    if cfg.hosts != "netns":
+        return _run(cfg, progress, None)
+    hosts = NetnsHosts()
+    try:
+        hosts.make()
+        return _run(cfg, progress, hosts)
+    finally:
+        # a second Ctrl-C must not cut the clean-up short (SIGTERM: ignored by now)
+        main_thread = threading.current_thread() is threading.main_thread()
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main_thread else None
+        try:
+            hosts.close()
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, old)
+
+
+def _run(cfg: DemoConfig, progress: bool, hosts) -> dict:
     t_begin = time.monotonic()
     bar = Progress(cfg) if progress else None
-    w = Workers(cfg)  # stops what it started should it be interrupted itself
+    w = Workers(cfg, hosts)  # stops what it started should it be interrupted itself
+    pre, dec = w.of("prefill"), w.of("decode")
     clean = False
+    orch = _Orchestra(cfg, w)
     try:
         if bar:
             bar.note("starting the prefill and decode workers")
-        ready = {r: w.expect(r, "ready", STARTUP_S) for r in ("prefill", "decode")}
+        ready = {k: w.expect(k, "ready", STARTUP_S) for k in w.keys}
         phases = {"startup": time.monotonic() - t_begin}
-        w.send("prefill", "peer", ready["decode"]["metadata"])
-        w.send("decode", "peer", ready["prefill"]["metadata"])
+        for k in pre:
+            w.send(k, "peer", [ready[d]["metadata"] for d in dec])
+        for k in dec:
+            w.send(k, "peer", [ready[p]["metadata"] for p in pre])
         raw = None
         if cfg.bw_mib or cfg.calibrates():  # raw bandwidth and/or the calibration
             if bar:
                 bar.note(f"measuring raw NIXL write bandwidth ({cfg.bw_mib} MiB buffer)")
-            w.send("decode", "bw_listen")
-            w.expect("decode", "bw_listening")
-            w.send("prefill", "bw_run")
-            raw = w.expect("prefill", "bw_result")
-            w.send("decode", "bw_end")
-            raw.update(w.expect("decode", "bw_checked"))
-        for r in ("prefill", "decode"):
-            w.send(r, "start")
+            w.send(dec[0], "bw_listen")
+            w.expect(dec[0], "bw_listening")
+            w.send(pre[0], "bw_run")
+            raw = w.expect(pre[0], "bw_result")
+            w.send(dec[0], "bw_end")
+            raw.update(w.expect(dec[0], "bw_checked"))
+        for k in w.keys:
+            begin = None
+            if w.role[k] == "prefill" and k != pre[0] and raw and "calibration" in raw:
+                begin = {"direct_threshold": raw["calibration"]["threshold"]}
+            w.send(k, "start", begin)
         t0 = time.monotonic()
         if bar:
             bar.start()
         phases["bandwidth"] = t0 - t_begin - phases["startup"]
-        w.heard = {r: t0 for r in w.heard}
+        w.heard = {k: t0 for k in w.heard}
         w.watch = True
-        last = {"prefill": {}, "decode": {}}
+        last = {k: {} for k in w.keys}
         done = {}
         finished, t_finished = -1, t0
-        while len(done) < 2:
-            for role, kind, payload in w.poll(0.1):
-                if kind == "progress":
-                    last[role] = payload
-                elif kind == "pause_decode":
-                    w.send("decode", "pause", payload)
-                elif kind == "resumed":
-                    w.send("prefill", "decode_resumed", payload)
-                elif kind == "done":
-                    done[role] = payload
-                else:
-                    raise WorkerFailed(f"the {role} worker sent an unexpected {kind!r}")
+        while len(done) < len(pre) + len(orch.live):
+            for key, kind, payload in w.poll(0.1):
+                orch.on_message(key, kind, payload, last, done)
+            orch.tick(last, done)
             t = time.monotonic()
-            n = last["prefill"].get("finished", 0) + last["decode"].get("completed", 0)
+            n = (sum(last[k].get("finished", 0) for k in pre)
+                 + sum(last[k].get("completed", 0) for k in dec))
             if n != finished:
                 finished, t_finished = n, t
             elif t - t_finished > STALL_S:
-                raise WorkerFailed(f"no request finished for {STALL_S:.0f} s: prefill "
-                                   f"{last['prefill']}, decode {last['decode']}")
+                raise WorkerFailed(f"no request finished for {STALL_S:.0f} s: "
+                                   + "; ".join(f"{k} {last[k]}" for k in w.keys))
             if bar:
-                bar.update(last, t - t0)
+                bar.update(_sides(last, pre, dec), t - t0)
         wall = max(d["seconds"] for d in done.values())
         if bar:
-            bar.update(last, wall, force=True)
+            bar.update(_sides(last, pre, dec), wall, force=True)
             bar.close()
         phases["workload"] = time.monotonic() - t0
         w.watch = False  # closing an engine drains, deregisters: quiet for a moment
-        for r in ("prefill", "decode"):
-            w.send(r, "stop")
+        live = pre + orch.live
+        for k in live:
+            w.send(k, "stop")
         final = {}
-        while len(final) < 2:
-            for role, kind, payload in w.poll(1.0):
+        while len(final) < len(live):
+            for key, kind, payload in w.poll(1.0):
                 if kind == "final":
-                    final[role] = payload
+                    final[key] = payload
                 elif kind not in ("progress", "done"):
-                    raise WorkerFailed(f"the {role} worker sent {kind!r} after stop")
+                    raise WorkerFailed(f"the {key} worker sent {kind!r} after stop")
             if time.monotonic() - t0 > wall + PHASE_S + 60:
-                raise WorkerFailed(f"no final report from {sorted(set(w.procs) - set(final))}")
+                raise WorkerFailed(f"no final report from {sorted(set(live) - set(final))}")
+        link = hosts.link_bytes() if hosts is not None else None
         clean = True
     except WorkerFailed as e:
         w.close(failed=True)
@@ -591,12 +783,23 @@ def run(cfg: DemoConfig, progress: bool = True) -> dict:
         if bar:
             bar.close()
         w.close(failed=not clean)
-    codes = {r: p.exitcode for r, p in w.procs.items()}
+    codes = {k: p.exitcode for k, p in w.procs.items()}
     phases["shutdown"] = time.monotonic() - t_begin - sum(phases.values())
-    res = build_result(cfg, final, raw, wall, time.monotonic() - t_begin, codes)
+    res = build_result(cfg, final, raw, wall, time.monotonic() - t_begin, codes,
+                       keys=w.keys, roles=w.role, agents=w.agent, kill=orch.kill,
+                       confirmed=orch.confirmed, last=last)
     res["phase_seconds"] = phases
-    res["setup_seconds"] = {r: ready[r]["setup"] for r in ready}
+    res["setup_seconds"] = {k: ready[k]["setup"] for k in ready}
+    if hosts is not None:
+        res["hosts"] = dict(hosts.describe(), link_bytes=link)
+    else:
+        res["hosts"] = {"kind": "one"}
     return res
+
+
+def _sides(last: dict, pre: list, dec: list) -> dict:
+    return {"prefill": _sum_progress([last[k] for k in pre]),
+            "decode": _sum_progress([last[k] for k in dec])}
 
 
 # --- the result -----------------------------------------------------------------------------
@@ -607,18 +810,109 @@ def _ms_stats(xs) -> dict:
     return {"count": len(xs), "median_ms": statistics.median(xs) * 1e3, "max_ms": max(xs) * 1e3}
 
 
-def build_result(cfg, final: dict, raw, wall: float, total: float, exit_codes: dict) -> dict:
-    pre, dec = final["prefill"], final["decode"]
-    pm, dm = pre["metrics"], dec["metrics"]
+def _add(a, b):
+    """``a`` + ``b`` for the workers' counters: numbers add, dicts add key by key, lists
+    join; anything else keeps ``a``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = _add(out[k], v) if k in out else v
+        return out
+    if isinstance(a, list) and isinstance(b, list):
+        return a + b
+    if (isinstance(a, (int, float)) and isinstance(b, (int, float))
+            and not isinstance(a, bool) and not isinstance(b, bool)):
+        return a + b
+    return a
+
+
+def _exit_code(codes: list):
+    """One side's exit code from its workers': None if one is still running, else the
+    worst: a failure status, then a signal, then 0."""
+    if any(c is None for c in codes):
+        return None
+    return max(codes) if any(c > 0 for c in codes) else min(codes)
+
+
+def _worker_report(f: dict, exit_code, role: str, index: int, agent: str) -> dict:
+    m = dict(f["metrics"])
+    m.pop("time_to_free")
+    return dict(role=role, index=index, agent=agent, killed=False, metrics=m,
+                freed_by_reason=f["freed_by_reason"], leaked_pages=int(f["leaked_pages"]),
+                leaked_owners=f["leaked_owners"], audit=f["audit"],
+                allocator_allocated=f["allocator_allocated"],
+                arena_used_bytes=f["arena_used_bytes"], open_handles=f["open_handles"],
+                closed=f["closed"], exit_code=exit_code, stage_seconds=f["stage_seconds"])
+
+
+def _side_report(reports: list[dict]) -> dict:
+    """One kind's workers as one: a single worker's report as it is; several added up
+    (counters summed, owners named ``worker: owner``)."""
+    if len(reports) == 1:
+        return reports[0]
+    out = dict(metrics={}, freed_by_reason={}, leaked_pages=0, leaked_owners={},
+               audit={"leaked": {}, "quarantined": {}, "unaccounted": []},
+               allocator_allocated=0, arena_used_bytes=0, open_handles=0, closed=True,
+               exit_code=_exit_code([r["exit_code"] for r in reports]), stage_seconds={},
+               workers=[r["key"] for r in reports])
+    for r in reports:
+        key = r["key"]
+        out["metrics"] = _add(out["metrics"], r["metrics"])
+        out["freed_by_reason"] = _add(out["freed_by_reason"], r["freed_by_reason"])
+        out["stage_seconds"] = _add(out["stage_seconds"], r["stage_seconds"])
+        out["leaked_owners"].update({f"{key}: {o}": n for o, n in r["leaked_owners"].items()})
+        for part in ("leaked", "quarantined"):
+            out["audit"][part].update({f"{key}: {o}": p for o, p in r["audit"][part].items()})
+        out["audit"]["unaccounted"] += [[key, p] for p in r["audit"]["unaccounted"]]
+        for k in ("leaked_pages", "allocator_allocated", "arena_used_bytes", "open_handles"):
+            out[k] += r[k]
+        out["closed"] = out["closed"] and r["closed"]
+    return out
+
+
+def build_result(cfg, final: dict, raw, wall: float, total: float, exit_codes: dict, *,
+                 keys=None, roles=None, agents=None, kill=None, confirmed=None,
+                 last=None) -> dict:
+    """The report from the workers' final messages (``final``: key -> message; a killed
+    worker has none).  ``keys``, ``roles``, ``agents``: the workers (default: one prefill
+    "prefill", one decode "decode"); ``kill``: what --kill-decode did; ``confirmed``:
+    decode key -> the request ids its progress messages reported delivered; ``last``:
+    each worker's last progress message."""
+    if keys is None:
+        keys, roles = ["prefill", "decode"], {"prefill": "prefill", "decode": "decode"}
+        agents = {k: k for k in keys}
+    confirmed, last = confirmed or {}, last or {}
+    index = {}
+    for k in keys:
+        index[k] = sum(1 for kk in keys[:keys.index(k)] if roles[kk] == roles[k])
+    by_agent = {agents[k]: k for k in keys}
+    pre = [k for k in keys if roles[k] == "prefill"]
+    dec = [k for k in keys if roles[k] == "decode" and k in final]
+    workers = {}
+    for k in keys:
+        if k in final:
+            workers[k] = _worker_report(final[k], exit_codes.get(k), roles[k], index[k],
+                                        agents[k])
+            workers[k]["key"] = k
+        else:  # killed by the demo: what its last progress message said
+            workers[k] = dict(role=roles[k], index=index[k], agent=agents[k], killed=True,
+                              exit_code=exit_codes.get(k), last_progress=last.get(k, {}),
+                              key=k)
+    pm = _side_report([workers[k] for k in pre])["metrics"]
+    dm = _side_report([workers[k] for k in dec])["metrics"]
+    gone = [k for k in keys if workers[k]["killed"]]
+    lost = {f: sum(int(last.get(k, {}).get(f, 0)) for k in gone)
+            for f in ("bytes_landed", "bytes_verified", "bytes_corrupt")}
     outcomes = {o: int(pm["requests"].get(o, 0)) for o in OUTCOMES}
-    verified = int(dm["bytes_verified"])
+    verified = int(dm["bytes_verified"]) + lost["bytes_verified"]
     res = dict(
         requests=cfg.requests, **outcomes,
         pauses=int(pm["pauses"] + dm["pauses"]),
-        bytes_transferred=int(dm["bytes_landed"]),
+        bytes_transferred=int(dm["bytes_landed"]) + lost["bytes_landed"],
         bytes_verified=verified,
-        bytes_corrupt=int(dm["bytes_corrupt"]),
-        leaked_pages={"prefill": int(pre["leaked_pages"]), "decode": int(dec["leaked_pages"])},
+        bytes_corrupt=int(dm["bytes_corrupt"]) + lost["bytes_corrupt"],
+        leaked_pages={"prefill": sum(workers[k]["leaked_pages"] for k in pre),
+                      "decode": sum(workers[k]["leaked_pages"] for k in dec)},
         throughput_gbps=float(verified / wall / 1e9) if wall > 0 else 0.0,
         wall_seconds=wall, total_seconds=total,
     )
@@ -637,41 +931,81 @@ def build_result(cfg, final: dict, raw, wall: float, total: float, exit_codes: d
     else:
         res["raw_nixl_gbps"] = None
         res["throughput_vs_raw"] = None
+    fp = [final[k] for k in pre]
+    merged = {f: {} for f in ("faults_planned", "outcomes_by_fault", "outcomes_by_status")}
+    for f in fp:
+        for field_ in merged:
+            merged[field_] = _add(merged[field_], {str(a): b for a, b in f[field_].items()})
     res.update(
-        faults_planned=pre["faults_planned"],
-        outcomes_by_fault=pre["outcomes_by_fault"],
-        outcomes_by_status={str(k): v for k, v in pre["outcomes_by_status"].items()},
+        faults_planned=merged["faults_planned"],
+        outcomes_by_fault=merged["outcomes_by_fault"],
+        outcomes_by_status=merged["outcomes_by_status"],
         pauses_by_side={"prefill": pm["pauses"], "decode": dm["pauses"]},
         pause_mean_ms={s: (m["pause_seconds"] / m["pauses"] * 1e3 if m["pauses"] else None)
                        for s, m in (("prefill", pm), ("decode", dm))},
-        time_to_free=_ms_stats(pm["time_to_free"]),
+        time_to_free=_ms_stats([x for k in pre for x in final[k]["metrics"]["time_to_free"]]),
         protocol_errors={"prefill": pm["protocol_errors"], "decode": dm["protocol_errors"]},
         bytes_packed=int(pm["bytes_packed"]), bytes_sent=int(pm["bytes_sent"]),
     )
-    for side, f in (("prefill", pre), ("decode", dec)):
-        m = dict(f["metrics"])
-        m.pop("time_to_free")
-        res[side] = dict(metrics=m, freed_by_reason=f["freed_by_reason"],
-                         leaked_owners=f["leaked_owners"], audit=f["audit"],
-                         allocator_allocated=f["allocator_allocated"],
-                         arena_used_bytes=f["arena_used_bytes"],
-                         open_handles=f["open_handles"], closed=f["closed"],
-                         exit_code=exit_codes.get(side),
-                         stage_seconds=f["stage_seconds"])
-    pre_ok, dec_ok = set(pre["succeeded_rids"]), set(dec["succeeded_rids"])
-    # A request can end early on the prefill (an abort, a pause) after its last write landed
-    # and was announced: the decode has all of it, the client was told otherwise.  The
-    # other way round (told delivered, not received) is a failure.
-    res["delivered"] = dict(prefill=len(pre_ok), decode=len(dec_ok),
-                            missing=sorted(pre_ok - dec_ok),
-                            received_after_early_end=sorted(dec_ok - pre_ok))
-    res.update(transfer_fields(cfg, pre, dec, calibration))
+    for side, ks in (("prefill", pre), ("decode", dec)):
+        res[side] = {k: v for k, v in _side_report([workers[k] for k in ks]).items()
+                     if k not in ("role", "index", "agent", "killed", "key")}
+    # Delivered, per decode.  A request can end early on the prefill (an abort, a pause)
+    # after its last write landed and was announced: the decode has all of it, the client
+    # was told otherwise.  The other way round (told delivered, not received) is a failure,
+    # unless that decode was killed: what it received after its last progress message is
+    # unknown (``unconfirmed``).
+    pre_ok = {r for f in fp for r in f["succeeded_rids"]}
+    missing, unconfirmed, late, dec_ok_n = [], [], [], 0
+    for k in [k for k in keys if roles[k] == "decode"]:
+        told = {r for f in fp for r in f["succeeded_by_peer"].get(agents[k], [])}
+        if k in final:
+            got = set(final[k]["succeeded_rids"])
+            missing += sorted(told - got)
+            late += sorted(got - pre_ok)
+            dec_ok_n += len(got)
+        else:
+            unconfirmed += sorted(told - set(confirmed.get(k, [])))
+            dec_ok_n += len(told & set(confirmed.get(k, [])))
+    res["delivered"] = dict(prefill=len(pre_ok), decode=dec_ok_n, missing=sorted(missing),
+                            received_after_early_end=sorted(late),
+                            unconfirmed=sorted(unconfirmed))
+    res.update(transfer_fields(cfg, fp, [final[k] for k in dec], calibration,
+                               final[pre[0]].get("direct_threshold")))
     res["config"] = asdict(cfg)
+    res["workers"] = {k: {kk: vv for kk, vv in w_.items() if kk != "key"}
+                      for k, w_ in workers.items()}
+    res["peers"] = peer_table(keys, roles, final, workers, by_agent)
+    if kill is not None:
+        res["killed"] = dict(kill, ended_on_prefills={
+            p: {by_agent.get(a, a): info for a, info in final[p].get("gone", {}).items()}
+            for p in pre})
     errors = check(res)
     res["ok"] = not errors
     res["errors"] = errors
     res["warnings"] = exit_warnings(res)
     return res
+
+
+def peer_table(keys, roles, final, workers, by_agent) -> dict:
+    """Per worker: its requests by outcome (a prefill: those it ran; a decode: those it
+    received), and per peer (by worker key) the requests bound to that peer by outcome,
+    the bytes moved with it and the messages it could not be sent; a prefill also
+    counts its requests per decode by status.  A killed worker: ``killed`` only."""
+    out = {}
+    for k in keys:
+        if k not in final:
+            out[k] = {"role": roles[k], "killed": True}
+            continue
+        m = final[k]["metrics"]
+        row = {"role": roles[k], "killed": False, "requests": dict(m["requests"]),
+               "by_peer": {by_agent.get(a, a): c for a, c in m.get("peers", {}).items()}}
+        if roles[k] == "prefill":
+            row["status_by_peer"] = {by_agent.get(a, a): {str(s): n for s, n in c.items()}
+                                     for a, c in final[k].get("status_by_peer", {}).items()}
+            row["routed"] = {by_agent.get(a, a): n for a, n in final[k].get("routed", {}).items()}
+        out[k] = row
+    return out
 
 
 def check(res: dict) -> list[str]:
@@ -680,23 +1014,28 @@ def check(res: dict) -> list[str]:
     parts = sum(res[o] for o in OUTCOMES)
     if parts != res["requests"]:
         errs.append(f"outcomes add up to {parts}, not {res['requests']} requests")
-    for side in ("prefill", "decode"):
-        s = res[side]
-        if res["leaked_pages"][side]:
-            errs.append(f"{side}: {res['leaked_pages'][side]} page(s) leaked, held by "
+    for key, s in res["workers"].items():
+        if s["killed"]:
+            continue  # killed by the demo (--kill-decode): nothing of it is left to check
+        if s["leaked_pages"]:
+            errs.append(f"{key}: {s['leaked_pages']} page(s) leaked, held by "
                         f"{s['leaked_owners'] or 'nobody (unaccounted)'}")
         if s["allocator_allocated"]:
-            errs.append(f"{side}: the allocator still counts {s['allocator_allocated']} pages "
+            errs.append(f"{key}: the allocator still counts {s['allocator_allocated']} pages "
                         "allocated")
         if s["arena_used_bytes"]:
-            errs.append(f"{side}: {s['arena_used_bytes']} bytes of its registered buffer "
+            errs.append(f"{key}: {s['arena_used_bytes']} bytes of its registered buffer "
                         "still reserved")
         if s["open_handles"]:
-            errs.append(f"{side}: {s['open_handles']} transfer handle(s) still open")
-        if res["protocol_errors"][side]:
-            errs.append(f"{side}: {res['protocol_errors'][side]} control message(s) refused")
+            errs.append(f"{key}: {s['open_handles']} transfer handle(s) still open")
+        if s["metrics"]["protocol_errors"]:
+            errs.append(f"{key}: {s['metrics']['protocol_errors']} control message(s) refused")
         if s["exit_code"] is None or s["exit_code"] > 0:  # a signal: exit_warnings
-            errs.append(f"{side} worker exited with status {s['exit_code']}")
+            errs.append(f"{key} worker exited with status {s['exit_code']}")
+    for key, row in res.get("peers", {}).items():
+        if not row["killed"] and sum(row["requests"].values()) != sum(
+                sum(c["requests"].values()) for c in row["by_peer"].values()):
+            errs.append(f"{key}: its requests by peer do not add up to its requests")
     if res["bytes_corrupt"]:
         errs.append(f"{res['bytes_corrupt']} landed bytes failed verification")
     if res["bytes_verified"] != res["bytes_transferred"]:
@@ -713,11 +1052,12 @@ def check(res: dict) -> list[str]:
 def exit_warnings(res: dict) -> list[str]:
     """The workers that died of a signal after their final report: every result came in
     that report, so the run stands; each is named with its signal.  (A worker that dies
-    before its final report fails the run, exit status 3, before there is a result.)"""
-    return [f"the {side} worker was {exit_how(res[side]['exit_code'])} after its final "
+    before its final report fails the run, exit status 3, before there is a result; one
+    the demo killed is no warning.)"""
+    return [f"the {key} worker was {exit_how(s['exit_code'])} after its final "
             "report (its results are complete)"
-            for side in ("prefill", "decode")
-            if res[side]["exit_code"] is not None and res[side]["exit_code"] < 0]
+            for key, s in res["workers"].items()
+            if not s["killed"] and s["exit_code"] is not None and s["exit_code"] < 0]
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -767,8 +1107,10 @@ def format_report(r: dict) -> str:
     raw = r.get("raw_nixl")
     thr = (f"throughput: {r['throughput_gbps']:.2f} GB/s of verified KV over "
            f"{r['wall_seconds']:.1f} s")
+    several = c.get("prefills", 1) > 1 or c.get("decodes", 1) > 1
     if raw:
-        thr += (f"; raw NIXL write between the same processes {raw['gbps']:.2f} GB/s "
+        between = "prefill 0 and decode 0" if several else "the same processes"
+        thr += (f"; raw NIXL write between {between} {raw['gbps']:.2f} GB/s "
                 f"({raw['nbytes'] >> 20} MiB, median of {raw['rounds']}; first write "
                 f"{raw['first_s'] * 1e3:.0f} ms): {r['throughput_vs_raw']:.2f}x raw")
     add(thr)
@@ -780,13 +1122,27 @@ def format_report(r: dict) -> str:
             add(f"  {side} owners: {r[side]['leaked_owners']}")
     add(f"protocol errors: prefill {r['protocol_errors']['prefill']}, decode "
         f"{r['protocol_errors']['decode']}")
+    hosts = r.get("hosts", {})
+    if hosts.get("kind") == "netns":
+        link = hosts.get("link_bytes") or {}
+        sent = link.get("prefill", {}).get("tx")
+        add(f"hosts: prefills in network namespace {hosts['namespaces']['prefill']}, decodes "
+            f"in {hosts['namespaces']['decode']}, joined by a veth pair "
+            f"({hosts['addresses']['prefill']} <-> {hosts['addresses']['decode']}), UCX over "
+            f"{hosts['ucx_tls']}" + (f"; the prefills' end sent {_gb(sent)}, received "
+                                     f"{_gb(link['prefill']['rx'])}" if sent is not None else ""))
+    if several or "killed" in r:
+        add("")
+        lines.extend(peer_lines(r))
     add("")
     add(f"where the time went (seconds of the {r['wall_seconds']:.1f} s workload)")
     for side in ("prefill", "decode"):
         st = r[side]["stage_seconds"]
         b = loop_breakdown(st)
         nap = st.get("nap", {})
-        add(f"  {side}: worker loop {b['loop']:.2f}, of which in step() {b['step']:.2f}, "
+        ws = r[side].get("workers")
+        who = f"{side} ({len(ws)} workers, summed)" if ws else side
+        add(f"  {who}: worker loop {b['loop']:.2f}, of which in step() {b['step']:.2f}, "
             f"napping {b['nap']:.2f} ({nap.get('calls', 0)} naps)")
         for k, sec in sorted(b["in_step"].items(), key=lambda x: -x[1]):
             add(f"    {k:<32} {sec:7.2f}   {st[k]['calls']:>8} calls")
@@ -818,31 +1174,81 @@ def loop_breakdown(stage_seconds: dict) -> dict:
             "in_step": in_step, "rest_of_step": step - sum(in_step.values())}
 
 
+def _counts(d: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items()) if v) or "none"
+
+
+def peer_lines(r: dict) -> list[str]:
+    """The report's per-worker section: each worker's requests, per peer."""
+    out = ["workers (requests by outcome, and per peer: the requests bound to it, bytes)"]
+    kill = r.get("killed")
+    for key, row in r["peers"].items():
+        if row["killed"]:
+            mid = "; ".join(f"{p}: {rids}" for p, rids in kill["mid_transfer"].items())
+            out.append(f"  {key:<9} KILLED by the demo (SIGKILL) after {kill['finished_before']} "
+                       f"requests had finished, in the middle of receiving "
+                       + (mid or "nothing (it never was: killed at the end)"))
+            continue
+        n = sum(row["requests"].values())
+        verb = "ran" if row["role"] == "prefill" else "received"
+        out.append(f"  {key:<9} {verb} {n}: {_counts(row['requests'])}")
+        for peer, c in sorted(row["by_peer"].items()):
+            what = "to" if row["role"] == "prefill" else "from"
+            st = row.get("status_by_peer", {}).get(peer)
+            out.append(f"    {what} {peer:<9} {sum(c['requests'].values()):>5}: "
+                       f"{_counts(c['requests'])}" + (f" (status {_counts(st)})" if st else "")
+                       + f"; {_gb(c['bytes'])}"
+                       + (f"; {c['send_errors']} messages not sent" if c["send_errors"] else ""))
+    if kill:
+        for p, by in kill["ended_on_prefills"].items():
+            for peer, info in by.items():
+                ends = {}
+                for st in info["status"].values():
+                    ends[str(st)] = ends.get(str(st), 0) + 1
+                out.append(f"  {p}: {len(info['active'])} request(s) bound to {peer} were "
+                           f"active when it died; they ended with status {_counts(ends)}")
+        un = r["delivered"]["unconfirmed"]
+        if un:
+            out.append(f"  {len(un)} request(s) the prefills count delivered to "
+                       f"{kill['worker']} are not confirmed by it (its last progress message "
+                       f"came before they landed): {un[:10]}")
+    return out
+
+
 def _ms(x, digits: int = 0) -> str:
     return "-" if x is None else f"{x:.{digits}f} ms"
 
 
-def transfer_fields(cfg, pre: dict, dec: dict, calibration) -> dict:
-    """The report's transfer-mode and CPU fields: ``transfer_mode`` (push: the prefill
-    writes), ``chunk_mode`` (--chunks), ``direct_threshold`` (bytes per merged descriptor
-    from which a chunk went direct; None: every chunk packed), ``calibration`` (the
-    measurement behind it, --chunks auto), ``chunks`` (posted, by kind), and ``cpu``: per
-    worker, CPU seconds of the workload (``time.process_time``, every thread of the
-    process) and per GB it moved (prefill: bytes sent, decode: bytes landed), and
-    ``poll_share``: the share of its workload loop spent in ``get_notifs``."""
+def transfer_fields(cfg, pre: list, dec: list, calibration, threshold) -> dict:
+    """The report's transfer-mode and CPU fields, from the final messages of the prefill
+    workers (``pre``) and the decode workers (``dec``): ``transfer_mode`` (push: the
+    prefill writes), ``chunk_mode`` (--chunks), ``direct_threshold`` (``threshold``: bytes
+    per merged descriptor from which a chunk went direct; None: every chunk packed),
+    ``calibration`` (the measurement behind it, --chunks auto), ``chunks`` (posted, by
+    kind), and ``cpu``: per side, CPU seconds of the workload (``time.process_time``,
+    every thread of its worker processes) and per GB it moved (prefill: bytes sent, decode:
+    bytes landed), and ``poll_share``: the share of its workload loops spent in
+    ``get_notifs``."""
     cpu = {}
-    for side, f, moved in (("prefill", pre, "bytes_sent"), ("decode", dec, "bytes_landed")):
-        s, b = f.get("cpu_seconds"), int(f["metrics"][moved])
-        st = f.get("stage_seconds", {})
+    for side, fs, moved in (("prefill", pre, "bytes_sent"), ("decode", dec, "bytes_landed")):
+        secs = [f.get("cpu_seconds") for f in fs]
+        s = None if not secs or any(x is None for x in secs) else sum(secs)
+        b = sum(int(f["metrics"][moved]) for f in fs)
+        st = {}
+        for f in fs:
+            st = _add(st, f.get("stage_seconds", {}))
         loop = st.get("loop", {}).get("seconds", 0.0)
         cpu[side] = dict(seconds=s, bytes=b,
                          seconds_per_gb=(s / (b / 1e9)) if s is not None and b else None,
                          poll_share=(st.get("get_notifs", {}).get("seconds", 0.0) / loop
                                      if loop > 0 else None))
+    chunks = {}
+    for f in pre:
+        chunks = _add(chunks, f.get("chunk_modes", {}))
     return dict(transfer_mode=cfg.transfer_mode,
                 chunk_mode=cfg.chunks if cfg.transfer_mode == "push" else "pulled",
-                direct_threshold=pre.get("direct_threshold"), calibration=calibration,
-                chunks=pre.get("chunk_modes", {}), cpu=cpu,
+                direct_threshold=threshold, calibration=calibration,
+                chunks=chunks, cpu=cpu,
                 cpu_seconds_per_gb={k: v["seconds_per_gb"] for k, v in cpu.items()})
 
 
@@ -871,6 +1277,8 @@ def summary_line(r: dict) -> str:
     raw = f", {r['throughput_vs_raw']:.2f}x raw NIXL" if r.get("raw_nixl") else ""
     status = "OK" if r["ok"] else "FAILED: " + "; ".join(r["errors"])
     warn = "".join(f"; warning: {w}" for w in r.get("warnings", []))
+    if r.get("killed"):
+        warn += f"; {r['killed']['worker']} killed by the demo"
     return (f"kvmem demo: {r['requests']} requests: " + ", ".join(f"{o} {r[o]}" for o in OUTCOMES)
             + f"; pauses {r['pauses']}; leaked {r['leaked_pages']}; "
             f"{r['throughput_gbps']:.2f} GB/s verified{raw}; {r['wall_seconds']:.1f} s{warn}: "

@@ -32,7 +32,17 @@ kvmem_abort_free_seconds       histogram              an abort in the running ba
                                                       the prefill's)
 kvmem_pages                    gauge      state       pages of the allocator: free,
                                                       allocated (sum: its capacity)
+kvmem_peer_requests_total      counter    peer,       requests ended, by the peer they were
+                                          outcome     bound to (``peers``; they add up over
+                                                      ``peer`` to kvmem_requests_total)
+kvmem_peer_bytes_total         counter    peer        bytes moved with each peer (the
+                                                      prefill: sent DONE; the decode: landed)
+kvmem_peer_send_errors_total   counter    peer        control messages each peer could not
+                                                      be sent
 =============================  =========  ==========  ======================================
+
+A ``peer`` label is the peer's agent name: a side that serves several peers (several
+decodes of one prefill, several prefills of one decode) shows one series per peer.
 
 The default registry is :data:`REGISTRY`, kvmem's own, not ``prometheus_client``'s global
 one, so that tests and several kvmem instances in one process do not collide.  A host
@@ -75,7 +85,7 @@ SIDES = ("prefill", "decode")  # Metrics.side
 # The Metrics fields the collector reads: every one but ``side`` (tests/test_metrics.py
 # fails when Metrics gains a field that is not here).
 FIELDS = frozenset({"requests", *(f"bytes_{s}" for s in STAGES), "pauses", "pause_seconds",
-                    "protocol_errors", "send_errors", "time_to_free"})
+                    "protocol_errors", "send_errors", "time_to_free", "peers"})
 # Seconds from an abort inside the running batch to its pages being free, 0.1 ms to 1 s
 # around what the demo measured (bench/results/cpu-2026-12-01-demo-naps.md).
 ABORT_FREE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -123,7 +133,8 @@ class DisaggCollector(Collector):
         with self._lock:
             sides = sorted(self._sides.items())
         fams = self._families()
-        requests, freed, moved, pauses, paused, refused, unsent, ttf, pages = fams
+        (requests, freed, moved, pauses, paused, refused, unsent, ttf, pages, peer_requests,
+         peer_bytes, peer_unsent) = fams
         for kind, side in sides:
             m = side.metrics
             by_outcome = dict(m.requests)
@@ -148,6 +159,12 @@ class DisaggCollector(Collector):
             alloc = side.alloc
             pages.add_metric([kind, "free"], alloc.num_free)
             pages.add_metric([kind, "allocated"], alloc.num_allocated)
+            for name, c in sorted(dict(m.peers).items()):
+                by_outcome = dict(c.requests)
+                for o in OUTCOMES:
+                    peer_requests.add_metric([kind, name, o], by_outcome.get(o, 0))
+                peer_bytes.add_metric([kind, name], c.bytes)
+                peer_unsent.add_metric([kind, name], c.send_errors)
         return fams
 
     @staticmethod
@@ -173,6 +190,13 @@ class DisaggCollector(Collector):
                                   "running batch to its pages being free", labels=["side"]),
             GaugeMetricFamily("kvmem_pages", "KV pages of the side's allocator, free or "
                               "allocated", labels=["side", "state"]),
+            CounterMetricFamily("kvmem_peer_requests", "Requests ended, by the peer they "
+                                "were bound to and outcome",
+                                labels=["side", "peer", "outcome"]),
+            CounterMetricFamily("kvmem_peer_bytes", "Bytes moved with each peer (prefill: "
+                                "sent, decode: landed)", labels=["side", "peer"]),
+            CounterMetricFamily("kvmem_peer_send_errors", "Control messages each peer could "
+                                "not be sent", labels=["side", "peer"]),
         ]
 
 

@@ -28,7 +28,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_CHECK = os.path.join(ROOT, "bench", "gpu_check.sh")
-FIGURES = ["pack", "allocator", "release", "demo", "transfer"]
+FIGURES = ["pack", "allocator", "release", "demo", "transfer", "netns"]
 
 
 def _env(**extra) -> dict:

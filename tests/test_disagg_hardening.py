@@ -475,7 +475,7 @@ def test_inbox_keeps_the_rest_of_a_batch_when_a_handler_fails():
 
     seen = []
 
-    def handle(msg):
+    def handle(msg, peer):
         if msg.epoch == 1 and not seen.count(1):
             seen.append(1)
             raise RuntimeError("a bug")

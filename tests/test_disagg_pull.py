@@ -62,11 +62,11 @@ def test_offered_pages_without_an_answer_are_freed_after_the_quarantine_timeout(
     dropped = []
     real = pair.decode._tell
 
-    def tell(msg):  # the decode's PULLED answers are lost
+    def tell(peer, msg):  # the decode's PULLED answers are lost
         if b'"PULLED"' in msg:
             dropped.append(msg)
             return True
-        return real(msg)
+        return real(peer, msg)
 
     pair.decode._tell = tell
     pair.prefill.add_request(1, 200)
@@ -86,7 +86,7 @@ def test_offered_pages_without_an_answer_are_freed_after_the_quarantine_timeout(
 def test_a_read_built_from_the_prefills_older_metadata_is_refused_before_posting(pair):
     pair.prefill.add_request(1, 64)
     pair.run_idle()
-    old = pair.decode._remote.table
+    old = pair.decode._tables[pair.pe.name].table
     assert old is not None and old.epoch == 0
     pair.prefill.begin_pause()
     pair.run_until(lambda: pair.prefill.paused)
@@ -114,6 +114,6 @@ def test_a_read_built_from_the_prefills_older_metadata_is_refused_before_posting
     assert pair.prefill.metrics.protocol_errors == 1
     pair.faults.stall_at.clear()
     pair.run_idle()
-    assert pair.finished[2].status == 200 and pair.decode._remote.table.epoch == 1
+    assert pair.finished[2].status == 200 and pair.decode._tables[pair.pe.name].table.epoch == 1
     assert pair.decode.metrics.bytes_corrupt == 0
     pair.assert_clean()

@@ -243,7 +243,8 @@ class Live:
             buf = torch.zeros(4096, dtype=torch.uint8)
             self._bufs.append(buf)
             eng.register("fuzz", [(buf.data_ptr(), buf.numel())], 0)
-            side._tell(meta_message(eng))
+            side._tell(pair.de.name if side is pair.prefill else pair.pe.name,
+                       meta_message(eng))
         pair.old_md = self.old_md
         for side in (pair.prefill, pair.decode):
             for b in side.pool.k_buffer + side.pool.v_buffer:
@@ -252,9 +253,9 @@ class Live:
         for side, receiver in ((pair.prefill, "decode"), (pair.decode, "prefill")):
             real = side._tell
 
-            def tell(msg, real=real, receiver=receiver):
+            def tell(peer, msg, real=real, receiver=receiver):
                 self.sent.append((receiver, msg))
-                return real(msg)
+                return real(peer, msg)
 
             side._tell = tell
         real_post = pair.pe.post_write

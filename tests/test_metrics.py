@@ -110,6 +110,19 @@ def test_values_after_a_real_run_match_the_sides_counters(pair):
     assert pm.bytes_packed > 0 and pm.bytes_sent > 0
     assert dm.bytes_verified == dm.bytes_landed > 0
 
+    # per peer: each side has one peer here, so its series equal the side's totals
+    for side, peer, moved in ((pair.prefill, pair.de.name, pm.bytes_sent),
+                              (pair.decode, pair.pe.name, dm.bytes_landed)):
+        kind, m = side.metrics.side, side.metrics
+        assert set(m.peers) == {peer}
+        for o in ("succeeded", "aborted", "timed_out", "failed"):
+            assert value(fams, "kvmem_peer_requests", "kvmem_peer_requests_total", side=kind,
+                         peer=peer, outcome=o) == m.peers[peer].requests[o] == m.requests[o]
+        assert value(fams, "kvmem_peer_bytes", "kvmem_peer_bytes_total", side=kind,
+                     peer=peer) == m.peers[peer].bytes == moved
+        assert value(fams, "kvmem_peer_send_errors", "kvmem_peer_send_errors_total",
+                     side=kind, peer=peer) == m.peers[peer].send_errors == m.send_errors
+
     # the abort in the running batch: one observation (the test's clock stands still)
     assert len(pm.time_to_free) == 1
     hist = fams["kvmem_abort_free_seconds"][2]

@@ -56,17 +56,20 @@ def _wait(engine, h) -> None:
         raise RuntimeError(f"calibration write ended {state}: {err}")
 
 
-def calibrate_direct(side, chunk_pages: int, rounds: int = 5, runs=None) -> dict:
+def calibrate_direct(side, chunk_pages: int, rounds: int = 5, runs=None,
+                     peer: str | None = None) -> dict:
     """Measure packed against direct for one chunk of ``chunk_pages`` pages of ``side``
-    (a :class:`~kvmem.disagg.prefill.PrefillSide` whose peer's metadata is loaded) at
-    several run lengths; returns the record, ``threshold`` (bytes per merged descriptor, or
-    None) among it.  Nothing of the side changes (its threshold is the caller's to set)."""
+    (a :class:`~kvmem.disagg.prefill.PrefillSide` whose peer's metadata is loaded), moved
+    to decode peer ``peer`` (may be left out when the side has one), at several run
+    lengths; returns the record, ``threshold`` (bytes per merged descriptor, or None)
+    among it.  Nothing of the side changes (its threshold is the caller's to set)."""
     eng, pool = side.engine, side.pool
     spec = pool.spec
+    peer = side.decode_peer if peer is None else peer
     own = side._local_table is None  # the side sends packed only: prepare lists here
     lt = eng.prep_local("kv") if own else side._local_table
-    rt = eng.prep_remote(eng.remote(side.decode_peer, "kv")) if own else side._remote.get()
-    landing = eng.remote(side.decode_peer, "landing")
+    rt = eng.prep_remote(eng.remote(peer, "kv")) if own else side._peers[peer].table.get()
+    landing = eng.remote(peer, "landing")
     plane = int(lt.nbytes.min())
     nbytes = kvmem.packed_nbytes(spec, chunk_pages)
     if runs is None:

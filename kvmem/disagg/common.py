@@ -237,15 +237,33 @@ def buffer_map(tensor: torch.Tensor, regions) -> RegionMap:
 
 def tell(engine, peer: str, msg: bytes, metrics: "Metrics", log) -> bool:
     """Send one control message; a peer that cannot be reached (its process died, its
-    connection broke) is logged and counted, not raised: the timeouts on both sides end
-    what it leaves behind.  Returns whether the message went out."""
+    connection broke) is logged and counted (in total and for that peer), not raised: the
+    timeouts on both sides end what it leaves behind.  Returns whether the message went
+    out."""
     try:
         engine.send_notif(peer, msg)
         return True
     except TransferError as e:
         metrics.send_errors += 1
+        metrics.peer(peer).send_errors += 1
         log.error("%s: cannot reach %s: %s", metrics.side, peer, e)
         return False
+
+
+def peer_names(what: str, one, many) -> tuple[str, ...]:
+    """The peers a side talks to, from its ``*_peer`` argument (``one``: one agent name)
+    or its ``*_peers`` argument (``many``: a sequence of names): exactly one of the two
+    given, every name a non-empty str, no name twice.  ValueError naming the values."""
+    if (one is None) == (many is None):
+        raise ValueError(f"{what}_peer or {what}_peers: give exactly one, got "
+                         f"{what}_peer={one!r}, {what}_peers={many!r}")
+    names = (one,) if one is not None else tuple(many) if not isinstance(many, str) else None
+    if not names or any(not isinstance(n, str) or not n for n in names):
+        raise ValueError(f"{what}_peers must be non-empty names (a sequence of str), got "
+                         f"{one if one is not None else many!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{what}_peers names a peer twice: {list(names)}")
+    return names
 
 
 # --- page ledger -----------------------------------------------------------------------------
@@ -360,6 +378,22 @@ class Ledger:
 
 # --- counters -------------------------------------------------------------------------------
 @dataclass
+class PeerCounts:
+    """What one side counts about one peer: the requests bound to it, by outcome (they
+    add up, over the peers, to the side's own ``requests``), the bytes moved with it (the
+    prefill: bytes of its writes and offered reads that completed DONE; the decode: bytes
+    that landed from it), and the control messages it could not be sent."""
+
+    requests: Counter = field(default_factory=Counter)
+    bytes: int = 0
+    send_errors: int = 0
+
+    def as_dict(self) -> dict:
+        return {"requests": dict(self.requests), "bytes": self.bytes,
+                "send_errors": self.send_errors}
+
+
+@dataclass
 class Metrics:
     """Counters of one side, plain fields the side increments: for a report
     (:meth:`as_dict`), a log line (:meth:`log_line`) or a Prometheus scrape
@@ -377,11 +411,20 @@ class Metrics:
     protocol_errors: int = 0
     send_errors: int = 0  # control messages the peer could not be sent
     time_to_free: list = field(default_factory=list)  # seconds, abort in the running batch
+    peers: dict = field(default_factory=dict)  # peer name -> PeerCounts (see peer())
+
+    def peer(self, name: str) -> PeerCounts:
+        """The counters about peer ``name`` (made on first use)."""
+        c = self.peers.get(name)
+        if c is None:
+            c = self.peers[name] = PeerCounts()
+        return c
 
     def as_dict(self) -> dict:
-        """Every counter, JSON-ready (for reports)."""
+        """Every counter, JSON-ready (for reports); ``peers``: name -> ``PeerCounts.as_dict``."""
         out = dataclasses.asdict(self)
         out["requests"] = dict(self.requests)
+        out["peers"] = {n: c.as_dict() for n, c in self.peers.items()}
         return out
 
     def log_line(self, freed_by_reason: Counter) -> str:

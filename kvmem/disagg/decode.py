@@ -60,6 +60,15 @@ this side, aborts the requests bound here (503, ``ABORT`` each) and acknowledges
 (their tombstones published in ``META``) and the memory released.  Resume: memory back,
 registered at the new epoch, ``META`` published: writes built from the older metadata
 are refused by the prefill's engine before they are posted.
+
+Several prefill peers (``prefill_peers``): each request belongs to the prefill whose
+``REQ`` created it, and messages about it from any other prefill are refused; request
+ids and bootstrap rooms are unique across the prefills (a ``REQ`` whose id or room is
+held by another prefill's request is refused).  A pause tells every prefill
+(``PAUSING``) and completes once each has acknowledged (``PAUSE_ACK``), or could not be
+told at all (it is gone: none of its writes can land); ``META`` goes to every prefill.
+The prepared block list of each prefill's pool (pull) and the counters
+(``metrics.peers``) are kept per prefill.
 """
 
 from __future__ import annotations
@@ -76,8 +85,8 @@ import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, HostCopy, Ledger, Metrics,
-    PeerTable, ProtocolError, Reason, buffer_map, check_caller_args, device_event, now, tell,
-    to_device,
+    PeerTable, ProtocolError, Reason, buffer_map, check_caller_args, device_event, now,
+    peer_names, tell, to_device,
 )
 from kvmem.disagg.protocol import (
     Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs, encode,
@@ -103,6 +112,7 @@ class DecodeRequest:
     rid: int
     room: int
     tokens: int
+    peer: str = ""  # the prefill whose REQ created it
     state: str = "waiting"  # waiting | withheld | booting | booted | quarantined
     landing_off: int = -1
     landing_nbytes: int = 0
@@ -118,10 +128,11 @@ class DecodeRequest:
 
 
 class DecodeSide:
-    """One decode worker: a pool, its allocator, a landing buffer, a transfer engine."""
+    """One decode worker: a pool, its allocator, a landing buffer, a transfer engine, one
+    or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``)."""
 
-    def __init__(self, pool, allocator, engine, synth, *, prefill_peer: str,
-                 landing_bytes: int, timeout: float = DEFAULT_TIMEOUT,
+    def __init__(self, pool, allocator, engine, synth, *, prefill_peer: str | None = None,
+                 prefill_peers=None, landing_bytes: int, timeout: float = DEFAULT_TIMEOUT,
                  quarantine_timeout: float | None = None, clock=now,
                  faults: DecodeFaults | None = None, transfer_mode: str = "push",
                  done_event=None):
@@ -134,11 +145,13 @@ class DecodeSide:
             raise ValueError(f"transfer_mode must be 'push' or 'pull', got {transfer_mode!r}")
         self.pool, self.alloc, self.engine, self.synth = pool, allocator, engine, synth
         self.spec = pool.spec
-        self.prefill_peer = prefill_peer
+        self.prefill_peers = peer_names("prefill", prefill_peer, prefill_peers)
         self.transfer_mode = transfer_mode  # pull: this side reads the offered pages
         self._local_table = None  # pull: prepared block list of our pool
-        self._remote = PeerTable(engine, prefill_peer)  # pull: ... of the prefill's pool
-        self._ack_pending = False  # PAUSE_ACK came while own reads were in flight
+        # pull: ... of each prefill's pool
+        self._tables = {n: PeerTable(engine, n) for n in self.prefill_peers}
+        self._acks_due: set = set()  # prefills whose PAUSE_ACK this pause still waits for
+        self._ack_pending = False  # every PAUSE_ACK came while own reads were in flight
         self.timeout = timeout
         self.quarantine_timeout = timeout if quarantine_timeout is None else quarantine_timeout
         self.clock = clock
@@ -163,7 +176,7 @@ class DecodeSide:
         self.completed: dict[int, Reason] = {}
         self.pausing = False
         self.paused = False
-        self.inbox = Inbox(engine, peer=prefill_peer, receiver="decode",
+        self.inbox = Inbox(engine, peers=self.prefill_peers, receiver="decode",
                            handle=self.handle_message, metrics=self.metrics, log=log)
         self._register()
 
@@ -178,10 +191,21 @@ class DecodeSide:
             self._local_table = self.engine.prep_local("kv")
 
     def publish_metadata(self) -> None:
-        self._tell(meta_message(self.engine))
+        """``META`` with this side's current metadata, to every prefill."""
+        msg = meta_message(self.engine)
+        for name in self.prefill_peers:
+            self._tell(name, msg)
 
-    def _tell(self, msg: bytes) -> bool:
-        return tell(self.engine, self.prefill_peer, msg, self.metrics, log)
+    def _tell(self, peer: str, msg: bytes) -> bool:
+        return tell(self.engine, peer, msg, self.metrics, log)
+
+    @property
+    def prefill_peer(self) -> str:
+        """The prefill peer, when there is one (ValueError when there are several)."""
+        if len(self.prefill_peers) != 1:
+            raise ValueError(f"prefill_peer: this side has {len(self.prefill_peers)} prefill "
+                             f"peers {list(self.prefill_peers)}")
+        return self.prefill_peers[0]
 
     # --- one iteration -----------------------------------------------------------------------
     def step(self) -> bool:
@@ -210,42 +234,55 @@ class DecodeSide:
                     busy = self._send_boot(req) or busy
         return self._check_timeouts() or busy
 
-    def handle_message(self, msg) -> None:
-        """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from the
-        prefill peer; ProtocolError, before anything changed, when it does not fit the
-        state here."""
+    def handle_message(self, msg, peer: str | None = None) -> None:
+        """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from prefill
+        peer ``peer`` (may be left out when the side has one); ProtocolError, before
+        anything changed, when it does not fit the state here."""
+        peer = self.prefill_peer if peer is None else peer
+        if peer not in self._tables:
+            raise ProtocolError(f"message from {peer!r}, not a prefill peer of this side")
         if isinstance(msg, Req):
-            self._on_req(msg)
+            self._on_req(msg, peer)
         elif isinstance(msg, Chunk):
-            self._on_chunk(msg)
+            self._on_chunk(msg, peer)
         elif isinstance(msg, Aux):
-            self._on_aux(msg)
+            self._on_aux(msg, peer)
         elif isinstance(msg, Abort):
-            self._on_abort(msg)
+            self._on_abort(msg, peer)
         elif isinstance(msg, PauseAck):
-            self._on_pause_ack(msg)
+            self._on_pause_ack(msg, peer)
         elif isinstance(msg, Meta):
             apply_metadata(self.engine, msg)
         elif isinstance(msg, Ready):
-            self._on_ready(msg)
+            self._on_ready(msg, peer)
         else:
             raise ProtocolError(f"unexpected message {type(msg).__name__} on the decode side")
 
-    def _on_pause_ack(self, msg: PauseAck) -> None:
-        """The prefill has no write into this side in flight: only an ack of *this* pause
-        (its epoch) may free the pages and release the memory."""
+    def _on_pause_ack(self, msg: PauseAck, peer: str) -> None:
+        """A prefill has no write into this side in flight: only an ack of *this* pause
+        (its epoch) counts, once per prefill; when every prefill has answered the pages
+        may be freed and the memory released."""
         if not self.pausing:
             raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this side is not pausing")
         if msg.epoch != self.pool.epoch:
             raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this pause is epoch "
                                 f"{self.pool.epoch}")
+        if peer not in self._acks_due:
+            raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch} from {peer!r}: it answered "
+                                "this pause already")
+        self._acks_due.discard(peer)
+        self._maybe_finish_pause()
+
+    def _maybe_finish_pause(self) -> None:
+        if self._acks_due or not self.pausing or self._ack_pending:
+            return
         if any(r.reads for r in self.reqs.values()):
             self._ack_pending = True  # our own reads into the pool first (step polls them)
             return
         self._finish_pause()
 
     # --- requests ------------------------------------------------------------------------------
-    def _on_req(self, msg: Req) -> None:
+    def _on_req(self, msg: Req, peer: str) -> None:
         rid, room, tokens = msg.rid, msg.room, msg.tokens
         if rid in self.reqs:
             raise ProtocolError(f"REQ: request id {rid} is in use")
@@ -260,7 +297,7 @@ class DecodeSide:
         if tokens <= 0 or tokens > self.synth.max_tokens:
             raise ProtocolError(f"REQ for request {rid}: {tokens} tokens outside "
                                 f"[1, {self.synth.max_tokens}]")
-        req = DecodeRequest(rid, room, tokens, t_seen=self.clock())
+        req = DecodeRequest(rid, room, tokens, peer, t_seen=self.clock())
         if self.faults.withhold_boot(rid):
             req.state = "withheld"
         self.reqs[rid] = req
@@ -298,15 +335,18 @@ class DecodeSide:
         req.host_pages, req.ids = req.ids.numpy(), None
         req.state = "booted"
         req.t_seen = self.clock()
-        self._tell(encode(
+        self._tell(req.peer, encode(
             "BOOT", rid=req.rid, room=req.room, off=req.landing_off, nbytes=req.landing_nbytes,
             epoch=self.pool.epoch, pages=encode_runs(req.host_pages)))
         return True
 
-    def _known(self, msg) -> DecodeRequest:
+    def _known(self, msg, peer: str) -> DecodeRequest:
         req = self.reqs.get(msg.rid)
         if req is None:
             raise ProtocolError(f"{msg.t} for unknown request {msg.rid}")
+        if req.peer != peer:
+            raise ProtocolError(f"{msg.t} for request {msg.rid} from {peer!r}: the request is "
+                                f"{req.peer!r}'s")
         if req.state not in ("booted", "quarantined"):
             raise ProtocolError(f"{msg.t} for request {req.rid} in state {req.state}")
         return req
@@ -321,8 +361,8 @@ class DecodeSide:
                                 f"outside its {n_pages} pages")
         return first, last
 
-    def _on_chunk(self, msg: Chunk) -> None:
-        req = self._known(msg)
+    def _on_chunk(self, msg: Chunk, peer: str) -> None:
+        req = self._known(msg, peer)
         first, last = self._page_range(req, msg)
         nbytes = kvmem.packed_nbytes(self.spec, last - first)
         if msg.nbytes != nbytes:
@@ -335,6 +375,7 @@ class DecodeSide:
             raise ProtocolError(f"CHUNK for request {req.rid}: pages from {first}, expected "
                                 f"from {req.pages_done}")
         self.metrics.bytes_landed += nbytes
+        self.metrics.peer(peer).bytes += nbytes
         if msg.direct:  # written straight into the request's pool pages: check them there
             self.chunk_modes["direct"] += 1
             ok = self.synth.verify_pages(self.pool, req.rid, first, last,
@@ -351,13 +392,13 @@ class DecodeSide:
         req.busy = self.done_event()  # the check and the unpack read the region, write pages
 
     # --- pull mode --------------------------------------------------------------------------
-    def _on_ready(self, msg: Ready) -> None:
+    def _on_ready(self, msg: Ready, peer: str) -> None:
         """Pull mode: read the offered pages, pool to pool, into the request's pages.  The
         answer (PULLED) goes once the read is DONE or ERR, or at once when it is refused
         (the prefill's pool moved on: the epoch guard, before posting)."""
         if self.transfer_mode != "pull":
             raise ProtocolError("READY on a decode side in push mode")
-        req = self._known(msg)
+        req = self._known(msg, peer)
         first, last = self._page_range(req, msg)
         if first != req.pages_done or req.reads:
             raise ProtocolError(f"READY for request {req.rid}: pages from {first}, expected "
@@ -371,9 +412,9 @@ class DecodeSide:
         try:
             if req.state == "quarantined":  # aborted here: nothing more is read into it
                 raise TransferError(f"request {req.rid} is aborted on the decode side")
-            rt = self._remote.get()
+            rt = self._tables[peer].get()
             if rt is None or rt.epoch != msg.epoch:
-                raise StaleEpochError(self.prefill_peer, "kv", f"epoch {msg.epoch}",
+                raise StaleEpochError(peer, "kv", f"epoch {msg.epoch}",
                                       "closed" if rt is None else f"epoch {rt.epoch}", "READY")
             if src.min() < 1 or src.max() >= rt.layout.count:
                 raise ProtocolError(f"READY for request {req.rid}: prefill pages outside "
@@ -391,7 +432,7 @@ class DecodeSide:
             log.warning("decode: request %d: read of pages [%d, %d) refused: %s", req.rid,
                         first, last, e)
         if not ok:
-            self._tell(encode("PULLED", rid=req.rid, first=first, last=last, ok=False))
+            self._tell(peer, encode("PULLED", rid=req.rid, first=first, last=last, ok=False))
 
     def _landed(self, req, first: int, last: int, nbytes: int, ok, bad: str) -> None:
         """Pages ``[first, last)`` of ``req`` arrived and were checked (``ok``, a 0-dim
@@ -443,20 +484,21 @@ class DecodeSide:
                     nbytes = kvmem.packed_nbytes(self.spec, last - first)
                     self.chunk_modes["pulled"] += 1
                     self.metrics.bytes_landed += nbytes
+                    self.metrics.peer(req.peer).bytes += nbytes
                     ok = self.synth.verify_pages(self.pool, req.rid, first, last,
                                                  req.host_pages[first:last])
                     req.busy = self.done_event()  # the check reads the pages
                     self._landed(req, first, last, nbytes, ok,
                                  "read bytes differ from what the prefill computed")
-                self._tell(encode("PULLED", rid=req.rid, first=first, last=last,
-                                  ok=st == "DONE"))
+                self._tell(req.peer, encode("PULLED", rid=req.rid, first=first, last=last,
+                                            ok=st == "DONE"))
             req.reads = keep
             if not keep and req.free_after_reads is not None:
                 self._free(req, *req.free_after_reads)
         return done
 
-    def _on_aux(self, msg: Aux) -> None:
-        req = self._known(msg)
+    def _on_aux(self, msg: Aux, peer: str) -> None:
+        req = self._known(msg, peer)
         n_pages = -(-req.tokens // self.spec.page_size)
         if msg.off != kvmem.packed_nbytes(self.spec, n_pages) or msg.nbytes != AUX_BYTES:
             raise ProtocolError(f"AUX for request {req.rid}: [{msg.off}, +{msg.nbytes}) "
@@ -470,6 +512,7 @@ class DecodeSide:
         want = torch.tensor([req.rid, req.tokens], dtype=torch.int64).view(torch.uint8)
         got = self.landing[start:start + want.numel()]
         self.metrics.bytes_landed += AUX_BYTES
+        self.metrics.peer(peer).bytes += AUX_BYTES
         ok = (got == to_device(want, got.device)).all()  # on the device: no host sync
         req.busy = self.done_event()  # the comparison reads the landing region
         self._verdict(ok, AUX_BYTES, req.rid, n_pages, n_pages, None)
@@ -477,7 +520,7 @@ class DecodeSide:
             return  # aborted here meanwhile: freed when the prefill's ABORT comes
         self._free(req, "completed", Reason(OK, f"request {req.rid}: KV received"))
 
-    def _on_abort(self, msg: Abort) -> None:
+    def _on_abort(self, msg: Abort, peer: str) -> None:
         """The prefill ended the request and has no write of it in flight.  Status 200 only
         answers this side's ABORT_REQ (the prefill had delivered it already)."""
         req = self.reqs.get(msg.rid)
@@ -485,6 +528,9 @@ class DecodeSide:
             if msg.rid in self.completed:
                 return  # both sides finished it already
             raise ProtocolError(f"ABORT for unknown request {msg.rid}")
+        if req.peer != peer:
+            raise ProtocolError(f"ABORT for request {msg.rid} from {peer!r}: the request is "
+                                f"{req.peer!r}'s")
         if msg.status == OK and req.state != "quarantined":
             raise ProtocolError(f"ABORT for request {req.rid} with status 200: this side did "
                                 "not ask for it (200 only answers an ABORT_REQ)")
@@ -508,7 +554,7 @@ class DecodeSide:
         if req.state == "quarantined":
             return
         req.reason = Reason(status, message or f"request {rid} aborted on the decode side")
-        self._tell(encode(
+        self._tell(req.peer, encode(
             "ABORT_REQ", rid=rid, status=status, reason=req.reason.message))
         req.state = "quarantined"
         req.t_quarantined = self.clock()
@@ -536,6 +582,7 @@ class DecodeSide:
         del self._rooms[req.room]
         self.completed[req.rid] = reason
         self.metrics.requests[reason.outcome.value] += 1
+        self.metrics.peer(req.peer).requests[reason.outcome.value] += 1
 
     def _drain_device(self) -> bool:
         """Give back the pages and landing regions of ended requests whose device work is
@@ -582,7 +629,12 @@ class DecodeSide:
         self.pausing = True
         self._pause_t0 = self.clock()
         self.metrics.pauses += 1
-        self._tell(encode("PAUSING", epoch=self.pool.epoch))
+        msg = encode("PAUSING", epoch=self.pool.epoch)
+        # a prefill that cannot be told is gone (its process died, its connection broke):
+        # none of its writes can land any more, so this pause does not wait for its ack
+        self._acks_due = {n for n in self.prefill_peers if self._tell(n, msg)}
+        self._ack_pending = False
+        self._maybe_finish_pause()
 
     def _finish_pause(self) -> None:
         """The prefill acknowledged: none of its writes into this side is in flight.  The

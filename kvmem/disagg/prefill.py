@@ -79,8 +79,19 @@ States of a request (sglang's KVPoll) and every way out of each::
   direct write needs reach the host through a :class:`~kvmem.disagg.common.HostCopy` made
   when they were allocated, and such a chunk is staged once it is there (a step or so
   later on CUDA, at once on the CPU).
+* Several decode peers (``decode_peers``): each request is bound to one of them when it
+  is added (``add_request(..., peer=)``: routing is the caller's), and everything about a
+  peer is kept per peer (:class:`_DecodePeer`): its pause (``PAUSING`` ends and drains
+  only the requests bound to it, ``PAUSE_ACK`` answers it alone, the others keep
+  flowing), the BOOTs held for its ``META``, the prepared block list of its pool, and its
+  counters (``metrics.peers``).  A message about a request from a peer it is not bound to
+  is refused.  A peer that vanishes (its process killed) is found out by the lifecycle
+  itself: its requests end by the bootstrap or transfer timeout (504) or by a failed
+  write (500); the memory a write in flight may read stays held until that write is
+  DONE or ERR.  ``META`` after a pause of this side goes to every peer.
 * Peer messages arrive validated (:mod:`kvmem.disagg.protocol`); the handlers here check
-  what depends on state, before they change anything.
+  what depends on state (and that the sender is the request's peer), before they change
+  anything.
 """
 
 from __future__ import annotations
@@ -97,7 +108,7 @@ from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Ledger,
     HostCopy, Metrics, PeerTable, ProtocolError, Reason, RegionMap, buffer_map,
-    check_caller_args, check_id, device_event, now, tell, to_device,
+    check_caller_args, check_id, device_event, now, peer_names, tell, to_device,
 )
 from kvmem.disagg.protocol import (
     AbortReq, Boot, Inbox, Meta, Pausing, Pulled, apply_metadata, decode_runs, encode,
@@ -167,10 +178,22 @@ class Faults:
 
 
 @dataclass
+class _DecodePeer:
+    """What the prefill side keeps about one decode peer."""
+
+    name: str
+    table: PeerTable  # prepared block list of its pool (direct writes), per epoch
+    paused: bool = False  # it announced a pause (PAUSING); cleared by its live META
+    pause_epoch: int | None = None  # its PAUSE_ACK is due once no write into it is in flight
+    held_boots: dict = field(default_factory=dict)  # rid -> BOOT waiting for its META
+
+
+@dataclass
 class PrefillRequest:
     rid: int
     room: int
     tokens: int
+    peer: str = ""  # the decode peer the request is bound to
     state: KVPoll = KVPoll.Bootstrapping
     t_created: float = 0.0
     t_bootstrapped: float | None = None
@@ -200,10 +223,12 @@ class PrefillRequest:
 
 
 class PrefillSide:
-    """One prefill worker: a pool, its allocator, a transfer engine, one decode peer."""
+    """One prefill worker: a pool, its allocator, a transfer engine, one or several decode
+    peers (``decode_peer``: one agent name; or ``decode_peers``: several, each request
+    bound to one of them by :meth:`add_request`)."""
 
-    def __init__(self, pool, allocator, engine, synth, *, decode_peer: str,
-                 chunk_tokens: int = 256, max_batch_tokens: int = 2048,
+    def __init__(self, pool, allocator, engine, synth, *, decode_peer: str | None = None,
+                 decode_peers=None, chunk_tokens: int = 256, max_batch_tokens: int = 2048,
                  staging_bytes: int | None = None,
                  bootstrap_timeout: float = DEFAULT_TIMEOUT,
                  transfer_timeout: float = DEFAULT_TIMEOUT, clock=now,
@@ -218,7 +243,7 @@ class PrefillSide:
             raise ValueError(f"transfer_mode must be 'push' or 'pull', got {transfer_mode!r}")
         self.pool, self.alloc, self.engine, self.synth = pool, allocator, engine, synth
         self.spec = spec
-        self.decode_peer = decode_peer
+        self.decode_peers = peer_names("decode", decode_peer, decode_peers)
         # push: this side writes each chunk (packed or direct); pull: it offers the pages
         # (READY) and the decode reads them, pool to pool; the AUX is written in both
         self.transfer_mode = transfer_mode
@@ -236,7 +261,7 @@ class PrefillSide:
         synth.tape_on(pool.device)  # the stand-in forward reads its tape there
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("prefill")
-        self.inbox = Inbox(engine, peer=decode_peer, receiver="prefill",
+        self.inbox = Inbox(engine, peers=self.decode_peers, receiver="prefill",
                            handle=self.handle_message, metrics=self.metrics, log=log)
         chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
@@ -258,29 +283,68 @@ class PrefillSide:
         self.direct_threshold = direct_threshold
         self.chunk_modes: Counter = Counter()  # chunks posted, "packed" / "direct"
         self._local_table = None  # prepared block list of our pool (prep_local "kv")
-        self._remote = PeerTable(engine, decode_peer)  # ... of the decode's pool
+        self._peers = {n: _DecodePeer(n, PeerTable(engine, n)) for n in self.decode_peers}
         self._prep_local()
         self.reqs: dict[int, PrefillRequest] = {}  # active (not finished)
         self.finished: dict[int, Reason] = {}
+        self.finished_peer: dict[int, str] = {}  # rid -> the decode peer it was bound to
         self._rooms: set[int] = set()
         self._order: list[int] = []  # scheduling order (FIFO)
         self.paused = False
         self._pausing_since: float | None = None
-        self.peer_paused = False
-        self._peer_pause_epoch: int | None = None
-        self._held_boots: dict[int, Boot] = {}  # rid -> BOOT waiting for the decode's META
         # last_loc of a request with no token yet (alloc_extend's -1), on the device
         self._no_slot = torch.full((1,), -1, dtype=torch.int64, device=allocator.device)
 
-    def _tell(self, msg: bytes) -> bool:
-        return tell(self.engine, self.decode_peer, msg, self.metrics, log)
+    def _tell(self, peer: str, msg: bytes) -> bool:
+        return tell(self.engine, peer, msg, self.metrics, log)
+
+    @property
+    def decode_peer(self) -> str:
+        """The decode peer, when there is one (ValueError when there are several)."""
+        if len(self.decode_peers) != 1:
+            raise ValueError(f"decode_peer: this side has {len(self.decode_peers)} decode "
+                             f"peers {list(self.decode_peers)}; name one")
+        return self.decode_peers[0]
+
+    @property
+    def peer_paused(self) -> bool:
+        """True while a decode peer is paused (announced PAUSING, no live META since)."""
+        return any(p.paused for p in self._peers.values())
+
+    def peer_is_paused(self, peer: str) -> bool:
+        """Whether decode peer ``peer`` is paused (a router sends new requests elsewhere)."""
+        return self._peer(peer).paused
+
+    def _peer(self, name: str) -> _DecodePeer:
+        try:
+            return self._peers[name]
+        except KeyError:
+            raise ValueError(f"{name!r} is not a decode peer of this side (peers: "
+                             f"{list(self.decode_peers)})") from None
+
+    def requests_of(self, peer: str) -> int:
+        """Active requests bound to decode peer ``peer``."""
+        self._peer(peer)
+        return sum(1 for r in self.reqs.values() if r.peer == peer)
 
     # --- the caller's API ------------------------------------------------------------------
-    def add_request(self, rid: int, tokens: int, room: int | None = None) -> None:
-        """A new request of ``tokens`` prompt tokens; tells the decode side (``REQ``).
-        ValueError for a bad value (named), ProtocolError for an id or room in use;
-        nothing changed either way."""
+    def add_request(self, rid: int, tokens: int, room: int | None = None,
+                    peer: str | None = None) -> None:
+        """A new request of ``tokens`` prompt tokens, bound to decode peer ``peer`` (may be
+        left out when the side has one); tells that decode (``REQ``).  ValueError for a bad
+        value (named), ProtocolError for an id or room in use; nothing changed either
+        way.  Request ids and rooms must be unique among the prefills a decode serves (as
+        sglang's bootstrap rooms are): a decode refuses a REQ whose id or room another
+        prefill's request holds."""
         check_id("add_request", "rid", rid)
+        if peer is None:
+            if len(self.decode_peers) != 1:
+                raise ValueError(f"add_request: request {rid}: name its decode peer, one of "
+                                 f"{list(self.decode_peers)}")
+            peer = self.decode_peers[0]
+        elif peer not in self._peers:
+            raise ValueError(f"add_request: request {rid}: {peer!r} is not a decode peer of "
+                             f"this side ({list(self.decode_peers)})")
         room = rid if room is None else room
         check_id("add_request", f"request {rid}: room", room)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
@@ -292,12 +356,12 @@ class PrefillSide:
             raise ProtocolError(f"add_request: request id {rid} is in use")
         if room in self._rooms:
             raise ProtocolError(f"add_request: request {rid}: bootstrap room {room} is in use")
-        req = PrefillRequest(rid, room, tokens, t_created=self.clock(),
+        req = PrefillRequest(rid, room, tokens, peer, t_created=self.clock(),
                              host_pages=np.zeros(-(-tokens // self.spec.page_size), np.int64))
         self.reqs[rid] = req
         self._rooms.add(room)
         self.ledger.hold(rid, torch.empty(0, dtype=torch.int64, device=self.alloc.device))
-        self._tell(encode("REQ", rid=rid, room=room, tokens=tokens))
+        self._tell(peer, encode("REQ", rid=rid, room=room, tokens=tokens))
 
     def abort(self, rid: int, status: int = CLIENT_CLOSED, message: str | None = None) -> None:
         """Abort ``rid`` from any state; aborting a finished request does nothing.
@@ -367,14 +431,13 @@ class PrefillSide:
     def _schedule(self) -> list:
         """Pick chunks of WaitingForInput/Transferring requests and allocate their pages
         with one alloc_extend (sglang semantics).  Returns [(req, first_page, last_page)]."""
-        if self.peer_paused:
-            return []
         ps = self.spec.page_size
         picked, budget, need_pages = [], self.max_batch_tokens, 0
         for rid in self._order:
             req = self.reqs.get(rid)
             if (req is None or req.ending is not None or req.state == KVPoll.Bootstrapping
-                    or req.done_tokens >= req.tokens or req.pending):
+                    or req.done_tokens >= req.tokens or req.pending
+                    or self._peers[req.peer].paused):
                 continue
             if self.faults.stall(rid, req.seq):
                 continue
@@ -449,8 +512,8 @@ class PrefillSide:
         moved = False
         for rid in list(self._order):
             req = self.reqs.get(rid)
-            while (req is not None and req.ending is None and not self.peer_paused
-                   and not req.handles):
+            while (req is not None and req.ending is None
+                   and not self._peers[req.peer].paused and not req.handles):
                 if req.staged is not None:
                     if not self._post_staged(req):
                         break  # its pack is still running: next step
@@ -607,15 +670,15 @@ class PrefillSide:
         pages = req.host_pages[first:last]  # known on the host: _stage_chunk waited for them
         msg = encode("READY", rid=req.rid, first=first, last=last, pages=encode_runs(pages),
                      epoch=self.pool.epoch, final=st.final)
-        if not self._tell(msg):
+        if not self._tell(req.peer, msg):
             self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: the decode cannot be "
                                   f"reached to read chunk {seq}"))
             return False
         req.handles.append((_Offer(first, last, st.nbytes, self.clock()), None))
         return True
 
-    def _on_pulled(self, msg: Pulled) -> None:
-        req = self.reqs.get(msg.rid)
+    def _on_pulled(self, msg: Pulled, peer: str) -> None:
+        req = self._bound(msg, peer)
         offer = None if req is None else next(
             (h for h, _ in req.handles if isinstance(h, _Offer) and h.state == "PROC"
              and (h.first, h.last) == (msg.first, msg.last)), None)
@@ -634,10 +697,10 @@ class PrefillSide:
         try:
             if self.faults.fail_send(req.rid, seq, False):
                 raise TransferError(f"injected send failure of chunk {seq} (direct)")
-            rt = self._remote.get()
+            rt = self._peers[req.peer].table.get()
             if rt is None or rt.remote != req.kv:
                 # the decode's kv moved on since the BOOT that gave these page ids
-                raise StaleEpochError(self.decode_peer, "kv", req.kv.describe(),
+                raise StaleEpochError(req.peer, "kv", req.kv.describe(),
                                       "closed" if rt is None else rt.remote.describe(),
                                       "post_blocks (the BOOT's kv)")
             li, ri = st.direct
@@ -675,7 +738,7 @@ class PrefillSide:
         BOOT's page ids and kv known, the local list prepared, the decode not pausing)."""
         return not (self.transfer_mode != "push" or self.direct_threshold is None
                     or req.dpages is None or req.kv is None or self._local_table is None
-                    or self.peer_paused)
+                    or self._peers[req.peer].paused)
 
     def _direct_indices(self, req: PrefillRequest, first: int, last: int, src: np.ndarray):
         """``(local, remote)`` block indices when pages ``[first, last)`` go direct, else
@@ -693,7 +756,7 @@ class PrefillSide:
         if n * int(lt.nbytes.min()) / runs < self.direct_threshold:
             return None
         try:
-            rt = self._remote.get()
+            rt = self._peers[req.peer].table.get()
         except TransferError as e:  # NIXL refused to prepare the decode's list: pack
             log.warning("prefill: direct writes unavailable, packing: %s", e)
             return None
@@ -728,6 +791,7 @@ class PrefillSide:
                     ended = True
                     if st == "DONE":
                         self.metrics.bytes_sent += h.nbytes
+                        self.metrics.peer(req.peer).bytes += h.nbytes
                     elif failed is None:
                         failed = h
                     continue
@@ -741,6 +805,7 @@ class PrefillSide:
                     self.arena.free(off)
                 if st == "DONE":
                     self.metrics.bytes_sent += h.nbytes
+                    self.metrics.peer(req.peer).bytes += h.nbytes
                 elif failed is None:
                     failed = h
             req.handles = keep
@@ -789,7 +854,7 @@ class PrefillSide:
 
     def _finish(self, req: PrefillRequest, reason: Reason, *, tell_decode: bool) -> None:
         if tell_decode:
-            self._tell(encode(
+            self._tell(req.peer, encode(
                 "ABORT", rid=req.rid, status=reason.status, reason=reason.message))
             req.state = KVPoll.Failed
         req.result = reason
@@ -798,7 +863,9 @@ class PrefillSide:
             self._order.remove(req.rid)
         self._rooms.discard(req.room)
         self.finished[req.rid] = reason
+        self.finished_peer[req.rid] = req.peer
         self.metrics.requests[reason.outcome.value] += 1
+        self.metrics.peer(req.peer).requests[reason.outcome.value] += 1
         if self.on_finish is not None:
             self.on_finish(req.rid, reason)
 
@@ -824,117 +891,139 @@ class PrefillSide:
 
     # --- control messages ---------------------------------------------------------------------
     def _handle_notifs(self) -> bool:
-        """Apply what the decode sent, then the BOOTs held for its META; True when a
+        """Apply what the decodes sent, then the BOOTs held for their META; True when a
         message was handled (refused ones too) or a held BOOT was taken up."""
         moved = self.inbox.drain() > 0
-        if self._held_boots and not self.peer_paused:
-            held, self._held_boots = self._held_boots, {}
+        for peer in self._peers.values():
+            if not peer.held_boots or peer.paused:
+                continue
+            held, peer.held_boots = peer.held_boots, {}
             for boot in held.values():
                 try:
-                    self._on_boot(boot)
+                    self._on_boot(boot, peer.name)
                 except ProtocolError as e:
                     self.metrics.protocol_errors += 1
-                    log.warning("prefill: refused a held BOOT: %s", e)
+                    log.warning("prefill: refused a held BOOT from %s: %s", peer.name, e)
             # held again (its META is still on the way) is no progress
-            moved = moved or any(rid not in self._held_boots for rid in held)
+            moved = moved or any(rid not in peer.held_boots for rid in held)
         return moved
 
-    def handle_message(self, msg) -> None:
-        """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from the
-        decode peer; ProtocolError, before anything changed, when it does not fit the
-        state here."""
+    def handle_message(self, msg, peer: str | None = None) -> None:
+        """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from decode
+        peer ``peer`` (may be left out when the side has one); ProtocolError, before
+        anything changed, when it does not fit the state here."""
+        peer = self.decode_peer if peer is None else peer
+        if peer not in self._peers:
+            raise ProtocolError(f"message from {peer!r}, not a decode peer of this side")
         if isinstance(msg, Boot):
-            self._on_boot(msg)
+            self._on_boot(msg, peer)
         elif isinstance(msg, AbortReq):
-            self._on_abort_req(msg)
+            self._on_abort_req(msg, peer)
         elif isinstance(msg, Pausing):
-            self._on_pausing(msg)
+            self._on_pausing(msg, peer)
         elif isinstance(msg, Meta):
-            self._on_meta(msg)
+            self._on_meta(msg, peer)
         elif isinstance(msg, Pulled):
-            self._on_pulled(msg)
+            self._on_pulled(msg, peer)
         else:
             raise ProtocolError(f"unexpected message {type(msg).__name__} on the prefill side")
 
-    def _on_abort_req(self, msg: AbortReq) -> None:
+    def _bound(self, msg, peer: str) -> PrefillRequest | None:
+        """The active request ``msg`` names (None when it finished here), after checking
+        that ``peer`` is the decode it is bound to; ProtocolError for an unknown request
+        or another peer's."""
         req = self.reqs.get(msg.rid)
+        bound = req.peer if req is not None else self.finished_peer.get(msg.rid)
+        if bound is None:
+            raise ProtocolError(f"{msg.t} for unknown request {msg.rid}")
+        if bound != peer:
+            raise ProtocolError(f"{msg.t} for request {msg.rid} from {peer!r}: the request is "
+                                f"bound to {bound!r}")
+        return req
+
+    def _on_abort_req(self, msg: AbortReq, peer: str) -> None:
+        req = self._bound(msg, peer)
         if req is None:
-            if msg.rid not in self.finished:
-                raise ProtocolError(f"ABORT_REQ for unknown request {msg.rid}")
             # finished here already: nothing in flight; say so, so decode can free
             fin = self.finished[msg.rid]
-            self._tell(encode("ABORT", rid=msg.rid, status=fin.status, reason=fin.message))
+            self._tell(peer, encode("ABORT", rid=msg.rid, status=fin.status,
+                                    reason=fin.message))
             return
         self.abort(req.rid, msg.status, f"decode side: {msg.reason}")
 
-    def _on_pausing(self, msg: Pausing) -> None:
+    def _on_pausing(self, msg: Pausing, peer: str) -> None:
         try:
-            landing = self.engine.remote(self.decode_peer, "landing")
+            landing = self.engine.remote(peer, "landing")
         except KeyError:
-            raise ProtocolError(f"PAUSING epoch {msg.epoch}: the decode's landing buffer is "
-                                "not known here") from None
+            raise ProtocolError(f"PAUSING epoch {msg.epoch} from {peer!r}: its landing buffer "
+                                "is not known here") from None
         if msg.epoch != landing.epoch:
-            raise ProtocolError(f"PAUSING epoch {msg.epoch}: the decode's landing buffer is "
-                                f"at epoch {landing.epoch}")
-        self.peer_paused = True
-        self._peer_pause_epoch = msg.epoch
+            raise ProtocolError(f"PAUSING epoch {msg.epoch} from {peer!r}: its landing buffer "
+                                f"is at epoch {landing.epoch}")
+        p = self._peers[peer]
+        p.paused = True
+        p.pause_epoch = msg.epoch
         for req in list(self.reqs.values()):
-            if req.state != KVPoll.Bootstrapping or req.remote is not None:
+            if req.peer == peer and (req.state != KVPoll.Bootstrapping or req.remote is not None):
                 self._end(req, Reason(SERVICE_UNAVAILABLE, (
                     f"request {req.rid} aborted: the decode side is pausing to release "
                     "its KV memory")))
         self._maybe_ack_peer_pause()
 
-    def _on_meta(self, msg: Meta) -> None:
+    def _on_meta(self, msg: Meta, peer: str) -> None:
         apply_metadata(self.engine, msg)
         try:
-            landing = self.engine.remote(self.decode_peer, "landing")
+            landing = self.engine.remote(peer, "landing")
         except KeyError:
             landing = None
-        if landing is not None and landing.live and self._peer_pause_epoch is None:
-            self.peer_paused = False
+        p = self._peers[peer]
+        if landing is not None and landing.live and p.pause_epoch is None:
+            p.paused = False
 
     def _maybe_ack_peer_pause(self) -> None:
-        if self._peer_pause_epoch is None:
-            return
-        if any(req.handles for req in self.reqs.values()):
-            return  # writes into the decode still in flight: ack once drained
-        self._tell(encode("PAUSE_ACK", epoch=self._peer_pause_epoch))
-        self._peer_pause_epoch = None
+        """Answer each pausing decode (PAUSE_ACK) once none of this side's writes into it
+        (nor reads it was offered) is in flight."""
+        for p in self._peers.values():
+            if p.pause_epoch is None:
+                continue
+            if any(req.handles for req in self.reqs.values() if req.peer == p.name):
+                continue  # writes into that decode still in flight: ack once drained
+            self._tell(p.name, encode("PAUSE_ACK", epoch=p.pause_epoch))
+            p.pause_epoch = None
 
-    def _on_boot(self, msg: Boot) -> None:
-        req = self.reqs.get(msg.rid)
+    def _on_boot(self, msg: Boot, peer: str) -> None:
+        req = self._bound(msg, peer)
         if req is None:
-            fin = self.finished.get(msg.rid)
-            if fin is None:
-                raise ProtocolError(f"BOOT for unknown request {msg.rid}")
+            fin = self.finished[msg.rid]
             if fin.status != OK:
                 # Ended here, nothing in flight: say so (again), or the decode holds the
                 # pages it booted with until its own timeout (a replayed REQ, a BOOT that
                 # crossed our ABORT: then this second ABORT is ignored there).
-                self._tell(encode("ABORT", rid=msg.rid, status=fin.status, reason=fin.message))
+                self._tell(peer, encode("ABORT", rid=msg.rid, status=fin.status,
+                                        reason=fin.message))
             return
         if msg.room != req.room:
             raise ProtocolError(f"BOOT for request {req.rid}: room {msg.room} != {req.room}")
         if req.state != KVPoll.Bootstrapping or req.ending is not None:
             raise ProtocolError(f"BOOT for request {req.rid} in state {req.state.name}")
-        if self.peer_paused:
-            self._held_boots[req.rid] = msg
+        p = self._peers[peer]
+        if p.paused:
+            p.held_boots[req.rid] = msg
             return
         try:
-            remote = self.engine.remote(self.decode_peer, "landing")
+            remote = self.engine.remote(peer, "landing")
         except KeyError:
             raise ProtocolError(f"BOOT for request {req.rid}: the decode's landing buffer "
                                 "is not known here") from None
         if remote.epoch < msg.epoch:
-            self._held_boots[req.rid] = msg  # its META is on the way
+            p.held_boots[req.rid] = msg  # its META is on the way
             return
         if not remote.live:
             raise ProtocolError(f"BOOT for request {req.rid}: the decode's landing buffer is "
                                 "closed (it is pausing)")
         if remote.epoch > msg.epoch:
             # Booted before the decode paused (which freed that region): ask again.
-            self._tell(encode("REQ", rid=req.rid, room=req.room, tokens=req.tokens))
+            self._tell(peer, encode("REQ", rid=req.rid, room=req.room, tokens=req.tokens))
             return
         need = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size)) + AUX_BYTES
         landing_map = RegionMap(remote.regions)
@@ -948,7 +1037,7 @@ class PrefillSide:
             raise ProtocolError(f"BOOT for request {req.rid}: {dpages.size} decode pages for "
                                 f"its {n_pages} pages")
         try:
-            kv = self.engine.remote(self.decode_peer, "kv")
+            kv = self.engine.remote(peer, "kv")
         except KeyError:
             kv = None
         if kv is not None and kv.layout is not None and (
@@ -989,8 +1078,8 @@ class PrefillSide:
                                  f"request: {audit}")
         self.alloc.reset()
         self.engine.deregister("kv")
-        if self.transfer_mode == "pull":  # the decode refuses reads from the old pool now
-            self._tell(meta_message(self.engine))
+        if self.transfer_mode == "pull":  # the decodes refuse reads from the old pool now
+            self._tell_all(meta_message(self.engine))
         self.pool.release()
         self.paused = True
         self._pause_t0, self._pausing_since = self._pausing_since, None
@@ -1002,9 +1091,13 @@ class PrefillSide:
         self.pool.resume()
         self.engine.register_pool(self.pool, "kv")
         self._prep_local()  # deregister released the old list
-        self._tell(meta_message(self.engine))
+        self._tell_all(meta_message(self.engine))
         self.paused = False
         self.metrics.pause_seconds += self.clock() - self._pause_t0
+
+    def _tell_all(self, msg: bytes) -> None:
+        for name in self.decode_peers:
+            self._tell(name, msg)
 
     def prefault(self) -> None:
         """Back the pool and the staging buffer with memory now, not at first touch."""

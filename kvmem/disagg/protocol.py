@@ -48,7 +48,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from kvmem.disagg.common import END_STATUSES, OK, ProtocolError
+from kvmem.disagg.common import END_STATUSES, OK, ProtocolError, peer_names
 from kvmem.transfer.envelope import decode_metadata
 from kvmem.transfer.errors import MetadataError, StaleEpochError, TransferError
 
@@ -371,14 +371,18 @@ def apply_metadata(engine, msg: Meta) -> None:
 # --- receiving ------------------------------------------------------------------------------
 class Inbox:
     """Fetches one side's notifications, validates each (:func:`parse`) and hands the typed
-    message to ``handle``.  A message that is refused (by the parser or by ``handle``, as
+    message and its sender to ``handle(msg, peer)``.  Only the side's peers (``peer``:
+    one agent name, or ``peers``: several) may send; a message from any other agent is
+    refused.  A message that is refused (by the parser or by ``handle``, as
     ProtocolError) is counted in ``metrics.protocol_errors`` (and by type in
     :attr:`refused`), logged, and the rest of the batch goes on.  Should ``handle`` raise
     anything else (a bug), the messages after it stay queued for the next :meth:`drain`
     and the exception propagates: none is lost."""
 
-    def __init__(self, engine, *, peer: str, receiver: str, handle, metrics, log: logging.Logger):
-        self.engine, self.peer, self.receiver = engine, peer, receiver
+    def __init__(self, engine, *, peer: str | None = None, peers=None, receiver: str, handle,
+                 metrics, log: logging.Logger):
+        self.engine, self.receiver = engine, receiver
+        self.peers = frozenset(peer_names("inbox: sender", peer, peers))
         self.handle, self.metrics, self.log = handle, metrics, log
         self._queue: collections.deque = collections.deque()  # (peer, raw)
         self.refused: dict[str, int] = {}
@@ -398,10 +402,10 @@ class Inbox:
     def deliver(self, peer: str, raw) -> None:
         """Validate and apply one message; refusals counted, never raised."""
         try:
-            if peer != self.peer:
+            if peer not in self.peers:
                 raise ProtocolError(f"message from unknown peer {peer!r}")
             msg = parse(raw, sender=peer, receiver=self.receiver)
-            self.handle(msg)
+            self.handle(msg, peer)
         except ProtocolError as e:
             self.metrics.protocol_errors += 1
             kind = _kind_of(raw)
