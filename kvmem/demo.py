@@ -654,7 +654,7 @@ class _Orchestra:
             w.send(target, "pause", i)
         finished = sum(last[p].get("finished", 0) for p in self.prefills)
         if (self.target is not None and self.kill is None and not self.armed
-                and finished >= cfg.requests // 2):
+                and finished >= cfg.requests // 4):
             self.armed = True
             w.send(self.target, "arm_kill")
         if self.target is not None and self.kill is None and all(p in done for p in self.prefills):

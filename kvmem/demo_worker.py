@@ -45,7 +45,7 @@ when ``thresholds[j]`` of its requests have finished, and admission stops at
 ``thresholds[j + 1] + concurrency`` until it is over, so every pause happens with traffic
 in flight and none is left for after the last request.  The other workers keep serving.
 
-``--kill-decode``: once half the requests have finished the parent arms the last decode;
+``--kill-decode``: once a quarter of the requests have finished the parent arms the last decode;
 that decode, as soon as it is in the middle of receiving a request from every prefill
 (some pages landed, not all), reports those requests (``kill_me``) and stops (no more
 steps), and the parent kills it with SIGKILL.  The prefills are told (``peer_gone``) so
