@@ -50,12 +50,18 @@ def runs() -> dict:
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True)
     out = {}
-    for key, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=900)
-        if proc.returncode != 0:
-            raise AssertionError(f"{key}: {SCRIPT.name} failed with {proc.returncode}:\n"
-                                 f"{stderr[-4000:]}")
-        out[key] = json.loads(stdout.strip().splitlines()[-1])
+    try:
+        for key, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=900)
+            if proc.returncode != 0:
+                raise AssertionError(f"{key}: {SCRIPT.name} failed with {proc.returncode}:"
+                                     f"\n{stderr[-4000:]}")
+            out[key] = json.loads(stdout.strip().splitlines()[-1])
+    finally:
+        for proc in procs.values():  # one failed: the others are not waited for
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert out["kvmem"]["kvmem_path"] and not out["sglang"]["kvmem_path"]
     return out
 
