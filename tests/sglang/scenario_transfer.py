@@ -31,12 +31,11 @@ adapter's own code.  Prints one JSON object on its last line.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 
 from bench.sglang_pair import Pair, Shape, fill_pattern
+from tests.sglang.sglang_env import script_main
 
 REQUESTS = 6
 HOLD_S = 0.6
@@ -239,14 +238,4 @@ def _plain1(pair: Pair) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        result = main()
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    print(json.dumps(result, default=str), flush=True)
-    sys.stderr.flush()
-    os._exit(0)
+    script_main(main)
