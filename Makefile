@@ -6,15 +6,28 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip --disable-pip-version-check
 # torch 2.14.1 is what sglang 0.5.23 pins; on this machine pip takes it from local disk.
-TORCH  := torch==2.14.1 torchvision==0.29.1
+# The demo needs torch alone; sglang's modules (tests, e2e) also import torchvision.
+TORCH  := torch==2.14.1
+TORCHVISION := torchvision==0.29.1
 SGLANG := sglang==0.5.23
 # The GPU host's triton alone (no torch), for tests/test_aot_sm90.py: every kernel must
 # compile for sm_90 with it as well as with the triton above.  A 188 MB wheel; the
 # environment is 670 MB and took 8 s to build here with the wheel in pip's cache.
 TRITON36_VENV := .venv-triton36
 TRITON36      := triton==3.6.*
+# The end-to-end tier (tests/e2e): real sglang servers and sglang's router need sglang with
+# its full dependencies, which the main .venv does not carry (it installs sglang
+# --no-deps).  The `nixl` meta package is what sglang imports; with torch 2.14.1 (CUDA 13)
+# it loads nixl-cu13.  The adapter is installed as a regular package (not editable) so
+# that its kvmem_sglang.pth start-up guard is in place; it is reinstalled when it changes.
+E2E_VENV   := .venv-e2e
+E2E_PY     := $(E2E_VENV)/bin/python
+E2E_PKGS   := $(SGLANG) sglang-router==0.3.2 nixl==1.5.1 nixl-cu13==1.5.1 pytest
+ADAPTER    := $(wildcard integration/sglang/kvmem_sglang/*.py) integration/sglang/pyproject.toml \
+              integration/sglang/setup.py integration/sglang/kvmem_sglang.pth
 
-.PHONY: demo test test-main test-interpret bench bench-smoke venv-demo venv-test venv-triton36 clean
+.PHONY: demo test test-main test-interpret test-e2e bench bench-smoke venv-demo venv-test \
+	venv-triton36 venv-e2e clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +41,7 @@ $(VENV)/.demo-ready: pyproject.toml | $(BIN)/python
 # dependencies, then only what its allocator / memory pool / PD modules import), and the
 # sglang adapter (integration/sglang, which registers sglang's `kvmem` plugin).
 $(VENV)/.test-ready: pyproject.toml integration/sglang/pyproject.toml | $(BIN)/python
-	$(PIP) install -q $(TORCH) -e '.[test,nixl,sglang-deps]'
+	$(PIP) install -q $(TORCH) $(TORCHVISION) -e '.[test,nixl,sglang-deps]'
 	$(PIP) install -q --no-deps $(SGLANG)
 	$(PIP) install -q --no-deps -e integration/sglang
 	touch $@
@@ -39,17 +52,30 @@ $(TRITON36_VENV)/.ready:
 	$(TRITON36_VENV)/bin/python -m pip --disable-pip-version-check install -q '$(TRITON36)'
 	touch $@
 
+$(E2E_VENV)/.ready: pyproject.toml
+	rm -rf $(E2E_VENV)
+	$(PYTHON) -m venv $(E2E_VENV)
+	$(E2E_PY) -m pip --disable-pip-version-check install -q $(TORCH) $(TORCHVISION) $(E2E_PKGS)
+	$(E2E_PY) -m pip --disable-pip-version-check install -q --no-deps -e .
+	touch $@
+
+$(E2E_VENV)/.adapter: $(E2E_VENV)/.ready $(ADAPTER)
+	$(E2E_PY) -m pip --disable-pip-version-check install -q --no-deps --force-reinstall \
+	  ./integration/sglang
+	touch $@
+
 venv-demo: $(VENV)/.demo-ready
 venv-test: $(VENV)/.test-ready
 venv-triton36: $(TRITON36_VENV)/.ready
+venv-e2e: $(E2E_VENV)/.adapter
 
 demo: $(VENV)/.demo-ready
 	$(BIN)/kvmem demo
 
 # The main suite, then the Triton kernels under the interpreter in a process of their own
 # (TRITON_INTERPRET is read when a kernel is decorated).
-test: $(VENV)/.test-ready $(TRITON36_VENV)/.ready
-	$(MAKE) --no-print-directory test-main test-interpret
+test: $(VENV)/.test-ready $(TRITON36_VENV)/.ready $(E2E_VENV)/.adapter
+	$(MAKE) --no-print-directory test-main test-interpret test-e2e
 
 # tests/ includes test_bench_smoke.py (every benchmark once, tiny sizes) and
 # test_aot_sm90.py (the kernels compiled for sm_90 with both tritons).
@@ -58,6 +84,11 @@ test-main: $(VENV)/.test-ready $(TRITON36_VENV)/.ready
 
 test-interpret: $(VENV)/.test-ready
 	TRITON_INTERPRET=1 KVMEM_FORCE_TRITON=1 $(BIN)/python -m pytest -q tests/interpret
+
+# Real sglang 0.5.23 prefill/decode servers and sglang's router on 127.0.0.1, stock beside
+# SGLANG_KVMEM=1, driven over HTTP (tests/e2e/README.md).
+test-e2e: $(E2E_VENV)/.adapter
+	KVMEM_E2E=1 $(E2E_PY) -m pytest -q tests/e2e
 
 # Writes bench/results/bench-<device>.json and the PNG plots of bench/plot.py beside it.
 bench: $(VENV)/.test-ready
@@ -69,4 +100,4 @@ bench-smoke: $(VENV)/.test-ready
 	KVMEM_BENCH_SMOKE=1 KVMEM_BENCH_OUT=$${TMPDIR:-/tmp}/kvmem-bench-smoke $(BIN)/python -m pytest -q bench
 
 clean:
-	rm -rf $(VENV) $(TRITON36_VENV) .pytest_cache .benchmarks .hypothesis
+	rm -rf $(VENV) $(TRITON36_VENV) $(E2E_VENV) .pytest_cache .benchmarks .hypothesis

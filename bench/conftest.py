@@ -6,7 +6,11 @@ bench/plot.py) medians, bandwidths and ratios at the end of the session.
 every benchmark once, at tiny sizes, one timed round, no warm-up rounds; the report, its
 JSON and the plots are still made, so a renamed field or a broken baseline fails there.
 Its figures mean nothing.  ``KVMEM_BENCH_NOTE`` is a line stored with the report and
-printed on every plot (e.g. that the machine was loaded)."""
+printed on every plot (e.g. that the machine was loaded).
+
+A run that loaded NIXL ends through :func:`kvmem.transfer.nixl_exit.finish_pytest` once
+pytest has written everything, the report, its JSON and plots included (NIXL's native
+destructors crash at exit on a host with RDMA libraries; docs/transfer.md)."""
 
 from __future__ import annotations
 
@@ -81,6 +85,14 @@ class Report:
 
 
 _REPORT = Report()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config):
+    status = yield
+    from kvmem.transfer.nixl_exit import finish_pytest  # here: collection imports no kvmem
+
+    return finish_pytest(config, status)
 
 
 @pytest.fixture(scope="session")

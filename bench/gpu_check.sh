@@ -212,6 +212,8 @@ fi
 
 need_nixl="-"; [ "$has_nixl" = 0 ] && need_nixl="NIXL is not importable here (carry a nixl-cu13 wheel): the disagg sides cannot run"
 need_sglang="-"; [ "$has_sglang" = 0 ] && need_sglang="sglang is not importable here: nothing to compare its staging kernels with"
+has_tms=0; importable sglang "import torch_memory_saver, sglang.srt.mem_cache.memory_pool" && has_tms=1
+need_tms="-"; [ "$has_tms" = 0 ] && need_tms="sglang or torch_memory_saver is not importable here: nothing to run the adapter beside --enable-memory-saver with"
 need_bench="-"; [ "$has_benchmark" = 0 ] && need_bench="pytest-benchmark is not importable here (carry its wheel): the benchmarks are its fixtures"
 pyt=("$py" -m pytest -q -rs -p no:cacheprovider)
 
@@ -233,6 +235,8 @@ KVMEM_GPU_GRID=rest step pack-grid 186 10 shards - "the rest of the pack grid (6
   "${pyt[@]}" tests/gpu/test_cuda_pack_pool.py -k kernel_matches_ref
 KVMEM_GPU_OUT="$out" step sglang-staging 16 15 1 "$need_sglang" "the adapter's staging gather/scatter vs sglang's Triton kernels" -- \
   "${pyt[@]}" -s tests/gpu/test_gpu_sglang_staging.py
+step sglang-memory-saver 4 30 1 "$need_tms" "the adapter beside --enable-memory-saver: kvmem's pool and torch_memory_saver's part both released and resumed" -- \
+  "${pyt[@]}" tests/gpu/test_gpu_sglang_memory_saver.py
 # The benchmarks: sglang's baselines only where it imports, the NIXL ones only where NIXL
 # does (said in the log), the table and its plots into OUTDIR.
 bench_args=()

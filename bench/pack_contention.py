@@ -33,7 +33,8 @@ import torch
 
 from bench import print_table
 import kvmem
-from kvmem.kernels import pack as P
+from kvmem.kernels.pack import pack_buffers_ref
+from kvmem.kernels.pack.cpu import _one_storage_rows, _torch_copy_per_layer
 
 LAYERS, HEADS, DIM = 32, 8, 128
 
@@ -53,13 +54,13 @@ def _cases(tokens: int):
         plan = pool._plan(None, None)
         k, v = pool.k_buffer, pool.v_buffer
         kvmem.pack_pages(pool, ids, out=out)
-        assert torch.equal(out, P.pack_buffers_ref(k, v, ids))
+        assert torch.equal(out, pack_buffers_ref(k, v, ids))
         fns = {
             "pack (one op)": lambda: kvmem.pack_pages(pool, ids, out=out),
-            "pack (per layer)": lambda: P._torch_copy_per_layer(plan, k, v, ids, out, True),
+            "pack (per layer)": lambda: _torch_copy_per_layer(plan, k, v, ids, out, True),
             "pack (numpy take)": _numpy_take(plan, k, v, ids, out),
             "unpack (one op)": lambda: kvmem.unpack_pages(out, pool, ids),
-            "unpack (per layer)": lambda: P._torch_copy_per_layer(plan, k, v, ids, out, False),
+            "unpack (per layer)": lambda: _torch_copy_per_layer(plan, k, v, ids, out, False),
             "copy_": lambda: out.copy_(src),
         }
         yield ps, out.numel(), fns
@@ -69,7 +70,7 @@ def _cases(tokens: int):
 def _numpy_take(plan, k, v, ids, out):
     """The one-op rows gathered by np.take (single-threaded), when they are a contiguous
     [R, seg] array (whole pages, dense pool)."""
-    (g,) = P._one_storage_rows(plan, k, v)
+    (g,) = _one_storage_rows(plan, k, v)
     assert g.pitch == g.seg, "the pool's pages are not back to back"
     item = g.base.element_size()
     rows = g.base.as_strided((g.num_rows, g.seg // item), (g.pitch // item, 1), 0)

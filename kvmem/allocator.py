@@ -1,5 +1,9 @@
 """PageAllocator: the KV pages of one pool, handed out and taken back on the pool's
-device, with sglang 0.5.23's token-slot semantics for alloc_extend / alloc_decode."""
+device, with sglang 0.5.23's token-slot semantics for alloc_extend / alloc_decode.
+
+About 630 lines, one class over one state: its methods keep the invariants the class
+docstring states, so they stay together; what they launch and check lives in
+kvmem/kernels/alloc/, the refusals in kvmem/errors.py."""
 
 from __future__ import annotations
 
@@ -12,41 +16,13 @@ import numpy as np
 import torch
 
 from kvmem._ids import as_page_ids
-from kvmem.errors import DoubleFreeError, KVMemError, OutOfPagesError
+from kvmem.errors import OutOfPagesError, alloc_error
 from kvmem.kernels import alloc as K
 from kvmem.kernels._dispatch import force_triton, is_async_device
-
-# Reasons an alloc_extend / alloc_decode batch is refused (host checks, check=True).
-_LEN_NEGATIVE_PREFIX = 1
-_LEN_PREFIX_OVER_SEQ = 2
-_LEN_LAST_LOC_OFFSET = 3
-_LEN_LAST_PAGE_FREE = 4
-_LEN_SEQ_BELOW_ONE = 5
-_LEN_REASONS = {
-    _LEN_NEGATIVE_PREFIX: "prefix_len < 0",
-    _LEN_PREFIX_OVER_SEQ: "prefix_len > seq_len",
-    _LEN_LAST_LOC_OFFSET: "last_loc is inconsistent with the length: (last_loc + 1) % "
-    "page_size must equal the number of tokens on the request's partial last page",
-    _LEN_LAST_PAGE_FREE: "last_loc is not in an allocated page (the request's partial "
-    "last page must be allocated)",
-    _LEN_SEQ_BELOW_ONE: "seq_len < 1",
-}
-
-_DEVICE_ERROR_WHAT = {
-    K.ERR_TAKE_OWNED: "alloc(check=False) took a page off the free list that was "
-    "allocated already (or not a page id)",
-    K.ERR_EXTEND_LENGTHS: "alloc_extend(check=False): prefix_len < 0 or prefix_len > "
-    "seq_len",
-    K.ERR_EXTEND_LAST_LOC: "alloc_extend(check=False): (last_loc + 1) % page_size != "
-    "prefix_len % page_size for a request with a partial last page",
-    K.ERR_EXTEND_COUNTS: "alloc_extend(check=False): prefix_lens_cpu / seq_lens_cpu / "
-    "extend_num_tokens disagree with the device lengths",
-    K.ERR_DECODE_SEQ: "alloc_decode(check=False): seq_len < 1",
-    K.ERR_DECODE_LAST_LOC: "alloc_decode(check=False): (last_loc + 1) % page_size != "
-    "(seq_len - 1) % page_size for a request that does not start a page",
-    K.ERR_DECODE_COUNTS: "alloc_decode(check=False): seq_lens_cpu disagrees with "
-    "seq_lens",
-}
+from kvmem.kernels.alloc.checks import (
+    agree, check_batch, check_hints, decode_count_host, decode_problems,
+    decode_problems_np, extend_counts_host, extend_problems, extend_problems_np,
+)
 
 
 def _on_own_stream(method):
@@ -93,26 +69,24 @@ def _own_stream(device: torch.device, stream) -> torch.cuda.Stream | None:
 
 
 class PageAllocator:
-    """Hands out the pages ``1 .. num_pages - 1`` of a KV pool and takes them back.
+    """Hands out the pages ``1 .. num_pages - 1`` of a KV pool and takes them back, on the
+    pool's device, in sglang 0.5.23's order and with its token-slot semantics
+    (``PagedTokenToKVPoolAllocator``, ``need_sort=True``).
 
-    ``num_pages`` counts the padding page 0 (it is sglang's ``size // page_size + 1``);
-    page 0 is never handed out.  All state lives on ``device``::
+    ``num_pages`` counts the padding page 0 (sglang's ``size // page_size + 1``).  State,
+    all on ``device`` (cap = num_pages - 1)::
 
-        _ring  : int64 [num_pages - 1]  the free pages are _ring[(_head + k) % cap],
-                                        k < _count (cap = num_pages - 1)
-        _owned : int32 [num_pages]      1 = allocated, 0 = free; _owned[0] == 0
-                                        (a view of _owned_ext, one entry longer,
-                                        whose last entry is always 0)
-        _err   : int64 [4]              errors found on the device (check=False paths;
-                                        layout in kvmem.kernels.alloc)
+        _ring  : int64 [cap]        the free pages are _ring[(_head + k) % cap], k < num_free:
+                                    the first _sorted ascend (handed out from the head),
+                                    the rest were freed since the last sort (staged)
+        _owned : int32 [num_pages]  1 = allocated, 0 = free; the source of truth (a view
+                                    of _owned_ext, one entry longer, that entry always 0)
+        _err   : int64 [4]          what check=False calls found on the device (layout:
+                                    kvmem.kernels.alloc)
 
-    with ``_head``, ``_count`` (= num_free), ``_sorted`` and ``num_allocated`` as host
-    ints.  The live ring entries are two parts: the first ``_sorted`` (ascending, handed
-    out from the head) and, after them, the pages freed since the last sort (the staged
-    part, in the order freed, never handed out before the next sort).
+    with ``_head``, ``_sorted``, ``num_free`` and ``num_allocated`` host ints.
 
-    Invariants (``check_invariants()`` asserts them; the map ``_owned`` is the source
-    of truth):
+    Invariants (``check_invariants()`` asserts them):
 
     - a page is free xor owned: the live ring entries are exactly the pages
       ``1 .. num_pages - 1`` with ``_owned == 0``, each once;
@@ -120,99 +94,31 @@ class PageAllocator:
     - page 0 is never handed out and never owned;
     - ``0 <= _sorted <= num_free`` and the first ``_sorted`` live entries ascend.
 
-    Order (sglang 0.5.23's ``need_sort``).  A new or ``reset()`` allocator hands out
-    1, 2, 3, ...  ``free`` appends pages to the ring's tail at once (staged: free, but
-    not handed out yet).  Pages are handed out from the sorted part; when a call may need
-    more pages than it holds (``alloc(n)``: n; ``alloc_decode``: bs;
-    ``alloc_extend``: ``tokens // page_size + bs + 1``, sglang's own bounds) every free
-    page is sorted first, so what a request gets is ascending and, where free pages are
-    adjacent, runs of consecutive pages (one transfer descriptor per run).  So kvmem
-    hands out the same pages as sglang's ``PagedTokenToKVPoolAllocator`` /
-    ``TokenToKVPoolAllocator`` with ``need_sort=True``, call for call, also after frees
-    (except after an OutOfPagesError: sglang sorts before it finds it is short, kvmem
-    changes nothing).  FIFO reuse, kvmem's order before, gave a request scattered pages
-    after a soak: bench/allocator_runs.py, bench/results/cpu-2026-11-30-runs.md.
+    Contracts:
 
-    Errors.  ``OutOfPagesError`` leaves the allocator unchanged; ``DoubleFreeError``
-    (a page out of range, page 0, not allocated, or listed twice) frees nothing; bad
-    batch inputs raise ValueError and change nothing.
+    - A call that raises has changed nothing (but for the deferred check=False errors
+      below): ``OutOfPagesError`` (pages asked, pages free), ``DoubleFreeError`` (the
+      page and why: out of range, page 0, not allocated, listed twice; nothing of that
+      free is applied), ``ValueError`` for bad arguments or batches.  The refusals and
+      their messages: ``kvmem.errors.AllocCode``.
+    - Order: a new or ``reset()`` allocator hands out 1, 2, 3, ...; a free is staged at
+      once (free, counted, not handed out before the next sort); when a call may need
+      more pages than the sorted part holds, every free page is sorted first.
+    - ``check=True`` (the default) validates before changing anything: one host sync on
+      CUDA, none on the CPU.  ``check=False`` on the Triton path (CUDA, or CPU tensors
+      under ``KVMEM_FORCE_TRITON=1``) makes no sync and checks on the device; what it
+      finds is raised at the next synchronising call (any ``check=True`` call,
+      ``check_invariants()``, ``synchronize()``), after the free list is rebuilt from
+      ``_owned``, and results in between are unreliable.  On the CPU path every check
+      always runs.
+    - CUDA: every call runs on the allocator's device and its one stream (``stream=``,
+      else the device's current stream at construction), ordered against the caller's
+      stream without a host sync.  CPU: no stream; ``stream=`` is refused.
+    - Not thread-safe (the counts are host ints): one thread, or the caller's lock.  Two
+      allocators share nothing.
 
-    Costs (n pages, bs requests, T token slots; "sync" = the host waits for the device,
-    which only costs anything on CUDA; "launch" = one Triton kernel):
-
-    =========================  ===================================  ======================
-    call                       CUDA (Triton kernels)                CPU (numpy/torch)
-    =========================  ===================================  ======================
-    alloc(n)                   1 launch, no sync [#p]_ [#s]_        a slice copy and one
-                                                                    scatter, O(n) [#s]_
-    free(n), check=True        device validation + 1 sync, 1 launch  ~8 numpy calls, O(n)
-    free(n), check=False       2 launches, no sync [#o]_            same as check=True
-    free_group()               one free at the outermost exit       one free
-    alloc_extend(bs, T),       device validation + 1 sync, then     ~15 torch ops over bs
-    check=True                 alloc(n) + 1 slot launch             (checks), ~15 over T
-                                                                    (slots); no loop
-    alloc_extend, check=False  with the *_cpu hints: 2 launches,    same as check=True
-                               no sync; without them +1 sync
-    alloc_decode(bs)           as alloc_extend (seq_lens_cpu)       as alloc_extend
-    num_free, num_allocated    host ints, no sync                   same
-    reset()                    an arange and 3 fills, no sync       O(num_pages)
-    check_invariants()         copies the state to the host         O(num_pages)
-    synchronize()              1 sync                               nothing to wait for
-    =========================  ===================================  ======================
-
-    At page_size 1 the slots of a checked call are the new pages themselves: no slot
-    launch.  ``free`` takes its pages through ``kvmem._ids.as_page_ids``: a Python sequence
-    or a NumPy array goes to the device through pinned memory and a non-blocking copy
-    (no sync); bool and float ids are refused.
-
-    .. [#p] with check=True, plus 1 sync when a check=False call since the last
-       synchronising call may have left an error on the device.
-    .. [#s] plus, when the sorted part is short, a sort of the free list: on CPU a scan
-       of the ownership map, O(num_pages), or a NumPy sort, O(num_free log num_free),
-       whichever is cheaper; a gather, ``torch.sort`` and a copy on CUDA (no sync
-       expected, as sglang's own merge_and_sort_free; unmeasured without a GPU).  The
-       pages one sort orders are handed out before the next sort, so it costs
-       O(log num_free) per page handed out, or O(num_pages / num_free) with the scan.
-    .. [#o] unless the free would overflow the free list (more pages freed than are
-       allocated, a sure error): that one is validated at once, with a sync.
-
-    Stream (CUDA).  Each allocator runs on one stream, ``stream`` (the constructor's
-    ``stream=``, else the device's current stream when it was built), and on its own
-    device whatever device is current.  Every call that touches the state (alloc, free
-    and free_group's exit, alloc_extend, alloc_decode, reset, synchronize,
-    check_invariants, allocated_pages) runs its kernels and torch ops on that stream, so
-    the ring and the ownership map see one order of operations.  A call made while
-    another stream is current is ordered against it without a host sync: the
-    allocator's stream first waits for the caller's (so input tensors the caller
-    produced are ready), the caller's stream then waits for the allocator's (so what it
-    queues next sees the result), input tensors are recorded on the allocator's stream
-    and a returned tensor on the caller's (so the caching allocator reuses neither too
-    early).  Host reads (the checks' one sync, ``check_invariants``) read on the
-    allocator's stream; ``synchronize()`` waits for that stream.  On CPU there is no
-    stream and ``stream=`` is refused.
-
-    Threads.  An allocator is not thread-safe (its counts are host ints): one thread, or
-    the caller's lock.  Different allocators share nothing: the CPU free's scratch array
-    is per allocator.
-
-    check=False.  On CUDA (and on CPU tensors under ``KVMEM_FORCE_TRITON=1``, which
-    runs the same kernels under the Triton interpreter) ``check=False`` skips every
-    check that would make the host wait for the device.  The kernels then check on
-    the device and record the first error in ``_err``: the free kernel releases pages
-    with atomic exchanges and writes the ring, and a second small kernel undoes the
-    whole call (ownership and ring writes) if any page of it could not be released;
-    the take kernel flags a page taken off the ring that was already owned; the slot
-    kernels flag bad lengths, inconsistent ``last_loc`` and hints that disagree with
-    the device lengths.  Such an error is raised at the next *synchronising* call
-    (any ``check=True`` call, ``check_invariants()``, ``synchronize()``), and before
-    raising the allocator rebuilds its ring from the ownership map (what was owned
-    stays owned; the message says so): DoubleFreeError for a refused free,
-    ValueError for bad alloc_extend / alloc_decode inputs (the pages that call took
-    stay allocated, its slots are wrong), KVMemError for a page taken twice.  Between
-    the bad call and that point the host's counts may be wrong (a refused free was
-    still counted as freed), so calls in between may hand out page 0 or pages flagged
-    as taken twice: their results are unreliable until the error is raised.  On the
-    CPU path every check always runs (it costs no sync), whatever ``check`` says.
+    What each call costs, the order in detail, streams and check=False:
+    docs/allocator.md.
     """
 
     def __init__(self, num_pages: int, page_size: int, device: str | torch.device = "cpu",
@@ -241,7 +147,7 @@ class PageAllocator:
         self._ring_np = self._ring.numpy() if device.type == "cpu" else None
         self._owned_np = self._owned_ext.numpy() if device.type == "cpu" else None
         # the Triton kernels on CUDA, and on CPU tensors under KVMEM_FORCE_TRITON=1 as it
-        # was when the allocator was made (an environment read per call costs ~0.6 us)
+        # was when the allocator was made (not read per call: _triton)
         self._use_triton = self._on_cuda or force_triton()
         # CPU without Triton: memoryviews of the ring and of the map proper, for a free of
         # a short Python list (kvmem.kernels.alloc.free_pages_list)
@@ -432,9 +338,9 @@ class PageAllocator:
         nothing changed.  With check=False on CUDA the count of new pages comes from
         the hints (no sync) and the inputs are checked on the device (class
         docstring)."""
-        bs = _check_batch("alloc_extend", self.device, prefix_lens=prefix_lens,
+        bs = check_batch("alloc_extend", self.device, prefix_lens=prefix_lens,
                           seq_lens=seq_lens, last_loc=last_loc)
-        hints = _check_hints("alloc_extend", bs, prefix_lens_cpu=prefix_lens_cpu,
+        hints = check_hints("alloc_extend", bs, prefix_lens_cpu=prefix_lens_cpu,
                              seq_lens_cpu=seq_lens_cpu)
         if extend_num_tokens is not None:
             extend_num_tokens = _as_int("extend_num_tokens", extend_num_tokens)
@@ -444,7 +350,7 @@ class PageAllocator:
             num_new, total = self._checked_extend_counts(prefix_lens, seq_lens, last_loc,
                                                          hints, extend_num_tokens, check)
         elif hints is not None:  # no sync
-            num_new, total = _extend_counts_host(hints[0], hints[1], ps)
+            num_new, total = extend_counts_host(hints[0], hints[1], ps)
             if extend_num_tokens is not None:
                 total = extend_num_tokens
         else:  # one sync
@@ -470,14 +376,14 @@ class PageAllocator:
         0.5.23 alloc_decode): a new page when ``(seq_len - 1) % page_size == 0``, else
         ``last_loc[i] + 1``.  int64 [bs].  ValueError / OutOfPagesError, nothing
         changed."""
-        bs = _check_batch("alloc_decode", self.device, seq_lens=seq_lens, last_loc=last_loc)
-        hints = _check_hints("alloc_decode", bs, seq_lens_cpu=seq_lens_cpu)
+        bs = check_batch("alloc_decode", self.device, seq_lens=seq_lens, last_loc=last_loc)
+        hints = check_hints("alloc_decode", bs, seq_lens_cpu=seq_lens_cpu)
         flag = self._flag(check)
         ps = self.page_size
         if not flag:
             num_new = self._checked_decode_count(seq_lens, last_loc, hints, check)
         elif hints is not None:  # no sync
-            num_new = _decode_count_host(hints[0], ps)
+            num_new = decode_count_host(hints[0], ps)
         else:  # one sync
             num_new = int(K.decode_counts(seq_lens, ps).item())
         if num_new > self._count:
@@ -497,22 +403,22 @@ class PageAllocator:
         CUDA: torch checks on the device and one sync; CPU: numpy."""
         ps = self.page_size
         if is_async_device(seq_lens):
-            problems = _extend_problems(prefix_lens, seq_lens, last_loc, self._owned, ps)
+            problems = extend_problems(prefix_lens, seq_lens, last_loc, self._owned, ps)
             if hints is not None:
-                problems = torch.cat((problems, _agree(prefix_lens, hints[0]),
-                                      _agree(seq_lens, hints[1])))
+                problems = torch.cat((problems, agree(prefix_lens, hints[0]),
+                                      agree(seq_lens, hints[1])))
             first, code, num_new, total, *agree = self._read_device(problems,
                                                                     raise_pending=check)
         else:
             if check and self._pending:
                 self._read_device(None)
-            first, code, num_new, total = _extend_problems_np(
+            first, code, num_new, total = extend_problems_np(
                 prefix_lens.numpy(), seq_lens.numpy(), last_loc.numpy(), self._owned_np, ps)
             agree = [] if hints is None else [
                 np.array_equal(prefix_lens.numpy(), hints[0].numpy()),
                 np.array_equal(seq_lens.numpy(), hints[1].numpy())]
         if first >= 0:
-            raise ValueError(f"alloc_extend: request {first}: {_LEN_REASONS[code]}")
+            raise alloc_error(code, first, self.num_pages, call="alloc_extend")
         if not all(agree):
             raise ValueError("alloc_extend: prefix_lens_cpu / seq_lens_cpu disagree with "
                              "prefix_lens / seq_lens")
@@ -525,19 +431,19 @@ class PageAllocator:
         """New pages of a checked alloc_decode; ValueError for bad inputs."""
         ps = self.page_size
         if is_async_device(seq_lens):
-            problems = _decode_problems(seq_lens, last_loc, self._owned, ps)
+            problems = decode_problems(seq_lens, last_loc, self._owned, ps)
             if hints is not None:
-                problems = torch.cat((problems, _agree(seq_lens, hints[0])))
+                problems = torch.cat((problems, agree(seq_lens, hints[0])))
             first, code, num_new, *agree = self._read_device(problems, raise_pending=check)
         else:
             if check and self._pending:
                 self._read_device(None)
-            first, code, num_new = _decode_problems_np(seq_lens.numpy(), last_loc.numpy(),
+            first, code, num_new = decode_problems_np(seq_lens.numpy(), last_loc.numpy(),
                                                        self._owned_np, ps)
             agree = [] if hints is None else [np.array_equal(seq_lens.numpy(),
                                                              hints[0].numpy())]
         if first >= 0:
-            raise ValueError(f"alloc_decode: request {first}: {_LEN_REASONS[code]}")
+            raise alloc_error(code, first, self.num_pages, call="alloc_decode")
         if not all(agree):
             raise ValueError("alloc_decode: seq_lens_cpu disagrees with seq_lens")
         return num_new
@@ -545,9 +451,9 @@ class PageAllocator:
 
     def _triton(self) -> bool:
         """kvmem.kernels._dispatch.use_triton for the allocator's device (every tensor a
-        call touches is on it), decided when the allocator was made: a torch attribute
-        or environment read per call is a measurable part of a ~7 us alloc+free on
-        CPU."""
+        call touches is on it), decided when the allocator was made: a read per call is
+        a measurable part of an alloc+free on the CPU
+        (bench/results/cpu-2026-11-30-cpu-paths.md)."""
         return self._use_triton
 
     def _flag(self, check: bool) -> bool:
@@ -590,10 +496,8 @@ class PageAllocator:
         end = head + count
         if self._ring_np is not None and not self._triton():
             ring = self._ring_np
-            # 1/6: the map scan against np.sort of free lists made of 64-page ascending
-            # chunks in random order, 2-core CPU, 2026-11-30: 65536 pages, 8192 free:
-            # 31 vs 24 us, 16384 free: 32 vs 51 us; 524288 pages, 65536 free: 239 vs
-            # 245 us.  (A stable sort, timsort, took 8-14x the default sort there.)
+            # 1/6, where the map scan overtakes np.sort:
+            # bench/results/cpu-2026-11-30-cpu-paths.md
             if count * 6 >= self.num_pages:
                 free = np.flatnonzero(self._owned_np[1:self.num_pages] == 0)
                 assert free.shape[0] == count, "the free list and the map disagree"
@@ -634,10 +538,7 @@ class PageAllocator:
                                        self._marks)
             if bad is not None:
                 first, code = bad
-                reason = K.FREE_REASONS[code]
-                if code == K.FREE_OUT_OF_RANGE:
-                    reason += f" [1, {self.num_pages})"
-                raise DoubleFreeError(int(p[first]), reason)
+                raise alloc_error(code, int(p[first]), self.num_pages)
         self._count += n
         self._allocated -= n
 
@@ -719,18 +620,7 @@ class PageAllocator:
         n_free = self._rebuild_from_owned()
         rebuilt = (f"found on the device after a check=False call; the free list was "
                    f"rebuilt from the ownership map ({n_free} pages free)")
-        if code in K.FREE_REASONS:
-            reason = K.FREE_REASONS[code]
-            if code == K.FREE_OUT_OF_RANGE:
-                reason += f" [1, {self.num_pages})"
-            raise DoubleFreeError(value, f"{reason}; {rebuilt}")
-        what = _DEVICE_ERROR_WHAT.get(code, f"device error code {code}")
-        where = "page" if code == K.ERR_TAKE_OWNED else "request"
-        msg = f"{what} ({where} {value}); {rebuilt}"
-        if code == K.ERR_TAKE_OWNED:
-            raise KVMemError(msg)
-        raise ValueError(msg + "; the slots that call returned are wrong and the pages it "
-                         "took stay allocated")
+        raise alloc_error(code, value, self.num_pages, rebuilt=rebuilt)
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -743,161 +633,3 @@ def _as_int(name: str, v) -> int:
         return operator.index(v)
     except TypeError:
         raise ValueError(f"{name} must be an integer, got {v!r}") from None
-
-
-def _same_device(t: torch.Tensor, device: torch.device) -> bool:
-    if t.device.type != device.type:
-        return False
-    return device.index is None or t.device.index is None or t.device.index == device.index
-
-
-def _check_batch(what: str, device: torch.device, **tensors: torch.Tensor) -> int:
-    """Host-only checks (no sync) of the batch tensors; returns bs."""
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{what}: {name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 1:
-            raise ValueError(f"{what}: {name} must be 1-D, got shape {tuple(t.shape)}")
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{what}: {name} must be int32 or int64, got {t.dtype}")
-        if not _same_device(t, device):
-            raise ValueError(f"{what}: {name} is on {t.device}, the allocator on {device}")
-    sizes = {name: t.shape[0] for name, t in tensors.items()}
-    if len(set(sizes.values())) > 1:
-        listed = ", ".join(f"{k}={v}" for k, v in sizes.items())
-        raise ValueError(f"{what}: batch tensors differ in length ({listed})")
-    return next(iter(sizes.values()))
-
-
-def _check_hints(what: str, bs: int, **hints: torch.Tensor | None):
-    """The *_cpu hints (checked: CPU, int32/int64, [bs]), or None when none is given."""
-    given = {k: v for k, v in hints.items() if v is not None}
-    if not given:
-        return None
-    if len(given) != len(hints):
-        missing = ", ".join(k for k in hints if k not in given)
-        raise ValueError(f"{what}: give all of the *_cpu hints or none ({missing} missing)")
-    out = []
-    for name, t in given.items():
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-            raise ValueError(f"{what}: {name} must be a CPU tensor")
-        if t.dim() != 1 or t.numel() != bs:
-            raise ValueError(f"{what}: {name} must have shape ({bs},), got {tuple(t.shape)}")
-        if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{what}: {name} must be int32 or int64, got {t.dtype}")
-        out.append(t)
-    return out
-
-
-def _extend_counts_host(pre: torch.Tensor, seq: torch.Tensor, ps: int) -> tuple[int, int]:
-    """(new pages, extend tokens) from the CPU hints, with numpy (no torch dispatch)."""
-    pre = pre.numpy().astype(np.int64, copy=False)
-    seq = seq.numpy().astype(np.int64, copy=False)
-    new = (seq + ps - 1) // ps - (pre + ps - 1) // ps
-    return int(new.sum()), int((seq - pre).sum())
-
-
-def _decode_count_host(seq: torch.Tensor, ps: int) -> int:
-    seq = seq.numpy().astype(np.int64, copy=False)
-    return int(np.count_nonzero((seq - 1) % ps == 0))
-
-
-def _agree(t: torch.Tensor, hint: torch.Tensor) -> torch.Tensor:
-    """int64 [1] on t's device: 1 if the CPU hint holds the same values as t."""
-    same = (t.to(torch.int64) == hint.to(device=t.device, dtype=torch.int64)).all()
-    return same.to(torch.int64).reshape(1)
-
-
-def _first_problem(code: torch.Tensor) -> torch.Tensor:
-    """int64 [2]: [index of the first nonzero code or -1, that code]."""
-    if code.numel() == 0:
-        return torch.tensor([-1, 0], dtype=torch.int64, device=code.device)
-    bad = code != 0
-    first = bad.to(torch.int8).argmax()
-    return torch.stack((torch.where(bad.any(), first, -1), code[first]))
-
-
-def _last_page_problem(partial, last, owned, ps):
-    """Codes for requests with a partial last page: its slot ``last`` must be in an
-    allocated page."""
-    page = torch.where(partial, last // ps, 0)
-    in_range = (page >= 1) & (page < owned.numel())
-    owned_page = owned[torch.where(in_range, page, 0)] == 1
-    return partial & ~(in_range & owned_page)
-
-
-def _extend_problems(prefix_lens, seq_lens, last_loc, owned, ps) -> torch.Tensor:
-    """int64 [4] on the device: [first bad request or -1, its code, new pages, tokens]."""
-    pre = prefix_lens.to(torch.int64)
-    seq = seq_lens.to(torch.int64)
-    last = last_loc.to(torch.int64)
-    partial = (pre > 0) & (pre % ps != 0)
-    code = torch.zeros_like(pre)
-    code = torch.where(_last_page_problem(partial, last, owned, ps), _LEN_LAST_PAGE_FREE, code)
-    code = torch.where(partial & ((last + 1) % ps != pre % ps), _LEN_LAST_LOC_OFFSET, code)
-    code = torch.where(pre > seq, _LEN_PREFIX_OVER_SEQ, code)
-    code = torch.where(pre < 0, _LEN_NEGATIVE_PREFIX, code)
-    num_new, total = K.extend_counts(pre, seq, ps)
-    return torch.cat((_first_problem(code), torch.stack((num_new, total))))
-
-
-def _decode_problems(seq_lens, last_loc, owned, ps) -> torch.Tensor:
-    """int64 [3] on the device: [first bad request or -1, its code, new pages]."""
-    seq = seq_lens.to(torch.int64)
-    last = last_loc.to(torch.int64)
-    partial = (seq >= 1) & ((seq - 1) % ps != 0)
-    code = torch.zeros_like(seq)
-    code = torch.where(_last_page_problem(partial, last, owned, ps), _LEN_LAST_PAGE_FREE, code)
-    code = torch.where(partial & ((last + 1) % ps != (seq - 1) % ps), _LEN_LAST_LOC_OFFSET,
-                       code)
-    code = torch.where(seq < 1, _LEN_SEQ_BELOW_ONE, code)
-    return torch.cat((_first_problem(code), K.decode_counts(seq, ps).reshape(1)))
-
-
-def _last_page_problem_np(partial, last, owned_ext, ps):
-    """_last_page_problem on the CPU, with the ownership map's end marker (``owned_ext``
-    is one entry longer, that entry 0): one clipped lookup checks range (below 1 lands on
-    page 0, past the end on the marker, both never owned) and ownership at once."""
-    return partial & (owned_ext.take(last // ps, mode="clip") != 1)
-
-
-def _extend_problems_np(pre, seq, last, owned_ext, ps) -> list[int]:
-    """numpy twin of _extend_problems for CPU batches (a torch call costs 5-10 us of
-    dispatch there, a numpy call ~1-2 us): [first bad request or -1, code, new pages,
-    tokens]."""
-    pre = pre.astype(np.int64, copy=False)
-    seq = seq.astype(np.int64, copy=False)
-    num_new = int(((seq + ps - 1) // ps - (pre + ps - 1) // ps).sum())
-    total = int((seq - pre).sum())
-    code = np.zeros(pre.shape[0], dtype=np.int64)
-    if ps > 1:
-        filled = pre % ps  # tokens on the request's partial last page
-        partial = (pre > 0) & (filled != 0)
-        if np.count_nonzero(partial):
-            last = last.astype(np.int64, copy=False)
-            code[_last_page_problem_np(partial, last, owned_ext, ps)] = _LEN_LAST_PAGE_FREE
-            code[partial & ((last + 1) % ps != filled)] = _LEN_LAST_LOC_OFFSET
-    code[pre > seq] = _LEN_PREFIX_OVER_SEQ
-    code[pre < 0] = _LEN_NEGATIVE_PREFIX
-    bad = np.flatnonzero(code)
-    first = int(bad[0]) if bad.size else -1
-    return [first, int(code[first]) if bad.size else 0, num_new, total]
-
-
-def _decode_problems_np(seq, last, owned_ext, ps) -> list[int]:
-    """numpy twin of _decode_problems: [first bad request or -1, code, new pages]."""
-    seq = seq.astype(np.int64, copy=False)
-    offset = (seq - 1) % ps  # where the new token goes in its page
-    starts = offset == 0
-    num_new = int(np.count_nonzero(starts))
-    code = np.zeros(seq.shape[0], dtype=np.int64)
-    if ps > 1:
-        partial = (seq >= 1) & ~starts
-        if np.count_nonzero(partial):
-            last = last.astype(np.int64, copy=False)
-            code[_last_page_problem_np(partial, last, owned_ext, ps)] = _LEN_LAST_PAGE_FREE
-            code[partial & ((last + 1) % ps != offset)] = _LEN_LAST_LOC_OFFSET
-    code[seq < 1] = _LEN_SEQ_BELOW_ONE
-    bad = np.flatnonzero(code)
-    first = int(bad[0]) if bad.size else -1
-    return [first, int(code[first]) if bad.size else 0, num_new]

@@ -130,7 +130,7 @@ def main(argv=None) -> int:
                     "(UCX, loopback) through kvmem's PD lifecycle, with every fault injected "
                     "by default; a progress line (on a terminal), then a report.  Exit "
                     "status: 0 all checks passed, 1 a check failed (a leaked page, a corrupt "
-                    "byte, ...), 2 bad options, 3 a worker failed.")
+                    "byte, ...), 2 bad options, 3 a worker failed before its final report.")
     demo.add_arguments(demo_parser)
     p = sub.add_parser("selfcheck", help="pool + allocator + pack/unpack, end to end")
     p.add_argument("--device", default="cpu")

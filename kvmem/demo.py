@@ -21,7 +21,9 @@ counters).  The worker side is in :mod:`kvmem.demo_worker`.
 
 Exit status: 0 when every request ended in exactly one outcome, no page leaked on either
 side, every landed byte verified and no control message was refused; 1 when a check
-failed; 2 for bad options; 3 when a worker failed or stopped answering.
+failed; 2 for bad options; 3 when a worker failed or stopped answering before its final
+report.  A worker that died of a signal after its final report (a native destructor at
+its exit, say) leaves the results valid: the report carries a warning naming the signal.
 """
 
 from __future__ import annotations
@@ -376,6 +378,20 @@ SILENT_S = 30.0      # a worker sends progress ~5 times a second
 STALL_S = 120.0      # no request finished for this long (timeouts are a few seconds)
 
 
+def exit_how(code) -> str:
+    """A process's ``exitcode`` (multiprocessing's: None while running, -N for signal N)
+    in words: 'still running', 'killed by signal 11 (SIGSEGV)', 'exit status 1'."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown"
+        return f"killed by signal {-code} ({name})"
+    return f"exit status {code}"
+
+
 class Workers:
     """The two worker processes and their pipes."""
 
@@ -471,17 +487,8 @@ class Workers:
 
     def status(self) -> str:
         """How each worker ended, e.g. 'decode worker: killed by signal 9 (SIGKILL)'."""
-        out = []
-        for role, proc in self.procs.items():
-            code = proc.exitcode
-            if code is None:
-                what = "still running"
-            elif code < 0:
-                what = f"killed by signal {-code} ({signal.Signals(-code).name})"
-            else:
-                what = f"exit status {code}"
-            out.append(f"{role} worker (pid {proc.pid}): {what}")
-        return "; ".join(out)
+        return "; ".join(f"{role} worker (pid {proc.pid}): {exit_how(proc.exitcode)}"
+                         for role, proc in self.procs.items())
 
     def close(self, failed: bool = False) -> None:
         """Join both.  After a failure the pipes are closed first (a worker exits when its
@@ -663,6 +670,7 @@ def build_result(cfg, final: dict, raw, wall: float, total: float, exit_codes: d
     errors = check(res)
     res["ok"] = not errors
     res["errors"] = errors
+    res["warnings"] = exit_warnings(res)
     return res
 
 
@@ -687,7 +695,7 @@ def check(res: dict) -> list[str]:
             errs.append(f"{side}: {s['open_handles']} transfer handle(s) still open")
         if res["protocol_errors"][side]:
             errs.append(f"{side}: {res['protocol_errors'][side]} control message(s) refused")
-        if s["exit_code"] != 0:
+        if s["exit_code"] is None or s["exit_code"] > 0:  # a signal: exit_warnings
             errs.append(f"{side} worker exited with status {s['exit_code']}")
     if res["bytes_corrupt"]:
         errs.append(f"{res['bytes_corrupt']} landed bytes failed verification")
@@ -700,6 +708,16 @@ def check(res: dict) -> list[str]:
     if res.get("raw_nixl") and not res["raw_nixl"]["verified"]:
         errs.append("the raw NIXL bandwidth buffer did not arrive intact")
     return errs
+
+
+def exit_warnings(res: dict) -> list[str]:
+    """The workers that died of a signal after their final report: every result came in
+    that report, so the run stands; each is named with its signal.  (A worker that dies
+    before its final report fails the run, exit status 3, before there is a result.)"""
+    return [f"the {side} worker was {exit_how(res[side]['exit_code'])} after its final "
+            "report (its results are complete)"
+            for side in ("prefill", "decode")
+            if res[side]["exit_code"] is not None and res[side]["exit_code"] < 0]
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -779,6 +797,8 @@ def format_report(r: dict) -> str:
     for side, st in r.get("setup_seconds", {}).items():
         add(f"  {side} set-up: " + ", ".join(f"{k} {v:.1f} s" for k, v in st.items())
             + " (the rest of start-up: interpreter and imports)")
+    for w in r.get("warnings", []):
+        add(f"warning: {w}")
     add("OK" if r["ok"] else "FAILED:\n  " + "\n  ".join(r["errors"]))
     return "\n".join(lines)
 
@@ -850,9 +870,11 @@ def transfer_line(r: dict) -> str:
 def summary_line(r: dict) -> str:
     raw = f", {r['throughput_vs_raw']:.2f}x raw NIXL" if r.get("raw_nixl") else ""
     status = "OK" if r["ok"] else "FAILED: " + "; ".join(r["errors"])
+    warn = "".join(f"; warning: {w}" for w in r.get("warnings", []))
     return (f"kvmem demo: {r['requests']} requests: " + ", ".join(f"{o} {r[o]}" for o in OUTCOMES)
             + f"; pauses {r['pauses']}; leaked {r['leaked_pages']}; "
-            f"{r['throughput_gbps']:.2f} GB/s verified{raw}; {r['wall_seconds']:.1f} s: {status}")
+            f"{r['throughput_gbps']:.2f} GB/s verified{raw}; {r['wall_seconds']:.1f} s{warn}: "
+            f"{status}")
 
 
 class Progress:

@@ -453,7 +453,14 @@ def worker_main(role: str, cfg, conn, names: dict) -> None:
     """Entry point of a worker process.  SIGINT and SIGTERM are ignored: the parent owns
     the workers' lives (a Ctrl-C or SIGTERM to the demo stops them through their pipes,
     which end their loops; a worker that does not stop is killed), so a signal sent to
-    the whole process group ends the run the same way as one sent to the parent."""
+    the whole process group ends the run the same way as one sent to the parent.
+
+    The process ends here, never by returning: status 0 after its ``final`` report (its
+    engine closed in order by then), 1 after an ``error`` message; through
+    :func:`kvmem.transfer.nixl_exit.end_process`, so the native destructors that crash
+    at exit on a host with RDMA libraries do not run."""
+    from kvmem.transfer.nixl_exit import end_process
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # This process hosts a PD side: its kvmem.* records (WARNING and up, the root's
@@ -467,9 +474,11 @@ def worker_main(role: str, cfg, conn, names: dict) -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # not an INFO line per agent
         worker = (PrefillWorker if role == "prefill" else DecodeWorker)(cfg, conn, names)
         worker.run()
+        status = 0
     except BaseException:  # noqa: BLE001 - tell the parent, whatever it was
         try:
             conn.send(("error", traceback.format_exc()))
         except (OSError, EOFError):
             pass
-        os._exit(1)
+        status = 1
+    end_process(status)

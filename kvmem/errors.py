@@ -1,7 +1,12 @@
-"""kvmem's exceptions.  Each carries the values that explain it; a call that raises
-one has changed nothing (the allocator's device-flag errors say what they restored)."""
+"""kvmem's exceptions, and the allocator's refusal codes with the exception and message
+of each (:class:`AllocCode`, one table).  Each exception carries the values that explain
+it; a call that raises one has changed nothing (the allocator's device-flag errors say
+what they restored).  Imports nothing outside the standard library: tools/aot_sm90.py
+loads it, for the kernels' codes, where only triton is installed."""
 
 from __future__ import annotations
+
+import enum
 
 
 class KVMemError(Exception):
@@ -83,3 +88,89 @@ class CudaDriverError(KVMemError, RuntimeError):
         self.code = code
         self.detail = detail
         super().__init__(f"{call} failed: {code}" + (f" ({detail})" if detail else ""))
+
+
+@enum.unique
+class AllocCode(enum.IntEnum):
+    """Why the allocator refused a call, one row per code: the number the allocator's
+    kernels record in ``err[0]`` (kvmem/kernels/alloc/triton.py) and its checks return
+    (kvmem/kernels/alloc/checks.py), the exception :func:`alloc_error` raises for it, what
+    the value recorded with it names (a page id, or a request's index in the batch), and
+    the message.
+
+    - ``FREE_*``: a free refused.  The host checks (check=True, and every CPU free) name
+      the exact reason; a check=False free on the device records FREE_PAGE_ZERO,
+      FREE_OUT_OF_RANGE or ERR_FREE_NOT_ALLOCATED_OR_TWICE.
+    - ``ERR_*``: found on the device by a check=False call, raised at the next
+      synchronising call; the message names the call.
+    - ``LEN_*``: an alloc_extend / alloc_decode batch refused by the host checks.
+    """
+
+    raises: type[Exception]
+    names: str
+    message: str
+
+    def __new__(cls, code: int, raises: type[Exception], names: str, message: str):
+        member = int.__new__(cls, code)
+        member._value_ = code
+        member.raises, member.names, member.message = raises, names, message
+        return member
+
+    # name = code, raises, names, message
+    FREE_OUT_OF_RANGE = 1, DoubleFreeError, "page", "is out of range"
+    FREE_PAGE_ZERO = 2, DoubleFreeError, "page", (
+        "is page 0, the padding page, which is never allocated")
+    FREE_NOT_ALLOCATED = 3, DoubleFreeError, "page", (
+        "is not allocated (freed already or never handed out)")
+    FREE_LISTED_TWICE = 4, DoubleFreeError, "page", "is listed twice in this free"
+    ERR_FREE_NOT_ALLOCATED_OR_TWICE = 5, DoubleFreeError, "page", (  # can't tell which
+        "is not allocated (freed already, never handed out, or listed twice in one free)")
+    ERR_TAKE_OWNED = 6, KVMemError, "page", (
+        "alloc(check=False) took a page off the free list that was allocated already (or "
+        "not a page id)")
+    ERR_EXTEND_LENGTHS = 7, ValueError, "request", (
+        "alloc_extend(check=False): prefix_len < 0 or prefix_len > seq_len")
+    ERR_EXTEND_LAST_LOC = 8, ValueError, "request", (
+        "alloc_extend(check=False): (last_loc + 1) % page_size != prefix_len % page_size "
+        "for a request with a partial last page")
+    ERR_EXTEND_COUNTS = 9, ValueError, "request", (
+        "alloc_extend(check=False): prefix_lens_cpu / seq_lens_cpu / extend_num_tokens "
+        "disagree with the device lengths")
+    ERR_DECODE_SEQ = 10, ValueError, "request", "alloc_decode(check=False): seq_len < 1"
+    ERR_DECODE_LAST_LOC = 11, ValueError, "request", (
+        "alloc_decode(check=False): (last_loc + 1) % page_size != (seq_len - 1) % "
+        "page_size for a request that does not start a page")
+    ERR_DECODE_COUNTS = 12, ValueError, "request", (
+        "alloc_decode(check=False): seq_lens_cpu disagrees with seq_lens")
+    LEN_NEGATIVE_PREFIX = 13, ValueError, "request", "prefix_len < 0"
+    LEN_PREFIX_OVER_SEQ = 14, ValueError, "request", "prefix_len > seq_len"
+    LEN_LAST_LOC_OFFSET = 15, ValueError, "request", (
+        "last_loc is inconsistent with the length: (last_loc + 1) % page_size must equal "
+        "the number of tokens on the request's partial last page")
+    LEN_LAST_PAGE_FREE = 16, ValueError, "request", (
+        "last_loc is not in an allocated page (the request's partial last page must be "
+        "allocated)")
+    LEN_SEQ_BELOW_ONE = 17, ValueError, "request", "seq_len < 1"
+
+
+def alloc_error(code: int, value: int, num_pages: int, *, call: str = "",
+                rebuilt: str = "") -> Exception:
+    """The exception for ``code`` (an :class:`AllocCode`) found at ``value`` (the page, or
+    the request's index, that its ``names`` says) in an allocator of ``num_pages`` pages.
+    ``call`` names the call whose host checks refused a batch (LEN_*); ``rebuilt``, given
+    for what the device recorded, says how the allocator restored its state.  A code
+    outside the table is reported as a device error of a batch."""
+    c = AllocCode._value2member_map_.get(code)
+    raises = c.raises if c is not None else ValueError
+    if raises is DoubleFreeError:
+        reason = c.message
+        if c is AllocCode.FREE_OUT_OF_RANGE:
+            reason += f" [1, {num_pages})"
+        return DoubleFreeError(value, f"{reason}; {rebuilt}" if rebuilt else reason)
+    if not rebuilt:
+        return raises(f"{call}: request {value}: {c.message}")
+    what = c.message if c is not None else f"device error code {code}"
+    msg = f"{what} ({c.names if c is not None else 'request'} {value}); {rebuilt}"
+    if raises is ValueError:  # bad batch inputs: the call went ahead on the device
+        msg += "; the slots that call returned are wrong and the pages it took stay allocated"
+    return raises(msg)

@@ -1,8 +1,9 @@
 """KVPool: the paged K/V buffers of every layer over one memory backend.
 
-The pool is one address range from one backend.  Two layouts of that range, chosen by
-``layout`` (``rows = num_pages * page_size``; every block below starts on a
-``_LAYER_ALIGN`` boundary, padding after a block up to the next boundary):
+The pool is one address range from one backend, cut into physical chunks by a
+:class:`~kvmem.memory.plan.ChunkPlan` (:attr:`KVPool.plan`).  Two layouts of that range,
+chosen by ``layout`` (``rows = num_pages * page_size``; every block below starts on a
+512-byte boundary, padding after a block up to the next boundary):
 
 ``layout="kvmem"`` (default): all K layers, then all V layers::
 
@@ -19,6 +20,12 @@ elements::
 
     (a K-only spec, ``v_head_dim=0``, holds only K in each block; ``v_head_dim !=
     head_dim`` keeps K and V adjacent all the same.)
+
+Chunk boundaries fall only between the blocks above (a K or V plane in kvmem's layout, a
+K|V block in sglang's), and a boundary moves the next block to the allocation granularity
+(2 MiB), so no page, plane or run of pages ever spans two physical allocations, and a
+transfer engine can register one region per chunk (:meth:`KVPool.regions`).  A pool up to
+the chunk target (2 GiB by default, ``chunk_bytes`` / ``$KVMEM_CHUNK_BYTES``) is one chunk.
 
 In both layouts::
 
@@ -37,42 +44,19 @@ import torch
 from kvmem.errors import ClosedPoolError, ReleasedPoolError
 from kvmem.kernels import pack as _pack
 from kvmem.memory import MemoryBackend, make_backend
+from kvmem.memory.plan import LAYER_ALIGN, LAYOUTS, ChunkPlan, plan_pool
 from kvmem.spec import KVSpec
 
-# Each layer starts on a 512-byte boundary: 16-byte vector accesses need 16, and 512 is
-# what CUDA's caching allocator gives separate tensors, so kvmem's and sglang's buffers
-# behave alike in the kernels.
-_LAYER_ALIGN = 512
-
-
-LAYOUTS = ("kvmem", "sglang")
-
-
-def _round_up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
+_LAYER_ALIGN = LAYER_ALIGN  # the name tests and older callers use
 
 
 def layer_offsets(spec: KVSpec, num_pages: int, layout: str) -> tuple[list[int], list[int], int]:
-    """Byte offsets of every K and V layer in a pool's range, and the range's size.
-
-    Returns ``(k_offsets [L], v_offsets [L] or [] for a K-only spec, total_bytes)``; see the
-    module docstring for the two layouts.
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown KVPool layout {layout!r} (known: {', '.join(LAYOUTS)})")
-    k_bytes, v_bytes = spec.k_layer_bytes(num_pages), spec.v_layer_bytes(num_pages)
-    n = spec.num_layers
-    if layout == "sglang":
-        block = _round_up(k_bytes + v_bytes, _LAYER_ALIGN)
-        k_offsets = [l * block for l in range(n)]
-        v_offsets = [o + k_bytes for o in k_offsets] if spec.has_v else []
-        return k_offsets, v_offsets, n * block
-    k_stride = _round_up(k_bytes, _LAYER_ALIGN)
-    v_stride = _round_up(v_bytes, _LAYER_ALIGN)
-    k_offsets = [l * k_stride for l in range(n)]
-    v_base = n * k_stride
-    v_offsets = [v_base + l * v_stride for l in range(n)] if spec.has_v else []
-    return k_offsets, v_offsets, v_base + (n * v_stride if spec.has_v else 0)
+    """Byte offsets of every K and V layer in a one-chunk pool's range, and the range's
+    size: ``(k_offsets [L], v_offsets [L] or [] for a K-only spec, total_bytes)``; see the
+    module docstring for the two layouts.  A pool of several chunks places its layers by
+    its :attr:`KVPool.plan` (:func:`kvmem.memory.plan.plan_pool`)."""
+    plan = plan_pool(spec, num_pages, layout, 1, None)
+    return list(plan.k_offsets), list(plan.v_offsets), plan.nbytes
 
 
 class KVPool:
@@ -87,21 +71,25 @@ class KVPool:
             ``(nbytes, device) -> MemoryBackend`` (see :func:`kvmem.memory.make_backend`).
         layout: ``"kvmem"`` (all K layers, then all V layers) or ``"sglang"`` (per layer,
             K then V adjacent in one block); see the module docstring.  Both are one
-            address range with the same :meth:`regions`, and pack/unpack work on either.
+            address range cut into chunks between blocks, and pack/unpack work on either.
+        chunk_bytes: the chunk target of the ``host`` and ``cuda_vmm`` backends: bytes of
+            planes grouped into one physical chunk at most (a bigger plane is a chunk of
+            its own).  Default: ``$KVMEM_CHUNK_BYTES``, else 2 GiB.
 
     Attributes:
         k_buffer, v_buffer: lists of per-layer views (see the module docstring).
         layout: ``"kvmem"`` or ``"sglang"``.
+        plan: the :class:`~kvmem.memory.plan.ChunkPlan` (chunks, layer offsets, padding).
         epoch: incremented by every resume.
 
     Raises:
         PoolMemoryError: the pool's bytes cannot be had (too large to address, or out of
             memory); names the bytes, the backend and the page count.
-        ValueError: a bad ``num_pages``, ``layout`` or backend kind.
+        ValueError: a bad ``num_pages``, ``layout``, ``chunk_bytes`` or backend kind.
     """
 
     def __init__(self, spec: KVSpec, num_pages: int, device="cpu", *, backend=None,
-                 layout: str = "kvmem"):
+                 layout: str = "kvmem", chunk_bytes: int | None = None):
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
@@ -114,10 +102,16 @@ class KVPool:
         if not isinstance(layout, str) or layout not in LAYOUTS:
             raise ValueError(f"unknown KVPool layout {layout!r} (known: {', '.join(LAYOUTS)})")
         self.layout = layout
-        self._k_offsets, self._v_offsets, total = layer_offsets(spec, num_pages, layout)
+
+        def planner(granularity: int, target: int | None) -> ChunkPlan:
+            return plan_pool(spec, num_pages, layout, granularity, target)
+
         self._mem: MemoryBackend = make_backend(
-            total, self.device, backend,
-            purpose=f"a KV pool of {num_pages} pages ({spec.page_bytes} bytes each)")
+            planner(1, None).nbytes, self.device, backend,
+            purpose=f"a KV pool of {num_pages} pages ({spec.page_bytes} bytes each)",
+            planner=planner, chunk_bytes=chunk_bytes)
+        self.plan: ChunkPlan = self._mem.plan
+        self._k_offsets, self._v_offsets = self.plan.k_offsets, self.plan.v_offsets
         self.epoch = 0
         self._released = False
         self._closed = False
@@ -194,9 +188,19 @@ class KVPool:
         return self._mem.name
 
     def regions(self) -> list[tuple[int, int]]:
-        """Few large ``(ptr, nbytes)`` ranges covering every buffer, for a transfer engine."""
+        """One ``(ptr, nbytes)`` per physical chunk (its used bytes, in address order),
+        covering every buffer: what a transfer engine registers.  Every K and V plane
+        (kvmem layout) or K|V block (sglang layout) lies inside one region."""
         self._check_open("pool.regions")
         return self._mem.regions()
+
+    def memory_info(self) -> dict:
+        """What the backend says about the pool's memory (:meth:`MemoryBackend.info`):
+        ``backend``, ``chunks``, ``granularity``, ``target``, ``padding``, ``exportable``
+        (CUDA: chunks made with POSIX file-descriptor handles, which UCX's ``cuda_ipc``
+        needs to map them into a peer process), ``handle_type``, and on CUDA ``rdma``."""
+        self._check_open("pool.memory_info")
+        return self._mem.info()
 
     def resident_bytes(self) -> int:
         """Physical bytes behind the pool now, measured by the backend (``mincore`` on the

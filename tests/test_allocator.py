@@ -13,8 +13,9 @@ import torch
 
 import kvmem
 from kvmem.allocator import PageAllocator
-from kvmem.errors import DoubleFreeError, OutOfPagesError
+from kvmem.errors import AllocCode, DoubleFreeError, OutOfPagesError, alloc_error
 from kvmem.kernels import alloc as K
+from kvmem.kernels.alloc import triton as alloc_triton
 
 # -- helpers ---------------------------------------------------------------------------
 
@@ -631,13 +632,13 @@ _SIG = {
                                  out_ptr="*i64", err_ptr="*i64", bs="i32", num_new="i32"),
 }
 _CONST = {
-    "_take_pages_kernel": [dict(BLOCK=K.TAKE_BLOCK, FLAG=f) for f in (False, True)],
-    "_free_apply_kernel": [dict(BLOCK=K.TAKE_BLOCK, FLAG=f) for f in (False, True)],
-    "_free_commit_kernel": [dict(BLOCK=K.TAKE_BLOCK)],
-    "_extend_slots_kernel": [dict(PAGE_SIZE=ps, REQ_BLOCK=K.REQ_BLOCK,
-                                  TOKEN_BLOCK=K.TOKEN_BLOCK, FLAG=f)
+    "_take_pages_kernel": [dict(BLOCK=alloc_triton.TAKE_BLOCK, FLAG=f) for f in (False, True)],
+    "_free_apply_kernel": [dict(BLOCK=alloc_triton.TAKE_BLOCK, FLAG=f) for f in (False, True)],
+    "_free_commit_kernel": [dict(BLOCK=alloc_triton.TAKE_BLOCK)],
+    "_extend_slots_kernel": [dict(PAGE_SIZE=ps, REQ_BLOCK=alloc_triton.REQ_BLOCK,
+                                  TOKEN_BLOCK=alloc_triton.TOKEN_BLOCK, FLAG=f)
                              for ps, f in itertools.product((1, 16), (False, True))],
-    "_decode_slots_kernel": [dict(PAGE_SIZE=ps, BLOCK=K.DECODE_BLOCK, FLAG=f)
+    "_decode_slots_kernel": [dict(PAGE_SIZE=ps, BLOCK=alloc_triton.DECODE_BLOCK, FLAG=f)
                              for ps, f in itertools.product((1, 64), (False, True))],
 }
 
@@ -648,7 +649,7 @@ def test_kernels_compile_for_sm90(name):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(K, name)
+    fn = getattr(alloc_triton, name)
     for consts in _CONST[name]:
         sig = dict(_SIG[name], **{k: "constexpr" for k in consts})
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
@@ -659,13 +660,25 @@ def test_kernels_compile_for_sm90(name):
             assert "atom.global" in ptx  # the device-side checks are really there
 
 
+@pytest.mark.parametrize("code", list(AllocCode), ids=lambda c: c.name)
+def test_every_refusal_code_raises_its_rows_exception_and_message(code):
+    """kvmem.errors.AllocCode is the one table of refusals: whatever a host check returns
+    or a kernel records becomes that row's exception, with its message and the value."""
+    found_on_device = code.name.startswith("ERR_")
+    e = alloc_error(code, 7, 11, call="alloc_extend",
+                    rebuilt="rebuilt from the map" if found_on_device else "")
+    assert type(e) is code.raises
+    assert code.message in str(e) and "7" in str(e)
+    assert ("rebuilt from the map" in str(e)) == found_on_device
+
+
 # -- the batch checks: numpy (CPU) and torch (what CUDA runs) agree --------------------
 
 
 @pytest.mark.parametrize("ps", [1, 4, 16])
 def test_batch_checks_numpy_and_torch_agree(ps):
-    from kvmem.allocator import (_decode_problems, _decode_problems_np, _extend_problems,
-                                 _extend_problems_np)
+    from kvmem.kernels.alloc.checks import (decode_problems, decode_problems_np,
+                                            extend_problems, extend_problems_np)
 
     rng = random.Random(ps)
     num_pages = 12
@@ -681,12 +694,16 @@ def test_batch_checks_numpy_and_torch_agree(ps):
         last = [rng.randrange(-1, num_pages + 2) * ps + (p - 1) % ps
                 + (rng.random() < 0.2) for p in pre]
         t = [torch.tensor(x, dtype=torch.int64) for x in (pre, seq, last)]
-        want = _extend_problems(*t, owned, ps).tolist()
-        got = _extend_problems_np(*(x.numpy() for x in t), owned_ext.numpy(), ps)
+        want = extend_problems(*t, owned, ps).tolist()
+        got = extend_problems_np(*(x.numpy() for x in t), owned_ext.numpy(), ps)
         assert got == want, (pre, seq, last)
         seen_codes.add(got[1])
-        want = _decode_problems(t[1], t[2], owned, ps).tolist()
-        got = _decode_problems_np(t[1].numpy(), t[2].numpy(), owned_ext.numpy(), ps)
+        want = decode_problems(t[1], t[2], owned, ps).tolist()
+        got = decode_problems_np(t[1].numpy(), t[2].numpy(), owned_ext.numpy(), ps)
         assert got == want, (seq, last)
         seen_codes.add(got[1])
-    assert seen_codes >= ({0, 1, 2, 5} if ps == 1 else {0, 1, 2, 3, 4, 5})
+    every = {0, AllocCode.LEN_NEGATIVE_PREFIX, AllocCode.LEN_PREFIX_OVER_SEQ,
+             AllocCode.LEN_SEQ_BELOW_ONE}
+    if ps > 1:  # at page_size 1 no request has a partial last page
+        every |= {AllocCode.LEN_LAST_LOC_OFFSET, AllocCode.LEN_LAST_PAGE_FREE}
+    assert seen_codes >= every

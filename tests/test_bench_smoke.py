@@ -159,10 +159,11 @@ def test_gpu_check_plan_for_a_bare_h200_fits_its_time():
     steps = [x.split()[1] for x in lines if "budget=" in x]
     assert steps[0] == "smoke" and "small kernel grid first" in lines[0], lines
     assert set(steps) == {"smoke", "disagg", "hardening", "allocator-pool", "pack-grid",
-                          "sglang-staging", "bench"}, steps
+                          "sglang-staging", "sglang-memory-saver", "bench"}, steps
     would = {x.split()[1]: x.split("would=")[1] for x in lines if "budget=" in x}
     assert would["disagg"].startswith("skip: NIXL is not importable")
     assert would["sglang-staging"].startswith("skip: sglang is not importable")
+    assert would["sglang-memory-saver"].startswith("skip: sglang or torch_memory_saver")
     assert would["bench"].startswith("skip: pytest-benchmark is not importable")
     for name in ("smoke", "hardening", "allocator-pool", "pack-grid"):
         assert would[name].startswith("run"), (name, would[name])

@@ -1,6 +1,7 @@
 """`kvmem demo` end to end: two worker processes over NIXL, every fault injected; its JSON
-report, typed as docs/demo.md says; bad options; a worker that dies; the progress line on a
-terminal, and none on a pipe."""
+report, typed as docs/demo.md says; bad options; a worker that dies before its final
+report, and one that dies after it; the progress line on a terminal, and none on a
+pipe."""
 
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ import pytest
 from kvmem.cli import main
 from kvmem.demo import loop_breakdown
 from kvmem.disagg.faults import FAMILIES
+from tests.util import communicate, no_core_dumps, pythonpath_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = [sys.executable, "-m", "kvmem.cli", "demo"]
+PROBE = ROOT / "tests" / "exit_probe"  # its sitecustomize.py says what it does
 FAMILY_OUTCOME = {"abort": "aborted", "timeout": "timed_out", "fail": "failed"}
 
 
@@ -75,16 +78,11 @@ def _popen(args, tty: bool, **kw):
     return proc, term
 
 
-def _run(args, timeout=120, tty=False):
+def _run(args, timeout=120, tty=False, **kw):
     """The demo to its end; stdout and stderr decoded as they are (text mode would turn
     the progress line's carriage returns into newlines)."""
-    proc, term = _popen(args, tty)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc, term = _popen(args, tty, **kw)
+    out, err = communicate(proc, timeout)
     err = term.close() if term else err.decode()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err)
 
@@ -303,13 +301,15 @@ def test_sigterm_stops_the_demo_cleanly(group):
         assert not Path(f"/proc/{pid}").exists(), pid
 
 
-def test_a_worker_that_dies_does_not_hang_the_parent():
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV], ids=["SIGKILL", "SIGSEGV"])
+def test_a_worker_that_dies_does_not_hang_the_parent(sig):
+    """Killed during the workload, before its final report: the run fails (status 3)."""
     proc, term = _popen(["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
-                         "--chunk-tokens", "64"], tty=True)
+                         "--chunk-tokens", "64"], tty=True, preexec_fn=no_core_dumps)
     try:
         workers = _workload_running(proc, term)
         victim = max(workers)  # the decode worker, started second
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, sig)
         t0 = time.monotonic()
         rc = proc.wait(timeout=30)
         assert time.monotonic() - t0 < 15
@@ -320,9 +320,33 @@ def test_a_worker_that_dies_does_not_hang_the_parent():
         text = term.close()
     assert rc == 3, text
     assert "kvmem demo: FAILED" in text
-    assert f"decode worker (pid {victim}): killed by signal 9 (SIGKILL)" in text
+    assert f"decode worker (pid {victim}): killed by signal {sig.value} ({sig.name})" in text
     for pid in workers:  # both workers are gone (joined by the parent before it exited)
         assert not Path(f"/proc/{pid}").exists(), pid
+
+
+def test_a_worker_that_dies_after_its_final_report_leaves_the_results_valid(tmp_path):
+    """The decode worker is killed with SIGSEGV at its exit, after its final report (a
+    Python exit handler of tests/exit_probe, as a native destructor would crash there on
+    an RDMA host): the run stands, status 0, with a warning naming the signal.  The
+    prefill worker carries a C-level exit handler that aborts: its status 0 shows that a
+    worker leaves without running those (kvmem.transfer.nixl_exit)."""
+    out = tmp_path / "demo.json"
+    env = pythonpath_env(PROBE, ROOT,
+                         KVMEM_EXIT_PROBE="abort@kvmem-demo-prefill,segv@kvmem-demo-decode")
+    p = _run(["--requests", "30", "--bw-mib", "0", "--max-tokens", "256", "--chunk-tokens",
+              "64", "--json", str(out)], env=env, preexec_fn=no_core_dumps)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert r["ok"] is True and r["errors"] == []
+    assert (r["prefill"]["exit_code"], r["decode"]["exit_code"]) == (0, -signal.SIGSEGV)
+    want = ("the decode worker was killed by signal 11 (SIGSEGV) after its final report "
+            "(its results are complete)")
+    assert r["warnings"] == [want]
+    assert f"warning: {want}" in p.stdout and p.stdout.rstrip().endswith("OK")
+    assert r["leaked_pages"] == {"prefill": 0, "decode": 0}
+    assert r["bytes_transferred"] == r["bytes_verified"] > 0
+    assert r["succeeded"] + r["aborted"] + r["timed_out"] + r["failed"] == 30
 
 
 def test_no_progress_line_when_stderr_is_not_a_terminal():

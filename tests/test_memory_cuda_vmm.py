@@ -5,8 +5,8 @@ checks of the real driver that matter here: a mapping cannot overlap another, an
 must name a mapping, access needs a mapping, a reservation is freed only when nothing is
 mapped in it, and ``cuMemCreate`` fails with ``CUDA_ERROR_OUT_OF_MEMORY`` past its
 capacity.  It tracks every reservation, handle and mapping, and can fail the Nth call of
-any entry point.  Reservations are real private host mappings, so the pool's tensors (CPU
-tensors here) can be packed and unpacked.
+any entry point.  Reservations are real private host mappings (``MAP_NORESERVE``), so the
+pool's tensors (CPU tensors here) can be packed and unpacked.
 
 The same checks on a real GPU: tests/gpu/test_gpu_memory_vmm.py.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import gc
+import logging
 import mmap
 import weakref
 from types import SimpleNamespace
@@ -31,14 +32,15 @@ from tests.util import assert_closed_pool_refuses
 
 GRAN = 4096
 CHUNK = 32 << 10
-SPEC = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.bfloat16)
-PAGES = 64  # 2 layers x (K + V) x 64 pages x 1 KiB = 256 KiB = 8 chunks of 32 KiB
+SPEC = kvmem.KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.bfloat16)
+PAGES = 32  # 4 layers x (K + V) x 32 pages x 1 KiB = 256 KiB: 8 chunks of one 32 KiB plane
 
 
 class CUresult(enum.IntEnum):
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_NOT_SUPPORTED = 801
     CUDA_ERROR_UNKNOWN = 999
 
 
@@ -48,14 +50,19 @@ class FakeDriver:
     CUresult = CUresult
     CUdevice_attribute = SimpleNamespace(
         CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED=102,
+        CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED=103,
         CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED=112)
+    CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_NONE=0,
+                                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1)
     CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
     CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
     CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_RECOMMENDED=1)
     CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
 
-    def __init__(self, capacity: int = 1 << 20, address_space: int = 1 << 30):
+    def __init__(self, capacity: int = 1 << 20, address_space: int = 1 << 30,
+                 granularity: int = GRAN):
         self.capacity = capacity
+        self.granularity = granularity
         self.address_space = address_space
         self.reservations: dict[int, tuple[int, mmap.mmap]] = {}
         self.handles: dict[int, dict] = {}  # id -> {"size", "released"}
@@ -64,6 +71,8 @@ class FakeDriver:
         self.held: dict[int, int] = {}  # other allocations: id -> bytes
         self.calls: dict[str, int] = {}
         self.faults: dict[str, dict[int, CUresult]] = {}
+        self.attributes: dict[int, int] = {}  # attribute -> value; absent: 1
+        self.refuse_fd_handles: CUresult | None = None  # cuMemCreate with fd handles fails
         self._next = 1
 
     # --- test controls --------------------------------------------------------------------
@@ -107,27 +116,33 @@ class FakeDriver:
         return self._enter("cuDeviceGet") or CUresult.CUDA_SUCCESS, index
 
     def cuDeviceGetAttribute(self, attr, dev):
-        return self._enter("cuDeviceGetAttribute") or CUresult.CUDA_SUCCESS, 1
+        return (self._enter("cuDeviceGetAttribute") or CUresult.CUDA_SUCCESS,
+                self.attributes.get(attr, 1))
 
     @staticmethod
     def CUmemAllocationProp():
         return SimpleNamespace(type=0, location=SimpleNamespace(type=0, id=-1),
-                               allocFlags=SimpleNamespace(gpuDirectRDMACapable=0))
+                               allocFlags=SimpleNamespace(gpuDirectRDMACapable=0),
+                               requestedHandleTypes=0)
 
     @staticmethod
     def CUmemAccessDesc():
         return SimpleNamespace(location=SimpleNamespace(type=0, id=-1), flags=0)
 
     def cuMemGetAllocationGranularity(self, prop, flags):
-        return self._enter("cuMemGetAllocationGranularity") or CUresult.CUDA_SUCCESS, GRAN
+        return (self._enter("cuMemGetAllocationGranularity") or CUresult.CUDA_SUCCESS,
+                self.granularity)
 
     def cuMemAddressReserve(self, size, alignment, addr, flags):
         if (err := self._enter("cuMemAddressReserve")) is not None:
             return err, 0
         reserved = sum(s for s, _ in self.reservations.values())
-        if size % GRAN or reserved + size > self.address_space:
+        if size % self.granularity or reserved + size > self.address_space:
             return CUresult.CUDA_ERROR_OUT_OF_MEMORY, 0
-        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # MAP_NORESERVE: memory only where touched, so a 64 GiB pool's calls can be
+        # counted on a small machine (bench/chunk_plan.py)
+        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                       | getattr(mmap, "MAP_NORESERVE", 0x4000))
         anchor = ctypes.c_char.from_buffer(mm)
         ptr = ctypes.addressof(anchor)
         del anchor  # no export left: the mapping can be closed
@@ -148,12 +163,15 @@ class FakeDriver:
     def cuMemCreate(self, size, prop, flags):
         if (err := self._enter("cuMemCreate")) is not None:
             return err, None
-        if size % GRAN or prop.location.id < 0:
+        if size % self.granularity or prop.location.id < 0:
             return CUresult.CUDA_ERROR_INVALID_VALUE, None
+        if self.refuse_fd_handles is not None and prop.requestedHandleTypes == 1:
+            return self.refuse_fd_handles, None
         if self._used() + size > self.capacity:
             return CUresult.CUDA_ERROR_OUT_OF_MEMORY, None
         self._next += 1
-        self.handles[self._next] = {"size": size, "released": False}
+        self.handles[self._next] = {"size": size, "released": False,
+                                    "handle_types": prop.requestedHandleTypes}
         return CUresult.CUDA_SUCCESS, self._next
 
     def cuMemRelease(self, handle):
@@ -363,7 +381,7 @@ def test_a_failed_undo_leaves_a_state_the_next_call_continues_from(fake):
 def test_construction_out_of_memory_leaves_nothing(fake):
     fake.capacity = 3 * CHUNK
     with pytest.raises(PoolMemoryError, match=r"cannot map 262144 bytes .* for a KV pool of "
-                       r"64 pages .*cuda_vmm memory backend .*CUDA_ERROR_OUT_OF_MEMORY"):
+                       r"32 pages .*cuda_vmm memory backend .*CUDA_ERROR_OUT_OF_MEMORY"):
         make_pool(fake)
     assert fake.empty()
     fake.address_space = CHUNK
@@ -428,3 +446,112 @@ def test_close_reports_a_driver_error_and_frees_the_rest(fake):
     assert pool.closed
     assert fake.mapped_bytes() == 0 and fake.physical_bytes() == CHUNK  # the one it could not
     pool.close()  # idempotent: no second attempt, no error
+
+
+# --- the chunk plan on the driver: every plane inside one physical allocation -------------
+
+@pytest.mark.parametrize("layout", ["kvmem", "sglang"])
+@pytest.mark.parametrize("name, spec", [
+    ("MLA576-fp8-P1", kvmem.KVSpec(num_layers=5, num_kv_heads=1, head_dim=576, page_size=1,
+                                   dtype=torch.float8_e4m3fn, v_head_dim=0)),
+    ("MLA576-bf16-P64", kvmem.KVSpec(num_layers=3, num_kv_heads=1, head_dim=576, page_size=64,
+                                     dtype=torch.bfloat16, v_head_dim=0)),
+    ("D128-bf16-P16", kvmem.KVSpec(num_layers=3, num_kv_heads=2, head_dim=128, page_size=16)),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_chunks_hold_whole_planes_on_the_driver(fake, name, spec, layout):
+    """576- and 1152-byte tokens do not divide the chunk target: the old cut at multiples
+    of it fell inside pages.  Each mapping the driver made is one chunk of the plan, and
+    every K/V plane (sglang: K|V block) lies inside one mapping."""
+    pages = 53
+    del name
+    fake.capacity = 64 << 20
+    target = 3 * GRAN
+    pool = kvmem.KVPool(spec, pages, "cpu", layout=layout,
+                        backend=CudaVmmBackend.factory(driver=fake, chunk_bytes=target))
+    base = pool._mem.tensor.data_ptr()
+    maps = sorted((va, size) for va, (size, _) in fake.mappings.items())
+    plan = pool.plan
+    assert maps == [(base + c.offset, c.size) for c in plan.chunks] and len(maps) > 1
+    assert pool.regions() == [(base + c.offset, c.nbytes) for c in plan.chunks]
+    assert all(c.offset % GRAN == 0 and c.size % GRAN == 0 for c in plan.chunks)
+    if layout == "sglang" and spec.has_v:
+        blocks = [(k.data_ptr(), k.nbytes + v.nbytes) for k, v in zip(pool.k_buffer, pool.v_buffer)]
+    else:
+        blocks = [(b.data_ptr(), b.nbytes) for b in pool.k_buffer + pool.v_buffer]
+    for a, n in blocks:
+        assert sum(va <= a and a + n <= va + size for va, size in maps) == 1, (a, n)
+    naive = range(base + target, base + pool.nbytes, target)  # the cut of a fixed chunk size
+    page = spec.k_page_bytes
+    assert any(a < cut < a + n and (cut - a) % page for a, n in blocks for cut in naive), \
+        "this shape would not have straddled: the test proves nothing"
+    _round_trip_spec(pool, spec)
+
+
+def _round_trip_spec(pool, spec) -> None:
+    ids = torch.tensor([1, pool.num_pages - 1, 7])
+    chunk = torch.randint(0, 256, (kvmem.packed_nbytes(spec, 3),), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(3))
+    kvmem.unpack_pages(chunk, pool, ids)
+    assert torch.equal(kvmem.pack_pages(pool, ids), chunk)
+
+
+def test_driver_calls_per_release_and_resume_are_per_chunk(fake):
+    pool = make_pool(fake)
+    n = len(pool.plan.chunks)
+    before = dict(fake.calls)
+    pool.release()
+    pool.resume()
+    made = {k: v - before.get(k, 0) for k, v in fake.calls.items() if v != before.get(k, 0)}
+    assert made == {"cuMemUnmap": n, "cuMemRelease": n, "cuMemCreate": n, "cuMemMap": n,
+                    "cuMemSetAccess": n}
+
+
+# --- item 5: exportable chunks (POSIX file-descriptor handles) --------------------------------
+
+def test_chunks_request_posix_fd_handles_where_supported(fake):
+    pool = make_pool(fake)
+    assert pool._mem.exportable
+    assert {h["handle_types"] for h in fake.handles.values()} == {1}
+    info = pool.memory_info()
+    assert info["exportable"] and info["handle_type"] == "posix_fd" and info["rdma"]
+    assert info["chunks"] == 8 and info["granularity"] == GRAN
+    assert fake.calls["cuMemCreate"] == 8 + 1  # the probe, released again
+    pool.release()
+    pool.resume()
+    assert {h["handle_types"] for h in fake.handles.values()} == {1}
+
+
+def test_no_fd_handles_where_the_device_lacks_them_said_in_a_warning(fake, caplog):
+    fake.attributes[FakeDriver.CUdevice_attribute
+                    .CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED] = 0
+    with caplog.at_level(logging.WARNING, logger="kvmem.memory.cuda_vmm"):
+        pool = make_pool(fake)
+    assert not pool._mem.exportable
+    assert {h["handle_types"] for h in fake.handles.values()} == {0}
+    info = pool.memory_info()
+    assert (info["exportable"], info["handle_type"]) == (False, None)
+    assert "does not support POSIX file-descriptor handles" in info["not_exportable_because"]
+    msg, = [r.getMessage() for r in caplog.records if r.name == "kvmem.memory.cuda_vmm"]
+    assert "chunks are not exportable" in msg and "cuda_ipc" in msg
+    _round_trip(pool, 7)
+
+
+def test_fd_handles_refused_by_the_driver_fall_back(fake, caplog):
+    fake.refuse_fd_handles = CUresult.CUDA_ERROR_NOT_SUPPORTED
+    with caplog.at_level(logging.WARNING, logger="kvmem.memory.cuda_vmm"):
+        pool = make_pool(fake)
+    assert not pool._mem.exportable and len(fake.layout()) == 8
+    assert {h["handle_types"] for h in fake.handles.values()} == {0}
+    assert "CUDA_ERROR_NOT_SUPPORTED" in pool.memory_info()["not_exportable_because"]
+    assert any("CUDA_ERROR_NOT_SUPPORTED" in r.getMessage() for r in caplog.records)
+    pool.release()
+    pool.resume()  # the fallback holds for the chunks of every resume
+    assert {h["handle_types"] for h in fake.handles.values()} == {0}
+    _round_trip(pool, 8)
+
+
+def test_probe_out_of_memory_keeps_fd_handles_and_fails_as_out_of_memory(fake):
+    fake.capacity = GRAN - 1  # not even the probe fits
+    with pytest.raises(PoolMemoryError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+        make_pool(fake)
+    assert fake.empty()

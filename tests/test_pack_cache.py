@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from kvmem.kernels import pack as P
+from kvmem.kernels.pack import plan as P
 
 LAYERS = 80
 HEAD_RANGES = [None, (0, 2), (2, 4), (1, 3)]

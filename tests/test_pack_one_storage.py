@@ -1,6 +1,6 @@
 """The CPU pack/unpack path for buffers that share one storage (a KVPool in either layout,
 or per-layer views carved out of one tensor at irregular offsets): one op over every
-layer (kvmem.kernels.pack._one_storage_rows), compared with the plain references over
+layer (kvmem.kernels.pack.cpu._one_storage_rows), compared with the plain references over
 the shared test grid; unpack is checked against the reference on the whole storage, so the
 gaps between layers stay untouched too."""
 
@@ -12,6 +12,7 @@ import torch
 import kvmem
 from kvmem.kernels import pack as P
 from kvmem.kernels.pack import pack_buffers_ref, unpack_buffers_ref
+from kvmem.kernels.pack.cpu import _one_storage_rows
 from tests.kv_cases import Case, fill_random, grid, scrambled_ids, selections
 
 GRID = grid()
@@ -55,7 +56,7 @@ def test_one_storage_pack_and_unpack_match_ref(case):
     for layers, heads in selections(case):
         plan = P.make_plan(ks, vs, None, P._check_layers(layers, len(ks)),
                            P._check_heads(heads, case.num_heads))
-        rows = P._one_storage_rows(plan, ks, vs)
+        rows = _one_storage_rows(plan, ks, vs)
         assert rows is not None
         same_dims = not vs or vs[0].shape[-1] == ks[0].shape[-1]
         assert len(rows) == (1 if same_dims else 2)
@@ -79,7 +80,7 @@ def test_pool_layouts_take_one_op(layout, ps, v_head_dim):
     fill_random(pool._mem.tensor, gen)
     ids = torch.tensor([5, 1, 6, 0, 3])
     for layers, heads in ((None, None), ([3, 1], (1, 2))):
-        rows = P._one_storage_rows(pool._plan(layers, heads), pool.k_buffer, pool.v_buffer)
+        rows = _one_storage_rows(pool._plan(layers, heads), pool.k_buffer, pool.v_buffer)
         assert rows is not None and len(rows) == (2 if v_head_dim == 64 else 1)
         buf = kvmem.pack_pages(pool, ids, layers=layers, heads=heads)
         assert torch.equal(buf, pack_buffers_ref(pool.k_buffer, pool.v_buffer, ids,
@@ -101,6 +102,6 @@ def test_separate_storages_fall_back_per_layer():
     _, ks, vs = carved(case, gen)
     ks = [ks[0].clone()] + ks[1:]  # layer 0 in a storage of its own
     plan = P.make_plan(ks, vs, None, P._check_layers(None, 3), P._check_heads(None, 4))
-    assert P._one_storage_rows(plan, ks, vs) is None
+    assert _one_storage_rows(plan, ks, vs) is None
     ids = torch.tensor([4, 0, 7])
     assert torch.equal(kvmem.pack_buffers(ks, vs, ids), pack_buffers_ref(ks, vs, ids))

@@ -14,7 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import kvmem
-from kvmem.kernels import pack as P
+from kvmem.kernels.pack import triton as P
 
 _POINTERS = {"base": "*i32", "layer_offs": "*i64", "page_ids": "*i64", "chunk": "*i32",
              "err": "*i64"}
@@ -213,7 +213,7 @@ _ALLOC_SIGS = {
 
 @pytest.mark.parametrize("name", list(_ALLOC_SIGS))
 def test_allocator_kernel_address_math_is_64_bit(name):
-    from kvmem.kernels import alloc as K
+    from kvmem.kernels.alloc import triton as K
     fn = getattr(K, name)
     sig, consts = _ALLOC_SIGS[name]
     names = fn.arg_names

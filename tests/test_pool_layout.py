@@ -33,10 +33,13 @@ def _layer_bytes(spec):
     return spec.k_layer_bytes(PAGES), spec.v_layer_bytes(PAGES)
 
 
+ONE_CHUNK = 2 << 30  # these pools then have one physical chunk: the single-range layout
+
+
 @pytest.mark.parametrize("name", SPECS)
 def test_sglang_layout_puts_v_right_after_k(name):
     spec = SPECS[name]
-    pool = kvmem.KVPool(spec, PAGES, layout="sglang")
+    pool = kvmem.KVPool(spec, PAGES, layout="sglang", chunk_bytes=ONE_CHUNK)
     assert pool.layout == "sglang"
     k_bytes, v_bytes = _layer_bytes(spec)
     block = -(-(k_bytes + v_bytes) // _LAYER_ALIGN) * _LAYER_ALIGN
@@ -77,9 +80,36 @@ def test_sglang_layout_is_sglangs_two_halves_tensor():
         assert torch.equal(buf[1].view(torch.int16), vs[l].view(torch.int16))
 
 
+@pytest.mark.parametrize("name", SPECS)
+def test_several_chunks_keep_each_block_whole(name):
+    """With several chunks: each K|V block (sglang) and each plane (kvmem) inside one
+    region, V right after K, every block 512-aligned."""
+    spec = SPECS[name]
+    k_bytes, v_bytes = _layer_bytes(spec)
+    for layout in ("sglang", "kvmem"):
+        # target just over one K plane: a chunk boundary after every plane or block
+        pool = kvmem.KVPool(spec, 97, layout=layout, chunk_bytes=spec.k_layer_bytes(97) + 1)
+        regions = pool.regions()
+        assert len(regions) > 1
+        for l in range(spec.num_layers):
+            k = pool.k_buffer[l]
+            assert k.data_ptr() % _LAYER_ALIGN == 0
+            blocks = [(k.data_ptr(), k.nbytes)]
+            if spec.has_v:
+                v = pool.v_buffer[l]
+                if layout == "sglang":
+                    assert v.data_ptr() == k.data_ptr() + spec.k_layer_bytes(97)
+                    blocks = [(k.data_ptr(), k.nbytes + v.nbytes)]
+                else:
+                    blocks.append((v.data_ptr(), v.nbytes))
+            for a, n in blocks:
+                assert sum(r <= a and a + n <= r + m for r, m in regions) == 1
+        pool.close()
+
+
 def test_kvmem_layout_is_unchanged():
     spec = SPECS["D128-bf16"]
-    pool = kvmem.KVPool(spec, PAGES)
+    pool = kvmem.KVPool(spec, PAGES, chunk_bytes=ONE_CHUNK)
     assert pool.layout == "kvmem"
     k_bytes = spec.k_layer_bytes(PAGES)
     stride = -(-k_bytes // _LAYER_ALIGN) * _LAYER_ALIGN

@@ -127,7 +127,7 @@ def test_packed_chunk_lands_in_chosen_pages_and_notifies(engines):
     staging = torch.empty(kvmem.packed_nbytes(pa.spec, len(src)), dtype=torch.uint8)
     a.register("staging", [(staging.data_ptr(), staging.numel())], 0)
     b.register_pool(pb)
-    assert b.open_registrations() == len(pb.regions()) == 1
+    assert b.open_registrations() == len(pb.regions()) == len(pb.plan.chunks)  # per chunk
     remote = a.add_peer(b.local_metadata())["kv"]
     assert (remote.peer, remote.epoch, remote.live) == (b.name, 0, True)
 
@@ -352,8 +352,7 @@ def test_release_resume_50_cycles_no_growth(engines):
 def test_ranges_outside_registrations_are_refused(engines):
     pa, pb = make_pool(seed=7), make_pool(fill=SENTINEL)
     a, b, remote = connected(engines, pa, pb)
-    (base, size), = pb.regions()
-    (lbase, lsize), = pa.regions()
+    (base, size), (lbase, lsize) = pb.regions()[0], pa.regions()[0]  # the first chunks
     src = (lbase, 4096)
     loose = torch.zeros(8192, dtype=torch.uint8)   # never registered
     cases = [
@@ -391,14 +390,15 @@ def test_ranges_outside_registrations_are_refused(engines):
 
 
 def test_register_rules(engines):
-    """One registration call per key covering its regions (1 for a 32-layer pool), no
-    overlaps, no double registration, no released pool."""
+    """One registration call per key covering its regions (one per physical chunk: 2 for
+    this 32-layer pool, never one per layer), no overlaps, no double registration, no
+    released pool."""
     a = engines("prefill")
     pool = make_pool(fill=0, layers=32, num_pages=6)
     assert len(pool.k_buffer) + len(pool.v_buffer) == 64
     a.register_pool(pool)
-    assert a.open_registrations() == len(pool.regions()) == 1
-    (base, size), = pool.regions()
+    assert a.open_registrations() == len(pool.regions()) == len(pool.plan.chunks) < 64
+    base, size = pool.regions()[-1]
     with pytest.raises(ValueError, match="registered already"):
         a.register_pool(pool)
     with pytest.raises(ValueError, match="overlap"):
@@ -413,7 +413,8 @@ def test_register_rules(engines):
         a.register_pool(pool)
     pool.resume()
     a.register_pool(pool)
-    assert a.registrations()["kv"].epoch == 1 and a.open_registrations() == 1
+    assert a.registrations()["kv"].epoch == 1
+    assert a.open_registrations() == len(pool.regions())
 
 
 def test_bad_metadata_is_refused_before_nixl_sees_it(engines):
@@ -539,14 +540,14 @@ def test_ranges_whose_end_overflows_or_overlap_are_refused(engines):
     b.register_pool(pb)
     md = b.local_metadata()
     header, blob = decode_metadata(md)
-    (base, size), = pb.regions()
+    base, size = pb.regions()[0]
     top = (1 << 63) - 1
     for regions, msg in [([(top - 10, 100)], "passes 2\\*\\*63 - 1"),
                          ([(1 << 62, 1 << 62)], "passes 2\\*\\*63 - 1"),
                          ([(1 << 70, 64)], "does not fit in int64|must be integers")]:
         with pytest.raises(ValueError, match=msg):
             a.register("bad", regions, 0)
-    assert "bad" not in a.registrations() and a.open_registrations() == 1
+    assert "bad" not in a.registrations() and a.open_registrations() == len(pa.regions())
 
     def with_regions(regs: dict) -> bytes:
         h = dict(header, regs={k: dict(header["regs"]["kv"], regions=v) for k, v in regs.items()})
@@ -564,7 +565,7 @@ def test_ranges_whose_end_overflows_or_overlap_are_refused(engines):
         assert isinstance(MetadataError("x"), ValueError)
     assert a.peers() == []
     remote = a.add_peer(md)["kv"]
-    (lbase, _), = pa.regions()
+    lbase, _ = pa.regions()[0]
     for local, rem in [([(lbase, top)], [(base, top)]),
                        ([(lbase, 4096)], [(base, top - 1)]),
                        (np.array([[lbase, top]], dtype=np.int64), [(base, 4096)])]:
@@ -583,8 +584,7 @@ def test_post_write_paths_agree(engines):
     same writes; a write of many ranges lands the same bytes."""
     pa, pb = make_pool(seed=10), make_pool(fill=SENTINEL)
     a, b, remote = connected(engines, pa, pb)
-    (base, size), = pb.regions()
-    (lbase, lsize), = pa.regions()
+    (base, size), (lbase, lsize) = pb.regions()[0], pa.regions()[0]
     for local, rem in [([(lbase, 64)], [(base + size - 32, 64)]),
                        ([(lbase, 64)], [(base, 32)]),
                        ([(lbase + lsize - 32, 64)], [(base, 64)])]:

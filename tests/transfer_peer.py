@@ -6,6 +6,9 @@ Protocol over a multiprocessing Pipe:
     child -> parent   ("landed", notif, sha256 hex of buf) for each write notification,
                       computed when the notification arrives
     parent -> child   "quit" (through the pipe)
+
+The process ends through kvmem.transfer.nixl_exit.process_body: exit status 0 after its
+engine closed, without the native destructors that crash on a host with RDMA libraries.
 """
 
 from __future__ import annotations
@@ -15,6 +18,13 @@ import time
 
 
 def serve(name: str, nbytes: int, conn, deadline_s: float = 60.0) -> None:
+    from kvmem.transfer.nixl_exit import process_body
+
+    with process_body():
+        _serve(name, nbytes, conn, deadline_s)
+
+
+def _serve(name: str, nbytes: int, conn, deadline_s: float) -> None:
     import torch
 
     from kvmem.transfer import NixlEngine

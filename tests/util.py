@@ -46,3 +46,33 @@ def no_host_sync():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(old)
+
+
+def no_core_dumps() -> None:
+    """``preexec_fn`` of a child that a test expects to crash (or whose children it
+    crashes): no core file from it or them."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def communicate(proc, timeout: float):
+    """``(stdout, stderr)`` of ``proc`` once it ends; killed and reaped if it is still
+    running after ``timeout`` s (then the TimeoutExpired goes on)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def pythonpath_env(*dirs, **extra) -> dict:
+    """This process's environment with ``extra`` set and ``dirs`` (paths) ahead of its
+    PYTHONPATH."""
+    import os
+
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(d) for d in dirs] + [
+        q for q in env.get("PYTHONPATH", "").split(os.pathsep) if q])
+    return env

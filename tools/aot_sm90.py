@@ -8,10 +8,11 @@ host's triton (3.6) as well as on the one ``make test`` installs.
 ``cases`` writes the launches to compile: each kernel with the argument types and
 constexpr values its launcher passes (the pack kernel's come from kvmem's own
 ``kernel_params`` for real pool layouts).  ``compile`` reads the kernels' source from
-kvmem/kernels/*.py without importing kvmem or torch (the small environment that
+kvmem/kernels/*/triton.py without importing kvmem or torch (the small environment that
 ``make venv-triton36`` builds holds triton alone): it keeps the ``@triton.jit``
-functions and the module-level constants that evaluate with triton only, writes them to
-a module of their own, and compiles each case with ``triton.compile(ASTSource(...),
+functions, the module-level constants that evaluate with triton only and the names they
+import from kvmem modules that need nothing beyond the standard library (the error
+codes of kvmem/errors.py), writes them to a module of their own, and compiles each case with ``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", 90, 32))``, which builds PTX and, with the ptxas inside the
 triton wheel, a cubin.  OUTDIR gets ``results.json`` (triton's version; per case: ok or
 the error, the global load/store kinds in the PTX) and each case's PTX.  Exit status 1
@@ -30,7 +31,7 @@ import tempfile
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNEL_FILES = ("kvmem/kernels/pack.py", "kvmem/kernels/alloc.py")
+KERNEL_FILES = ("kvmem/kernels/pack/triton.py", "kvmem/kernels/alloc/triton.py")
 TARGET = ("cuda", 90, 32)  # H200: sm_90, 32-thread warps
 
 
@@ -58,8 +59,8 @@ def make_cases() -> list[dict]:
     import torch
 
     import kvmem
-    from kvmem.kernels import alloc as A
-    from kvmem.kernels import pack as P
+    from kvmem.kernels.alloc import triton as A
+    from kvmem.kernels.pack import triton as P
 
     cases = []
     layouts = [  # (id, KVSpec keywords, heads selected): the grid tests/test_pack_ptx.py uses
@@ -81,7 +82,7 @@ def make_cases() -> list[dict]:
         for pack in (True, False):
             cases.append(dict(
                 id=f"pack.{fn.__name__}.{'pack' if pack else 'unpack'}.{lid}",
-                file="kvmem/kernels/pack.py", kernel=fn.__name__, signature=sig,
+                file=KERNEL_FILES[0], kernel=fn.__name__, signature=sig,
                 constexprs=P.kernel_params(plan, pack), num_warps=P._NUM_WARPS,
                 unit_bytes=plan.unit_bytes))
 
@@ -119,7 +120,7 @@ def make_cases() -> list[dict]:
             vid = "-".join(f"{k}{int(v)}" for k, v in consts.items() if k in ("PAGE_SIZE", "FLAG"))
             lens = sig.get("seq_ptr", "").lstrip("*")
             cases.append(dict(id=".".join(x for x in ("alloc", name, vid, lens) if x),
-                              file="kvmem/kernels/alloc.py", kernel=name,
+                              file=KERNEL_FILES[1], kernel=name,
                               signature={a: sig[a] for a in fn.arg_names if a in sig},
                               constexprs=consts, num_warps=4))
     return cases
@@ -139,7 +140,15 @@ def load_kernels(relpath: str, workdir: str):
     kept = ["from __future__ import annotations", "import triton",
             "import triton.language as tl", ""]
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and _is_jit(node):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvmem."):
+            dep = _stdlib_only_module(node.module)
+            if dep is None:  # needs torch or more of kvmem: no kernel reads its names
+                continue
+            names = [(a.name, a.asname or a.name) for a in node.names]
+            ns.update({alias: getattr(dep, name) for name, alias in names})
+            kept.append(f"from {dep.__name__} import "
+                        + ", ".join(f"{n} as {a}" for n, a in names))
+        elif isinstance(node, ast.FunctionDef) and _is_jit(node):
             start = node.decorator_list[0].lineno
             kept.append("\n".join(src.splitlines()[start - 1:node.end_lineno]) + "\n")
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -149,7 +158,7 @@ def load_kernels(relpath: str, workdir: str):
             except Exception:  # noqa: BLE001
                 continue
             kept.append(code)
-    name = "kvmem_aot_" + os.path.splitext(os.path.basename(relpath))[0]
+    name = "kvmem_aot_" + os.path.splitext(relpath)[0].replace("/", "_")
     path = os.path.join(workdir, name + ".py")
     with open(path, "w") as f:
         f.write("\n".join(kept) + "\n")
@@ -158,6 +167,27 @@ def load_kernels(relpath: str, workdir: str):
     sys.modules[name] = mod  # triton resolves a kernel's globals through its module
     spec.loader.exec_module(mod)
     return mod
+
+
+def _stdlib_only_module(module: str):
+    """The kvmem module ``module`` (dotted), loaded from its file under a name of its own
+    (not through the kvmem package, whose import needs torch) when it imports nothing but
+    the standard library; else None."""
+    base = os.path.join(ROOT, *module.split("."))
+    path = base + ".py" if os.path.exists(base + ".py") else os.path.join(base, "__init__.py")
+    tree = ast.parse(open(path).read())
+    for n in ast.walk(tree):
+        mods = ([a.name for a in n.names] if isinstance(n, ast.Import)
+                else [n.module or ""] if isinstance(n, ast.ImportFrom) else [])
+        if any(m.split(".")[0] not in sys.stdlib_module_names for m in mods):
+            return None
+    name = "kvmem_aot_dep_" + module.replace(".", "_")
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
 
 
 def _accesses(ptx: str) -> list[str]:

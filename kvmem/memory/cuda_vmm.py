@@ -10,9 +10,20 @@ Touching the range while it is released is an illegal-address fault that poisons
 context for good, so :class:`kvmem.KVPool` refuses every kvmem entry point on a released
 pool before anything reaches the device.
 
+Chunks follow the pool's :class:`~kvmem.memory.plan.ChunkPlan` (``planner``): whole layer
+planes (kvmem layout) or K|V blocks (sglang layout) grouped up to the chunk target, each
+chunk starting on the allocation granularity, so no page, plane or page run crosses a
+physical allocation.  ``regions()`` lists one region per chunk: a registration never
+spans two physical allocations, and neither does a descriptor inside one.
+
 Physical chunks request ``gpuDirectRDMACapable`` where the device supports RDMA on VMM
-memory, so a transfer engine (NIXL over UCX/RDMA) can register them.  ``regions()`` lists
-one region per chunk: a registration never spans two physical allocations.
+memory, so a transfer engine (NIXL over UCX/RDMA) can register them, and POSIX
+file-descriptor handles (``requestedHandleTypes``) where the device supports them
+(``CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED``): UCX's ``cuda_ipc``
+exports chunks that way to map them into a peer process on the same node (NVLink).
+Where the attribute is 0, or a probe ``cuMemCreate`` with that handle type is refused
+(some containers and virtualised GPUs), chunks are made without it, a WARNING says so
+(logger ``kvmem.memory.cuda_vmm``), and ``exportable`` / ``info()`` report it.
 
 Ownership.  :class:`VmmRange` owns the reservation and the chunk handles and holds no
 tensor.  Torch sees the range through ``__cuda_array_interface__`` (``torch.as_tensor``,
@@ -20,7 +31,7 @@ zero-copy; CuPy users get the same memory with ``cupy.asarray`` on the pool's te
 torch keeps that interface object in the storage's C++ deleter, where Python's GC cannot
 see it, so the object refers to the :class:`VmmRange` only, never to the backend::
 
-    CudaVmmBackend -> tensor -> (C++ deleter) -> _RangeArray -> VmmRange
+    CudaVmmBackend -> tensor -> (C++ deleter) -> RangeArray -> VmmRange
 
 No cycle: once the backend and every view are gone, the range's finalizer
 (``weakref.finalize``) waits for the device, unmaps, releases and frees the reservation.
@@ -42,18 +53,17 @@ the CPU test suite drives this file against a fake driver; the real checks are i
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 
-import numpy as np
 import torch
 
 from kvmem.errors import CudaDriverError, PoolMemoryError
-from kvmem.memory import MemoryBackend
+from kvmem.memory import MemoryBackend, range_tensor
+from kvmem.memory.plan import chunk_target, plan_range
 
-# Physical chunk size.  Few, large handles keep release/resume to a few dozen driver calls
-# for a 64 GiB pool; 2 GiB is a guess, not yet measured on the H200.
-CHUNK_BYTES = 2 << 30
+log = logging.getLogger("kvmem.memory.cuda_vmm")
 
 _OOM = "CUDA_ERROR_OUT_OF_MEMORY"
 
@@ -176,7 +186,7 @@ class VmmRange:
     """A reserved device address range of ``size`` bytes and the physical chunks under it.
 
     Holds no tensor.  Its finalizer frees everything once the range is garbage; torch's
-    views keep it alive through :class:`_RangeArray`.
+    views keep it alive through :class:`~kvmem.memory.RangeArray`.
 
     Args:
         drv: the driver module (``cuda.bindings.driver`` or a stand-in).
@@ -362,72 +372,71 @@ def _device_of(access) -> str:
         return "cuda"
 
 
-class _RangeArray:
-    """Just enough of ``__cuda_array_interface__`` (``__array_interface__`` for a driver
-    whose addresses are host memory) for torch to view the range zero-copy.  It keeps the
-    :class:`VmmRange` (never the backend) alive while any tensor views the range."""
-
-    def __init__(self, ptr: int, nbytes: int, owner: VmmRange, host: bool = False):
-        self._owner = owner
-        desc = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "strides": None}
-        if host:
-            self.__array_interface__ = dict(desc, version=3)
-        else:
-            self.__cuda_array_interface__ = dict(desc, version=2)
-
-
 class CudaVmmBackend(MemoryBackend):
-    """A reserved device address range with physical memory mapped in large chunks.
+    """A reserved device address range with physical memory mapped in chunks.
 
     Args:
-        nbytes: bytes of the range the pool uses (rounded up to the granularity).
+        nbytes: bytes of a plain range (ignored with ``planner``: the plan's).
         device: a CUDA device.  A CPU device only with an injected ``driver`` whose
             addresses are host memory (the CPU tests' fake driver).
-        chunk_bytes: physical chunk size (rounded to the granularity).
+        chunk_bytes: the chunk target (default: ``$KVMEM_CHUNK_BYTES``, else 2 GiB).
         driver: the driver module; default ``cuda.bindings.driver``.
+        planner: ``planner(granularity, target) -> ChunkPlan`` (a pool's plan); None: the
+            range is cut every ``target`` bytes rounded to the granularity.
 
     Attributes:
         tensor: ``uint8 [nbytes]`` view of the range.
         released: not every chunk is mapped and accessible (touching the range may fault).
+        rdma_capable: chunks were made ``gpuDirectRDMACapable``.
+        exportable: chunks were made with POSIX file-descriptor handles.
     """
 
     name = "cuda_vmm"
     can_release = True
 
     @classmethod
-    def factory(cls, *, driver=None, chunk_bytes: int = CHUNK_BYTES):
-        """A ``(nbytes, device) -> CudaVmmBackend`` callable for ``KVPool(backend=...)``."""
-        def make(nbytes: int, device: torch.device) -> CudaVmmBackend:
-            return cls(nbytes, device, chunk_bytes, driver=driver)
+    def factory(cls, *, driver=None, chunk_bytes: int | None = None):
+        """A ``(nbytes, device) -> CudaVmmBackend`` callable for ``KVPool(backend=...)``
+        (``chunked``: :func:`kvmem.memory.make_backend` passes it the pool's planner)."""
+        own = chunk_bytes
 
-        make.name = cls.name
+        def make(nbytes: int, device: torch.device, *, planner=None,
+                 chunk_bytes: int | None = None) -> CudaVmmBackend:
+            return cls(nbytes, device, own if chunk_bytes is None else chunk_bytes,
+                       driver=driver, planner=planner)
+
+        make.name, make.chunked = cls.name, True
         return make
 
-    def __init__(self, nbytes: int, device: torch.device, chunk_bytes: int = CHUNK_BYTES, *,
-                 driver=None):
-        super().__init__(nbytes, device)
+    def __init__(self, nbytes: int, device: torch.device, chunk_bytes: int | None = None, *,
+                 driver=None, planner=None):
+        target = chunk_target(chunk_bytes)
         drv = default_driver() if driver is None else driver
         self._drv = drv
         device = torch.device(device)
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            self.device = torch.device("cuda", index)
-            torch.zeros(1, device=self.device)  # the primary context exists and is current
+            device = torch.device("cuda", index)
+            torch.zeros(1, device=device)  # the primary context exists and is current
             sync = _device_sync(index)
         elif device.type == "cpu" and driver is not None:
-            index, self.device, sync = 0, device, None
+            index, sync = 0, None
         else:
             raise ValueError(f"the cuda_vmm backend needs a cuda device, got {device}")
         _call(drv, "cuInit", 0)
         dev = _call(drv, "cuDeviceGet", index)
+        attr = drv.CUdevice_attribute
         vmm = _call(drv, "cuDeviceGetAttribute",
-                    drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                    attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
                     dev, what="VMM supported")
         if not vmm:
-            raise RuntimeError(f"{self.device} does not support CUDA virtual memory management")
+            raise RuntimeError(f"{device} does not support CUDA virtual memory management")
         rdma = _call(drv, "cuDeviceGetAttribute",
-                     drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                     attr.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
                      dev, what="RDMA with VMM")
+        fd_ok = _call(drv, "cuDeviceGetAttribute",
+                      attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                      dev, what="POSIX fd handles")
         prop = drv.CUmemAllocationProp()
         prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -435,26 +444,57 @@ class CudaVmmBackend(MemoryBackend):
         if rdma:
             prop.allocFlags.gpuDirectRDMACapable = 1
         self.rdma_capable = bool(rdma)
-        gran = int(_call(drv, "cuMemGetAllocationGranularity", prop,
-                         drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+        self.exportable, self._not_exportable = self._request_fd_handles(drv, prop, bool(fd_ok),
+                                                                         device)
+        gran = _granularity(drv, prop)
+        plan = planner(gran, target) if planner is not None else plan_range(nbytes, gran, target)
+        super().__init__(plan.nbytes, device, plan)
         access = drv.CUmemAccessDesc()
         access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = index
         access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        size = -(-nbytes // gran) * gran
-        chunk = max(gran, min(-(-chunk_bytes // gran) * gran, size))
-        chunks = [(off, min(chunk, size - off)) for off in range(0, size, chunk)]
-        self._range = VmmRange(drv, size, gran, chunks, prop, access, sync)
+        chunks = [(c.offset, c.size) for c in plan.chunks]
+        self._range = VmmRange(drv, plan.size, gran, chunks, prop, access, sync)
         try:
             self._range.map_all()
         except BaseException:
             self._range.close()
             raise
-        on_host = self.device.type == "cpu"  # a fake driver's host addresses
-        arr = _RangeArray(self._range.ptr, nbytes, self._range, host=on_host)
-        self.tensor = (torch.from_numpy(np.asarray(arr)) if on_host
-                       else torch.as_tensor(arr, device=self.device))
-        assert self.tensor.data_ptr() == self._range.ptr
+        self.tensor = range_tensor(self._range.ptr, plan.nbytes, self._range, self.device)
+
+    @staticmethod
+    def _request_fd_handles(drv, prop, supported: bool, device) -> tuple[bool, str | None]:
+        """Ask for POSIX file-descriptor handles on ``prop`` where the device supports
+        them and a probe ``cuMemCreate`` of one granule with them succeeds; otherwise
+        leave ``prop`` without and say why.  Returns ``(exportable, reason or None)``."""
+        why = None
+        if not supported:
+            why = "the device does not support POSIX file-descriptor handles"
+        else:
+            types = drv.CUmemAllocationHandleType
+            prop.requestedHandleTypes = types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            try:
+                probe = _call(drv, "cuMemCreate", _granularity(drv, prop), prop, 0,
+                              what="probe for POSIX fd handles")
+                _call(drv, "cuMemRelease", probe, what="probe for POSIX fd handles")
+            except CudaDriverError as e:
+                if e.code == _OOM:  # no memory to spare: not a question of handle support
+                    return True, None
+                prop.requestedHandleTypes = types.CU_MEM_HANDLE_TYPE_NONE
+                why = f"a chunk with POSIX file-descriptor handles was refused ({e})"
+        if why is None:
+            return True, None
+        log.warning("cuda_vmm on %s: chunks are not exportable (%s); UCX's cuda_ipc cannot "
+                    "map them into a peer process, so transfers between processes on this "
+                    "node go through the NIC or host memory", device, why)
+        return False, why
+
+    def info(self) -> dict:
+        out = super().info()
+        out.update(rdma=self.rdma_capable,
+                   handle_type="posix_fd" if self.exportable else None,
+                   not_exportable_because=self._not_exportable)
+        return out
 
     # --- MemoryBackend -----------------------------------------------------------------------
     @property
@@ -479,17 +519,16 @@ class CudaVmmBackend(MemoryBackend):
     def partly_held(self) -> bool:
         return not self._range.closed and self.released and self._range.held_bytes > 0
 
-    def regions(self) -> list[tuple[int, int]]:
-        """One region per physical chunk, clipped to the pool's bytes."""
-        ptr = self._range.ptr
-        return [(ptr + off, min(size, self.nbytes - off))
-                for off, size in self._range.chunks if off < self.nbytes]
-
     def close(self) -> None:
         """Free the memory and the reservation now; views of the range must not be used
         afterwards.  Idempotent."""
         self.tensor = None
         self._range.close()
+
+
+def _granularity(drv, prop) -> int:
+    return int(_call(drv, "cuMemGetAllocationGranularity", prop,
+                     drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
 
 
 def _device_sync(index: int):

@@ -1,12 +1,29 @@
-"""Host memory backend: one private anonymous mapping, released with MADV_DONTNEED.
+"""Host memory backend: the CPU twin of the CUDA VMM backend's chunks.  One address
+range, reserved once, mapped as one private anonymous mapping per chunk of its
+:class:`~kvmem.memory.plan.ChunkPlan`, released with MADV_DONTNEED.
 
-The mapping is ``MAP_PRIVATE | MAP_ANONYMOUS``.  Python's default ``mmap(-1, n)`` is a
+Layout of the range (``G`` = :data:`GRANULARITY`, 2 MiB, the huge page; chunk ``i`` of
+the plan at ``offset_i``, a multiple of ``G``)::
+
+    reserve  mmap(PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE), total + G
+             bytes, then trimmed to a G-aligned start
+    chunk i  mmap(offset_i, size_i, PROT_READ | PROT_WRITE,
+                  MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+             (the last chunk only up to its used bytes, rounded to the OS page)
+
+so the chunk boundaries, and ``regions()`` (one per chunk), are those a GPU pool of the
+same spec gets: a descriptor that spans two chunks fails against NIXL on the CPU as it
+would on the GPU.  ``MAP_NORESERVE`` takes no commit charge: a 64 GiB range fits the
+address space of a small machine and costs memory only where touched (so a pool larger
+than the machine's memory is made, and fails when it is touched or pre-faulted).
+
+Each mapping is ``MAP_PRIVATE | MAP_ANONYMOUS``.  Python's default ``mmap(-1, n)`` is a
 *shared* mapping, on which ``MADV_DONTNEED`` only drops this process's page-table entries:
 the pages stay in shared memory and the contents survive.  On a private anonymous mapping
 the pages go back to the kernel and the next touch faults in zero-filled pages, at the
 same address.
 
-The range is marked ``MADV_HUGEPAGE``: with transparent huge pages (``madvise`` mode
+Every chunk is marked ``MADV_HUGEPAGE``: with transparent huge pages (``madvise`` mode
 here) a release of 2 GiB took 7-10 ms instead of 360-450 ms with 4 KiB pages, and a
 two-thread pre-fault 0.26-0.75 s instead of 1.5 s (2 cores, noisy neighbours; the kernel
 falls back to small pages when no huge page is free).  Pre-faulting on resume runs
@@ -22,8 +39,11 @@ write would) without any store from us, and unlocking leaves them resident.  Whe
 the range is left to fault at first touch: a read touch would only map the shared zero
 page, and a store, even of the value just read, could overwrite a concurrent writer's.
 
-``resident_bytes()`` is measured with ``mincore(2)`` over the mapping: the pages of this
-range that are in memory now, not an assumption from the release state.
+``release()`` is one ``MADV_DONTNEED`` per chunk; ``prefault()`` populates every chunk
+whole, padding included, so that a resumed pool holds what a GPU pool holds (every
+allocation backed).  ``resident_bytes()`` is measured with ``mincore(2)`` over the chunks'
+mappings: the pages of this range that are in memory now, not an assumption from the
+release state.
 """
 
 from __future__ import annotations
@@ -35,10 +55,12 @@ import mmap
 import os
 import resource
 import threading
+import weakref
 
 import torch
 
-from kvmem.memory import MemoryBackend
+from kvmem.memory import MAX_BYTES, MemoryBackend, range_tensor
+from kvmem.memory.plan import chunk_target, plan_range
 
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
@@ -46,6 +68,13 @@ MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23
 PAGE = mmap.PAGESIZE
 _HUGE = 2 << 20  # pre-fault slices start on huge-page boundaries
+# Chunk alignment of the host twin: the huge page (2 MiB on x86-64), as CUDA's allocation
+# granularity is 2 MiB on current GPUs.
+GRANULARITY = _HUGE
+_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # not in Python 3.11's mmap
+_MAP_ANON = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
 # Threads that pre-fault in parallel.  2 threads took 0.26-0.75 s vs 1.5-3.5 s for one on
 # this 2-core machine (2 GiB); more than 8 is a guess with no measurement behind it.
 _PREFAULT_THREADS = max(1, min(8, os.cpu_count() or 1))
@@ -55,6 +84,12 @@ _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _libc.mincore.restype = ctypes.c_int
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.munmap.restype = ctypes.c_int
+_MAP_FAILED = ctypes.c_void_p(-1).value
 for _fn in (_libc.mlock, _libc.munlock):
     _fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     _fn.restype = ctypes.c_int
@@ -67,6 +102,23 @@ def _madvise(addr: int, length: int, advice: int) -> None:
     if _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"madvise({advice}) over {length} bytes failed: {os.strerror(err)}")
+
+
+def _mmap(addr: int, length: int, prot: int, flags: int) -> int:
+    """``mmap(2)`` of anonymous memory: the address, or OSError with the errno."""
+    if length > MAX_BYTES:
+        raise OverflowError(f"mmap of {length} bytes: more than {MAX_BYTES}")
+    p = _libc.mmap(ctypes.c_void_p(addr or None), ctypes.c_size_t(length), prot, flags, -1, 0)
+    if p is None or p == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {length} bytes failed: {os.strerror(err)}")
+    return int(p)
+
+
+def _munmap(addr: int, length: int) -> None:
+    if length and _libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(length)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"munmap of {length} bytes failed: {os.strerror(err)}")
 
 
 def _mlock(addr: int, length: int) -> int:
@@ -91,29 +143,69 @@ def _lock_slice_bytes(threads: int) -> int:
     return per_thread // PAGE * PAGE
 
 
+class _HostRange:
+    """A reserved range of ``total`` bytes starting on a ``GRANULARITY`` boundary, and its
+    chunk mappings.  Holds no tensor; unmapped by its finalizer once it is garbage (views
+    keep it alive through :class:`~kvmem.memory.RangeArray`)."""
+
+    def __init__(self, total: int, spans: list[tuple[int, int]]):
+        raw = _mmap(0, total + GRANULARITY, _PROT_NONE, _MAP_ANON)
+        addr = -(-raw // GRANULARITY) * GRANULARITY
+        try:
+            _munmap(raw, addr - raw)  # trim the slack before and after the aligned range
+            _munmap(addr + total, raw + GRANULARITY - addr)
+            for off, n in spans:
+                _mmap(addr + off, n, _PROT_RW, _MAP_ANON | _MAP_FIXED)
+        except BaseException:
+            _munmap(addr, total)
+            raise
+        self.addr, self.total = addr, total
+        self._finalizer = weakref.finalize(self, _munmap, addr, total)
+        self._finalizer.atexit = False  # at exit the process's mappings go anyway
+
+
 class HostBackend(MemoryBackend):
-    """Private anonymous mapping of ``nbytes`` (rounded up to the OS page size)."""
+    """Private anonymous mappings, one per chunk of the range's plan (module docstring).
+
+    Args:
+        nbytes: bytes of a plain range (ignored with ``planner``: the plan's).
+        device: the CPU.
+        planner: ``planner(granularity, target) -> ChunkPlan`` (a pool's plan); None: the
+            range is cut every ``target`` bytes.
+        chunk_bytes: the chunk target (default: ``$KVMEM_CHUNK_BYTES``, else 2 GiB).
+    """
 
     name = "host"
     can_release = True
 
-    def __init__(self, nbytes: int, device: torch.device):
-        super().__init__(nbytes, device)
-        self._map_bytes = max(PAGE, -(-nbytes // PAGE) * PAGE)
-        self._mm = mmap.mmap(-1, self._map_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes)
-        self._addr = self.tensor.data_ptr()
-        try:
-            _madvise(self._addr, self._map_bytes, MADV_HUGEPAGE)
-        except OSError:  # no transparent huge pages on this kernel: small pages work too
-            pass
+    def __init__(self, nbytes: int, device: torch.device, *, planner=None,
+                 chunk_bytes: int | None = None):
+        target = chunk_target(chunk_bytes)
+        plan = (planner(GRANULARITY, target) if planner is not None
+                else plan_range(nbytes, GRANULARITY, target))
+        super().__init__(plan.nbytes, device, plan)
+        last = len(plan.chunks) - 1
+        # (offset, bytes mapped) of each chunk: its allocation, the last one only up to
+        # its used bytes (nothing after the range needs memory)
+        self._spans = [(c.offset, c.size if i < last else max(PAGE, -(-c.nbytes // PAGE) * PAGE))
+                       for i, c in enumerate(plan.chunks)]
+        total = self._spans[-1][0] + self._spans[-1][1]
+        self._range = _HostRange(total, self._spans)
+        self._addr = self._range.addr
+        for off, n in self._spans:
+            try:
+                _madvise(self._addr + off, n, MADV_HUGEPAGE)
+            except OSError:  # no transparent huge pages on this kernel: small pages work too
+                break
+        self.tensor = range_tensor(self._addr, plan.nbytes, self._range, device)
         self._vec = None
 
     def release(self) -> None:
-        """Give the physical pages back; the range reads as zeros afterwards."""
+        """Give the physical pages back, one ``MADV_DONTNEED`` per chunk; the range reads
+        as zeros afterwards."""
         self._check_open("release")
-        _madvise(self._addr, self._map_bytes, MADV_DONTNEED)
+        for off, n in self._spans:
+            _madvise(self._addr + off, n, MADV_DONTNEED)
         self.released = True
 
     def resume(self, prefault: bool = True) -> None:
@@ -126,24 +218,25 @@ class HostBackend(MemoryBackend):
         self.released = False
 
     def close(self) -> None:
-        """Give the physical pages back now and drop the mapping: it is unmapped as soon
-        as no view of it is left (unmapping under a live view would make it fault, so
-        views still held elsewhere keep the bare address range, with no memory behind it,
-        until they go).  Idempotent."""
-        if self._mm is None:
+        """Give the physical pages back now and drop the mappings: they are unmapped as
+        soon as no view of them is left (unmapping under a live view would make it fault,
+        so views still held elsewhere keep the bare address range, with no memory behind
+        it, until they go).  Idempotent."""
+        if self._range is None:
             return
-        _madvise(self._addr, self._map_bytes, MADV_DONTNEED)
+        for off, n in self._spans:
+            _madvise(self._addr + off, n, MADV_DONTNEED)
         self.released = True
         self.tensor = None
-        self._mm = None
+        self._range = None
         self._vec = None
 
     def _check_open(self, what: str) -> None:
-        if self._mm is None:
+        if self._range is None:
             raise RuntimeError(f"{what}: the host memory backend is closed")
 
     def prefault(self) -> None:
-        """Populate every page of the range now, never changing its contents:
+        """Populate every page of every chunk now, never changing the contents:
         ``MADV_POPULATE_WRITE`` over slices from several threads, ``mlock``/``munlock``
         where the kernel lacks it, else nothing (see the module docstring).  First touches
         of a fresh range otherwise cost 3-4x more, and UCX's cma writes into untouched
@@ -154,28 +247,32 @@ class HostBackend(MemoryBackend):
                 memory is not there); the contents are unchanged.
         """
         self._check_open("prefault")
-        step = -(-self._map_bytes // _PREFAULT_THREADS // _HUGE) * _HUGE
-        slices = [(off, min(step, self._map_bytes - off))
-                  for off in range(0, self._map_bytes, step)]
+        mapped = sum(n for _, n in self._spans)
+        step = -(-mapped // _PREFAULT_THREADS // _HUGE) * _HUGE
+        pieces = [(o, min(step, off + n - o)) for off, n in self._spans
+                  for o in range(off, off + n, step)]
+        nthreads = min(_PREFAULT_THREADS, len(pieces))
         errors: list[OSError] = []
-        lock_bytes = _lock_slice_bytes(len(slices))
+        lock_bytes = _lock_slice_bytes(nthreads)
 
-        def populate(off: int, length: int) -> None:
+        def populate(mine) -> None:
             try:
-                try:
-                    _madvise(self._addr + off, length, MADV_POPULATE_WRITE)
-                    return
-                except OSError as e:
-                    if e.errno != errno.EINVAL:  # supported, and failed
-                        raise
-                self._populate_by_lock(off, length, lock_bytes)
+                for off, length in mine:
+                    try:
+                        _madvise(self._addr + off, length, MADV_POPULATE_WRITE)
+                        continue
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:  # supported, and failed
+                            raise
+                    self._populate_by_lock(off, length, lock_bytes)
             except OSError as e:
                 errors.append(e)
 
-        threads = [threading.Thread(target=populate, args=sl) for sl in slices[1:]]
+        threads = [threading.Thread(target=populate, args=(pieces[t::nthreads],))
+                   for t in range(1, nthreads)]
         for t in threads:
             t.start()
-        populate(*slices[0])
+        populate(pieces[0::nthreads])
         for t in threads:
             t.join()
         if errors:
@@ -199,13 +296,15 @@ class HostBackend(MemoryBackend):
             off += n
 
     def resident_bytes(self) -> int:
+        """Bytes of the chunks' mappings in memory now (``mincore``), padding included."""
         self._check_open("resident_bytes")
-        pages = self._map_bytes // PAGE
         if self._vec is None:
-            self._vec = (ctypes.c_ubyte * pages)()
-        addr = self.tensor.data_ptr()
-        if _libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(self._map_bytes), self._vec) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"mincore over the pool's mapping failed: errno {err}")
+            self._vec = (ctypes.c_ubyte * (max(n for _, n in self._spans) // PAGE))()
         flags = torch.frombuffer(self._vec, dtype=torch.uint8)
-        return int((flags & 1).sum()) * PAGE
+        total = 0
+        for off, n in self._spans:
+            if _libc.mincore(ctypes.c_void_p(self._addr + off), ctypes.c_size_t(n), self._vec) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mincore over the pool's mapping failed: errno {err}")
+            total += int((flags[:n // PAGE] & 1).sum()) * PAGE
+        return total

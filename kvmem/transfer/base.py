@@ -93,6 +93,13 @@ from kvmem.errors import KVMemError, ReleasedPoolError
 
 STATES = ("PROC", "DONE", "ERR")
 INT64_MAX = (1 << 63) - 1  # every address and end (addr + nbytes) must fit: ranges are int64
+# Blocks one prepared table may hold.  NIXL (nixl-cu12 1.5.1) reads make_prepped_xfer's
+# indices as int32, whatever dtype they are given in: an index past 2**31 - 1 is refused
+# once it wraps negative, and past 2**32 it silently names another block (checked here:
+# index 2**32 + 5 of a strided table moved block 5).  So a larger table is refused, and
+# only packed transfers move such a pool.  The 64 GiB shapes of 80-layer models stay far
+# below it: 33.5 M blocks (bf16 MHA, page_size 1), 119 M (MLA 576 fp8, page_size 1).
+MAX_TABLE_BLOCKS = (1 << 31) - 1
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -206,12 +213,20 @@ class BlockLayout:
     planes: tuple   # ((base, stride, nbytes), ...)
     count: int      # blocks per plane (a pool's num_pages)
 
+    @property
+    def blocks(self) -> int:
+        """Blocks of the layout: ``len(planes) * count`` (indices ``0 .. blocks - 1``)."""
+        return len(self.planes) * self.count
+
     def spans(self) -> list[tuple[int, int]]:
         """``(addr, nbytes)`` of each plane's whole span (first block to last byte)."""
         return [(b, (self.count - 1) * st + n) for b, st, n in self.planes]
 
     def descs(self) -> np.ndarray:
-        """``[len(planes) * count, 2]`` int64 ``(addr, nbytes)`` of every block, by index."""
+        """``[len(planes) * count, 2]`` int64 ``(addr, nbytes)`` of every block, by index.
+        O(blocks) memory (16 bytes a block: 0.5 GB for the 33.5 M blocks of a 64 GiB
+        80-layer pool at page_size 1): engines prepare tables from the planes (NIXL's
+        strided lists, O(planes)) and expand only where the transport needs it."""
         i = np.arange(self.count, dtype=np.int64)
         out = np.empty((len(self.planes), self.count, 2), dtype=np.int64)
         for j, (b, st, n) in enumerate(self.planes):
@@ -577,9 +592,14 @@ class TransferEngine(abc.ABC):
     def _t_close(self) -> None: ...
 
     # Prepared block lists (optional: an engine without them moves packed chunks only).
-    def _t_prep(self, descs: np.ndarray, mem: str, device_id: int, peer: str | None) -> object:
-        """Prepare ``descs`` (``[n, 2]`` addr, nbytes) once; ``peer`` None: local."""
+    def _t_prep(self, layout: BlockLayout, mem: str, device_id: int, peer: str | None) -> object:
+        """Prepare every block of ``layout`` once (index ``plane * count + i``); ``peer``
+        None: local.  Called only when :meth:`direct_refusal` found nothing."""
         raise TransferError(f"{type(self).__name__} has no prepared descriptor lists")
+
+    def _t_prep_refusal(self, layout: BlockLayout) -> str | None:
+        """The transport's own reason not to prepare ``layout`` (None: it can)."""
+        return f"{type(self).__name__} has no prepared descriptor lists"
 
     def _t_unprep(self, native) -> None:
         pass
@@ -870,26 +890,61 @@ class TransferEngine(abc.ABC):
         return lo, ro, local_keys
 
     # --- prepared block tables ---------------------------------------------------------------
+    def direct_refusal(self, layout: BlockLayout | None) -> str | None:
+        """Why this engine cannot prepare a block table of ``layout`` (so neither direct
+        writes nor pull reads of its blocks are possible, and only packed transfers can
+        move them), or None when it can.  The PD layer asks this before choosing direct
+        or pull: ``engine.direct_refusal(engine.registrations()["kv"].layout)`` for its
+        own pool, ``engine.direct_refusal(engine.remote(peer, "kv").layout)`` for the
+        peer's.  Reasons: no layout (a page of a layer is not one contiguous range), more
+        than :data:`MAX_TABLE_BLOCKS` blocks (the transport's indices are int32), or a
+        limit of the transport (:meth:`_t_prep_refusal`)."""
+        if layout is None:
+            return ("no block layout: a page of a layer is not one contiguous range, so "
+                    "pages cannot be addressed as blocks")
+        if layout.blocks > MAX_TABLE_BLOCKS:
+            return (f"{layout.blocks} blocks ({len(layout.planes)} planes x {layout.count} "
+                    f"pages) is more than the {MAX_TABLE_BLOCKS} a prepared table can index "
+                    "(NIXL reads block indices as int32)")
+        return self._t_prep_refusal(layout)
+
+    def _prep_table(self, what: str, layout: BlockLayout | None, mem: str, device_id: int,
+                    peer: str | None):
+        why = self.direct_refusal(layout)
+        if why is not None:
+            raise TransferError(f"{what}: cannot prepare a block table: {why}; only packed "
+                                "transfers can move these pages")
+        return self._t_prep(layout, mem, device_id, peer)
+
     def prep_local(self, key: str) -> BlockTable:
         """Prepare every block of the live registration ``key``'s layout, once (NIXL
-        ``prep_xfer_dlist``; O(blocks), e.g. 2 * layers * pages of a pool).  Released by
-        ``deregister(key)``."""
+        ``prep_xfer_dlist`` of one strided descriptor per plane: O(planes)).  Released by
+        ``deregister(key)``.
+
+        Raises:
+            ValueError: ``key`` is not live or has no layout.
+            TransferError: the table cannot be prepared (:meth:`direct_refusal` says why,
+                before the transport is asked), or the transport refused it.
+        """
         self._check_open("prep_local")
         reg = self._regs.get(key)
         if reg is None or reg.layout is None:
             raise ValueError(f"prep_local: {key!r} is not a live registration with a layout "
                              f"(live: {sorted(self._regs)})")
-        native = self._t_prep(reg.layout.descs(), reg.mem, reg.device_id, None)
+        native = self._prep_table(f"prep_local {key!r}", reg.layout, reg.mem, reg.device_id,
+                                  None)
         return self._new_table(key, reg.epoch, reg.layout, None, native)
 
     def prep_remote(self, remote: RemoteMemory) -> BlockTable:
         """Prepare every block of a peer registration's layout, once per (peer, key,
-        epoch); refused as stale like a write (:meth:`check_fresh`)."""
+        epoch); refused as stale like a write (:meth:`check_fresh`), and as
+        :meth:`prep_local` for a layout no table can hold."""
         self._check_open("prep_remote")
         self.check_fresh(remote, "prep_remote")
         if remote.layout is None:
             raise ValueError(f"prep_remote: {remote.peer!r} key {remote.key!r} carries no layout")
-        native = self._t_prep(remote.layout.descs(), remote.mem, remote.device_id, remote.peer)
+        native = self._prep_table(f"prep_remote {remote.peer!r} {remote.key!r}", remote.layout,
+                                  remote.mem, remote.device_id, remote.peer)
         return self._new_table(remote.key, remote.epoch, remote.layout, remote, native)
 
     def _new_table(self, key, epoch, layout, remote, native) -> BlockTable:

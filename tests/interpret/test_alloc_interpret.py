@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kvmem.allocator import PageAllocator
-from kvmem.errors import DoubleFreeError, KVMemError
+from kvmem.errors import AllocCode, DoubleFreeError, KVMemError
 from kvmem.kernels import alloc as K
+from kvmem.kernels.alloc import triton as alloc_triton
 
 
 def i64(*xs):
@@ -42,7 +43,7 @@ def test_take_pages_kernel(head, n, flag):
 def test_take_pages_kernel_flags_an_owned_page():
     ring, owned, err = i64(3, 1, 2), torch.tensor([0, 0, 1, 0], dtype=torch.int32), fresh_err()
     K.take_pages_triton(ring, owned, err, 0, 3, flag=True)
-    assert err[:2].tolist() == [K.ERR_TAKE_OWNED, 2]
+    assert err[:2].tolist() == [AllocCode.ERR_TAKE_OWNED, 2]
 
 
 BATCHES = {  # (prefix_lens, seq_lens) as functions of page_size
@@ -88,7 +89,7 @@ def test_decode_slots_kernel(ps, flag):
 
 def test_decode_slots_kernel_many_programs(monkeypatch):
     """More requests than one program holds: the rank carries across programs."""
-    monkeypatch.setattr(K, "DECODE_BLOCK", 4)
+    monkeypatch.setattr(alloc_triton, "DECODE_BLOCK", 4)
     seq = [1, 3, 5, 2, 9, 4, 1, 5, 6, 13, 2]
     last = [(9 + i) * 4 + (s - 2) % 4 for i, s in enumerate(seq)]
     num_new = int(K.decode_counts(i64(*seq), 4))
@@ -102,8 +103,8 @@ def test_decode_slots_kernel_many_programs(monkeypatch):
 def test_extend_slots_kernel_long_batch(monkeypatch):
     """Prefix sums over more requests than REQ_BLOCK, and extends longer than
     TOKEN_BLOCK: the kernels' loops, with small blocks."""
-    monkeypatch.setattr(K, "REQ_BLOCK", 4)
-    monkeypatch.setattr(K, "TOKEN_BLOCK", 8)
+    monkeypatch.setattr(alloc_triton, "REQ_BLOCK", 4)
+    monkeypatch.setattr(alloc_triton, "TOKEN_BLOCK", 8)
     rng = random.Random(3)
     pre = [rng.randrange(0, 12) for _ in range(11)]
     seq = [p + rng.randrange(0, 20) for p in pre]
@@ -132,10 +133,10 @@ def test_free_kernels_clean(pages, tail, flag):
 
 
 @pytest.mark.parametrize("pages,code,page", [
-    ([3, 5, 2], K.ERR_FREE_NOT_ALLOCATED_OR_TWICE, 2),
-    ([3, 5, 3], K.ERR_FREE_NOT_ALLOCATED_OR_TWICE, 3),
-    ([4, 0], K.FREE_PAGE_ZERO, 0),
-    ([9, 4], K.FREE_OUT_OF_RANGE, 9),
+    ([3, 5, 2], AllocCode.ERR_FREE_NOT_ALLOCATED_OR_TWICE, 2),
+    ([3, 5, 3], AllocCode.ERR_FREE_NOT_ALLOCATED_OR_TWICE, 3),
+    ([4, 0], AllocCode.FREE_PAGE_ZERO, 0),
+    ([9, 4], AllocCode.FREE_OUT_OF_RANGE, 9),
 ], ids=str)
 @pytest.mark.parametrize("parity", [0, 1])
 def test_free_kernels_undo_a_bad_call(pages, code, page, parity):

@@ -19,8 +19,9 @@ import torch
 import kvmem
 from kvmem.allocator import PageAllocator
 from kvmem.kernels import _dispatch
-from kvmem.kernels import alloc as K
 from kvmem.kernels import pack as P
+from kvmem.kernels.alloc import triton as alloc_triton
+from kvmem.kernels.pack import triton as pack_triton
 from kvmem.kernels.pack import pack_buffers_ref, unpack_buffers_ref
 from tests.kv_cases import Case, make_buffers
 
@@ -103,9 +104,9 @@ def test_chunk_offsets_past_2_31_units_are_exact(layers, dim, n):
     err = torch.zeros(2, dtype=torch.int64)
 
     def launch(pack):
-        P._copy_pages_kernel[(1, plan.num_copies)](
+        pack_triton._copy_pages_kernel[(1, plan.num_copies)](
             ks[0], plan.layer_offs, ids, chunk, n, plan.num_pages, err,
-            **P.kernel_params(plan, pack))
+            **pack_triton.kernel_params(plan, pack))
 
     launch(pack=True)
     for t, (buf, off) in enumerate(zip(copies, offsets)):
@@ -143,8 +144,9 @@ class _LaunchSpy:
         return run
 
 
-KERNELS = [(P, "_copy_pages_kernel"), (K, "_take_pages_kernel"), (K, "_free_apply_kernel"),
-           (K, "_free_commit_kernel"), (K, "_extend_slots_kernel"), (K, "_decode_slots_kernel")]
+KERNELS = [(pack_triton, "_copy_pages_kernel"), (alloc_triton, "_take_pages_kernel"),
+           (alloc_triton, "_free_apply_kernel"), (alloc_triton, "_free_commit_kernel"),
+           (alloc_triton, "_extend_slots_kernel"), (alloc_triton, "_decode_slots_kernel")]
 
 
 def test_every_kernel_launch_runs_under_its_tensors_device_guard(monkeypatch):
@@ -163,8 +165,8 @@ def test_every_kernel_launch_runs_under_its_tensors_device_guard(monkeypatch):
         finally:
             open_guards.pop()
 
-    monkeypatch.setattr(P, "device_guard", guard)
-    monkeypatch.setattr(K, "device_guard", guard)
+    monkeypatch.setattr(pack_triton, "device_guard", guard)
+    monkeypatch.setattr(alloc_triton, "device_guard", guard)
     for mod, name in KERNELS:
         monkeypatch.setattr(mod, name, _LaunchSpy(name, getattr(mod, name), open_guards,
                                                   launches))

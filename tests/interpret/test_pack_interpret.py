@@ -9,6 +9,8 @@ import torch
 import kvmem
 from kvmem.kernels import pack as P
 from kvmem.kernels.pack import pack_buffers_ref, unpack_buffers_ref
+from kvmem.kernels.pack.plan import _ERR_FLAGS
+from kvmem.kernels.pack.triton import _launch
 from tests.kv_cases import Case, make_buffers
 
 CASES = [
@@ -50,13 +52,13 @@ def test_kernel_skips_and_flags_out_of_range_ids():
     plan = P.make_plan(ks, vs, None, None, None)
     ids = torch.tensor([1, 9, 2])
     chunk = torch.full((plan.nbytes(3),), 0xEE, dtype=torch.uint8)
-    P._launch(plan, ks, ids, chunk, pack=True)
+    _launch(plan, ks, ids, chunk, pack=True)
     good = pack_buffers_ref(ks, vs, torch.tensor([1, 2]))
     per_page = plan.k_page_bytes
     pieces = chunk.view(2 * case.num_layers, 3, per_page)
     assert torch.equal(pieces[:, [0, 2]].reshape(-1), good)
     assert bool((pieces[:, 1] == 0xEE).all())  # the bad page's slots are untouched
-    flag = P._ERR_FLAGS[torch.device("cpu")]
+    flag = _ERR_FLAGS[torch.device("cpu")]
     assert flag.tolist() == [1, 9]
     with pytest.raises(ValueError, match=r"earlier unchecked .* page id 9, outside \[0, 4\)"):
         kvmem.pack_buffers(ks, vs, torch.tensor([1]))

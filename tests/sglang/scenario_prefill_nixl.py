@@ -119,6 +119,9 @@ def _write(peer, target_name: str, buf) -> dict:
 
 
 if __name__ == "__main__":
-    result = main()
-    sys.stdout.flush()
-    print(json.dumps(result, default=str))
+    from kvmem.transfer.nixl_exit import process_body  # this process loads NIXL
+
+    with process_body():
+        result = main()
+        sys.stdout.flush()
+        print(json.dumps(result, default=str))

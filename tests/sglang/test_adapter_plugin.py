@@ -56,14 +56,15 @@ emit({"changed": sorted(t for t in targets if after[t] != before[t]),
 """, kvmem=True)
     out = result_of(proc)
     assert out["installed"] and sorted(out["installed"]) == out["changed"]
-    # 10 of the pool, allocator, release/resume, registration and staging, 10 of the prefill
-    # lifecycle, 2 telling an aborted sender's decode (notify.py), 2 of the decode
+    # 12 of the pool, allocator, release/resume, NIXL registration and staging, 10 of the prefill
+    # lifecycle, 4 between the prefill and its decode (notify.py: telling an aborted
+    # sender's decode, a decode's early abort), 2 of the decode
     # (decode.py: its status for a prefill's abort, refusals while released), 3 of the NIXL
     # send path (transfer.py: SGLANG_KVMEM_TRANSFER=kvmem, the default); the two
     # AROUND hooks of release and resume each nested into one (sglang warns about several
     # on one target)
-    assert len(out["installed"]) == len(set(out["installed"])) == 25
-    assert proc.stderr.count("kvmem-sglang: SGLANG_KVMEM=1, 25 hooks installed") == 1
+    assert len(out["installed"]) == len(set(out["installed"])) == 29
+    assert proc.stderr.count("kvmem-sglang: SGLANG_KVMEM=1, 29 hooks installed") == 1
     assert "Multiple AROUND hooks" not in proc.stderr
 
 

@@ -84,3 +84,34 @@ def test_a_fresh_host_pool_is_backed_when_made_unless_prefault_is_off():
                                                         "SGLANG_KVMEM_PREFAULT": "0"}))
     assert on["resident"] >= on["nbytes"] and on["zeros"], on
     assert lazy["resident"] <= 0.05 * lazy["nbytes"], lazy
+
+
+PLAIN = """
+import torch
+from sglang.srt.managers.io_struct import (ReleaseMemoryOccupationReqInput,
+                                           ResumeMemoryOccupationReqInput)
+from tests.sglang.sglang_env import build_pools, emit, publish, weight_updater
+from kvmem_sglang import prefill
+from kvmem_sglang.kvpool import pool_of
+publish(16)
+req_pool, kv, alloc, tree = build_pools(page_size=16, size=16 * 63, layers=2, heads=2,
+                                        head_dim=32)
+slots = alloc.alloc(32)
+m = weight_updater(req_pool, alloc, tree)
+out = m.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=["kv_cache"]))
+emit({"backend": pool_of(kv).backend, "answer": type(out).__name__,
+      "offload_tags": sorted(m.offload_tags), "free": int(alloc.available_size()),
+      "refused": prefill.STATS.refused_releases})
+"""
+
+
+def test_plain_backend_refuses_a_release_and_changes_nothing():
+    """SGLANG_KVMEM_BACKEND=plain (one ordinary allocation) cannot give its memory back:
+    a kv_cache release is refused before sglang's part runs (no flush, no tag recorded),
+    with a log line naming the setting, instead of a NotImplementedError raised into the
+    scheduler loop after sglang had already released."""
+    proc = run_script(PLAIN, kvmem=True, env={"SGLANG_KVMEM_BACKEND": "plain"})
+    got = result_of(proc)
+    assert got == {"backend": "plain", "answer": "ReleaseMemoryOccupationReqOutput",
+                   "offload_tags": [], "free": 16 * 63 - 32, "refused": 1}, got
+    assert "SGLANG_KVMEM_BACKEND=plain" in proc.stderr and "nothing changed" in proc.stderr

@@ -499,6 +499,26 @@ def test_resize(ps):
     assert mine.alloc(ps) is None and theirs.alloc(ps) is None
 
 
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize("bad", [-16, 2.5, True, "16"], ids=["negative", "float", "bool", "str"])
+def test_bad_alloc_size_names_the_callers_value(ps, bad):
+    """The caller's need_size in the error (not kvmem's page count), nothing changed."""
+    mine = ours(8 * ps, ps)
+    with pytest.raises(ValueError, match=f"need_size must be an int >= 0, got {bad!r}"):
+        mine.alloc(bad)
+    assert mine.available_size() == 8 * ps
+
+
+@pytest.mark.parametrize("bad", [40.7, 0, -8, None])
+def test_resize_refuses_a_bad_size(bad):
+    mine = ours(40, 1)
+    mine.alloc(4)
+    with pytest.raises(ValueError, match=f"max_total_num_tokens must be a positive int, "
+                                         f"got {bad!r}"):
+        mine.resize(SimpleNamespace(max_total_num_tokens=bad))
+    assert mine.size == 40 and mine.available_size() == 36
+
+
 @pytest.mark.parametrize("ps", [16, 64])
 def test_unaligned_alloc_raises(ps):
     """sglang asserts alignment only in debug mode (else it hands out fewer slots)."""

@@ -79,7 +79,7 @@ def test_decode_learns_of_a_prefill_abort(runs):
     assert "while bootstrapping" in on["decode_reasons"]["boot"]
     # the decode gets the adapter's own reason where the adapter decided the abort
     assert "Prefill KV transfer timed out" in on["decode_reasons"]["late"], on
-    assert on["notify"] == {"told": 3, "told_late": 1, "not_told_writing": 0}
+    assert on["notify"] == {"told": 3, "told_late": 1, "not_told_writing": 0, "early_aborts": 0}
 
 
 def test_decode_frees_its_preallocated_pages_at_the_abort(runs):

@@ -133,8 +133,13 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
 
     def resize(self, config) -> None:
         """Rebuild for ``config.max_total_num_tokens`` token slots, every page free
-        (sglang calls this once, after post-capture KV sizing)."""
-        self._build(int(config.max_total_num_tokens))
+        (sglang calls this once, after post-capture KV sizing).  ValueError, nothing
+        changed, for a count that is not a positive whole number of slots."""
+        total = config.max_total_num_tokens
+        if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total <= 0:
+            raise ValueError(f"resize: max_total_num_tokens must be a positive int, got "
+                             f"{total!r}; nothing changed")
+        self._build(int(total))
 
     def synchronize(self) -> None:
         """Wait for the allocator's device work and raise any error a ``check=False``
@@ -169,6 +174,10 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         page's slots in order; None (nothing changed) when they do not fit.
         ``need_size`` must be a multiple of ``page_size`` (ValueError otherwise)."""
         ps = self.page_size
+        if isinstance(need_size, bool) or not isinstance(need_size, (int, np.integer)) \
+                or need_size < 0:
+            raise ValueError(f"alloc: need_size must be an int >= 0, got {need_size!r}; "
+                             "nothing allocated")
         if ps == 1:
             try:
                 return self.page_allocator.alloc(need_size, check=self.check)

@@ -76,6 +76,11 @@ def pop_preallocated(original, queue, *args, **kwargs):
             req = decode_req.req
             if getattr(req, "_kvmem_reason", None) is not None:
                 continue
+            if not getattr(decode_req.kv_receiver, "bootstrap_infos", None):
+                # not yet resolved where its prefill is: an abort now would reach no
+                # prefill, which would then bootstrap the request alone until its
+                # timeout; refused at a later pass (no page is given before then)
+                continue
             decide(req, FINISH_ABORT(
                 f"Decode server {getattr(sched, 'tp_rank', 0)} has released its KV cache "
                 f"(release_memory_occupation); request {req.rid} refused until "
@@ -233,12 +238,7 @@ def _run_queues(sched, prealloc, transfer) -> None:
         if not busy:
             break
         if late:
-            logger.error("kvmem-sglang: release_memory_occupation(kv_cache) on the decode: "
-                         "after %.1f s (SGLANG_KVMEM_DRAIN_TIMEOUT) %d request(s) still "
-                         "queued and %d KV release(s) still wait for their prefill's ABORT_ACK; "
-                         "sglang's release drops them", time.monotonic() - start,
-                         len(prealloc.queue) + len(transfer.queue),
-                         transfer.num_pending_deferred_releases())
+            _give_up(sched, transfer, prealloc, time.monotonic() - start)
             break
         transfer.resolve_deferred_releases()
         req_conns, _ = prealloc.pop_preallocated()
@@ -249,3 +249,42 @@ def _run_queues(sched, prealloc, transfer) -> None:
     if steps:
         logger.info("kvmem-sglang: decode queues drained for the release in %.3f s (%d "
                     "step(s))", time.monotonic() - start, steps)
+
+
+def _give_up(sched, transfer, prealloc, waited: float) -> None:
+    """Past SGLANG_KVMEM_DRAIN_TIMEOUT: release what still waits for a prefill's
+    ABORT_ACK through sglang's own release (``_do_release``: its pages, request and
+    metadata slots), as sglang's deferred release does at its own deadline
+    (disaggregation/decode.py:3046), and drop what is still queued, so that sglang's
+    release finds the scheduler idle instead of asserting.  The prefill may still write
+    into those pages: the pool is deregistered and released right after, so such a
+    write fails there (on an RDMA NIC) instead of landing in a page given to another
+    request."""
+    held = list(transfer._deferred_releases)
+    rooms = [e[0].req.bootstrap_room for e in held]
+    queued = [r.req.rid for r in list(prealloc.queue) + list(transfer.queue)]
+    logger.error("kvmem-sglang: release_memory_occupation(kv_cache) on the decode: after "
+                 "%.1f s (SGLANG_KVMEM_DRAIN_TIMEOUT) %d KV release(s) still wait for "
+                 "their prefill's ABORT_ACK (rooms %s) and %d request(s) are still queued "
+                 "(%s); releasing them anyway", waited, len(held), rooms, len(queued), queued)
+    transfer._deferred_releases = []
+    left = [(d, d.metadata_buffer_index) for d in transfer.queue]
+    for decode_req, idx in [(e[0], e[3]) for e in held] + left:
+        try:
+            transfer._do_release(decode_req, idx)
+        except Exception:  # noqa: BLE001 - the release must go on; the pool is reset next
+            logger.exception("kvmem-sglang: releasing held room %s failed",
+                             decode_req.req.bootstrap_room)
+    unanswered = [d.req for d in list(prealloc.queue) + list(transfer.queue)
+                  if not getattr(d.req, "finished_output", False)]
+    dropped = {id(d) for d in prealloc.queue}
+    for decode_req in prealloc.queue:
+        if decode_req.kv_receiver is not None:
+            decode_req.kv_receiver.clear()
+    if hasattr(prealloc, "pending_reqs"):  # shares the DecodeRequests (decode.py:1397)
+        prealloc.pending_reqs = [r for r in prealloc.pending_reqs if id(r) not in dropped]
+    prealloc.queue.clear()
+    transfer.queue.clear()
+    if unanswered:  # answered with the reason decided above (prefill.stream_output)
+        sched.output_streamer.stream_output(unanswered,
+                                            any(r.return_logprob for r in unanswered))

@@ -21,6 +21,7 @@ backing, a custom CUDA memory pool, a dtype kvmem does not store.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -187,22 +188,33 @@ def resume_all(prefault: bool) -> None:
 # -- transfer registrations --------------------------------------------------------------
 
 def coalesce(ptrs, lens) -> tuple[list[int], list[int]]:
-    """Replace the ranges that lie inside a live kvmem pool by the pool regions that
-    cover them, each region once, in the order first needed.
+    """Replace each range that lies inside a live kvmem pool by the pool region (one
+    physical chunk) that holds it, each region once, in the order first needed.
 
-    A range may cross from one region into the next (the CUDA VMM backend has one region
-    per physical chunk): it is covered by both.  Ranges outside every pool stay as they
-    are (sglang's aux and state buffers), duplicates dropped."""
+    A pool's chunk plan keeps every sglang per-layer buffer inside one chunk (a K|V block
+    of ``layout="sglang"``, or an MLA layer's buffer), so each of sglang's
+    ``kv_data_ptrs`` ranges lies inside one region, and so does every page run sglang
+    addresses in it.  A range that overlaps a pool's regions without lying inside one
+    is refused (:class:`AdapterError` naming it): NIXL refuses a descriptor across two
+    registrations, so the transfers would fail later.  Ranges outside every pool stay as
+    they are (sglang's aux and state buffers), duplicates dropped."""
     regions = sorted((p0, p0 + n) for pool in live_pools() if not pool.released
                      for p0, n in pool.regions())
+    starts = [a for a, _ in regions]
     out: dict[tuple[int, int], None] = {}
     for ptr, n in zip(ptrs, lens):
         if n == 0:
             continue
         end = ptr + n
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0 and end <= regions[i][1]:
+            out.setdefault(regions[i], None)
+            continue
         hit = [(a, b) for a, b in regions if a < end and ptr < b]
-        covered = bool(hit) and hit[0][0] <= ptr and hit[-1][1] >= end and all(
-            x[1] == y[0] for x, y in zip(hit, hit[1:]))
-        for key in (hit if covered else [(ptr, end)]):
-            out.setdefault(key, None)
+        if hit:
+            raise AdapterError(
+                f"the KV range [{ptr:#x}, {end:#x}) is not inside one kvmem pool region: it "
+                f"overlaps {len(hit)} ({', '.join(f'[{a:#x}, {b:#x})' for a, b in hit[:3])}); "
+                "NIXL would refuse its transfers")
+        out.setdefault((ptr, end), None)
     return [a for a, _ in out], [b - a for a, b in out]

@@ -21,6 +21,15 @@ conn.py``).
   for a peer, no prepared list is kept (the local one is shared by all peers): sends
   then take sglang's unprepared path (``_send_kvcache_generic``, :2117-2121), which
   builds descriptors per transfer over the new registration.
+* sglang's bootstrap thread prepares a new decode peer's lists the moment its
+  registration arrives (``_add_remote_peer``, :2030, on the bootstrap thread, :3387), at
+  any time, also while the KV cache is released: preparing over the deregistered pool
+  fails (``NIXL_ERR_NOT_FOUND``) and the exception kills the bootstrap thread, after which
+  every request to the prefill hangs in Bootstrapping (seen in a real deployment: a
+  decode's first request arriving during a release).  :func:`prepare_payload` defers the
+  preparation while deregistered (the peer is already in ``decode_kv_args_table``, so the
+  resume prepares it), and one lock per manager orders preparations against the
+  deregistration and the registration.
 * With ``SGLANG_KVMEM_REGISTER=regions`` the registration covers the kvmem pool's few
   regions instead of one buffer per layer and per K/V (transfers still address each
   layer inside them).
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 from kvmem_sglang import kvpool, options
 
@@ -46,12 +56,37 @@ def register_buffer_to_engine(original, manager, *args, **kwargs):
     every known peer again over the new registration."""
     if "deregister_buffer_to_engine" not in vars(manager):
         manager.deregister_buffer_to_engine = functools.partial(deregister, manager)
-    again = getattr(manager, "_kvmem_deregistered", False)
-    out = _register(original, manager, options.active().register_regions, *args, **kwargs)
-    manager._kvmem_deregistered = False
-    if again:
-        prepare_peers(manager)
+    with _lock(manager):
+        again = getattr(manager, "_kvmem_deregistered", False)
+        out = _register(original, manager, options.active().register_regions, *args,
+                        **kwargs)
+        manager._kvmem_deregistered = False
+        if again:
+            prepare_peers(manager)
     return out
+
+
+def _lock(manager) -> threading.RLock:
+    """The manager's registration lock (made on first use; the first use is sglang's
+    registration in the manager's constructor, before any other thread of it runs)."""
+    lock = manager.__dict__.get("_kvmem_reg_lock")
+    if lock is None:
+        lock = manager.__dict__.setdefault("_kvmem_reg_lock", threading.RLock())
+    return lock
+
+
+def prepare_payload(original, manager, *args, **kwargs):
+    """AROUND ``NixlKVManager._prepare_payload_xfer`` and ``_prepare_state_xfer``: under
+    the registration lock; skipped while the manager's memory is deregistered (the resume
+    prepares every known peer, :func:`prepare_peers`)."""
+    with _lock(manager):
+        if getattr(manager, "_kvmem_deregistered", False):
+            peer = args[0] if args else kwargs.get("peer_info")
+            logger.info("kvmem-sglang: NIXL transfer lists of decode peer %s deferred to "
+                        "the resume (the KV cache is released)",
+                        getattr(peer, "agent_name", peer))
+            return None
+        return original(manager, *args, **kwargs)
 
 
 def _register(original, manager, regions: bool, *args, **kwargs):
@@ -82,20 +117,21 @@ def deregister(manager) -> None:
     each once; a second call finds nothing left."""
     from kvmem_sglang import prefill
 
-    released = release_prepared(manager)
-    agent = manager.agent
-    lists = list(getattr(manager, "kv_descs", None) or [])
-    for name in ("aux_descs", "state_descs"):
-        descs = getattr(manager, name, None)
-        if descs is not None:
-            lists.append(descs)
-    for descs in lists:
-        agent.deregister_memory(descs)
-        prefill.STATS.deregistrations += 1
-    manager.kv_descs = []
-    manager.aux_descs = manager.state_descs = None
-    if lists:
-        manager._kvmem_deregistered = True
+    with _lock(manager):
+        released = release_prepared(manager)
+        agent = manager.agent
+        lists = list(getattr(manager, "kv_descs", None) or [])
+        for name in ("aux_descs", "state_descs"):
+            descs = getattr(manager, name, None)
+            if descs is not None:
+                lists.append(descs)
+        for descs in lists:
+            agent.deregister_memory(descs)
+            prefill.STATS.deregistrations += 1
+        manager.kv_descs = []
+        manager.aux_descs = manager.state_descs = None
+        if lists:
+            manager._kvmem_deregistered = True
     logger.info("kvmem: NIXL KV, aux and state buffers deregistered (%d list(s); %d "
                 "prepared transfer list(s) released first)", len(lists), released)
 
@@ -147,7 +183,7 @@ def prepare_peers(manager) -> None:
         return
     peers = list(getattr(manager, "decode_kv_args_table", {}).values())
     for peer in peers:
-        try:
+        try:  # through the hooks: the lock is re-entrant, the manager registered again
             manager._prepare_payload_xfer(peer)
             manager._prepare_state_xfer(peer)
         except Exception:  # noqa: BLE001 - the unprepared path still serves this peer

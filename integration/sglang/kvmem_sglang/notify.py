@@ -45,6 +45,15 @@ With SGLANG_KVMEM=1:
   ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT + SGLANG_DISAGGREGATION_WAITING_TIMEOUT``; a new
   sender for the same room (its ``Bootstrapping``) forgets it.
 
+* ``abort_notification`` (around the NIXL and mooncake managers'
+  ``_handle_abort_notification``, nixl/conn.py:3308): a decode's ABORT for a room the
+  prefill does not know yet (its request has not reached the prefill's scheduler, a race
+  the router's simultaneous dispatch makes common) is ignored by sglang, and the
+  prefill's request later bootstraps alone until its bootstrap timeout (300 s), while the
+  router waits for the prefill's answer: the client hangs.  The room is remembered, and
+  the sender that later opens it (``manager_update_status``, its ``Bootstrapping``) is
+  failed at once with the decode's reason.
+
 The messages leave on one background thread: a send to a dead decode may block for
 ``SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT`` and must not stall the scheduler loop.
 """
@@ -67,6 +76,7 @@ class NotifyStats:
     told: int = 0  # aborted rooms whose decode endpoints were sent Failed
     told_late: int = 0  # late decode metadata of a room aborted while bootstrapping
     not_told_writing: int = 0  # aborts left to the decode's timeout (write outstanding)
+    early_aborts: int = 0  # senders failed at once: their decode aborted the room first
 
 
 STATS = NotifyStats()
@@ -78,7 +88,36 @@ def hooks() -> list[tuple[str, object, str]]:
     return [
         (f"{_CONN}.CommonKVSender.abort", sender_abort, "AROUND"),
         (f"{_CONN}.CommonKVManager.update_status", manager_update_status, "AROUND"),
+        ("sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_abort_notification",
+         abort_notification, "AROUND"),
+        ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager."
+         "_handle_abort_notification", abort_notification, "AROUND"),
     ]
+
+
+EARLY_ABORT = "Aborted by decode-side abort notification (received before the request)."
+
+
+def abort_notification(original, mgr, msg, *args, **kwargs):
+    """Remember a decode's ABORT for a room this prefill does not know yet (module
+    docstring); sglang's own handling runs as before."""
+    try:
+        from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
+
+        if _is_prefill(mgr) and msg and msg[0] == ABORT_TAG:
+            note = AbortNotification.from_zmq(msg)
+            if note is not None and note.room not in mgr.request_status:
+                early = mgr.__dict__.setdefault("_kvmem_early_aborts", {})
+                now = time.monotonic()
+                for old in [r for r, t in list(early.items()) if now - t > _EARLY_KEEP_S]:
+                    early.pop(old, None)
+                early[note.room] = now
+    except Exception:  # noqa: BLE001 - sglang's handling below still runs
+        logger.exception("kvmem-sglang: reading a decode's abort notification failed")
+    return original(mgr, msg, *args, **kwargs)
+
+
+_EARLY_KEEP_S = 600.0  # a request reaches the prefill's scheduler well before this
 
 
 def _is_prefill(mgr) -> bool:
@@ -195,6 +234,19 @@ def _waiting():
 
 
 def manager_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
+    early = mgr.__dict__.get("_kvmem_early_aborts")
+    if early and bootstrap_room in early:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        if status == KVPoll.Bootstrapping:  # the sender of a room its decode aborted
+            early.pop(bootstrap_room, None)
+            out = original(mgr, bootstrap_room, status, *args, **kwargs)
+            STATS.early_aborts += 1
+            logger.info("kvmem-sglang: room %s was aborted by its decode before its request "
+                        "reached this prefill; its sender fails now", bootstrap_room)
+            mgr.record_failure(bootstrap_room, EARLY_ABORT)
+            original(mgr, bootstrap_room, KVPoll.Failed, *args, **kwargs)
+            return out
     rooms = mgr.__dict__.get("_kvmem_aborted_rooms")
     if rooms and bootstrap_room in rooms:
         from sglang.srt.disaggregation.base.conn import KVPoll

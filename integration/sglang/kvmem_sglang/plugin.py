@@ -136,8 +136,10 @@ def _hooks(options: Options) -> list[tuple[str, object, str]]:
     ]
     from kvmem_sglang import nixl
 
-    out.append(("sglang.srt.disaggregation.nixl.conn.NixlKVManager.register_buffer_to_engine",
-                nixl.register_buffer_to_engine, "AROUND"))
+    _nixl = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
+    out += [(f"{_nixl}.register_buffer_to_engine", nixl.register_buffer_to_engine, "AROUND"),
+            (f"{_nixl}._prepare_payload_xfer", nixl.prepare_payload, "AROUND"),
+            (f"{_nixl}._prepare_state_xfer", nixl.prepare_payload, "AROUND")]
     if options.transfer:
         from kvmem_sglang import transfer
 

@@ -56,7 +56,7 @@ import time
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from kvmem_sglang import audit, decode, notify, options
+from kvmem_sglang import audit, decode, kvpool, notify, options
 from kvmem_sglang.reasons import abort_reason as _abort_reason
 from kvmem_sglang.reasons import decide as _decide
 from kvmem_sglang.reasons import tag
@@ -327,6 +327,15 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
     from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqOutput
 
     tags = _tags(recv_req)
+    fixed = [p for p in kvpool.live_pools() if not p.can_release]
+    if GPU_MEMORY_TYPE_KV_CACHE in tags and fixed:
+        STATS.refused_releases += 1
+        logger.warning("kvmem-sglang: release_memory_occupation(%s) refused: the KV pool's "
+                       "memory backend %r cannot release its memory "
+                       "(SGLANG_KVMEM_BACKEND=plain); nothing changed; use "
+                       "SGLANG_KVMEM_BACKEND=auto to release the KV cache", ",".join(tags),
+                       fixed[0].backend)
+        return ReleaseMemoryOccupationReqOutput()
     again = [t for t in tags if t in manager.offload_tags]
     if again:
         STATS.refused_releases += 1

@@ -228,6 +228,9 @@ def _span(addr: int, nbytes: int):
 
 
 if __name__ == "__main__":
-    result = main()
-    sys.stdout.flush()
-    print(json.dumps(result))
+    from kvmem.transfer.nixl_exit import process_body  # this process loads NIXL
+
+    with process_body():
+        result = main()
+        sys.stdout.flush()
+        print(json.dumps(result))

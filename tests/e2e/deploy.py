@@ -1,0 +1,371 @@
+"""Real sglang 0.5.23 servers and sglang's router, started and stopped by the tests.
+
+A :class:`Server` is one ``python -m sglang.launch_server`` (or the router) in a process
+group of its own, started from ``.venv-e2e`` with the CPU stand-ins of ``standins/`` on
+its PYTHONPATH, its output in a log file; it is stopped by its PID (SIGTERM to the
+group, SIGKILL after a bounded wait).  A :class:`Deployment` is a PD pair behind the
+router, or one plain server.  Every wait here is bounded; a server that dies or never
+becomes healthy raises :class:`DeployError` with the tail of its log.
+
+The servers run with what a CPU host needs (``SERVER_ARGS``; why each flag, in
+tests/e2e/README.md) and bind 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+STANDINS = HERE / "standins"
+PYTHON = Path(os.environ.get("KVMEM_E2E_PYTHON") or sys.executable)
+
+# sglang on a CPU host (tests/e2e/README.md says why each is needed)
+SERVER_ARGS = [
+    "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend",
+    "pytorch", "--disable-cuda-graph", "--max-total-tokens", "65536", "--dtype",
+    "bfloat16", "--skip-server-warmup", "--host", "127.0.0.1", "--enable-metrics",
+    "--log-level", "info",
+]
+PD_ARGS = ["--disable-overlap-schedule", "--disaggregation-transfer-backend", "nixl"]
+DECODE_ARGS = ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+START_TIMEOUT = float(os.environ.get("KVMEM_E2E_START_TIMEOUT", "240"))
+STOP_TIMEOUT = 5.0
+
+
+class DeployError(RuntimeError):
+    """A server did not start, died, or did not answer in time (with its log's tail)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError as e:
+        return f"(no log: {e})"
+    return "\n".join(text[-lines:])
+
+
+@dataclass
+class Response:
+    status: int  # HTTP status, 0 when no answer came in time (or the connection broke)
+    body: object  # parsed JSON, or the text
+    seconds: float
+    error: str = ""
+    rid: str = ""  # the request id the client gave, when it gave one
+
+    @property
+    def answered(self) -> bool:
+        return self.status != 0
+
+
+def http(method: str, url: str, payload=None, timeout: float = 30.0) -> Response:
+    """One HTTP call; never raises for an HTTP status or a timeout."""
+    data = None if payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw, status = r.read(), r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
+        return Response(0, None, time.monotonic() - t0, f"{type(e).__name__}: {e}")
+    text = raw.decode(errors="replace")
+    try:
+        body = json.loads(text) if text else None
+    except ValueError:
+        body = text
+    return Response(status, body, time.monotonic() - t0)
+
+
+@dataclass
+class Server:
+    name: str
+    args: list[str]
+    port: int
+    logdir: Path
+    env: dict = field(default_factory=dict)
+    module: str = "sglang.launch_server"
+    proc: subprocess.Popen | None = None
+    log_offset: int = 0  # where this start's output begins in the log
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.logdir / f"{self.name}.log"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        for k in [k for k in env if k.startswith("SGLANG_KVMEM")]:
+            del env[k]  # each server gets exactly the flags its test gives it
+        env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join([str(STANDINS)]),
+                   KVMEM_E2E_STANDINS_LOG=str(self.logdir / "standins.log"))
+        env.update(self.env)
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.log_offset = self.log.stat().st_size if self.log.exists() else 0
+        with open(self.log, "ab") as out:
+            out.write(f"\n==== {time.strftime('%H:%M:%S')} start {self.name}: "
+                      f"{' '.join(self.args)} env {self.env}\n".encode())
+            out.flush()
+            # cwd: not the repository (a clone named kvmem on sys.path shadows the package)
+            self.proc = subprocess.Popen([str(PYTHON), "-m", self.module, *self.args],
+                                         stdout=out, stderr=subprocess.STDOUT, env=env,
+                                         cwd=self.logdir, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, deadline: float, path: str = "/health") -> None:
+        while True:
+            if not self.alive():
+                raise DeployError(f"{self.name} exited with status {self.proc.returncode} "
+                                  f"before it was healthy; log {self.log}:\n{tail(self.log)}")
+            r = http("GET", self.url + path, timeout=5)
+            if r.status == 200:
+                return
+            if time.monotonic() > deadline:
+                raise DeployError(f"{self.name} not healthy after {START_TIMEOUT:.0f} s "
+                                  f"(last: {r.status} {r.error}); log {self.log}:\n"
+                                  f"{tail(self.log)}")
+            time.sleep(0.5)
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> int | None:
+        """SIGTERM the server's process group, SIGKILL it after STOP_TIMEOUT; its exit
+        status (None if it was never started)."""
+        if self.proc is None:
+            return None
+        if self.alive():
+            for sig in (signal.SIGCONT, signal.SIGTERM):  # a stopped server cannot exit
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+            try:
+                self.proc.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # children sglang spawned (scheduler, detokenizer) share the group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.proc.returncode
+
+    def loads(self) -> dict:
+        """The server's own load report (``GET /v1/loads``, its first DP rank): live
+        counts of used KV tokens and of the requests in each queue."""
+        r = http("GET", self.url + "/v1/loads", timeout=30)
+        if r.status != 200 or not isinstance(r.body, dict):
+            raise DeployError(f"{self.name}: /v1/loads answered {r.status} {r.error}")
+        return r.body["loads"][0]
+
+    def scheduler_pids(self) -> list[int]:
+        """PIDs of the server's scheduler processes (sglang names them
+        ``sglang::scheduler``), found in its process group."""
+        out = []
+        if not self.alive():
+            return out
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry.name)) != self.proc.pid:
+                    continue
+                cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except (OSError, ProcessLookupError):
+                continue
+            if cmd.startswith("sglang::scheduler"):
+                out.append(int(entry.name))
+        return out
+
+    def log_text(self) -> str:
+        """What this server wrote since its last start."""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+
+class Deployment:
+    """A PD pair (prefill + decode + sglang's router) or one plain server, on 127.0.0.1.
+
+    ``prefill_env`` / ``decode_env`` / ``env`` are the extra variables of each server
+    (``{"SGLANG_KVMEM": "1"}`` turns the adapter on there)."""
+
+    def __init__(self, model: Path, logdir: Path, *, pd: bool = True,
+                 prefill_env: dict | None = None, decode_env: dict | None = None,
+                 env: dict | None = None, extra_args: list[str] | None = None):
+        self.model, self.logdir, self.pd = Path(model), Path(logdir), pd
+        base = ["--model-path", str(self.model), *SERVER_ARGS, *(extra_args or [])]
+        if pd:
+            self.bootstrap_port = free_port()
+            self.prefill = Server("prefill", [*base, *PD_ARGS, "--port", "0",
+                                              "--disaggregation-mode", "prefill",
+                                              "--disaggregation-bootstrap-port",
+                                              str(self.bootstrap_port)], 0, self.logdir,
+                                  dict(prefill_env or {}))
+            self.decode = Server("decode", [*base, *PD_ARGS, *DECODE_ARGS, "--port", "0",
+                                            "--disaggregation-mode", "decode"], 0,
+                                 self.logdir, dict(decode_env or {}))
+            self.router = Server("router", [], 0, self.logdir,
+                                 module="sglang_router.launch_router")
+            self.servers = [self.prefill, self.decode, self.router]
+        else:
+            self.single = Server("server", [*base, "--port", "0"], 0, self.logdir,
+                                 dict(env or {}))
+            self.servers = [self.single]
+
+    # -- life ---------------------------------------------------------------------------
+    def _ports(self) -> None:
+        for s in self.servers:
+            s.port = free_port()
+            if "--port" in s.args:
+                s.args[s.args.index("--port") + 1] = str(s.port)
+        if self.pd:
+            self.router.args = [
+                "--pd-disaggregation", "--prefill", self.prefill.url,
+                str(self.bootstrap_port), "--decode", self.decode.url, "--host",
+                "127.0.0.1", "--port", str(self.router.port), "--log-level", "info",
+                "--request-timeout-secs", "120", "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(free_port()), "--disable-circuit-breaker"]
+
+    def start(self) -> "Deployment":
+        self._ports()
+        t0 = time.monotonic()
+        deadline = t0 + START_TIMEOUT
+        engines = [s for s in self.servers if s.module == "sglang.launch_server"]
+        for s in engines:
+            s.start()
+        try:
+            for s in engines:
+                s.wait_healthy(deadline)
+            if self.pd:
+                self.router.start()
+                self.router.wait_healthy(deadline)
+                self._wait_workers(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.monotonic() - t0
+        return self
+
+    def _wait_workers(self, deadline: float) -> None:
+        """Until the router lists both workers healthy (its /health answers earlier)."""
+        while True:
+            r = http("GET", self.router.url + "/workers", timeout=5)
+            workers = r.body.get("workers", []) if isinstance(r.body, dict) else []
+            kinds = {w.get("worker_type") for w in workers if w.get("is_healthy")}
+            if {"prefill", "decode"} <= kinds:
+                return
+            if not self.router.alive() or time.monotonic() > deadline:
+                raise DeployError(f"the router does not list both workers healthy "
+                                  f"({r.status}: {r.body}); log {self.router.log}:\n"
+                                  f"{tail(self.router.log)}")
+            time.sleep(0.5)
+
+    def stop(self) -> dict:
+        return {s.name: s.stop() for s in reversed(self.servers)}
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # -- use ----------------------------------------------------------------------------
+    @property
+    def entry(self) -> Server:
+        """Where clients send requests: the router, or the plain server."""
+        return self.router if self.pd else self.single
+
+    def generate(self, text: str, max_new_tokens: int = 8, *, timeout: float = 30.0,
+                 rid: str | None = None, server: Server | None = None,
+                 stream: bool = False) -> Response:
+        payload = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens,
+                                                     "temperature": 0}}
+        if rid is not None:
+            payload["rid"] = rid
+        if stream:
+            payload["stream"] = True
+        return http("POST", (server or self.entry).url + "/generate", payload, timeout)
+
+    def control(self, server: Server, path: str, payload=None, timeout: float = 60.0) -> Response:
+        return http("POST", server.url + path, payload if payload is not None else {},
+                    timeout)
+
+    def crashed(self) -> list[str]:
+        """Servers whose process died or whose log shows a crash of a scheduler."""
+        out = []
+        for s in self.servers:
+            text = s.log_text()
+            if not s.alive():
+                out.append(f"{s.name}: exited with status {s.proc.returncode}")
+            elif any(m in text for m in CRASH_MARKERS):
+                out.append(f"{s.name}: " + next(m for m in CRASH_MARKERS if m in text))
+        return out
+
+    def trace(self, needle: str, lines: int = 12) -> str:
+        """The log lines of every server that mention ``needle`` (a request id)."""
+        out = []
+        for s in self.servers:
+            hits = [ln for ln in s.log_text().splitlines() if needle in ln]
+            out += [f"{s.name}: {ln[:300]}" for ln in hits[-lines:]]
+        return "\n".join(out)
+
+    def logs(self, lines: int = 60) -> str:
+        return "\n".join(f"---- {s.name} ({s.log}) ----\n{tail(s.log, lines)}"
+                         for s in self.servers)
+
+
+# What a scheduler's death leaves in a server's log.
+CRASH_MARKERS = ("Segmentation fault", "Fatal Python error", "Scheduler hit an exception",
+                 "AssertionError", "Received sigquit from a child process")
+
+
+def rss_anon(pid: int) -> int:
+    """Anonymous resident bytes of a process (``RssAnon`` in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise DeployError(f"no RssAnon for pid {pid}")
+
+
+def prompt(i: int, words: int = 12) -> str:
+    """A deterministic prompt of the tiny model's words (tests.e2e.tiny_model.WORDS)."""
+    from tests.e2e.tiny_model import WORDS
+
+    return " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(words))

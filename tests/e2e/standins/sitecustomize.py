@@ -1,0 +1,134 @@
+"""CPU stand-ins for the CUDA-only calls sglang 0.5.23 hard-codes, for the end-to-end
+tier's server processes only (this directory is put first on their PYTHONPATH, so Python
+imports this module at start-up in every process sglang spawns).
+
+Each stand-in replaces one CUDA-only call and nothing of sglang's or kvmem's logic; it
+is applied when its module is first imported, through a post-import hook below:
+
+1. ``common_ops`` (the module beside this one): ``sgl_kernel`` has no CPU build on the
+   package index, and ``sglang/kernels/ops/kvcache/cache_move.py:10`` (imported by
+   ``srt/mem_cache/memory_pool.py:42``) fails with "Could not load any common_ops
+   library" (it wants ``libcuda.so.1``).  ``sgl_kernel/load_utils.py`` falls back to a
+   plain ``import common_ops``; an empty module of that name is enough on a CPU without
+   AMX: sglang then takes its torch paths and calls no ``torch.ops.sgl_kernel`` op for
+   Llama.
+
+2. NIXL memory kind (:func:`_dram_for_vram`): sglang registers and describes KV buffers
+   as "VRAM" (``srt/disaggregation/nixl/conn.py:204-230`` ``_normalize_kv_mem_kinds``,
+   hard-coded at ``srt/disaggregation/decode.py:629``); UCX refuses CPU memory as VRAM
+   (``NIXL_ERR_BACKEND`` at ``nixl/conn.py:1992``), and no flag selects DRAM.  Every
+   NIXL descriptor call resolves its memory type through the agent's ``nixl_mems``
+   table, so "VRAM" is made to mean DRAM in that table, per agent.
+
+3. ``torch.get_device_module()`` in ``release_memory_occupation``
+   (``srt/managers/scheduler_components/weight_updater.py:379``,
+   ``torch.get_device_module().synchronize()``): on a CUDA build of torch with no CUDA
+   device that is ``torch.cuda``, and the scheduler dies.  In that module only,
+   ``torch.get_device_module()`` without an argument returns ``torch.cpu`` when no CUDA
+   device is available (:func:`_cpu_device_module`).
+
+``KVMEM_E2E_STANDINS`` lists the stand-ins that were applied in a process, for the
+tests to check (``KVMEM_E2E_STANDINS_LOG``: a file each process appends its list to).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import types
+
+_APPLIED: list[str] = []
+
+
+def _note(name: str) -> None:
+    _APPLIED.append(name)
+    path = os.environ.get("KVMEM_E2E_STANDINS_LOG")
+    if path:
+        try:
+            with open(path, "a") as f:
+                f.write(f"{os.getpid()} {name}\n")
+        except OSError:
+            pass
+
+
+def _dram_for_vram(module) -> None:
+    cls = module.nixl_agent
+    if getattr(cls, "_kvmem_e2e_dram", False):
+        return
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.nixl_mems["VRAM"] = self.nixl_mems["DRAM"]
+
+    cls.__init__ = __init__
+    cls._kvmem_e2e_dram = True
+    _note(f"nixl-vram-as-dram:{module.__name__}")
+
+
+class _TorchWithCpuDeviceModule(types.ModuleType):
+    """``torch`` as seen by one sglang module: everything is torch's, except that
+    ``get_device_module()`` with no argument is ``torch.cpu`` without a CUDA device."""
+
+    def __init__(self, torch):
+        super().__init__("torch")
+        self._torch = torch
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+    def get_device_module(self, device=None):
+        torch = self._torch
+        if device is None and not torch.cuda.is_available():
+            return torch.cpu
+        return torch.get_device_module(device)
+
+
+def _cpu_device_module(module) -> None:
+    if isinstance(module.torch, _TorchWithCpuDeviceModule):
+        return
+    module.torch = _TorchWithCpuDeviceModule(module.torch)
+    _note(f"cpu-device-module:{module.__name__}")
+
+
+_HOOKS = {
+    "nixl_cu12._api": _dram_for_vram,
+    "nixl_cu13._api": _dram_for_vram,
+    "sglang.srt.managers.scheduler_components.weight_updater": _cpu_device_module,
+}
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner, after):
+        self._inner, self._after = inner, after
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        self._after(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of each module in ``_HOOKS`` so that its stand-in runs right
+    after the module body."""
+
+    def find_spec(self, name, path=None, target=None):
+        after = _HOOKS.get(name)
+        if after is None:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _Loader(spec.loader, after)
+        return spec
+
+
+sys.meta_path.insert(0, _Finder())

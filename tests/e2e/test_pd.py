@@ -1,0 +1,177 @@
+"""A real PD pair behind sglang's router, stock beside SGLANG_KVMEM=1: what a client
+sees, over HTTP, through start-up, release and resume.
+
+Deployments (tests/e2e/conftest.py KINDS): ``stock``; ``kvmem-prefill`` (the flag on
+the prefill, a stock decode: a stock decode must still receive kvmem's KV);
+``kvmem-both`` (the flag on both servers).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.e2e.deploy import prompt
+
+PROMPTS = [prompt(i) for i in range(6)]
+KV = {"tags": ["kv_cache"]}
+# "Promptly": the answer a client gets through the router for a request refused by a
+# released prefill.  The router retries a 5xx a few times (each retry refused again);
+# on a quiet machine this took well under a second, the bound leaves room for 2 busy cores.
+PROMPT_S = 5.0
+
+
+def outputs(d, prompts=PROMPTS):
+    got = []
+    for p in prompts:
+        r = d.generate(p)
+        assert r.status == 200, (r.status, r.body, r.error)
+        got.append(r.body["output_ids"])
+    return got
+
+
+@pytest.fixture(scope="session")
+def reference(deployments):
+    """Greedy outputs of the stock PD pair (the stock tests run first: conftest's order)."""
+    return outputs(deployments.get("stock"))
+
+
+@pytest.mark.parametrize("kind", ["kvmem-prefill", "kvmem-both"])
+def test_outputs_equal_stock(deployments, reference, kind):
+    """The same tokens as stock through the router: the KV crossed intact, also into a
+    stock decode."""
+    assert outputs(deployments.get(kind)) == reference
+
+
+@pytest.mark.parametrize("kind", ["stock", "kvmem-prefill", "kvmem-both"])
+def test_start_lines_in_server_logs(deployments, kind):
+    """The plugin's start line shows in a real server's log (sglang loads plugins before
+    it configures logging), once in each sglang process that loaded it (the scheduler
+    too), with the pool and allocator lines; servers without the flag show none."""
+    d = deployments.get(kind)
+    flagged = {"stock": [], "kvmem-prefill": ["prefill"], "kvmem-both": ["prefill", "decode"]}
+    for server in (d.prefill, d.decode):
+        text = server.log_text()
+        starts = len(re.findall(r"kvmem-sglang: SGLANG_KVMEM=1, \d+ hooks installed", text))
+        pool = "kvmem: MHA KV pool of 2 layers x 65537 pages x 1 tokens" in text
+        alloc = "kvmem: allocator KvmemTokenToKVPoolAllocator" in text
+        if server.name in flagged[kind]:
+            assert starts >= 2 and pool and alloc, (server.name, starts, pool, alloc)
+        else:
+            assert starts == 0 and not pool and not alloc, (server.name, starts, pool, alloc)
+
+
+@pytest.mark.parametrize("kind", ["stock", "kvmem-prefill", "kvmem-both"])
+def test_release_resume_then_transfer(deployments, reference, kind):
+    """Release and resume the prefill's KV cache twice; the next requests are served with
+    the same tokens (with the flag this was a segfault in NIXL's transfer: sglang's
+    descriptor lists prepared over the deregistered pool)."""
+    d = deployments.get(kind)
+    for cycle in range(2):
+        rel = d.control(d.prefill, "/release_memory_occupation", KV)
+        assert rel.status == 200, rel
+        res = d.control(d.prefill, "/resume_memory_occupation", KV)
+        assert res.status == 200, res
+        assert outputs(d) == reference, f"cycle {cycle}"
+    assert d.crashed() == []
+    if kind != "stock":
+        text = d.prefill.log_text()
+        assert text.count("prepared transfer list(s) released first") >= 2
+        assert "NIXL transfer lists prepared again for 1 decode peer(s)" in text
+
+
+@pytest.mark.parametrize("kind,status", [("kvmem-both", 503), ("kvmem-prefill", 500)])
+def test_request_while_released_answered_promptly(deployments, reference, kind, status):
+    """A request sent while the prefill's KV cache is released: the prefill refuses it
+    (503) and tells the decode, which answers at once and frees what it reserved: with
+    the flag on the decode the client gets the prefill's 503, with a stock decode that
+    decode's generic 500.  Stock sglang (no release without torch_memory_saver on this
+    host) serves it; before this fix the client waited for the decode's own timeout."""
+    d = deployments.get(kind)
+    assert d.control(d.prefill, "/release_memory_occupation", KV).status == 200
+    try:
+        r = d.generate(PROMPTS[0], timeout=30)
+        assert r.status == status, (r.status, r.body, r.error)
+        assert r.seconds < PROMPT_S, f"answered after {r.seconds:.2f} s"
+        print(f"{kind}: refused while released, {r.status} after {r.seconds:.3f} s")
+        if status == 503:
+            assert "released its KV cache" in str(r.body)
+        loads = d.decode.loads()
+        assert loads["num_used_tokens"] == 0
+        assert loads["disaggregation"]["decode_prealloc_queue_reqs"] == 0
+        assert loads["disaggregation"]["decode_transfer_queue_reqs"] == 0
+    finally:
+        assert d.control(d.prefill, "/resume_memory_occupation", KV).status == 200
+    assert outputs(d) == reference
+    assert d.crashed() == []
+
+
+def _in_flight(d, server, n=6, tokens=48):
+    """Start ``n`` requests of ``tokens`` new tokens, release ``server``'s KV cache while
+    they run, then resume it; (the answers, the release's response).  Each answer
+    carries its request id (``.rid``) for :meth:`Deployment.trace`."""
+    pool = ThreadPoolExecutor(n)
+    rids = [f"inflight-{server.name}-{time.monotonic_ns()}-{i}" for i in range(n)]
+    futs = [pool.submit(d.generate, p, tokens, timeout=90, rid=r)
+            for p, r in zip(PROMPTS[:n], rids)]
+    time.sleep(0.3)
+    rel = d.control(server, "/release_memory_occupation", KV, timeout=90)
+    answers = [f.result() for f in futs]
+    for a, r in zip(answers, rids):
+        a.rid = r
+    pool.shutdown()
+    res = d.control(server, "/resume_memory_occupation", KV, timeout=90) if rel.status == 200 else None
+    return answers, rel, res
+
+
+@pytest.mark.parametrize("kind", ["kvmem-both"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_release_with_requests_in_flight(deployments, reference, kind, role):
+    """An RL trainer releases an engine while requests still run: with the flag on both
+    servers every request is answered (200 if it finished first, else 503 naming the
+    release), the server goes on and serves after the resume, nothing stays held."""
+    d = deployments.get(kind)
+    server = getattr(d, role)
+    answers, rel, res = _in_flight(d, server)
+    assert rel.status == 200 and res is not None and res.status == 200, (rel, res)
+    statuses = sorted(a.status for a in answers)
+    print(f"{role} released with 6 requests in flight: "
+          f"{[(a.status, a.error, round(a.seconds, 1)) for a in answers]}")
+    assert set(statuses) <= {200, 503}, "\n".join(
+        f"{a.rid}: {a.status} {a.error} after {a.seconds:.1f} s\n{d.trace(a.rid)}"
+        for a in answers if a.status not in (200, 503))
+    for a in answers:
+        if a.status == 503:
+            assert "released its KV cache" in str(a.body)
+    assert d.crashed() == []
+    assert outputs(d) == reference
+    for s in (d.prefill, d.decode):
+        loads = s.loads()
+        assert loads["num_used_tokens"] == 0 and loads["num_running_reqs"] == 0, (s.name, loads)
+
+
+@pytest.mark.leaves_broken
+@pytest.mark.parametrize("kind", ["stock"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_stock_release_with_requests_in_flight_kills_the_scheduler(deployments, kind, role):
+    """The same on stock sglang 0.5.23: ``release_memory_occupation`` asserts an idle
+    scheduler (weight_updater.py:339) and the server's scheduler dies.  (The gap the
+    flag closes; the stock deployment is restarted afterwards.)"""
+    d = deployments.get(kind)
+    server = getattr(d, role)
+    try:
+        answers, rel, res = _in_flight(d, server)
+        deadline = time.monotonic() + 30
+        while not d.crashed() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        crashed = d.crashed()
+        print(f"stock {role} released with requests in flight: release {rel.status}, "
+              f"answers {[a.status for a in answers]}, crashed {crashed}")
+        assert any(c.startswith(role) for c in crashed), crashed
+        assert "AssertionError: release_memory_occupation should be called only when " \
+               "server is idle" in server.log_text()
+    finally:
+        deployments.discard(kind)

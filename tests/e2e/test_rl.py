@@ -1,0 +1,188 @@
+"""What an RL trainer (slime, verl) does to the engines between rollouts, over HTTP, on
+the PD pair with the flag on both servers: pause and continue generation; release and
+resume the KV cache alone, the weights and the KV cache together, everything (no tags);
+a weight update between release and resume; requests in flight at each step.  Every
+request is answered once with the status of the lifecycle table, nothing stays held, and
+the KV pool's memory is really given back while released (the scheduler's resident
+memory drops by the pool's size)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.e2e.deploy import prompt, rss_anon
+
+# the tiny model's KV pool: 65537 pages x 1 token x 2 layers x (K + V) x 2 heads x 32 x 2 B
+POOL_BYTES = 65537 * 2 * 2 * 2 * 32 * 2
+PROMPTS = [prompt(i) for i in range(4)]
+
+
+def served(d):
+    """Every prompt answered 200; the outputs."""
+    out = []
+    for p in PROMPTS:
+        r = d.generate(p)
+        assert r.status == 200, (r.status, r.body, r.error)
+        out.append(r.body["output_ids"])
+    return out
+
+
+def idle(d):
+    """Both servers hold no KV and no request (their own /v1/loads)."""
+    for s in (d.prefill, d.decode):
+        loads = s.loads()
+        q = loads["disaggregation"]
+        held = dict(used=loads["num_used_tokens"], running=loads["num_running_reqs"],
+                    waiting=loads["num_waiting_reqs"], bootstrap=q["prefill_bootstrap_queue_reqs"],
+                    inflight=q["prefill_inflight_queue_reqs"],
+                    prealloc=q["decode_prealloc_queue_reqs"],
+                    transfer=q["decode_transfer_queue_reqs"])
+        assert not any(held.values()), (s.name, held)
+
+
+def with_requests(d, action, n=4, tokens=48):
+    """Run ``action()`` while ``n`` requests are in flight; (its result, the answers)."""
+    pool = ThreadPoolExecutor(n)
+    futs = [pool.submit(d.generate, PROMPTS[i % len(PROMPTS)], tokens, timeout=120)
+            for i in range(n)]
+    time.sleep(0.3)
+    out = action()
+    answers = [f.result() for f in futs]
+    pool.shutdown()
+    return out, answers
+
+
+def check_answers(answers, allowed):
+    got = [a.status for a in answers]
+    assert all(a.answered for a in answers), [(a.error, round(a.seconds, 1)) for a in answers]
+    assert set(got) <= set(allowed), [(a.status, a.body) for a in answers]
+    return got
+
+
+@pytest.fixture(scope="module")
+def pair(deployments):
+    d = deployments.get("kvmem-both")
+    reference = served(d)
+    kv = {"tags": ["kv_cache"]}
+    for s in (d.prefill, d.decode):  # a resume pre-faults the pool: all of it resident
+        assert d.control(s, "/release_memory_occupation", kv).status == 200
+        assert d.control(s, "/resume_memory_occupation", kv).status == 200
+    return d, reference
+
+
+@pytest.mark.parametrize("kind", ["kvmem-both"])
+def test_pause_and_continue_generation(pair, kind):
+    d, reference = pair
+    for server in (d.prefill, d.decode):
+        assert d.control(server, "/pause_generation", {"mode": "abort"}).status == 200
+    for server in (d.prefill, d.decode):
+        assert d.control(server, "/continue_generation", {}).status == 200
+    assert served(d) == reference
+    idle(d)
+
+
+@pytest.mark.parametrize("kind", ["kvmem-both"])
+@pytest.mark.parametrize("tags", [["kv_cache"], ["weights", "kv_cache"], None],
+                         ids=["kv_cache", "weights+kv_cache", "no-tags"])
+def test_release_resume_with_requests_in_flight(pair, kind, tags):
+    """Release both engines with requests in flight (answered 200 if they finished
+    first, else 503 naming the release), check the memory is gone, resume, serve."""
+    d, reference = pair
+    body = {"tags": tags} if tags is not None else {}
+    scheds = {s.name: s.scheduler_pids() for s in (d.prefill, d.decode)}
+    assert all(len(p) == 1 for p in scheds.values()), scheds
+    before = {name: rss_anon(p[0]) for name, p in scheds.items()}
+
+    def release_both():
+        return [d.control(s, "/release_memory_occupation", body, timeout=90)
+                for s in (d.prefill, d.decode)]
+
+    try:
+        rels, answers = with_requests(d, release_both)
+        assert [r.status for r in rels] == [200, 200], rels
+        released = {name: rss_anon(p[0]) for name, p in scheds.items()}
+        statuses = check_answers(answers, {200, 503})
+        print(f"tags {tags}: answers {statuses}; scheduler RssAnon before/while released "
+              f"(MiB): { {n: (before[n] >> 20, released[n] >> 20) for n in before} }")
+        # the pool was resident (pre-faulted by the last resume); the requests refused
+        # meanwhile allocate a few MiB of their own
+        for name in before:
+            assert before[name] - released[name] >= POOL_BYTES * 0.8, (name, before, released)
+    finally:
+        for s in (d.prefill, d.decode):
+            assert d.control(s, "/resume_memory_occupation", body, timeout=90).status == 200
+    assert served(d) == reference
+    idle(d)
+    assert d.crashed() == []
+
+
+@pytest.mark.parametrize("kind", ["kvmem-both"])
+def test_weight_update_between_release_and_resume(pair, model, kind):
+    """slime's cycle: release weights and KV cache, resume the weights, load new weights
+    from disk (the same tiny model here), resume the KV cache, serve; a request sent
+    while the KV cache is released is refused 503 at once."""
+    d, reference = pair
+    both = {"tags": ["weights", "kv_cache"]}
+    for s in (d.prefill, d.decode):
+        assert d.control(s, "/release_memory_occupation", both, timeout=90).status == 200
+    refused = d.generate(PROMPTS[0], timeout=30)
+    assert refused.status == 503, (refused.status, refused.body)
+    for s in (d.prefill, d.decode):
+        assert d.control(s, "/resume_memory_occupation", {"tags": ["weights"]}).status == 200
+        upd = d.control(s, "/update_weights_from_disk", {"model_path": str(model)}, timeout=120)
+        assert upd.status == 200 and upd.body.get("success"), upd
+        assert d.control(s, "/resume_memory_occupation", {"tags": ["kv_cache"]}).status == 200
+    assert served(d) == reference
+    idle(d)
+    assert d.crashed() == []
+
+
+@pytest.mark.parametrize("kind", ["kvmem-both"])
+def test_pool_memory_given_back_while_released(pair, kind):
+    """The prefill scheduler's anonymous resident memory, after a resume (the pool
+    pre-faulted: SGLANG_KVMEM_PREFAULT=1), while released, and after the next resume."""
+    d, _ = pair
+    pid = d.prefill.scheduler_pids()[0]
+    kv = {"tags": ["kv_cache"]}
+    assert d.control(d.prefill, "/release_memory_occupation", kv).status == 200
+    assert d.control(d.prefill, "/resume_memory_occupation", kv).status == 200
+    live = rss_anon(pid)
+    assert d.control(d.prefill, "/release_memory_occupation", kv).status == 200
+    released = rss_anon(pid)
+    assert d.control(d.prefill, "/resume_memory_occupation", kv).status == 200
+    back = rss_anon(pid)
+    print(f"prefill scheduler RssAnon: live {live >> 20} MiB, released {released >> 20} MiB, "
+          f"resumed {back >> 20} MiB (pool {POOL_BYTES >> 20} MiB)")
+    assert live - released >= 0.9 * POOL_BYTES
+    assert back - released >= 0.9 * POOL_BYTES
+
+
+@pytest.mark.parametrize("kind", ["single-kvmem"])
+def test_single_server_rl_cycle(deployments, model, kind):
+    """One (non-PD) server with the flag, slime's whole cycle: generate, pause, release
+    everything (no tags), resume, continue, generate; release weights and KV cache,
+    resume the weights, update them from disk, resume the KV cache, generate."""
+    d = deployments.get(kind, pd=False, env={"SGLANG_KVMEM": "1"})
+    first = d.generate(PROMPTS[0])
+    assert first.status == 200, first
+    s = d.single
+    steps = [("/pause_generation", {"mode": "abort"}), ("/release_memory_occupation", {}),
+             ("/resume_memory_occupation", {}), ("/continue_generation", {})]
+    for path, body in steps:
+        assert d.control(s, path, body).status == 200, path
+    assert d.generate(PROMPTS[0]).body["output_ids"] == first.body["output_ids"]
+    both = {"tags": ["weights", "kv_cache"]}
+    assert d.control(s, "/release_memory_occupation", both).status == 200
+    refused = d.generate(PROMPTS[1], timeout=30)
+    assert refused.status == 503, (refused.status, refused.body)
+    assert d.control(s, "/resume_memory_occupation", {"tags": ["weights"]}).status == 200
+    upd = d.control(s, "/update_weights_from_disk", {"model_path": str(model)}, timeout=120)
+    assert upd.status == 200 and upd.body.get("success"), upd
+    assert d.control(s, "/resume_memory_occupation", {"tags": ["kv_cache"]}).status == 200
+    assert d.generate(PROMPTS[0]).body["output_ids"] == first.body["output_ids"]
+    loads = s.loads()
+    assert loads["num_used_tokens"] == 0 and loads["num_running_reqs"] == 0, loads
+    assert d.crashed() == []
