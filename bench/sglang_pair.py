@@ -167,6 +167,35 @@ def build_pool(shape: Shape):
     return kv, time.perf_counter() - t0
 
 
+def memory_counters() -> dict:
+    """This process's anonymous memory in transparent huge pages (``AnonHugePages`` of
+    /proc/self/smaps_rollup) and the machine's THP and compaction counters
+    (/proc/vmstat: huge pages faulted in, faults that fell back to small pages, direct
+    compactions stalled in), in bytes and counts; where the files are missing, empty."""
+    out = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    out["anon_huge_bytes"] = int(line.split()[1]) << 10
+    except OSError:
+        pass
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                k, v = line.split()
+                if k in ("thp_fault_alloc", "thp_fault_fallback", "compact_stall"):
+                    out[k] = int(v)
+    except OSError:
+        pass
+    return out
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after if k != "anon_huge_bytes"} | (
+        {"anon_huge_bytes": after["anon_huge_bytes"]} if "anon_huge_bytes" in after else {})
+
+
 def planes_of(kv) -> list:
     """The pool's planes (K of every layer, then V), each ``[rows, H, D]``."""
     return list(kv.k_buffer) + list(kv.v_buffer)
@@ -253,11 +282,16 @@ def manager(kv, meta, role: str, server_args):
 
 class DescriptorCount:
     """Counts what an agent is asked to move: descriptors per ``make_prepped_xfer`` /
-    ``initialize_xfer`` call (wraps the two methods of one agent instance)."""
+    ``initialize_xfer`` call (wraps the two methods of one agent instance).  With
+    ``record`` the ``(address, bytes)`` of every descriptor of every ``initialize_xfer``
+    are kept too, local and remote (``ranges``; for small test rounds: a descriptor list
+    is read entry by entry)."""
 
-    def __init__(self, agent):
+    def __init__(self, agent, record: bool = False):
         self.calls = self.descs = 0
         self.by_call: list[int] = []
+        self.record = record
+        self.ranges: list[tuple[list, list]] = []  # per call: (local, remote) [(addr, n)]
         prepped, plain = agent.make_prepped_xfer, agent.initialize_xfer
 
         def make_prepped_xfer(op, ls, lidx, rs, ridx, *a, **k):
@@ -266,6 +300,8 @@ class DescriptorCount:
 
         def initialize_xfer(op, ls, rs, *a, **k):
             self._count(ls.descCount() if hasattr(ls, "descCount") else len(ls))
+            if self.record:
+                self.ranges.append((_ranges_of(ls), _ranges_of(rs)))
             return plain(op, ls, rs, *a, **k)
 
         agent.make_prepped_xfer, agent.initialize_xfer = make_prepped_xfer, initialize_xfer
@@ -276,10 +312,32 @@ class DescriptorCount:
         self.by_call.append(n)
 
     def take(self) -> dict:
-        out = dict(calls=self.calls, descriptors=self.descs)
+        out = dict(calls=self.calls, descriptors=self.descs, ranges=self.ranges)
         self.calls = self.descs = 0
-        self.by_call = []
+        self.by_call, self.ranges = [], []
         return out
+
+
+def _ranges_of(dlist) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of every entry of a NIXL descriptor list."""
+    return [(int(d[0]), int(d[1])) for d in (dlist[i] for i in range(dlist.descCount()))]
+
+
+def registered(mgr) -> dict:
+    """``(address, bytes)`` of every registration a ``NixlKVManager`` holds now: ``kv``
+    (its ``kv_descs``: one per layer and K/V stock, one per pool region, i.e. physical
+    chunk, with the adapter's ``SGLANG_KVMEM_REGISTER=regions``) and ``other`` (aux and
+    state buffers)."""
+    other = [d for d in (getattr(mgr, "aux_descs", None), getattr(mgr, "state_descs", None))
+             if d is not None]
+    return dict(kv=[r for descs in mgr.kv_descs for r in _ranges_of(descs)],
+                other=[r for descs in other for r in _ranges_of(descs)])
+
+
+def outside_one_region(ranges, regions) -> int:
+    """How many ``(address, bytes)`` ranges do not lie inside one of ``regions`` (NIXL
+    refuses a descriptor across two registrations, also two adjacent ones)."""
+    return sum(not any(a <= p and p + n <= a + m for a, m in regions) for p, n in ranges)
 
 
 def _free_port() -> int:
@@ -304,7 +362,9 @@ def _decode_main(conn, shape_d: dict, addr: str, env: dict) -> None:
         os.environ.update(env)
         shape = Shape(**shape_d)
         sa = publish("decode", shape.page_size)
+        m0 = memory_counters()
         kv, created_s = build_pool(shape)
+        memory = counter_delta(m0, memory_counters())
         meta = metadata_buffers(shape.requests)
         dm = manager(kv, meta, "decode", sa)
         # DecodePreallocQueue asks again at every step until the prefill answers
@@ -314,7 +374,7 @@ def _decode_main(conn, shape_d: dict, addr: str, env: dict) -> None:
                 raise TimeoutError(f"the prefill's bootstrap server {addr} did not answer "
                                    f"in {START_S} s")
             time.sleep(0.2)
-        conn.send(dict(pool_create_s=created_s, kvmem_pool=_kvmem_pool(kv)))
+        conn.send(dict(pool_create_s=created_s, kvmem_pool=_kvmem_pool(kv), memory=memory))
         recv = {}
         while True:
             cmd, arg = conn.recv()
@@ -339,7 +399,7 @@ def _decode_main(conn, shape_d: dict, addr: str, env: dict) -> None:
                 conn.send(_decode_wait(dm, kv, shape, recv, timeout, check))
             elif cmd == "info":
                 conn.send(dict(dst_kv_ptrs=list(dm.kv_args.kv_data_ptrs),
-                               agent=dm.agent.name))
+                               agent=dm.agent.name, registered=registered(dm)))
             else:
                 conn.send(f"unknown command {cmd!r}")
     except BaseException:  # noqa: BLE001 - the prefill reads the traceback
@@ -399,10 +459,11 @@ class Pair:
     """The prefill side in this process and the decode side in a child; see the module
     docstring.  ``decode_env``: environment of the decode process (the flag there).
     ``wait=False``: return once the decode process is started; :meth:`ready` waits for
-    it (several pairs of one process then start their decodes together)."""
+    it (several pairs of one process then start their decodes together).  ``record``:
+    keep every descriptor of a round (``DescriptorCount``) for :meth:`regions_check`."""
 
     def __init__(self, shape: Shape, decode_env: dict | None = None, timeout: float = 300,
-                 wait: bool = True):
+                 wait: bool = True, record: bool = False):
         self.shape, self.timeout = shape, timeout
         sa = publish("prefill", shape.page_size)
         from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer
@@ -412,11 +473,13 @@ class Pair:
         get_disagg()._set("disaggregation_bootstrap_port", port)
         NixlKVBootstrapServer("127.0.0.1", port)
         self.addr = f"127.0.0.1:{port}"
+        m0 = memory_counters()
         self.kv, self.pool_create_s = build_pool(shape)
         self.fill_s = fill_pattern(self.kv)
+        self.memory = counter_delta(m0, memory_counters())  # the pool made and filled
         self.meta = metadata_buffers(shape.requests)
         self.pm = manager(self.kv, self.meta, "prefill", sa)
-        self.count = DescriptorCount(self.pm.agent)
+        self.count = DescriptorCount(self.pm.agent, record)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         env = {k: v for k, v in os.environ.items()}
@@ -514,7 +577,22 @@ class Pair:
                     rooms=[s.bootstrap_room for s in senders],
                     prefill_states=states, decode_states=d["states"], bad_rows=d["bad_rows"],
                     decode=d, nixl_calls=counted["calls"] - shape.requests,
-                    kv_descriptors_per_request=counted["descriptors"] / shape.requests - aux)
+                    kv_descriptors_per_request=counted["descriptors"] / shape.requests - aux,
+                    **({"regions": self.regions_check(counted["ranges"])}
+                       if self.count.record else {}))
+
+    def regions_check(self, ranges) -> dict:
+        """Of the descriptors ``ranges`` recorded in a round: how many lie inside no
+        single registration, locally and on the decode, and each side's KV registrations
+        (a kvmem pool registers one per physical chunk)."""
+        mine = registered(self.pm)
+        theirs = self.ask("info")["registered"]
+        local = [r for lo, _ in ranges for r in lo]
+        remote = [r for _, ro in ranges for r in ro]
+        return dict(descriptors=len(local), kv_regions=len(mine["kv"]),
+                    decode_kv_regions=len(theirs["kv"]),
+                    local_outside=outside_one_region(local, mine["kv"] + mine["other"]),
+                    remote_outside=outside_one_region(remote, theirs["kv"] + theirs["other"]))
 
     def raw_round(self) -> dict:
         """The raw NIXL write of the same bytes (module docstring)."""
@@ -567,7 +645,8 @@ class Pair:
 # -- measurements --------------------------------------------------------------------------
 
 # name -> (prefill environment, decode environment): the SGLANG_KVMEM* variables of each
-# side (everything else is inherited; other SGLANG_KVMEM* variables are removed).
+# side and THP_MEM_ALLOC_ENABLE (everything else is inherited; other SGLANG_KVMEM*
+# variables and THP_MEM_ALLOC_ENABLE are removed).
 MODES = {
     "stock": ({"SGLANG_KVMEM": "0"}, {"SGLANG_KVMEM": "0"}),
     "kvmem": ({"SGLANG_KVMEM": "1"}, {"SGLANG_KVMEM": "1"}),
@@ -579,6 +658,11 @@ MODES = {
         {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_REGISTER": "layers",
          "SGLANG_KVMEM_TRANSFER": "sglang"}),
     "kvmem prefill + stock decode": ({"SGLANG_KVMEM": "1"}, {"SGLANG_KVMEM": "0"}),
+    # stock sglang with torch's CPU allocator asking for transparent huge pages
+    # (THP_MEM_ALLOC_ENABLE, read by c10's alloc_cpu): stock pools in huge pages, as
+    # kvmem's host backend maps its own (MADV_HUGEPAGE)
+    "stock THP_MEM_ALLOC_ENABLE=1": ({"SGLANG_KVMEM": "0", "THP_MEM_ALLOC_ENABLE": "1"},
+                                     {"SGLANG_KVMEM": "0", "THP_MEM_ALLOC_ENABLE": "1"}),
     # the host pools backed at first touch (before kvmem_sglang.kvpool prefaulted them at
     # creation): the first fill and the first transfer pay the page faults
     "kvmem prefault=0": ({"SGLANG_KVMEM": "1", "SGLANG_KVMEM_PREFAULT": "0"},
@@ -596,7 +680,8 @@ def measure(shape: Shape, repeats: int, decode_env: dict | None = None) -> dict:
                decode_pool_create_s=pair.decode_info["pool_create_s"],
                kvmem_pool=dict(prefill=_kvmem_pool(pair.kv),
                                decode=pair.decode_info["kvmem_pool"]),
-               nixl_registrations=sum(d.descCount() for d in pair.pm.kv_descs))
+               nixl_registrations=sum(d.descCount() for d in pair.pm.kv_descs),
+               memory=dict(prefill=pair.memory, decode=pair.decode_info.get("memory")))
     stats0 = _transfer_stats()
     try:
         out["first"] = pair.sglang_round(check=range(shape.planes))
@@ -650,7 +735,8 @@ def run_mode(mode: str, page_sizes, shape: Shape, repeats: int, *, one_process: 
     import subprocess
 
     prefill_env, decode_env = MODES[mode]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KVMEM")}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SGLANG_KVMEM") and k != "THP_MEM_ALLOC_ENABLE"}
     env.update(prefill_env)
     env["PYTHONPATH"] = os.pathsep.join(
         [ROOT, os.path.join(ROOT, "integration", "sglang")]

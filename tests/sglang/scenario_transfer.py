@@ -2,13 +2,18 @@
 pair (``bench.sglang_pair.Pair``: prefill ``NixlKVManager`` + ``NixlKVSender``s here, a
 decode ``NixlKVManager`` + ``NixlKVReceiver``s in a child process with its own
 environment, NIXL/UCX on DRAM) with the prefill's environment as the test sets it
-(``SGLANG_KVMEM`` and ``SGLANG_KVMEM_TRANSFER``) and a STOCK decode (``SGLANG_KVMEM=0``).
+(``SGLANG_KVMEM`` and ``SGLANG_KVMEM_TRANSFER``) and a STOCK decode (``SGLANG_KVMEM=0``;
+one kvmem decode in ``both16``).
 
 Rounds, in order, each of ``REQUESTS`` requests whose pages are never adjacent within a
 request (interleaved with the others'), every chunk queued at once:
 
 * ``plain`` at page sizes 16 and 1: every room Success, every plane of every page checked
-  on the decode, NIXL descriptors counted;
+  on the decode, NIXL descriptors counted, and each checked against both sides'
+  registrations (inside one; a kvmem pool registers one region per physical chunk, and
+  the tests run with 256 KiB chunks, tests/conftest.py);
+* with kvmem's path, ``both16``: the same at page size 16 with a kvmem decode (flag on
+  there too), so both sides' pools are chunked;
 * ``abort``: the third room is aborted on the prefill once its chunk is queued (with the
   kvmem path: once it was sent ahead in the first room's write), while every NIXL write
   is held PROC for ``HOLD_S`` (``check_xfer_state`` answers PROC until then: a slow link);
@@ -69,7 +74,8 @@ def _outcome(pair: Pair, rnd: dict) -> dict:
                 bad_rows=rnd["bad_rows"], safe=[r in d["safe_at"] for r in rooms],
                 outstanding={str(k): v for k, v in pair.pm._staging_outstanding.items()
                              if v > 0},
-                descriptors=rnd["kv_descriptors_per_request"], nixl_calls=rnd["nixl_calls"])
+                descriptors=rnd["kv_descriptors_per_request"], nixl_calls=rnd["nixl_calls"],
+                regions=rnd["regions"])
 
 
 class _Agent:
@@ -141,8 +147,14 @@ def main() -> dict:
     out = {"kvmem_path": _kvmem_path()}
     pages = [int(p) for p in os.environ.get("KVMEM_TEST_PAGES", "16,1").split(",")]
     pairs = {ps: Pair(Shape(page_size=ps, **SHAPE), decode_env={"SGLANG_KVMEM": "0"},
-                      timeout=120, wait=False) for ps in pages}  # decodes start together
+                      timeout=120, wait=False, record=True)
+             for ps in pages}  # decodes start together
+    if _kvmem_path():  # and one kvmem decode: chunked pools on both sides
+        pairs["both"] = Pair(Shape(page_size=16, **SHAPE), decode_env={"SGLANG_KVMEM": "1"},
+                             timeout=120, wait=False, record=True)
     try:
+        if "both" in pairs:
+            out |= _both16(pairs.pop("both").ready())
         if 1 in pairs:
             out |= _plain1(pairs.pop(1).ready())
         if 16 in pairs:
@@ -226,6 +238,16 @@ def _rounds16(pair: Pair) -> dict:
     finally:
         pair.close()
     return out
+
+
+def _both16(pair: Pair) -> dict:
+    try:
+        s0 = _stats()
+        rnd = pair.sglang_round(check=range(pair.shape.planes), at_once=True)
+        return {"both16": _outcome(pair, rnd) | {
+            "stats": _delta(s0), "decode_kvmem_pool": pair.decode_info["kvmem_pool"]}}
+    finally:
+        pair.close()
 
 
 def _plain1(pair: Pair) -> dict:

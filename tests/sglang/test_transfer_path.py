@@ -81,6 +81,26 @@ def test_stock_decode_receives_every_byte(runs, rnd):
         assert r["outstanding"] == {}, key
 
 
+@pytest.mark.parametrize("rnd", ["plain16", "plain1", "both16"])
+def test_every_descriptor_lies_inside_one_registration_on_both_sides(runs, rnd):
+    # NIXL refuses a descriptor across two registrations; a kvmem pool registers one
+    # region per physical chunk (256 KiB chunks here: the scenario's pools have one per
+    # layer), so merged runs must stay inside one chunk on both sides
+    for key in ("kvmem", "sglang", "off"):
+        if rnd not in runs[key]:
+            continue
+        g = runs[key][rnd]["regions"]
+        assert g["descriptors"] > 0 and g["local_outside"] == g["remote_outside"] == 0, (key, g)
+        if key != "off":
+            assert g["kv_regions"] == 2, (key, g)  # the prefill's pool: 2 chunks
+    g = runs["kvmem"]["both16"]["regions"]
+    assert runs["kvmem"]["both16"]["decode_kvmem_pool"] and g["decode_kv_regions"] == 2, g
+    r = runs["kvmem"]["both16"]
+    assert _all(r["prefill"], SUCCESS) and _all(r["decode"], SUCCESS), r
+    assert r["bad_rows"] == 0 and r["outstanding"] == {}
+    assert r["stats"]["descriptors"] == PLANES  # one run per plane, each inside its chunk
+
+
 @pytest.mark.parametrize("rnd, pages", [("plain16", PAGES16), ("plain1", PAGES1)])
 def test_queued_chunks_go_as_one_merged_write(runs, rnd, pages):
     # sglang: one descriptor per page and plane of each request (none adjacent)
@@ -141,7 +161,7 @@ def test_sends_after_release_and_resume(runs):
         r = runs[key]["release"]
         assert _all(r["prefill"], SUCCESS) and _all(r["decode"], SUCCESS), (key, r)
         assert r["bad_rows"] == 0 and r["outstanding"] == {}
-        assert r["registrations"] == 1  # the kvmem pool's one region, registered again
+        assert r["registrations"] == 2  # the kvmem pool's 2 regions (chunks), registered again
         assert r["prepared_lists"] >= 2  # kvmem_sglang.nixl prepared them again
     assert runs["kvmem"]["release"]["stats"]["batches"] == 1
 
