@@ -381,13 +381,15 @@ def _decode_main(conn, shape_d: dict, addr: str, env: dict) -> None:
             if cmd == "stop":
                 conn.send("bye")
                 break
-            if cmd == "publish":  # arg: (rooms, planes to clear and check)
+            if cmd == "publish":  # arg: (rooms, planes to check[, clear them first])
                 from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
 
-                rooms, check = arg
+                rooms, check, *more = arg
+                clear = more[0] if more else True
                 recv = {}
                 for r, room in enumerate(rooms):
-                    clear_rows(kv, shape, request_pages(shape, r), check)
+                    if clear:
+                        clear_rows(kv, shape, request_pages(shape, r), check)
                     rc = NixlKVReceiver(dm, addr, room)
                     rc.init(0)
                     recv[room] = rc
@@ -514,8 +516,9 @@ class Pair:
         self.conn.send((cmd, arg))
         return self._reply(timeout)
 
-    def senders(self, n: int, check=()):
-        """``n`` bootstrapped senders (rooms WaitingForInput), one per request."""
+    def senders(self, n: int, check=(), clear: bool = True):
+        """``n`` bootstrapped senders (rooms WaitingForInput), one per request; the
+        decode clears the rows of the planes ``check`` first unless ``clear`` is False."""
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.nixl.conn import NixlKVSender
 
@@ -526,25 +529,29 @@ class Pair:
             s = NixlKVSender(self.pm, self.addr, room)
             s.init(self.shape.pages_per_request, aux_index=r)
             out.append(s)
-        assert self.ask("publish", (rooms, list(check))) == "published"
+        assert self.ask("publish", (rooms, list(check), clear)) == "published"
         _wait(lambda: all(s.poll() == KVPoll.WaitingForInput for s in out), self.timeout,
               "every sender WaitingForInput")
         return out
 
     def sglang_round(self, check=(0,), on_sent=None, at_once: bool = False,
-                     decode_timeout: float | None = None) -> dict:
+                     decode_timeout: float | None = None, clear: bool = True) -> dict:
         """One timed round of sglang's transfer of every request; see the module
         docstring.  ``check``: planes the decode clears before and checks after (in the
         rooms that end Success).  ``on_sent(senders)``: called once every chunk is
         queued (a test's abort or fault).  ``at_once``: the chunks reach the workers'
         queues together (queued on queues no worker reads, then moved over in one step),
         as a worker still busy with an earlier room would find them.
-        ``decode_timeout``: how long the decode waits for every room to end."""
+        ``decode_timeout``: how long the decode waits for every room to end.
+        ``clear=False``: the decode does not clear the rows first (a fresh pool reads as
+        zeros, and no pattern word of a transferred row is zero): the round is then the
+        first write into those pages, and pays their first touch where the pool left it
+        to the first touch."""
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.common.utils import FastQueue
 
         shape = self.shape
-        senders = self.senders(shape.requests, check)
+        senders = self.senders(shape.requests, check, clear)
         self.count.take()
         real = self.pm.transfer_queues
         if at_once:
@@ -671,7 +678,8 @@ MODES = {
 
 
 def measure(shape: Shape, repeats: int, decode_env: dict | None = None) -> dict:
-    """Start a pair, move the requests once (the first round: fresh pools), then
+    """Start a pair, move the requests once (the first round: fresh pools, the decode's
+    rows not cleared first, so the round is the first touch of its pages), then
     ``repeats`` rounds of the raw write and of the sglang transfer, alternating; the
     rows checked: every plane in the first round, the first and last plane after."""
     t0 = time.monotonic()
@@ -684,7 +692,8 @@ def measure(shape: Shape, repeats: int, decode_env: dict | None = None) -> dict:
                memory=dict(prefill=pair.memory, decode=pair.decode_info.get("memory")))
     stats0 = _transfer_stats()
     try:
-        out["first"] = pair.sglang_round(check=range(shape.planes))
+        # fresh pools, not cleared: the first write into the decode's pages
+        out["first"] = pair.sglang_round(check=range(shape.planes), clear=False)
         sg, raw = [], []
         for _ in range(repeats):
             raw.append(pair.raw_round())

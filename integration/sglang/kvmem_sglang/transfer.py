@@ -24,7 +24,11 @@ What this module changes: how the bytes of those sends move, nothing else.  Thre
   are often adjacent where the pages of one are not (an allocator serving a batch
   interleaves or abuts them).  The descriptors go out as up to :data:`SPLIT` NIXL writes
   posted together (``initialize_xfer`` over the live registrations; no prepared list, so
-  nothing here outlives a release), and one handle for them all is returned.
+  nothing here outlives a release), and one handle for them all is returned.  A run never leaves one plane (one of sglang's per-layer K or V buffers, page ids below
+  its page count): on a kvmem side that buffer lies inside one pool region, i.e. one
+  physical chunk (kvmem's chunk plan keeps a layer's K|V block in one chunk, and the
+  registration is per region), on a stock side it is a registration of its own; so no
+  descriptor spans two registrations, which NIXL refuses.
 * ``_await_handles``: sglang's contract (wait while every handle is healthy; once one
   failed, at most ``NIXL_ERR_SETTLE_TIMEOUT_S`` more; an unreadable state fails), with
   growing sleeps between polls instead of ``sleep(0)``, and the handles above expanded.
