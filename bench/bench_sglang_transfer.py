@@ -23,7 +23,8 @@ registrations, the first round, pool creation and first fill times, and how much
 
 ``KVMEM_BENCH_SGL_REQUESTS`` / ``_TOKENS`` / ``_PAGES`` / ``_MODES`` (comma-separated
 MODES keys) change the run; ``python -m bench.sglang_pair`` runs the same and prints a
-compact table.  The smoke mode: a 2-layer model, 4 requests x 16 tokens, one round,
+compact table.  The smoke mode: a 2-layer model, 4 requests x 64 tokens (a whole page at
+page size 64), one round,
 stock and the flag only, every page size in one process per mode.
 """
 
@@ -41,7 +42,7 @@ from bench.sglang_pair import MODES, Shape, run_mode, table
 LOADED_CORES = 0.25
 SHAPE = pick(Shape(requests=int(os.environ.get("KVMEM_BENCH_SGL_REQUESTS", "32")),
                    tokens=int(os.environ.get("KVMEM_BENCH_SGL_TOKENS", "1024"))),
-             Shape(layers=2, requests=4, tokens=16, page_size=4))
+             Shape(layers=2, requests=4, tokens=64, page_size=4))
 PAGES = [int(p) for p in os.environ.get("KVMEM_BENCH_SGL_PAGES", "1,16,64").split(",")]
 REPEATS = pick(int(os.environ.get("KVMEM_BENCH_SGL_REPEATS", "5")), 1)
 _MODES = os.environ.get("KVMEM_BENCH_SGL_MODES")
