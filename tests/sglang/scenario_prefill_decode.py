@@ -39,45 +39,16 @@ and leaves with ``os._exit`` (sglang's prefill bootstrap thread is not a daemon)
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
+
+from bench.sglang_pair import kv_args, nixl_as_sglang_imports_it
+from tests.sglang.sglang_env import script_main
 
 WAITING_TIMEOUT_S = 3  # the decode's SGLANG_DISAGGREGATION_WAITING_TIMEOUT (an int)
 TRANSFER_TIMEOUT_S = 1.2  # the adapter's SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT
 WATCH_S = 4.5  # how long the decode is watched after the aborts
 PAGE = 4
-
-
-def _nixl_as_sglang_imports_it() -> None:
-    import nixl_cu12
-    import nixl_cu12._api
-
-    sys.modules.setdefault("nixl", nixl_cu12)
-    sys.modules.setdefault("nixl._api", nixl_cu12._api)
-
-
-def _kv_args(kv, meta):
-    """What ``PrefillBootstrapQueue._init_kv_manager`` / ``DecodePreallocQueue.
-    _init_kv_manager`` put in a KVArgs for a plain MHA pool on one rank, with the pool's
-    memory kind DRAM (the pools are in host memory here)."""
-    from sglang.srt.disaggregation.base.conn import KVArgs
-    from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos
-
-    a = KVArgs()
-    a.engine_rank, a.pp_rank, a.system_dp_rank, a.gpu_id = 0, 0, 0, 0
-    a.kv_cache_dtype_str, a.kv_layout, a.ib_device = "bfloat16", None, None
-    a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = get_kv_transfer_buf_infos(kv)
-    a.kv_data_mem_kinds = ["DRAM"] * len(a.kv_data_ptrs)
-    a.num_draft_entries = 0
-    layers = len(a.kv_data_ptrs) // 2
-    a.kv_layer_ids = list(range(layers)) * 2  # k0..kL-1 then v0..vL-1
-    a.page_size = kv.page_size
-    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = meta.get_buf_infos()
-    a.state_types, a.state_data_ptrs, a.state_data_lens = [], [], []
-    a.state_item_lens, a.state_layer_ids = [], []
-    return a
 
 
 def _wait_for(pred, timeout: float = 5.0) -> bool:
@@ -92,7 +63,7 @@ def _wait_for(pred, timeout: float = 5.0) -> bool:
 def main() -> dict:
     os.environ["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(WAITING_TIMEOUT_S)
     os.environ["SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"] = str(TRANSFER_TIMEOUT_S)
-    _nixl_as_sglang_imports_it()
+    nixl_as_sglang_imports_it()
     from tests.sglang.prefill_env import PrefillHarness, _free_port
 
     h = PrefillHarness(page_size=PAGE, pages=64, max_reqs=8, chunk_pages=2)
@@ -116,7 +87,7 @@ def main() -> dict:
     addr = f"127.0.0.1:{port}"
 
     # -- the prefill: the harness's scheduler over a real NIXL manager and real senders ----
-    pm = NixlKVManager(_kv_args(h.kv, h.s.disagg_metadata_buffers),
+    pm = NixlKVManager(kv_args(h.kv, h.s.disagg_metadata_buffers),
                        DisaggregationMode.PREFILL, h.s.server_args, False)
     queue = h.s.disagg_prefill_bootstrap_queue
     queue.kv_manager, queue.transfer_backend = pm, TransferBackend.NIXL
@@ -129,7 +100,7 @@ def main() -> dict:
     dmeta = MetadataBuffers(16, hidden_size=32, hidden_states_dtype=torch.bfloat16,
                             max_sampling_mask_tokens=0)
     dslots = ReqToMetadataIdxAllocator(16)
-    dm = NixlKVManager(_kv_args(dkv, dmeta), DisaggregationMode.DECODE,
+    dm = NixlKVManager(kv_args(dkv, dmeta), DisaggregationMode.DECODE,
                        h.s.server_args, False)
     assert dm.try_ensure_parallel_info(addr)  # DecodePreallocQueue._ensure_prefill_info
     assert dm.enable_deferred_decode_kv_release
@@ -291,14 +262,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        result = main()
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    print(json.dumps(result, default=str), flush=True)
-    sys.stderr.flush()
-    os._exit(0)
+    script_main(main)

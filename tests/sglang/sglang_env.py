@@ -79,6 +79,23 @@ def emit(obj) -> None:
     print(json.dumps(obj), flush=True)
 
 
+def script_main(main) -> None:
+    """Run a scenario script's ``main()`` and leave: its result as JSON on the last
+    stdout line and status 0, or the traceback on stderr and status 1; with ``os._exit``
+    either way (sglang's threads are not daemons, and NIXL's exit is not clean here)."""
+    try:
+        result = main()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    print(json.dumps(result, default=str), flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def model_dir(*, layers: int = 2, heads: int = 2, head_dim: int = 16) -> Path:
     """A local Hugging Face config of a tiny Llama (no weights): sglang reads the model's
     config while it resolves its server arguments, and nothing may come from a hub."""

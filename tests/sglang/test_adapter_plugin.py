@@ -59,11 +59,12 @@ emit({"changed": sorted(t for t in targets if after[t] != before[t]),
     # 12 of the pool, allocator, release/resume, NIXL registration and staging, 10 of the prefill
     # lifecycle, 4 between the prefill and its decode (notify.py: telling an aborted
     # sender's decode, a decode's early abort), 2 of the decode
-    # (decode.py: its status for a prefill's abort, refusals while released); the two
+    # (decode.py: its status for a prefill's abort, refusals while released), 3 of the NIXL
+    # send path (transfer.py: SGLANG_KVMEM_TRANSFER=kvmem, the default); the two
     # AROUND hooks of release and resume each nested into one (sglang warns about several
     # on one target)
-    assert len(out["installed"]) == len(set(out["installed"])) == 26
-    assert proc.stderr.count("kvmem-sglang: SGLANG_KVMEM=1, 26 hooks installed") == 1
+    assert len(out["installed"]) == len(set(out["installed"])) == 29
+    assert proc.stderr.count("kvmem-sglang: SGLANG_KVMEM=1, 29 hooks installed") == 1
     assert "Multiple AROUND hooks" not in proc.stderr
 
 
@@ -87,7 +88,8 @@ def _refused(proc, *needles):
     ({"SGLANG_KVMEM": "yes"}, "SGLANG_KVMEM='yes'"),
     ({"SGLANG_KVMEM_BACKEND": "gpu"}, "SGLANG_KVMEM_BACKEND='gpu'"),
     ({"SGLANG_KVMEM_REGISTER": "all"}, "SGLANG_KVMEM_REGISTER='all'"),
-], ids=["flag", "backend", "register"])
+    ({"SGLANG_KVMEM_TRANSFER": "fast"}, "SGLANG_KVMEM_TRANSFER='fast'"),
+], ids=["flag", "backend", "register", "transfer"])
 def test_bad_option_stops_the_process(env, needle):
     _refused(run_script(LOAD, kvmem=True, env=env), needle, "not understood")
 

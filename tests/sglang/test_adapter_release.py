@@ -63,6 +63,29 @@ def test_release_gives_memory_back_and_resume_keeps_addresses():
           f"{(off['rss_before'] - off['rss_released']) / 2**20:.0f} MiB")
 
 
+FRESH = """
+from tests.sglang.sglang_env import build_pools, emit, publish
+from kvmem_sglang.kvpool import pool_of
+publish(16)
+req_pool, kv, alloc, tree = build_pools(page_size=16, size=16 * 255, layers=4, heads=8,
+                                        head_dim=128)
+pool = pool_of(kv)
+emit({"resident": pool.resident_bytes(), "nbytes": pool.nbytes,
+      "zeros": all(bool((b == 0).all()) for b in kv.k_buffer + kv.v_buffer)})
+"""
+
+
+def test_a_fresh_host_pool_is_backed_when_made_unless_prefault_is_off():
+    # sglang's torch.zeros buffers are backed when they are made; with
+    # SGLANG_KVMEM_PREFAULT=1 (the default) so is kvmem's pool, else pages wait for
+    # their first touch (the first forward, the first KV transfer into the pool)
+    on = result_of(run_script(FRESH, kvmem=True, env={"SGLANG_KVMEM_BACKEND": "host"}))
+    lazy = result_of(run_script(FRESH, kvmem=True, env={"SGLANG_KVMEM_BACKEND": "host",
+                                                        "SGLANG_KVMEM_PREFAULT": "0"}))
+    assert on["resident"] >= on["nbytes"] and on["zeros"], on
+    assert lazy["resident"] <= 0.05 * lazy["nbytes"], lazy
+
+
 PLAIN = """
 import torch
 from sglang.srt.managers.io_struct import (ReleaseMemoryOccupationReqInput,

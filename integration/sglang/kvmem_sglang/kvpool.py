@@ -72,6 +72,12 @@ def _make_pool(kind: str, kvcache, spec: kvmem.KVSpec, options: Options) -> kvme
     if pool.backend != "host":  # a fresh host mapping reads as zeros already
         for buf in pool.k_buffer + pool.v_buffer:
             buf.zero_()  # sglang's own buffers are torch.zeros
+    elif options.prefault:
+        # Back every page now, as sglang's torch.zeros buffers are backed when they are
+        # made: left to first touch, the faults land in the first forward's writes and
+        # in the first KV transfer into this pool (UCX's cma write faults the target's
+        # pages inside the copy); bench/results/cpu-2026-12-01-sglang-transfer.md measures both.
+        pool.prefault()
     with _LOCK:
         _POOLS[pool] = kind
     regions = pool.regions()

@@ -30,13 +30,16 @@ SchedulerWeightUpdaterManager.resume_memory_occupation AROUND   pool.resume() be
 NixlKVManager.register_buffer_to_engine                AROUND   register pool regions;
                                                                 give the manager the
                                                                 deregistration it lacks
+NixlKVManager.transfer_worker                          AROUND   KV sends on kvmem's path
+NixlKVManager.send_kvcache                             AROUND   (kvmem_sglang.transfer):
+NixlKVManager._await_handles                           AROUND   merged runs, no spinning
 MooncakeKVManager._registerable_regions                AFTER    the same for mooncake
 staging_buffer.gather_all_layers_to_staging            REPLACE  kvmem.pack_buffers
 staging_buffer.scatter_staging_to_kv                   REPLACE  kvmem.unpack_buffers
 =====================================================  =======  ==========================
 
-The mooncake and staging hooks depend on options (``SGLANG_KVMEM_REGISTER``,
-``SGLANG_KVMEM_STAGING``).
+The mooncake, staging and NIXL send hooks depend on options (``SGLANG_KVMEM_REGISTER``,
+``SGLANG_KVMEM_STAGING``, ``SGLANG_KVMEM_TRANSFER``).
 """
 
 from __future__ import annotations
@@ -137,6 +140,10 @@ def _hooks(options: Options) -> list[tuple[str, object, str]]:
     out += [(f"{_nixl}.register_buffer_to_engine", nixl.register_buffer_to_engine, "AROUND"),
             (f"{_nixl}._prepare_payload_xfer", nixl.prepare_payload, "AROUND"),
             (f"{_nixl}._prepare_state_xfer", nixl.prepare_payload, "AROUND")]
+    if options.transfer:
+        from kvmem_sglang import transfer
+
+        out += transfer.hooks()
     if options.register_regions:
         out.append(("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager."
                     "_registerable_regions", H.mooncake_registerable_regions, "AFTER"))

@@ -1,0 +1,499 @@
+"""kvmem's send path under sglang 0.5.23's NIXL prefill (``SGLANG_KVMEM_TRANSFER=kvmem``,
+the default with the flag on; ``sglang`` leaves sglang's own path).
+
+File:line below are of the installed ``sglang/srt/disaggregation/nixl/conn.py``.
+
+What sglang does.  A prefill's KV sends run on one transfer worker thread per queue, and
+every room going to one decode lands in the same queue (``add_transfer_request`` shards by
+the decode's ports, :3283).  Per chunk the worker posts one NIXL write with one
+descriptor per page and plane (``send_kvcache`` -> ``_send_kvcache_generic``'s prepared
+path, :2090-2135), spins on it (``_await_handles`` polls with ``time.sleep(0)``, :1096)
+and only then takes the next chunk.  Pages of one request that are not adjacent cost one
+descriptor each, whatever lies next to them.
+
+What this module changes: how the bytes of those sends move, nothing else.  Three hooks
+(AROUND) on ``NixlKVManager``:
+
+* ``transfer_worker``: remembers which queue the calling thread serves; no change.
+* ``send_kvcache``, the narrowest call that moves KV (the worker calls it for MHA and
+  MLA at equal attention TP, :1798).  It takes the chunk handed to it (the *owner*) and
+  the chunks queued behind it on the same worker for the same decode (the worker's own
+  checks, :1612-1660, hold for them now), up to :data:`BATCH_BYTES`, pairs every page
+  ``(source, destination)`` of them all, sorts the pairs by source page and merges runs
+  adjacent on both sides: one descriptor per run and plane.  Pages of different requests
+  are often adjacent where the pages of one are not (an allocator serving a batch
+  interleaves or abuts them).  The descriptors go out as up to :data:`SPLIT` NIXL writes
+  posted together (``initialize_xfer`` over the live registrations; no prepared list, so
+  nothing here outlives a release), and one handle for them all is returned.  A run never leaves one plane (one of sglang's per-layer K or V buffers, page ids below
+  its page count): on a kvmem side that buffer lies inside one pool region, i.e. one
+  physical chunk (kvmem's chunk plan keeps a layer's K|V block in one chunk, and the
+  registration is per region), on a stock side it is a registration of its own; so no
+  descriptor spans two registrations, which NIXL refuses.
+* ``_await_handles``: sglang's contract (wait while every handle is healthy; once one
+  failed, at most ``NIXL_ERR_SETTLE_TIMEOUT_S`` more; an unreadable state fails), with
+  growing sleeps between polls instead of ``sleep(0)``, and the handles above expanded.
+
+Chunks sent ahead of their turn.  Such a chunk is counted in the manager's
+``_staging_outstanding`` before it is checked (as the worker counts a chunk at dequeue,
+:1631) and uncounted when its write settles, so sglang's abort ACK to the decode
+(``_maybe_ack_drained_abort``) and the adapter's release drain wait for that write.  The
+owner's wait covers it (same write), and the queue is FIFO: when the worker reaches it,
+its write has settled, and ``send_kvcache`` returns a settled handle without moving
+anything (DONE), or sends it again on its own (the write failed).  If the owner's wait
+gives up on a write that never settles, the rooms sent ahead in it are poisoned as sglang
+poisons such a room (no ABORT_ACK; the decode falls back to its release timeout).  Statuses
+are not touched: a room sent ahead stays WaitingForInput until the worker reaches it and
+runs sglang's own code for it (Transferring, aux, Success or Failed, notifications).
+
+Served geometry (anything else, e.g. pipeline parallelism, DCP relayout, hybrid MLA,
+mixed memory kinds, heterogeneous TP or staging, goes to sglang's own ``send_kvcache``):
+the decode registered the same planes as the prefill (count, layer ids and bytes per
+page), one memory kind each side.
+
+Descriptor counts, writes and bytes are in :data:`STATS`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+logger = logging.getLogger("kvmem.sglang")
+
+_CONN = "sglang.srt.disaggregation.nixl.conn"
+_MGR = f"{_CONN}.NixlKVManager"
+
+# Bytes of KV one merged write may carry (the owner always goes, even when larger).  A
+# room waits for the whole write it is in, so this bounds how long the first room of a
+# burst waits for the others; 1 GiB is 8 requests of 1,024 tokens of the 32 x 8 x 128
+# bf16 model.  A guess, not a measurement: bench/bench_sglang_transfer.py shows the
+# throughput at this value.
+BATCH_BYTES = 1 << 30
+# NIXL writes one merged batch is posted as (several in flight: sglang's prefill agent
+# has 8 UCX threads, nixl/conn.py:552, which take a write each).  A guess, see above.
+SPLIT = 4
+# Sleeps between polls of a healthy write: from NAP_MIN_S doubling to NAP_MAX_S.  A
+# write of 128 MiB takes 15-50 ms on the CPU here, 1 MiB under 1 ms: the first polls come
+# fast, and a long write costs at most NAP_MAX_S of extra latency.  Guesses.
+NAP_MIN_S = 20e-6
+NAP_MAX_S = 1e-3
+
+
+@dataclass
+class Stats:
+    """What the path did in this process (all managers)."""
+
+    sends: int = 0            # send_kvcache calls served here
+    fallbacks: int = 0        # send_kvcache calls left to sglang (geometry not served)
+    batches: int = 0          # merged writes (each posted as <= SPLIT NIXL writes)
+    nixl_writes: int = 0      # NIXL writes posted
+    chunks: int = 0           # chunks carried by the merged writes (owners + ahead)
+    sent_ahead: int = 0       # of those, chunks sent ahead of their turn
+    ahead_done: int = 0       # send_kvcache calls answered by a settled write
+    resent: int = 0           # chunks sent again because their ahead write failed
+    index_pairs: int = 0      # (page, plane) pairs moved: sglang's descriptor count
+    descriptors: int = 0      # descriptors posted after merging runs
+    bytes: int = 0
+    waits: int = 0            # _await_handles calls
+    naps: int = 0             # sleeps inside them
+    unsettled: int = 0        # waits that gave up on a write (rooms poisoned)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+STATS = Stats()
+_TLS = threading.local()  # .queue: the FastQueue the calling worker thread serves
+
+
+class Batch:
+    """One merged write: its NIXL handles and the chunks sent ahead in it.
+
+    ``state``: "PROC" until every handle settled, then "DONE" or "ERR".  ``failed``: a
+    handle was seen ERR (a wait on it is then bounded)."""
+
+    def __init__(self, natives: list, ahead: list, nbytes: int, descs: int):
+        self.natives, self.ahead = natives, ahead
+        self.nbytes, self.descs = nbytes, descs
+        self.state, self.failed = "PROC", False
+
+    def __repr__(self):
+        return (f"kvmem Batch({len(self.natives)} NIXL write(s), {self.descs} descriptor(s), "
+                f"{self.nbytes} bytes, {len(self.ahead)} chunk(s) sent ahead, {self.state})")
+
+
+class Settled:
+    """The handle of a chunk sent ahead whose write is DONE: nothing left to wait for."""
+
+    state = "DONE"
+
+    def __init__(self, batch: Batch):
+        self.batch = batch
+
+    def __repr__(self):
+        return f"kvmem Settled({self.batch!r})"
+
+
+@dataclass
+class _Ahead:
+    room: int
+    peer: str
+    src: np.ndarray      # the chunk's own prefill_kv_indices object (identity is the key)
+    dst: np.ndarray
+    batch: Batch | None = None
+    counted: bool = True
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    src_ptrs: np.ndarray   # uint64 [planes]
+    dst_ptrs: np.ndarray   # uint64 [planes]
+    item: np.ndarray       # uint64 [planes]: bytes of one page of a plane (both sides)
+    src_kind: str
+    dst_kind: str
+    src_dev: int
+    dst_dev: int
+
+
+class _State:
+    """Per manager: the chunks sent ahead, by the identity of their index array."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ahead: dict[int, _Ahead] = {}
+
+    def take(self, src) -> _Ahead | None:
+        with self.lock:
+            rec = self.ahead.get(id(src))
+            if rec is not None and rec.src is src:
+                del self.ahead[id(src)]
+                return rec
+            return None
+
+    def sent_ahead(self, src) -> bool:
+        """Whether the chunk of ``src`` is in a write that has not failed (a chunk whose
+        write failed may go ahead again, in a later write)."""
+        with self.lock:
+            rec = self.ahead.get(id(src))
+            return (rec is not None and rec.src is src
+                    and (rec.batch is None or rec.batch.state != "ERR"))
+
+    def put(self, rec: _Ahead) -> None:
+        with self.lock:
+            self.ahead[id(rec.src)] = rec
+
+    def sweep(self, mgr) -> None:
+        """Forget records of rooms the manager no longer knows (cleared, or never to be
+        reached by the worker) whose write settled."""
+        with self.lock:
+            for key, rec in list(self.ahead.items()):
+                if rec.room not in mgr.request_status and rec.batch is not None \
+                        and rec.batch.state != "PROC":
+                    del self.ahead[key]
+
+
+_STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()
+
+
+def _state(mgr) -> _State:
+    with _STATES_LOCK:
+        st = _STATES.get(mgr)
+        if st is None:
+            st = _STATES[mgr] = _State()
+        return st
+
+
+def hooks() -> list[tuple[str, object, str]]:
+    return [
+        (f"{_MGR}.transfer_worker", transfer_worker, "AROUND"),
+        (f"{_MGR}.send_kvcache", send_kvcache, "AROUND"),
+        (f"{_MGR}._await_handles", await_handles, "AROUND"),
+    ]
+
+
+# -- hooks ----------------------------------------------------------------------------------
+
+def transfer_worker(original, mgr, queue, *args, **kwargs):
+    """AROUND ``NixlKVManager.transfer_worker``: note the thread's queue, then run it."""
+    _TLS.queue = queue
+    return original(mgr, queue, *args, **kwargs)
+
+
+def send_kvcache(original, mgr, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
+                 dst_gpu_id, dst_mem_kind="VRAM"):
+    """AROUND ``NixlKVManager.send_kvcache``: see the module docstring.  Returns a
+    :class:`Batch` (posted), a :class:`Settled` (sent ahead, DONE) or what sglang's own
+    send returns."""
+    st = _state(mgr)
+    rec = st.take(prefill_kv_indices)
+    if rec is not None:
+        same = rec.peer == peer_name and np.array_equal(rec.dst, dst_kv_indices)
+        if same and rec.batch is not None and rec.batch.state == "DONE":
+            STATS.ahead_done += 1
+            return Settled(rec.batch)
+        if same and rec.batch is not None and rec.batch.state == "PROC":
+            return rec.batch  # its owner's wait gave up on it: wait on it (bounded)
+        STATS.resent += 1  # the write failed (or never went): send the chunk again
+    geo = _geometry(mgr, peer_name, dst_kv_ptrs, dst_mem_kind, dst_gpu_id)
+    if geo is None or len(prefill_kv_indices) != len(dst_kv_indices) or not len(dst_kv_indices):
+        STATS.fallbacks += 1
+        return original(mgr, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
+                        dst_gpu_id, dst_mem_kind=dst_mem_kind)
+    STATS.sends += 1
+    src = np.asarray(prefill_kv_indices, dtype=np.int64)
+    dst = np.asarray(dst_kv_indices, dtype=np.int64)
+    budget = BATCH_BYTES - src.size * int(geo.item.sum())
+    ahead = _take_ahead(mgr, st, peer_name, budget, geo) if budget > 0 else []
+    try:
+        return _post(mgr, geo, peer_name, [(src, dst)] + [(a.src, a.dst) for a in ahead],
+                     ahead)
+    except BaseException:
+        for a in ahead:  # _post settled what it had posted: nothing of theirs in flight
+            _uncount(mgr, a)
+        raise
+
+
+def await_handles(original, mgr, handles, *, failure_seen):
+    """AROUND ``NixlKVManager._await_handles``: ``(settled, any_failed)`` as sglang's,
+    over NIXL handles, :class:`Batch` and :class:`Settled` handles alike."""
+    STATS.waits += 1
+    natives, batches, seen = [], [], failure_seen
+    for h in handles:
+        if isinstance(h, Settled):
+            continue
+        if isinstance(h, Batch):
+            if h not in batches:
+                batches.append(h)
+                natives += h.natives
+                seen = seen or h.failed
+            continue
+        natives.append(h)
+    settled, failed, states = _settle(mgr, natives, seen)
+    for b in batches:
+        _conclude(mgr, b, states)
+    return settled, failed
+
+
+# -- the send ---------------------------------------------------------------------------------
+
+def _geometry(mgr, peer, dst_kv_ptrs, dst_kind, dst_gpu_id) -> _Geometry | None:
+    """The planes of both sides, when this path serves the peer (module docstring)."""
+    from sglang.srt.disaggregation.nixl import conn
+
+    info = mgr.decode_kv_args_table.get(peer)
+    args = mgr.kv_args
+    src_ptrs, item = list(args.kv_data_ptrs), list(args.kv_item_lens)
+    src_ids = list(getattr(args, "kv_layer_ids", None) or [])
+    dst_ids = list(getattr(info, "dst_kv_layer_ids", None) or []) if info is not None else []
+    if (info is None or getattr(mgr, "pp_size", 1) != 1 or mgr.is_hybrid_mla_backend
+            or info.requires_dcp_relayout or info.kv_xfer_segments is not None
+            or not src_ptrs or mgr.src_mem_kind is None or mgr.enable_staging
+            or len(set(args.kv_data_mem_kinds)) != 1
+            or list(dst_kv_ptrs) != list(info.dst_kv_ptrs)
+            or len(info.dst_kv_ptrs) != len(src_ptrs)
+            or list(info.dst_kv_item_lens) != item
+            or (src_ids and dst_ids and src_ids != dst_ids)
+            or len(set(info.dst_kv_mem_kinds or [dst_kind])) != 1):
+        return None
+    if not (mgr.is_mla_backend or info.decode_tp_size == mgr.attn_tp_size):
+        return None
+    return _Geometry(np.array(src_ptrs, dtype=np.uint64), np.array(dst_kv_ptrs, dtype=np.uint64),
+                     np.array(item, dtype=np.uint64), mgr.src_mem_kind, dst_kind,
+                     conn._nixl_device_id(mgr.src_mem_kind, args.gpu_id),
+                     conn._nixl_device_id(dst_kind, dst_gpu_id))
+
+
+def _take_ahead(mgr, st: _State, peer: str, budget: int, geo: _Geometry) -> list[_Ahead]:
+    """The chunks queued behind the owner on this worker's queue that may go in its write
+    now, each counted in ``_staging_outstanding``; at most ``budget`` bytes."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    queue = getattr(_TLS, "queue", None)
+    if queue is None or not hasattr(queue, "_buf"):
+        return []
+    st.sweep(mgr)
+    with queue._cond:  # FastQueue (disaggregation/common/utils.py): a deque and a condition
+        queued = list(queue._buf)
+    per_page = int(geo.item.sum())
+    out = []
+    for chunk in queued:
+        src = chunk.prefill_kv_indices
+        n = len(src)
+        if n == 0 or n * per_page > budget or st.sent_ahead(src):
+            continue
+        room = chunk.room
+        counts = mgr._staging_outstanding
+        fresh = room not in counts
+        counts[room] += 1  # before the checks, as the worker counts at dequeue (:1631)
+        rec = _Ahead(room, peer, src, np.empty(0, dtype=np.int64))
+        try:
+            ok = (room in mgr.request_status and mgr.check_status(room) != KVPoll.Failed
+                  and _dst_of(mgr, chunk, peer, rec))
+        except Exception:  # noqa: BLE001 - a room being cleared meanwhile: not sent ahead
+            ok = False
+        if not ok:
+            _uncount(mgr, rec, drop=fresh)
+            continue
+        budget -= n * per_page
+        out.append(rec)
+    return out
+
+
+def _dst_of(mgr, chunk, peer: str, rec: _Ahead) -> bool:
+    """Set ``rec.dst`` to the chunk's destination pages as the worker would take them
+    (:1667-1690); False when the room is not a one-peer room of ``peer`` or its page
+    counts differ (the worker then handles it itself)."""
+    infos = mgr.transfer_infos.get(chunk.room)
+    if not infos:
+        return False
+    reqs = [r for r in infos.values() if not r.is_dummy]
+    if len(reqs) != 1 or reqs[0].agent_name != peer:
+        return False
+    dst = np.asarray(reqs[0].dst_kv_indices[chunk.index_slice], dtype=np.int64)
+    if dst.size != len(chunk.prefill_kv_indices):
+        return False
+    rec.src = chunk.prefill_kv_indices
+    rec.dst = dst
+    return True
+
+
+def _uncount(mgr, rec: _Ahead, drop: bool = False) -> None:
+    """Undo a chunk's count (its write settled or never went); send a pending ABORT_ACK
+    that waited for it."""
+    if not rec.counted:
+        return
+    rec.counted = False
+    counts = mgr._staging_outstanding
+    counts[rec.room] -= 1
+    if drop and counts.get(rec.room, 0) <= 0:
+        counts.pop(rec.room, None)
+    if mgr.enable_deferred_decode_kv_release:
+        mgr._maybe_ack_drained_abort(rec.room)
+
+
+def _runs(pairs) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(source run starts, destination run starts, run lengths in pages, pairs) of the
+    page pairs of every chunk, sorted by source page and merged where both sides are
+    adjacent."""
+    src = np.concatenate([s for s, _ in pairs]).astype(np.int64, copy=False)
+    dst = np.concatenate([d for _, d in pairs]).astype(np.int64, copy=False)
+    order = np.argsort(src, kind="stable")
+    s, d = src[order], dst[order]
+    brk = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    lens = np.diff(np.concatenate((starts, [s.size])))
+    return s[starts], d[starts], lens, s.size
+
+
+def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
+    """Post the merged runs of ``pairs`` as up to SPLIT NIXL writes; the Batch.  On a
+    refused post, what was posted is settled first (bounded), then sglang's post error
+    is raised as its own ``_post_xfer`` would raise it."""
+    rs, rd, lens, npairs = _runs(pairs)
+    planes = geo.item.size
+    item = geo.item[:, None]
+    src_addr = (geo.src_ptrs[:, None] + rs.astype(np.uint64)[None, :] * item).reshape(-1)
+    dst_addr = (geo.dst_ptrs[:, None] + rd.astype(np.uint64)[None, :] * item).reshape(-1)
+    nbytes = (lens.astype(np.uint64)[None, :] * item).reshape(-1)
+    ld = np.stack([src_addr, nbytes, np.full_like(src_addr, geo.src_dev)], axis=1)
+    rdsc = np.stack([dst_addr, nbytes, np.full_like(dst_addr, geo.dst_dev)], axis=1)
+    agent = mgr.agent
+    natives = []
+    pieces = min(SPLIT, ld.shape[0])
+    try:
+        for lpart, rpart in zip(np.array_split(ld, pieces), np.array_split(rdsc, pieces)):
+            h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(lpart, geo.src_kind),
+                                      agent.get_xfer_descs(rpart, geo.dst_kind), peer)
+            if not h:
+                raise RuntimeError("KVSender failed to create transfer")
+            natives.append(h)
+            mgr._post_xfer(h, "KVSender failed to post transfer")
+    except BaseException:
+        settled, _, _ = _settle(mgr, natives, True)
+        if not settled:
+            for a in ahead:  # a write of theirs may still land: no ACK for those rooms
+                mgr.poison_deferred_ack_room(a.room)
+                a.counted = False
+        raise
+    batch = Batch(natives, ahead, int(nbytes.sum()), int(ld.shape[0]))
+    st = _state(mgr)
+    for a in ahead:
+        a.batch = batch
+        st.put(a)
+    STATS.batches += 1
+    STATS.nixl_writes += len(natives)
+    STATS.chunks += 1 + len(ahead)
+    STATS.sent_ahead += len(ahead)
+    STATS.index_pairs += npairs * planes
+    STATS.descriptors += int(ld.shape[0])
+    STATS.bytes += batch.nbytes
+    return batch
+
+
+# -- the wait ---------------------------------------------------------------------------------
+
+def _settle(mgr, handles: list, failure_seen: bool) -> tuple[bool, bool, dict]:
+    """Poll NIXL ``handles`` until each is DONE or ERR: ``(settled, any_failed, states by
+    id)``.  sglang's rules (nixl/conn.py:1096): unbounded while none failed; from the first
+    ERR (or ``failure_seen``) at most ``NIXL_ERR_SETTLE_TIMEOUT_S``, polled every
+    ``NIXL_ERR_SETTLE_POLL_S``; a state that cannot be read ends the wait as failed and
+    unsettled (it does not prove the write is over)."""
+    from sglang.srt.disaggregation.nixl import conn
+
+    states: dict[int, str] = {}
+    pending = list(handles)
+    failed = failure_seen
+    deadline = time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S if failure_seen else None
+    nap = NAP_MIN_S
+    while True:
+        try:
+            still = []
+            for h in pending:
+                s = mgr.agent.check_xfer_state(h)
+                if s in ("DONE", "ERR"):
+                    states[id(h)] = s
+                    failed = failed or s == "ERR"
+                else:
+                    still.append(h)
+            pending = still
+        except Exception as e:  # noqa: BLE001 - sglang's rule: unreadable counts as running
+            logger.warning("Failed to read NIXL transfer state: %s", e)
+            return False, True, states
+        if not pending:
+            return True, failed, states
+        if not failed:
+            STATS.naps += 1
+            time.sleep(nap)
+            nap = min(2 * nap, NAP_MAX_S)
+            continue
+        if deadline is None:
+            deadline = time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S
+        elif time.time() >= deadline:
+            return False, True, states
+        time.sleep(conn.NIXL_ERR_SETTLE_POLL_S)
+
+
+def _conclude(mgr, batch: Batch, states: dict) -> None:
+    """After a wait on ``batch``: DONE or ERR once every handle settled, and its chunks
+    sent ahead uncounted; else it stays PROC, marked failed, and their rooms poisoned."""
+    if batch.state != "PROC":
+        return
+    got = [states.get(id(h)) for h in batch.natives]
+    if any(s is None for s in got):
+        batch.failed = True
+        STATS.unsettled += 1
+        for a in batch.ahead:
+            if a.counted:
+                mgr.poison_deferred_ack_room(a.room)
+                a.counted = False  # stays counted in sglang's table: no ACK, ever
+        return
+    batch.state = "ERR" if "ERR" in got else "DONE"
+    batch.failed = batch.state == "ERR"
+    for a in batch.ahead:
+        _uncount(mgr, a)

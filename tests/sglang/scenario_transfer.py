@@ -1,0 +1,263 @@
+"""Run by tests/sglang/test_transfer_path.py in a process of its own: a real sglang PD
+pair (``bench.sglang_pair.Pair``: prefill ``NixlKVManager`` + ``NixlKVSender``s here, a
+decode ``NixlKVManager`` + ``NixlKVReceiver``s in a child process with its own
+environment, NIXL/UCX on DRAM) with the prefill's environment as the test sets it
+(``SGLANG_KVMEM`` and ``SGLANG_KVMEM_TRANSFER``) and a STOCK decode (``SGLANG_KVMEM=0``;
+one kvmem decode in ``both16``).
+
+Rounds, in order, each of ``REQUESTS`` requests whose pages are never adjacent within a
+request (interleaved with the others'), every chunk queued at once:
+
+* ``plain`` at page sizes 16 and 1: every room Success, every plane of every page checked
+  on the decode, NIXL descriptors counted, and each checked against both sides'
+  registrations (inside one; a kvmem pool registers one region per physical chunk, and
+  the tests run with 256 KiB chunks, tests/conftest.py);
+* with kvmem's path, ``both16``: the same at page size 16 with a kvmem decode (flag on
+  there too), so both sides' pools are chunked;
+* ``abort``: the third room is aborted on the prefill once its chunk is queued (with the
+  kvmem path: once it was sent ahead in the first room's write), while every NIXL write
+  is held PROC for ``HOLD_S`` (``check_xfer_state`` answers PROC until then: a slow link);
+  the decode is told Failed, sends its ABORT, and frees the pages at the ABORT_ACK;
+  when the ACK left is recorded;
+* ``err``: the writes posted by the first ``send_kvcache`` of the round end ERR
+  (``check_xfer_state`` answers ERR for them);
+* ``refused``: the first NIXL write the first ``send_kvcache`` of the round creates is
+  refused (``initialize_xfer`` / ``make_prepped_xfer`` raise, as NIXL does for a bad
+  descriptor);
+* ``release``: the prefill's KV is deregistered (the adapter's
+  ``deregister_buffer_to_engine``), its pool released and resumed, registered again
+  (which prepares the peers' lists again, ``kvmem_sglang.nixl``), the pattern written
+  again, then a ``plain`` round.
+
+The fault wrappers stand on the prefill's real NIXL agent (they change what it reports
+or refuses, as a slow or failing link would); everything else is sglang's and the
+adapter's own code.  Prints one JSON object on its last line.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from bench.sglang_pair import Pair, Shape, fill_pattern
+from tests.sglang.sglang_env import script_main
+
+REQUESTS = 6
+HOLD_S = 0.6
+SHAPE = dict(layers=2, heads=2, head_dim=64, requests=REQUESTS, tokens=64)
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name) == "1"
+
+
+def _kvmem_path() -> bool:
+    return _flag("SGLANG_KVMEM") and os.environ.get("SGLANG_KVMEM_TRANSFER", "kvmem") == "kvmem"
+
+
+def _stats() -> dict:
+    if not _kvmem_path():
+        return {}
+    from kvmem_sglang import transfer
+
+    return transfer.STATS.as_dict()
+
+
+def _delta(before: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in _stats().items()}
+
+
+def _outcome(pair: Pair, rnd: dict) -> dict:
+    d = rnd["decode"]
+    rooms = [str(r) for r in rnd["rooms"]]
+    return dict(prefill=rnd["prefill_states"], decode=rnd["decode_states"],
+                bad_rows=rnd["bad_rows"], safe=[r in d["safe_at"] for r in rooms],
+                outstanding={str(k): v for k, v in pair.pm._staging_outstanding.items()
+                             if v > 0},
+                descriptors=rnd["kv_descriptors_per_request"], nixl_calls=rnd["nixl_calls"],
+                regions=rnd["regions"])
+
+
+class _Agent:
+    """Fault wrappers on the prefill's real agent (see the module docstring)."""
+
+    def __init__(self, pair: Pair):
+        self.pm, self.agent = pair.pm, pair.pm.agent
+        self.real_state = self.agent.check_xfer_state
+        self.real_init = self.agent.initialize_xfer
+        self.real_prep = self.agent.make_prepped_xfer
+        self.real_send = self.pm.send_kvcache
+        self.hold_until = 0.0
+        self.err, self.in_first_send, self.refuse_next, self.sends = set(), False, False, 0
+        self.fault = None
+        self.acks: dict[int, float] = {}
+        agent, pm = self.agent, self.pm
+        agent.check_xfer_state = self.check_xfer_state
+        agent.initialize_xfer = self.initialize_xfer
+        agent.make_prepped_xfer = self.make_prepped_xfer
+        pm.send_kvcache = self.send_kvcache
+        real_ack = pm._send_abort_ack
+
+        def send_abort_ack(room, target):
+            self.acks.setdefault(room, time.monotonic())
+            return real_ack(room, target)
+
+        pm._send_abort_ack = send_abort_ack
+
+    def reset(self):
+        self.hold_until, self.err, self.sends, self.fault = 0.0, set(), 0, None
+
+    def check_xfer_state(self, h):
+        state = self.real_state(h)
+        if id(h) in self.err and state in ("DONE", "ERR"):
+            return "ERR"
+        if time.monotonic() < self.hold_until and state == "DONE":
+            return "PROC"
+        return state
+
+    def _made(self, h):
+        if self.in_first_send and self.fault == "err":
+            self.err.add(id(h))
+        return h
+
+    def _refuse(self):
+        if self.in_first_send and self.fault == "refused" and self.refuse_next:
+            self.refuse_next = False
+            raise RuntimeError("kvmem test: NIXL refused the descriptor list")
+
+    def initialize_xfer(self, *a, **k):
+        self._refuse()
+        return self._made(self.real_init(*a, **k))
+
+    def make_prepped_xfer(self, *a, **k):
+        self._refuse()
+        return self._made(self.real_prep(*a, **k))
+
+    def send_kvcache(self, *a, **k):
+        self.sends += 1
+        self.in_first_send = self.sends == 1
+        self.refuse_next = True
+        try:
+            return self.real_send(*a, **k)
+        finally:
+            self.in_first_send = False
+
+
+def main() -> dict:
+    out = {"kvmem_path": _kvmem_path()}
+    pages = [int(p) for p in os.environ.get("KVMEM_TEST_PAGES", "16,1").split(",")]
+    pairs = {ps: Pair(Shape(page_size=ps, **SHAPE), decode_env={"SGLANG_KVMEM": "0"},
+                      timeout=120, wait=False, record=True)
+             for ps in pages}  # decodes start together
+    if _kvmem_path():  # and one kvmem decode: chunked pools on both sides
+        pairs["both"] = Pair(Shape(page_size=16, **SHAPE), decode_env={"SGLANG_KVMEM": "1"},
+                             timeout=120, wait=False, record=True)
+    try:
+        if "both" in pairs:
+            out |= _both16(pairs.pop("both").ready())
+        if 1 in pairs:
+            out |= _plain1(pairs.pop(1).ready())
+        if 16 in pairs:
+            out |= _rounds16(pairs.pop(16).ready())
+    finally:
+        for pair in pairs.values():
+            pair.close()
+    return out
+
+
+def _rounds16(pair: Pair) -> dict:
+    out = {}
+    every = range(pair.shape.planes)
+    faults = _Agent(pair)
+    try:
+        s0 = _stats()
+        rnd = pair.sglang_round(check=every, at_once=True)
+        out["plain16"] = _outcome(pair, rnd) | {"stats": _delta(s0)}
+
+        if not _flag("SGLANG_KVMEM"):  # stock: the plain rounds only
+            return out
+        # abort the third room once it is queued (kvmem: once sent ahead)
+        faults.reset()
+        faults.hold_until = float("inf")  # until the abort: every write looks in flight
+        s0 = _stats()
+        t = {}
+
+        def abort_third(senders):
+            victim = senders[2]
+            room = victim.bootstrap_room
+            faults.hold_until = time.monotonic() + HOLD_S
+            end = time.monotonic() + 10
+            first = senders[0].bootstrap_room
+            if _kvmem_path():  # wait until the worker sent it ahead of its turn
+                while pair.pm._staging_outstanding.get(room, 0) <= 0:
+                    assert time.monotonic() < end, "the third room was never sent ahead"
+                    time.sleep(0.001)
+                t["ahead_state"] = int(pair.pm.check_status(room))
+            else:  # wait until the worker is on the first room
+                while pair.pm._staging_outstanding.get(first, 0) <= 0:
+                    assert time.monotonic() < end, "the worker never took the first room"
+                    time.sleep(0.001)
+            victim.abort()
+            t["aborted_at"], t["room"] = time.monotonic(), room
+
+        rnd = pair.sglang_round(check=every, on_sent=abort_third, at_once=True)
+        room = t["room"]
+        out["abort"] = _outcome(pair, rnd) | {
+            "stats": _delta(s0), "ahead_state": t.get("ahead_state"),
+            "hold_end_after_abort_s": faults.hold_until - t["aborted_at"],
+            "ack_after_abort_s": (faults.acks[room] - t["aborted_at"]
+                                  if room in faults.acks else None),
+            "decode_safe_after_abort_s": (rnd["decode"]["safe_at"][str(room)] - t["aborted_at"]
+                                          if str(room) in rnd["decode"]["safe_at"] else None)}
+
+        for fault in ("err", "refused"):
+            faults.reset()
+            faults.fault = fault
+            s0 = _stats()
+            # a refused post poisons its room (sglang gives up proving it drained): its
+            # decode never gets the ABORT_ACK, so the decode is watched only a while
+            rnd = pair.sglang_round(check=every, at_once=True,
+                                    decode_timeout=3 if fault == "refused" else None)
+            out[fault] = _outcome(pair, rnd) | {"stats": _delta(s0)}
+            faults.fault = None
+
+        # release and resume the prefill's KV, then a plain round
+        from kvmem_sglang import kvpool
+
+        pm = pair.pm
+        pm.deregister_buffer_to_engine()
+        kvpool.release_all()
+        kvpool.resume_all(True)
+        pm.register_buffer_to_engine()
+        fill_pattern(pair.kv)
+        s0 = _stats()
+        rnd = pair.sglang_round(check=every)
+        out["release"] = _outcome(pair, rnd) | {
+            "stats": _delta(s0), "prepared_lists": len(pm.prep_handles),
+            "registrations": sum(d.descCount() for d in pm.kv_descs)}
+    finally:
+        pair.close()
+    return out
+
+
+def _both16(pair: Pair) -> dict:
+    try:
+        s0 = _stats()
+        rnd = pair.sglang_round(check=range(pair.shape.planes), at_once=True)
+        return {"both16": _outcome(pair, rnd) | {
+            "stats": _delta(s0), "decode_kvmem_pool": pair.decode_info["kvmem_pool"]}}
+    finally:
+        pair.close()
+
+
+def _plain1(pair: Pair) -> dict:
+    try:
+        s0 = _stats()
+        rnd = pair.sglang_round(check=range(pair.shape.planes), at_once=True)
+        return {"plain1": _outcome(pair, rnd) | {"stats": _delta(s0)}}
+    finally:
+        pair.close()
+
+
+if __name__ == "__main__":
+    script_main(main)

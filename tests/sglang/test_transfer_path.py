@@ -1,0 +1,184 @@
+"""kvmem's send path under sglang's NIXL prefill (kvmem_sglang.transfer,
+``SGLANG_KVMEM_TRANSFER=kvmem``) against sglang's own send, a STOCK decode on the other
+side, real classes over NIXL/UCX in two processes (tests/sglang/scenario_transfer.py has
+the rounds).  Three runs at once: the flag on with kvmem's path, the flag on with
+sglang's send (``SGLANG_KVMEM_TRANSFER=sglang``), the flag off.
+
+What must hold: every room ends as sglang's own send ends it (Success, or Failed for the
+room a fault hits), on both sides; every byte lands (every plane of every page checked on
+the stock decode); with kvmem's path the chunks queued together went as one merged write
+(fewer descriptors than sglang's one per page and plane); a room sent ahead of its turn
+and then aborted gets its decode's ABORT_ACK only after its write settled; a write that
+failed leaves the rooms sent ahead in it to be sent again; nothing stays counted; after a
+release and a resume the sends work over the new registration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.sglang.sglang_env import ROOT
+
+SCRIPT = ROOT / "tests" / "sglang" / "scenario_transfer.py"
+WAITING, SUCCESS, FAILED = 2, 4, 0
+PLANES, PAGES16, PAGES1 = 4, 4, 64  # the scenario's 2 layers; 64 tokens at page 16 and 1
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    # sglang's own send with the flag on: the lifecycle rounds at page 16 only (page 1's
+    # counts are sglang's, as with the flag off)
+    envs = {"kvmem": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"},
+            "sglang": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang",
+                       "KVMEM_TEST_PAGES": "16"},
+            "off": {"SGLANG_KVMEM": "0"}}
+    procs = {}
+    for key, extra in envs.items():
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("SGLANG_KVMEM") and k != "KVMEM_TEST_PAGES"}
+        env.update(extra)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT), str(ROOT / "integration" / "sglang")]
+            + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        procs[key] = subprocess.Popen([sys.executable, str(SCRIPT)], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True)
+    out = {}
+    try:
+        for key, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=900)
+            if proc.returncode != 0:
+                raise AssertionError(f"{key}: {SCRIPT.name} failed with {proc.returncode}:"
+                                     f"\n{stderr[-4000:]}")
+            out[key] = json.loads(stdout.strip().splitlines()[-1])
+    finally:
+        for proc in procs.values():  # one failed: the others are not waited for
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert out["kvmem"]["kvmem_path"] and not out["sglang"]["kvmem_path"]
+    return out
+
+
+def _all(states, value):
+    return states == [value] * len(states)
+
+
+@pytest.mark.parametrize("rnd", ["plain16", "plain1"])
+def test_stock_decode_receives_every_byte(runs, rnd):
+    for key in ("kvmem", "sglang", "off"):
+        if rnd not in runs[key]:
+            continue
+        r = runs[key][rnd]
+        assert _all(r["prefill"], SUCCESS) and _all(r["decode"], SUCCESS), (key, r)
+        assert r["bad_rows"] == 0, (key, r["bad_rows"])
+        assert r["outstanding"] == {}, key
+
+
+@pytest.mark.parametrize("rnd", ["plain16", "plain1", "both16"])
+def test_every_descriptor_lies_inside_one_registration_on_both_sides(runs, rnd):
+    # NIXL refuses a descriptor across two registrations; a kvmem pool registers one
+    # region per physical chunk (256 KiB chunks here: the scenario's pools have one per
+    # layer), so merged runs must stay inside one chunk on both sides
+    for key in ("kvmem", "sglang", "off"):
+        if rnd not in runs[key]:
+            continue
+        g = runs[key][rnd]["regions"]
+        assert g["descriptors"] > 0 and g["local_outside"] == g["remote_outside"] == 0, (key, g)
+        if key != "off":
+            assert g["kv_regions"] == 2, (key, g)  # the prefill's pool: 2 chunks
+    g = runs["kvmem"]["both16"]["regions"]
+    assert runs["kvmem"]["both16"]["decode_kvmem_pool"] and g["decode_kv_regions"] == 2, g
+    r = runs["kvmem"]["both16"]
+    assert _all(r["prefill"], SUCCESS) and _all(r["decode"], SUCCESS), r
+    assert r["bad_rows"] == 0 and r["outstanding"] == {}
+    assert r["stats"]["descriptors"] == PLANES  # one run per plane, each inside its chunk
+
+
+@pytest.mark.parametrize("rnd, pages", [("plain16", PAGES16), ("plain1", PAGES1)])
+def test_queued_chunks_go_as_one_merged_write(runs, rnd, pages):
+    # sglang: one descriptor per page and plane of each request (none adjacent)
+    for key in ("sglang", "off"):
+        if rnd in runs[key]:
+            assert runs[key][rnd]["descriptors"] == pages * PLANES, key
+    st = runs["kvmem"][rnd]["stats"]
+    rooms = len(runs["kvmem"][rnd]["prefill"])
+    assert st["batches"] == 1 and st["chunks"] == rooms and st["sent_ahead"] == rooms - 1
+    assert st["ahead_done"] == rooms - 1 and st["resent"] == 0 and st["fallbacks"] == 0
+    assert st["index_pairs"] == rooms * pages * PLANES
+    # the requests' pages interleave (request r has pages 1 + r + j R): together they
+    # are every page from 1 to R x pages, one run per plane
+    assert st["descriptors"] == PLANES
+    assert st["nixl_writes"] <= 4 and st["unsettled"] == 0
+
+
+def test_abort_of_a_room_sent_ahead_waits_for_its_write(runs):
+    k, s = runs["kvmem"]["abort"], runs["sglang"]["abort"]
+    want = [SUCCESS, SUCCESS, FAILED, SUCCESS, SUCCESS, SUCCESS]
+    for r in (k, s):
+        assert r["prefill"] == want and r["decode"] == want, r
+        assert r["safe"][2], "the aborted room's decode never got its ABORT_ACK"
+        assert r["bad_rows"] == 0 and r["outstanding"] == {}
+    assert k["stats"]["sent_ahead"] >= 2 and k["ahead_state"] == WAITING
+    # the aborted room's bytes were in a write held PROC until hold_end: no ACK before it
+    assert k["ack_after_abort_s"] >= k["hold_end_after_abort_s"] > 0.3, k
+    assert k["decode_safe_after_abort_s"] >= k["hold_end_after_abort_s"]
+    # the rooms behind it are not held back by it
+    assert k["stats"]["ahead_done"] == 4
+
+
+def test_failed_write_fails_its_owner_and_resends_the_rooms_sent_ahead(runs):
+    want = [FAILED] + [SUCCESS] * 5
+    for key in ("kvmem", "sglang"):
+        r = runs[key]["err"]
+        assert r["prefill"] == want and r["decode"] == want, (key, r)
+        assert r["bad_rows"] == 0 and r["outstanding"] == {}
+        assert r["safe"][0], key  # settled ERR: the decode may free the pages
+    st = runs["kvmem"]["err"]["stats"]
+    # the first room to be reached again is sent on its own account, the others ahead
+    # of their turn again, in its write
+    assert st["sent_ahead"] == 5 + 4 and st["resent"] == 1 and st["ahead_done"] == 4
+
+
+def test_refused_write_fails_its_owner_only(runs):
+    want = [FAILED] + [SUCCESS] * 5
+    for key in ("kvmem", "sglang"):
+        r = runs[key]["refused"]
+        assert r["prefill"] == want and r["decode"] == want, (key, r)
+        assert r["bad_rows"] == 0 and r["outstanding"] == {}
+    st = runs["kvmem"]["refused"]["stats"]
+    assert st["ahead_done"] == st["sent_ahead"] == 4  # sent ahead by the next owner
+
+
+def test_sends_after_release_and_resume(runs):
+    for key in ("kvmem", "sglang"):
+        r = runs[key]["release"]
+        assert _all(r["prefill"], SUCCESS) and _all(r["decode"], SUCCESS), (key, r)
+        assert r["bad_rows"] == 0 and r["outstanding"] == {}
+        assert r["registrations"] == 2  # the kvmem pool's 2 regions (chunks), registered again
+        assert r["prepared_lists"] >= 2  # kvmem_sglang.nixl prepared them again
+    assert runs["kvmem"]["release"]["stats"]["batches"] == 1
+
+
+def test_runs_merge_pairs_adjacent_on_both_sides():
+    from kvmem_sglang.transfer import _runs
+
+    def runs_of(src, dst):
+        rs, rd, lens, n = _runs([(np.array(src), np.array(dst))])
+        return list(zip(rs.tolist(), rd.tolist(), lens.tolist())), n
+
+    assert runs_of([5, 1, 3, 2], [50, 10, 30, 20]) == ([(1, 10, 1), (2, 20, 1), (3, 30, 1),
+                                                        (5, 50, 1)], 4)
+    assert runs_of([3, 1, 2, 7], [13, 11, 12, 9]) == ([(1, 11, 3), (7, 9, 1)], 4)
+    # a source page shared by two rooms (a prefix) goes to both destinations
+    assert runs_of([1, 1, 2], [5, 9, 10]) == ([(1, 5, 1), (1, 9, 2)], 3)
+    # chunks of several rooms: sorted by source page before merging
+    rs, rd, lens, n = _runs([(np.array([1, 3]), np.array([11, 13])),
+                             (np.array([2, 4]), np.array([12, 14]))])
+    assert (rs.tolist(), rd.tolist(), lens.tolist(), n) == ([1], [11], [4], 4)
