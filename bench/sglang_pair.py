@@ -656,7 +656,8 @@ class Pair:
 # variables and THP_MEM_ALLOC_ENABLE are removed).
 MODES = {
     "stock": ({"SGLANG_KVMEM": "0"}, {"SGLANG_KVMEM": "0"}),
-    "kvmem": ({"SGLANG_KVMEM": "1"}, {"SGLANG_KVMEM": "1"}),
+    "kvmem": ({"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"},
+              {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"}),
     "kvmem transfer=sglang": ({"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang"},
                                {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang"}),
     "kvmem register=layers transfer=sglang": (
@@ -664,7 +665,8 @@ MODES = {
          "SGLANG_KVMEM_TRANSFER": "sglang"},
         {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_REGISTER": "layers",
          "SGLANG_KVMEM_TRANSFER": "sglang"}),
-    "kvmem prefill + stock decode": ({"SGLANG_KVMEM": "1"}, {"SGLANG_KVMEM": "0"}),
+    "kvmem prefill + stock decode": ({"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"},
+                                     {"SGLANG_KVMEM": "0"}),
     # stock sglang with torch's CPU allocator asking for transparent huge pages
     # (THP_MEM_ALLOC_ENABLE, read by c10's alloc_cpu): stock pools in huge pages, as
     # kvmem's host backend maps its own (MADV_HUGEPAGE)
@@ -672,7 +674,8 @@ MODES = {
                                      {"SGLANG_KVMEM": "0", "THP_MEM_ALLOC_ENABLE": "1"}),
     # the host pools backed at first touch (before kvmem_sglang.kvpool prefaulted them at
     # creation): the first fill and the first transfer pay the page faults
-    "kvmem prefault=0": ({"SGLANG_KVMEM": "1", "SGLANG_KVMEM_PREFAULT": "0"},
+    "kvmem prefault=0": ({"SGLANG_KVMEM": "1", "SGLANG_KVMEM_PREFAULT": "0",
+                          "SGLANG_KVMEM_TRANSFER": "kvmem"},
                          {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_PREFAULT": "0"}),
 }
 

@@ -52,7 +52,7 @@ def _flag(name: str) -> bool:
 
 
 def _kvmem_path() -> bool:
-    return _flag("SGLANG_KVMEM") and os.environ.get("SGLANG_KVMEM_TRANSFER", "kvmem") == "kvmem"
+    return _flag("SGLANG_KVMEM") and os.environ.get("SGLANG_KVMEM_TRANSFER", "sglang") == "kvmem"
 
 
 def _stats() -> dict:
