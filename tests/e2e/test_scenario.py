@@ -18,7 +18,8 @@ import pytest
 
 from tests.e2e import scenario
 
-ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(scenario.TRANSFER_TIMEOUT_S)}
+ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(scenario.TRANSFER_TIMEOUT_S),
+       "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(scenario.BOOTSTRAP_TIMEOUT_S)}
 FLAG = {"SGLANG_KVMEM": "1", **ENV}
 REPORTS: dict[str, dict] = {}
 
