@@ -154,12 +154,12 @@ def test_demo_over_two_netns_hosts_every_fault(netns_demo, tmp_path):
 
 def test_two_prefills_two_decodes_one_paused_one_killed(tmp_path):
     """Random faults off, two pauses on: the first a prefill's, the second a decode's
-    (decode0: the one --kill-decode spares); decode1 killed mid-transfer.  64-token
-    chunks (up to 8 per request), so that requests spend long enough half-received for
+    (decode0: the one --kill-decode spares); decode1 killed mid-transfer.  32-token
+    chunks (up to 16 per request), so that requests spend long enough half-received for
     the kill to find one from every prefill."""
     out = tmp_path / "demo.json"
     proc = subprocess.Popen(
-        DEMO + SMALL + ["--chunk-tokens", "64", "--prefills", "2", "--decodes", "2", "--kill-decode", "--requests",
+        DEMO + SMALL + ["--chunk-tokens", "32", "--prefills", "2", "--decodes", "2", "--kill-decode", "--requests",
                         "80", "--abort-rate", "0", "--timeout-rate", "0", "--fail-rate", "0",
                         "--pauses", "2", "--bw-mib", "0", "--json", str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
