@@ -235,6 +235,15 @@ def buffer_map(tensor: torch.Tensor, regions) -> RegionMap:
 # refusals: kvmem.disagg.protocol.
 
 
+def sole_peer(kind: str, peers, hint: str = "") -> str:
+    """The one peer of ``kind`` ("prefill" or "decode") a side has; ValueError naming
+    them when it has several (``hint`` ends the message)."""
+    if len(peers) != 1:
+        raise ValueError(f"{kind}_peer: this side has {len(peers)} {kind} peers "
+                         f"{list(peers)}{hint}")
+    return peers[0]
+
+
 def tell(engine, peer: str, msg: bytes, metrics: "Metrics", log) -> bool:
     """Send one control message; a peer that cannot be reached (its process died, its
     connection broke) is logged and counted (in total and for that peer), not raised: the

@@ -86,7 +86,7 @@ from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, HostCopy, Ledger, Metrics,
     PeerTable, ProtocolError, Reason, buffer_map, check_caller_args, device_event, now,
-    peer_names, tell, to_device,
+    peer_names, sole_peer, tell, to_device,
 )
 from kvmem.disagg.protocol import (
     Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs, encode,
@@ -202,10 +202,7 @@ class DecodeSide:
     @property
     def prefill_peer(self) -> str:
         """The prefill peer, when there is one (ValueError when there are several)."""
-        if len(self.prefill_peers) != 1:
-            raise ValueError(f"prefill_peer: this side has {len(self.prefill_peers)} prefill "
-                             f"peers {list(self.prefill_peers)}")
-        return self.prefill_peers[0]
+        return sole_peer("prefill", self.prefill_peers)
 
     # --- one iteration -----------------------------------------------------------------------
     def step(self) -> bool:

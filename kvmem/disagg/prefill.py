@@ -108,7 +108,7 @@ from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
     CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Ledger,
     HostCopy, Metrics, PeerTable, ProtocolError, Reason, RegionMap, buffer_map,
-    check_caller_args, check_id, device_event, now, peer_names, tell, to_device,
+    check_caller_args, check_id, device_event, now, peer_names, sole_peer, tell, to_device,
 )
 from kvmem.disagg.protocol import (
     AbortReq, Boot, Inbox, Meta, Pausing, Pulled, apply_metadata, decode_runs, encode,
@@ -301,10 +301,7 @@ class PrefillSide:
     @property
     def decode_peer(self) -> str:
         """The decode peer, when there is one (ValueError when there are several)."""
-        if len(self.decode_peers) != 1:
-            raise ValueError(f"decode_peer: this side has {len(self.decode_peers)} decode "
-                             f"peers {list(self.decode_peers)}; name one")
-        return self.decode_peers[0]
+        return sole_peer("decode", self.decode_peers, "; name one")
 
     @property
     def peer_paused(self) -> bool:
