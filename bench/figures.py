@@ -102,22 +102,18 @@ def _transfer_write(d: dict) -> str:
 DEMO_MODES = ("push, chunks packed", "push, chunks auto", "pull")
 
 
-def _demo_ratio(d: dict, faults: str, mode: str) -> float:
-    g = f"kvmem demo vs raw NIXL write between the same 2 processes, faults {faults}"
-    row = next((r for r in _group(d, g) if r.get("role") == "kvmem"
-                and r["name"].startswith(f"kvmem demo, {mode}:")), None)
-    if row is None:
-        raise KeyError(f"bench/figures: no demo row for {mode!r} in {g!r}")
-    return row["ratio_to_raw"]["median"]
-
-
 def _demo_row(d: dict, faults: str, mode: str) -> tuple[dict, dict]:
+    """The demo's row for ``mode`` and the raw NIXL row of its own runs (the next one)."""
     g = f"kvmem demo vs raw NIXL write between the same 2 processes, faults {faults}"
     rows = _group(d, g)
     for i, r in enumerate(rows):
         if r.get("role") == "kvmem" and r["name"].startswith(f"kvmem demo, {mode}:"):
             return r, rows[i + 1]
     raise KeyError(f"bench/figures: no demo row for {mode!r} in {g!r}")
+
+
+def _demo_ratio(d: dict, faults: str, mode: str) -> float:
+    return _demo_row(d, faults, mode)[0]["ratio_to_raw"]["median"]
 
 
 def _demo_expect(d: dict) -> str:
@@ -162,8 +158,8 @@ def _readme_table(d: dict) -> str:
     p16, c16, g16 = _pack(d, "pack", 16)
     rel = [(_row(d, f"{op} 2 GiB", "kvmem"), _row(d, f"{op} 2 GiB", "baseline"))
            for op in ("release", "resume")]
-    pull = _demo_ratio(d, "off", "pull")
     k, raw = _demo_row(d, "off", "pull")
+    pull = k["ratio_to_raw"]["median"]
     rows = [
         ("pack a request's pages (P16, 128 MiB chunk)", _gbs(p16),
          f"{_x(c16)} a plain copy, {_x(g16)} per-layer `index_select` + `cat`"),
