@@ -10,7 +10,7 @@ PIP    := $(BIN)/python -m pip --disable-pip-version-check
 TORCH  := torch==2.14.1
 TORCHVISION := torchvision==0.29.1
 SGLANG := sglang==0.5.23
-# The GPU host's triton alone (no torch), for tests/test_aot_sm90.py: every kernel must
+# The GPU host's triton alone (no torch), for tests/kernels/test_aot_sm90.py: every kernel must
 # compile for sm_90 with it as well as with the triton above.  A 188 MB wheel; the
 # environment is 670 MB and took 8 s to build here with the wheel in pip's cache.
 TRITON36_VENV := .venv-triton36

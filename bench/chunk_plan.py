@@ -9,7 +9,7 @@ bf16 = 1152-byte tokens and fp8 = 576-byte tokens), page_size 1, 16 and 64, both
 - the plan (:func:`kvmem.memory.plan.plan_pool`, granularity 2 MiB as on an H200, the
   default 2 GiB target): chunks, planes per chunk, padding bytes;
 - driver calls: the real ``CudaVmmBackend`` run against the test suite's fake driver
-  (``tests/test_memory_cuda_vmm.py``, here with a 2 MiB granularity: it counts every
+  (``tests/memory/test_cuda_vmm_fake_driver.py``, here with a 2 MiB granularity: it counts every
   call) for one release and one resume; the host twin's ``madvise`` calls;
 - "old cut": pages the previous fixed 2 GiB chunks cut in two (what NIXL then refused);
 - descriptor tables: blocks (pages x planes), the strided rows kvmem now prepares
@@ -48,7 +48,7 @@ def driver_calls(spec, pages: int, layout: str) -> tuple[int, int, int]:
     """(release calls, resume calls, chunks) of the real cuda_vmm backend, against the
     test suite's fake driver (it counts every call; its reservation is address space
     only until touched, and nothing is touched here)."""
-    from tests.test_memory_cuda_vmm import FakeDriver
+    from tests.memory.test_cuda_vmm_fake_driver import FakeDriver
 
     drv = FakeDriver(capacity=1 << 62, address_space=1 << 62, granularity=GRAN)
     pool = kvmem.KVPool(spec, pages, "cpu", layout=layout,

@@ -227,7 +227,7 @@ KVMEM_GPU_GRID=small step smoke 18 5 1 - "small kernel grid first: 6 pack/unpack
 step disagg 10 25 1 "$need_nixl" "the disagg sides on CUDA pools: no host sync in step(), memory reused after the unpack" -- \
   "${pyt[@]}" tests/gpu/test_gpu_disagg.py
 step hardening 12 40 1 - "chunks past 2^31 units, two devices where there are two, streams, sync-free paths" -- \
-  "${pyt[@]}" tests/gpu/test_cuda_hardening.py
+  "${pyt[@]}" tests/gpu/test_cuda_sizes_devices_streams.py
 step allocator-pool 30 30 1 - "allocator kernels vs the CPU allocator, cuda_vmm pools under pressure and over several chunks, CuPy views" -- \
   "${pyt[@]}" tests/gpu/test_cuda_allocator.py tests/gpu/test_cuda_allocator_order.py \
   tests/gpu/test_gpu_memory_vmm.py tests/gpu/test_gpu_memory_chunks.py \

@@ -13,7 +13,7 @@ moved, compared and then given back (MADV_DONTNEED) before the next, so the peak
 about two layers' planes on each pool and one layer's packed chunk in staging and in
 landing (packed mode moves the pool layer by layer: ``pack_pages(..., layers=[l])`` of
 every page).  The default suite runs the same class at full
-size on the pages next to every chunk boundary (tests/test_twin_64g.py).
+size on the pages next to every chunk boundary (tests/transfer/test_twin_64g.py).
 """
 
 from __future__ import annotations

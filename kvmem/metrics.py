@@ -82,7 +82,7 @@ REGISTRY = CollectorRegistry()
 OUTCOMES = tuple(o.value for o in Outcome)  # every one, 0 until it happens
 STAGES = ("packed", "sent", "landed", "verified", "corrupt")  # Metrics.bytes_<stage>
 SIDES = ("prefill", "decode")  # Metrics.side
-# The Metrics fields the collector reads: every one but ``side`` (tests/test_metrics.py
+# The Metrics fields the collector reads: every one but ``side`` (tests/disagg/test_metrics.py
 # fails when Metrics gains a field that is not here).
 FIELDS = frozenset({"requests", *(f"bytes_{s}" for s in STAGES), "pauses", "pause_seconds",
                     "protocol_errors", "send_errors", "time_to_free", "peers"})

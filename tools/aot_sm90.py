@@ -16,7 +16,7 @@ codes of kvmem/errors.py), writes them to a module of their own, and compiles ea
 target=GPUTarget("cuda", 90, 32))``, which builds PTX and, with the ptxas inside the
 triton wheel, a cubin.  OUTDIR gets ``results.json`` (triton's version; per case: ok or
 the error, the global load/store kinds in the PTX) and each case's PTX.  Exit status 1
-if any case failed.  tests/test_aot_sm90.py runs both steps, with both tritons.
+if any case failed.  tests/kernels/test_aot_sm90.py runs both steps, with both tritons.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def make_cases() -> list[dict]:
     from kvmem.kernels.pack import triton as P
 
     cases = []
-    layouts = [  # (id, KVSpec keywords, heads selected): the grid tests/test_pack_ptx.py uses
+    layouts = [  # (id, KVSpec keywords, heads selected): the grid tests/kernels/test_ptx_sm90.py uses
         ("P16-H8-D128-bf16", dict(page_size=16, num_kv_heads=8, head_dim=128), None),
         ("P1-H8-D128-bf16", dict(page_size=1, num_kv_heads=8, head_dim=128), None),
         ("P64-H8-D128-bf16-heads2-6", dict(page_size=64, num_kv_heads=8, head_dim=128), (2, 6)),

@@ -139,7 +139,7 @@ class HostCopy:
 
     ``t`` : any shape, a dtype NumPy has (``int64 [n]`` page ids, a 0-dim bool verdict).
     :meth:`ready` polls (never waits); :meth:`numpy` gives the copy once ready.  The one
-    way the disagg sides read device values (tests/test_disagg_sync_free.py)."""
+    way the disagg sides read device values (tests/disagg/test_sync_free.py)."""
 
     __slots__ = ("_host", "_event")
 

@@ -1,7 +1,7 @@
 """On a CUDA device (bench/gpu_check.sh): the PD lifecycle's sides on CUDA pools over real
 NIXL (VRAM registrations), issue 15's items 6 and 7.
 
-- item 6: every lifecycle path of tests/test_disagg_sync_free.py (deliveries, aborts in
+- item 6: every lifecycle path of tests/disagg/test_sync_free.py (deliveries, aborts in
   each state and in the running batch, timeouts, failed sends, a decode-side abort) in
   packed, direct and pull modes, both sides stepped in CUDA sync-debug mode ("error": any
   host sync raises), after one warm-up pass outside it (Triton compiles, UCX connects,
@@ -36,8 +36,8 @@ except ImportError as e:
 import kvmem  # noqa: E402
 from kvmem.disagg import KVPoll  # noqa: E402
 from kvmem.disagg.common import HostCopy  # noqa: E402
-from tests.disagg_harness import Pair  # noqa: E402
-from tests.test_disagg_sync_free import lifecycle  # noqa: E402
+from tests.disagg.harness import Pair  # noqa: E402
+from tests.disagg.test_sync_free import lifecycle  # noqa: E402
 from tests.util import no_host_sync  # noqa: E402
 
 DEV = torch.device("cuda", torch.cuda.current_device())

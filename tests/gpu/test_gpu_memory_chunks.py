@@ -9,7 +9,7 @@ chunk plan and exportable chunks against the real driver.
   UCX's cuda_ipc needs): each chunk's handle exports to a file descriptor, and that fd,
   imported and mapped at a second address, shows the pool's bytes.
 
-The same logic on CPU against a fake driver: tests/test_memory_cuda_vmm.py.
+The same logic on CPU against a fake driver: tests/memory/test_cuda_vmm_fake_driver.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ lifetime against the real driver, measured with ``torch.cuda.mem_get_info``.
   the unmapped chunks back with their memory: the pool's contents survive.
 - A dropped pool, and a closed one, give their memory back.
 
-The same logic on CPU against a fake driver: tests/test_memory_cuda_vmm.py.
+The same logic on CPU against a fake driver: tests/memory/test_cuda_vmm_fake_driver.py.
 """
 
 from __future__ import annotations

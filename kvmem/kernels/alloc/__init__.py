@@ -34,7 +34,7 @@ the extend of one token: a new page when ``(seq_len - 1) % page_size == 0``, els
 Offsets.  Every offset that reaches an address is computed in int64 (program ids and
 32-bit arguments are widened before any arithmetic): a pool of 80 layers and 64 GiB
 has token slots and page ids far below 2^31, but nothing here relies on it, and
-tests/test_pack_ptx.py checks the sm_90 PTX of these kernels for 32-bit address math.
+tests/kernels/test_ptx_sm90.py checks the sm_90 PTX of these kernels for 32-bit address math.
 
 Files: ``triton.py`` holds the Triton kernels and their launchers, ``cpu.py`` the CPU
 path (NumPy take/free, torch slot computations), ``checks.py`` what the allocator's

@@ -90,7 +90,7 @@ def _copy_pages_kernel(
     V_BLOCK_R: tl.constexpr, V_BLOCK_C: tl.constexpr,
 ):
     # Every address product is int64: a chunk's K half passes 2^31 units at 8 GiB of
-    # bf16, and an int32 product there would wrap (tests/test_pack_ptx.py checks the PTX).
+    # bf16, and an int32 product there would wrap (tests/kernels/test_ptx_sm90.py checks the PTX).
     j = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64)
     n64 = tl.cast(n, tl.int64)  # n may arrive as a constexpr (Triton specialises 1)

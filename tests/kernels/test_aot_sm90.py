@@ -4,7 +4,7 @@
 ``.venv-triton36`` (``make venv-triton36``: triton alone, no torch); ``KVMEM_TRITON36_PYTHON``
 names another interpreter with it.  Both compiles run in subprocesses, side by side.
 
-Beyond "it compiles", the PTX of both versions must keep what tests/test_pack_ptx.py checks
+Beyond "it compiles", the PTX of both versions must keep what tests/kernels/test_ptx_sm90.py checks
 on the installed one: 16-byte accesses in the pack kernel's copy loops where rows allow
 them, and no 32-bit arithmetic on large values feeding an address."""
 
@@ -20,9 +20,9 @@ import sys
 import pytest
 import triton
 
-from tests.test_pack_ptx import narrow_address_math
+from tests.kernels.test_ptx_sm90 import narrow_address_math
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, "tools", "aot_sm90.py")
 TRITON36 = os.environ.get("KVMEM_TRITON36_PYTHON",
                           os.path.join(ROOT, ".venv-triton36", "bin", "python"))

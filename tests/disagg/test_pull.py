@@ -14,7 +14,7 @@ import kvmem
 from kvmem.disagg import KVPoll
 from kvmem.disagg.protocol import encode
 from kvmem.transfer.errors import StaleEpochError
-from tests.disagg_harness import SPEC, Pair
+from tests.disagg.harness import SPEC, Pair
 
 
 @pytest.fixture

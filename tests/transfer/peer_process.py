@@ -1,4 +1,4 @@
-"""A NixlEngine in a process of its own, for tests/test_transfer_nixl.py (started with the
+"""A NixlEngine in a process of its own, for tests/transfer/test_nixl_engine.py (started with the
 'spawn' context, so this module imports nothing from pytest).
 
 Protocol over a multiprocessing Pipe:

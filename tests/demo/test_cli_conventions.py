@@ -15,7 +15,7 @@ import pytest
 import kvmem
 from kvmem.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "kvmem"
 CONSOLE = Path(sys.executable).with_name("kvmem")  # the console script beside python
 SELFCHECK = ["selfcheck", "--layers", "2", "--heads", "2", "--head-dim", "64", "--pages", "129",

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 import kvmem
 from kvmem.disagg import KVPoll
 from kvmem.disagg import common as C
-from tests.disagg_harness import Pair
+from tests.disagg.harness import Pair
 
 _T = torch.Tensor
 # Calls that read a tensor's values on the host: on CUDA each waits for the device.

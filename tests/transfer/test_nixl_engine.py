@@ -475,7 +475,7 @@ def test_in_flight_write_blocks_deregister_until_drained(engines):
     source and releasing its handle are refused, drain times out; after SIGCONT, drain
     reaches DONE, deregister succeeds, and the peer process finds the exact bytes when the
     notification arrives."""
-    from tests.transfer_peer import serve
+    from tests.transfer.peer_process import serve
 
     nbytes = 8 << 20
     ctx = mp.get_context("spawn")

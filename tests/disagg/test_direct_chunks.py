@@ -12,7 +12,7 @@ import torch
 import kvmem
 from kvmem.disagg import KVPoll
 from kvmem.transfer.errors import StaleEpochError
-from tests.disagg_harness import SPEC, Pair
+from tests.disagg.harness import SPEC, Pair
 
 PLANE_PAGE = SPEC.page_size * SPEC.num_kv_heads * SPEC.head_dim * 2  # bytes of one page of a layer's K
 
@@ -216,7 +216,7 @@ def test_direct_chunk_is_tied_to_the_kv_epoch_of_its_boot(when):
     that BOOT's epoch.  A direct chunk posted after the decode moved its kv to a newer
     epoch is refused before posting (StaleEpochError: 503, as a packed chunk or a pull
     offer is), never written into the new epoch's pool and answered 200."""
-    from tests.test_disagg_hardening import Gate
+    from tests.disagg.test_landing_and_hostile_peers import Gate
 
     gate = Gate()
     gate.auto = True

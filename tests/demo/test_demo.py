@@ -26,7 +26,7 @@ from kvmem.demo import loop_breakdown
 from kvmem.disagg.faults import FAMILIES
 from tests.util import communicate, no_core_dumps, pythonpath_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = [sys.executable, "-m", "kvmem.cli", "demo"]
 PROBE = ROOT / "tests" / "exit_probe"  # its sitecustomize.py says what it does
 FAMILY_OUTCOME = {"abort": "aborted", "timeout": "timed_out", "fail": "failed"}

@@ -12,7 +12,7 @@ from kvmem.disagg import KVPoll, Outcome, ProtocolError
 from kvmem.disagg.decode import DecodeSide
 from kvmem.disagg.protocol import encode, parse
 from kvmem.transfer.errors import StaleEpochError
-from tests.disagg_harness import SPEC, Pair
+from tests.disagg.harness import SPEC, Pair
 
 
 @pytest.fixture(params=["packed", "direct", "pull"])

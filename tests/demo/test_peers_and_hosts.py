@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 
 from kvmem.demo_hosts import ADDRESS, NetnsHosts, PREFIX, netns_refusal, remove_stale
-from tests.test_demo import assert_every_fault_lifecycle
+from tests.demo.test_demo import assert_every_fault_lifecycle
 from tests.util import communicate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO = [sys.executable, "-m", "kvmem.cli", "demo"]
 # A small model, so that four workers start and run in tens of seconds on 2 busy cores:
 # 2 layers x 8 KV heads x 128, bf16 (8 KiB of KV per token), prompts of 1..512 tokens in

@@ -154,7 +154,7 @@ def test_every_kernel_launch_runs_under_its_tensors_device_guard(monkeypatch):
     switch; it shows that every launch site (the pack kernel and the five allocator
     kernels) launches inside device_guard(d) with d its tensors' device.  What
     device_guard does for a CUDA device is the next test; the real two-device check is
-    tests/gpu/test_cuda_hardening.py."""
+    tests/gpu/test_cuda_sizes_devices_streams.py."""
     open_guards, launches = [], []
 
     @contextlib.contextmanager

@@ -11,7 +11,7 @@ import pytest
 
 from kvmem.disagg import Outcome
 from kvmem.disagg.faults import FAMILIES, FaultPlan
-from tests.disagg_harness import Pair
+from tests.disagg.harness import Pair
 
 REQUESTS = int(os.environ.get("KVMEM_SOAK_REQUESTS", "2000"))
 

@@ -1,7 +1,7 @@
 """Issue 9, the PD lifecycle part: a landing buffer of several regions, an AUX slot that is
 not 8-byte aligned, hostile peer messages in one batch, a PAUSE_ACK of another pause, an
 ABORT_REQ that claims success, bad values from the caller, and pack ordered before post.
-Both sides run in this process over two real NIXL agents (tests/disagg_harness.py)."""
+Both sides run in this process over two real NIXL agents (tests/disagg/harness.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from kvmem.disagg import KVPoll, ProtocolError
 from kvmem.disagg.common import RegionMap
 from kvmem.disagg.protocol import encode, meta_message, parse
 from kvmem.transfer.envelope import decode_metadata, encode_metadata
-from tests.disagg_harness import SPEC, Pair
+from tests.disagg.harness import SPEC, Pair
 
 
 def pages_of(tokens: int, spec=SPEC) -> int:
@@ -426,7 +426,7 @@ def test_default_ready_event_on_cpu_is_ready_at_once(pair):
     assert default_ready_event(torch.device("cpu"))().query() is True
 
 
-# --- found by tests/test_fuzz_peer.py ---------------------------------------------------------------
+# --- found by tests/disagg/test_fuzz_peer.py ---------------------------------------------------------------
 
 def test_replayed_req_of_a_delivered_request_is_refused(pair):
     """A REQ replayed after its request was delivered re-opened it on the decode side,

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvmem.metrics
 from kvmem.disagg import Metrics
-from tests.disagg_harness import Pair
+from tests.disagg.harness import Pair
 
 COUNTERS = ("kvmem_requests", "kvmem_pages_freed", "kvmem_transfer_bytes", "kvmem_pauses",
             "kvmem_pause_seconds", "kvmem_protocol_errors", "kvmem_send_errors")

@@ -1,5 +1,5 @@
 """On a CUDA device (bench/gpu_check.sh), the GPU halves of issue 9's kernel and allocator
-items; tests/interpret and tests/test_pack_ptx.py hold the CPU-checkable halves.
+items; tests/interpret and tests/kernels/test_ptx_sm90.py hold the CPU-checkable halves.
 
 - item 14: pack + unpack of a chunk whose K half passes 2^31 copy units (int64 offsets);
 - item 16: a pool, buffers and an allocator on cuda:1 while cuda:0 is current (hosts with

@@ -1,6 +1,6 @@
 """kvmem.transfer.nixl_exit: a process that loaded NIXL leaves with its own exit status,
 its Python exit work done and its output complete, without the C-level exit handlers (where
-NIXL's destructors crash on an RDMA host: tests/test_rdma_host.py runs that host).
+NIXL's destructors crash on an RDMA host: tests/transfer/test_rdma_host.py runs that host).
 
 Each case runs in a process of its own with tests/exit_probe on PYTHONPATH: there a C-level
 exit handler that aborts (SIGABRT) is armed, so a process that ran the C library's exit
@@ -20,7 +20,7 @@ import pytest
 
 from tests.util import pythonpath_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "tests" / "exit_probe"
 
 

@@ -1,6 +1,6 @@
 """Pacing of the worker loops: each side's step() says whether it made progress, and the
 loop's Backoff naps only after steps that made none (kvmem.demo_worker drives both sides
-this way).  Real sides over two NIXL agents (tests/disagg_harness.py); the clock is the
+this way).  Real sides over two NIXL agents (tests/disagg/harness.py); the clock is the
 harness's, so the timeouts here fire however long the naps are."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from kvmem.disagg import KVPoll
 from kvmem.disagg.common import Backoff
-from tests.disagg_harness import Pair
+from tests.disagg.harness import Pair
 
 FIRST, MOST = 5e-6, 40e-6
 

@@ -2,7 +2,7 @@
 backend maps a buffer as one physical allocation per chunk and NIXL refuses a descriptor
 that spans two registrations, so the staging buffer is registered one region per chunk
 and no write posts one local range across a chunk boundary.  Here the chunks are
-separate host mappings side by side (tests/disagg_harness.py SideBySideMappings) and
+separate host mappings side by side (tests/disagg/harness.py SideBySideMappings) and
 both sides run over real NIXL."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 import kvmem
-from tests.disagg_harness import SPEC, Pair
+from tests.disagg.harness import SPEC, Pair
 
 CHUNK_BYTES = kvmem.packed_nbytes(SPEC, 4)  # one 64-token chunk of SPEC: 64 KiB
 SPLIT = CHUNK_BYTES + CHUNK_BYTES // 2  # mappings of 96 KiB: the second slot straddles one

@@ -18,7 +18,7 @@ Bounded for ``make test`` (parser: 1000 inputs, live sides: 20 runs; 40 s of CPU
 on a quiet 2-core machine, 80 s when others share it).  A longer run, random rather than
 derandomized::
 
-    KVMEM_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest -q -s tests/test_fuzz_peer.py
+    KVMEM_FUZZ_EXAMPLES=2000 .venv/bin/python -m pytest -q -s tests/disagg/test_fuzz_peer.py
 
 (``KVMEM_FUZZ_EXAMPLES`` runs of the live sides, ten times as many parser inputs; a live
 run costs 1-1.5 s there: 300 runs took 8 minutes on the shared machine.)
@@ -41,7 +41,7 @@ from kvmem.disagg.protocol import (
     meta_message, parse,
 )
 from kvmem.transfer.envelope import decode_metadata, encode_metadata
-from tests.disagg_harness import Pair
+from tests.disagg.harness import Pair
 
 LONG = os.environ.get("KVMEM_FUZZ_EXAMPLES")
 RUNS = int(LONG) if LONG else 20

@@ -10,8 +10,8 @@ sees nothing of it, and it is gone when the command's processes are.  (Mounts be
 directories, as a container's ``/etc/hosts``, are hidden in there: the overlay's lower
 layer is the directory itself.)
 
-    python tests/rdma_host.py fetch DIR          unpack the packages under DIR, print the root
-    python tests/rdma_host.py run ROOT CMD...    run CMD; its exit status (128 + N: signal N)
+    python tests/transfer/rdma_host.py fetch DIR          unpack the packages under DIR, print the root
+    python tests/transfer/rdma_host.py run ROOT CMD...    run CMD; its exit status (128 + N: signal N)
 
 Needs root, util-linux's ``unshare``, ``dpkg-deb``, ``apt-get`` with a reachable archive
 and the kernel's overlay filesystem; :class:`RdmaHostError` names what is missing.

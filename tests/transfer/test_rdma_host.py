@@ -1,7 +1,7 @@
 """NIXL's processes on a host with Debian's RDMA libraries (``libibverbs1``,
 ``ibverbs-providers``): there, every process that created a NIXL agent used to die of
 SIGSEGV at exit (docs/transfer.md, "Process exit").  The packages are fetched with apt and
-made visible to this test's processes only (tests/rdma_host.py: a private mount
+made visible to this test's processes only (tests/transfer/rdma_host.py: a private mount
 namespace; nothing is installed on the machine).  First the defect itself, so this test
 cannot pass vacuously: a plain NIXL script crashes at exit in there and not outside; then
 ``kvmem demo`` and NIXL test and benchmark processes in there end with status 0, their
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import rdma_host
+from tests.transfer import rdma_host
 from tests.util import communicate, no_core_dumps, pythonpath_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A NIXL agent created, a region registered and deregistered, the agent deleted: the
 # orderly close; then the libraries of libnl mapped in this process, one a line.
@@ -80,7 +80,7 @@ def test_nixl_processes_end_cleanly_with_rdma_libraries(rdma_root, tmp_path):
         demo=_start(rdma_root, [py, "-m", "kvmem", "demo", "--requests", "50", "--bw-mib",
                                 "16", "--quiet", "--json", str(report)]),
         tests=_start(rdma_root, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 "tests/test_transfer_nixl.py::"
+                                 "tests/transfer/test_nixl_engine.py::"
                                  "test_in_flight_write_blocks_deregister_until_drained",
                                  f"--junitxml={junit}"]),
         bench=_start(rdma_root, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",

@@ -7,7 +7,7 @@ overwrite them.  So each landed chunk records an event, and a request that ends 
 memory back only once its last event is done, polled in step(), never waited on.
 
 On the CPU that work is done when it returns; the ordering contract is tested with
-stand-in events the test opens by hand (tests/test_disagg_hardening.py Gate), over real
+stand-in events the test opens by hand (tests/disagg/test_landing_and_hostile_peers.py Gate), over real
 NIXL.  tests/gpu/test_gpu_disagg.py runs the same on a GPU with CUDA events."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 
 import kvmem
 from kvmem.disagg import KVPoll
-from tests.disagg_harness import SPEC, Pair
-from tests.test_disagg_hardening import Gate
+from tests.disagg.harness import SPEC, Pair
+from tests.disagg.test_landing_and_hostile_peers import Gate
 
 NUM_PAGES = 14  # 13 usable: a 200-token request holds every page of the decode
 
