@@ -1,4 +1,4 @@
-"""kvmem._ids.as_page_ids: the one coercion of page ids (issue 9, items 1, 10, 19).
+"""kvmem._ids.as_page_ids: the one coercion of page ids.
 What it accepts comes out as a contiguous int32/int64 [n] tensor with the same values;
 bool and float ids, in any container, are refused with a ValueError naming them."""
 
@@ -27,7 +27,7 @@ CPU = torch.device("cpu")
     torch.tensor([3, 1, 2], dtype=torch.int32),
     torch.tensor([3, 1, 2], dtype=torch.int16),
     torch.tensor([3, 1, 2], dtype=torch.uint8),
-    torch.tensor([3, 9, 1, 9, 2])[::2],  # strided: item 1
+    torch.tensor([3, 9, 1, 9, 2])[::2],  # strided
 ], ids=lambda x: f"{type(x).__name__}")
 def test_accepted_forms_give_the_same_ids(ids):
     got = as_page_ids(ids, CPU)

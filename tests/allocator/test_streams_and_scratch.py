@@ -1,5 +1,5 @@
-"""PageAllocator: one stream per allocator, sync-free reset, per-allocator scratch
-(issue 9 items 13, 15, 19).  The stream rule proper needs CUDA (tests/gpu); here, the
+"""PageAllocator: one stream per allocator, sync-free reset, per-allocator scratch.
+The stream rule proper needs CUDA (tests/gpu); here, the
 argument checks, that every device-touching method goes through the rule, and the
 rule's ordering logic against recording stand-ins for torch.cuda's stream calls."""
 
@@ -17,7 +17,7 @@ import kvmem
 from kvmem.allocator import PageAllocator
 from kvmem.kernels import alloc as K
 
-# -- item 15: the stream rule -------------------------------------------------------------
+# -- the stream rule ----------------------------------------------------------------------
 
 DEVICE_METHODS = ["reset", "synchronize", "check_invariants", "allocated_pages", "alloc",
                   "free", "alloc_extend", "alloc_decode"]
@@ -108,7 +108,7 @@ def test_free_group_applies_on_the_allocators_stream(monkeypatch):
     assert a.num_free == 8
 
 
-# -- item 19: reset makes no host tensor (so no host-to-device copy on CUDA) -----------
+# -- reset makes no host tensor (so no host-to-device copy on CUDA) --------------------
 
 
 def test_reset_makes_no_host_tensor(monkeypatch):
@@ -127,7 +127,7 @@ def test_reset_makes_no_host_tensor(monkeypatch):
     a.check_invariants()
 
 
-# -- item 13: the free-time scratch is the allocator's own ------------------------------
+# -- the free-time scratch is the allocator's own ---------------------------------------
 
 
 def test_free_scratch_is_per_allocator():

@@ -261,7 +261,7 @@ def test_selfcheck_cuda_without_cuda_exits_2(capsys, monkeypatch):
 
 
 def test_tiny_model_with_an_unaligned_extra_state_slot():
-    """Issue 9 item 4: 4 bytes of KV a page, so the AUX slot after a request's KV is not
+    """4 bytes of KV a page, so the AUX slot after a request's KV is not
     8-byte aligned for most lengths; the decode used to crash reading it as int64."""
     p = _run(["--head-dim", "1", "--heads", "1", "--layers", "1", "--page-size", "1",
               "--chunk-tokens", "1", "--max-tokens", "3", "--requests", "100", "--bw-mib", "0",

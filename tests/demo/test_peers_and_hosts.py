@@ -1,4 +1,4 @@
-"""`kvmem demo` across two "hosts" and with several peers (issue 17, items 1 and 2).
+"""`kvmem demo` across two "hosts" and with several peers.
 
 - The two hosts of ``--hosts netns``: two network namespaces joined by a veth pair, their
   addresses only inside them, TCP between them, removed on close and when stale.

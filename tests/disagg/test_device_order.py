@@ -1,4 +1,4 @@
-"""Issue 15, item 7: the decode's device work on a request's memory (the check of a landed
+"""The decode's device work on a request's memory (the check of a landed
 chunk, its unpack into the pool pages; asynchronous on CUDA) is ordered before any reuse of
 those pages and that landing region.  A NIXL write is not ordered with the device's
 stream: pages or a region handed to a new BOOT while the old unpack is still queued

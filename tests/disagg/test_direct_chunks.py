@@ -212,7 +212,7 @@ def _reregister_decode_kv(pair) -> None:
 
 @pytest.mark.parametrize("when", ["before-staging", "staged-not-posted"])
 def test_direct_chunk_is_tied_to_the_kv_epoch_of_its_boot(when):
-    """Issue 15, item 10: the decode's page ids in a BOOT belong to the kv registration of
+    """The decode's page ids in a BOOT belong to the kv registration of
     that BOOT's epoch.  A direct chunk posted after the decode moved its kv to a newer
     epoch is refused before posting (StaleEpochError: 503, as a packed chunk or a pull
     offer is), never written into the new epoch's pool and answered 200."""

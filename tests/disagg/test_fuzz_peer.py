@@ -1,4 +1,4 @@
-"""Fuzzing what a peer can send (issue 9): control messages and metadata blobs of every
+"""Fuzzing what a peer can send: control messages and metadata blobs of every
 type, with fields missing, extra, of the wrong type, out of range; replayed, reordered,
 duplicated; fed to a real prefill side and a real decode side over NIXL (loopback) while
 real requests run, and caller aborts with good and bad values in between.

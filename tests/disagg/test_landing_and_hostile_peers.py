@@ -1,4 +1,4 @@
-"""Issue 9, the PD lifecycle part: a landing buffer of several regions, an AUX slot that is
+"""The PD lifecycle at its edges: a landing buffer of several regions, an AUX slot that is
 not 8-byte aligned, hostile peer messages in one batch, a PAUSE_ACK of another pause, an
 ABORT_REQ that claims success, bad values from the caller, and pack ordered before post.
 Both sides run in this process over two real NIXL agents (tests/disagg/harness.py)."""

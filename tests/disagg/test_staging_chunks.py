@@ -1,4 +1,4 @@
-"""Issue 15, item 4: the prefill's staging buffer follows its physical chunks.  The CUDA VMM
+"""The prefill's staging buffer follows its physical chunks.  The CUDA VMM
 backend maps a buffer as one physical allocation per chunk and NIXL refuses a descriptor
 that spans two registrations, so the staging buffer is registered one region per chunk
 and no write posts one local range across a chunk boundary.  Here the chunks are

@@ -1,4 +1,4 @@
-"""Issue 15, item 6, the CPU half: the sides' hot path never converts a device tensor to the
+"""The CPU half of sync-freedom: the sides' hot path never converts a device tensor to the
 host.  On CUDA each such conversion (``int(t)``, ``.tolist()``, ``.cpu().numpy()``,
 ``torch.equal``, ...) waits for the device; tests/gpu/test_gpu_disagg.py runs the sides in
 CUDA sync-debug mode for the same lifecycle.  Here there is no device, so the check tracks

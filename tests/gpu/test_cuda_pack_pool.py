@@ -2,7 +2,7 @@
 grid against the CPU reference, the unchecked-call error flag, and a cuda_vmm pool's
 release/resume, CuPy views and refusals.  Collected only where CUDA is available.
 
-The grid compiles about 200 kernel variants on an empty Triton cache (issue 15), so
+The grid compiles about 200 kernel variants on an empty Triton cache, so
 bench/gpu_check.sh runs it in parts, chosen by the environment:
 
     KVMEM_GPU_GRID=small   the SMALL cases only (every page size, head dim and dtype once,

@@ -1,13 +1,14 @@
-"""On a CUDA device (bench/gpu_check.sh), the GPU halves of issue 9's kernel and allocator
-items; tests/interpret and tests/kernels/test_ptx_sm90.py hold the CPU-checkable halves.
+"""On a CUDA device (bench/gpu_check.sh), the GPU halves of the kernel and allocator
+checks at real sizes, on a second device and across streams; tests/interpret and
+tests/kernels/test_ptx_sm90.py hold the CPU-checkable halves.
 
-- item 14: pack + unpack of a chunk whose K half passes 2^31 copy units (int64 offsets);
-- item 16: a pool, buffers and an allocator on cuda:1 while cuda:0 is current (hosts with
+- pack + unpack of a chunk whose K half passes 2^31 copy units (int64 offsets);
+- a pool, buffers and an allocator on cuda:1 while cuda:0 is current (hosts with
   two GPUs);
-- item 15: an allocator used from two streams keeps one order (its own stream);
-- item 19: the paths documented as sync-free make no host sync
+- an allocator used from two streams keeps one order (its own stream);
+- the paths documented as sync-free make no host sync
   (``torch.cuda.set_sync_debug_mode("error")``), NumPy ids on a CUDA pool;
-- item 1: strided ids on the Triton path.
+- strided ids on the Triton path.
 Collected only where CUDA is available (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _free_bytes(device=DEV) -> int:
     return torch.cuda.mem_get_info(device)[0]
 
 
-# -- item 14: a K half past 2^31 units ---------------------------------------------------
+# -- a K half past 2^31 units ------------------------------------------------------------
 
 # (name, dtype, layers, [page_size, H, D], pages packed); each K half is past 2^31 + 2^24
 # copy units: 1-byte units (odd row bytes) at ~2.2 GB, and bf16 rows (4-byte units,
@@ -77,7 +78,7 @@ def test_pack_unpack_past_2_31_units(name, dtype, layers, page, n):
             assert not bool(got[0].any())  # page 0 was not listed: untouched
 
 
-# -- item 16: two devices ------------------------------------------------------------------
+# -- two devices ---------------------------------------------------------------------------
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
@@ -153,7 +154,7 @@ def test_allocator_on_cuda1_while_cuda0_is_current(check):
         assert torch.cuda.current_device() == 0
 
 
-# -- item 15: one stream per allocator -----------------------------------------------------
+# -- one stream per allocator --------------------------------------------------------------
 
 
 def test_allocator_calls_from_two_streams_keep_one_order():
@@ -191,7 +192,7 @@ def test_allocator_on_an_explicit_stream():
         kvmem.PageAllocator(5, 1, device=DEV, stream=object())
 
 
-# -- item 19: no hidden host syncs ---------------------------------------------------------
+# -- no hidden host syncs ------------------------------------------------------------------
 
 
 def test_documented_sync_free_paths_make_no_sync():

@@ -1,13 +1,13 @@
 """On a CUDA device (bench/gpu_check.sh): the PD lifecycle's sides on CUDA pools over real
-NIXL (VRAM registrations), issue 15's items 6 and 7.
+NIXL (VRAM registrations): no host sync on the hot path, device work ordered before reuse.
 
-- item 6: every lifecycle path of tests/disagg/test_sync_free.py (deliveries, aborts in
+- every lifecycle path of tests/disagg/test_sync_free.py (deliveries, aborts in
   each state and in the running batch, timeouts, failed sends, a decode-side abort) in
   packed, direct and pull modes, both sides stepped in CUDA sync-debug mode ("error": any
   host sync raises), after one warm-up pass outside it (Triton compiles, UCX connects,
   the pinned-memory cache fills).  Pauses are left out: a pause waits for the device by
   design (the audit, the release).
-- item 7: a decode request whose chunk's unpack is still queued (the stream held busy by
+- a decode request whose chunk's unpack is still queued (the stream held busy by
   ``torch.cuda._sleep``) ends; its pages and landing region go to no new BOOT until the
   unpack's event is done, and the next request's bytes are then verified.
 - HostCopy: page ids and verdicts reach the host through pinned memory, polled.

@@ -1,10 +1,10 @@
-"""Issue 9 defects of the pack/unpack kernel, under Triton's interpreter on CPU tensors
-(``TRITON_INTERPRET=1 KVMEM_FORCE_TRITON=1``):
+"""Defects the pack/unpack kernel once had, kept from coming back, under Triton's
+interpreter on CPU tensors (``TRITON_INTERPRET=1 KVMEM_FORCE_TRITON=1``):
 
-- item 1: a strided ``page_ids`` tensor was read as if contiguous;
-- item 14: the chunk offsets were int32 products, so past 2^31 copy units the V half
+- a strided ``page_ids`` tensor was read as if contiguous;
+- the chunk offsets were int32 products, so past 2^31 copy units the V half
   (and, at larger sizes, later layers) landed gigabytes away from the chunk;
-- item 16: every kernel launch (pack and allocator) must run under the device guard of
+- every kernel launch (pack and allocator) must run under the device guard of
   its tensors' device.
 """
 
@@ -25,7 +25,7 @@ from kvmem.kernels.pack import triton as pack_triton
 from kvmem.kernels.pack import pack_buffers_ref, unpack_buffers_ref
 from tests.kv_cases import Case, make_buffers
 
-# -- item 1: strided ids ----------------------------------------------------------------
+# -- strided ids ------------------------------------------------------------------------
 
 
 def test_strided_page_ids_pack_and_unpack_the_pages_they_name():
@@ -44,7 +44,7 @@ def test_strided_page_ids_pack_and_unpack_the_pages_they_name():
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-# -- item 14: int64 chunk offsets -------------------------------------------------------
+# -- int64 chunk offsets ----------------------------------------------------------------
 
 
 def _reserve(nbytes: int):
@@ -127,7 +127,7 @@ def test_chunk_offsets_past_2_31_units_are_exact(layers, dim, n):
     del chunk, whole, m  # unmapped when the last view goes (no close(): views may linger)
 
 
-# -- item 16: the device guard ----------------------------------------------------------
+# -- the device guard -------------------------------------------------------------------
 
 
 class _LaunchSpy:

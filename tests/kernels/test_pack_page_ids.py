@@ -1,5 +1,4 @@
-"""Page ids through the public pack/unpack functions and PageAllocator.free (issue 9,
-items 1, 10, 19): bool and float ids are refused everywhere with nothing changed, NumPy
+"""Page ids through the public pack/unpack functions and PageAllocator.free: bool and float ids are refused everywhere with nothing changed, NumPy
 and strided ids give the pages they name, and every one of these functions coerces its
 ids with the same function, kvmem._ids.as_page_ids."""
 

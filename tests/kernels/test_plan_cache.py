@@ -1,4 +1,4 @@
-"""The pack plan cache (issue 9 items 13 and 19): one LRU per device, guarded by a lock,
+"""The pack plan cache: one LRU per device, guarded by a lock,
 big enough that packing an 80-layer model one layer at a time (sglang's staging path)
 never evicts a plan it will ask for again; the old 64-entry cache missed on every call
 there, and each miss was a blocking host-to-device copy on CUDA."""

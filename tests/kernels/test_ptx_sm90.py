@@ -80,7 +80,7 @@ def test_misaligned_rows_fall_back_to_narrow_units():
     assert "ld.global.v4.b32" not in _global_accesses(compile_ptx(plan, True))
 
 
-# -- issue 9 item 14: no 32-bit address arithmetic --------------------------------------
+# -- no 32-bit address arithmetic -------------------------------------------------------
 #
 # The bug: the V half's offset NUM_K * n * (K_ROWS * K_SEG) was an int32 product, which
 # for sm_90 became `mul.lo.s32` / `shl.b32` and then a sign-extending `mad.wide.s32`

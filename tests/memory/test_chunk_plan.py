@@ -126,7 +126,7 @@ def test_planes_are_grouped_up_to_the_target():
 
 
 def test_mla_and_1152_byte_tokens_at_64_gib_never_straddle():
-    """Issue 15 item 2: 576- and 1152-byte tokens do not divide 2 GiB, so fixed 2 GiB
+    """576- and 1152-byte tokens do not divide 2 GiB, so fixed 2 GiB
     chunks cut pages; the plan's chunks never do, at page_size 1 and 64."""
     for dtype in (torch.float8_e4m3fn, torch.bfloat16):  # 576 and 1152 bytes a token
         for ps in (1, 64):

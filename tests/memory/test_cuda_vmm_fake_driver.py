@@ -506,7 +506,7 @@ def test_driver_calls_per_release_and_resume_are_per_chunk(fake):
                     "cuMemSetAccess": n}
 
 
-# --- item 5: exportable chunks (POSIX file-descriptor handles) --------------------------------
+# --- exportable chunks (POSIX file-descriptor handles) ---------------------------------------
 
 def test_chunks_request_posix_fd_handles_where_supported(fake):
     pool = make_pool(fake)

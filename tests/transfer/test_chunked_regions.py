@@ -4,7 +4,7 @@ pool's regions.  A descriptor across two chunks is refused by NIXL itself
 before NIXL sees it; every prepared descriptor of a pool lies inside one chunk, so every
 page of every plane moves in direct (post_blocks WRITE), pull (READ) and packed
 (pack + write + unpack) modes, for 576- and 1152-byte MLA tokens at page_size 1 and 64
-and for both layouts (issue 15 items 1 and 2)."""
+and for both layouts."""
 
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def test_a_write_across_two_adjacent_registered_chunks_is_refused(engines):
 
 
 def test_registration_and_tables_of_the_issue_pool_of_ten_gb(engines):
-    """Issue 15 item 1: a 10,000,000,000-byte CPU pool with 2 GiB chunks could not be
+    """A 10,000,000,000-byte CPU pool with 2 GiB chunks could not be
     registered ("layout plane ... is not inside one of its regions"); it registers, and
     its tables prepare, at once, with nothing touched."""
     spec = kvmem.KVSpec(num_layers=61, num_kv_heads=1, head_dim=576, page_size=64,

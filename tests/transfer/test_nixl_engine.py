@@ -531,7 +531,7 @@ def test_in_flight_write_blocks_deregister_until_drained(engines):
 
 
 def test_ranges_whose_end_overflows_or_overlap_are_refused(engines):
-    """Issue 9: register and add_peer refuse regions whose end passes 2**63 - 1, at 2**70,
+    """register and add_peer refuse regions whose end passes 2**63 - 1, at 2**70,
     or overlapping; post_write refuses a range whose end wraps; nothing changes, and valid
     writes go on working."""
     pa, pb = make_pool(seed=9), make_pool(fill=SENTINEL)

@@ -1,5 +1,5 @@
-"""Issue 15's target on the CPU twin, at full size: 64 GiB pools shaped as on the GPU
-(80 layers; 8 KV heads x 128 bf16 at page_size 1, 16 and 64; MLA 576 fp8 at page_size 1;
+"""The GPU pool's physical layout on the CPU twin, at full size: 64 GiB pools shaped as
+on the GPU (80 layers; 8 KV heads x 128 bf16 at page_size 1, 16 and 64; MLA 576 fp8 at page_size 1;
 2 GiB chunks on 2 MiB), registered with real NIXL, every prepared descriptor inside one
 physical chunk, and the blocks next to every chunk boundary (the first page of each
 chunk's first plane, the last page of its last plane) moved in direct, pull and packed
