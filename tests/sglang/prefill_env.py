@@ -1,5 +1,5 @@
 """A PD prefill scheduler of real sglang 0.5.23 classes on CPU, for the adapter's
-lifecycle tests (issue 8).
+lifecycle tests.
 
 What is real: ``Scheduler`` (``object.__new__`` with its real parts attached, running
 its own ``_add_request_to_queue``, ``abort_request``, ``is_fully_idle``, the prefill

@@ -1,5 +1,5 @@
 """Run by tests/sglang/test_prefill_gaps.py in a process of its own, flag off or on
-(``SGLANG_KVMEM``): each of issue 8's cases through one real PD prefill scheduler
+(``SGLANG_KVMEM``): each case of test_prefill_gaps.py through one real PD prefill scheduler
 (``prefill_env.PrefillHarness``), one after the other, recording what the client got,
 what the sender saw and what stays held.  Prints one JSON object on its last line.
 

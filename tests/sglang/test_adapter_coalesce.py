@@ -1,4 +1,4 @@
-"""Issue 15 item 3: ``kvpool.coalesce`` (what ``SGLANG_KVMEM_REGISTER=regions`` hands
+"""``kvpool.coalesce`` (what ``SGLANG_KVMEM_REGISTER=regions`` hands
 NIXL) on real sglang pools backed by kvmem pools of several physical chunks (the suite's
 ``KVMEM_CHUNK_BYTES``): each of sglang's per-layer ranges lies inside one chunk, so it is
 replaced by that chunk's region, and a range across two chunks is refused instead of being

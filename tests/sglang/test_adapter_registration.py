@@ -10,7 +10,7 @@ through sglang's ``SchedulerWeightUpdaterManager`` (tag ``kv_cache``), whose pre
 registers again.  A second agent WRITEs into the pool after each registration: NIXL
 refuses a target outside registered memory, so a landed write proves coverage.
 
-Issue 7's target: after a release and a resume, at most ``len(pool.regions())``
+The target: after a release and a resume, at most ``len(pool.regions())``
 registrations, against 2 x layers for stock sglang.
 """
 

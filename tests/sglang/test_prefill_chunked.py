@@ -1,4 +1,4 @@
-"""Issue 8, chunked prefill on a PD prefill server: a prompt longer than the chunk budget
+"""Chunked prefill on a PD prefill server: a prompt longer than the chunk budget
 (``chunked_prefill_size``) prefilled over several passes, driven through sglang's own
 scheduling step (``get_next_disagg_prefill_batch_to_run``: ``process_pending_chunked_abort``,
 ``process_prefill_chunk`` sending the previous chunk, the admission making

@@ -1,4 +1,4 @@
-"""Issue 8 items 1 and 5 against a real decode: when the prefill aborts a KV sender (a
+"""Against a real decode: when the prefill aborts a KV sender (a
 client abort, or the adapter's transfer timeout), is the decode side told?
 
 ``scenario_prefill_decode.py`` stands up, in one process per flag, a real PD prefill

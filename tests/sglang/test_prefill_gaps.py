@@ -1,4 +1,4 @@
-"""Issue 8: the gaps sglang 0.5.23's PD prefill still has, each driven through a real
+"""The gaps sglang 0.5.23's PD prefill still has, each driven through a real
 prefill scheduler (``prefill_env.PrefillHarness``) with the flag off and on, in two
 processes (sglang's hooks cannot be undone in-process; ``scenario_prefill_gaps.py`` runs
 every case in one scheduler per flag).  Each test states stock's wrong behaviour as

@@ -1,4 +1,4 @@
-"""Issue 8 items 5-7 on a real PD prefill scheduler, flag off and on in two processes
+"""On a real PD prefill scheduler, flag off and on in two processes
 (``scenario_prefill_inputs.py``): what sglang 0.5.23 already does right stays true
 (regressions, passing on both), bad inputs through the adapter's surface get a clear
 answer and change nothing, the idle leak audit names what a lost request still holds, a

@@ -1,4 +1,4 @@
-"""Issue 8 item 3 on a real NIXL agent (UCX, DRAM): sglang 0.5.23's ``NixlKVManager`` has
+"""On a real NIXL agent (UCX, DRAM): sglang 0.5.23's ``NixlKVManager`` has
 no ``deregister_buffer_to_engine``, so every release/resume of the KV cache registers the
 buffers once more; with the flag on, the release deregisters what was registered (KV, aux,
 state) and the resume registers it once.  ``scenario_prefill_nixl.py`` drives 20
