@@ -23,10 +23,10 @@ the pages stay in shared memory and the contents survive.  On a private anonymou
 the pages go back to the kernel and the next touch faults in zero-filled pages, at the
 same address.
 
-Every chunk is marked ``MADV_HUGEPAGE``: with transparent huge pages (``madvise`` mode
-here) a release of 2 GiB took 7-10 ms instead of 360-450 ms with 4 KiB pages, and a
-two-thread pre-fault 0.26-0.75 s instead of 1.5 s (2 cores, noisy neighbours; the kernel
-falls back to small pages when no huge page is free).  Pre-faulting on resume runs
+Every chunk is marked ``MADV_HUGEPAGE``: with transparent huge pages a release and a
+pre-fault are many times faster than with 4 KiB pages (the figures:
+bench/results/cpu-2026-11-30-host-backend.md; the kernel falls back to small pages when no
+huge page is free).  Pre-faulting on resume runs
 ``MADV_POPULATE_WRITE`` over slices of the range from several threads (``madvise`` through
 ctypes releases the GIL); the page faults are the cost, and they parallelise.
 
@@ -239,8 +239,8 @@ class HostBackend(MemoryBackend):
         """Populate every page of every chunk now, never changing the contents:
         ``MADV_POPULATE_WRITE`` over slices from several threads, ``mlock``/``munlock``
         where the kernel lacks it, else nothing (see the module docstring).  First touches
-        of a fresh range otherwise cost 3-4x more, and UCX's cma writes into untouched
-        pages ran 3.5x slower (measured by the demo on this machine).
+        of a fresh range otherwise cost several times more, also for UCX's cma writes
+        (bench/results/cpu-2026-11-30-host-backend.md).
 
         Raises:
             OSError: ``MADV_POPULATE_WRITE`` is supported and failed (e.g. ``ENOMEM``: the

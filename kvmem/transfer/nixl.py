@@ -2,7 +2,8 @@
 
 The epoch rule, the tombstones and the pause/resume ordering are in docs/transfer.md (and
 :mod:`kvmem.transfer.engine`); this module only maps them onto NIXL's agent API.  Facts it
-relies on, checked with nixl-cu12 1.5.1 on a 2-core CPU machine (UCX bundled in the wheel):
+relies on, checked with nixl-cu12 1.5.1 on a 2-core CPU machine (UCX bundled in the wheel;
+the measurements behind them: bench/results/cpu-2026-11-30-nixl-behaviour.md):
 
 * **No revocation.**  ``deregister_memory`` does not stop a peer: a write built from old
   metadata landed after the target deregistered, and after it re-registered.  The
@@ -22,12 +23,11 @@ relies on, checked with nixl-cu12 1.5.1 on a 2-core CPU machine (UCX bundled in 
   digest keeps damaged bytes away from NIXL.
 * **Registration metadata is address-based.**  After deregister + register of the same
   addresses, ``get_agent_metadata()`` returned identical bytes: NIXL's metadata carries
-  no epoch, hence kvmem's header.  Re-adding a peer 200 times, or deregistering and
-  registering a region 200 times, grew RSS by nothing measurable.
+  no epoch, hence kvmem's header.  Re-adding peers and re-registering regions many times
+  leaks nothing measurable.
 * **Notifications.**  A write's notif is sent when the *initiator's* poll
   (``check_xfer_state``) sees the write complete, not by the progress thread: with nobody
-  polling, a 1 MiB write had landed but its notif had not left after 1 s; one poll sent
-  it.  So the sender polls its writes (``TransferEngine.in_flight()`` each loop step).
+  polling, a write lands but its notif does not leave; one poll sends it.  So the sender polls its writes (``TransferEngine.in_flight()`` each loop step).
   When the notif arrives the bytes are there (the tests check the bytes at that moment,
   in one process and across two).  The target needs nothing to receive; ``send_notif``
   needs the target's metadata loaded (NIXL_ERR_NOT_FOUND otherwise) and does not block
@@ -39,28 +39,20 @@ relies on, checked with nixl-cu12 1.5.1 on a 2-core CPU machine (UCX bundled in 
   zero-copy, host to host, also between two agents of one process), active messages
   (notifs, wireup) over ``tcp`` on loopback (``UCX_PROTO_INFO=y`` shows it).  A cma
   write's bytes land inside ``transfer()``; its state stays PROC until polled.  UCX_TLS
-  is left alone: in one run of 256 MiB writes (one process, progress thread on, busy
-  machine) the defaults gave 1.4-1.9 GB/s, ``UCX_TLS=cma,tcp,self`` the same,
-  ``tcp,self`` 0.5-1.0 GB/s, and ``sm,self`` / ``posix,cma,self`` failed at agent
-  creation (NIXL_ERR_BACKEND); a plain copy ran at 3.4-3.7 GB/s then.  Measured here:
-  6.6-8.1 GB/s between processes on a quieter machine.  bench/bench_transfer.py
-  measures NIXL against a plain copy.
+  is left alone: the defaults were as fast as ``cma,tcp,self``, ``tcp,self`` was slower,
+  and ``sm,self`` / ``posix,cma,self`` fail at agent creation (NIXL_ERR_BACKEND).
+  bench/bench_transfer.py measures NIXL against a plain copy.
 * **Progress thread.**  NIXL's progress thread (on by default, ``pthrDelay`` 0 in its
-  Python API) spins: an idle process with one or more agents used 0.99 CPU-seconds per
-  second.  On these 2 cores that costs bandwidth and latency: in one bench run
-  (bench/bench_transfer.py, 256 MiB, two agents in one process) kvmem's write ran at
-  1.9 GB/s with it (plain copy 4.2 GB/s in the same conditions) and 6.0 GB/s without
-  it (plain copy 8.2 GB/s); warm 4 KiB writes took 7-20 ms with it, 0.3-0.9 ms
-  without.  Without it nothing progresses unless its owner calls in: a write without a
-  notif stayed PROC (600k polls of the initiator) until the *target* engine called
-  ``get_notifs()``.  ``NixlEngine`` keeps NIXL's default; ``progress_thread=False`` is
+  Python API) spins: an idle process with an agent uses a whole core.  On a small host
+  that costs bandwidth and latency of everything else.  Without it nothing progresses
+  unless its owner calls in: a write without a notif stays PROC, however often the
+  initiator polls, until the *target* engine calls ``get_notifs()``.  ``NixlEngine`` keeps NIXL's default; ``progress_thread=False`` is
   for processes whose loops poll both as initiator (``in_flight()``) and as target
   (``get_notifs()``) all the time, as the demo's workers do.
-* **First transfer.**  Loading a peer (``add_peer``, 30-60 ms) starts the connection
-  set-up in the background; a 4 KiB write posted at once took 60-100 ms to DONE, one
-  posted 0.3 s later 4-10 ms, warm writes 0.5-10 ms (2 busy cores: noisy), in one
-  process and between two.  ``make_connection`` gave nothing on top of that, so kvmem
-  does not expose it.  kvmem keeps one agent per engine and never removes a live peer
+* **First transfer.**  Loading a peer (``add_peer``) starts the connection set-up in
+  the background; a write posted at once waits for it (an order of magnitude slower than
+  a warm one), in one process and between two.  ``make_connection`` gave nothing on top
+  of that, so kvmem does not expose it.  kvmem keeps one agent per engine and never removes a live peer
   when newer metadata of the same incarnation arrives, so connections stay warm across
   pause/resume: publish the new metadata as early as the resume allows.
 
@@ -205,9 +197,9 @@ class NixlEngine(TransferEngine):
         # One prep_xfer_dlist per table: NIXL resolves every descriptor against the
         # registrations (local) or the peer's loaded metadata (remote) here, once, so a
         # post names blocks by index.  The list is NIXL's strided form, one (base, nbytes,
-        # device id, stride, count) row per plane: O(planes) to build and to prepare (a
-        # 2**32-block table took 0.1 ms and no measurable memory; one expanded row per
-        # block costs 32 bytes of numpy and 75 ns of prep a block, nixl-cu12 1.5.1 here).
+        # device id, stride, count) row per plane: O(planes) to build and to prepare (an
+        # expanded row per block costs memory and prep time per block; the figures are in
+        # bench/results/cpu-2026-11-30-nixl-behaviour.md).
         # Index plane * count + i is block i of that plane.  A plane's whole span must lie
         # inside one registered region (NIXL_ERR_NOT_FOUND otherwise, checked), which a
         # pool's chunk plan guarantees.  Adjacent blocks picked in a row are merged into

@@ -352,9 +352,8 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if ps == 1:
             return free_index
         if free_index.device.type == "cpu":
-            # one NumPy call straight to int64 (~2 us) instead of a torch op (~4 us of
-            # dispatch) and kvmem's int32 -> int64 widening on CPU (~3 us); measured on
-            # the project's 2-core VM, 1000-slot rows, 2026-11-30
+            # one NumPy call straight to int64, cheaper than a torch op and kvmem's
+            # int32 -> int64 widening (bench/results/cpu-2026-11-30-host-backend.md)
             return torch.from_numpy(np.floor_divide(free_index.numpy()[::ps], ps,
                                                     dtype=np.int64))
         return free_index[::ps] // ps
