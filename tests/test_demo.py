@@ -23,7 +23,7 @@ import pytest
 
 from kvmem.cli import main
 from kvmem.demo import loop_breakdown
-from kvmem.disagg.faults import FAMILIES
+from kvmem.demo.faults import FAMILIES
 from tests.util import communicate, no_core_dumps, pythonpath_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from kvmem.disagg.common import (
 )
 from kvmem.disagg.decode import DecodeFaults, DecodeSide
 from kvmem.disagg.prefill import Faults, PrefillSide
-from kvmem.disagg.synth import Synth
+from kvmem.demo.synth import Synth
 
 __all__ = [
     "KVPoll", "Outcome", "Reason", "ProtocolError", "Ledger", "Metrics",

@@ -64,7 +64,7 @@ from collections import Counter
 
 import torch
 
-from kvmem.demo_hosts import enter
+from kvmem.demo.hosts import enter
 
 PROGRESS_EVERY = 0.2  # seconds between progress messages
 PIPE_EVERY = 0.002  # seconds between polls of the parent's pipe in the workload loops (a
@@ -143,8 +143,8 @@ class _Worker:
         """``names``: {"prefill": [agent names], "decode": [agent names]}, every worker's;
         ``index``: this worker's among its kind."""
         from kvmem.disagg.common import Backoff
-        from kvmem.disagg.faults import FaultPlan
-        from kvmem.disagg.synth import Synth
+        from kvmem.demo.faults import FaultPlan
+        from kvmem.demo.synth import Synth
         from kvmem.transfer.nixl import NixlEngine
 
         self.cfg, self.conn, self.names, self.index = cfg, conn, names, index

@@ -43,7 +43,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from kvmem.demo_hosts import HOSTS, HostsError, NetnsHosts, netns_refusal
+from kvmem.demo.hosts import HOSTS, HostsError, NetnsHosts, netns_refusal
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
 CHUNK_MODES = ("auto", "packed", "direct")
@@ -447,7 +447,7 @@ class Workers:
     """The worker processes and their pipes, by key (:func:`worker_keys`)."""
 
     def __init__(self, cfg: DemoConfig, hosts=None):
-        from kvmem.demo_worker import worker_main
+        from kvmem.demo.worker import worker_main
 
         ctx = mp.get_context("spawn")
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
