@@ -34,7 +34,8 @@ import time
 import pytest
 
 from bench.conftest import pick
-from kvmem.demo import DemoConfig, loop_breakdown, run
+from kvmem.demo import DemoConfig, run
+from kvmem.demo.report import loop_breakdown
 
 REQUESTS = pick(int(os.environ.get("KVMEM_BENCH_DEMO_REQUESTS", "200")), 6)
 RUNS = pick(int(os.environ.get("KVMEM_BENCH_DEMO_RUNS", "3")), 1)
