@@ -288,7 +288,7 @@ class PrefillWorker(_Worker):
         c, s = self.clock, self.side
         c.wrap(s, "step", "step")
         c.wrap(self.backoff, "sleep", "nap")
-        c.wrap(s.synth, "fill", "forward: synth KV into pool pages")
+        c.wrap(s.model, "fill", "forward: synth KV into pool pages")
         c.wrap(s.pool, "pack", "pack_pages")
         c.wrap(s.engine, "post_write", "post_write (UCX copies here)")
         c.wrap(s.engine, "post_blocks", "post_blocks (direct; UCX copies here)")
@@ -470,8 +470,8 @@ class DecodeWorker(_Worker):
         c, s = self.clock, self.side
         c.wrap(s, "step", "step")
         c.wrap(self.backoff, "sleep", "nap")
-        c.wrap(s.synth, "verify", "verify (Synth.verify)")
-        c.wrap(s.synth, "verify_pages", "verify in place (Synth.verify_pages)")
+        c.wrap(s.verifier, "verify", "verify (Synth.verify)")
+        c.wrap(s.verifier, "verify_pages", "verify in place (Synth.verify_pages)")
         c.wrap(s.engine, "post_blocks", "post_blocks (pull; UCX reads here)")
         c.wrap(s.pool, "unpack", "unpack_pages into pool")
         c.wrap(s.engine, "get_notifs", "get_notifs")
