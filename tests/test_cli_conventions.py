@@ -62,6 +62,21 @@ def test_python_m_kvmem_runs_the_demo():
     assert p.stdout.rstrip().endswith(": OK")
 
 
+def test_the_demo_is_imported_only_for_its_subcommand():
+    """The library's command line loads the demo app (kvmem.demo) for ``kvmem demo``
+    alone: not for selfcheck, --version or the top-level help."""
+    code = ("import sys\nfrom kvmem.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] == ['kvmem', 'demo']))")
+    for args in (SELFCHECK, ["--version"], ["--help"]):
+        p = _run([sys.executable, "-c", code, *args])
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.splitlines()[-1] == "[]", (args, p.stdout)
+    p = _run([sys.executable, "-c", code, "demo", "--help"])
+    assert p.returncode == 0, p.stderr
+    assert "--transfer-mode" in p.stdout and "'kvmem.demo.command'" in p.stdout.splitlines()[-1]
+
+
 def _sources():
     return sorted(PKG.rglob("*.py"))
 
