@@ -1,4 +1,4 @@
-"""kvmem's metrics for Prometheus, through ``prometheus_client``.
+"""The PD sides' metrics for Prometheus, through ``prometheus_client``.
 
 The PD sides (:class:`~kvmem.disagg.PrefillSide`, :class:`~kvmem.disagg.DecodeSide`)
 count in plain Python fields (``side.metrics``, a :class:`~kvmem.disagg.Metrics`;
@@ -48,8 +48,8 @@ The default registry is :data:`REGISTRY`, kvmem's own, not ``prometheus_client``
 one, so that tests and several kvmem instances in one process do not collide.  A host
 exposes it as it exposes any registry::
 
-    prometheus_client.generate_latest(kvmem.metrics.REGISTRY)           # the text, bytes
-    prometheus_client.start_http_server(9400, registry=kvmem.metrics.REGISTRY)
+    prometheus_client.generate_latest(kvmem.disagg.metrics.REGISTRY)    # the text, bytes
+    prometheus_client.start_http_server(9400, registry=kvmem.disagg.metrics.REGISTRY)
 
 or passes its own registry to :func:`register` (``prometheus_client.REGISTRY``, the one
 most Python hosts serve).  One registry holds at most one side of each kind.
@@ -103,13 +103,13 @@ class DisaggCollector(Collector):
     def add(self, side) -> None:
         kind = side.metrics.side
         if kind not in SIDES:
-            raise ValueError(f"kvmem.metrics: side.metrics.side must be one of "
+            raise ValueError(f"kvmem.disagg.metrics: side.metrics.side must be one of "
                              f"{sorted(SIDES)}, got {kind!r}")
         with self._lock:
             if kind in self._sides:
                 which = "this same side" if self._sides[kind] is side else "another one"
                 raise ValueError(
-                    f"kvmem.metrics: a {kind} side is already registered in this registry "
+                    f"kvmem.disagg.metrics: a {kind} side is already registered in this registry "
                     f"({which}); unregister it first, or give each instance a registry of "
                     "its own")
             self._sides[kind] = side
@@ -118,8 +118,8 @@ class DisaggCollector(Collector):
         kind = side.metrics.side
         with self._lock:
             if self._sides.get(kind) is not side:
-                raise ValueError(f"kvmem.metrics: this {kind} side is not registered in this "
-                                 f"registry (registered: {sorted(self._sides) or 'none'})")
+                raise ValueError(f"kvmem.disagg.metrics: this {kind} side is not registered in "
+                                 f"this registry (registered: {sorted(self._sides) or 'none'})")
             del self._sides[kind]
 
     def __len__(self) -> int:
@@ -234,8 +234,8 @@ def unregister(side, registry: CollectorRegistry | None = None) -> None:
     with _COLLECTORS_LOCK:
         col = _COLLECTORS.get(registry)
         if col is None:
-            raise ValueError(f"kvmem.metrics: no kvmem side is registered in this registry "
-                             f"(this {side.metrics.side} side is not)")
+            raise ValueError(f"kvmem.disagg.metrics: no kvmem side is registered in this "
+                             f"registry (this {side.metrics.side} side is not)")
         col.remove(side)
         if not len(col):
             registry.unregister(col)
