@@ -99,7 +99,7 @@ def test_no_hand_written_prometheus_text_or_progress_bar_in_kvmem():
 
 def test_only_the_command_line_prints():
     """Library modules log (kvmem.* loggers); the command line (kvmem/cli.py and the demo's
-    parent, kvmem/demo.py) prints its report and its errors."""
+    command, kvmem/demo/command.py) prints its report and its errors."""
     cli = {PKG / "cli.py", PKG / "demo" / "command.py"}
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
              for p in _sources() if p not in cli

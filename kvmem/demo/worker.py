@@ -1,12 +1,12 @@
-"""The worker processes of ``kvmem demo`` (started by :mod:`kvmem.demo` with the 'spawn'
-context; this module is what each child imports): ``--prefills`` prefill workers and
-``--decodes`` decode workers, one and one by default.
+"""The worker processes of ``kvmem demo`` (started by :mod:`kvmem.demo.orchestrator` with
+the 'spawn' context; this module is what each child imports): ``--prefills`` prefill
+workers and ``--decodes`` decode workers, one and one by default.
 
 Each worker owns a KVPool (host backend), a PageAllocator, a NixlEngine (UCX, no progress
 thread: the loops poll) and one side of the PD lifecycle
 (:class:`~kvmem.disagg.PrefillSide` or :class:`~kvmem.disagg.DecodeSide`), whose peers
 are every worker of the other kind.  With ``--hosts netns`` a worker first enters its
-network namespace (:func:`kvmem.demo_hosts.enter`).  After the start-up exchange below,
+network namespace (:func:`kvmem.demo.hosts.enter`).  After the start-up exchange below,
 every PD control message travels as a NIXL notification inside the sides; the pipe to
 the parent carries only the orchestration (start, pause, stop, kill) and the counters.
 
@@ -570,7 +570,7 @@ def worker_main(role: str, cfg, conn, names: dict, index: int = 0, place=None) -
     which end their loops; a worker that does not stop is killed), so a signal sent to
     the whole process group ends the run the same way as one sent to the parent.
     ``index``: the worker's among its kind; ``place``: its network namespace
-    (:meth:`kvmem.demo_hosts.NetnsHosts.place`; None: this host's).
+    (:meth:`kvmem.demo.hosts.NetnsHosts.place`; None: this host's).
 
     The process ends here, never by returning: status 0 after its ``final`` report (its
     engine closed in order by then), 1 after an ``error`` message; through
