@@ -30,7 +30,7 @@ import time
 from bench.bench_demo import LOADED_CORES, SIZES, _busy_seconds, _own_seconds, _row, _spread
 from bench.conftest import SMOKE, pick
 from kvmem.demo import DemoConfig, run
-from kvmem.demo_hosts import netns_refusal
+from kvmem.demo.hosts import netns_refusal
 
 REQUESTS = pick(int(os.environ.get("KVMEM_BENCH_NETNS_REQUESTS", "200")), 6)
 RUNS = pick(int(os.environ.get("KVMEM_BENCH_NETNS_RUNS", "3")), 1)

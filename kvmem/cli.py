@@ -1,9 +1,10 @@
 """The ``kvmem`` command (also ``python -m kvmem``).
 
 ``kvmem demo`` is the main job: a prefill worker and a decode worker in two processes
-moving KV over NIXL with every fault injected (:mod:`kvmem.demo`).  ``kvmem selfcheck``
-exercises a pool, the allocator and the pack/unpack kernels end to end on the chosen
-device, in one process, with what it did printed as it goes.
+moving KV over NIXL with every fault injected (:mod:`kvmem.demo`, the app beside the
+library, imported only when that subcommand runs).  ``kvmem selfcheck`` exercises a
+pool, the allocator and the pack/unpack kernels end to end on the chosen device, in one
+process, with what it did printed as it goes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from kvmem import __version__, demo
+from kvmem import __version__
 
 
 def _selfcheck_plan(args):
@@ -119,7 +120,14 @@ def _selfcheck(args, plan) -> int:
     return 0 if leaked == 0 else 1
 
 
+def _subcommand(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is not an option (the top
+    level's options, ``--version`` and ``--help``, take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(
         prog="kvmem", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"kvmem {__version__}")
@@ -131,7 +139,10 @@ def main(argv=None) -> int:
                     "by default; a progress line (on a terminal), then a report.  Exit "
                     "status: 0 all checks passed, 1 a check failed (a leaked page, a corrupt "
                     "byte, ...), 2 bad options, 3 a worker failed before its final report.")
-    demo.add_arguments(demo_parser)
+    if _subcommand(argv) == "demo":  # the demo's options, from the demo, for the demo only
+        from kvmem.demo import add_arguments
+
+        add_arguments(demo_parser)
     p = sub.add_parser(
         "selfcheck", help="pool + allocator + pack/unpack, end to end",
         description="Builds a KV pool and a page allocator on one device, allocates a "
@@ -157,7 +168,9 @@ def main(argv=None) -> int:
         (demo_parser if args.cmd == "demo" else p).error(
             f"unrecognized arguments: {' '.join(extra)}")
     if args.cmd == "demo":
-        return demo.main(args, demo_parser)
+        from kvmem.demo import main as demo_main
+
+        return demo_main(args, demo_parser)
     try:
         plan = _selfcheck_plan(args)
     except (ValueError, TypeError) as e:

@@ -1,10 +1,12 @@
 """Prefill/decode disaggregation with every request's pages freed exactly once.
 
 :class:`PrefillSide` and :class:`DecodeSide` (their module docstrings draw the state
-machines), the control messages and the one parser every received message goes through
-(:mod:`.protocol`), the counters and page ledger they share (:mod:`.common`), the
-deterministic stand-in KV data the demo verifies (:mod:`.synth`), and the measurement of
-the packed/direct threshold of push mode (:mod:`.calibrate`).
+machines), what they need of the model (:mod:`.model`: the prefill's :class:`Forward`,
+the decode's :class:`Verifier`), the control messages and the one parser every received
+message goes through (:mod:`.protocol`), the counters and page ledger they share
+(:mod:`.common`), those counters for Prometheus (:mod:`.metrics`), and the measurement
+of the packed/direct threshold of push mode (:mod:`.calibrate`).  Nothing here imports
+:mod:`kvmem.demo`, the app that runs these sides with a stand-in model.
 
 Transfer modes: push (the prefill writes each chunk: packed into the decode's landing
 region, or direct from its pool pages into the decode's pool pages, chosen per chunk by
@@ -17,11 +19,11 @@ from kvmem.disagg.common import (
     Metrics, Outcome, ProtocolError, Reason,
 )
 from kvmem.disagg.decode import DecodeFaults, DecodeSide
+from kvmem.disagg.model import Forward, Verifier
 from kvmem.disagg.prefill import Faults, PrefillSide
-from kvmem.disagg.synth import Synth
 
 __all__ = [
     "KVPoll", "Outcome", "Reason", "ProtocolError", "Ledger", "Metrics",
-    "PrefillSide", "DecodeSide", "Faults", "DecodeFaults", "Synth",
+    "PrefillSide", "DecodeSide", "Faults", "DecodeFaults", "Forward", "Verifier",
     "OK", "CLIENT_CLOSED", "INTERNAL_ERROR", "SERVICE_UNAVAILABLE", "GATEWAY_TIMEOUT",
 ]

@@ -406,7 +406,7 @@ class PeerCounts:
 class Metrics:
     """Counters of one side, plain fields the side increments: for a report
     (:meth:`as_dict`), a log line (:meth:`log_line`) or a Prometheus scrape
-    (:func:`kvmem.metrics.register` reads them through prometheus_client)."""
+    (:func:`kvmem.disagg.metrics.register` reads them through prometheus_client)."""
 
     side: str
     requests: Counter = field(default_factory=Counter)  # by outcome

@@ -94,6 +94,7 @@ from kvmem.disagg.protocol import (
 )
 from kvmem.transfer.errors import StaleEpochError, TransferError
 from kvmem.disagg.prefill import AUX_BYTES, DEFAULT_TIMEOUT
+from kvmem.disagg.model import Verifier, prepare_model
 from kvmem.memory import make_backend
 
 log = logging.getLogger("kvmem.disagg.decode")
@@ -131,19 +132,22 @@ class DecodeSide:
     """One decode worker: a pool, its allocator, a landing buffer, a transfer engine, one
     or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``)."""
 
-    def __init__(self, pool, allocator, engine, synth, *, prefill_peer: str | None = None,
+    def __init__(self, pool, allocator, engine, verifier: Verifier, *, prefill_peer: str | None = None,
                  prefill_peers=None, landing_bytes: int, timeout: float = DEFAULT_TIMEOUT,
                  quarantine_timeout: float | None = None, clock=now,
                  faults: DecodeFaults | None = None, transfer_mode: str = "push",
                  done_event=None):
-        """``done_event``: ``() -> object with query()``, called after the device work of
+        """``verifier``: what the landed KV is checked against
+        (:class:`~kvmem.disagg.model.Verifier`).
+
+        ``done_event``: ``() -> object with query()``, called after the device work of
         each landed chunk, AUX or read (checks, unpack); a request's pages and landing
         region are reused only once its last one says True.  Default
         :func:`~kvmem.disagg.common.device_event` of the pool's device (always True on
         the CPU, where that work is done when it returns)."""
         if transfer_mode not in ("push", "pull"):
             raise ValueError(f"transfer_mode must be 'push' or 'pull', got {transfer_mode!r}")
-        self.pool, self.alloc, self.engine, self.synth = pool, allocator, engine, synth
+        self.pool, self.alloc, self.engine, self.verifier = pool, allocator, engine, verifier
         self.spec = pool.spec
         self.prefill_peers = peer_names("prefill", prefill_peer, prefill_peers)
         self.transfer_mode = transfer_mode  # pull: this side reads the offered pages
@@ -157,7 +161,7 @@ class DecodeSide:
         self.clock = clock
         self.faults = faults or DecodeFaults()
         self.done_event = done_event or device_event(pool.device)
-        synth.tape_on(pool.device)  # the checks compare against the tape there
+        prepare_model(verifier, Verifier, pool.device, "DecodeSide")  # its set-up on our device
         # verdicts of the checks, in order, on their way to the host: (HostCopy, nbytes,
         # rid, first, last, what a mismatch means or None)
         self._checks: list = []
@@ -291,9 +295,9 @@ class DecodeSide:
         if room in self._rooms:
             raise ProtocolError(f"REQ for request {rid}: bootstrap room {room} is in use by "
                                 f"request {self._rooms[room]}")
-        if tokens <= 0 or tokens > self.synth.max_tokens:
+        if tokens <= 0 or tokens > self.verifier.max_tokens:
             raise ProtocolError(f"REQ for request {rid}: {tokens} tokens outside "
-                                f"[1, {self.synth.max_tokens}]")
+                                f"[1, {self.verifier.max_tokens}]")
         req = DecodeRequest(rid, room, tokens, peer, t_seen=self.clock())
         if self.faults.withhold_boot(rid):
             req.state = "withheld"
@@ -375,13 +379,13 @@ class DecodeSide:
         self.metrics.peer(peer).bytes += nbytes
         if msg.direct:  # written straight into the request's pool pages: check them there
             self.chunk_modes["direct"] += 1
-            ok = self.synth.verify_pages(self.pool, req.rid, first, last,
-                                         req.host_pages[first:last])
+            ok = self.verifier.verify_pages(self.pool, req.rid, first, last,
+                                            req.host_pages[first:last])
         else:
             self.chunk_modes["packed"] += 1
             start = req.landing_off + msg.off
             data = self.landing[start:start + nbytes]
-            ok = self.synth.verify(req.rid, first, last, data)
+            ok = self.verifier.verify(req.rid, first, last, data)
         self._landed(req, first, last, nbytes, ok, "landed bytes differ from what was sent")
         if req.state == "booted" and not msg.direct:  # our own page ids: unchecked, no sync
             kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last],
@@ -482,8 +486,8 @@ class DecodeSide:
                     self.chunk_modes["pulled"] += 1
                     self.metrics.bytes_landed += nbytes
                     self.metrics.peer(req.peer).bytes += nbytes
-                    ok = self.synth.verify_pages(self.pool, req.rid, first, last,
-                                                 req.host_pages[first:last])
+                    ok = self.verifier.verify_pages(self.pool, req.rid, first, last,
+                                                    req.host_pages[first:last])
                     req.busy = self.done_event()  # the check reads the pages
                     self._landed(req, first, last, nbytes, ok,
                                  "read bytes differ from what the prefill computed")

@@ -114,6 +114,7 @@ from kvmem.disagg.protocol import (
     AbortReq, Boot, Inbox, Meta, Pausing, Pulled, apply_metadata, decode_runs, encode,
     encode_runs, meta_message,
 )
+from kvmem.disagg.model import Forward, prepare_model
 from kvmem.memory import make_backend
 from kvmem.transfer.errors import StaleEpochError, TransferError
 
@@ -225,9 +226,10 @@ class PrefillRequest:
 class PrefillSide:
     """One prefill worker: a pool, its allocator, a transfer engine, one or several decode
     peers (``decode_peer``: one agent name; or ``decode_peers``: several, each request
-    bound to one of them by :meth:`add_request`)."""
+    bound to one of them by :meth:`add_request`); ``model`` writes each chunk's KV
+    (:class:`~kvmem.disagg.model.Forward`)."""
 
-    def __init__(self, pool, allocator, engine, synth, *, decode_peer: str | None = None,
+    def __init__(self, pool, allocator, engine, model: Forward, *, decode_peer: str | None = None,
                  decode_peers=None, chunk_tokens: int = 256, max_batch_tokens: int = 2048,
                  staging_bytes: int | None = None,
                  bootstrap_timeout: float = DEFAULT_TIMEOUT,
@@ -241,7 +243,7 @@ class PrefillSide:
                              f"{spec.page_size}, got {chunk_tokens}")
         if transfer_mode not in ("push", "pull"):
             raise ValueError(f"transfer_mode must be 'push' or 'pull', got {transfer_mode!r}")
-        self.pool, self.alloc, self.engine, self.synth = pool, allocator, engine, synth
+        self.pool, self.alloc, self.engine, self.model = pool, allocator, engine, model
         self.spec = spec
         self.decode_peers = peer_names("decode", decode_peer, decode_peers)
         # push: this side writes each chunk (packed or direct); pull: it offers the pages
@@ -258,7 +260,7 @@ class PrefillSide:
         self.faults = faults or Faults()
         self.on_finish = on_finish
         self.ready_event = ready_event or device_event(pool.device)
-        synth.tape_on(pool.device)  # the stand-in forward reads its tape there
+        prepare_model(model, Forward, pool.device, "PrefillSide")  # its set-up on our device
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("prefill")
         self.inbox = Inbox(engine, peers=self.decode_peers, receiver="prefill",
@@ -346,9 +348,9 @@ class PrefillSide:
         check_id("add_request", f"request {rid}: room", room)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
             raise ValueError(f"add_request: request {rid}: tokens must be an int > 0, got {tokens!r}")
-        if tokens > self.synth.max_tokens:
+        if tokens > self.model.max_tokens:
             raise ValueError(f"add_request: request {rid}: {tokens} tokens > the "
-                             f"{self.synth.max_tokens}-token maximum")
+                             f"{self.model.max_tokens}-token maximum")
         if rid in self.reqs or rid in self.finished:
             raise ProtocolError(f"add_request: request id {rid} is in use")
         if room in self._rooms:
@@ -479,9 +481,9 @@ class PrefillSide:
         return batch
 
     def _forward(self, batch) -> None:
-        """Stand-in for the model: the chunk's KV, deterministic per request."""
+        """The model's forward pass: each chunk's KV into its pages."""
         for req, first, last in batch:
-            self.synth.fill(self.pool, req.rid, first, last, self.ledger.pages(req.rid)[first:last])
+            self.model.fill(self.pool, req.rid, first, last, self.ledger.pages(req.rid)[first:last])
 
     def fill_batch(self, batch) -> None:
         """After the forward: for each request, consume a pending abort first (free its

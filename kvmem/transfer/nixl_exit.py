@@ -21,7 +21,7 @@ teardown's ``__del__`` methods and the destructors of native objects still alive
 agent not closed: its threads end with the process), and buffered data of files nobody
 closed.
 
-Who calls it: the ``kvmem demo`` workers (:mod:`kvmem.demo_worker`; the demo's parent
+Who calls it: the ``kvmem demo`` workers (:mod:`kvmem.demo.worker`; the demo's parent
 never loads NIXL), pytest runs through :func:`finish_pytest` (the repository's conftests),
 and scripts or multiprocessing targets through :func:`process_body`.
 """

@@ -62,6 +62,21 @@ def test_python_m_kvmem_runs_the_demo():
     assert p.stdout.rstrip().endswith(": OK")
 
 
+def test_the_demo_is_imported_only_for_its_subcommand():
+    """The library's command line loads the demo app (kvmem.demo) for ``kvmem demo``
+    alone: not for selfcheck, --version or the top-level help."""
+    code = ("import sys\nfrom kvmem.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] == ['kvmem', 'demo']))")
+    for args in (SELFCHECK, ["--version"], ["--help"]):
+        p = _run([sys.executable, "-c", code, *args])
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.splitlines()[-1] == "[]", (args, p.stdout)
+    p = _run([sys.executable, "-c", code, "demo", "--help"])
+    assert p.returncode == 0, p.stderr
+    assert "--transfer-mode" in p.stdout and "'kvmem.demo.command'" in p.stdout.splitlines()[-1]
+
+
 def _sources():
     return sorted(PKG.rglob("*.py"))
 
@@ -84,8 +99,8 @@ def test_no_hand_written_prometheus_text_or_progress_bar_in_kvmem():
 
 def test_only_the_command_line_prints():
     """Library modules log (kvmem.* loggers); the command line (kvmem/cli.py and the demo's
-    parent, kvmem/demo.py) prints its report and its errors."""
-    cli = {PKG / "cli.py", PKG / "demo.py"}
+    command, kvmem/demo/command.py) prints its report and its errors."""
+    cli = {PKG / "cli.py", PKG / "demo" / "command.py"}
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
              for p in _sources() if p not in cli
              for i, line in enumerate(p.read_text().splitlines(), 1)

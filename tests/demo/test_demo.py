@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from kvmem.cli import main
-from kvmem.demo import loop_breakdown
-from kvmem.disagg.faults import FAMILIES
+from kvmem.demo.faults import FAMILIES
+from kvmem.demo.report import loop_breakdown
 from tests.util import communicate, no_core_dumps, pythonpath_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -229,7 +229,7 @@ def test_json_in_a_read_only_directory_exits_2(tmp_path, capsys):
 
 
 def test_write_json_leaves_no_temporary_file_on_failure(tmp_path):
-    from kvmem.demo import write_json
+    from kvmem.demo.command import write_json
 
     with pytest.raises(TypeError):
         write_json(str(tmp_path / "r.json"), {"x": object()})  # not JSON-serializable
@@ -381,7 +381,8 @@ def _progress_messages(finished: int) -> dict:
 
 
 def test_progress_redraws_one_line_on_a_terminal():
-    from kvmem.demo import DemoConfig, Progress
+    from kvmem.demo import DemoConfig
+    from kvmem.demo.progress import Progress
 
     out = _FakeTerminal()
     bar = Progress(DemoConfig(requests=10, pauses=2), out)
@@ -406,7 +407,8 @@ def test_progress_redraws_one_line_on_a_terminal():
 
 
 def test_progress_is_quiet_when_not_a_terminal():
-    from kvmem.demo import DemoConfig, Progress
+    from kvmem.demo import DemoConfig
+    from kvmem.demo.progress import Progress
 
     out = io.StringIO()
     bar = Progress(DemoConfig(requests=10), out)

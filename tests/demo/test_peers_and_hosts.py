@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmem.demo_hosts import ADDRESS, NetnsHosts, PREFIX, netns_refusal, remove_stale
+from kvmem.demo.hosts import ADDRESS, NetnsHosts, PREFIX, netns_refusal, remove_stale
 from tests.demo.test_demo import assert_every_fault_lifecycle
 from tests.util import communicate
 

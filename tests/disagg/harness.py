@@ -18,7 +18,7 @@ import kvmem
 from kvmem.memory import MemoryBackend
 from kvmem.disagg.decode import DecodeFaults, DecodeSide
 from kvmem.disagg.prefill import Faults, PrefillSide
-from kvmem.disagg.synth import Synth
+from kvmem.demo.synth import Synth
 from kvmem.transfer.nixl import NixlEngine
 
 SPEC = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)

@@ -1,5 +1,5 @@
 """Pacing of the worker loops: each side's step() says whether it made progress, and the
-loop's Backoff naps only after steps that made none (kvmem.demo_worker drives both sides
+loop's Backoff naps only after steps that made none (kvmem.demo.worker drives both sides
 this way).  Real sides over two NIXL agents (tests/disagg/harness.py); the clock is the
 harness's, so the timeouts here fire however long the naps are."""
 

@@ -82,10 +82,10 @@ def test_corrupt_pool_pages_are_caught_in_place(pair):
     # one flipped byte in a landed page: the in-place check (against the tape) sees it
     dec = pair.decode
     pages = dec.ledger.pages(1)
-    assert dec.synth.verify_pages(dec.pool, 1, 0, 4, pages[:4])
+    assert dec.verifier.verify_pages(dec.pool, 1, 0, 4, pages[:4])
     dec.pool.v_buffer[1][int(pages[2])].view(torch.uint8).view(-1)[7] ^= 1
-    assert not dec.synth.verify_pages(dec.pool, 1, 0, 4, pages[:4])
-    assert not dec.synth.verify_pages(dec.pool, 1, 0, 4, pages[:3])  # wrong count
+    assert not dec.verifier.verify_pages(dec.pool, 1, 0, 4, pages[:4])
+    assert not dec.verifier.verify_pages(dec.pool, 1, 0, 4, pages[:3])  # wrong count
     pair.faults.stall_at.clear()
     pair.run_idle()
 

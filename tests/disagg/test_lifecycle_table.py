@@ -331,13 +331,13 @@ def test_metrics_exposition(pair):
     pair.run_idle()
     from prometheus_client import CollectorRegistry
 
-    import kvmem.metrics
+    import kvmem.disagg.metrics
 
-    reg = kvmem.metrics.register(pair.prefill, CollectorRegistry())
+    reg = kvmem.disagg.metrics.register(pair.prefill, CollectorRegistry())
     get = reg.get_sample_value
     assert get("kvmem_requests_total", {"side": "prefill", "outcome": "succeeded"}) == 1
     assert get("kvmem_pages_freed_total", {"side": "prefill", "reason": "sent"}) == 4
-    kvmem.metrics.unregister(pair.prefill, reg)
+    kvmem.disagg.metrics.unregister(pair.prefill, reg)
     line = pair.decode.metrics.log_line(pair.decode.ledger.freed_by_reason)
     assert "succeeded=1" in line and "completed=4" in line
     assert torch.tensor(0).numel() == 1

@@ -1,4 +1,4 @@
-"""kvmem.metrics: the PD sides' counters in a prometheus_client registry.  Values after a
+"""kvmem.disagg.metrics: the PD sides' counters in a prometheus_client registry.  Values after a
 real run of both sides (the disagg harness: two NIXL agents in this process), the
 exposition parsed back with prometheus_client's own parser, a scrape over HTTP from the
 server thread, and the registration rules (kvmem's own registry by default, one side of
@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-import kvmem.metrics
+import kvmem.disagg.metrics
 from kvmem.disagg import Metrics
 from tests.disagg.harness import Pair
 
@@ -68,8 +68,8 @@ def run_every_path(pair) -> None:
 
 def test_values_after_a_real_run_match_the_sides_counters(pair):
     reg = CollectorRegistry()
-    assert kvmem.metrics.register(pair.prefill, reg) is reg
-    kvmem.metrics.register(pair.decode, reg)
+    assert kvmem.disagg.metrics.register(pair.prefill, reg) is reg
+    kvmem.disagg.metrics.register(pair.decode, reg)
     run_every_path(pair)
     fams = scrape(reg)
 
@@ -134,14 +134,14 @@ def test_values_after_a_real_run_match_the_sides_counters(pair):
 def test_every_metrics_field_is_exposed():
     """A counter added to Metrics must reach the exposition too."""
     fields = {f.name for f in dataclasses.fields(Metrics)} - {"side"}
-    assert fields == kvmem.metrics.FIELDS
+    assert fields == kvmem.disagg.metrics.FIELDS
 
 
 def test_histogram_buckets_are_cumulative():
     m = Metrics("prefill", time_to_free=[0.0002, 0.0002, 0.003, 0.5, 7.0])
     side = SimpleNamespace(metrics=m, ledger=SimpleNamespace(freed_by_reason={}),
                            alloc=SimpleNamespace(num_free=3, num_allocated=4))
-    reg = kvmem.metrics.register(side, CollectorRegistry())
+    reg = kvmem.disagg.metrics.register(side, CollectorRegistry())
     get = reg.get_sample_value
     want = {0.0001: 0, 0.00025: 2, 0.0005: 2, 0.001: 2, 0.0025: 2, 0.005: 3, 0.1: 3,
             0.25: 3, 1.0: 4}
@@ -164,32 +164,32 @@ def _fake(kind: str):
 
 def test_default_registry_is_kvmems_own_not_the_global_one():
     side = _fake("decode")
-    assert kvmem.metrics.register(side) is kvmem.metrics.REGISTRY
-    assert kvmem.metrics.REGISTRY is not prometheus_client.REGISTRY
+    assert kvmem.disagg.metrics.register(side) is kvmem.disagg.metrics.REGISTRY
+    assert kvmem.disagg.metrics.REGISTRY is not prometheus_client.REGISTRY
     try:
         side.metrics.requests["succeeded"] = 3
-        assert kvmem.metrics.REGISTRY.get_sample_value(
+        assert kvmem.disagg.metrics.REGISTRY.get_sample_value(
             "kvmem_requests_total", {"side": "decode", "outcome": "succeeded"}) == 3
         assert prometheus_client.REGISTRY.get_sample_value(
             "kvmem_requests_total", {"side": "decode", "outcome": "succeeded"}) is None
     finally:
-        kvmem.metrics.unregister(side)
-    assert b"kvmem_" not in generate_latest(kvmem.metrics.REGISTRY)
+        kvmem.disagg.metrics.unregister(side)
+    assert b"kvmem_" not in generate_latest(kvmem.disagg.metrics.REGISTRY)
 
 
 def test_one_side_of_each_kind_per_registry():
     reg = CollectorRegistry()
     a, b = _fake("prefill"), _fake("prefill")
-    kvmem.metrics.register(a, reg)
+    kvmem.disagg.metrics.register(a, reg)
     before = generate_latest(reg)
     with pytest.raises(ValueError, match="a prefill side is already registered in this "
                                          r"registry \(another one\)"):
-        kvmem.metrics.register(b, reg)
+        kvmem.disagg.metrics.register(b, reg)
     with pytest.raises(ValueError, match=r"\(this same side\)"):
-        kvmem.metrics.register(a, reg)
+        kvmem.disagg.metrics.register(a, reg)
     assert generate_latest(reg) == before  # nothing changed
     # a second instance: a registry of its own
-    other = kvmem.metrics.register(b, CollectorRegistry())
+    other = kvmem.disagg.metrics.register(b, CollectorRegistry())
     b.metrics.pauses = 5
     assert other.get_sample_value("kvmem_pauses_total", {"side": "prefill"}) == 5
     assert reg.get_sample_value("kvmem_pauses_total", {"side": "prefill"}) == 0
@@ -199,32 +199,32 @@ def test_unregister():
     reg = CollectorRegistry()
     p, d = _fake("prefill"), _fake("decode")
     with pytest.raises(ValueError, match="no kvmem side is registered in this registry"):
-        kvmem.metrics.unregister(p, reg)
-    kvmem.metrics.register(p, reg)
+        kvmem.disagg.metrics.unregister(p, reg)
+    kvmem.disagg.metrics.register(p, reg)
     with pytest.raises(ValueError, match=r"this decode side is not registered in this "
                                          r"registry \(registered: \['prefill'\]\)"):
-        kvmem.metrics.unregister(d, reg)
-    kvmem.metrics.register(d, reg)
-    kvmem.metrics.unregister(p, reg)
+        kvmem.disagg.metrics.unregister(d, reg)
+    kvmem.disagg.metrics.register(d, reg)
+    kvmem.disagg.metrics.unregister(p, reg)
     assert reg.get_sample_value("kvmem_pauses_total", {"side": "prefill"}) is None
     assert reg.get_sample_value("kvmem_pauses_total", {"side": "decode"}) == 0
-    kvmem.metrics.unregister(d, reg)
+    kvmem.disagg.metrics.unregister(d, reg)
     assert generate_latest(reg) == b""  # the last side out took the collector along
-    kvmem.metrics.register(p, reg)  # and a new one comes in
+    kvmem.disagg.metrics.register(p, reg)  # and a new one comes in
     assert reg.get_sample_value("kvmem_pauses_total", {"side": "prefill"}) == 0
 
 
 def test_bad_side_kind_and_name_clash_change_nothing():
     with pytest.raises(ValueError, match="must be one of \\['decode', 'prefill'\\], got 'x'"):
-        kvmem.metrics.register(_fake("x"), CollectorRegistry())
+        kvmem.disagg.metrics.register(_fake("x"), CollectorRegistry())
     reg = CollectorRegistry()
     clash = prometheus_client.Counter("kvmem_pauses", "a host's own", registry=reg)
     with pytest.raises(ValueError, match="Duplicated timeseries"):
-        kvmem.metrics.register(_fake("prefill"), reg)
+        kvmem.disagg.metrics.register(_fake("prefill"), reg)
     assert reg.get_sample_value("kvmem_requests_total",
                                 {"side": "prefill", "outcome": "failed"}) is None
     reg.unregister(clash)
-    kvmem.metrics.register(_fake("prefill"), reg)  # the failed call left nothing behind
+    kvmem.disagg.metrics.register(_fake("prefill"), reg)  # the failed call left nothing behind
     assert reg.get_sample_value("kvmem_requests_total",
                                 {"side": "prefill", "outcome": "failed"}) == 0
 
@@ -232,8 +232,8 @@ def test_bad_side_kind_and_name_clash_change_nothing():
 def test_a_host_serves_the_registry_over_http(pair):
     """What a host does: prometheus_client's own server, scraped from its thread."""
     reg = CollectorRegistry()
-    kvmem.metrics.register(pair.prefill, reg)
-    kvmem.metrics.register(pair.decode, reg)
+    kvmem.disagg.metrics.register(pair.prefill, reg)
+    kvmem.disagg.metrics.register(pair.decode, reg)
     server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=reg)
     try:
         pair.prefill.add_request(1, 64)
@@ -249,3 +249,13 @@ def test_a_host_serves_the_registry_over_http(pair):
     got = {(s.labels["side"], s.labels["outcome"]): s.value
            for s in fams["kvmem_requests"].samples}
     assert got[("prefill", "succeeded")] == got[("decode", "succeeded")] == 1
+
+
+def test_the_former_name_kvmem_metrics_gives_the_same_objects():
+    import kvmem.metrics
+
+    assert set(kvmem.metrics.__all__) == {n for n in vars(kvmem.disagg.metrics)
+                                          if not n.startswith("_") and n.isupper()} | {
+        "register", "unregister", "DisaggCollector"}
+    for name in kvmem.metrics.__all__:
+        assert getattr(kvmem.metrics, name) is getattr(kvmem.disagg.metrics, name), name

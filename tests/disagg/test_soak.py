@@ -10,7 +10,7 @@ import os
 import pytest
 
 from kvmem.disagg import Outcome
-from kvmem.disagg.faults import FAMILIES, FaultPlan
+from kvmem.demo.faults import FAMILIES, FaultPlan
 from tests.disagg.harness import Pair
 
 REQUESTS = int(os.environ.get("KVMEM_SOAK_REQUESTS", "2000"))

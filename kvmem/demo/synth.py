@@ -11,7 +11,7 @@ Chunks are in kvmem's packed layout (K of every layer, then V; each
 ``[tokens, heads, head_dim]``), for the request's pages ``[first, last)`` (page ``j`` of a
 request holds its tokens ``j * page_size ...``).
 
-On a CUDA pool the tape is copied to the device once (:meth:`Synth.tape_on`, which the
+On a CUDA pool the tape is copied to the device once (:meth:`Synth.prepare`, which the
 sides call at construction); ``fill`` and the checks then run on the device with no host
 sync, and a check's verdict is a 0-dim bool tensor on the device that the decode reads
 through a :class:`~kvmem.disagg.common.HostCopy`.
@@ -34,7 +34,9 @@ _PERIOD = 16 << 20  # random bytes the per-request bases are drawn from
 
 
 class Synth:
-    """The tape for requests of at most ``max_tokens`` tokens of ``spec``."""
+    """The tape for requests of at most ``max_tokens`` tokens of ``spec``: the model of both
+    PD sides, :class:`kvmem.disagg.Forward` (:meth:`fill`) and :class:`kvmem.disagg.Verifier`
+    (:meth:`verify`, :meth:`verify_pages`)."""
 
     def __init__(self, spec: KVSpec, max_tokens: int, seed: int = 0):
         self.spec = spec
@@ -55,6 +57,10 @@ class Synth:
         if t is None:
             t = self._tapes[device] = self.tape.to(device)
         return t
+
+    def prepare(self, device) -> None:
+        """The sides' set-up call (kvmem.disagg.model): the tape on ``device`` now."""
+        self.tape_on(device)
 
     def _base(self, rid: int, layer: int, kv: int) -> int:
         x = (rid * 0x9E3779B97F4A7C15 + layer * 0xBF58476D1CE4E5B9 + kv * 0x94D049BB133111EB)

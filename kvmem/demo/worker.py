@@ -1,12 +1,12 @@
-"""The worker processes of ``kvmem demo`` (started by :mod:`kvmem.demo` with the 'spawn'
-context; this module is what each child imports): ``--prefills`` prefill workers and
-``--decodes`` decode workers, one and one by default.
+"""The worker processes of ``kvmem demo`` (started by :mod:`kvmem.demo.orchestrator` with
+the 'spawn' context; this module is what each child imports): ``--prefills`` prefill
+workers and ``--decodes`` decode workers, one and one by default.
 
 Each worker owns a KVPool (host backend), a PageAllocator, a NixlEngine (UCX, no progress
 thread: the loops poll) and one side of the PD lifecycle
 (:class:`~kvmem.disagg.PrefillSide` or :class:`~kvmem.disagg.DecodeSide`), whose peers
 are every worker of the other kind.  With ``--hosts netns`` a worker first enters its
-network namespace (:func:`kvmem.demo_hosts.enter`).  After the start-up exchange below,
+network namespace (:func:`kvmem.demo.hosts.enter`).  After the start-up exchange below,
 every PD control message travels as a NIXL notification inside the sides; the pipe to
 the parent carries only the orchestration (start, pause, stop, kill) and the counters.
 
@@ -64,7 +64,7 @@ from collections import Counter
 
 import torch
 
-from kvmem.demo_hosts import enter
+from kvmem.demo.hosts import enter
 
 PROGRESS_EVERY = 0.2  # seconds between progress messages
 PIPE_EVERY = 0.002  # seconds between polls of the parent's pipe in the workload loops (a
@@ -143,8 +143,8 @@ class _Worker:
         """``names``: {"prefill": [agent names], "decode": [agent names]}, every worker's;
         ``index``: this worker's among its kind."""
         from kvmem.disagg.common import Backoff
-        from kvmem.disagg.faults import FaultPlan
-        from kvmem.disagg.synth import Synth
+        from kvmem.demo.faults import FaultPlan
+        from kvmem.demo.synth import Synth
         from kvmem.transfer.nixl import NixlEngine
 
         self.cfg, self.conn, self.names, self.index = cfg, conn, names, index
@@ -288,7 +288,7 @@ class PrefillWorker(_Worker):
         c, s = self.clock, self.side
         c.wrap(s, "step", "step")
         c.wrap(self.backoff, "sleep", "nap")
-        c.wrap(s.synth, "fill", "forward: synth KV into pool pages")
+        c.wrap(s.model, "fill", "forward: synth KV into pool pages")
         c.wrap(s.pool, "pack", "pack_pages")
         c.wrap(s.engine, "post_write", "post_write (UCX copies here)")
         c.wrap(s.engine, "post_blocks", "post_blocks (direct; UCX copies here)")
@@ -470,8 +470,8 @@ class DecodeWorker(_Worker):
         c, s = self.clock, self.side
         c.wrap(s, "step", "step")
         c.wrap(self.backoff, "sleep", "nap")
-        c.wrap(s.synth, "verify", "verify (Synth.verify)")
-        c.wrap(s.synth, "verify_pages", "verify in place (Synth.verify_pages)")
+        c.wrap(s.verifier, "verify", "verify (Synth.verify)")
+        c.wrap(s.verifier, "verify_pages", "verify in place (Synth.verify_pages)")
         c.wrap(s.engine, "post_blocks", "post_blocks (pull; UCX reads here)")
         c.wrap(s.pool, "unpack", "unpack_pages into pool")
         c.wrap(s.engine, "get_notifs", "get_notifs")
@@ -570,7 +570,7 @@ def worker_main(role: str, cfg, conn, names: dict, index: int = 0, place=None) -
     which end their loops; a worker that does not stop is killed), so a signal sent to
     the whole process group ends the run the same way as one sent to the parent.
     ``index``: the worker's among its kind; ``place``: its network namespace
-    (:meth:`kvmem.demo_hosts.NetnsHosts.place`; None: this host's).
+    (:meth:`kvmem.demo.hosts.NetnsHosts.place`; None: this host's).
 
     The process ends here, never by returning: status 0 after its ``final`` report (its
     engine closed in order by then), 1 after an ``error`` message; through
