@@ -19,7 +19,7 @@ from kvmem.disagg import DecodeSide, Forward, PrefillSide, Verifier
 from kvmem.disagg.prefill import AUX_BYTES
 from kvmem.transfer import NixlEngine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPEC = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16)
 PAGES = 65
 
