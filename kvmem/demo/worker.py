@@ -2,6 +2,9 @@
 the 'spawn' context; this module is what each child imports): ``--prefills`` prefill
 workers and ``--decodes`` decode workers, one and one by default.
 
+About 600 lines: the two worker classes share their loop, pacing and pipe protocol
+(``_Worker``), and each is the one place its side's setup and workload are driven from.
+
 Each worker owns a KVPool (host backend), a PageAllocator, a NixlEngine (UCX, no progress
 thread: the loops poll) and one side of the PD lifecycle
 (:class:`~kvmem.disagg.PrefillSide` or :class:`~kvmem.disagg.DecodeSide`), whose peers
@@ -217,6 +220,16 @@ class _Worker:
         self.instrument()
         return self.recv("start") or {}
 
+    TIMED: tuple = ()  # (attribute of the side, method, stage label), per kind of worker
+
+    def instrument(self) -> None:
+        """Time the side's step, the loop's naps and the calls of :attr:`TIMED`."""
+        c, s = self.clock, self.side
+        c.wrap(s, "step", "step")
+        c.wrap(self.backoff, "sleep", "nap")
+        for attr, method, label in self.TIMED:
+            c.wrap(getattr(s, attr), method, label)
+
     def final(self) -> dict:
         side, alloc = self.side, self.side.alloc
         audit = side.audit()
@@ -284,17 +297,13 @@ class PrefillWorker(_Worker):
         self.setup["side"] = time.monotonic() - t
         self.populate()
 
-    def instrument(self) -> None:
-        c, s = self.clock, self.side
-        c.wrap(s, "step", "step")
-        c.wrap(self.backoff, "sleep", "nap")
-        c.wrap(s.model, "fill", "forward: synth KV into pool pages")
-        c.wrap(s.pool, "pack", "pack_pages")
-        c.wrap(s.engine, "post_write", "post_write (UCX copies here)")
-        c.wrap(s.engine, "post_blocks", "post_blocks (direct; UCX copies here)")
-        c.wrap(s.engine, "poll", "poll writes")
-        c.wrap(s.engine, "get_notifs", "get_notifs")
-        c.wrap(s.engine, "send_notif", "send_notif")
+    TIMED = (("model", "fill", "forward: synth KV into pool pages"),
+             ("pool", "pack", "pack_pages"),
+             ("engine", "post_write", "post_write (UCX copies here)"),
+             ("engine", "post_blocks", "post_blocks (direct; UCX copies here)"),
+             ("engine", "poll", "poll writes"),
+             ("engine", "get_notifs", "get_notifs"),
+             ("engine", "send_notif", "send_notif"))
 
     def bandwidth(self) -> None:
         """Raw NIXL write bandwidth to the decode process: one registered buffer written
@@ -466,16 +475,12 @@ class DecodeWorker(_Worker):
         self.setup["side"] = time.monotonic() - t
         self.populate()
 
-    def instrument(self) -> None:
-        c, s = self.clock, self.side
-        c.wrap(s, "step", "step")
-        c.wrap(self.backoff, "sleep", "nap")
-        c.wrap(s.verifier, "verify", "verify (Synth.verify)")
-        c.wrap(s.verifier, "verify_pages", "verify in place (Synth.verify_pages)")
-        c.wrap(s.engine, "post_blocks", "post_blocks (pull; UCX reads here)")
-        c.wrap(s.pool, "unpack", "unpack_pages into pool")
-        c.wrap(s.engine, "get_notifs", "get_notifs")
-        c.wrap(s.engine, "send_notif", "send_notif")
+    TIMED = (("verifier", "verify", "verify (Synth.verify)"),
+             ("verifier", "verify_pages", "verify in place (Synth.verify_pages)"),
+             ("engine", "post_blocks", "post_blocks (pull; UCX reads here)"),
+             ("pool", "unpack", "unpack_pages into pool"),
+             ("engine", "get_notifs", "get_notifs"),
+             ("engine", "send_notif", "send_notif"))
 
     def bandwidth(self) -> None:
         self.recv("bw_listen")
