@@ -1,0 +1,114 @@
+"""First-burst TTFT of a real sglang PD pair behind sglang's router, stock against
+``SGLANG_KVMEM=1`` on both servers, alternating, with sglang's per-request time stats.
+
+Run with the e2e tier's Python (``.venv-e2e``)::
+
+    .venv-e2e/bin/python -m bench.e2e_ttft --rounds 3 --out /tmp/ttft
+
+Each round starts a pair of each kind in turn (``tests/e2e/deploy.py``: the servers the
+e2e tier runs, with ``--enable-request-time-stats-logging``), sends ``--bursts`` bursts of
+40 plain requests through the router (a third streamed, as the scenario's first burst;
+``--gap`` seconds between bursts), and stops it.  Per kind and burst it prints the
+streamed requests' TTFT (median, max) and the medians of sglang's ``ReqTimeStats`` of
+every request: on the prefill ``bootstrap``, ``queue`` and ``forward`` (for a PD prefill
+that lasts until its KV transfer is done), on the decode ``transfer`` (waiting for the
+KV) and ``forward``.  The load average is printed beside each run: on a machine others
+use, these figures swing by several times (bench/results/cpu-2026-12-01-sglang-e2e.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.e2e import scenario  # noqa: E402
+from tests.e2e.deploy import Deployment, prompt  # noqa: E402
+from tests.e2e.tiny_model import make_tiny_model  # noqa: E402
+
+KINDS = {"stock": {}, "flag": {"SGLANG_KVMEM": "1"}}
+STAGES = {"prefill": ("bootstrap", "queue", "forward"), "decode": ("transfer", "forward")}
+
+
+def _stats(log: Path) -> dict:
+    """bootstrap room -> {stage: ms, "entry": s} from sglang's ReqTimeStats lines."""
+    out = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if "ReqTimeStats(" not in line or "HEALTH_CHECK" in line:
+            continue
+        room = re.search(r"bootstrap_room=(\d+)", line)
+        row = {k: float(v) for k, v in re.findall(r"(\w+)_duration=([0-9.]+)ms", line)}
+        row["entry"] = float(re.search(r"entry_time=([0-9.]+)", line).group(1))
+        out[room.group(1) if room else line] = row
+    return out
+
+
+def one(kind: str, model: Path, out: Path, bursts: int, gap: float) -> dict:
+    env = dict(KINDS[kind])
+    d = Deployment(model, out / "logs", prefill_env=env, decode_env=env,
+                   extra_args=["--enable-request-time-stats-logging"])
+    load = os.getloadavg()[0]
+    d.start()
+    rows = []
+    try:
+        with ThreadPoolExecutor(64) as pool:
+            for b in range(bursts):
+                fs = [pool.submit(scenario._request, d.router.url, prompt(i, 8 + i % 24), 16,
+                                  None, k % 3 == 0, False, "plain")
+                      for k, i in enumerate(range(100 * b, 100 * b + 40))]
+                outs = [f.result() for f in fs]
+                t = sorted(o.ttft for o in outs if o.ttft is not None)
+                rows.append({"ttft_ms": [round(1e3 * x) for x in t],
+                             "statuses": sorted({str(o.status) for o in outs})})
+                time.sleep(gap)
+    finally:
+        d.stop()
+    sides = {s: _stats(out / "logs" / f"{s}.log") for s in STAGES}
+    entries = sorted(r["entry"] for r in sides["prefill"].values())
+    for b, row in enumerate(rows):  # a request's burst: by its arrival at the prefill
+        lo = entries[40 * b] if len(entries) > 40 * b else float("inf")
+        hi = entries[40 * (b + 1)] if len(entries) > 40 * (b + 1) else float("inf")
+        rooms = [k for k, r in sides["prefill"].items() if lo <= r["entry"] < hi]
+        for s, stages in STAGES.items():
+            for st in stages:
+                xs = [sides[s][k][st] for k in rooms if st in sides[s].get(k, {})]
+                row[f"{s}_{st}_ms"] = round(statistics.median(xs)) if xs else None
+    return {"kind": kind, "loadavg_start": load, "loadavg_end": os.getloadavg()[0],
+            "bursts": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bursts", type=int, default=2)
+    ap.add_argument("--gap", type=float, default=3.0, help="seconds between bursts")
+    ap.add_argument("--out", type=Path, required=True, help="logs and results.json here")
+    a = ap.parse_args(argv)
+    model = make_tiny_model(a.out / "model")
+    results = []
+    for r in range(a.rounds):
+        for kind in KINDS:
+            res = one(kind, model, a.out / f"{kind}-{r}", a.bursts, a.gap)
+            results.append(res)
+            for b, row in enumerate(res["bursts"]):
+                t = row["ttft_ms"]
+                print(f"round {r} {kind:5s} burst {b}: TTFT median {statistics.median(t)} "
+                      f"max {max(t)} ms; " + ", ".join(f"{k[:-3]} {v}" for k, v in row.items()
+                                                     if k.endswith("_ms") and k != "ttft_ms")
+                      + f"; load {res['loadavg_start']:.1f}-{res['loadavg_end']:.1f}",
+                      flush=True)
+            (a.out / "results.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
