@@ -84,16 +84,15 @@ import torch
 import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
-    CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, HostCopy, Ledger, Metrics,
-    PeerTable, ProtocolError, Reason, buffer_map, check_caller_args, device_event, now,
-    peer_names, sole_peer, tell, to_device,
+    AUX_BYTES, CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE,
+    HostCopy, Ledger, Metrics, PeerTable, ProtocolError, Reason, buffer_map, check_caller_args,
+    device_event, now, peer_names, sole_peer, tell, to_device,
 )
 from kvmem.disagg.protocol import (
     Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs, encode,
     encode_runs, meta_message,
 )
 from kvmem.transfer.errors import StaleEpochError, TransferError
-from kvmem.disagg.prefill import AUX_BYTES, DEFAULT_TIMEOUT
 from kvmem.memory import make_backend
 
 log = logging.getLogger("kvmem.disagg.decode")

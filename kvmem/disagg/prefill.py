@@ -106,9 +106,10 @@ import torch
 import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
-    CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Ledger,
-    HostCopy, Metrics, PeerTable, ProtocolError, Reason, RegionMap, buffer_map,
-    check_caller_args, check_id, device_event, now, peer_names, sole_peer, tell, to_device,
+    AUX_BYTES, CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK,
+    SERVICE_UNAVAILABLE, KVPoll, Ledger, HostCopy, Metrics, PeerTable, ProtocolError, Reason,
+    RegionMap, buffer_map, check_caller_args, check_id, device_event, now, peer_names,
+    sole_peer, tell, to_device,
 )
 from kvmem.disagg.protocol import (
     AbortReq, Boot, Inbox, Meta, Pausing, Pulled, apply_metadata, decode_runs, encode,
@@ -118,10 +119,6 @@ from kvmem.memory import make_backend
 from kvmem.transfer.errors import StaleEpochError, TransferError
 
 log = logging.getLogger("kvmem.disagg.prefill")
-
-AUX_BYTES = 64  # the "extra state" written after the last KV chunk (first token, lengths)
-DEFAULT_TIMEOUT = 600.0
-
 
 # ``() -> object with query()``, called right after each pack into staging: on CUDA a
 # ``torch.cuda.Event`` recorded on the pool device's current stream (where pack ran); on
