@@ -1,32 +1,42 @@
 """The prefill side of PD disaggregation: every request's pages freed exactly once.
 
-States of a request (sglang's KVPoll) and every way out of each::
+A request's states (:class:`~kvmem.disagg.states.PrefillState`) and every edge between
+them.  This drawing is the table the code checks at each change
+(:data:`~kvmem.disagg.states.PREFILL_EDGES`; tests/test_disagg_states.py compares the
+two)::
 
-                 add_request
-                     |
-                     v           BOOT from decode
-              +--------------+ ---------------------> +-----------------+
-              | Bootstrapping|                        | WaitingForInput |
-              +--------------+                        +-----------------+
-                 |  abort                  abort |  timeout 504  | first chunk posted
-                 |  timeout 504 (bootstrap)      |  (transfer)   v
-                 |  pause 503                    |  pause 503  +--------------+
-                 |                               |             | Transferring |--+ more chunks,
-                 |                               |             +--------------+<-+ AUX (extra state)
-                 |                               |               |    |     |
-                 |                               |  abort / 504 /|    |     | every write DONE
-                 |                               |  503 / ERR 500|    |     v
-                 v                               v               v    |  +---------+
-              +-------------------------------------------------------+  | Success |
-              | ending: prefill pages freed now; posted writes drain  |  +---------+
-              | to DONE/ERR; then ABORT(reason) to decode = its ack   |
-              +-------------------------------------------------------+
-                                     |
-                                     v
-                                 +--------+
-                                 | Failed |  (outcome: aborted 499/503, timed_out 504,
-                                 +--------+   failed 500)
+    new                --add_request: REQ to the decode----------------> BOOTSTRAPPING
+    BOOTSTRAPPING      --the decode's BOOT accepted--------------------> WAITING_FOR_INPUT
+    WAITING_FOR_INPUT  --a chunk posted, not the last------------------> TRANSFERRING
+    TRANSFERRING       --a chunk posted, not the last------------------> TRANSFERRING
+    WAITING_FOR_INPUT  --its last chunk posted-------------------------> KV_POSTED
+    TRANSFERRING       --its last chunk posted-------------------------> KV_POSTED
+    KV_POSTED          --every write DONE: the AUX copied to staging---> AUX_STAGED
+    AUX_STAGED         --that copy done: the AUX posted----------------> AUX_POSTED
+    AUX_POSTED         --the AUX write DONE----------------------------> SUCCEEDED
+    BOOTSTRAPPING      --abort, bootstrap timeout 504, pause 503-------> ENDING
+    WAITING_FOR_INPUT  --abort, transfer timeout 504, 503, 500---------> ENDING
+    TRANSFERRING       --abort, transfer timeout 504, 503, 500---------> ENDING
+    KV_POSTED          --abort, transfer timeout 504, 503, 500---------> ENDING
+    AUX_STAGED         --abort, transfer timeout 504, 503, 500---------> ENDING
+    AUX_POSTED         --abort, transfer timeout 504, 503, 500---------> ENDING
+    ENDING             --no transfer in flight: ABORT to the decode----> FAILED
 
+* sglang's KVPoll (:meth:`PrefillSide.state`): BOOTSTRAPPING is Bootstrapping,
+  WAITING_FOR_INPUT is WaitingForInput, TRANSFERRING to AUX_POSTED are Transferring,
+  SUCCEEDED is Success, ENDING and FAILED are Failed (outcome: aborted 499/503, timed_out
+  504, failed 500).
+* Ending early (ENDING): prefill pages freed now (or once the transfer reading them, a
+  direct write or an offered read, is DONE or ERR), posted writes drain to DONE/ERR, then
+  ``ABORT(reason)`` to the decode, which is also its acknowledgement.  503: a pause of this
+  side, or the request's decode pausing (``PAUSING``: WAITING_FOR_INPUT on) or its memory
+  moving on under a post (StaleEpochError); 500: a write refused at post or ERR when polled
+  (any chunk, the AUX included), an offered read the decode failed or never answered; 504:
+  the bootstrap timeout (BOOTSTRAPPING) or the transfer timeout (after the BOOT).
+* A request changes state only through ``PrefillSide._transition``, which refuses an edge
+  not drawn here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message
+  that does not fit the state is a ProtocolError before anything changes.  What else a
+  request carries, and why it is not part of the state: :class:`PrefillRequest`.
 * "in the running batch": ``step`` allocates a chunk's pages, runs the forward (here:
   writes deterministic data, :mod:`kvmem.disagg.synth`), then :meth:`fill_batch`.  An
   abort arriving meanwhile is recorded and consumed first thing in ``fill_batch`` of the
@@ -111,6 +121,7 @@ from kvmem.disagg.common import (
     RegionMap, buffer_map, check_caller_args, check_id, device_event, now, peer_names,
     sole_peer, tell, to_device,
 )
+from kvmem.disagg.states import PREFILL_EDGES, PrefillState, check_edge
 from kvmem.disagg.protocol import (
     AbortReq, Boot, Inbox, Meta, Pausing, Pulled, apply_metadata, decode_runs, encode,
     encode_runs, meta_message,
@@ -119,6 +130,9 @@ from kvmem.memory import make_backend
 from kvmem.transfer.errors import StaleEpochError, TransferError
 
 log = logging.getLogger("kvmem.disagg.prefill")
+
+# the states ``_schedule`` runs forwards in (the next chunk while the last one's write flies)
+_FORWARDING = frozenset({PrefillState.WAITING_FOR_INPUT, PrefillState.TRANSFERRING})
 
 # ``() -> object with query()``, called right after each pack into staging: on CUDA a
 # ``torch.cuda.Event`` recorded on the pool device's current stream (where pack ran); on
@@ -187,11 +201,29 @@ class _DecodePeer:
 
 @dataclass
 class PrefillRequest:
+    """One request on the prefill side.  ``state`` is the whole of where it is in the
+    lifecycle (the module docstring draws the edges); only ``PrefillSide._transition``
+    changes it.  None of the other fields is part of it:
+
+    * ``in_batch``: its chunk's forward is running (from ``step``'s schedule to
+      ``fill_batch``).  Orthogonal: a WAITING_FOR_INPUT or TRANSFERRING request runs the
+      forward of its next chunk while the write of the one before is in flight, and the
+      state says what its transfers wait for, not the model.
+    * ``abort_pending`` (and ``t_abort``): an abort that arrived while ``in_batch``, a
+      deferred event rather than a state: the request stays where it is until
+      ``fill_batch`` of the same step applies it (ENDING), before its chunk is packed.
+    * ``pending``, ``staged``, ``handles``: its work queue, in order: chunks forwarded and
+      not staged yet; the one transfer staged and not posted; the transfers in flight (one
+      at a time).  What is queued, whatever the state.
+    * ``reason``: data of ENDING, FAILED and SUCCEEDED: how it ends.
+    * The rest: sizes, page ids, the BOOT's landing region and kv, counters: data.
+    """
+
     rid: int
     room: int
     tokens: int
     peer: str = ""  # the decode peer the request is bound to
-    state: KVPoll = KVPoll.Bootstrapping
+    state: PrefillState | None = None  # None until add_request enters it (BOOTSTRAPPING)
     t_created: float = 0.0
     t_bootstrapped: float | None = None
     done_tokens: int = 0  # tokens whose KV the forward produced
@@ -209,14 +241,10 @@ class PrefillRequest:
     pending: list = field(default_factory=list)  # chunks packed-to-be: (first, last, final)
     in_batch: bool = False
     abort_pending: Reason | None = None
-    ending: Reason | None = None  # set when the request ends early; writes still draining
-    aux_due: bool = False  # last chunk posted; the AUX write follows once it is DONE
-    final_posted: bool = False
-    result: Reason | None = None
     t_abort: float | None = None
+    reason: Reason | None = None  # ENDING, FAILED, SUCCEEDED: how it ends
     dpages: np.ndarray | None = None  # the decode's page ids of this request (its BOOT)
     kv: object = None  # RemoteMemory of the decode's kv those ids belong to (its BOOT's epoch)
-    deferred_release: str | None = None  # pages freed once the direct write reading them ends
 
 
 class PrefillSide:
@@ -352,6 +380,7 @@ class PrefillSide:
             raise ProtocolError(f"add_request: request {rid}: bootstrap room {room} is in use")
         req = PrefillRequest(rid, room, tokens, peer, t_created=self.clock(),
                              host_pages=np.zeros(-(-tokens // self.spec.page_size), np.int64))
+        self._transition(req, PrefillState.BOOTSTRAPPING)
         self.reqs[rid] = req
         self._rooms.add(room)
         self.ledger.hold(rid, torch.empty(0, dtype=torch.int64, device=self.alloc.device))
@@ -367,7 +396,7 @@ class PrefillSide:
             if rid in self.finished:
                 return
             raise ProtocolError(f"abort: unknown request id {rid!r}")
-        if req.ending is not None or req.result is not None:
+        if req.state.ended:
             return
         reason = Reason(status, message or f"request {rid} (room {req.room}) aborted by the client")
         if req.in_batch:  # consumed by fill_batch of this step
@@ -378,9 +407,10 @@ class PrefillSide:
         self._end(req, reason)
 
     def state(self, rid: int) -> KVPoll:
+        """sglang's state of request ``rid`` (``PrefillState.poll`` while it is active);
+        ProtocolError for an unknown id."""
         if rid in self.reqs:
-            r = self.reqs[rid]
-            return KVPoll.Failed if r.ending is not None else r.state
+            return self.reqs[rid].state.poll
         if rid in self.finished:
             return KVPoll.Success if self.finished[rid].status == OK else KVPoll.Failed
         raise ProtocolError(f"state: unknown request id {rid!r}")
@@ -429,7 +459,7 @@ class PrefillSide:
         picked, budget, need_pages = [], self.max_batch_tokens, 0
         for rid in self._order:
             req = self.reqs.get(rid)
-            if (req is None or req.ending is not None or req.state == KVPoll.Bootstrapping
+            if (req is None or req.state not in _FORWARDING
                     or req.done_tokens >= req.tokens or req.pending
                     or self._peers[req.peer].paused):
                 continue
@@ -506,7 +536,7 @@ class PrefillSide:
         moved = False
         for rid in list(self._order):
             req = self.reqs.get(rid)
-            while (req is not None and req.ending is None
+            while (req is not None and not req.state.ended
                    and not self._peers[req.peer].paused and not req.handles):
                 if req.staged is not None:
                     if not self._post_staged(req):
@@ -521,7 +551,7 @@ class PrefillSide:
                 if got == "wait":
                     break  # its page ids are still on their way to the host: next step
                 moved = True
-                if req.pending and req.ending is None:
+                if req.pending and not req.state.ended:
                     req.pending.pop(0)
         return moved
 
@@ -542,8 +572,8 @@ class PrefillSide:
             req.staged = _Staged(None, nbytes, kvmem.packed_nbytes(spec, first), b"",
                                  aux=False, final=final, ready=self.ready_event(),
                                  direct=("pull", first, last))
-            if final:  # the decode reads the pages: freed once its read is DONE or ERR
-                req.deferred_release = "sent"
+            # final: the decode reads the pages; freed once its read is DONE or ERR, in
+            # KV_POSTED (_maybe_finish)
             return "staged"
         direct = None if host_ids is None else self._direct_indices(req, first, last, host_ids)
         if direct is not None:
@@ -554,8 +584,7 @@ class PrefillSide:
                            direct=True)
             req.staged = _Staged(None, nbytes, kvmem.packed_nbytes(spec, first), notif,
                                  aux=False, final=final, ready=ready, direct=direct)
-            if final:  # the write reads the pages: freed once it is DONE or ERR
-                req.deferred_release = "sent"
+            # final: the write reads the pages; freed once it is DONE or ERR, in KV_POSTED
             return "staged"
         try:
             off = self.arena.alloc(nbytes)
@@ -601,6 +630,7 @@ class PrefillSide:
         aux_off = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size))
         notif = encode("AUX", rid=req.rid, off=aux_off, nbytes=AUX_BYTES)
         req.staged = _Staged(off, AUX_BYTES, aux_off, notif, aux=True, final=False, ready=ready)
+        self._transition(req, PrefillState.AUX_STAGED)
         self._post_staged(req)
 
     def _post_staged(self, req: PrefillRequest) -> bool:
@@ -614,18 +644,15 @@ class PrefillSide:
             pull = isinstance(st.direct[0], str)  # ("pull", first, last) or (li, ri)
             if not (self._offer(req, st) if pull else self._post_direct(req, st)):
                 return True  # the request ended (500 / 503)
-            if req.state == KVPoll.WaitingForInput:
-                req.state = KVPoll.Transferring
-            req.aux_due = st.final
+            self._transition(req, PrefillState.KV_POSTED if st.final else PrefillState.TRANSFERRING)
             return True
         if not self._post(req, st.off, st.nbytes, st.remote_off, st.notif, aux=st.aux):
             return True  # the request ended (500 / 503); its slot is free again
         if st.aux:
-            req.final_posted = True
+            self._transition(req, PrefillState.AUX_POSTED)
             return True
-        if req.state == KVPoll.WaitingForInput:
-            req.state = KVPoll.Transferring
-        req.aux_due = st.final  # posted by _maybe_finish once this write is DONE
+        # KV_POSTED: the AUX is staged by _maybe_finish once this write is DONE
+        self._transition(req, PrefillState.KV_POSTED if st.final else PrefillState.TRANSFERRING)
         return True
 
     def _post(self, req, staging_off, nbytes, remote_off, notif, *, aux: bool) -> bool:
@@ -803,7 +830,7 @@ class PrefillSide:
                 elif failed is None:
                     failed = h
             req.handles = keep
-            if failed is not None and req.ending is None:
+            if failed is not None and not req.state.ended:
                 self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: write of "
                                                       f"{failed.nbytes} bytes failed: {failed.error}"))
             else:
@@ -812,46 +839,59 @@ class PrefillSide:
         return ended
 
     def _maybe_finish(self, req: PrefillRequest) -> None:
+        """Once no transfer of ``req`` is in flight: KV_POSTED and ENDING give back the
+        pages a direct write or an offered read was reading (ledger reason ``sent``, or
+        ``ended:<status>``); then ENDING finishes (FAILED, ABORT to the decode), KV_POSTED
+        stages the AUX and AUX_POSTED finishes (SUCCEEDED).  Nothing in other states."""
         if req.handles:
             return
-        if req.deferred_release is not None and self.ledger.holds(req.rid):
-            self.ledger.release(req.rid, req.deferred_release)
-            req.deferred_release = None
-        if req.ending is not None:
-            self._finish(req, req.ending, tell_decode=True)
-        elif req.aux_due:  # the last chunk is DONE: its extra state follows
-            req.aux_due = False
+        st = req.state
+        if st in (PrefillState.KV_POSTED, PrefillState.ENDING) and self.ledger.holds(req.rid):
+            self.ledger.release(req.rid, "sent" if st is PrefillState.KV_POSTED
+                                else f"ended:{req.reason.status}")
+        if st is PrefillState.ENDING:
+            self._finish(req, PrefillState.FAILED, req.reason)
+        elif st is PrefillState.KV_POSTED:  # the last chunk is DONE: its extra state follows
             self._send_aux(req)
-        elif req.final_posted:
-            req.state = KVPoll.Success
-            self._finish(req, Reason(OK, f"request {req.rid}: KV delivered"), tell_decode=False)
+        elif st is PrefillState.AUX_POSTED:
+            self._finish(req, PrefillState.SUCCEEDED, Reason(OK, f"request {req.rid}: KV delivered"))
 
     # --- ending -------------------------------------------------------------------------------
+    def _transition(self, req: PrefillRequest, to: PrefillState) -> None:
+        """Move ``req`` to ``to`` along an edge of the module docstring's drawing
+        (:data:`~kvmem.disagg.states.PREFILL_EDGES`); IllegalTransition naming the request
+        and both states, ``req`` unchanged, for any other."""
+        check_edge("prefill", PREFILL_EDGES, req.rid, req.state, to)
+        log.debug("prefill: request %d: %s -> %s", req.rid,
+                  "(new)" if req.state is None else req.state.name, to.name)
+        req.state = to
+
     def _end(self, req: PrefillRequest, reason: Reason) -> None:
-        """End ``req`` early: its pages are freed now; once no write of it is in flight the
-        decode side is told (ABORT) and the client gets ``reason``."""
-        if req.ending is not None or req.result is not None:
+        """End ``req`` early (ENDING; nothing when it has ended already): its pages are
+        freed now, or once the transfer reading them is DONE or ERR; once no transfer of it
+        is in flight the decode side is told (ABORT) and the client gets ``reason``."""
+        if req.state.ended:
             return
-        req.ending = reason
+        self._transition(req, PrefillState.ENDING)
+        req.reason = reason
         req.pending.clear()
         if req.staged is not None:  # packed, never posted: the slot is free again
             if req.staged.off is not None:
                 self.arena.free(req.staged.off)
             req.staged = None
-        req.deferred_release = None
-        if any(h.tables for h, _ in req.handles):
-            # a direct write is reading these pages: freed once it is DONE or ERR
-            req.deferred_release = f"ended:{reason.status}"
-        elif self.ledger.holds(req.rid):
+        # a direct write or an offered read reading these pages: freed by _maybe_finish
+        # once it is DONE or ERR
+        if not any(h.tables for h, _ in req.handles) and self.ledger.holds(req.rid):
             self.ledger.release(req.rid, f"ended:{reason.status}")
         self._maybe_finish(req)
 
-    def _finish(self, req: PrefillRequest, reason: Reason, *, tell_decode: bool) -> None:
-        if tell_decode:
+    def _finish(self, req: PrefillRequest, to: PrefillState, reason: Reason) -> None:
+        """``req`` is over (``to``: FAILED, the decode told with ABORT, or SUCCEEDED)."""
+        self._transition(req, to)
+        req.reason = reason
+        if to is PrefillState.FAILED:
             self._tell(req.peer, encode(
                 "ABORT", rid=req.rid, status=reason.status, reason=reason.message))
-            req.state = KVPoll.Failed
-        req.result = reason
         del self.reqs[req.rid]
         if req.rid in self._order:
             self._order.remove(req.rid)
@@ -868,19 +908,18 @@ class PrefillSide:
         ended."""
         t, ended = self.clock(), False
         for req in list(self.reqs.values()):
-            if req.ending is not None:
-                continue
-            if req.state == KVPoll.Bootstrapping and t - req.t_created > self.bootstrap_timeout:
+            poll = req.state.poll
+            if poll == KVPoll.Bootstrapping and t - req.t_created > self.bootstrap_timeout:
                 ended = True
                 self._end(req, Reason(GATEWAY_TIMEOUT, (
                     f"prefill bootstrap timeout (> {self.bootstrap_timeout:g} s) for request "
                     f"{req.rid} (room {req.room})")))
-            elif (req.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
+            elif (poll in (KVPoll.WaitingForInput, KVPoll.Transferring)
                   and t - req.t_bootstrapped > self.transfer_timeout):
                 ended = True
                 self._end(req, Reason(GATEWAY_TIMEOUT, (
                     f"prefill transfer timeout (> {self.transfer_timeout:g} s) in "
-                    f"{req.state.name} for request {req.rid} (room {req.room})")))
+                    f"{poll.name} for request {req.rid} (room {req.room})")))
         return ended
 
     # --- control messages ---------------------------------------------------------------------
@@ -958,7 +997,7 @@ class PrefillSide:
         p.paused = True
         p.pause_epoch = msg.epoch
         for req in list(self.reqs.values()):
-            if req.peer == peer and (req.state != KVPoll.Bootstrapping or req.remote is not None):
+            if req.peer == peer and req.state is not PrefillState.BOOTSTRAPPING:  # its BOOT waits
                 self._end(req, Reason(SERVICE_UNAVAILABLE, (
                     f"request {req.rid} aborted: the decode side is pausing to release "
                     "its KV memory")))
@@ -998,8 +1037,9 @@ class PrefillSide:
             return
         if msg.room != req.room:
             raise ProtocolError(f"BOOT for request {req.rid}: room {msg.room} != {req.room}")
-        if req.state != KVPoll.Bootstrapping or req.ending is not None:
-            raise ProtocolError(f"BOOT for request {req.rid} in state {req.state.name}")
+        if req.state is not PrefillState.BOOTSTRAPPING:
+            raise ProtocolError(f"BOOT for request {req.rid} in state {req.state.poll.name} "
+                                f"({req.state.name})")
         p = self._peers[peer]
         if p.paused:
             p.held_boots[req.rid] = msg
@@ -1045,7 +1085,7 @@ class PrefillSide:
         req.kv = kv if kv is not None and kv.live and kv.epoch == msg.epoch else None
         req.remote, req.landing_map = remote, landing_map
         req.landing_off, req.landing_nbytes = msg.off, msg.nbytes
-        req.state = KVPoll.WaitingForInput
+        self._transition(req, PrefillState.WAITING_FOR_INPUT)
         req.t_bootstrapped = self.clock()
         self._order.append(req.rid)
 
