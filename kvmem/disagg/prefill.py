@@ -106,9 +106,11 @@ two)::
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -128,6 +130,7 @@ from kvmem.disagg.protocol import (
 )
 from kvmem.memory import make_backend
 from kvmem.transfer.errors import StaleEpochError, TransferError
+from kvmem.transfer.records import TransferHandle
 
 log = logging.getLogger("kvmem.disagg.prefill")
 
@@ -141,11 +144,10 @@ default_ready_event = device_event
 
 
 @dataclass
-class _Offer:
+class Offer:
     """Pull mode: pages [first, last) offered to the decode (``READY``), which reads them
-    from this side's pool; PROC until its ``PULLED`` (DONE or ERR) or the quarantine
-    timeout (ERR, logged).  Kept in ``req.handles`` like a write: one operation of a
-    request at a time, the pages held while it is open."""
+    from this side's pool.  ``state``: PROC until the decode's ``PULLED`` (DONE or ERR) or
+    the quarantine timeout (ERR, logged), the words of a write's handle."""
 
     first: int
     last: int
@@ -153,23 +155,50 @@ class _Offer:
     t_sent: float
     state: str = "PROC"
     error: str | None = None
-    tables: tuple = ("peer reads our pool",)  # truthy: the pages are read, hold them
-    op: str = "READ"
+
+
+class InFlight(NamedTuple):
+    """A transfer of a request in flight (one at a time): ``op`` is the TransferHandle of
+    a write this side posted (polled until DONE or ERR) or an :class:`Offer` (pull: the
+    decode reads, and answers)."""
+
+    op: TransferHandle | Offer
+    staging_off: int | None  # the staging slot a packed chunk or the AUX is written from
+
+    @property
+    def reads_pages(self) -> bool:
+        """No staging slot: the transfer reads the request's pool pages (a direct write, or
+        the decode's read of an offer), so they stay held until it ends."""
+        return self.staging_off is None
+
+
+class _Send(enum.Enum):
+    """What a staged transfer is."""
+
+    PACKED = "packed"  # a chunk packed into a staging slot, written into the landing region
+    DIRECT = "direct"  # a chunk written from this pool's pages into the decode's (post_blocks)
+    OFFER = "offer"  # pull: a chunk offered (READY); the decode reads this pool's pages
+    AUX = "aux"  # the extra state, copied into a staging slot, written after the last chunk
 
 
 @dataclass
 class _Staged:
-    """A write packed (or copied) into staging and not posted yet: posted once ``ready``
-    says the staging bytes are written."""
+    """A transfer staged and not posted yet: posted once ``ready`` says the bytes it sends
+    are written (the pack, the AUX copy or the forward is done on the device)."""
 
-    off: int | None  # staging offset; None for a direct write (pool pages to pool pages)
+    kind: _Send
     nbytes: int
     remote_off: int  # offset within the request's landing region
-    notif: bytes
-    aux: bool
-    final: bool
+    final: bool  # the request's last chunk
     ready: object
-    direct: tuple | None = None  # (local block indices, remote block indices)
+    notif: bytes = b""  # CHUNK or AUX (PACKED, DIRECT, AUX)
+    off: int | None = None  # staging offset (PACKED, AUX)
+    blocks: tuple | None = None  # DIRECT: (local block indices, remote block indices)
+    pages: tuple | None = None  # OFFER: (first, last)
+
+    @property
+    def aux(self) -> bool:
+        return self.kind is _Send.AUX
 
 
 class Faults:
@@ -237,7 +266,7 @@ class PrefillRequest:
     remote: object = None  # RemoteMemory of the decode's landing buffer
     landing_map: RegionMap | None = None  # offsets of ``remote``'s regions
     staged: _Staged | None = None  # packed, waiting for its ready event to be posted
-    handles: list = field(default_factory=list)  # (TransferHandle, staging offset)
+    handles: list = field(default_factory=list)  # InFlight transfers (one at a time)
     pending: list = field(default_factory=list)  # chunks packed-to-be: (first, last, final)
     in_batch: bool = False
     abort_pending: Reason | None = None
@@ -425,7 +454,7 @@ class PrefillSide:
         not seen DONE or ERR yet.  Such a write completes, and sends its notification, only
         when this side polls it (no progress thread: see kvmem/transfer/nixl.py), so a
         loop should not nap then; an offered read (pull) is the decode's to finish."""
-        return any(not isinstance(h, _Offer) for req in self.reqs.values() for h, _ in req.handles)
+        return any(not isinstance(t.op, Offer) for req in self.reqs.values() for t in req.handles)
 
     # --- one scheduler iteration -------------------------------------------------------------
     def step(self) -> bool:
@@ -569,9 +598,8 @@ class PrefillSide:
                 return "wait"
         if self.transfer_mode == "pull":  # offered once the forward's writes are done
             self.chunk_modes["pulled"] += 1
-            req.staged = _Staged(None, nbytes, kvmem.packed_nbytes(spec, first), b"",
-                                 aux=False, final=final, ready=self.ready_event(),
-                                 direct=("pull", first, last))
+            req.staged = _Staged(_Send.OFFER, nbytes, kvmem.packed_nbytes(spec, first),
+                                 final, self.ready_event(), pages=(first, last))
             # final: the decode reads the pages; freed once its read is DONE or ERR, in
             # KV_POSTED (_maybe_finish)
             return "staged"
@@ -582,8 +610,8 @@ class PrefillSide:
             notif = encode("CHUNK", rid=req.rid, first=first, last=last,
                            off=kvmem.packed_nbytes(spec, first), nbytes=nbytes, final=final,
                            direct=True)
-            req.staged = _Staged(None, nbytes, kvmem.packed_nbytes(spec, first), notif,
-                                 aux=False, final=final, ready=ready, direct=direct)
+            req.staged = _Staged(_Send.DIRECT, nbytes, kvmem.packed_nbytes(spec, first), final,
+                                 ready, notif, blocks=direct)
             # final: the write reads the pages; freed once it is DONE or ERR, in KV_POSTED
             return "staged"
         try:
@@ -602,7 +630,7 @@ class PrefillSide:
         chunk_off = kvmem.packed_nbytes(spec, first)
         notif = encode("CHUNK", rid=req.rid, first=first, last=last, off=chunk_off,
                        nbytes=nbytes, final=final, direct=False)
-        req.staged = _Staged(off, nbytes, chunk_off, notif, aux=False, final=final, ready=ready)
+        req.staged = _Staged(_Send.PACKED, nbytes, chunk_off, final, ready, notif, off=off)
         return "staged"
 
     def _host_ids(self, req: PrefillRequest, first: int, last: int) -> np.ndarray | None:
@@ -629,25 +657,25 @@ class PrefillSide:
         ready = self.ready_event()
         aux_off = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size))
         notif = encode("AUX", rid=req.rid, off=aux_off, nbytes=AUX_BYTES)
-        req.staged = _Staged(off, AUX_BYTES, aux_off, notif, aux=True, final=False, ready=ready)
+        req.staged = _Staged(_Send.AUX, AUX_BYTES, aux_off, False, ready, notif, off=off)
         self._transition(req, PrefillState.AUX_STAGED)
         self._post_staged(req)
 
     def _post_staged(self, req: PrefillRequest) -> bool:
-        """Post ``req.staged`` if its ready object says the staging bytes are written;
+        """Post ``req.staged`` if its ready object says the bytes it sends are written;
         False (nothing changed) when not yet."""
         st = req.staged
         if not st.ready.query():
             return False
         req.staged = None
-        if st.direct is not None:
-            pull = isinstance(st.direct[0], str)  # ("pull", first, last) or (li, ri)
-            if not (self._offer(req, st) if pull else self._post_direct(req, st)):
-                return True  # the request ended (500 / 503)
-            self._transition(req, PrefillState.KV_POSTED if st.final else PrefillState.TRANSFERRING)
-            return True
-        if not self._post(req, st.off, st.nbytes, st.remote_off, st.notif, aux=st.aux):
-            return True  # the request ended (500 / 503); its slot is free again
+        if st.kind is _Send.OFFER:
+            posted = self._offer(req, st)
+        elif st.kind is _Send.DIRECT:
+            posted = self._post_direct(req, st)
+        else:
+            posted = self._post(req, st.off, st.nbytes, st.remote_off, st.notif, aux=st.aux)
+        if not posted:
+            return True  # the request ended (500 / 503); a staging slot is free again
         if st.aux:
             self._transition(req, PrefillState.AUX_POSTED)
             return True
@@ -676,12 +704,12 @@ class PrefillSide:
             self.arena.free(staging_off)
             self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of {what} failed: {e}"))
             return False
-        req.handles.append((h, staging_off))
+        req.handles.append(InFlight(h, staging_off))
         return True
 
     def _offer(self, req, st: _Staged) -> bool:
         """Pull mode: tell the decode to read pages ``[first, last)`` from this pool."""
-        _, first, last = st.direct
+        first, last = st.pages
         seq = req.seq
         req.seq += 1
         if self.faults.fail_send(req.rid, seq, False):
@@ -695,14 +723,14 @@ class PrefillSide:
             self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: the decode cannot be "
                                   f"reached to read chunk {seq}"))
             return False
-        req.handles.append((_Offer(first, last, st.nbytes, self.clock()), None))
+        req.handles.append(InFlight(Offer(first, last, st.nbytes, self.clock()), None))
         return True
 
     def _on_pulled(self, msg: Pulled, peer: str) -> None:
         req = self._bound(msg, peer)
         offer = None if req is None else next(
-            (h for h, _ in req.handles if isinstance(h, _Offer) and h.state == "PROC"
-             and (h.first, h.last) == (msg.first, msg.last)), None)
+            (t.op for t in req.handles if isinstance(t.op, Offer) and t.op.state == "PROC"
+             and (t.op.first, t.op.last) == (msg.first, msg.last)), None)
         if offer is None:
             raise ProtocolError(f"PULLED for request {msg.rid} pages [{msg.first}, {msg.last}):"
                                 " no such read offered")
@@ -724,7 +752,7 @@ class PrefillSide:
                 raise StaleEpochError(req.peer, "kv", req.kv.describe(),
                                       "closed" if rt is None else rt.remote.describe(),
                                       "post_blocks (the BOOT's kv)")
-            li, ri = st.direct
+            li, ri = st.blocks
             h = self.engine.post_blocks(self._local_table, li, rt, ri, st.notif)
         except StaleEpochError as e:
             self._end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: the decode side "
@@ -734,7 +762,7 @@ class PrefillSide:
             self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} "
                                   f"(direct) failed: {e}"))
             return False
-        req.handles.append((h, None))
+        req.handles.append(InFlight(h, None))
         return True
 
     # --- direct writes ------------------------------------------------------------------------
@@ -797,38 +825,17 @@ class PrefillSide:
             if not req.handles:
                 continue
             keep, failed = [], None
-            for h, off in req.handles:
-                if isinstance(h, _Offer):
-                    st = h.state
-                    if st == "PROC" and self.clock() - h.t_sent > self.quarantine_timeout:
-                        log.error("prefill: request %d: no PULLED from the decode %.1f s after "
-                                  "offering pages [%d, %d); freeing them", req.rid,
-                                  self.quarantine_timeout, h.first, h.last)
-                        st = h.state = "ERR"
-                        h.error = "no PULLED within the quarantine timeout"
-                    if st == "PROC":
-                        keep.append((h, off))
-                        continue
-                    ended = True
-                    if st == "DONE":
-                        self.metrics.bytes_sent += h.nbytes
-                        self.metrics.peer(req.peer).bytes += h.nbytes
-                    elif failed is None:
-                        failed = h
-                    continue
-                st = self.engine.poll(h)
+            for t in req.handles:
+                st = self._poll_offer(req, t.op) if isinstance(t.op, Offer) else self._poll_write(t)
                 if st == "PROC":
-                    keep.append((h, off))
+                    keep.append(t)
                     continue
                 ended = True
-                self.engine.release(h)
-                if off is not None:
-                    self.arena.free(off)
                 if st == "DONE":
-                    self.metrics.bytes_sent += h.nbytes
-                    self.metrics.peer(req.peer).bytes += h.nbytes
+                    self.metrics.bytes_sent += t.op.nbytes
+                    self.metrics.peer(req.peer).bytes += t.op.nbytes
                 elif failed is None:
-                    failed = h
+                    failed = t.op
             req.handles = keep
             if failed is not None and not req.state.ended:
                 self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: write of "
@@ -837,6 +844,26 @@ class PrefillSide:
                 self._maybe_finish(req)
         self._maybe_ack_peer_pause()
         return ended
+
+    def _poll_write(self, w: InFlight) -> str:
+        """The engine's state of write ``w``; once DONE or ERR its handle is released and
+        its staging slot is free again."""
+        st = self.engine.poll(w.op)
+        if st != "PROC":
+            self.engine.release(w.op)
+            if w.staging_off is not None:
+                self.arena.free(w.staging_off)
+        return st
+
+    def _poll_offer(self, req: PrefillRequest, offer: Offer) -> str:
+        """``offer``'s state: the decode's answer (PULLED), or ERR (logged) once it has
+        gone unanswered for ``quarantine_timeout``."""
+        if offer.state == "PROC" and self.clock() - offer.t_sent > self.quarantine_timeout:
+            log.error("prefill: request %d: no PULLED from the decode %.1f s after offering "
+                      "pages [%d, %d); freeing them", req.rid, self.quarantine_timeout,
+                      offer.first, offer.last)
+            offer.state, offer.error = "ERR", "no PULLED within the quarantine timeout"
+        return offer.state
 
     def _maybe_finish(self, req: PrefillRequest) -> None:
         """Once no transfer of ``req`` is in flight: KV_POSTED and ENDING give back the
@@ -881,7 +908,7 @@ class PrefillSide:
             req.staged = None
         # a direct write or an offered read reading these pages: freed by _maybe_finish
         # once it is DONE or ERR
-        if not any(h.tables for h, _ in req.handles) and self.ledger.holds(req.rid):
+        if not any(t.reads_pages for t in req.handles) and self.ledger.holds(req.rid):
             self.ledger.release(req.rid, f"ended:{reason.status}")
         self._maybe_finish(req)
 
