@@ -968,25 +968,23 @@ class PrefillSide:
             moved = moved or any(rid not in peer.held_boots for rid in held)
         return moved
 
+    # The one dispatch table: message kind -> the handler of what a decode sends
+    # (protocol.PREFILL_RECEIVES); each handler takes (msg, peer).
+    HANDLERS = {Boot: "_on_boot", AbortReq: "_on_abort_req", Pausing: "_on_pausing",
+                Meta: "_on_meta", Pulled: "_on_pulled"}
+
     def handle_message(self, msg, peer: str | None = None) -> None:
         """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from decode
-        peer ``peer`` (may be left out when the side has one); ProtocolError, before
-        anything changed, when it does not fit the state here."""
+        peer ``peer`` (may be left out when the side has one) with its handler of
+        :attr:`HANDLERS`; ProtocolError, before anything changed, when it does not fit
+        the state here."""
         peer = self.decode_peer if peer is None else peer
         if peer not in self._peers:
             raise ProtocolError(f"message from {peer!r}, not a decode peer of this side")
-        if isinstance(msg, Boot):
-            self._on_boot(msg, peer)
-        elif isinstance(msg, AbortReq):
-            self._on_abort_req(msg, peer)
-        elif isinstance(msg, Pausing):
-            self._on_pausing(msg, peer)
-        elif isinstance(msg, Meta):
-            self._on_meta(msg, peer)
-        elif isinstance(msg, Pulled):
-            self._on_pulled(msg, peer)
-        else:
+        handler = self.HANDLERS.get(type(msg))
+        if handler is None:
             raise ProtocolError(f"unexpected message {type(msg).__name__} on the prefill side")
+        getattr(self, handler)(msg, peer)
 
     def _bound(self, msg, peer: str) -> PrefillRequest | None:
         """The active request ``msg`` names (None when it finished here), after checking
