@@ -1,26 +1,42 @@
 """The decode side of PD disaggregation: receives exactly the bytes that were sent and
 never frees a page a write may still land in.
 
-A request, as the decode side sees it::
+A request's states (:class:`~kvmem.disagg.states.DecodeState`) and every edge between
+them.  This drawing is the table the code checks at each change
+(:data:`~kvmem.disagg.states.DECODE_EDGES`; tests/test_disagg_states.py compares the
+two)::
 
-      REQ from prefill                 pages + landing region allocated
-    ------------------> [waiting] ----------------------------------> [booted] --BOOT-->
-                          | (no memory yet: retried each step)          |  CHUNK*: verify
-                          | ABORT from prefill: forget                  |  on arrival, unpack
-                          v                                             |  AUX: verify -> done
-                                                                        |  (pages freed)
-           ABORT from prefill (it has no write in flight): free now <---+
-           decode-side abort / own timeout: ABORT_REQ, quarantine ------+
-                          |
-                          v
-                    [quarantined]  pages + landing held: a posted write may still land.
-                          |        Chunks that land are still verified.  Freed on the
-                          |        prefill's ABORT (its acknowledgement: every write
-                          v        DONE/ERR), or after quarantine_timeout if it vanished.
-                        freed
+    new          --REQ from the prefill-------------------------------------> WAITING
+    new          --REQ, its BOOT withheld (DecodeFaults.withhold_boot)------> WITHHELD
+    WAITING      --pages and a landing region allocated---------------------> BOOTING
+    BOOTING      --their ids on the host: BOOT sent-------------------------> BOOTED
+    WAITING      --abort here, or own timeout: ABORT_REQ sent---------------> QUARANTINED
+    WITHHELD     --abort here, or own timeout: ABORT_REQ sent---------------> QUARANTINED
+    BOOTING      --abort here, or own timeout: ABORT_REQ sent---------------> QUARANTINED
+    BOOTED       --abort here, or own timeout: ABORT_REQ sent---------------> QUARANTINED
+    WAITING      --ABORT from the prefill: forget---------------------------> FREED
+    WITHHELD     --ABORT from the prefill: forget---------------------------> FREED
+    BOOTING      --ABORT from the prefill, or this side's pause-------------> FREED
+    BOOTED       --AUX (200), ABORT from the prefill, or this side's pause--> FREED
+    QUARANTINED  --the prefill's ABORT, quarantine_timeout, or the pause----> FREED
+
+* WAITING: no memory for it yet, retried each step (not while this side pauses).
+* BOOTED: ``CHUNK``s land and are verified on arrival, then unpacked; the ``AUX`` is
+  verified and completes it (its pages freed, 200).  An ``ABORT`` from the prefill means it
+  has no write of the request in flight: free now.
+* QUARANTINED: pages and landing region held, since a posted write may still land; the
+  chunks that land are still verified (not unpacked).  Freed on the prefill's ``ABORT``
+  (its acknowledgement: every write DONE/ERR), or after ``quarantine_timeout`` if it
+  vanished.
+* FREED: its pages and landing region are given back once the device work on them is
+  done (below); the request is over (:attr:`DecodeSide.completed`).
+* A request changes state only through ``DecodeSide._transition``, which refuses an edge
+  not drawn here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message
+  that does not fit the state is a ProtocolError before anything changes.  What else a
+  request carries, and why it is not part of the state: :class:`DecodeRequest`.
 
 Booting: the BOOT carries the request's page ids, which the allocator hands out on the
-pool's device; the request is ``booting`` until their copy to the host is done (at once on
+pool's device; the request is BOOTING until their copy to the host is done (at once on
 the CPU, a step or so later on CUDA: :class:`~kvmem.disagg.common.HostCopy`, polled, never
 waited on), then the BOOT goes out.
 
@@ -92,10 +108,16 @@ from kvmem.disagg.protocol import (
     Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs, encode,
     encode_runs, meta_message,
 )
+from kvmem.disagg.states import DECODE_EDGES, DecodeState, check_edge
 from kvmem.transfer.errors import StaleEpochError, TransferError
 from kvmem.memory import make_backend
 
 log = logging.getLogger("kvmem.disagg.decode")
+
+# the states CHUNK, AUX and READY may name (BOOT sent, not freed yet)
+_RECEIVING = frozenset({DecodeState.BOOTED, DecodeState.QUARANTINED})
+# the states that hold pages and a landing region (freed by this side's pause)
+_HOLDING = frozenset({DecodeState.BOOTING, DecodeState.BOOTED, DecodeState.QUARANTINED})
 
 
 class DecodeFaults:
@@ -108,11 +130,27 @@ class DecodeFaults:
 
 @dataclass
 class DecodeRequest:
+    """One request on the decode side.  ``state`` is the whole of where it is in the
+    lifecycle (the module docstring draws the edges); only ``DecodeSide._transition``
+    changes it.  None of the other fields is part of it:
+
+    * ``free_after_reads``: the prefill's ``ABORT`` arrived while one of this side's own
+      reads (pull) targets the pages, a deferred event rather than a state: the request
+      stays BOOTED or QUARANTINED (the pages are still that read's target, and
+      everything else holds as there) until the reads end, then it is FREED with it.
+    * ``reads``: this side's reads in flight (pull), the work queue of BOOTED and
+      QUARANTINED.
+    * ``busy``: the event after the last device work on its memory (device order, below):
+      when it is FREED, its memory waits for that event, whatever the state was.
+    * ``reason``: data of QUARANTINED: this side's own abort reason (kept when freed).
+    * ``ids`` (BOOTING), ``host_pages`` (from BOOTED), sizes, times, ``pages_done``: data.
+    """
+
     rid: int
     room: int
     tokens: int
     peer: str = ""  # the prefill whose REQ created it
-    state: str = "waiting"  # waiting | withheld | booting | booted | quarantined
+    state: DecodeState | None = None  # None until its REQ enters it (WAITING, WITHHELD)
     landing_off: int = -1
     landing_nbytes: int = 0
     t_seen: float = 0.0  # last message about this request
@@ -224,35 +262,32 @@ class DecodeSide:
                 busy = True
         if not self.pausing and not self.paused:
             for req in list(self.reqs.values()):
-                if req.state == "waiting":
+                if req.state is DecodeState.WAITING:
                     busy = self._boot(req) or busy
-                elif req.state == "booting":
+                elif req.state is DecodeState.BOOTING:
                     busy = self._send_boot(req) or busy
         return self._check_timeouts() or busy
 
+    # The one dispatch table: message kind -> the handler of what a prefill sends
+    # (protocol.DECODE_RECEIVES); each handler takes (msg, peer).
+    HANDLERS = {Req: "_on_req", Chunk: "_on_chunk", Aux: "_on_aux", Abort: "_on_abort",
+                PauseAck: "_on_pause_ack", Meta: "_on_meta", Ready: "_on_ready"}
+
     def handle_message(self, msg, peer: str | None = None) -> None:
         """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from prefill
-        peer ``peer`` (may be left out when the side has one); ProtocolError, before
-        anything changed, when it does not fit the state here."""
+        peer ``peer`` (may be left out when the side has one) with its handler of
+        :attr:`HANDLERS`; ProtocolError, before anything changed, when it does not fit
+        the state here."""
         peer = self.prefill_peer if peer is None else peer
         if peer not in self._tables:
             raise ProtocolError(f"message from {peer!r}, not a prefill peer of this side")
-        if isinstance(msg, Req):
-            self._on_req(msg, peer)
-        elif isinstance(msg, Chunk):
-            self._on_chunk(msg, peer)
-        elif isinstance(msg, Aux):
-            self._on_aux(msg, peer)
-        elif isinstance(msg, Abort):
-            self._on_abort(msg, peer)
-        elif isinstance(msg, PauseAck):
-            self._on_pause_ack(msg, peer)
-        elif isinstance(msg, Meta):
-            apply_metadata(self.engine, msg)
-        elif isinstance(msg, Ready):
-            self._on_ready(msg, peer)
-        else:
+        handler = self.HANDLERS.get(type(msg))
+        if handler is None:
             raise ProtocolError(f"unexpected message {type(msg).__name__} on the decode side")
+        getattr(self, handler)(msg, peer)
+
+    def _on_meta(self, msg: Meta, peer: str) -> None:
+        apply_metadata(self.engine, msg)
 
     def _on_pause_ack(self, msg: PauseAck, peer: str) -> None:
         """A prefill has no write into this side in flight: only an ack of *this* pause
@@ -294,18 +329,18 @@ class DecodeSide:
             raise ProtocolError(f"REQ for request {rid}: {tokens} tokens outside "
                                 f"[1, {self.synth.max_tokens}]")
         req = DecodeRequest(rid, room, tokens, peer, t_seen=self.clock())
-        if self.faults.withhold_boot(rid):
-            req.state = "withheld"
+        withheld = self.faults.withhold_boot(rid)
+        self._transition(req, DecodeState.WITHHELD if withheld else DecodeState.WAITING)
         self.reqs[rid] = req
         self._rooms[room] = rid
         self.completed.pop(rid, None)
-        if req.state == "waiting" and not self.pausing and not self.paused:
+        if req.state is DecodeState.WAITING and not self.pausing and not self.paused:
             self._boot(req)
 
     def _boot(self, req: DecodeRequest) -> bool:
         """Allocate the request's pages and landing region and send BOOT (once their ids
-        are on the host: at once on the CPU, at a later step on CUDA, state ``booting``
-        meanwhile); False (nothing changed) when there is no memory for it yet."""
+        are on the host: at once on the CPU, at a later step on CUDA, BOOTING meanwhile);
+        False (nothing changed) when there is no memory for it yet."""
         n = -(-req.tokens // self.spec.page_size)
         nbytes = kvmem.packed_nbytes(self.spec, n) + AUX_BYTES
         if n > self.alloc.num_free:
@@ -318,7 +353,7 @@ class DecodeSide:
         self.ledger.hold(req.rid, pages)
         req.landing_off, req.landing_nbytes = off, nbytes
         req.ids = HostCopy(pages)
-        req.state = "booting"
+        self._transition(req, DecodeState.BOOTING)
         req.t_seen = self.clock()
         self._send_boot(req)
         return True
@@ -329,7 +364,7 @@ class DecodeSide:
         if not req.ids.ready():
             return False
         req.host_pages, req.ids = req.ids.numpy(), None
-        req.state = "booted"
+        self._transition(req, DecodeState.BOOTED)
         req.t_seen = self.clock()
         self._tell(req.peer, encode(
             "BOOT", rid=req.rid, room=req.room, off=req.landing_off, nbytes=req.landing_nbytes,
@@ -343,7 +378,7 @@ class DecodeSide:
         if req.peer != peer:
             raise ProtocolError(f"{msg.t} for request {msg.rid} from {peer!r}: the request is "
                                 f"{req.peer!r}'s")
-        if req.state not in ("booted", "quarantined"):
+        if req.state not in _RECEIVING:
             raise ProtocolError(f"{msg.t} for request {req.rid} in state {req.state}")
         return req
 
@@ -382,7 +417,7 @@ class DecodeSide:
             data = self.landing[start:start + nbytes]
             ok = self.synth.verify(req.rid, first, last, data)
         self._landed(req, first, last, nbytes, ok, "landed bytes differ from what was sent")
-        if req.state == "booted" and not msg.direct:  # our own page ids: unchecked, no sync
+        if req.state is DecodeState.BOOTED and not msg.direct:  # own ids: unchecked, no sync
             kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last],
                                check=False)
         req.busy = self.done_event()  # the check and the unpack read the region, write pages
@@ -406,7 +441,7 @@ class DecodeSide:
                                 f"[{first}, {last})")
         ok = False
         try:
-            if req.state == "quarantined":  # aborted here: nothing more is read into it
+            if req.state is DecodeState.QUARANTINED:  # aborted here: nothing more is read
                 raise TransferError(f"request {req.rid} is aborted on the decode side")
             rt = self._tables[peer].get()
             if rt is None or rt.epoch != msg.epoch:
@@ -512,7 +547,7 @@ class DecodeSide:
         ok = (got == to_device(want, got.device)).all()  # on the device: no host sync
         req.busy = self.done_event()  # the comparison reads the landing region
         self._verdict(ok, AUX_BYTES, req.rid, n_pages, n_pages, None)
-        if req.state == "quarantined":
+        if req.state is DecodeState.QUARANTINED:
             return  # aborted here meanwhile: freed when the prefill's ABORT comes
         self._free(req, "completed", Reason(OK, f"request {req.rid}: KV received"))
 
@@ -527,7 +562,7 @@ class DecodeSide:
         if req.peer != peer:
             raise ProtocolError(f"ABORT for request {msg.rid} from {peer!r}: the request is "
                                 f"{req.peer!r}'s")
-        if msg.status == OK and req.state != "quarantined":
+        if msg.status == OK and req.state is not DecodeState.QUARANTINED:
             raise ProtocolError(f"ABORT for request {req.rid} with status 200: this side did "
                                 "not ask for it (200 only answers an ABORT_REQ)")
         reason = req.reason or Reason(msg.status, msg.reason)
@@ -547,14 +582,23 @@ class DecodeSide:
             if rid in self.completed:
                 return
             raise ProtocolError(f"abort: unknown request id {rid!r}")
-        if req.state == "quarantined":
+        if req.state is DecodeState.QUARANTINED:
             return
         req.reason = Reason(status, message or f"request {rid} aborted on the decode side")
         self._tell(req.peer, encode(
             "ABORT_REQ", rid=rid, status=status, reason=req.reason.message))
-        req.state = "quarantined"
+        self._transition(req, DecodeState.QUARANTINED)
         req.t_quarantined = self.clock()
         self.ledger.quarantine(rid)
+
+    def _transition(self, req: DecodeRequest, to: DecodeState) -> None:
+        """Move ``req`` to ``to`` along an edge of the module docstring's drawing
+        (:data:`~kvmem.disagg.states.DECODE_EDGES`); IllegalTransition naming the request
+        and both states, ``req`` unchanged, for any other."""
+        check_edge("decode", DECODE_EDGES, req.rid, req.state, to)
+        log.debug("decode: request %d: %s -> %s", req.rid,
+                  "(new)" if req.state is None else req.state.name, to.name)
+        req.state = to
 
     def _free(self, req: DecodeRequest, why: str, reason: Reason) -> None:
         """End ``req``: its pages and landing region go back now, or, while device work on
@@ -574,6 +618,7 @@ class DecodeSide:
                 self.ledger.release(req.rid, why)
             if req.landing_off >= 0:
                 self.arena.free(req.landing_off)
+        self._transition(req, DecodeState.FREED)
         del self.reqs[req.rid]
         del self._rooms[req.room]
         self.completed[req.rid] = reason
@@ -602,7 +647,7 @@ class DecodeSide:
         happened."""
         t, moved = self.clock(), False
         for req in list(self.reqs.values()):
-            if req.state == "quarantined":
+            if req.state is DecodeState.QUARANTINED:
                 if req.reads:
                     continue  # our own read still targets its pages: wait for DONE/ERR
                 if t - req.t_quarantined > self.quarantine_timeout:
@@ -637,7 +682,7 @@ class DecodeSide:
         memory is released once the device work on it is done too (a later step, polled,
         when some is still queued)."""
         for req in list(self.reqs.values()):
-            if req.state in ("booting", "booted", "quarantined"):
+            if req.state in _HOLDING:
                 self._free(req, "abort:503", req.reason or Reason(SERVICE_UNAVAILABLE, (
                     f"request {req.rid} (room {req.room}) aborted: decode paused to release "
                     "its KV memory")))
