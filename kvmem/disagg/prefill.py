@@ -454,7 +454,8 @@ class PrefillSide:
         not seen DONE or ERR yet.  Such a write completes, and sends its notification, only
         when this side polls it (no progress thread: see kvmem/transfer/nixl.py), so a
         loop should not nap then; an offered read (pull) is the decode's to finish."""
-        return any(not isinstance(t.op, Offer) for req in self.reqs.values() for t in req.handles)
+        return any(not isinstance(t.op, Offer)
+                   for req in self.reqs.values() for t in req.handles)
 
     # --- one scheduler iteration -------------------------------------------------------------
     def step(self) -> bool:
@@ -826,7 +827,8 @@ class PrefillSide:
                 continue
             keep, failed = [], None
             for t in req.handles:
-                st = self._poll_offer(req, t.op) if isinstance(t.op, Offer) else self._poll_write(t)
+                offer = isinstance(t.op, Offer)
+                st = self._poll_offer(req, t.op) if offer else self._poll_write(t)
                 if st == "PROC":
                     keep.append(t)
                     continue
@@ -881,7 +883,8 @@ class PrefillSide:
         elif st is PrefillState.KV_POSTED:  # the last chunk is DONE: its extra state follows
             self._send_aux(req)
         elif st is PrefillState.AUX_POSTED:
-            self._finish(req, PrefillState.SUCCEEDED, Reason(OK, f"request {req.rid}: KV delivered"))
+            self._finish(req, PrefillState.SUCCEEDED,
+                         Reason(OK, f"request {req.rid}: KV delivered"))
 
     # --- ending -------------------------------------------------------------------------------
     def _transition(self, req: PrefillRequest, to: PrefillState) -> None:
@@ -1022,7 +1025,8 @@ class PrefillSide:
         p.paused = True
         p.pause_epoch = msg.epoch
         for req in list(self.reqs.values()):
-            if req.peer == peer and req.state is not PrefillState.BOOTSTRAPPING:  # its BOOT waits
+            # a BOOTSTRAPPING request's BOOT waits for the decode's META (held_boots)
+            if req.peer == peer and req.state is not PrefillState.BOOTSTRAPPING:
                 self._end(req, Reason(SERVICE_UNAVAILABLE, (
                     f"request {req.rid} aborted: the decode side is pausing to release "
                     "its KV memory")))

@@ -76,10 +76,10 @@ class DecodeState(enum.StrEnum):
 
     WAITING = "waiting"  # REQ seen; no memory for it yet (retried each step)
     WITHHELD = "withheld"  # never booted (DecodeFaults.withhold_boot): the prefill times out
-    BOOTING = "booting"  # pages and landing region allocated; their ids on their way to the host
+    BOOTING = "booting"  # pages and landing region allocated; their ids on the way to the host
     BOOTED = "booted"  # BOOT sent: chunks land and are verified, the AUX completes it
     QUARANTINED = "quarantined"  # aborted here (ABORT_REQ sent): held until the prefill's ABORT
-    FREED = "freed"  # finished: pages and landing region given back (or draining to the device)
+    FREED = "freed"  # finished: pages and landing region given back (once the device is done)
 
 
 _D = DecodeState
