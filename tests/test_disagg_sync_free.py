@@ -35,8 +35,9 @@ CONVERSIONS = {
     _T.masked_select, torch.allclose, _T.allclose,
 }
 DISAGG = os.path.dirname(os.path.abspath(C.__file__))
-SCOPE = {os.path.join(DISAGG, f) for f in ("prefill.py", "prefill_send.py", "decode.py",
-                                              "common.py", "protocol.py", "arena.py")}
+SCOPE = {os.path.join(DISAGG, f) for f in ("prefill.py", "prefill_send.py", "prefill_peers.py",
+                                              "decode.py", "common.py", "protocol.py",
+                                              "arena.py")}
 # Where the sides may read device values: the asynchronous host copy, and the audit of a
 # pause (docs/disagg.md: a pause waits for the device anyway).
 ALLOWED = {C.HostCopy.__init__.__code__, C.HostCopy.numpy.__code__, C.Ledger.audit.__code__}
