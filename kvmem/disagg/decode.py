@@ -49,13 +49,8 @@ the request's pool pages (their ids went to the prefill in ``BOOT``): it is veri
 (``Synth.verify_pages``) and nothing is unpacked.  The quarantine holds the request's pool
 pages and landing region alike: both may be the target of a posted write.
 
-Device order: the check of a landed chunk and its unpack run on the pool device's stream
-(asynchronously on CUDA), and an event (``done_event``) is recorded after them.  A NIXL
-write is not ordered with that stream, so a request that ends gives its pages and landing
-region back only once its last event is done (owner ``("device-busy", rid)`` in the ledger
-meanwhile, quarantined); until then a new BOOT cannot have them.  A check's verdict is a
-device tensor that reaches the counters through a HostCopy.  So ``step`` makes no host
-sync on CUDA; :attr:`idle` also waits for verdicts and memory still in flight.
+The memory, given back in device order, and pause and resume:
+:mod:`kvmem.disagg.decode_memory`.
 
 Pull mode (``transfer_mode="pull"``): the prefill offers each chunk (``READY``: its own
 page ids and pool epoch); this side reads them into the request's pool pages (one
@@ -69,13 +64,6 @@ ranges, statuses); the handlers here then check what depends on state (request k
 page range within the request, size equal to the packed size, offset where that chunk
 belongs, a PAUSE_ACK for this pause's epoch); a bad message raises
 :class:`ProtocolError`, is counted and changes nothing.
-
-Pause (:meth:`begin_pause`): tell the prefill (``PAUSING``); it drains its writes into
-this side, aborts the requests bound here (503, ``ABORT`` each) and acknowledges
-(``PAUSE_ACK``); then the allocator is reset, ``kv`` and ``landing`` are deregistered
-(their tombstones published in ``META``) and the memory released.  Resume: memory back,
-registered at the new epoch, ``META`` published: writes built from the older metadata
-are refused by the prefill's engine before they are posted.
 
 Several prefill peers (``prefill_peers``): each request belongs to the prefill whose
 ``REQ`` created it, and messages about it from any other prefill are refused; request
@@ -100,13 +88,14 @@ import torch
 import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
-    AUX_BYTES, CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE,
-    HostCopy, Ledger, Metrics, PeerTable, ProtocolError, Reason, buffer_map, check_caller_args,
-    device_event, now, peer_names, sole_peer, tell, to_device,
+    AUX_BYTES, CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, HostCopy, Ledger, Metrics,
+    PeerTable, ProtocolError, Reason, check_caller_args, device_event, now, peer_names,
+    sole_peer, tell, to_device,
 )
+from kvmem.disagg.decode_memory import DecodeMemory
 from kvmem.disagg.protocol import (
     Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs, encode,
-    encode_runs, meta_message,
+    encode_runs,
 )
 from kvmem.disagg.states import DECODE_EDGES, DecodeState, check_edge
 from kvmem.transfer.errors import StaleEpochError, TransferError
@@ -116,8 +105,6 @@ log = logging.getLogger("kvmem.disagg.decode")
 
 # the states CHUNK, AUX and READY may name (BOOT sent, not freed yet)
 _RECEIVING = frozenset({DecodeState.BOOTED, DecodeState.QUARANTINED})
-# the states that hold pages and a landing region (freed by this side's pause)
-_HOLDING = frozenset({DecodeState.BOOTING, DecodeState.BOOTED, DecodeState.QUARANTINED})
 
 
 class DecodeFaults:
@@ -164,7 +151,7 @@ class DecodeRequest:
     busy: object = None  # event after the last device work on its pages / landing region
 
 
-class DecodeSide:
+class DecodeSide(DecodeMemory):
     """One decode worker: a pool, its allocator, a landing buffer, a transfer engine, one
     or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``)."""
 
@@ -216,22 +203,6 @@ class DecodeSide:
         self.inbox = Inbox(engine, peers=self.prefill_peers, receiver="decode",
                            handle=self.handle_message, metrics=self.metrics, log=log)
         self._register()
-
-    def _register(self) -> None:
-        # one region per physical chunk; the prefill's landing offsets (RegionMap of these
-        # regions) are offsets into self.landing only when they tile it in order
-        regions = self._landing_mem.regions()
-        buffer_map(self.landing, regions)
-        self.engine.register_pool(self.pool, "kv")
-        self.engine.register("landing", regions, self.pool.epoch, self.pool.device)
-        if self.transfer_mode == "pull":
-            self._local_table = self.engine.prep_local("kv")
-
-    def publish_metadata(self) -> None:
-        """``META`` with this side's current metadata, to every prefill."""
-        msg = meta_message(self.engine)
-        for name in self.prefill_peers:
-            self._tell(name, msg)
 
     def _tell(self, peer: str, msg: bytes) -> bool:
         return tell(self.engine, peer, msg, self.metrics, log)
@@ -288,29 +259,6 @@ class DecodeSide:
 
     def _on_meta(self, msg: Meta, peer: str) -> None:
         apply_metadata(self.engine, msg)
-
-    def _on_pause_ack(self, msg: PauseAck, peer: str) -> None:
-        """A prefill has no write into this side in flight: only an ack of *this* pause
-        (its epoch) counts, once per prefill; when every prefill has answered the pages
-        may be freed and the memory released."""
-        if not self.pausing:
-            raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this side is not pausing")
-        if msg.epoch != self.pool.epoch:
-            raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this pause is epoch "
-                                f"{self.pool.epoch}")
-        if peer not in self._acks_due:
-            raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch} from {peer!r}: it answered "
-                                "this pause already")
-        self._acks_due.discard(peer)
-        self._maybe_finish_pause()
-
-    def _maybe_finish_pause(self) -> None:
-        if self._acks_due or not self.pausing or self._ack_pending:
-            return
-        if any(r.reads for r in self.reqs.values()):
-            self._ack_pending = True  # our own reads into the pool first (step polls them)
-            return
-        self._finish_pause()
 
     # --- requests ------------------------------------------------------------------------------
     def _on_req(self, msg: Req, peer: str) -> None:
@@ -600,47 +548,6 @@ class DecodeSide:
                   "(new)" if req.state is None else req.state.name, to.name)
         req.state = to
 
-    def _free(self, req: DecodeRequest, why: str, reason: Reason) -> None:
-        """End ``req``: its pages and landing region go back now, or, while device work on
-        them (an unpack, a check; CUDA runs it asynchronously) is still queued, once that
-        work is done (:meth:`_drain_device`): a NIXL write is not ordered with the
-        device's stream, so a page or region reused by a new BOOT at once could receive
-        the new request's bytes before the old unpack ran."""
-        busy, req.busy = req.busy, None
-        if busy is not None and not busy.query():
-            owner = ("device-busy", req.rid)
-            if self.ledger.holds(req.rid):
-                self.ledger.rename(req.rid, owner)
-                self.ledger.quarantine(owner)
-            self._draining.append((busy, owner, why, req.landing_off))
-        else:
-            if self.ledger.holds(req.rid):
-                self.ledger.release(req.rid, why)
-            if req.landing_off >= 0:
-                self.arena.free(req.landing_off)
-        self._transition(req, DecodeState.FREED)
-        del self.reqs[req.rid]
-        del self._rooms[req.room]
-        self.completed[req.rid] = reason
-        self.metrics.requests[reason.outcome.value] += 1
-        self.metrics.peer(req.peer).requests[reason.outcome.value] += 1
-
-    def _drain_device(self) -> bool:
-        """Give back the pages and landing regions of ended requests whose device work is
-        done (polled, never waited on); True when some were."""
-        keep = []
-        for ev, owner, why, off in self._draining:
-            if not ev.query():
-                keep.append((ev, owner, why, off))
-                continue
-            if self.ledger.holds(owner):
-                self.ledger.release(owner, why)
-            if off >= 0:
-                self.arena.free(off)
-        moved = len(keep) < len(self._draining)
-        self._draining = keep
-        return moved
-
     def _check_timeouts(self) -> bool:
         """Abort the requests without news for ``timeout`` (504, quarantined), free the
         quarantined ones without an answer for ``quarantine_timeout``; True when either
@@ -662,66 +569,6 @@ class DecodeSide:
                     f"decode timeout (> {self.timeout:g} s without news from the prefill) "
                     f"for request {req.rid} (room {req.room})"))
         return moved
-
-    # --- pause / resume ---------------------------------------------------------------------
-    def begin_pause(self) -> None:
-        if self.pausing or self.paused:
-            return
-        self.pausing = True
-        self._pause_t0 = self.clock()
-        self.metrics.pauses += 1
-        msg = encode("PAUSING", epoch=self.pool.epoch)
-        # a prefill that cannot be told is gone (its process died, its connection broke):
-        # none of its writes can land any more, so this pause does not wait for its ack
-        self._acks_due = {n for n in self.prefill_peers if self._tell(n, msg)}
-        self._ack_pending = False
-        self._maybe_finish_pause()
-
-    def _finish_pause(self) -> None:
-        """The prefill acknowledged: none of its writes into this side is in flight.  The
-        memory is released once the device work on it is done too (a later step, polled,
-        when some is still queued)."""
-        for req in list(self.reqs.values()):
-            if req.state in _HOLDING:
-                self._free(req, "abort:503", req.reason or Reason(SERVICE_UNAVAILABLE, (
-                    f"request {req.rid} (room {req.room}) aborted: decode paused to release "
-                    "its KV memory")))
-        self._drain_device()
-        if self._draining:
-            self._complete_pause_due = True  # step() completes it
-            return
-        self._complete_pause()
-
-    def _complete_pause(self) -> None:
-        """Every page is free and no device work touches the memory: release it."""
-        self._complete_pause_due = False
-        self._apply_checks()
-        audit = self.ledger.audit()
-        if audit["leaked"] or audit["unaccounted"] or audit["quarantined"]:
-            raise AssertionError(f"decode pause: pages still held: {audit}")
-        self.alloc.reset()
-        self.engine.deregister("landing")
-        self.engine.deregister("kv")
-        self.publish_metadata()  # tombstones: any write built before is refused now
-        self._landing_mem.release()
-        self.pool.release()
-        self.pausing, self.paused = False, True
-
-    def resume(self) -> None:
-        if not self.paused:
-            return
-        self._local_table = None  # deregister released it; _register prepares the new one
-        self.pool.resume()
-        self._landing_mem.resume()
-        self._register()
-        self.publish_metadata()
-        self.paused = False
-        self.metrics.pause_seconds += self.clock() - self._pause_t0
-
-    def prefault(self) -> None:
-        """Back the pool and the landing buffer with memory now, not at first touch."""
-        self.pool.prefault()
-        self._landing_mem.prefault()
 
     @property
     def idle(self) -> bool:
