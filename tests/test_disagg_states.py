@@ -168,7 +168,7 @@ class Transitions(logging.Handler):
     def emit(self, record):
         side = record.name.rsplit(".", 1)[-1]
         if side in SIDES and record.msg.endswith("%s -> %s"):
-            rid, src, dst = record.args
+            rid, src, dst = record.args[1:]
             states = SIDES[side][1]
             self.seen.append((side, rid, None if src == "(new)" else states[src], states[dst]))
 

@@ -94,10 +94,10 @@ from kvmem.disagg.common import (
 )
 from kvmem.disagg.decode_memory import DecodeMemory
 from kvmem.disagg.protocol import (
-    Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs, encode,
-    encode_runs,
+    Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs,
+    dispatch, encode, encode_runs,
 )
-from kvmem.disagg.states import DECODE_EDGES, DecodeState, check_edge
+from kvmem.disagg.states import DECODE_EDGES, DecodeState, transition
 from kvmem.transfer.errors import StaleEpochError, TransferError
 from kvmem.memory import make_backend
 
@@ -252,10 +252,7 @@ class DecodeSide(DecodeMemory):
         peer = self.prefill_peer if peer is None else peer
         if peer not in self._tables:
             raise ProtocolError(f"message from {peer!r}, not a prefill peer of this side")
-        handler = self.HANDLERS.get(type(msg))
-        if handler is None:
-            raise ProtocolError(f"unexpected message {type(msg).__name__} on the decode side")
-        getattr(self, handler)(msg, peer)
+        dispatch(self, self.HANDLERS, msg, peer, "decode")
 
     def _on_meta(self, msg: Meta, peer: str) -> None:
         apply_metadata(self.engine, msg)
@@ -543,10 +540,7 @@ class DecodeSide(DecodeMemory):
         """Move ``req`` to ``to`` along an edge of the module docstring's drawing
         (:data:`~kvmem.disagg.states.DECODE_EDGES`); IllegalTransition naming the request
         and both states, ``req`` unchanged, for any other."""
-        check_edge("decode", DECODE_EDGES, req.rid, req.state, to)
-        log.debug("decode: request %d: %s -> %s", req.rid,
-                  "(new)" if req.state is None else req.state.name, to.name)
-        req.state = to
+        transition("decode", DECODE_EDGES, req, to, log)
 
     def _check_timeouts(self) -> bool:
         """Abort the requests without news for ``timeout`` (504, quarantined), free the

@@ -83,7 +83,7 @@ from kvmem.disagg.common import (
 )
 from kvmem.disagg.prefill_peers import PrefillPeers, _DecodePeer
 from kvmem.disagg.prefill_send import Offer, PrefillSending, _Staged
-from kvmem.disagg.states import PREFILL_EDGES, PrefillState, check_edge
+from kvmem.disagg.states import PREFILL_EDGES, PrefillState, transition
 from kvmem.disagg.protocol import Inbox, encode, meta_message
 from kvmem.memory import make_backend
 
@@ -438,10 +438,7 @@ class PrefillSide(PrefillPeers, PrefillSending):
         """Move ``req`` to ``to`` along an edge of the module docstring's drawing
         (:data:`~kvmem.disagg.states.PREFILL_EDGES`); IllegalTransition naming the request
         and both states, ``req`` unchanged, for any other."""
-        check_edge("prefill", PREFILL_EDGES, req.rid, req.state, to)
-        log.debug("prefill: request %d: %s -> %s", req.rid,
-                  "(new)" if req.state is None else req.state.name, to.name)
-        req.state = to
+        transition("prefill", PREFILL_EDGES, req, to, log)
 
     def _end(self, req: PrefillRequest, reason: Reason) -> None:
         """End ``req`` early (ENDING; nothing when it has ended already): its pages are

@@ -32,7 +32,7 @@ from kvmem.disagg.common import (
 )
 from kvmem.disagg.prefill_send import Offer
 from kvmem.disagg.protocol import (
-    AbortReq, Boot, Meta, Pausing, Pulled, apply_metadata, decode_runs, encode,
+    AbortReq, Boot, Meta, Pausing, Pulled, apply_metadata, decode_runs, dispatch, encode,
 )
 from kvmem.disagg.states import PrefillState
 
@@ -115,10 +115,7 @@ class PrefillPeers:
         peer = self.decode_peer if peer is None else peer
         if peer not in self._peers:
             raise ProtocolError(f"message from {peer!r}, not a decode peer of this side")
-        handler = self.HANDLERS.get(type(msg))
-        if handler is None:
-            raise ProtocolError(f"unexpected message {type(msg).__name__} on the prefill side")
-        getattr(self, handler)(msg, peer)
+        dispatch(self, self.HANDLERS, msg, peer, "prefill")
 
     def _bound(self, msg, peer: str) -> PrefillRequest | None:
         """The active request ``msg`` names (None when it finished here), after checking

@@ -12,6 +12,7 @@ rather than part of it, are documented on the request classes of each side.
 from __future__ import annotations
 
 import enum
+import logging
 
 from kvmem.disagg.common import KVPoll
 from kvmem.errors import KVMemError
@@ -110,3 +111,14 @@ def check_edge(side: str, edges: frozenset, rid: int, src, dst) -> None:
     """Raise :class:`IllegalTransition` unless ``(src, dst)`` is in ``edges``.  O(1)."""
     if (src, dst) not in edges:
         raise IllegalTransition(side, rid, src, dst)
+
+
+def transition(side: str, edges: frozenset, req, to, log: logging.Logger) -> None:
+    """Move ``req`` (a request of ``side``: its ``rid`` and ``state``, None while new) to
+    ``to`` along an edge of ``edges``, and log the change on ``log`` at DEBUG
+    (``prefill: request 3: TRANSFERRING -> KV_POSTED``); :class:`IllegalTransition`, ``req``
+    unchanged, for any other."""
+    check_edge(side, edges, req.rid, req.state, to)
+    log.debug("%s: request %d: %s -> %s", side, req.rid,
+              "(new)" if req.state is None else req.state.name, to.name)
+    req.state = to
