@@ -153,7 +153,9 @@ class DecodeRequest:
 
 class DecodeSide(DecodeMemory):
     """One decode worker: a pool, its allocator, a landing buffer, a transfer engine, one
-    or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``)."""
+    or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``).
+    Its memory (registration, freeing in device order, pause and resume) is handled by the
+    methods of its base :class:`~kvmem.disagg.decode_memory.DecodeMemory`."""
 
     def __init__(self, pool, allocator, engine, synth, *, prefill_peer: str | None = None,
                  prefill_peers=None, landing_bytes: int, timeout: float = DEFAULT_TIMEOUT,

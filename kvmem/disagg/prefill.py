@@ -5,22 +5,22 @@ them.  This drawing is the table the code checks at each change
 (:data:`~kvmem.disagg.states.PREFILL_EDGES`; tests/test_disagg_states.py compares the
 two)::
 
-    new                --add_request: REQ to the decode----------------> BOOTSTRAPPING
-    BOOTSTRAPPING      --the decode's BOOT accepted--------------------> WAITING_FOR_INPUT
-    WAITING_FOR_INPUT  --a chunk posted, not the last------------------> TRANSFERRING
-    TRANSFERRING       --a chunk posted, not the last------------------> TRANSFERRING
-    WAITING_FOR_INPUT  --its last chunk posted-------------------------> KV_POSTED
-    TRANSFERRING       --its last chunk posted-------------------------> KV_POSTED
-    KV_POSTED          --every write DONE: the AUX copied to staging---> AUX_STAGED
-    AUX_STAGED         --that copy done: the AUX posted----------------> AUX_POSTED
-    AUX_POSTED         --the AUX write DONE----------------------------> SUCCEEDED
-    BOOTSTRAPPING      --abort, bootstrap timeout 504, pause 503-------> ENDING
-    WAITING_FOR_INPUT  --abort, transfer timeout 504, 503, 500---------> ENDING
-    TRANSFERRING       --abort, transfer timeout 504, 503, 500---------> ENDING
-    KV_POSTED          --abort, transfer timeout 504, 503, 500---------> ENDING
-    AUX_STAGED         --abort, transfer timeout 504, 503, 500---------> ENDING
-    AUX_POSTED         --abort, transfer timeout 504, 503, 500---------> ENDING
-    ENDING             --no transfer in flight: ABORT to the decode----> FAILED
+    new                --add_request: REQ to the decode--------------------> BOOTSTRAPPING
+    BOOTSTRAPPING      --the decode's BOOT accepted------------------------> WAITING_FOR_INPUT
+    WAITING_FOR_INPUT  --a chunk posted (pull: offered), not the last------> TRANSFERRING
+    TRANSFERRING       --a chunk posted (pull: offered), not the last------> TRANSFERRING
+    WAITING_FOR_INPUT  --its last chunk posted (pull: offered)-------------> KV_POSTED
+    TRANSFERRING       --its last chunk posted (pull: offered)-------------> KV_POSTED
+    KV_POSTED          --every transfer DONE: the AUX copied to staging----> AUX_STAGED
+    AUX_STAGED         --that copy done: the AUX write posted--------------> AUX_POSTED
+    AUX_POSTED         --the AUX write DONE--------------------------------> SUCCEEDED
+    BOOTSTRAPPING      --abort, bootstrap timeout 504, pause 503-----------> ENDING
+    WAITING_FOR_INPUT  --abort, transfer timeout 504, 503, 500-------------> ENDING
+    TRANSFERRING       --abort, transfer timeout 504, 503, 500-------------> ENDING
+    KV_POSTED          --abort, transfer timeout 504, 503, 500-------------> ENDING
+    AUX_STAGED         --abort, transfer timeout 504, 503, 500-------------> ENDING
+    AUX_POSTED         --abort, transfer timeout 504, 503, 500-------------> ENDING
+    ENDING             --no transfer in flight: ABORT to the decode--------> FAILED
 
 * sglang's KVPoll (:meth:`PrefillSide.state`): BOOTSTRAPPING is Bootstrapping,
   WAITING_FOR_INPUT is WaitingForInput, TRANSFERRING to AUX_POSTED are Transferring,
@@ -165,7 +165,10 @@ class PrefillRequest:
 class PrefillSide(PrefillPeers, PrefillSending):
     """One prefill worker: a pool, its allocator, a transfer engine, one or several decode
     peers (``decode_peer``: one agent name; or ``decode_peers``: several, each request
-    bound to one of them by :meth:`add_request`)."""
+    bound to one of them by :meth:`add_request`).  Its methods are split by job: the
+    requests, their states, scheduling, ending and pause here; sending in
+    :class:`~kvmem.disagg.prefill_send.PrefillSending`; the decode peers and their messages
+    in :class:`~kvmem.disagg.prefill_peers.PrefillPeers`."""
 
     def __init__(self, pool, allocator, engine, synth, *, decode_peer: str | None = None,
                  decode_peers=None, chunk_tokens: int = 256, max_batch_tokens: int = 2048,
