@@ -52,6 +52,14 @@ _OUTCOME_OF_STATUS = {
 }
 
 
+# The extra state written after a request's last KV chunk (first output token, lengths):
+# its size in the decode's landing region and in the prefill's staging buffer.
+AUX_BYTES = 64
+# Bootstrap, transfer and decode timeouts, seconds: sglang's default
+# (SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT, docs/disagg.md).
+DEFAULT_TIMEOUT = 600.0
+
+
 # The statuses an early end of a request carries (docs/disagg.md, the lifecycle table): what a
 # caller's abort and a peer's ABORT_REQ may give.
 END_STATUSES = frozenset({CLIENT_CLOSED, INTERNAL_ERROR, SERVICE_UNAVAILABLE, GATEWAY_TIMEOUT})

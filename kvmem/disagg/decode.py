@@ -1,45 +1,56 @@
 """The decode side of PD disaggregation: receives exactly the bytes that were sent and
 never frees a page a write may still land in.
 
-A request, as the decode side sees it::
+A request's states (:class:`~kvmem.disagg.states.DecodeState`) and every edge between
+them.  This drawing is the table the code checks at each change
+(:data:`~kvmem.disagg.states.DECODE_EDGES`; tests/disagg/test_states.py compares the
+two)::
 
-      REQ from prefill                 pages + landing region allocated
-    ------------------> [waiting] ----------------------------------> [booted] --BOOT-->
-                          | (no memory yet: retried each step)          |  CHUNK*: verify
-                          | ABORT from prefill: forget                  |  on arrival, unpack
-                          v                                             |  AUX: verify -> done
-                                                                        |  (pages freed)
-           ABORT from prefill (it has no write in flight): free now <---+
-           decode-side abort / own timeout: ABORT_REQ, quarantine ------+
-                          |
-                          v
-                    [quarantined]  pages + landing held: a posted write may still land.
-                          |        Chunks that land are still verified.  Freed on the
-                          |        prefill's ABORT (its acknowledgement: every write
-                          v        DONE/ERR), or after quarantine_timeout if it vanished.
-                        freed
+    new          --REQ from the prefill-------------------------------------> WAITING
+    new          --REQ, its BOOT withheld (DecodeFaults.withhold_boot)------> WITHHELD
+    WAITING      --pages and a landing region allocated---------------------> BOOTING
+    BOOTING      --their ids on the host: BOOT sent-------------------------> BOOTED
+    WAITING      --abort here, or own timeout: ABORT_REQ sent---------------> QUARANTINED
+    WITHHELD     --abort here, or own timeout: ABORT_REQ sent---------------> QUARANTINED
+    BOOTING      --abort here, or own timeout: ABORT_REQ sent---------------> QUARANTINED
+    BOOTED       --abort here, or own timeout: ABORT_REQ sent---------------> QUARANTINED
+    WAITING      --ABORT from the prefill: forget---------------------------> FREED
+    WITHHELD     --ABORT from the prefill: forget---------------------------> FREED
+    BOOTING      --ABORT from the prefill, or this side's pause-------------> FREED
+    BOOTED       --AUX (200), ABORT from the prefill, or this side's pause--> FREED
+    QUARANTINED  --the prefill's ABORT, quarantine_timeout, or the pause----> FREED
+
+* WAITING: no memory for it yet, retried each step (not while this side pauses).
+* BOOTED: ``CHUNK``s land and are verified on arrival, then unpacked; the ``AUX`` is
+  verified and completes it (its pages freed, 200).  An ``ABORT`` from the prefill means it
+  has no write of the request in flight: free now.
+* QUARANTINED: pages and landing region held, since a posted write may still land; the
+  chunks that land are still verified (not unpacked).  Freed on the prefill's ``ABORT``
+  (its acknowledgement: every write DONE/ERR), or after ``quarantine_timeout`` if it
+  vanished.
+* FREED: its pages and landing region are given back once the device work on them is
+  done (below); the request is over (:attr:`DecodeSide.completed`).
+* A request changes state only through ``DecodeSide._transition``, which refuses an edge
+  not drawn here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message
+  that does not fit the state is a ProtocolError before anything changes.  What else a
+  request carries, and why it is not part of the state: :class:`DecodeRequest`.
 
 Booting: the BOOT carries the request's page ids, which the allocator hands out on the
-pool's device; the request is ``booting`` until their copy to the host is done (at once on
+pool's device; the request is BOOTING until their copy to the host is done (at once on
 the CPU, a step or so later on CUDA: :class:`~kvmem.disagg.common.HostCopy`, polled, never
 waited on), then the BOOT goes out.
 
 A packed chunk lands in the request's *landing region* (a registered buffer, one region
 per request, sized for its whole KV plus the extra state) and its notification
 (``CHUNK``) arrives after the bytes: the chunk is verified against what the prefill
-computed (:mod:`kvmem.disagg.synth`) and unpacked into the request's pages with
+computed (the verifier's ``verify``, :class:`~kvmem.disagg.model.Verifier`) and unpacked into the request's pages with
 ``unpack_pages``.  A *direct* chunk (``CHUNK`` with ``direct``) was written straight into
 the request's pool pages (their ids went to the prefill in ``BOOT``): it is verified there
-(``Synth.verify_pages``) and nothing is unpacked.  The quarantine holds the request's pool
+(the verifier's ``verify_pages``) and nothing is unpacked.  The quarantine holds the request's pool
 pages and landing region alike: both may be the target of a posted write.
 
-Device order: the check of a landed chunk and its unpack run on the pool device's stream
-(asynchronously on CUDA), and an event (``done_event``) is recorded after them.  A NIXL
-write is not ordered with that stream, so a request that ends gives its pages and landing
-region back only once its last event is done (owner ``("device-busy", rid)`` in the ledger
-meanwhile, quarantined); until then a new BOOT cannot have them.  A check's verdict is a
-device tensor that reaches the counters through a HostCopy.  So ``step`` makes no host
-sync on CUDA; :attr:`idle` also waits for verdicts and memory still in flight.
+The memory, given back in device order, and pause and resume:
+:mod:`kvmem.disagg.decode_memory`.
 
 Pull mode (``transfer_mode="pull"``): the prefill offers each chunk (``READY``: its own
 page ids and pool epoch); this side reads them into the request's pool pages (one
@@ -53,13 +64,6 @@ ranges, statuses); the handlers here then check what depends on state (request k
 page range within the request, size equal to the packed size, offset where that chunk
 belongs, a PAUSE_ACK for this pause's epoch); a bad message raises
 :class:`ProtocolError`, is counted and changes nothing.
-
-Pause (:meth:`begin_pause`): tell the prefill (``PAUSING``); it drains its writes into
-this side, aborts the requests bound here (503, ``ABORT`` each) and acknowledges
-(``PAUSE_ACK``); then the allocator is reset, ``kv`` and ``landing`` are deregistered
-(their tombstones published in ``META``) and the memory released.  Resume: memory back,
-registered at the new epoch, ``META`` published: writes built from the older metadata
-are refused by the prefill's engine before they are posted.
 
 Several prefill peers (``prefill_peers``): each request belongs to the prefill whose
 ``REQ`` created it, and messages about it from any other prefill are refused; request
@@ -84,20 +88,24 @@ import torch
 import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.common import (
-    CLIENT_CLOSED, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, HostCopy, Ledger, Metrics,
-    PeerTable, ProtocolError, Reason, buffer_map, check_caller_args, device_event, now,
-    peer_names, sole_peer, tell, to_device,
+    AUX_BYTES, CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, HostCopy, Ledger, Metrics,
+    PeerTable, ProtocolError, Reason, check_caller_args, device_event, now, peer_names,
+    sole_peer, tell, to_device,
 )
+from kvmem.disagg.decode_memory import DecodeMemory
 from kvmem.disagg.protocol import (
-    Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs, encode,
-    encode_runs, meta_message,
+    Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs,
+    dispatch, encode, encode_runs,
 )
+from kvmem.disagg.states import DECODE_EDGES, DecodeState, transition
 from kvmem.transfer.errors import StaleEpochError, TransferError
-from kvmem.disagg.prefill import AUX_BYTES, DEFAULT_TIMEOUT
 from kvmem.disagg.model import Verifier, prepare_model
 from kvmem.memory import make_backend
 
 log = logging.getLogger("kvmem.disagg.decode")
+
+# the states CHUNK, AUX and READY may name (BOOT sent, not freed yet)
+_RECEIVING = frozenset({DecodeState.BOOTED, DecodeState.QUARANTINED})
 
 
 class DecodeFaults:
@@ -110,11 +118,27 @@ class DecodeFaults:
 
 @dataclass
 class DecodeRequest:
+    """One request on the decode side.  ``state`` is the whole of where it is in the
+    lifecycle (the module docstring draws the edges); only ``DecodeSide._transition``
+    changes it.  None of the other fields is part of it:
+
+    * ``free_after_reads``: the prefill's ``ABORT`` arrived while one of this side's own
+      reads (pull) targets the pages, a deferred event rather than a state: the request
+      stays BOOTED or QUARANTINED (the pages are still that read's target, and
+      everything else holds as there) until the reads end, then it is FREED with it.
+    * ``reads``: this side's reads in flight (pull), the work queue of BOOTED and
+      QUARANTINED.
+    * ``busy``: the event after the last device work on its memory (device order, below):
+      when it is FREED, its memory waits for that event, whatever the state was.
+    * ``reason``: data of QUARANTINED: this side's own abort reason (kept when freed).
+    * ``ids`` (BOOTING), ``host_pages`` (from BOOTED), sizes, times, ``pages_done``: data.
+    """
+
     rid: int
     room: int
     tokens: int
     peer: str = ""  # the prefill whose REQ created it
-    state: str = "waiting"  # waiting | withheld | booting | booted | quarantined
+    state: DecodeState | None = None  # None until its REQ enters it (WAITING, WITHHELD)
     landing_off: int = -1
     landing_nbytes: int = 0
     t_seen: float = 0.0  # last message about this request
@@ -128,9 +152,11 @@ class DecodeRequest:
     busy: object = None  # event after the last device work on its pages / landing region
 
 
-class DecodeSide:
+class DecodeSide(DecodeMemory):
     """One decode worker: a pool, its allocator, a landing buffer, a transfer engine, one
-    or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``)."""
+    or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``).
+    Its memory (registration, freeing in device order, pause and resume) is handled by the
+    methods of its base :class:`~kvmem.disagg.decode_memory.DecodeMemory`."""
 
     def __init__(self, pool, allocator, engine, verifier: Verifier, *, prefill_peer: str | None = None,
                  prefill_peers=None, landing_bytes: int, timeout: float = DEFAULT_TIMEOUT,
@@ -184,22 +210,6 @@ class DecodeSide:
                            handle=self.handle_message, metrics=self.metrics, log=log)
         self._register()
 
-    def _register(self) -> None:
-        # one region per physical chunk; the prefill's landing offsets (RegionMap of these
-        # regions) are offsets into self.landing only when they tile it in order
-        regions = self._landing_mem.regions()
-        buffer_map(self.landing, regions)
-        self.engine.register_pool(self.pool, "kv")
-        self.engine.register("landing", regions, self.pool.epoch, self.pool.device)
-        if self.transfer_mode == "pull":
-            self._local_table = self.engine.prep_local("kv")
-
-    def publish_metadata(self) -> None:
-        """``META`` with this side's current metadata, to every prefill."""
-        msg = meta_message(self.engine)
-        for name in self.prefill_peers:
-            self._tell(name, msg)
-
     def _tell(self, peer: str, msg: bytes) -> bool:
         return tell(self.engine, peer, msg, self.metrics, log)
 
@@ -229,58 +239,29 @@ class DecodeSide:
                 busy = True
         if not self.pausing and not self.paused:
             for req in list(self.reqs.values()):
-                if req.state == "waiting":
+                if req.state is DecodeState.WAITING:
                     busy = self._boot(req) or busy
-                elif req.state == "booting":
+                elif req.state is DecodeState.BOOTING:
                     busy = self._send_boot(req) or busy
         return self._check_timeouts() or busy
 
+    # The one dispatch table: message kind -> the handler of what a prefill sends
+    # (protocol.DECODE_RECEIVES); each handler takes (msg, peer).
+    HANDLERS = {Req: "_on_req", Chunk: "_on_chunk", Aux: "_on_aux", Abort: "_on_abort",
+                PauseAck: "_on_pause_ack", Meta: "_on_meta", Ready: "_on_ready"}
+
     def handle_message(self, msg, peer: str | None = None) -> None:
         """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from prefill
-        peer ``peer`` (may be left out when the side has one); ProtocolError, before
-        anything changed, when it does not fit the state here."""
+        peer ``peer`` (may be left out when the side has one) with its handler of
+        :attr:`HANDLERS`; ProtocolError, before anything changed, when it does not fit
+        the state here."""
         peer = self.prefill_peer if peer is None else peer
         if peer not in self._tables:
             raise ProtocolError(f"message from {peer!r}, not a prefill peer of this side")
-        if isinstance(msg, Req):
-            self._on_req(msg, peer)
-        elif isinstance(msg, Chunk):
-            self._on_chunk(msg, peer)
-        elif isinstance(msg, Aux):
-            self._on_aux(msg, peer)
-        elif isinstance(msg, Abort):
-            self._on_abort(msg, peer)
-        elif isinstance(msg, PauseAck):
-            self._on_pause_ack(msg, peer)
-        elif isinstance(msg, Meta):
-            apply_metadata(self.engine, msg)
-        elif isinstance(msg, Ready):
-            self._on_ready(msg, peer)
-        else:
-            raise ProtocolError(f"unexpected message {type(msg).__name__} on the decode side")
+        dispatch(self, self.HANDLERS, msg, peer, "decode")
 
-    def _on_pause_ack(self, msg: PauseAck, peer: str) -> None:
-        """A prefill has no write into this side in flight: only an ack of *this* pause
-        (its epoch) counts, once per prefill; when every prefill has answered the pages
-        may be freed and the memory released."""
-        if not self.pausing:
-            raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this side is not pausing")
-        if msg.epoch != self.pool.epoch:
-            raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this pause is epoch "
-                                f"{self.pool.epoch}")
-        if peer not in self._acks_due:
-            raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch} from {peer!r}: it answered "
-                                "this pause already")
-        self._acks_due.discard(peer)
-        self._maybe_finish_pause()
-
-    def _maybe_finish_pause(self) -> None:
-        if self._acks_due or not self.pausing or self._ack_pending:
-            return
-        if any(r.reads for r in self.reqs.values()):
-            self._ack_pending = True  # our own reads into the pool first (step polls them)
-            return
-        self._finish_pause()
+    def _on_meta(self, msg: Meta, peer: str) -> None:
+        apply_metadata(self.engine, msg)
 
     # --- requests ------------------------------------------------------------------------------
     def _on_req(self, msg: Req, peer: str) -> None:
@@ -299,18 +280,18 @@ class DecodeSide:
             raise ProtocolError(f"REQ for request {rid}: {tokens} tokens outside "
                                 f"[1, {self.verifier.max_tokens}]")
         req = DecodeRequest(rid, room, tokens, peer, t_seen=self.clock())
-        if self.faults.withhold_boot(rid):
-            req.state = "withheld"
+        withheld = self.faults.withhold_boot(rid)
+        self._transition(req, DecodeState.WITHHELD if withheld else DecodeState.WAITING)
         self.reqs[rid] = req
         self._rooms[room] = rid
         self.completed.pop(rid, None)
-        if req.state == "waiting" and not self.pausing and not self.paused:
+        if req.state is DecodeState.WAITING and not self.pausing and not self.paused:
             self._boot(req)
 
     def _boot(self, req: DecodeRequest) -> bool:
         """Allocate the request's pages and landing region and send BOOT (once their ids
-        are on the host: at once on the CPU, at a later step on CUDA, state ``booting``
-        meanwhile); False (nothing changed) when there is no memory for it yet."""
+        are on the host: at once on the CPU, at a later step on CUDA, BOOTING meanwhile);
+        False (nothing changed) when there is no memory for it yet."""
         n = -(-req.tokens // self.spec.page_size)
         nbytes = kvmem.packed_nbytes(self.spec, n) + AUX_BYTES
         if n > self.alloc.num_free:
@@ -323,7 +304,7 @@ class DecodeSide:
         self.ledger.hold(req.rid, pages)
         req.landing_off, req.landing_nbytes = off, nbytes
         req.ids = HostCopy(pages)
-        req.state = "booting"
+        self._transition(req, DecodeState.BOOTING)
         req.t_seen = self.clock()
         self._send_boot(req)
         return True
@@ -334,7 +315,7 @@ class DecodeSide:
         if not req.ids.ready():
             return False
         req.host_pages, req.ids = req.ids.numpy(), None
-        req.state = "booted"
+        self._transition(req, DecodeState.BOOTED)
         req.t_seen = self.clock()
         self._tell(req.peer, encode(
             "BOOT", rid=req.rid, room=req.room, off=req.landing_off, nbytes=req.landing_nbytes,
@@ -348,7 +329,7 @@ class DecodeSide:
         if req.peer != peer:
             raise ProtocolError(f"{msg.t} for request {msg.rid} from {peer!r}: the request is "
                                 f"{req.peer!r}'s")
-        if req.state not in ("booted", "quarantined"):
+        if req.state not in _RECEIVING:
             raise ProtocolError(f"{msg.t} for request {req.rid} in state {req.state}")
         return req
 
@@ -387,7 +368,7 @@ class DecodeSide:
             data = self.landing[start:start + nbytes]
             ok = self.verifier.verify(req.rid, first, last, data)
         self._landed(req, first, last, nbytes, ok, "landed bytes differ from what was sent")
-        if req.state == "booted" and not msg.direct:  # our own page ids: unchecked, no sync
+        if req.state is DecodeState.BOOTED and not msg.direct:  # own ids: unchecked, no sync
             kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last],
                                check=False)
         req.busy = self.done_event()  # the check and the unpack read the region, write pages
@@ -411,7 +392,7 @@ class DecodeSide:
                                 f"[{first}, {last})")
         ok = False
         try:
-            if req.state == "quarantined":  # aborted here: nothing more is read into it
+            if req.state is DecodeState.QUARANTINED:  # aborted here: nothing more is read
                 raise TransferError(f"request {req.rid} is aborted on the decode side")
             rt = self._tables[peer].get()
             if rt is None or rt.epoch != msg.epoch:
@@ -517,7 +498,7 @@ class DecodeSide:
         ok = (got == to_device(want, got.device)).all()  # on the device: no host sync
         req.busy = self.done_event()  # the comparison reads the landing region
         self._verdict(ok, AUX_BYTES, req.rid, n_pages, n_pages, None)
-        if req.state == "quarantined":
+        if req.state is DecodeState.QUARANTINED:
             return  # aborted here meanwhile: freed when the prefill's ABORT comes
         self._free(req, "completed", Reason(OK, f"request {req.rid}: KV received"))
 
@@ -532,7 +513,7 @@ class DecodeSide:
         if req.peer != peer:
             raise ProtocolError(f"ABORT for request {msg.rid} from {peer!r}: the request is "
                                 f"{req.peer!r}'s")
-        if msg.status == OK and req.state != "quarantined":
+        if msg.status == OK and req.state is not DecodeState.QUARANTINED:
             raise ProtocolError(f"ABORT for request {req.rid} with status 200: this side did "
                                 "not ask for it (200 only answers an ABORT_REQ)")
         reason = req.reason or Reason(msg.status, msg.reason)
@@ -552,54 +533,20 @@ class DecodeSide:
             if rid in self.completed:
                 return
             raise ProtocolError(f"abort: unknown request id {rid!r}")
-        if req.state == "quarantined":
+        if req.state is DecodeState.QUARANTINED:
             return
         req.reason = Reason(status, message or f"request {rid} aborted on the decode side")
         self._tell(req.peer, encode(
             "ABORT_REQ", rid=rid, status=status, reason=req.reason.message))
-        req.state = "quarantined"
+        self._transition(req, DecodeState.QUARANTINED)
         req.t_quarantined = self.clock()
         self.ledger.quarantine(rid)
 
-    def _free(self, req: DecodeRequest, why: str, reason: Reason) -> None:
-        """End ``req``: its pages and landing region go back now, or, while device work on
-        them (an unpack, a check; CUDA runs it asynchronously) is still queued, once that
-        work is done (:meth:`_drain_device`): a NIXL write is not ordered with the
-        device's stream, so a page or region reused by a new BOOT at once could receive
-        the new request's bytes before the old unpack ran."""
-        busy, req.busy = req.busy, None
-        if busy is not None and not busy.query():
-            owner = ("device-busy", req.rid)
-            if self.ledger.holds(req.rid):
-                self.ledger.rename(req.rid, owner)
-                self.ledger.quarantine(owner)
-            self._draining.append((busy, owner, why, req.landing_off))
-        else:
-            if self.ledger.holds(req.rid):
-                self.ledger.release(req.rid, why)
-            if req.landing_off >= 0:
-                self.arena.free(req.landing_off)
-        del self.reqs[req.rid]
-        del self._rooms[req.room]
-        self.completed[req.rid] = reason
-        self.metrics.requests[reason.outcome.value] += 1
-        self.metrics.peer(req.peer).requests[reason.outcome.value] += 1
-
-    def _drain_device(self) -> bool:
-        """Give back the pages and landing regions of ended requests whose device work is
-        done (polled, never waited on); True when some were."""
-        keep = []
-        for ev, owner, why, off in self._draining:
-            if not ev.query():
-                keep.append((ev, owner, why, off))
-                continue
-            if self.ledger.holds(owner):
-                self.ledger.release(owner, why)
-            if off >= 0:
-                self.arena.free(off)
-        moved = len(keep) < len(self._draining)
-        self._draining = keep
-        return moved
+    def _transition(self, req: DecodeRequest, to: DecodeState) -> None:
+        """Move ``req`` to ``to`` along an edge of the module docstring's drawing
+        (:data:`~kvmem.disagg.states.DECODE_EDGES`); IllegalTransition naming the request
+        and both states, ``req`` unchanged, for any other."""
+        transition("decode", DECODE_EDGES, req, to, log)
 
     def _check_timeouts(self) -> bool:
         """Abort the requests without news for ``timeout`` (504, quarantined), free the
@@ -607,7 +554,7 @@ class DecodeSide:
         happened."""
         t, moved = self.clock(), False
         for req in list(self.reqs.values()):
-            if req.state == "quarantined":
+            if req.state is DecodeState.QUARANTINED:
                 if req.reads:
                     continue  # our own read still targets its pages: wait for DONE/ERR
                 if t - req.t_quarantined > self.quarantine_timeout:
@@ -622,66 +569,6 @@ class DecodeSide:
                     f"decode timeout (> {self.timeout:g} s without news from the prefill) "
                     f"for request {req.rid} (room {req.room})"))
         return moved
-
-    # --- pause / resume ---------------------------------------------------------------------
-    def begin_pause(self) -> None:
-        if self.pausing or self.paused:
-            return
-        self.pausing = True
-        self._pause_t0 = self.clock()
-        self.metrics.pauses += 1
-        msg = encode("PAUSING", epoch=self.pool.epoch)
-        # a prefill that cannot be told is gone (its process died, its connection broke):
-        # none of its writes can land any more, so this pause does not wait for its ack
-        self._acks_due = {n for n in self.prefill_peers if self._tell(n, msg)}
-        self._ack_pending = False
-        self._maybe_finish_pause()
-
-    def _finish_pause(self) -> None:
-        """The prefill acknowledged: none of its writes into this side is in flight.  The
-        memory is released once the device work on it is done too (a later step, polled,
-        when some is still queued)."""
-        for req in list(self.reqs.values()):
-            if req.state in ("booting", "booted", "quarantined"):
-                self._free(req, "abort:503", req.reason or Reason(SERVICE_UNAVAILABLE, (
-                    f"request {req.rid} (room {req.room}) aborted: decode paused to release "
-                    "its KV memory")))
-        self._drain_device()
-        if self._draining:
-            self._complete_pause_due = True  # step() completes it
-            return
-        self._complete_pause()
-
-    def _complete_pause(self) -> None:
-        """Every page is free and no device work touches the memory: release it."""
-        self._complete_pause_due = False
-        self._apply_checks()
-        audit = self.ledger.audit()
-        if audit["leaked"] or audit["unaccounted"] or audit["quarantined"]:
-            raise AssertionError(f"decode pause: pages still held: {audit}")
-        self.alloc.reset()
-        self.engine.deregister("landing")
-        self.engine.deregister("kv")
-        self.publish_metadata()  # tombstones: any write built before is refused now
-        self._landing_mem.release()
-        self.pool.release()
-        self.pausing, self.paused = False, True
-
-    def resume(self) -> None:
-        if not self.paused:
-            return
-        self._local_table = None  # deregister released it; _register prepares the new one
-        self.pool.resume()
-        self._landing_mem.resume()
-        self._register()
-        self.publish_metadata()
-        self.paused = False
-        self.metrics.pause_seconds += self.clock() - self._pause_t0
-
-    def prefault(self) -> None:
-        """Back the pool and the landing buffer with memory now, not at first touch."""
-        self.pool.prefault()
-        self._landing_mem.prefault()
 
     @property
     def idle(self) -> bool:

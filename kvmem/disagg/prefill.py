@@ -1,55 +1,53 @@
 """The prefill side of PD disaggregation: every request's pages freed exactly once.
 
-States of a request (sglang's KVPoll) and every way out of each::
+A request's states (:class:`~kvmem.disagg.states.PrefillState`) and every edge between
+them.  This drawing is the table the code checks at each change
+(:data:`~kvmem.disagg.states.PREFILL_EDGES`; tests/disagg/test_states.py compares the
+two)::
 
-                 add_request
-                     |
-                     v           BOOT from decode
-              +--------------+ ---------------------> +-----------------+
-              | Bootstrapping|                        | WaitingForInput |
-              +--------------+                        +-----------------+
-                 |  abort                  abort |  timeout 504  | first chunk posted
-                 |  timeout 504 (bootstrap)      |  (transfer)   v
-                 |  pause 503                    |  pause 503  +--------------+
-                 |                               |             | Transferring |--+ more chunks,
-                 |                               |             +--------------+<-+ AUX (extra state)
-                 |                               |               |    |     |
-                 |                               |  abort / 504 /|    |     | every write DONE
-                 |                               |  503 / ERR 500|    |     v
-                 v                               v               v    |  +---------+
-              +-------------------------------------------------------+  | Success |
-              | ending: prefill pages freed now; posted writes drain  |  +---------+
-              | to DONE/ERR; then ABORT(reason) to decode = its ack   |
-              +-------------------------------------------------------+
-                                     |
-                                     v
-                                 +--------+
-                                 | Failed |  (outcome: aborted 499/503, timed_out 504,
-                                 +--------+   failed 500)
+    new                --add_request: REQ to the decode--------------------> BOOTSTRAPPING
+    BOOTSTRAPPING      --the decode's BOOT accepted------------------------> WAITING_FOR_INPUT
+    WAITING_FOR_INPUT  --a chunk posted (pull: offered), not the last------> TRANSFERRING
+    TRANSFERRING       --a chunk posted (pull: offered), not the last------> TRANSFERRING
+    WAITING_FOR_INPUT  --its last chunk posted (pull: offered)-------------> KV_POSTED
+    TRANSFERRING       --its last chunk posted (pull: offered)-------------> KV_POSTED
+    KV_POSTED          --every transfer DONE: the AUX copied to staging----> AUX_STAGED
+    AUX_STAGED         --that copy done: the AUX write posted--------------> AUX_POSTED
+    AUX_POSTED         --the AUX write DONE--------------------------------> SUCCEEDED
+    BOOTSTRAPPING      --abort, bootstrap timeout 504, pause 503-----------> ENDING
+    WAITING_FOR_INPUT  --abort, transfer timeout 504, 503, 500-------------> ENDING
+    TRANSFERRING       --abort, transfer timeout 504, 503, 500-------------> ENDING
+    KV_POSTED          --abort, transfer timeout 504, 503, 500-------------> ENDING
+    AUX_STAGED         --abort, transfer timeout 504, 503, 500-------------> ENDING
+    AUX_POSTED         --abort, transfer timeout 504, 503, 500-------------> ENDING
+    ENDING             --no transfer in flight: ABORT to the decode--------> FAILED
 
+* sglang's KVPoll (:meth:`PrefillSide.state`): BOOTSTRAPPING is Bootstrapping,
+  WAITING_FOR_INPUT is WaitingForInput, TRANSFERRING to AUX_POSTED are Transferring,
+  SUCCEEDED is Success, ENDING and FAILED are Failed (outcome: aborted 499/503, timed_out
+  504, failed 500).
+* Ending early (ENDING): prefill pages freed now (or once the transfer reading them, a
+  direct write or an offered read, is DONE or ERR), posted writes drain to DONE/ERR, then
+  ``ABORT(reason)`` to the decode, which is also its acknowledgement.  503: a pause of this
+  side, or the request's decode pausing (``PAUSING``: WAITING_FOR_INPUT on) or its memory
+  moving on under a post (StaleEpochError); 500: a write refused at post or ERR when polled
+  (any chunk, the AUX included), an offered read the decode failed or never answered; 504:
+  the bootstrap timeout (BOOTSTRAPPING) or the transfer timeout (after the BOOT).
+* A request changes state only through ``PrefillSide._transition``, which refuses an edge
+  not drawn here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message
+  that does not fit the state is a ProtocolError before anything changes.  What else a
+  request carries, and why it is not part of the state: :class:`PrefillRequest`.
 * "in the running batch": ``step`` allocates a chunk's pages, runs the forward (here:
-  writes deterministic data, :mod:`kvmem.disagg.synth`), then :meth:`fill_batch`.  An
+  the model's ``fill``, :class:`~kvmem.disagg.model.Forward`), then :meth:`fill_batch`.  An
   abort arriving meanwhile is recorded and consumed first thing in ``fill_batch`` of the
   same step: pages freed, the chunk never packed, no KV exposed.
 * Pages: allocated per chunk (``alloc_extend``, sglang semantics), held in the ledger under
   the request id, freed once: when the last chunk is packed (the packed copy is what is
   sent) or when the request ends early.  The packed copies live in the registered
   staging buffer until their write is DONE or ERR.
-* Direct chunks (``direct_threshold``; push): a chunk whose page runs, merged where
-  adjacent on both sides, average at least the threshold per descriptor is written from
-  this pool's pages straight into the decode's pool pages (prepared block lists, one
-  ``post_blocks``); no pack, no staging slot.  Such a write reads the request's pages, so
-  they are freed once it is DONE or ERR, also when the request ends early.  A head range
-  (heterogeneous TP) always packs; this side sends whole pages only.  The decode's page
-  ids are those of its ``BOOT``'s kv epoch: a direct write is refused before posting
-  (StaleEpochError, the request ends 503) once the decode's kv registration is newer than
-  that BOOT's, as packed writes and pull offers are.
-* Pull mode (``transfer_mode="pull"``): each chunk is offered (``READY``) instead of
-  written; the decode reads it from this pool and answers ``PULLED``.  The offer is held
-  like a write in flight (one per request at a time): the pages stay held until the
-  answer, or until ``quarantine_timeout`` (logged as an error) if none comes: the
-  quarantine is on this side.  A pause publishes the ``kv`` tombstone, so the decode
-  refuses reads built from the older metadata before posting them.
+* Sending, from staging to posting to polling: direct chunks, pull offers, the order of
+  pack and post on the device, physical chunks (:mod:`kvmem.disagg.prefill_send`).
+* Several decode peers, and the messages they send: :mod:`kvmem.disagg.prefill_peers`.
 * The decode side is told of every early end by ``ABORT`` once no write (or offered read)
   of the request is in flight: that message is also its acknowledgement that it may free
   (un-quarantine) the request's decode pages.
@@ -59,39 +57,12 @@ States of a request (sglang's KVPoll) and every way out of each::
   it are drained and aborted (503) and ``PAUSE_ACK`` tells it no write is in flight; its
   ``META`` (new epoch) lets requests flow again, and the engine refuses writes built from
   its older metadata (StaleEpochError), which end the request with 503.
-* Pack, then post, in that order on the device too: ``pack_pages`` (and the AUX copy) is
-  asynchronous on CUDA, and RDMA reads the staging buffer without waiting for the
-  stream.  So each staged write carries a *ready* object (``ready_event()``, by default a
-  ``torch.cuda.Event`` recorded on the pool device's current stream, the one pack ran on,
-  right after the pack); ``step`` posts it once ``ready.query()`` is True, and never
-  blocks on it.  On the CPU pack is done when it returns and ready at once.
-* Physical chunks: NIXL refuses a descriptor that spans two registered regions, and a
-  memory backend reports one region per physical allocation (the CUDA VMM backend: one
-  per 2 GiB chunk).  The staging buffer is registered with its backend's regions, and a
-  slot's bytes are posted as one local range per chunk they lie in
-  (:func:`~kvmem.disagg.common.buffer_map`); the landing region is addressed as an offset
-  into the decode's ``landing`` registration, its regions concatenated in order
-  (:class:`~kvmem.disagg.common.RegionMap`), cut the same way.  A write that spans two
-  chunks on either side is one write of several ranges.
 * No host sync in ``step`` on CUDA: alloc_extend with sglang's ``*_cpu`` hints and
   ``check=False``, lengths and the AUX bytes through pinned memory, each request's last
   slot kept on the device, pack with ``check=False``; the page ids a READY offer or a
   direct write needs reach the host through a :class:`~kvmem.disagg.common.HostCopy` made
   when they were allocated, and such a chunk is staged once it is there (a step or so
   later on CUDA, at once on the CPU).
-* Several decode peers (``decode_peers``): each request is bound to one of them when it
-  is added (``add_request(..., peer=)``: routing is the caller's), and everything about a
-  peer is kept per peer (:class:`_DecodePeer`): its pause (``PAUSING`` ends and drains
-  only the requests bound to it, ``PAUSE_ACK`` answers it alone, the others keep
-  flowing), the BOOTs held for its ``META``, the prepared block list of its pool, and its
-  counters (``metrics.peers``).  A message about a request from a peer it is not bound to
-  is refused.  A peer that vanishes (its process killed) is found out by the lifecycle
-  itself: its requests end by the bootstrap or transfer timeout (504) or by a failed
-  write (500); the memory a write in flight may read stays held until that write is
-  DONE or ERR.  ``META`` after a pause of this side goes to every peer.
-* Peer messages arrive validated (:mod:`kvmem.disagg.protocol`); the handlers here check
-  what depends on state (and that the sender is the request's peer), before they change
-  anything.
 """
 
 from __future__ import annotations
@@ -104,62 +75,28 @@ import numpy as np
 import torch
 
 import kvmem
-from kvmem.disagg.arena import Arena, ArenaFullError
+from kvmem.disagg.arena import Arena
 from kvmem.disagg.common import (
-    CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Ledger,
-    HostCopy, Metrics, PeerTable, ProtocolError, Reason, RegionMap, buffer_map,
-    check_caller_args, check_id, device_event, now, peer_names, sole_peer, tell, to_device,
-)
-from kvmem.disagg.protocol import (
-    AbortReq, Boot, Inbox, Meta, Pausing, Pulled, apply_metadata, decode_runs, encode,
-    encode_runs, meta_message,
+    AUX_BYTES, CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, KVPoll,
+    Ledger, HostCopy, Metrics, PeerTable, ProtocolError, Reason, RegionMap, buffer_map,
+    check_caller_args, check_id, device_event, now, peer_names, tell, to_device,
 )
 from kvmem.disagg.model import Forward, prepare_model
+from kvmem.disagg.prefill_peers import PrefillPeers, _DecodePeer
+from kvmem.disagg.prefill_send import Offer, PrefillSending, _Staged
+from kvmem.disagg.states import PREFILL_EDGES, PrefillState, transition
+from kvmem.disagg.protocol import Inbox, encode, meta_message
 from kvmem.memory import make_backend
-from kvmem.transfer.errors import StaleEpochError, TransferError
 
 log = logging.getLogger("kvmem.disagg.prefill")
 
-AUX_BYTES = 64  # the "extra state" written after the last KV chunk (first token, lengths)
-DEFAULT_TIMEOUT = 600.0
-
+# the states ``_schedule`` runs forwards in (the next chunk while the last one's write flies)
+_FORWARDING = frozenset({PrefillState.WAITING_FOR_INPUT, PrefillState.TRANSFERRING})
 
 # ``() -> object with query()``, called right after each pack into staging: on CUDA a
 # ``torch.cuda.Event`` recorded on the pool device's current stream (where pack ran); on
 # the CPU an object that is always ready (kvmem.disagg.common.device_event).
 default_ready_event = device_event
-
-
-@dataclass
-class _Offer:
-    """Pull mode: pages [first, last) offered to the decode (``READY``), which reads them
-    from this side's pool; PROC until its ``PULLED`` (DONE or ERR) or the quarantine
-    timeout (ERR, logged).  Kept in ``req.handles`` like a write: one operation of a
-    request at a time, the pages held while it is open."""
-
-    first: int
-    last: int
-    nbytes: int
-    t_sent: float
-    state: str = "PROC"
-    error: str | None = None
-    tables: tuple = ("peer reads our pool",)  # truthy: the pages are read, hold them
-    op: str = "READ"
-
-
-@dataclass
-class _Staged:
-    """A write packed (or copied) into staging and not posted yet: posted once ``ready``
-    says the staging bytes are written."""
-
-    off: int | None  # staging offset; None for a direct write (pool pages to pool pages)
-    nbytes: int
-    remote_off: int  # offset within the request's landing region
-    notif: bytes
-    aux: bool
-    final: bool
-    ready: object
-    direct: tuple | None = None  # (local block indices, remote block indices)
 
 
 class Faults:
@@ -179,23 +116,30 @@ class Faults:
 
 
 @dataclass
-class _DecodePeer:
-    """What the prefill side keeps about one decode peer."""
-
-    name: str
-    table: PeerTable  # prepared block list of its pool (direct writes), per epoch
-    paused: bool = False  # it announced a pause (PAUSING); cleared by its live META
-    pause_epoch: int | None = None  # its PAUSE_ACK is due once no write into it is in flight
-    held_boots: dict = field(default_factory=dict)  # rid -> BOOT waiting for its META
-
-
-@dataclass
 class PrefillRequest:
+    """One request on the prefill side.  ``state`` is the whole of where it is in the
+    lifecycle (the module docstring draws the edges); only ``PrefillSide._transition``
+    changes it.  None of the other fields is part of it:
+
+    * ``in_batch``: its chunk's forward is running (from ``step``'s schedule to
+      ``fill_batch``).  Orthogonal: a WAITING_FOR_INPUT or TRANSFERRING request runs the
+      forward of its next chunk while the write of the one before is in flight, and the
+      state says what its transfers wait for, not the model.
+    * ``abort_pending`` (and ``t_abort``): an abort that arrived while ``in_batch``, a
+      deferred event rather than a state: the request stays where it is until
+      ``fill_batch`` of the same step applies it (ENDING), before its chunk is packed.
+    * ``pending``, ``staged``, ``handles``: its work queue, in order: chunks forwarded and
+      not staged yet; the one transfer staged and not posted; the transfers in flight (one
+      at a time).  What is queued, whatever the state.
+    * ``reason``: data of ENDING, FAILED and SUCCEEDED: how it ends.
+    * The rest: sizes, page ids, the BOOT's landing region and kv, counters: data.
+    """
+
     rid: int
     room: int
     tokens: int
     peer: str = ""  # the decode peer the request is bound to
-    state: KVPoll = KVPoll.Bootstrapping
+    state: PrefillState | None = None  # None until add_request enters it (BOOTSTRAPPING)
     t_created: float = 0.0
     t_bootstrapped: float | None = None
     done_tokens: int = 0  # tokens whose KV the forward produced
@@ -209,25 +153,24 @@ class PrefillRequest:
     remote: object = None  # RemoteMemory of the decode's landing buffer
     landing_map: RegionMap | None = None  # offsets of ``remote``'s regions
     staged: _Staged | None = None  # packed, waiting for its ready event to be posted
-    handles: list = field(default_factory=list)  # (TransferHandle, staging offset)
+    handles: list = field(default_factory=list)  # InFlight transfers (one at a time)
     pending: list = field(default_factory=list)  # chunks packed-to-be: (first, last, final)
     in_batch: bool = False
     abort_pending: Reason | None = None
-    ending: Reason | None = None  # set when the request ends early; writes still draining
-    aux_due: bool = False  # last chunk posted; the AUX write follows once it is DONE
-    final_posted: bool = False
-    result: Reason | None = None
     t_abort: float | None = None
+    reason: Reason | None = None  # ENDING, FAILED, SUCCEEDED: how it ends
     dpages: np.ndarray | None = None  # the decode's page ids of this request (its BOOT)
     kv: object = None  # RemoteMemory of the decode's kv those ids belong to (its BOOT's epoch)
-    deferred_release: str | None = None  # pages freed once the direct write reading them ends
 
 
-class PrefillSide:
+class PrefillSide(PrefillPeers, PrefillSending):
     """One prefill worker: a pool, its allocator, a transfer engine, one or several decode
     peers (``decode_peer``: one agent name; or ``decode_peers``: several, each request
     bound to one of them by :meth:`add_request`); ``model`` writes each chunk's KV
-    (:class:`~kvmem.disagg.model.Forward`)."""
+    (:class:`~kvmem.disagg.model.Forward`).  Its methods are split by job: the
+    requests, their states, scheduling, ending and pause here; sending in
+    :class:`~kvmem.disagg.prefill_send.PrefillSending`; the decode peers and their messages
+    in :class:`~kvmem.disagg.prefill_peers.PrefillPeers`."""
 
     def __init__(self, pool, allocator, engine, model: Forward, *, decode_peer: str | None = None,
                  decode_peers=None, chunk_tokens: int = 256, max_batch_tokens: int = 2048,
@@ -300,32 +243,6 @@ class PrefillSide:
     def _tell(self, peer: str, msg: bytes) -> bool:
         return tell(self.engine, peer, msg, self.metrics, log)
 
-    @property
-    def decode_peer(self) -> str:
-        """The decode peer, when there is one (ValueError when there are several)."""
-        return sole_peer("decode", self.decode_peers, "; name one")
-
-    @property
-    def peer_paused(self) -> bool:
-        """True while a decode peer is paused (announced PAUSING, no live META since)."""
-        return any(p.paused for p in self._peers.values())
-
-    def peer_is_paused(self, peer: str) -> bool:
-        """Whether decode peer ``peer`` is paused (a router sends new requests elsewhere)."""
-        return self._peer(peer).paused
-
-    def _peer(self, name: str) -> _DecodePeer:
-        try:
-            return self._peers[name]
-        except KeyError:
-            raise ValueError(f"{name!r} is not a decode peer of this side (peers: "
-                             f"{list(self.decode_peers)})") from None
-
-    def requests_of(self, peer: str) -> int:
-        """Active requests bound to decode peer ``peer``."""
-        self._peer(peer)
-        return sum(1 for r in self.reqs.values() if r.peer == peer)
-
     # --- the caller's API ------------------------------------------------------------------
     def add_request(self, rid: int, tokens: int, room: int | None = None,
                     peer: str | None = None) -> None:
@@ -357,6 +274,7 @@ class PrefillSide:
             raise ProtocolError(f"add_request: request {rid}: bootstrap room {room} is in use")
         req = PrefillRequest(rid, room, tokens, peer, t_created=self.clock(),
                              host_pages=np.zeros(-(-tokens // self.spec.page_size), np.int64))
+        self._transition(req, PrefillState.BOOTSTRAPPING)
         self.reqs[rid] = req
         self._rooms.add(room)
         self.ledger.hold(rid, torch.empty(0, dtype=torch.int64, device=self.alloc.device))
@@ -372,7 +290,7 @@ class PrefillSide:
             if rid in self.finished:
                 return
             raise ProtocolError(f"abort: unknown request id {rid!r}")
-        if req.ending is not None or req.result is not None:
+        if req.state.ended:
             return
         reason = Reason(status, message or f"request {rid} (room {req.room}) aborted by the client")
         if req.in_batch:  # consumed by fill_batch of this step
@@ -383,9 +301,10 @@ class PrefillSide:
         self._end(req, reason)
 
     def state(self, rid: int) -> KVPoll:
+        """sglang's state of request ``rid`` (``PrefillState.poll`` while it is active);
+        ProtocolError for an unknown id."""
         if rid in self.reqs:
-            r = self.reqs[rid]
-            return KVPoll.Failed if r.ending is not None else r.state
+            return self.reqs[rid].state.poll
         if rid in self.finished:
             return KVPoll.Success if self.finished[rid].status == OK else KVPoll.Failed
         raise ProtocolError(f"state: unknown request id {rid!r}")
@@ -400,7 +319,8 @@ class PrefillSide:
         not seen DONE or ERR yet.  Such a write completes, and sends its notification, only
         when this side polls it (no progress thread: see kvmem/transfer/nixl.py), so a
         loop should not nap then; an offered read (pull) is the decode's to finish."""
-        return any(not isinstance(h, _Offer) for req in self.reqs.values() for h, _ in req.handles)
+        return any(not isinstance(t.op, Offer)
+                   for req in self.reqs.values() for t in req.handles)
 
     # --- one scheduler iteration -------------------------------------------------------------
     def step(self) -> bool:
@@ -434,7 +354,7 @@ class PrefillSide:
         picked, budget, need_pages = [], self.max_batch_tokens, 0
         for rid in self._order:
             req = self.reqs.get(rid)
-            if (req is None or req.ending is not None or req.state == KVPoll.Bootstrapping
+            if (req is None or req.state not in _FORWARDING
                     or req.done_tokens >= req.tokens or req.pending
                     or self._peers[req.peer].paused):
                 continue
@@ -499,364 +419,58 @@ class PrefillSide:
             req.pending.append((first, last, req.done_tokens >= req.tokens))
         self._flush_pending()
 
-    # --- sending ----------------------------------------------------------------------------
-    def _flush_pending(self) -> bool:
-        # One write of a request in flight at a time.  NIXL sends a write's notification
-        # (CHUNK, AUX) when the write completes: inside post_write for a write that is done
-        # at once, else at the poll that sees it DONE.  So two writes of one request in
-        # flight can announce themselves out of order (seen across two processes: a 64-byte
-        # AUX overtook the 16 MiB chunk before it).  After DONE, the next write's
-        # notification follows on the same endpoint, in order.  True when something was
-        # staged or posted (or a request ended trying).
-        moved = False
-        for rid in list(self._order):
-            req = self.reqs.get(rid)
-            while (req is not None and req.ending is None
-                   and not self._peers[req.peer].paused and not req.handles):
-                if req.staged is not None:
-                    if not self._post_staged(req):
-                        break  # its pack is still running: next step
-                    moved = True
-                    continue
-                if not req.pending:
-                    break
-                got = self._stage_chunk(req, *req.pending[0])
-                if got == "full":
-                    return moved  # staging full: retry next step, in order
-                if got == "wait":
-                    break  # its page ids are still on their way to the host: next step
-                moved = True
-                if req.pending and req.ending is None:
-                    req.pending.pop(0)
-        return moved
-
-    def _stage_chunk(self, req: PrefillRequest, first: int, last: int, final: bool) -> str:
-        """Stage pages ``[first, last)`` of ``req``: packed into a staging slot, or as a
-        direct write or a pull offer.  ``"staged"``; ``"full"`` when staging is full, or
-        ``"wait"`` when the chunk needs its page ids on the host (pull, direct) and their
-        copy is not done yet (nothing changed either way)."""
-        spec = self.spec
-        nbytes = kvmem.packed_nbytes(spec, last - first)
-        host_ids = None
-        if self.transfer_mode == "pull" or self._may_go_direct(req):
-            host_ids = self._host_ids(req, first, last)
-            if host_ids is None:
-                return "wait"
-        if self.transfer_mode == "pull":  # offered once the forward's writes are done
-            self.chunk_modes["pulled"] += 1
-            req.staged = _Staged(None, nbytes, kvmem.packed_nbytes(spec, first), b"",
-                                 aux=False, final=final, ready=self.ready_event(),
-                                 direct=("pull", first, last))
-            if final:  # the decode reads the pages: freed once its read is DONE or ERR
-                req.deferred_release = "sent"
-            return "staged"
-        direct = None if host_ids is None else self._direct_indices(req, first, last, host_ids)
-        if direct is not None:
-            ready = self.ready_event()  # the forward's writes to these pages are done
-            self.chunk_modes["direct"] += 1
-            notif = encode("CHUNK", rid=req.rid, first=first, last=last,
-                           off=kvmem.packed_nbytes(spec, first), nbytes=nbytes, final=final,
-                           direct=True)
-            req.staged = _Staged(None, nbytes, kvmem.packed_nbytes(spec, first), notif,
-                                 aux=False, final=final, ready=ready, direct=direct)
-            if final:  # the write reads the pages: freed once it is DONE or ERR
-                req.deferred_release = "sent"
-            return "staged"
-        try:
-            off = self.arena.alloc(nbytes)
-        except ArenaFullError:
-            return "full"
-        self.chunk_modes["packed"] += 1
-        # the ids came from this side's allocator: unchecked, no host sync on CUDA
-        kvmem.pack_pages(self.pool, self.ledger.pages(req.rid)[first:last],
-                         out=self.staging[off:off + nbytes], check=False)
-        ready = self.ready_event()  # right after the pack, on the stream it ran on
-        self.metrics.bytes_packed += nbytes
-        if final:  # the packed copies are what is sent: the pages are free to go (a later
-            # writer of these pages is ordered after the pack on the same stream)
-            self.ledger.release(req.rid, "sent")
-        chunk_off = kvmem.packed_nbytes(spec, first)
-        notif = encode("CHUNK", rid=req.rid, first=first, last=last, off=chunk_off,
-                       nbytes=nbytes, final=final, direct=False)
-        req.staged = _Staged(off, nbytes, chunk_off, notif, aux=False, final=final, ready=ready)
-        return "staged"
-
-    def _host_ids(self, req: PrefillRequest, first: int, last: int) -> np.ndarray | None:
-        """``int64 [last - first]``: the page ids of pages ``[first, last)`` of ``req`` on
-        the host, once their copies (made by ``_schedule``, in chunk order) are done; None
-        before.  Never waits."""
-        while req.ids and req.ids[0][2].ready():
-            f, l, copy = req.ids.pop(0)
-            req.host_pages[f:l] = copy.numpy()
-            req.ids_known = l
-        return req.host_pages[first:last] if req.ids_known >= last else None
-
-    def _send_aux(self, req: PrefillRequest) -> None:
-        """The last write carries the request's extra state (first output token, lengths)."""
-        try:
-            off = self.arena.alloc(AUX_BYTES)
-        except ArenaFullError:  # never: sized with room for AUX slots; fail loudly
-            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: no staging for its extra state"))
-            return
-        aux = torch.zeros(AUX_BYTES, dtype=torch.uint8)
-        aux[:16].view(torch.int64).copy_(torch.tensor([req.rid, req.tokens]))
-        # through pinned memory on CUDA: asynchronous, ordered before ``ready`` below
-        self.staging[off:off + AUX_BYTES].copy_(to_device(aux, self.staging.device))
-        ready = self.ready_event()
-        aux_off = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size))
-        notif = encode("AUX", rid=req.rid, off=aux_off, nbytes=AUX_BYTES)
-        req.staged = _Staged(off, AUX_BYTES, aux_off, notif, aux=True, final=False, ready=ready)
-        self._post_staged(req)
-
-    def _post_staged(self, req: PrefillRequest) -> bool:
-        """Post ``req.staged`` if its ready object says the staging bytes are written;
-        False (nothing changed) when not yet."""
-        st = req.staged
-        if not st.ready.query():
-            return False
-        req.staged = None
-        if st.direct is not None:
-            pull = isinstance(st.direct[0], str)  # ("pull", first, last) or (li, ri)
-            if not (self._offer(req, st) if pull else self._post_direct(req, st)):
-                return True  # the request ended (500 / 503)
-            if req.state == KVPoll.WaitingForInput:
-                req.state = KVPoll.Transferring
-            req.aux_due = st.final
-            return True
-        if not self._post(req, st.off, st.nbytes, st.remote_off, st.notif, aux=st.aux):
-            return True  # the request ended (500 / 503); its slot is free again
-        if st.aux:
-            req.final_posted = True
-            return True
-        if req.state == KVPoll.WaitingForInput:
-            req.state = KVPoll.Transferring
-        req.aux_due = st.final  # posted by _maybe_finish once this write is DONE
-        return True
-
-    def _post(self, req, staging_off, nbytes, remote_off, notif, *, aux: bool) -> bool:
-        """Post one write from staging to the request's landing region; on failure free the
-        slot and end the request (500, or 503 when the decode's memory moved on)."""
-        seq = req.seq
-        req.seq += 1
-        local = self._staging_map.ranges(staging_off, nbytes)  # one range per chunk it spans
-        what = "extra-state (last) chunk" if aux else f"chunk {seq}"
-        try:
-            if self.faults.fail_send(req.rid, seq, aux):
-                raise TransferError(f"injected send failure of {what}")
-            remote = req.landing_map.ranges(req.landing_off + remote_off, nbytes)
-            h = self.engine.post_write(local, req.remote, remote, notif)
-        except StaleEpochError as e:
-            self.arena.free(staging_off)
-            self._end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: the decode side "
-                                  f"released its KV memory (epoch moved on): {e}"))
-            return False
-        except TransferError as e:
-            self.arena.free(staging_off)
-            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of {what} failed: {e}"))
-            return False
-        req.handles.append((h, staging_off))
-        return True
-
-    def _offer(self, req, st: _Staged) -> bool:
-        """Pull mode: tell the decode to read pages ``[first, last)`` from this pool."""
-        _, first, last = st.direct
-        seq = req.seq
-        req.seq += 1
-        if self.faults.fail_send(req.rid, seq, False):
-            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} "
-                                  "(a READY offer, pull) failed: injected send failure"))
-            return False
-        pages = req.host_pages[first:last]  # known on the host: _stage_chunk waited for them
-        msg = encode("READY", rid=req.rid, first=first, last=last, pages=encode_runs(pages),
-                     epoch=self.pool.epoch, final=st.final)
-        if not self._tell(req.peer, msg):
-            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: the decode cannot be "
-                                  f"reached to read chunk {seq}"))
-            return False
-        req.handles.append((_Offer(first, last, st.nbytes, self.clock()), None))
-        return True
-
-    def _on_pulled(self, msg: Pulled, peer: str) -> None:
-        req = self._bound(msg, peer)
-        offer = None if req is None else next(
-            (h for h, _ in req.handles if isinstance(h, _Offer) and h.state == "PROC"
-             and (h.first, h.last) == (msg.first, msg.last)), None)
-        if offer is None:
-            raise ProtocolError(f"PULLED for request {msg.rid} pages [{msg.first}, {msg.last}):"
-                                " no such read offered")
-        offer.state = "DONE" if msg.ok else "ERR"
-        if not msg.ok:
-            offer.error = "the decode's read failed or was refused"
-
-    def _post_direct(self, req, st: _Staged) -> bool:
-        """Post one direct write (pool pages to the decode's pool pages, prepared block
-        lists); on failure end the request (500, or 503 when the decode's memory moved on)."""
-        seq = req.seq
-        req.seq += 1
-        try:
-            if self.faults.fail_send(req.rid, seq, False):
-                raise TransferError(f"injected send failure of chunk {seq} (direct)")
-            rt = self._peers[req.peer].table.get()
-            if rt is None or rt.remote != req.kv:
-                # the decode's kv moved on since the BOOT that gave these page ids
-                raise StaleEpochError(req.peer, "kv", req.kv.describe(),
-                                      "closed" if rt is None else rt.remote.describe(),
-                                      "post_blocks (the BOOT's kv)")
-            li, ri = st.direct
-            h = self.engine.post_blocks(self._local_table, li, rt, ri, st.notif)
-        except StaleEpochError as e:
-            self._end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: the decode side "
-                                  f"released its KV memory (epoch moved on): {e}"))
-            return False
-        except TransferError as e:
-            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} "
-                                  f"(direct) failed: {e}"))
-            return False
-        req.handles.append((h, None))
-        return True
-
-    # --- direct writes ------------------------------------------------------------------------
-    def set_direct_threshold(self, threshold: int | None) -> None:
-        """Chunks whose merged page runs average at least ``threshold`` bytes per
-        descriptor go direct from now on (None: all packed); e.g. a calibrated value
-        (:func:`kvmem.disagg.calibrate.calibrate_direct`)."""
-        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
-                                      or threshold < 0):
-            raise ValueError(f"direct_threshold must be None or an int >= 0, got {threshold!r}")
-        self.direct_threshold = threshold
-        if self._local_table is None and not self.paused:
-            self._prep_local()
-
-    def _prep_local(self) -> None:
-        self._local_table = None
-        if self.direct_threshold is not None and self.engine.registrations()["kv"].layout:
-            self._local_table = self.engine.prep_local("kv")
-
-    def _may_go_direct(self, req: PrefillRequest) -> bool:
-        """Whether a chunk of ``req`` could be written direct now (push, a threshold, the
-        BOOT's page ids and kv known, the local list prepared, the decode not pausing)."""
-        return not (self.transfer_mode != "push" or self.direct_threshold is None
-                    or req.dpages is None or req.kv is None or self._local_table is None
-                    or self._peers[req.peer].paused)
-
-    def _direct_indices(self, req: PrefillRequest, first: int, last: int, src: np.ndarray):
-        """``(local, remote)`` block indices when pages ``[first, last)`` go direct, else
-        None (packed); ``src``: their page ids here (host).  Direct when the chunk's page
-        runs, merged where adjacent on both sides, average at least ``direct_threshold``
-        bytes per descriptor (one descriptor per merged run per layer and K|V).  A head
-        range (heterogeneous TP) always packs: its rows are not whole pages (this side
-        sends whole pages only)."""
-        if not self._may_go_direct(req):
-            return None
-        dst = req.dpages[first:last]
-        n = last - first
-        runs = 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
-        lt = self._local_table
-        if n * int(lt.nbytes.min()) / runs < self.direct_threshold:
-            return None
-        try:
-            rt = self._peers[req.peer].table.get()
-        except TransferError as e:  # NIXL refused to prepare the decode's list: pack
-            log.warning("prefill: direct writes unavailable, packing: %s", e)
-            return None
-        if rt is None or rt.nbytes.size != lt.nbytes.size or not np.array_equal(rt.nbytes, lt.nbytes):
-            return None
-        planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
-        li = (planes * lt.layout.count + src).reshape(-1)
-        ri = (planes * rt.layout.count + dst).reshape(-1)
-        return li, ri
-
-    def _poll_writes(self) -> bool:
-        """Poll every posted write (this is also what sends its notification): DONE and
-        ERR writes give their staging slot back; an ERR ends its request (500).  True when
-        a write or an offered read ended."""
-        ended = False
-        for req in list(self.reqs.values()):
-            if not req.handles:
-                continue
-            keep, failed = [], None
-            for h, off in req.handles:
-                if isinstance(h, _Offer):
-                    st = h.state
-                    if st == "PROC" and self.clock() - h.t_sent > self.quarantine_timeout:
-                        log.error("prefill: request %d: no PULLED from the decode %.1f s after "
-                                  "offering pages [%d, %d); freeing them", req.rid,
-                                  self.quarantine_timeout, h.first, h.last)
-                        st = h.state = "ERR"
-                        h.error = "no PULLED within the quarantine timeout"
-                    if st == "PROC":
-                        keep.append((h, off))
-                        continue
-                    ended = True
-                    if st == "DONE":
-                        self.metrics.bytes_sent += h.nbytes
-                        self.metrics.peer(req.peer).bytes += h.nbytes
-                    elif failed is None:
-                        failed = h
-                    continue
-                st = self.engine.poll(h)
-                if st == "PROC":
-                    keep.append((h, off))
-                    continue
-                ended = True
-                self.engine.release(h)
-                if off is not None:
-                    self.arena.free(off)
-                if st == "DONE":
-                    self.metrics.bytes_sent += h.nbytes
-                    self.metrics.peer(req.peer).bytes += h.nbytes
-                elif failed is None:
-                    failed = h
-            req.handles = keep
-            if failed is not None and req.ending is None:
-                self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: write of "
-                                                      f"{failed.nbytes} bytes failed: {failed.error}"))
-            else:
-                self._maybe_finish(req)
-        self._maybe_ack_peer_pause()
-        return ended
-
     def _maybe_finish(self, req: PrefillRequest) -> None:
+        """Once no transfer of ``req`` is in flight: KV_POSTED and ENDING give back the
+        pages a direct write or an offered read was reading (ledger reason ``sent``, or
+        ``ended:<status>``); then ENDING finishes (FAILED, ABORT to the decode), KV_POSTED
+        stages the AUX and AUX_POSTED finishes (SUCCEEDED).  Nothing in other states."""
         if req.handles:
             return
-        if req.deferred_release is not None and self.ledger.holds(req.rid):
-            self.ledger.release(req.rid, req.deferred_release)
-            req.deferred_release = None
-        if req.ending is not None:
-            self._finish(req, req.ending, tell_decode=True)
-        elif req.aux_due:  # the last chunk is DONE: its extra state follows
-            req.aux_due = False
+        st = req.state
+        if st in (PrefillState.KV_POSTED, PrefillState.ENDING) and self.ledger.holds(req.rid):
+            self.ledger.release(req.rid, "sent" if st is PrefillState.KV_POSTED
+                                else f"ended:{req.reason.status}")
+        if st is PrefillState.ENDING:
+            self._finish(req, PrefillState.FAILED, req.reason)
+        elif st is PrefillState.KV_POSTED:  # the last chunk is DONE: its extra state follows
             self._send_aux(req)
-        elif req.final_posted:
-            req.state = KVPoll.Success
-            self._finish(req, Reason(OK, f"request {req.rid}: KV delivered"), tell_decode=False)
+        elif st is PrefillState.AUX_POSTED:
+            self._finish(req, PrefillState.SUCCEEDED,
+                         Reason(OK, f"request {req.rid}: KV delivered"))
 
     # --- ending -------------------------------------------------------------------------------
+    def _transition(self, req: PrefillRequest, to: PrefillState) -> None:
+        """Move ``req`` to ``to`` along an edge of the module docstring's drawing
+        (:data:`~kvmem.disagg.states.PREFILL_EDGES`); IllegalTransition naming the request
+        and both states, ``req`` unchanged, for any other."""
+        transition("prefill", PREFILL_EDGES, req, to, log)
+
     def _end(self, req: PrefillRequest, reason: Reason) -> None:
-        """End ``req`` early: its pages are freed now; once no write of it is in flight the
-        decode side is told (ABORT) and the client gets ``reason``."""
-        if req.ending is not None or req.result is not None:
+        """End ``req`` early (ENDING; nothing when it has ended already): its pages are
+        freed now, or once the transfer reading them is DONE or ERR; once no transfer of it
+        is in flight the decode side is told (ABORT) and the client gets ``reason``."""
+        if req.state.ended:
             return
-        req.ending = reason
+        self._transition(req, PrefillState.ENDING)
+        req.reason = reason
         req.pending.clear()
         if req.staged is not None:  # packed, never posted: the slot is free again
             if req.staged.off is not None:
                 self.arena.free(req.staged.off)
             req.staged = None
-        req.deferred_release = None
-        if any(h.tables for h, _ in req.handles):
-            # a direct write is reading these pages: freed once it is DONE or ERR
-            req.deferred_release = f"ended:{reason.status}"
-        elif self.ledger.holds(req.rid):
+        # a direct write or an offered read reading these pages: freed by _maybe_finish
+        # once it is DONE or ERR
+        if not any(t.reads_pages for t in req.handles) and self.ledger.holds(req.rid):
             self.ledger.release(req.rid, f"ended:{reason.status}")
         self._maybe_finish(req)
 
-    def _finish(self, req: PrefillRequest, reason: Reason, *, tell_decode: bool) -> None:
-        if tell_decode:
+    def _finish(self, req: PrefillRequest, to: PrefillState, reason: Reason) -> None:
+        """``req`` is over (``to``: FAILED, the decode told with ABORT, or SUCCEEDED)."""
+        self._transition(req, to)
+        req.reason = reason
+        if to is PrefillState.FAILED:
             self._tell(req.peer, encode(
                 "ABORT", rid=req.rid, status=reason.status, reason=reason.message))
-            req.state = KVPoll.Failed
-        req.result = reason
         del self.reqs[req.rid]
         if req.rid in self._order:
             self._order.remove(req.rid)
@@ -873,186 +487,19 @@ class PrefillSide:
         ended."""
         t, ended = self.clock(), False
         for req in list(self.reqs.values()):
-            if req.ending is not None:
-                continue
-            if req.state == KVPoll.Bootstrapping and t - req.t_created > self.bootstrap_timeout:
+            poll = req.state.poll
+            if poll == KVPoll.Bootstrapping and t - req.t_created > self.bootstrap_timeout:
                 ended = True
                 self._end(req, Reason(GATEWAY_TIMEOUT, (
                     f"prefill bootstrap timeout (> {self.bootstrap_timeout:g} s) for request "
                     f"{req.rid} (room {req.room})")))
-            elif (req.state in (KVPoll.WaitingForInput, KVPoll.Transferring)
+            elif (poll in (KVPoll.WaitingForInput, KVPoll.Transferring)
                   and t - req.t_bootstrapped > self.transfer_timeout):
                 ended = True
                 self._end(req, Reason(GATEWAY_TIMEOUT, (
                     f"prefill transfer timeout (> {self.transfer_timeout:g} s) in "
-                    f"{req.state.name} for request {req.rid} (room {req.room})")))
+                    f"{poll.name} for request {req.rid} (room {req.room})")))
         return ended
-
-    # --- control messages ---------------------------------------------------------------------
-    def _handle_notifs(self) -> bool:
-        """Apply what the decodes sent, then the BOOTs held for their META; True when a
-        message was handled (refused ones too) or a held BOOT was taken up."""
-        moved = self.inbox.drain() > 0
-        for peer in self._peers.values():
-            if not peer.held_boots or peer.paused:
-                continue
-            held, peer.held_boots = peer.held_boots, {}
-            for boot in held.values():
-                try:
-                    self._on_boot(boot, peer.name)
-                except ProtocolError as e:
-                    self.metrics.protocol_errors += 1
-                    log.warning("prefill: refused a held BOOT from %s: %s", peer.name, e)
-            # held again (its META is still on the way) is no progress
-            moved = moved or any(rid not in peer.held_boots for rid in held)
-        return moved
-
-    def handle_message(self, msg, peer: str | None = None) -> None:
-        """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from decode
-        peer ``peer`` (may be left out when the side has one); ProtocolError, before
-        anything changed, when it does not fit the state here."""
-        peer = self.decode_peer if peer is None else peer
-        if peer not in self._peers:
-            raise ProtocolError(f"message from {peer!r}, not a decode peer of this side")
-        if isinstance(msg, Boot):
-            self._on_boot(msg, peer)
-        elif isinstance(msg, AbortReq):
-            self._on_abort_req(msg, peer)
-        elif isinstance(msg, Pausing):
-            self._on_pausing(msg, peer)
-        elif isinstance(msg, Meta):
-            self._on_meta(msg, peer)
-        elif isinstance(msg, Pulled):
-            self._on_pulled(msg, peer)
-        else:
-            raise ProtocolError(f"unexpected message {type(msg).__name__} on the prefill side")
-
-    def _bound(self, msg, peer: str) -> PrefillRequest | None:
-        """The active request ``msg`` names (None when it finished here), after checking
-        that ``peer`` is the decode it is bound to; ProtocolError for an unknown request
-        or another peer's."""
-        req = self.reqs.get(msg.rid)
-        bound = req.peer if req is not None else self.finished_peer.get(msg.rid)
-        if bound is None:
-            raise ProtocolError(f"{msg.t} for unknown request {msg.rid}")
-        if bound != peer:
-            raise ProtocolError(f"{msg.t} for request {msg.rid} from {peer!r}: the request is "
-                                f"bound to {bound!r}")
-        return req
-
-    def _on_abort_req(self, msg: AbortReq, peer: str) -> None:
-        req = self._bound(msg, peer)
-        if req is None:
-            # finished here already: nothing in flight; say so, so decode can free
-            fin = self.finished[msg.rid]
-            self._tell(peer, encode("ABORT", rid=msg.rid, status=fin.status,
-                                    reason=fin.message))
-            return
-        self.abort(req.rid, msg.status, f"decode side: {msg.reason}")
-
-    def _on_pausing(self, msg: Pausing, peer: str) -> None:
-        try:
-            landing = self.engine.remote(peer, "landing")
-        except KeyError:
-            raise ProtocolError(f"PAUSING epoch {msg.epoch} from {peer!r}: its landing buffer "
-                                "is not known here") from None
-        if msg.epoch != landing.epoch:
-            raise ProtocolError(f"PAUSING epoch {msg.epoch} from {peer!r}: its landing buffer "
-                                f"is at epoch {landing.epoch}")
-        p = self._peers[peer]
-        p.paused = True
-        p.pause_epoch = msg.epoch
-        for req in list(self.reqs.values()):
-            if req.peer == peer and (req.state != KVPoll.Bootstrapping or req.remote is not None):
-                self._end(req, Reason(SERVICE_UNAVAILABLE, (
-                    f"request {req.rid} aborted: the decode side is pausing to release "
-                    "its KV memory")))
-        self._maybe_ack_peer_pause()
-
-    def _on_meta(self, msg: Meta, peer: str) -> None:
-        apply_metadata(self.engine, msg)
-        try:
-            landing = self.engine.remote(peer, "landing")
-        except KeyError:
-            landing = None
-        p = self._peers[peer]
-        if landing is not None and landing.live and p.pause_epoch is None:
-            p.paused = False
-
-    def _maybe_ack_peer_pause(self) -> None:
-        """Answer each pausing decode (PAUSE_ACK) once none of this side's writes into it
-        (nor reads it was offered) is in flight."""
-        for p in self._peers.values():
-            if p.pause_epoch is None:
-                continue
-            if any(req.handles for req in self.reqs.values() if req.peer == p.name):
-                continue  # writes into that decode still in flight: ack once drained
-            self._tell(p.name, encode("PAUSE_ACK", epoch=p.pause_epoch))
-            p.pause_epoch = None
-
-    def _on_boot(self, msg: Boot, peer: str) -> None:
-        req = self._bound(msg, peer)
-        if req is None:
-            fin = self.finished[msg.rid]
-            if fin.status != OK:
-                # Ended here, nothing in flight: say so (again), or the decode holds the
-                # pages it booted with until its own timeout (a replayed REQ, a BOOT that
-                # crossed our ABORT: then this second ABORT is ignored there).
-                self._tell(peer, encode("ABORT", rid=msg.rid, status=fin.status,
-                                        reason=fin.message))
-            return
-        if msg.room != req.room:
-            raise ProtocolError(f"BOOT for request {req.rid}: room {msg.room} != {req.room}")
-        if req.state != KVPoll.Bootstrapping or req.ending is not None:
-            raise ProtocolError(f"BOOT for request {req.rid} in state {req.state.name}")
-        p = self._peers[peer]
-        if p.paused:
-            p.held_boots[req.rid] = msg
-            return
-        try:
-            remote = self.engine.remote(peer, "landing")
-        except KeyError:
-            raise ProtocolError(f"BOOT for request {req.rid}: the decode's landing buffer "
-                                "is not known here") from None
-        if remote.epoch < msg.epoch:
-            p.held_boots[req.rid] = msg  # its META is on the way
-            return
-        if not remote.live:
-            raise ProtocolError(f"BOOT for request {req.rid}: the decode's landing buffer is "
-                                "closed (it is pausing)")
-        if remote.epoch > msg.epoch:
-            # Booted before the decode paused (which freed that region): ask again.
-            self._tell(peer, encode("REQ", rid=req.rid, room=req.room, tokens=req.tokens))
-            return
-        need = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size)) + AUX_BYTES
-        landing_map = RegionMap(remote.regions)
-        if msg.nbytes < need or msg.off + msg.nbytes > landing_map.size:
-            raise ProtocolError(f"BOOT for request {req.rid}: landing region [{msg.off}, "
-                                f"+{msg.nbytes}) does not hold {need} bytes within "
-                                f"{landing_map.size}")
-        n_pages = -(-req.tokens // self.spec.page_size)
-        dpages = np.array(decode_runs(msg.pages, n_pages), dtype=np.int64)
-        if dpages.size != n_pages:
-            raise ProtocolError(f"BOOT for request {req.rid}: {dpages.size} decode pages for "
-                                f"its {n_pages} pages")
-        try:
-            kv = self.engine.remote(peer, "kv")
-        except KeyError:
-            kv = None
-        if kv is not None and kv.layout is not None and (
-                dpages.min() < 1 or dpages.max() >= kv.layout.count):
-            raise ProtocolError(f"BOOT for request {req.rid}: decode pages outside "
-                                f"[1, {kv.layout.count})")
-        req.dpages = dpages
-        # The page ids are the decode's pool pages at this BOOT's epoch: direct writes
-        # target that registration only (None: it is not known here at that epoch, so
-        # every chunk of the request packs)
-        req.kv = kv if kv is not None and kv.live and kv.epoch == msg.epoch else None
-        req.remote, req.landing_map = remote, landing_map
-        req.landing_off, req.landing_nbytes = msg.off, msg.nbytes
-        req.state = KVPoll.WaitingForInput
-        req.t_bootstrapped = self.clock()
-        self._order.append(req.rid)
 
     # --- pause / resume -----------------------------------------------------------------------
     def begin_pause(self) -> None:

@@ -369,6 +369,16 @@ def apply_metadata(engine, msg: Meta) -> None:
 
 
 # --- receiving ------------------------------------------------------------------------------
+def dispatch(side, handlers: dict, msg, peer: str, receiver: str) -> None:
+    """Apply ``msg`` from ``peer`` with the handler ``handlers`` names for its kind (a
+    side's dispatch table: message class -> the name of its method taking ``(msg,
+    peer)``); ProtocolError, nothing changed, for a kind the table lacks."""
+    name = handlers.get(type(msg))
+    if name is None:
+        raise ProtocolError(f"unexpected message {type(msg).__name__} on the {receiver} side")
+    getattr(side, name)(msg, peer)
+
+
 class Inbox:
     """Fetches one side's notifications, validates each (:func:`parse`) and hands the typed
     message and its sender to ``handle(msg, peer)``.  Only the side's peers (``peer``:

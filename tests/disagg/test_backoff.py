@@ -79,8 +79,8 @@ def _state(side) -> tuple:
     m = side.metrics.as_dict()
     m["time_to_free"] = len(m["time_to_free"])
     if hasattr(side, "finished"):  # prefill
-        reqs = tuple((r.rid, r.state, r.ending, r.result, len(r.handles), r.staged is not None,
-                      len(r.pending), r.done_tokens, r.seq, r.aux_due, r.final_posted)
+        reqs = tuple((r.rid, r.state, r.reason, len(r.handles), r.staged is not None,
+                      len(r.pending), r.done_tokens, r.seq)
                      for r in side.reqs.values())
         done = tuple(side.finished)
     else:

@@ -5,7 +5,7 @@ CUDA sync-debug mode for the same lifecycle.  Here there is no device, so the ch
 which tensors *are* device tensors on a GPU (the pools, the staging and landing buffers,
 what the allocators hand out, the stand-in's verdicts, and everything torch computes from
 them) and records every conversion of one made by the sides' own code
-(kvmem/disagg/prefill.py, decode.py, common.py, protocol.py, arena.py) while both sides run
+(kvmem/disagg/prefill*.py, decode*.py, common.py, protocol.py, arena.py) while both sides run
 whole lifecycles in every transfer mode.  The sanctioned way to the host is
 ``common.HostCopy`` (a non-blocking copy and an event on CUDA, polled, never waited on);
 ``Ledger.audit`` runs in a pause only (which waits for the device by design)."""
@@ -35,7 +35,8 @@ CONVERSIONS = {
     _T.masked_select, torch.allclose, _T.allclose,
 }
 DISAGG = os.path.dirname(os.path.abspath(C.__file__))
-SCOPE = {os.path.join(DISAGG, f) for f in ("prefill.py", "decode.py", "common.py",
+SCOPE = {os.path.join(DISAGG, f) for f in ("prefill.py", "prefill_send.py", "prefill_peers.py",
+                                              "decode.py", "decode_memory.py", "common.py",
                                               "protocol.py", "arena.py")}
 # Where the sides may read device values: the asynchronous host copy, and the audit of a
 # pause (docs/disagg.md: a pause waits for the device anyway).

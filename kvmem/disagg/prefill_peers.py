@@ -1,0 +1,259 @@
+"""The decode peers of the prefill side and what they send it (:class:`PrefillPeers`, a
+base class of :class:`~kvmem.disagg.prefill.PrefillSide`; its methods use the side's
+fields): what is kept per peer, the one dispatch table of peer messages and their
+handlers, the acknowledgement of a peer's pause.
+
+* Several decode peers (``decode_peers``): each request is bound to one of them when it
+  is added (``add_request(..., peer=)``: routing is the caller's), and everything about a
+  peer is kept per peer (:class:`_DecodePeer`): its pause (``PAUSING`` ends and drains
+  only the requests bound to it, ``PAUSE_ACK`` answers it alone, the others keep
+  flowing), the BOOTs held for its ``META``, the prepared block list of its pool, and its
+  counters (``metrics.peers``).  A message about a request from a peer it is not bound to
+  is refused.  A peer that vanishes (its process killed) is found out by the lifecycle
+  itself: its requests end by the bootstrap or transfer timeout (504) or by a failed
+  write (500); the memory a write in flight may read stays held until that write is
+  DONE or ERR.  ``META`` after a pause of this side goes to every peer.
+* Peer messages arrive validated (:mod:`kvmem.disagg.protocol`); the handlers here check
+  what depends on state (and that the sender is the request's peer), before they change
+  anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+import kvmem
+from kvmem.disagg.common import (
+    AUX_BYTES, OK, SERVICE_UNAVAILABLE, PeerTable, ProtocolError, Reason, RegionMap, sole_peer,
+)
+from kvmem.disagg.prefill_send import Offer
+from kvmem.disagg.protocol import (
+    AbortReq, Boot, Meta, Pausing, Pulled, apply_metadata, decode_runs, dispatch, encode,
+)
+from kvmem.disagg.states import PrefillState
+
+if TYPE_CHECKING:
+    from kvmem.disagg.prefill import PrefillRequest
+
+log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
+
+
+@dataclass
+class _DecodePeer:
+    """What the prefill side keeps about one decode peer."""
+
+    name: str
+    table: PeerTable  # prepared block list of its pool (direct writes), per epoch
+    paused: bool = False  # it announced a pause (PAUSING); cleared by its live META
+    pause_epoch: int | None = None  # its PAUSE_ACK is due once no write into it is in flight
+    held_boots: dict = field(default_factory=dict)  # rid -> BOOT waiting for its META
+
+
+class PrefillPeers:
+    """The decode-peer methods of :class:`~kvmem.disagg.prefill.PrefillSide` (not a side
+    on its own: they read and change the side's requests, peers, engine and counters)."""
+
+    @property
+    def decode_peer(self) -> str:
+        """The decode peer, when there is one (ValueError when there are several)."""
+        return sole_peer("decode", self.decode_peers, "; name one")
+
+    @property
+    def peer_paused(self) -> bool:
+        """True while a decode peer is paused (announced PAUSING, no live META since)."""
+        return any(p.paused for p in self._peers.values())
+
+    def peer_is_paused(self, peer: str) -> bool:
+        """Whether decode peer ``peer`` is paused (a router sends new requests elsewhere)."""
+        return self._peer(peer).paused
+
+    def _peer(self, name: str) -> _DecodePeer:
+        try:
+            return self._peers[name]
+        except KeyError:
+            raise ValueError(f"{name!r} is not a decode peer of this side (peers: "
+                             f"{list(self.decode_peers)})") from None
+
+    def requests_of(self, peer: str) -> int:
+        """Active requests bound to decode peer ``peer``."""
+        self._peer(peer)
+        return sum(1 for r in self.reqs.values() if r.peer == peer)
+
+    # --- control messages ---------------------------------------------------------------------
+    def _handle_notifs(self) -> bool:
+        """Apply what the decodes sent, then the BOOTs held for their META; True when a
+        message was handled (refused ones too) or a held BOOT was taken up."""
+        moved = self.inbox.drain() > 0
+        for peer in self._peers.values():
+            if not peer.held_boots or peer.paused:
+                continue
+            held, peer.held_boots = peer.held_boots, {}
+            for boot in held.values():
+                try:
+                    self._on_boot(boot, peer.name)
+                except ProtocolError as e:
+                    self.metrics.protocol_errors += 1
+                    log.warning("prefill: refused a held BOOT from %s: %s", peer.name, e)
+            # held again (its META is still on the way) is no progress
+            moved = moved or any(rid not in peer.held_boots for rid in held)
+        return moved
+
+    # The one dispatch table: message kind -> the handler of what a decode sends
+    # (protocol.PREFILL_RECEIVES); each handler takes (msg, peer).
+    HANDLERS = {Boot: "_on_boot", AbortReq: "_on_abort_req", Pausing: "_on_pausing",
+                Meta: "_on_meta", Pulled: "_on_pulled"}
+
+    def handle_message(self, msg, peer: str | None = None) -> None:
+        """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from decode
+        peer ``peer`` (may be left out when the side has one) with its handler of
+        :attr:`HANDLERS`; ProtocolError, before anything changed, when it does not fit
+        the state here."""
+        peer = self.decode_peer if peer is None else peer
+        if peer not in self._peers:
+            raise ProtocolError(f"message from {peer!r}, not a decode peer of this side")
+        dispatch(self, self.HANDLERS, msg, peer, "prefill")
+
+    def _bound(self, msg, peer: str) -> PrefillRequest | None:
+        """The active request ``msg`` names (None when it finished here), after checking
+        that ``peer`` is the decode it is bound to; ProtocolError for an unknown request
+        or another peer's."""
+        req = self.reqs.get(msg.rid)
+        bound = req.peer if req is not None else self.finished_peer.get(msg.rid)
+        if bound is None:
+            raise ProtocolError(f"{msg.t} for unknown request {msg.rid}")
+        if bound != peer:
+            raise ProtocolError(f"{msg.t} for request {msg.rid} from {peer!r}: the request is "
+                                f"bound to {bound!r}")
+        return req
+
+    def _on_abort_req(self, msg: AbortReq, peer: str) -> None:
+        req = self._bound(msg, peer)
+        if req is None:
+            # finished here already: nothing in flight; say so, so decode can free
+            fin = self.finished[msg.rid]
+            self._tell(peer, encode("ABORT", rid=msg.rid, status=fin.status,
+                                    reason=fin.message))
+            return
+        self.abort(req.rid, msg.status, f"decode side: {msg.reason}")
+
+    def _on_pausing(self, msg: Pausing, peer: str) -> None:
+        try:
+            landing = self.engine.remote(peer, "landing")
+        except KeyError:
+            raise ProtocolError(f"PAUSING epoch {msg.epoch} from {peer!r}: its landing buffer "
+                                "is not known here") from None
+        if msg.epoch != landing.epoch:
+            raise ProtocolError(f"PAUSING epoch {msg.epoch} from {peer!r}: its landing buffer "
+                                f"is at epoch {landing.epoch}")
+        p = self._peers[peer]
+        p.paused = True
+        p.pause_epoch = msg.epoch
+        for req in list(self.reqs.values()):
+            # a BOOTSTRAPPING request's BOOT waits for the decode's META (held_boots)
+            if req.peer == peer and req.state is not PrefillState.BOOTSTRAPPING:
+                self._end(req, Reason(SERVICE_UNAVAILABLE, (
+                    f"request {req.rid} aborted: the decode side is pausing to release "
+                    "its KV memory")))
+        self._maybe_ack_peer_pause()
+
+    def _on_meta(self, msg: Meta, peer: str) -> None:
+        apply_metadata(self.engine, msg)
+        try:
+            landing = self.engine.remote(peer, "landing")
+        except KeyError:
+            landing = None
+        p = self._peers[peer]
+        if landing is not None and landing.live and p.pause_epoch is None:
+            p.paused = False
+
+    def _maybe_ack_peer_pause(self) -> None:
+        """Answer each pausing decode (PAUSE_ACK) once none of this side's writes into it
+        (nor reads it was offered) is in flight."""
+        for p in self._peers.values():
+            if p.pause_epoch is None:
+                continue
+            if any(req.handles for req in self.reqs.values() if req.peer == p.name):
+                continue  # writes into that decode still in flight: ack once drained
+            self._tell(p.name, encode("PAUSE_ACK", epoch=p.pause_epoch))
+            p.pause_epoch = None
+
+    def _on_boot(self, msg: Boot, peer: str) -> None:
+        req = self._bound(msg, peer)
+        if req is None:
+            fin = self.finished[msg.rid]
+            if fin.status != OK:
+                # Ended here, nothing in flight: say so (again), or the decode holds the
+                # pages it booted with until its own timeout (a replayed REQ, a BOOT that
+                # crossed our ABORT: then this second ABORT is ignored there).
+                self._tell(peer, encode("ABORT", rid=msg.rid, status=fin.status,
+                                        reason=fin.message))
+            return
+        if msg.room != req.room:
+            raise ProtocolError(f"BOOT for request {req.rid}: room {msg.room} != {req.room}")
+        if req.state is not PrefillState.BOOTSTRAPPING:
+            raise ProtocolError(f"BOOT for request {req.rid} in state {req.state.poll.name} "
+                                f"({req.state.name})")
+        p = self._peers[peer]
+        if p.paused:
+            p.held_boots[req.rid] = msg
+            return
+        try:
+            remote = self.engine.remote(peer, "landing")
+        except KeyError:
+            raise ProtocolError(f"BOOT for request {req.rid}: the decode's landing buffer "
+                                "is not known here") from None
+        if remote.epoch < msg.epoch:
+            p.held_boots[req.rid] = msg  # its META is on the way
+            return
+        if not remote.live:
+            raise ProtocolError(f"BOOT for request {req.rid}: the decode's landing buffer is "
+                                "closed (it is pausing)")
+        if remote.epoch > msg.epoch:
+            # Booted before the decode paused (which freed that region): ask again.
+            self._tell(peer, encode("REQ", rid=req.rid, room=req.room, tokens=req.tokens))
+            return
+        need = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size)) + AUX_BYTES
+        landing_map = RegionMap(remote.regions)
+        if msg.nbytes < need or msg.off + msg.nbytes > landing_map.size:
+            raise ProtocolError(f"BOOT for request {req.rid}: landing region [{msg.off}, "
+                                f"+{msg.nbytes}) does not hold {need} bytes within "
+                                f"{landing_map.size}")
+        n_pages = -(-req.tokens // self.spec.page_size)
+        dpages = np.array(decode_runs(msg.pages, n_pages), dtype=np.int64)
+        if dpages.size != n_pages:
+            raise ProtocolError(f"BOOT for request {req.rid}: {dpages.size} decode pages for "
+                                f"its {n_pages} pages")
+        try:
+            kv = self.engine.remote(peer, "kv")
+        except KeyError:
+            kv = None
+        if kv is not None and kv.layout is not None and (
+                dpages.min() < 1 or dpages.max() >= kv.layout.count):
+            raise ProtocolError(f"BOOT for request {req.rid}: decode pages outside "
+                                f"[1, {kv.layout.count})")
+        req.dpages = dpages
+        # The page ids are the decode's pool pages at this BOOT's epoch: direct writes
+        # target that registration only (None: it is not known here at that epoch, so
+        # every chunk of the request packs)
+        req.kv = kv if kv is not None and kv.live and kv.epoch == msg.epoch else None
+        req.remote, req.landing_map = remote, landing_map
+        req.landing_off, req.landing_nbytes = msg.off, msg.nbytes
+        self._transition(req, PrefillState.WAITING_FOR_INPUT)
+        req.t_bootstrapped = self.clock()
+        self._order.append(req.rid)
+
+    def _on_pulled(self, msg: Pulled, peer: str) -> None:
+        req = self._bound(msg, peer)
+        offer = None if req is None else next(
+            (t.op for t in req.handles if isinstance(t.op, Offer) and t.op.state == "PROC"
+             and (t.op.first, t.op.last) == (msg.first, msg.last)), None)
+        if offer is None:
+            raise ProtocolError(f"PULLED for request {msg.rid} pages [{msg.first}, {msg.last}):"
+                                " no such read offered")
+        offer.state = "DONE" if msg.ok else "ERR"
+        if not msg.ok:
+            offer.error = "the decode's read failed or was refused"

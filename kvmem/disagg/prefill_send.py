@@ -1,0 +1,423 @@
+"""The sending half of the prefill side (:class:`PrefillSending`, a base class of
+:class:`~kvmem.disagg.prefill.PrefillSide`; its methods use the side's fields): the
+transfers of a request, from staging to posting to polling, and their types.  A
+request's chunks are packed into staging, written direct or offered (pull), one transfer
+in flight at a time; ``PrefillSide`` owns the requests and their states.
+
+* Direct chunks (``direct_threshold``; push): a chunk whose page runs, merged where
+  adjacent on both sides, average at least the threshold per descriptor is written from
+  this pool's pages straight into the decode's pool pages (prepared block lists, one
+  ``post_blocks``); no pack, no staging slot.  Such a write reads the request's pages, so
+  they are freed once it is DONE or ERR, also when the request ends early.  A head range
+  (heterogeneous TP) always packs; this side sends whole pages only.  The decode's page
+  ids are those of its ``BOOT``'s kv epoch: a direct write is refused before posting
+  (StaleEpochError, the request ends 503) once the decode's kv registration is newer than
+  that BOOT's, as packed writes and pull offers are.
+* Pull mode (``transfer_mode="pull"``): each chunk is offered (``READY``) instead of
+  written; the decode reads it from this pool and answers ``PULLED``.  The offer is held
+  like a write in flight (one per request at a time): the pages stay held until the
+  answer, or until ``quarantine_timeout`` (logged as an error) if none comes: the
+  quarantine is on this side.  A pause publishes the ``kv`` tombstone, so the decode
+  refuses reads built from the older metadata before posting them.
+* Pack, then post, in that order on the device too: ``pack_pages`` (and the AUX copy) is
+  asynchronous on CUDA, and RDMA reads the staging buffer without waiting for the
+  stream.  So each staged write carries a *ready* object (``ready_event()``, by default a
+  ``torch.cuda.Event`` recorded on the pool device's current stream, the one pack ran on,
+  right after the pack); ``step`` posts it once ``ready.query()`` is True, and never
+  blocks on it.  On the CPU pack is done when it returns and ready at once.
+* Physical chunks: NIXL refuses a descriptor that spans two registered regions, and a
+  memory backend reports one region per physical allocation (the CUDA VMM backend: one
+  per 2 GiB chunk).  The staging buffer is registered with its backend's regions, and a
+  slot's bytes are posted as one local range per chunk they lie in
+  (:func:`~kvmem.disagg.common.buffer_map`); the landing region is addressed as an offset
+  into the decode's ``landing`` registration, its regions concatenated in order
+  (:class:`~kvmem.disagg.common.RegionMap`), cut the same way.  A write that spans two
+  chunks on either side is one write of several ranges.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import torch
+
+import kvmem
+from kvmem.disagg.arena import ArenaFullError
+from kvmem.disagg.common import AUX_BYTES, INTERNAL_ERROR, SERVICE_UNAVAILABLE, Reason, to_device
+from kvmem.disagg.protocol import encode, encode_runs
+from kvmem.disagg.states import PrefillState
+from kvmem.transfer.errors import StaleEpochError, TransferError
+from kvmem.transfer.records import TransferHandle
+
+if TYPE_CHECKING:
+    from kvmem.disagg.prefill import PrefillRequest
+
+log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
+
+
+@dataclass
+class Offer:
+    """Pull mode: pages [first, last) offered to the decode (``READY``), which reads them
+    from this side's pool.  ``state``: PROC until the decode's ``PULLED`` (DONE or ERR) or
+    the quarantine timeout (ERR, logged), the words of a write's handle."""
+
+    first: int
+    last: int
+    nbytes: int
+    t_sent: float
+    state: str = "PROC"
+    error: str | None = None
+
+
+class InFlight(NamedTuple):
+    """A transfer of a request in flight (one at a time): ``op`` is the TransferHandle of
+    a write this side posted (polled until DONE or ERR) or an :class:`Offer` (pull: the
+    decode reads, and answers)."""
+
+    op: TransferHandle | Offer
+    staging_off: int | None  # the staging slot a packed chunk or the AUX is written from
+
+    @property
+    def reads_pages(self) -> bool:
+        """No staging slot: the transfer reads the request's pool pages (a direct write, or
+        the decode's read of an offer), so they stay held until it ends."""
+        return self.staging_off is None
+
+
+class _Send(enum.Enum):
+    """What a staged transfer is."""
+
+    PACKED = "packed"  # a chunk packed into a staging slot, written into the landing region
+    DIRECT = "direct"  # a chunk written from this pool's pages into the decode's (post_blocks)
+    OFFER = "offer"  # pull: a chunk offered (READY); the decode reads this pool's pages
+    AUX = "aux"  # the extra state, copied into a staging slot, written after the last chunk
+
+
+@dataclass
+class _Staged:
+    """A transfer staged and not posted yet: posted once ``ready`` says the bytes it sends
+    are written (the pack, the AUX copy or the forward is done on the device)."""
+
+    kind: _Send
+    nbytes: int
+    remote_off: int  # offset within the request's landing region
+    final: bool  # the request's last chunk
+    ready: object
+    notif: bytes = b""  # CHUNK or AUX (PACKED, DIRECT, AUX)
+    off: int | None = None  # staging offset (PACKED, AUX)
+    blocks: tuple | None = None  # DIRECT: (local block indices, remote block indices)
+    pages: tuple | None = None  # OFFER: (first, last)
+
+    @property
+    def aux(self) -> bool:
+        return self.kind is _Send.AUX
+
+
+class PrefillSending:
+    """The sending methods of :class:`~kvmem.disagg.prefill.PrefillSide` (not a side on
+    its own: they read and change the side's requests, staging, engine and counters)."""
+
+    # --- sending ----------------------------------------------------------------------------
+    def _flush_pending(self) -> bool:
+        # One write of a request in flight at a time.  NIXL sends a write's notification
+        # (CHUNK, AUX) when the write completes: inside post_write for a write that is done
+        # at once, else at the poll that sees it DONE.  So two writes of one request in
+        # flight can announce themselves out of order (seen across two processes: a 64-byte
+        # AUX overtook the 16 MiB chunk before it).  After DONE, the next write's
+        # notification follows on the same endpoint, in order.  True when something was
+        # staged or posted (or a request ended trying).
+        moved = False
+        for rid in list(self._order):
+            req = self.reqs.get(rid)
+            while (req is not None and not req.state.ended
+                   and not self._peers[req.peer].paused and not req.handles):
+                if req.staged is not None:
+                    if not self._post_staged(req):
+                        break  # its pack is still running: next step
+                    moved = True
+                    continue
+                if not req.pending:
+                    break
+                got = self._stage_chunk(req, *req.pending[0])
+                if got == "full":
+                    return moved  # staging full: retry next step, in order
+                if got == "wait":
+                    break  # its page ids are still on their way to the host: next step
+                moved = True
+                if req.pending and not req.state.ended:
+                    req.pending.pop(0)
+        return moved
+
+    def _stage_chunk(self, req: PrefillRequest, first: int, last: int, final: bool) -> str:
+        """Stage pages ``[first, last)`` of ``req``: packed into a staging slot, or as a
+        direct write or a pull offer.  ``"staged"``; ``"full"`` when staging is full, or
+        ``"wait"`` when the chunk needs its page ids on the host (pull, direct) and their
+        copy is not done yet (nothing changed either way)."""
+        spec = self.spec
+        nbytes = kvmem.packed_nbytes(spec, last - first)
+        host_ids = None
+        if self.transfer_mode == "pull" or self._may_go_direct(req):
+            host_ids = self._host_ids(req, first, last)
+            if host_ids is None:
+                return "wait"
+        if self.transfer_mode == "pull":  # offered once the forward's writes are done
+            self.chunk_modes["pulled"] += 1
+            req.staged = _Staged(_Send.OFFER, nbytes, kvmem.packed_nbytes(spec, first),
+                                 final, self.ready_event(), pages=(first, last))
+            # final: the decode reads the pages; freed once its read is DONE or ERR, in
+            # KV_POSTED (_maybe_finish)
+            return "staged"
+        direct = None if host_ids is None else self._direct_indices(req, first, last, host_ids)
+        if direct is not None:
+            ready = self.ready_event()  # the forward's writes to these pages are done
+            self.chunk_modes["direct"] += 1
+            notif = encode("CHUNK", rid=req.rid, first=first, last=last,
+                           off=kvmem.packed_nbytes(spec, first), nbytes=nbytes, final=final,
+                           direct=True)
+            req.staged = _Staged(_Send.DIRECT, nbytes, kvmem.packed_nbytes(spec, first), final,
+                                 ready, notif, blocks=direct)
+            # final: the write reads the pages; freed once it is DONE or ERR, in KV_POSTED
+            return "staged"
+        try:
+            off = self.arena.alloc(nbytes)
+        except ArenaFullError:
+            return "full"
+        self.chunk_modes["packed"] += 1
+        # the ids came from this side's allocator: unchecked, no host sync on CUDA
+        kvmem.pack_pages(self.pool, self.ledger.pages(req.rid)[first:last],
+                         out=self.staging[off:off + nbytes], check=False)
+        ready = self.ready_event()  # right after the pack, on the stream it ran on
+        self.metrics.bytes_packed += nbytes
+        if final:  # the packed copies are what is sent: the pages are free to go (a later
+            # writer of these pages is ordered after the pack on the same stream)
+            self.ledger.release(req.rid, "sent")
+        chunk_off = kvmem.packed_nbytes(spec, first)
+        notif = encode("CHUNK", rid=req.rid, first=first, last=last, off=chunk_off,
+                       nbytes=nbytes, final=final, direct=False)
+        req.staged = _Staged(_Send.PACKED, nbytes, chunk_off, final, ready, notif, off=off)
+        return "staged"
+
+    def _host_ids(self, req: PrefillRequest, first: int, last: int) -> np.ndarray | None:
+        """``int64 [last - first]``: the page ids of pages ``[first, last)`` of ``req`` on
+        the host, once their copies (made by ``_schedule``, in chunk order) are done; None
+        before.  Never waits."""
+        while req.ids and req.ids[0][2].ready():
+            f, l, copy = req.ids.pop(0)
+            req.host_pages[f:l] = copy.numpy()
+            req.ids_known = l
+        return req.host_pages[first:last] if req.ids_known >= last else None
+
+    def _send_aux(self, req: PrefillRequest) -> None:
+        """The last write carries the request's extra state (first output token, lengths)."""
+        try:
+            off = self.arena.alloc(AUX_BYTES)
+        except ArenaFullError:  # never: sized with room for AUX slots; fail loudly
+            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: no staging for its extra state"))
+            return
+        aux = torch.zeros(AUX_BYTES, dtype=torch.uint8)
+        aux[:16].view(torch.int64).copy_(torch.tensor([req.rid, req.tokens]))
+        # through pinned memory on CUDA: asynchronous, ordered before ``ready`` below
+        self.staging[off:off + AUX_BYTES].copy_(to_device(aux, self.staging.device))
+        ready = self.ready_event()
+        aux_off = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size))
+        notif = encode("AUX", rid=req.rid, off=aux_off, nbytes=AUX_BYTES)
+        req.staged = _Staged(_Send.AUX, AUX_BYTES, aux_off, False, ready, notif, off=off)
+        self._transition(req, PrefillState.AUX_STAGED)
+        self._post_staged(req)
+
+    def _post_staged(self, req: PrefillRequest) -> bool:
+        """Post ``req.staged`` if its ready object says the bytes it sends are written;
+        False (nothing changed) when not yet."""
+        st = req.staged
+        if not st.ready.query():
+            return False
+        req.staged = None
+        if st.kind is _Send.OFFER:
+            posted = self._offer(req, st)
+        elif st.kind is _Send.DIRECT:
+            posted = self._post_direct(req, st)
+        else:
+            posted = self._post(req, st.off, st.nbytes, st.remote_off, st.notif, aux=st.aux)
+        if not posted:
+            return True  # the request ended (500 / 503); a staging slot is free again
+        if st.aux:
+            self._transition(req, PrefillState.AUX_POSTED)
+            return True
+        # KV_POSTED: the AUX is staged by _maybe_finish once this write is DONE
+        self._transition(req, PrefillState.KV_POSTED if st.final else PrefillState.TRANSFERRING)
+        return True
+
+    def _post(self, req, staging_off, nbytes, remote_off, notif, *, aux: bool) -> bool:
+        """Post one write from staging to the request's landing region; on failure free the
+        slot and end the request (500, or 503 when the decode's memory moved on)."""
+        seq = req.seq
+        req.seq += 1
+        local = self._staging_map.ranges(staging_off, nbytes)  # one range per chunk it spans
+        what = "extra-state (last) chunk" if aux else f"chunk {seq}"
+        try:
+            if self.faults.fail_send(req.rid, seq, aux):
+                raise TransferError(f"injected send failure of {what}")
+            remote = req.landing_map.ranges(req.landing_off + remote_off, nbytes)
+            h = self.engine.post_write(local, req.remote, remote, notif)
+        except StaleEpochError as e:
+            self.arena.free(staging_off)
+            self._end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: the decode side "
+                                  f"released its KV memory (epoch moved on): {e}"))
+            return False
+        except TransferError as e:
+            self.arena.free(staging_off)
+            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of {what} failed: {e}"))
+            return False
+        req.handles.append(InFlight(h, staging_off))
+        return True
+
+    def _offer(self, req, st: _Staged) -> bool:
+        """Pull mode: tell the decode to read pages ``[first, last)`` from this pool."""
+        first, last = st.pages
+        seq = req.seq
+        req.seq += 1
+        if self.faults.fail_send(req.rid, seq, False):
+            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} "
+                                  "(a READY offer, pull) failed: injected send failure"))
+            return False
+        pages = req.host_pages[first:last]  # known on the host: _stage_chunk waited for them
+        msg = encode("READY", rid=req.rid, first=first, last=last, pages=encode_runs(pages),
+                     epoch=self.pool.epoch, final=st.final)
+        if not self._tell(req.peer, msg):
+            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: the decode cannot be "
+                                  f"reached to read chunk {seq}"))
+            return False
+        req.handles.append(InFlight(Offer(first, last, st.nbytes, self.clock()), None))
+        return True
+
+    def _post_direct(self, req, st: _Staged) -> bool:
+        """Post one direct write (pool pages to the decode's pool pages, prepared block
+        lists); on failure end the request (500, or 503 when the decode's memory moved on)."""
+        seq = req.seq
+        req.seq += 1
+        try:
+            if self.faults.fail_send(req.rid, seq, False):
+                raise TransferError(f"injected send failure of chunk {seq} (direct)")
+            rt = self._peers[req.peer].table.get()
+            if rt is None or rt.remote != req.kv:
+                # the decode's kv moved on since the BOOT that gave these page ids
+                raise StaleEpochError(req.peer, "kv", req.kv.describe(),
+                                      "closed" if rt is None else rt.remote.describe(),
+                                      "post_blocks (the BOOT's kv)")
+            li, ri = st.blocks
+            h = self.engine.post_blocks(self._local_table, li, rt, ri, st.notif)
+        except StaleEpochError as e:
+            self._end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: the decode side "
+                                  f"released its KV memory (epoch moved on): {e}"))
+            return False
+        except TransferError as e:
+            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} "
+                                  f"(direct) failed: {e}"))
+            return False
+        req.handles.append(InFlight(h, None))
+        return True
+
+    # --- direct writes ------------------------------------------------------------------------
+    def set_direct_threshold(self, threshold: int | None) -> None:
+        """Chunks whose merged page runs average at least ``threshold`` bytes per
+        descriptor go direct from now on (None: all packed); e.g. a calibrated value
+        (:func:`kvmem.disagg.calibrate.calibrate_direct`)."""
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
+                                      or threshold < 0):
+            raise ValueError(f"direct_threshold must be None or an int >= 0, got {threshold!r}")
+        self.direct_threshold = threshold
+        if self._local_table is None and not self.paused:
+            self._prep_local()
+
+    def _prep_local(self) -> None:
+        self._local_table = None
+        if self.direct_threshold is not None and self.engine.registrations()["kv"].layout:
+            self._local_table = self.engine.prep_local("kv")
+
+    def _may_go_direct(self, req: PrefillRequest) -> bool:
+        """Whether a chunk of ``req`` could be written direct now (push, a threshold, the
+        BOOT's page ids and kv known, the local list prepared, the decode not pausing)."""
+        return not (self.transfer_mode != "push" or self.direct_threshold is None
+                    or req.dpages is None or req.kv is None or self._local_table is None
+                    or self._peers[req.peer].paused)
+
+    def _direct_indices(self, req: PrefillRequest, first: int, last: int, src: np.ndarray):
+        """``(local, remote)`` block indices when pages ``[first, last)`` go direct, else
+        None (packed); ``src``: their page ids here (host).  Direct when the chunk's page
+        runs, merged where adjacent on both sides, average at least ``direct_threshold``
+        bytes per descriptor (one descriptor per merged run per layer and K|V).  A head
+        range (heterogeneous TP) always packs: its rows are not whole pages (this side
+        sends whole pages only)."""
+        if not self._may_go_direct(req):
+            return None
+        dst = req.dpages[first:last]
+        n = last - first
+        runs = 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
+        lt = self._local_table
+        if n * int(lt.nbytes.min()) / runs < self.direct_threshold:
+            return None
+        try:
+            rt = self._peers[req.peer].table.get()
+        except TransferError as e:  # NIXL refused to prepare the decode's list: pack
+            log.warning("prefill: direct writes unavailable, packing: %s", e)
+            return None
+        if rt is None or rt.nbytes.size != lt.nbytes.size or not np.array_equal(rt.nbytes, lt.nbytes):
+            return None
+        planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
+        li = (planes * lt.layout.count + src).reshape(-1)
+        ri = (planes * rt.layout.count + dst).reshape(-1)
+        return li, ri
+
+    def _poll_writes(self) -> bool:
+        """Poll every posted write (this is also what sends its notification): DONE and
+        ERR writes give their staging slot back; an ERR ends its request (500).  True when
+        a write or an offered read ended."""
+        ended = False
+        for req in list(self.reqs.values()):
+            if not req.handles:
+                continue
+            keep, failed = [], None
+            for t in req.handles:
+                offer = isinstance(t.op, Offer)
+                st = self._poll_offer(req, t.op) if offer else self._poll_write(t)
+                if st == "PROC":
+                    keep.append(t)
+                    continue
+                ended = True
+                if st == "DONE":
+                    self.metrics.bytes_sent += t.op.nbytes
+                    self.metrics.peer(req.peer).bytes += t.op.nbytes
+                elif failed is None:
+                    failed = t.op
+            req.handles = keep
+            if failed is not None and not req.state.ended:
+                self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: write of "
+                                                      f"{failed.nbytes} bytes failed: {failed.error}"))
+            else:
+                self._maybe_finish(req)
+        self._maybe_ack_peer_pause()
+        return ended
+
+    def _poll_write(self, w: InFlight) -> str:
+        """The engine's state of write ``w``; once DONE or ERR its handle is released and
+        its staging slot is free again."""
+        st = self.engine.poll(w.op)
+        if st != "PROC":
+            self.engine.release(w.op)
+            if w.staging_off is not None:
+                self.arena.free(w.staging_off)
+        return st
+
+    def _poll_offer(self, req: PrefillRequest, offer: Offer) -> str:
+        """``offer``'s state: the decode's answer (PULLED), or ERR (logged) once it has
+        gone unanswered for ``quarantine_timeout``."""
+        if offer.state == "PROC" and self.clock() - offer.t_sent > self.quarantine_timeout:
+            log.error("prefill: request %d: no PULLED from the decode %.1f s after offering "
+                      "pages [%d, %d); freeing them", req.rid, self.quarantine_timeout,
+                      offer.first, offer.last)
+            offer.state, offer.error = "ERR", "no PULLED within the quarantine timeout"
+        return offer.state
