@@ -41,6 +41,11 @@ TRANSFER_TIMEOUT = 0.3  # SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT
 BOOTSTRAP_TIMEOUT = 1  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (an int in sglang)
 RELEASE_WAVES = (7, 14)
 BOOTSTRAP_TIMEOUT_WAVES = (3, 11, 18)
+# Waves whose scheduler stalls for longer than the transfer timeout right after the step
+# that put their requests in flight, as a process on a loaded machine can be held off the
+# CPU: a client's abort of a transferring request that is already queued must still win
+# over a transfer clock that ran out meanwhile.
+STALL_WAVES = (5,)
 ABORT_FREE_LOOP = 400  # timed retires of an abort in the running batch, after the waves
 
 FATES = {  # fate -> weight in an ordinary wave
@@ -124,9 +129,14 @@ def main() -> dict:
             hold = K.Bootstrapping if f in ("abort-bootstrapping", "bootstrap-timeout") else None
             new(f, hold)
         step()
+        # Transferring now, their transfer clock started by that step's poll of the
+        # inflight queue: aborted before the next poll, which alone could find the clock
+        # run out (a step on a loaded machine can take longer than TRANSFER_TIMEOUT).
+        abort_where("abort-transferring", queue=h.s.disagg_prefill_inflight_queue)
+        if wave in STALL_WAVES:
+            time.sleep(TRANSFER_TIMEOUT + 0.05)
         abort_where("abort-bootstrapping", queue=h.s.disagg_prefill_bootstrap_queue.queue)
         step()
-        abort_where("abort-transferring", queue=h.s.disagg_prefill_inflight_queue)
         step()
         time.sleep(BOOTSTRAP_TIMEOUT + 0.1 if wave in BOOTSTRAP_TIMEOUT_WAVES
                    else TRANSFER_TIMEOUT + 0.05)
@@ -162,11 +172,17 @@ def main() -> dict:
             wrong += 1
             wrong_examples.setdefault(f, []).append([rid, key, reason.get("message")])
     held = h.held()
-    audit = None
+    audit = send_path = None
     try:
         from kvmem_sglang import audit as A
+        from kvmem_sglang import plugin, transfer
 
         audit = {"audits": A.STATS.audits, "leaks": A.STATS.leaks}
+        # kvmem's NIXL send path (SGLANG_KVMEM_TRANSFER=kvmem): installed or not, and
+        # what it moved (nothing here: the FakeKVManager is no NixlKVManager)
+        send_path = {"installed": any(t.endswith("NixlKVManager.send_kvcache")
+                                      for t in plugin.INSTALLED),
+                     "sends": transfer.STATS.sends + transfer.STATS.fallbacks}
     except ImportError:
         pass
     return {
@@ -178,7 +194,7 @@ def main() -> dict:
         "wrong_examples": {f: v[:2] for f, v in wrong_examples.items()},
         "abort_free_us": {"median": statistics.median(free_step_us)
                                   if free_step_us else None, "n": len(free_step_us)},
-        "audit": audit, "seconds": time.perf_counter() - t_start,
+        "audit": audit, "send_path": send_path, "seconds": time.perf_counter() - t_start,
         "abort_free_loop_us": _abort_free_loop(),  # after the run's wall time
     }
 

@@ -37,14 +37,21 @@ def run_script(code: str, *, kvmem: bool, env: dict | None = None, timeout: floa
                           env=full, timeout=timeout, cwd=ROOT)
 
 
-def run_both(script: Path, *, env: dict | None = None, timeout: float = 240) -> dict:
-    """Run the script file ``script`` twice at once, with SGLANG_KVMEM off and on (the
-    other SGLANG_KVMEM_* variables unset: the adapter's defaults); ``{"off": ..., "on":
-    ...}``, each the JSON its last stdout line holds, plus its ``"stderr"``."""
+BOTH = {"off": {"SGLANG_KVMEM": "0"}, "on": {"SGLANG_KVMEM": "1"}}
+
+
+def run_both(script: Path, *, env: dict | None = None, timeout: float = 240,
+             variants: dict[str, dict] = BOTH) -> dict:
+    """Run the script file ``script`` once per variant, all at once (by default twice:
+    SGLANG_KVMEM off and on), each with ``env`` and then its variant's variables over
+    the caller's environment less its SGLANG_KVMEM_* variables (so unset ones are the
+    adapter's defaults); ``{variant: ...}``, each the JSON its last stdout line holds,
+    plus its ``"stderr"``."""
     procs = {}
-    for key, flag in (("off", "0"), ("on", "1")):
+    for key, extra in variants.items():
         full = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KVMEM_")}
-        full.update(env or {}, SGLANG_KVMEM=flag)
+        full.update(env or {})
+        full.update(extra)
         full["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT)] + [q for q in full.get("PYTHONPATH", "").split(os.pathsep) if q])
         procs[key] = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=full,
@@ -54,7 +61,7 @@ def run_both(script: Path, *, env: dict | None = None, timeout: float = 240) -> 
     for key, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=timeout)
         if proc.returncode != 0:
-            raise AssertionError(f"SGLANG_KVMEM {key}: {script.name} failed with "
+            raise AssertionError(f"{key} ({variants[key]}): {script.name} failed with "
                                  f"{proc.returncode}:\n{stderr[-4000:]}")
         out[key] = json.loads(stdout.strip().splitlines()[-1])
         out[key]["stderr"] = stderr

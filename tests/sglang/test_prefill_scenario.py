@@ -1,8 +1,13 @@
 """Issue 8 item 8: the 1,000-request scenario (``scenario_prefill_1000.py``) on a real PD
 prefill scheduler, flag on (gated: every request answered exactly once with the lifecycle
 table's status, nothing leaked, no crash) and flag off (reported: what stock sglang 0.5.23
-does), both processes at once.  The table, flag off beside flag on, is printed, and
-written to ``bench/results/sglang-prefill-scenario.md`` with ``KVMEM_RECORD_RESULTS=1``."""
+does), all processes at once.  The flag on runs twice, once per NIXL send path
+(``SGLANG_KVMEM_TRANSFER``: sglang's, the default, and kvmem's); the scenario's manager
+is sglang's FakeKVManager, which kvmem's send hooks (on ``NixlKVManager``) never reach, so
+the kvmem case proves that installing them leaves the lifecycle as it is; the path's own
+abort and failure cases run over real NIXL in test_transfer_path.py.  The table, flag off
+beside flag on with the default send path, is printed, and written to
+``bench/results/sglang-prefill-scenario.md`` with ``KVMEM_RECORD_RESULTS=1``."""
 
 from __future__ import annotations
 
@@ -20,11 +25,19 @@ ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "0.3",
        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1"}
 
 
+VARIANTS = {"off": {"SGLANG_KVMEM": "0"},
+            "sglang": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang"},
+            "kvmem": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"}}
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict[str, dict]:
-    """{"off": stock's report, "on": kvmem's}; both processes run at once."""
-    out = run_both(SCRIPT, env=ENV, timeout=240)
-    assert out["on"]["kvmem"] and not out["off"]["kvmem"]
+    """{"off": stock's report, "sglang" / "kvmem": the adapter's, by send path}; the
+    three processes run at once."""
+    out = run_both(SCRIPT, env=ENV, timeout=400, variants=VARIANTS)
+    assert not out["off"]["kvmem"] and out["sglang"]["kvmem"] and out["kvmem"]["kvmem"]
+    assert out["kvmem"]["send_path"]["installed"]
+    assert not out["sglang"]["send_path"]["installed"]
     return out
 
 
@@ -84,12 +97,13 @@ def table(off: dict, on: dict) -> str:
     return "\n".join(out)
 
 
-def test_scenario_1000_requests(runs):
-    off, on = runs["off"], runs["on"]
+@pytest.mark.parametrize("transfer", ["sglang", "kvmem"])
+def test_scenario_1000_requests(runs, transfer):
+    off, on = runs["off"], runs[transfer]
     text = table(off, on)
     # Recorded on request only: the timings change every run, and a test run must not
-    # leave the tree changed.
-    record = os.environ.get("KVMEM_RECORD_RESULTS") == "1"
+    # leave the tree changed.  The default send path's run is the one recorded.
+    record = os.environ.get("KVMEM_RECORD_RESULTS") == "1" and transfer == "sglang"
     (RESULTS if record else Path(os.devnull)).write_text(
         "# sglang PD prefill, 1,000 requests: stock vs kvmem adapter\n\n"
         "`tests/sglang/test_prefill_scenario.py` (`scenario_prefill_1000.py`): a real "
@@ -98,7 +112,8 @@ def test_scenario_1000_requests(runs):
         "standing in for the decode side), 1,000 requests in waves: client aborts in every "
         "state, bootstrap and transfer timeouts (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=1, "
         "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT=0.3), failed transfers (first, middle, "
-        "last page run, extra state), two release/resume cycles with requests "
+        "last page run, extra state), a scheduler stall longer than the transfer timeout "
+        "(wave 5), two release/resume cycles with requests "
         "bootstrapping, waiting and transferring, and arrivals while released. Flag off "
         "the run goes on past each crash (a real server's scheduler loop would end "
         "there), so the other rows still say something. Statuses: `abort` with no error "

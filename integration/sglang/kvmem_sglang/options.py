@@ -64,8 +64,7 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
         "sglang", ("kvmem", "sglang"),
         "how a NIXL prefill moves KV: sglang = sglang's own send; kvmem = merged runs "
         "across the chunks queued for a decode, several writes in flight, no spinning "
-        "(kvmem_sglang.transfer; opt-in: one lifecycle case is still wrong with it, "
-        "docs/sglang.md)"),
+        "(kvmem_sglang.transfer; opt-in)"),
 }
 DEFAULT_DRAIN_TIMEOUT = 30.0
 # sglang's own variable for the prefill-side transfer timeout, which 0.5.23 reads nowhere

@@ -1,8 +1,5 @@
 """kvmem's send path under sglang 0.5.23's NIXL prefill (``SGLANG_KVMEM_TRANSFER=kvmem``,
-opt-in; the default, ``sglang``, leaves sglang's own path).  Known wrong with it: in the
-1000-request prefill scenario (tests/sglang/test_prefill_scenario.py) 4 requests aborted
-while their KV is transferring are answered 504 (transfer timeout) instead of as aborts;
-until that is understood the path stays opt-in.
+opt-in; the default, ``sglang``, leaves sglang's own path).
 
 File:line below are of the installed ``sglang/srt/disaggregation/nixl/conn.py``.
 
