@@ -1,4 +1,4 @@
-"""Issue 8 item 8: 1,000 requests through a real PD prefill scheduler
+"""1,000 requests through a real PD prefill scheduler
 (``prefill_env.PrefillHarness``), flag off or on (``SGLANG_KVMEM``), in 20 waves of 50.
 
 Each request has a fate, drawn with a fixed seed, and the status kvmem's lifecycle table

@@ -1,4 +1,4 @@
-"""Issue 8 item 8: the 1,000-request scenario (``scenario_prefill_1000.py``) on a real PD
+"""The 1,000-request scenario (``scenario_prefill_1000.py``) on a real PD
 prefill scheduler, flag on (gated: every request answered exactly once with the lifecycle
 table's status, nothing leaked, no crash) and flag off (reported: what stock sglang 0.5.23
 does), all processes at once.  The flag on runs twice, once per NIXL send path
