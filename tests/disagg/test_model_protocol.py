@@ -16,7 +16,7 @@ import torch
 
 import kvmem
 from kvmem.disagg import DecodeSide, Forward, PrefillSide, Verifier
-from kvmem.disagg.prefill import AUX_BYTES
+from kvmem.disagg.common import AUX_BYTES
 from kvmem.transfer import NixlEngine
 
 ROOT = Path(__file__).resolve().parents[2]
