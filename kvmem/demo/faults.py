@@ -125,7 +125,12 @@ class FaultPlan(Faults, DecodeFaults):
                 side.abort(req.rid)
 
     def drive(self, side, now: float) -> None:
-        """Issue the client aborts that are due: called by the prefill's loop each step."""
+        """Issue the client aborts that are due: called by the prefill's loop each step,
+        before the step checks its timeouts.  An abort is due once the request was seen
+        ``wait`` seconds in its target state, or once half of the timeout that would end
+        it there has run: a process held off the CPU between the step that moved the
+        request into the state and this call must not let the timeout, checked after this
+        call, come first (it would end an abort case as a timeout case)."""
         target = {"abort_bootstrapping": KVPoll.Bootstrapping,
                   "abort_waiting": KVPoll.WaitingForInput,
                   "abort_transferring": KVPoll.Transferring}
@@ -134,6 +139,14 @@ class FaultPlan(Faults, DecodeFaults):
             if want is None or side.state(rid) != want:
                 continue
             t0 = self._seen.setdefault(rid, now)
-            if now - t0 >= self.wait:
+            if now - t0 >= self.wait or now >= _halfway(side, side.reqs[rid], want):
                 side.abort(rid)
                 self._seen.pop(rid, None)
+
+
+def _halfway(side, req, poll: KVPoll) -> float:
+    """When half of the timeout that ends ``req`` in ``poll`` has run (the prefill's
+    rules: the bootstrap timeout from its creation, the transfer timeout from its BOOT)."""
+    if poll == KVPoll.Bootstrapping:
+        return req.t_created + side.bootstrap_timeout / 2
+    return req.t_bootstrapped + side.transfer_timeout / 2

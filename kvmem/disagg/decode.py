@@ -255,10 +255,8 @@ class DecodeSide(DecodeMemory):
         peer ``peer`` (may be left out when the side has one) with its handler of
         :attr:`HANDLERS`; ProtocolError, before anything changed, when it does not fit
         the state here."""
-        peer = self.prefill_peer if peer is None else peer
-        if peer not in self._tables:
-            raise ProtocolError(f"message from {peer!r}, not a prefill peer of this side")
-        dispatch(self, self.HANDLERS, msg, peer, "decode")
+        dispatch(self, self.HANDLERS, msg, self.prefill_peer if peer is None else peer,
+                 "decode", peers=self._tables, sender="prefill")
 
     def _on_meta(self, msg: Meta, peer: str) -> None:
         apply_metadata(self.engine, msg)

@@ -112,10 +112,8 @@ class PrefillPeers:
         peer ``peer`` (may be left out when the side has one) with its handler of
         :attr:`HANDLERS`; ProtocolError, before anything changed, when it does not fit
         the state here."""
-        peer = self.decode_peer if peer is None else peer
-        if peer not in self._peers:
-            raise ProtocolError(f"message from {peer!r}, not a decode peer of this side")
-        dispatch(self, self.HANDLERS, msg, peer, "prefill")
+        dispatch(self, self.HANDLERS, msg, self.decode_peer if peer is None else peer,
+                 "prefill", peers=self._peers, sender="decode")
 
     def _bound(self, msg, peer: str) -> PrefillRequest | None:
         """The active request ``msg`` names (None when it finished here), after checking

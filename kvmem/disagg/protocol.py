@@ -369,10 +369,14 @@ def apply_metadata(engine, msg: Meta) -> None:
 
 
 # --- receiving ------------------------------------------------------------------------------
-def dispatch(side, handlers: dict, msg, peer: str, receiver: str) -> None:
+def dispatch(side, handlers: dict, msg, peer: str, receiver: str, *, peers,
+             sender: str) -> None:
     """Apply ``msg`` from ``peer`` with the handler ``handlers`` names for its kind (a
     side's dispatch table: message class -> the name of its method taking ``(msg,
-    peer)``); ProtocolError, nothing changed, for a kind the table lacks."""
+    peer)``); ProtocolError, nothing changed, when ``peer`` is not one of the side's
+    ``peers`` (its ``sender`` role named) or the table lacks the kind."""
+    if peer not in peers:
+        raise ProtocolError(f"message from {peer!r}, not a {sender} peer of this side")
     name = handlers.get(type(msg))
     if name is None:
         raise ProtocolError(f"unexpected message {type(msg).__name__} on the {receiver} side")

@@ -53,9 +53,11 @@ def test_python_m_kvmem_is_the_kvmem_command():
 
 def test_python_m_kvmem_runs_the_demo():
     """The demo's workers are started with 'spawn', which imports kvmem/__main__.py again
-    in each of them: they must run their work, not the command."""
+    in each of them: they must run their work, not the command.  Timeouts of 20 s: this
+    checks the start, not the timing (with the default 2 s a loaded machine timed out
+    reads here)."""
     p = _run([sys.executable, "-m", "kvmem", "demo", "--requests", "6", "--no-faults",
-              "--bw-mib", "0", "--layers", "1", "--heads", "1", "--head-dim", "64",
+              "--timeout", "20", "--bw-mib", "0", "--layers", "1", "--heads", "1", "--head-dim", "64",
               "--max-tokens", "64", "--chunk-tokens", "32", "--quiet"], timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.startswith("kvmem demo: 6 requests: succeeded 6")
