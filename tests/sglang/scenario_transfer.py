@@ -52,7 +52,7 @@ def _flag(name: str) -> bool:
 
 
 def _kvmem_path() -> bool:
-    return _flag("SGLANG_KVMEM") and os.environ.get("SGLANG_KVMEM_TRANSFER", "sglang") == "kvmem"
+    return _flag("SGLANG_KVMEM") and os.environ.get("SGLANG_KVMEM_TRANSFER", "kvmem") == "kvmem"
 
 
 def _stats() -> dict:
@@ -145,6 +145,12 @@ class _Agent:
 
 def main() -> dict:
     out = {"kvmem_path": _kvmem_path()}
+    if _kvmem_path():
+        from kvmem_sglang import transfer
+
+        # these rounds move a few KiB a write: split them as the path splits a large batch
+        # (up to SPLIT writes), so the split writes' waits, errors and refusals are covered
+        transfer.SPLIT_MIN_BYTES = 1
     pages = [int(p) for p in os.environ.get("KVMEM_TEST_PAGES", "16,1").split(",")]
     pairs = {ps: Pair(Shape(page_size=ps, **SHAPE), decode_env={"SGLANG_KVMEM": "0"},
                       timeout=120, wait=False, record=True)

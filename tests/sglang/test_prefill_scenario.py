@@ -2,7 +2,7 @@
 prefill scheduler, flag on (gated: every request answered exactly once with the lifecycle
 table's status, nothing leaked, no crash) and flag off (reported: what stock sglang 0.5.23
 does), all processes at once.  The flag on runs twice, once per NIXL send path
-(``SGLANG_KVMEM_TRANSFER``: sglang's, the default, and kvmem's); the scenario's manager
+(``SGLANG_KVMEM_TRANSFER``: kvmem's, the default, and sglang's); the scenario's manager
 is sglang's FakeKVManager, which kvmem's send hooks (on ``NixlKVManager``) never reach, so
 the kvmem case proves that installing them leaves the lifecycle as it is; the path's own
 abort and failure cases run over real NIXL in test_transfer_path.py.  The table, flag off
@@ -103,7 +103,7 @@ def test_scenario_1000_requests(runs, transfer):
     text = table(off, on)
     # Recorded on request only: the timings change every run, and a test run must not
     # leave the tree changed.  The default send path's run is the one recorded.
-    record = os.environ.get("KVMEM_RECORD_RESULTS") == "1" and transfer == "sglang"
+    record = os.environ.get("KVMEM_RECORD_RESULTS") == "1" and transfer == "kvmem"
     (RESULTS if record else Path(os.devnull)).write_text(
         "# sglang PD prefill, 1,000 requests: stock vs kvmem adapter\n\n"
         "`tests/sglang/test_prefill_scenario.py` (`scenario_prefill_1000.py`): a real "

@@ -182,3 +182,14 @@ def test_runs_merge_pairs_adjacent_on_both_sides():
     rs, rd, lens, n = _runs([(np.array([1, 3]), np.array([11, 13])),
                              (np.array([2, 4]), np.array([12, 14]))])
     assert (rs.tolist(), rd.tolist(), lens.tolist(), n) == ([1], [11], [4], 4)
+
+
+def test_small_batches_go_as_one_write_large_ones_split():
+    from kvmem_sglang.transfer import SPLIT, SPLIT_MIN_BYTES, split_pieces
+
+    assert split_pieces(48, 3 * 1024) == 1  # the e2e tier's sends: a few KiB
+    assert split_pieces(1, 1 << 30) == 1  # one descriptor cannot be split
+    assert split_pieces(64, 2 * SPLIT_MIN_BYTES) == 2
+    assert split_pieces(64, 1 << 30) == SPLIT
+    assert split_pieces(3, 1 << 30) == 3  # never a write without a descriptor
+    assert split_pieces(0, 0) == 1

@@ -68,20 +68,23 @@ STATS = AuditStats()
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()  # requests seen entering the scheduler
 
 
-def _prometheus_counter():
+def prometheus_counter(name: str, doc: str, label: str):
+    """A prometheus_client Counter with one label (sglang's ``/metrics`` shows it as
+    ``<name>_total``), or None where prometheus_client does not import or the name is
+    registered already in this process (a module reloaded)."""
     try:
         from prometheus_client import Counter
     except ImportError:  # sglang runs without it too
         return None
     try:
-        return Counter("kvmem_sglang_prefill_leaked", "KV pages, request slots and "
-                       "metadata slots an idle sglang PD prefill scheduler still held",
-                       labelnames=["kind"])
-    except ValueError:  # already registered in this process (module reloaded)
+        return Counter(name, doc, labelnames=[label])
+    except ValueError:
         return None
 
 
-_COUNTER = _prometheus_counter()
+_COUNTER = prometheus_counter("kvmem_sglang_prefill_leaked", "KV pages, request slots and "
+                              "metadata slots an idle sglang PD prefill scheduler still "
+                              "held", "kind")
 
 
 def track(req) -> None:

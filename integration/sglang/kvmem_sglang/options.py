@@ -61,10 +61,10 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
         "seconds a KV release waits for transfer writes already posted to settle (DONE "
         "or ERR) before it goes on with an error log; a positive number"),
     "SGLANG_KVMEM_TRANSFER": (
-        "sglang", ("kvmem", "sglang"),
-        "how a NIXL prefill moves KV: sglang = sglang's own send; kvmem = merged runs "
-        "across the chunks queued for a decode, several writes in flight, no spinning "
-        "(kvmem_sglang.transfer; opt-in)"),
+        "kvmem", ("kvmem", "sglang"),
+        "how a NIXL prefill moves KV: kvmem = merged runs across the chunks queued for a "
+        "decode, several writes in flight, no spinning (kvmem_sglang.transfer); sglang = "
+        "sglang's own send"),
 }
 DEFAULT_DRAIN_TIMEOUT = 30.0
 # sglang's own variable for the prefill-side transfer timeout, which 0.5.23 reads nowhere
@@ -101,7 +101,7 @@ class Options:
     prefault: bool
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT
-    transfer: bool = False  # SGLANG_KVMEM_TRANSFER=kvmem
+    transfer: bool = True  # SGLANG_KVMEM_TRANSFER=kvmem (the default)
 
     @classmethod
     def from_env(cls, env=None) -> Options:

@@ -1,5 +1,5 @@
 """kvmem's send path under sglang 0.5.23's NIXL prefill (``SGLANG_KVMEM_TRANSFER=kvmem``,
-opt-in; the default, ``sglang``, leaves sglang's own path).
+the default; ``sglang`` leaves sglang's own path).
 
 File:line below are of the installed ``sglang/srt/disaggregation/nixl/conn.py``.
 
@@ -23,9 +23,10 @@ What this module changes: how the bytes of those sends move, nothing else.  Thre
   adjacent on both sides: one descriptor per run and plane.  Pages of different requests
   are often adjacent where the pages of one are not (an allocator serving a batch
   interleaves or abuts them).  The descriptors go out as up to :data:`SPLIT` NIXL writes
-  posted together (``initialize_xfer`` over the live registrations; no prepared list, so
-  nothing here outlives a release), and one handle for them all is returned.  A run never leaves one plane (one of sglang's per-layer K or V buffers, page ids below
-  its page count): on a kvmem side that buffer lies inside one pool region, i.e. one
+  (of at least :data:`SPLIT_MIN_BYTES` each) posted together (``initialize_xfer`` over
+  the live registrations; no prepared list, so nothing here outlives a release), and one
+  handle for them all is returned.  A run never leaves one plane (one of sglang's
+  per-layer K or V buffers, page ids below its page count): on a kvmem side that buffer lies inside one pool region, i.e. one
   physical chunk (kvmem's chunk plan keeps a layer's K|V block in one chunk, and the
   registration is per region), on a stock side it is a registration of its own; so no
   descriptor spans two registrations, which NIXL refuses.
@@ -50,6 +51,14 @@ mixed memory kinds, heterogeneous TP or staging, goes to sglang's own ``send_kvc
 the decode registered the same planes as the prefill (count, layer ids and bytes per
 page), one memory kind each side.
 
+Why it never packs.  kvmem's own PD (``kvmem.disagg``) packs a chunk's scattered pages
+into one buffer when its calibration says that is faster than the descriptors, and the
+decode unpacks it.  Here the receiving side is sglang's decode, stock or with the flag,
+whose contract is KV at the page slots it published: a packed buffer would need a decode
+that unpacks, i.e. a change to sglang's decode protocol.  So every chunk goes direct,
+with runs merged where both sides are adjacent; on DRAM that already moves as fast as a
+raw NIXL write of the same bytes (bench/results/cpu-2026-12-01-sglang-transfer-quiet.md).
+
 Descriptor counts, writes and bytes are in :data:`STATS`.
 """
 
@@ -62,6 +71,8 @@ import weakref
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from kvmem_sglang import audit
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -77,6 +88,11 @@ BATCH_BYTES = 1 << 30
 # NIXL writes one merged batch is posted as (several in flight: sglang's prefill agent
 # has 8 UCX threads, nixl/conn.py:552, which take a write each).  A guess, see above.
 SPLIT = 4
+# Fewest bytes a piece of a split write carries: a smaller batch goes as fewer writes (a
+# KV chunk of a few KiB as one).  At several GB/s 4 MiB is well under a millisecond, where
+# each extra write is one more handle to create, post and poll, with nothing to overlap
+# (the e2e tier's tiny model split 3 KiB sends into 4 writes of 768 bytes).  A guess.
+SPLIT_MIN_BYTES = 4 << 20
 # Sleeps between polls of a healthy write: from NAP_MIN_S doubling to NAP_MAX_S.  A
 # write of 128 MiB takes 15-50 ms on the CPU here, 1 MiB under 1 ms: the first polls come
 # fast, and a long write costs at most NAP_MAX_S of extra latency.  Guesses.
@@ -106,7 +122,19 @@ class Stats:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def add(self, **counts: int) -> None:
+        """Add to the named counters, here and in ``kvmem_sglang_transfer_total{what}``
+        (sglang's ``/metrics``, where prometheus_client imports)."""
+        for what, n in counts.items():
+            setattr(self, what, getattr(self, what) + n)
+            if _COUNTER is not None and n:
+                _COUNTER.labels(what=what).inc(n)
 
+
+_COUNTER = audit.prometheus_counter(
+    "kvmem_sglang_transfer", "What kvmem's NIXL send path did in this sglang process "
+    "(what: sends, fallbacks to sglang's own send, nixl_writes, descriptors, bytes, ...; "
+    "the fields of kvmem_sglang.transfer.Stats)", "what")
 STATS = Stats()
 _TLS = threading.local()  # .queue: the FastQueue the calling worker thread serves
 
@@ -235,17 +263,17 @@ def send_kvcache(original, mgr, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_
     if rec is not None:
         same = rec.peer == peer_name and np.array_equal(rec.dst, dst_kv_indices)
         if same and rec.batch is not None and rec.batch.state == "DONE":
-            STATS.ahead_done += 1
+            STATS.add(ahead_done=1)
             return Settled(rec.batch)
         if same and rec.batch is not None and rec.batch.state == "PROC":
             return rec.batch  # its owner's wait gave up on it: wait on it (bounded)
-        STATS.resent += 1  # the write failed (or never went): send the chunk again
+        STATS.add(resent=1)  # the write failed (or never went): send the chunk again
     geo = _geometry(mgr, peer_name, dst_kv_ptrs, dst_mem_kind, dst_gpu_id)
     if geo is None or len(prefill_kv_indices) != len(dst_kv_indices) or not len(dst_kv_indices):
-        STATS.fallbacks += 1
+        STATS.add(fallbacks=1)
         return original(mgr, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
                         dst_gpu_id, dst_mem_kind=dst_mem_kind)
-    STATS.sends += 1
+    STATS.add(sends=1)
     src = np.asarray(prefill_kv_indices, dtype=np.int64)
     dst = np.asarray(dst_kv_indices, dtype=np.int64)
     budget = BATCH_BYTES - src.size * int(geo.item.sum())
@@ -262,7 +290,7 @@ def send_kvcache(original, mgr, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_
 def await_handles(original, mgr, handles, *, failure_seen):
     """AROUND ``NixlKVManager._await_handles``: ``(settled, any_failed)`` as sglang's,
     over NIXL handles, :class:`Batch` and :class:`Settled` handles alike."""
-    STATS.waits += 1
+    STATS.add(waits=1)
     natives, batches, seen = [], [], failure_seen
     for h in handles:
         if isinstance(h, Settled):
@@ -391,6 +419,13 @@ def _runs(pairs) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     return s[starts], d[starts], lens, s.size
 
 
+def split_pieces(descriptors: int, nbytes: int) -> int:
+    """How many NIXL writes a merged batch of ``descriptors`` descriptors and ``nbytes``
+    bytes is posted as: up to SPLIT, none with fewer than one descriptor or (past the
+    first) SPLIT_MIN_BYTES bytes."""
+    return max(1, min(SPLIT, descriptors, nbytes // SPLIT_MIN_BYTES))
+
+
 def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
     """Post the merged runs of ``pairs`` as up to SPLIT NIXL writes; the Batch.  On a
     refused post, what was posted is settled first (bounded), then sglang's post error
@@ -405,7 +440,7 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
     rdsc = np.stack([dst_addr, nbytes, np.full_like(dst_addr, geo.dst_dev)], axis=1)
     agent = mgr.agent
     natives = []
-    pieces = min(SPLIT, ld.shape[0])
+    pieces = split_pieces(int(ld.shape[0]), int(nbytes.sum()))
     try:
         for lpart, rpart in zip(np.array_split(ld, pieces), np.array_split(rdsc, pieces)):
             h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(lpart, geo.src_kind),
@@ -426,13 +461,9 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
     for a in ahead:
         a.batch = batch
         st.put(a)
-    STATS.batches += 1
-    STATS.nixl_writes += len(natives)
-    STATS.chunks += 1 + len(ahead)
-    STATS.sent_ahead += len(ahead)
-    STATS.index_pairs += npairs * planes
-    STATS.descriptors += int(ld.shape[0])
-    STATS.bytes += batch.nbytes
+    STATS.add(batches=1, nixl_writes=len(natives), chunks=1 + len(ahead),
+              sent_ahead=len(ahead), index_pairs=npairs * planes,
+              descriptors=int(ld.shape[0]), bytes=batch.nbytes)
     return batch
 
 
@@ -451,32 +482,36 @@ def _settle(mgr, handles: list, failure_seen: bool) -> tuple[bool, bool, dict]:
     failed = failure_seen
     deadline = time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S if failure_seen else None
     nap = NAP_MIN_S
-    while True:
-        try:
-            still = []
-            for h in pending:
-                s = mgr.agent.check_xfer_state(h)
-                if s in ("DONE", "ERR"):
-                    states[id(h)] = s
-                    failed = failed or s == "ERR"
-                else:
-                    still.append(h)
-            pending = still
-        except Exception as e:  # noqa: BLE001 - sglang's rule: unreadable counts as running
-            logger.warning("Failed to read NIXL transfer state: %s", e)
-            return False, True, states
-        if not pending:
-            return True, failed, states
-        if not failed:
-            STATS.naps += 1
-            time.sleep(nap)
-            nap = min(2 * nap, NAP_MAX_S)
-            continue
-        if deadline is None:
-            deadline = time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S
-        elif time.time() >= deadline:
-            return False, True, states
-        time.sleep(conn.NIXL_ERR_SETTLE_POLL_S)
+    naps = 0  # counted once the wait ends: nothing but the sleep between polls
+    try:
+        while True:
+            try:
+                still = []
+                for h in pending:
+                    s = mgr.agent.check_xfer_state(h)
+                    if s in ("DONE", "ERR"):
+                        states[id(h)] = s
+                        failed = failed or s == "ERR"
+                    else:
+                        still.append(h)
+                pending = still
+            except Exception as e:  # noqa: BLE001 - sglang's rule: unreadable counts as running
+                logger.warning("Failed to read NIXL transfer state: %s", e)
+                return False, True, states
+            if not pending:
+                return True, failed, states
+            if not failed:
+                naps += 1
+                time.sleep(nap)
+                nap = min(2 * nap, NAP_MAX_S)
+                continue
+            if deadline is None:
+                deadline = time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S
+            elif time.time() >= deadline:
+                return False, True, states
+            time.sleep(conn.NIXL_ERR_SETTLE_POLL_S)
+    finally:
+        STATS.add(naps=naps)
 
 
 def _conclude(mgr, batch: Batch, states: dict) -> None:
@@ -487,7 +522,7 @@ def _conclude(mgr, batch: Batch, states: dict) -> None:
     got = [states.get(id(h)) for h in batch.natives]
     if any(s is None for s in got):
         batch.failed = True
-        STATS.unsettled += 1
+        STATS.add(unsettled=1)
         for a in batch.ahead:
             if a.counted:
                 mgr.poison_deferred_ack_room(a.room)
