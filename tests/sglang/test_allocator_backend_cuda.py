@@ -1,6 +1,10 @@
 """KvmemTokenToKVPoolAllocator on CUDA (skipped without a GPU): the hot path makes no host
 sync (torch's sync debug mode turns any into an error), and the slots equal those of
-sglang's own allocator on the same device (its Triton kernels) and of the CPU run."""
+sglang's own allocator on the same device (its Triton kernels) and of the CPU run.
+CPU twins: the same slots against sglang's allocator on the CPU
+(``test_allocator_backend.py``), and a ``check=False`` double free raised at
+``synchronize`` under the Triton interpreter (``tests/interpret/test_alloc_interpret.py``);
+only the absence of a host sync needs a GPU."""
 
 from __future__ import annotations
 

@@ -77,7 +77,28 @@ def pop_preallocated(original, queue, *args, **kwargs):
     answered 503 and its receiver aborted before sglang's preallocation runs (module
     docstring); sglang's own pass then removes and answers them."""
     sched = queue.scheduler
-    if queue.queue and _kv_released(sched):
+    if not (queue.queue and _kv_released(sched)):  # a pending request is in queue too
+        return original(queue, *args, **kwargs)
+    # sglang's pass resolves where pending requests' prefills are (and initialises their
+    # receivers) before it preallocates (decode.py:1346): a request resolved there would
+    # get pages of the released pool in the same pass (seen: a decode released before its
+    # first request allocated it, and the prefill wrote to it).  So they are resolved
+    # here, before the refusal below, and sglang's pass does not resolve again.
+    queue._resolve_pending_reqs()
+    queue._resolve_pending_reqs = _nothing
+    try:
+        _refuse_released(queue, sched)
+        return original(queue, *args, **kwargs)
+    finally:
+        del queue._resolve_pending_reqs
+
+
+def _nothing() -> None:
+    return None
+
+
+def _refuse_released(queue, sched) -> None:
+    if queue.queue:  # the resolution above may have answered them all
         from sglang.srt.disaggregation.utils import prepare_abort as sglang_prepare_abort
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
@@ -103,7 +124,6 @@ def pop_preallocated(original, queue, *args, **kwargs):
             logger.warning("kvmem-sglang: decode KV cache released: %d request(s) refused "
                            "503 until resume_memory_occupation: %s", len(refused),
                            ", ".join(refused))
-    return original(queue, *args, **kwargs)
 
 
 # What sglang's KV sender and receiver record when ``/abort_request`` aborted them

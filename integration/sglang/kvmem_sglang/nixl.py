@@ -30,6 +30,20 @@ conn.py``).
   preparation while deregistered (the peer is already in ``decode_kv_args_table``, so the
   resume prepares it), and one lock per manager orders preparations against the
   deregistration and the registration.
+* A decode's registration describes its KV by the NIXL agent metadata of the moment.
+  A decode with the flag that released its KV cache has deregistered it: the
+  registration it would send a prefill it meets for the first time then carries no KV
+  memory, and sglang's prefill, preparing its lists over it, fails the same way and
+  loses its bootstrap thread (seen in a real deployment: a decode released before its
+  first request).  After a resume the decode's KV is registered again under new keys,
+  which a prefill that kept the old metadata would use (over RDMA every write then
+  fails).  So, on a decode: :func:`register_kv_args` sends no registration while
+  deregistered, and the resume sends the new registration to every prefill rank the
+  decode knows (:func:`resend_registration`).  On a prefill, :func:`add_remote_peer`
+  takes a known decode's new registration in place of the old one (sglang ignores it,
+  :2034) and never lets a peer's preparation kill the bootstrap thread: a peer whose
+  lists cannot be prepared is kept without them, and its sends build descriptors per
+  transfer (a send that then fails is a failed transfer, answered, not a hang).
 * With ``SGLANG_KVMEM_REGISTER=regions`` the registration covers the kvmem pool's few
   regions instead of one buffer per layer and per K/V (transfers still address each
   layer inside them).
@@ -63,6 +77,8 @@ def register_buffer_to_engine(original, manager, *args, **kwargs):
         manager._kvmem_deregistered = False
         if again:
             prepare_peers(manager)
+    if again:
+        resend_registration(manager)
     return out
 
 
@@ -154,11 +170,7 @@ def release_prepared(manager) -> int:
     """Release and forget every prepared descriptor list of ``manager``; the number
     released.  sglang then takes its unprepared path until :func:`prepare_peers`."""
     handles = _prepared(manager)
-    for h in handles:
-        try:
-            manager.agent.release_dlist_handle(h)
-        except Exception:  # noqa: BLE001 - a list NIXL cannot release is dropped all the same
-            logger.exception("kvmem-sglang: NIXL could not release a prepared list %r", h)
+    _release_handles(manager, handles)
     for name in ("prep_handles", "prep_handles_slice_dst", "prep_handles_segment_src",
                  "_prepared_state_plans"):
         table = getattr(manager, name, None)
@@ -195,3 +207,107 @@ def prepare_peers(manager) -> None:
     if peers:
         logger.info("kvmem-sglang: NIXL transfer lists prepared again for %d decode "
                     "peer(s) over the new registration", len(peers))
+
+
+def _release_peer_lists(manager, name: str) -> int:
+    """Release and forget the lists prepared over decode peer ``name``'s memory (its
+    remote KV list, slice list and state plan; the local lists stay); the number
+    released."""
+    handles = []
+    h = getattr(manager, "prep_handles", {}).pop(name, None)
+    if h is not None:
+        handles.append(h)
+    sliced = getattr(manager, "prep_handles_slice_dst", {}).pop(name, None)
+    if sliced is not None:
+        handles.append(sliced[0])
+    plan = getattr(manager, "_prepared_state_plans", {}).pop(name, None)
+    if plan is not None and plan.dst_handle is not None:
+        handles.append(plan.dst_handle)
+    _release_handles(manager, handles)
+    return len(handles)
+
+
+def _release_handles(manager, handles) -> None:
+    for h in handles:
+        try:
+            manager.agent.release_dlist_handle(h)
+        except Exception:  # noqa: BLE001 - a list NIXL cannot release is dropped all the same
+            logger.exception("kvmem-sglang: NIXL could not release a prepared list %r", h)
+
+
+def add_remote_peer(original, manager, peer, *args, **kwargs):
+    """AROUND ``NixlKVManager._add_remote_peer`` (the prefill's bootstrap thread, on a
+    decode's registration): a known decode's new registration (it released and resumed
+    its KV cache) replaces the old one; a failure never leaves this call (module
+    docstring), so the bootstrap thread lives on."""
+    name = peer.agent_name
+    try:
+        with _lock(manager):
+            table = manager.decode_kv_args_table
+            old = table.get(name)
+            if old is None or old.agent_metadata == peer.agent_metadata:
+                return original(manager, peer, *args, **kwargs)
+            released = _release_peer_lists(manager, name)
+            del table[name]
+            try:
+                manager.agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - NIXL may have dropped it already
+                logger.debug("kvmem-sglang: NIXL had no remote agent %s to remove", name)
+            out = original(manager, peer, *args, **kwargs)
+            logger.info("kvmem-sglang: decode peer %s registered again (its KV cache was "
+                        "released and resumed): its NIXL metadata reloaded, %d prepared "
+                        "list(s) over the old one released", name, released)
+            return out
+    except Exception:  # noqa: BLE001 - the bootstrap thread must not die of one peer
+        logger.exception("kvmem-sglang: registering decode peer %s failed; it is kept "
+                         "without prepared transfer lists (its sends build descriptors "
+                         "per transfer)", name)
+        if name in getattr(manager, "decode_kv_args_table", {}):
+            _release_peer_lists(manager, name)
+        return None
+
+
+def register_kv_args(original, receiver, *args, **kwargs):
+    """AROUND ``CommonKVReceiver._register_kv_args`` (a decode meeting a prefill rank
+    for the first time): while the decode's KV is deregistered nothing is sent (the
+    request is refused, :func:`kvmem_sglang.decode.pop_preallocated`), and the resume
+    sends the registration (:func:`resend_registration`); otherwise sglang's."""
+    if getattr(receiver.kv_mgr, "_kvmem_deregistered", False) and receiver.bootstrap_infos:
+        logger.info("kvmem-sglang: registration with prefill rank(s) %s deferred to the "
+                    "resume (this decode's KV cache is released)",
+                    ", ".join(f"{i.get('rank_ip')}:{i.get('rank_port')}"
+                              for i in receiver.bootstrap_infos))
+        return True
+    return original(receiver, *args, **kwargs)
+
+
+def resend_registration(manager) -> int:
+    """On a decode after its registration was made again: send the new registration to
+    every prefill rank in its connection pool; the number of ranks reached."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    if getattr(manager, "disaggregation_mode", None) != DisaggregationMode.DECODE:
+        return 0
+    with manager.connection_lock:
+        infos = [i for infos in manager.connection_pool.values() for i in infos]
+    ranks = {}
+    for info in infos:
+        ranks.setdefault((info["rank_ip"], info["rank_port"]), info)
+    if not ranks:
+        return 0
+    from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
+
+    message = manager.build_receiver_registration_message()
+    sent = 0
+    for (ip, port), info in ranks.items():
+        try:
+            sock, sock_lock = NixlKVReceiver._connect_to_bootstrap_server(info)
+            with sock_lock:
+                sock.send_multipart(message)
+            sent += 1
+        except Exception:  # noqa: BLE001 - that prefill then keeps the old registration
+            logger.exception("kvmem-sglang: sending this decode's new registration to "
+                             "prefill rank %s:%s failed", ip, port)
+    logger.info("kvmem-sglang: this decode's new NIXL registration sent to %d of %d "
+                "prefill rank(s)", sent, len(ranks))
+    return sent

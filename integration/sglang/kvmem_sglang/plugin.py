@@ -83,9 +83,10 @@ def load() -> None:
         _fatal(str(e))
     _options.activate(options)
     _announce("kvmem-sglang: SGLANG_KVMEM=1, %d hooks installed (pid %d, backend %s, "
-              "check %s, register %s, staging %s): %s", len(hooks),
+              "check %s, register %s, staging %s, transfer %s): %s", len(hooks),
               os.getpid(), options.backend or "auto", options.check,
               "regions" if options.register_regions else "layers", options.staging,
+              "kvmem" if options.transfer else "sglang",
               ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1]
                         for t, _, _ in hooks))
 
@@ -139,7 +140,10 @@ def _hooks(options: Options) -> list[tuple[str, object, str]]:
     _nixl = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
     out += [(f"{_nixl}.register_buffer_to_engine", nixl.register_buffer_to_engine, "AROUND"),
             (f"{_nixl}._prepare_payload_xfer", nixl.prepare_payload, "AROUND"),
-            (f"{_nixl}._prepare_state_xfer", nixl.prepare_payload, "AROUND")]
+            (f"{_nixl}._prepare_state_xfer", nixl.prepare_payload, "AROUND"),
+            (f"{_nixl}._add_remote_peer", nixl.add_remote_peer, "AROUND"),
+            ("sglang.srt.disaggregation.common.conn.CommonKVReceiver._register_kv_args",
+             nixl.register_kv_args, "AROUND")]
     if options.transfer:
         from kvmem_sglang import transfer
 
