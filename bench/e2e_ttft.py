@@ -1,5 +1,6 @@
 """First-burst TTFT of a real sglang PD pair behind sglang's router, stock against
-``SGLANG_KVMEM=1`` on both servers, alternating, with sglang's per-request time stats.
+``SGLANG_KVMEM=1`` (``--kinds``: on both servers, on one, or with one of the adapter's
+settings changed), alternating, with sglang's per-request time stats.
 
 Run with the e2e tier's Python (``.venv-e2e``)::
 
@@ -8,12 +9,17 @@ Run with the e2e tier's Python (``.venv-e2e``)::
 Each round starts a pair of each kind in turn (``tests/e2e/deploy.py``: the servers the
 e2e tier runs, with ``--enable-request-time-stats-logging``), sends ``--bursts`` bursts of
 40 plain requests through the router (a third streamed, as the scenario's first burst;
-``--gap`` seconds between bursts), and stops it.  Per kind and burst it prints the
+``--gap`` seconds between bursts; before them, with ``--sequential N``, N streamed
+requests one at a time, the latency of a request that has the pair to itself), and stops
+it.  Per kind and burst it prints the
 streamed requests' TTFT (median, max) and the medians of sglang's ``ReqTimeStats`` of
 every request: on the prefill ``bootstrap``, ``queue`` and ``forward`` (for a PD prefill
 that lasts until its KV transfer is done), on the decode ``transfer`` (waiting for the
 KV) and ``forward``.  The load average is printed beside each run: on a machine others
 use, these figures swing by several times (bench/results/cpu-2026-12-01-sglang-e2e.md).
+On two cores they swing on a quiet machine too: both servers' scheduler loops poll without
+sleeping and take a core each while idle, so a burst's TTFT is set by how the kernel shares
+two cores among them, the tokenizers, the router and the clients.
 """
 
 from __future__ import annotations
@@ -35,7 +41,20 @@ from tests.e2e import scenario  # noqa: E402
 from tests.e2e.deploy import Deployment, prompt  # noqa: E402
 from tests.e2e.tiny_model import make_tiny_model  # noqa: E402
 
-KINDS = {"stock": {}, "flag": {"SGLANG_KVMEM": "1"}}
+FLAG = {"SGLANG_KVMEM": "1"}
+# kind -> (prefill environment, decode environment)
+KINDS = {
+    "stock": ({}, {}),
+    "flag": (FLAG, FLAG),
+    "flag-xfer-sglang": ({**FLAG, "SGLANG_KVMEM_TRANSFER": "sglang"},
+                         {**FLAG, "SGLANG_KVMEM_TRANSFER": "sglang"}),
+    "flag-prefault0": ({**FLAG, "SGLANG_KVMEM_PREFAULT": "0"},
+                       {**FLAG, "SGLANG_KVMEM_PREFAULT": "0"}),
+    "flag-register-layers": ({**FLAG, "SGLANG_KVMEM_REGISTER": "layers"},
+                             {**FLAG, "SGLANG_KVMEM_REGISTER": "layers"}),
+    "flag-prefill-only": (FLAG, {}),
+    "flag-decode-only": ({}, FLAG),
+}
 STAGES = {"prefill": ("bootstrap", "queue", "forward"), "decode": ("transfer", "forward")}
 
 
@@ -52,14 +71,20 @@ def _stats(log: Path) -> dict:
     return out
 
 
-def one(kind: str, model: Path, out: Path, bursts: int, gap: float) -> dict:
-    env = dict(KINDS[kind])
-    d = Deployment(model, out / "logs", prefill_env=env, decode_env=env,
+def one(kind: str, model: Path, out: Path, bursts: int, gap: float,
+        sequential: int = 0) -> dict:
+    prefill_env, decode_env = KINDS[kind]
+    d = Deployment(model, out / "logs", prefill_env=dict(prefill_env),
+                   decode_env=dict(decode_env),
                    extra_args=["--enable-request-time-stats-logging"])
     load = os.getloadavg()[0]
     d.start()
-    rows = []
+    rows, single = [], []
     try:
+        for i in range(sequential):  # one streamed request at a time: latency, no contention
+            o = scenario._request(d.router.url, prompt(5000 + i, 8 + i % 24), 16, None, True,
+                                  False, "plain")
+            single.append(round(1e3 * o.ttft) if o.ttft is not None else None)
         with ThreadPoolExecutor(64) as pool:
             for b in range(bursts):
                 fs = [pool.submit(scenario._request, d.router.url, prompt(i, 8 + i % 24), 16,
@@ -73,7 +98,7 @@ def one(kind: str, model: Path, out: Path, bursts: int, gap: float) -> dict:
     finally:
         d.stop()
     sides = {s: _stats(out / "logs" / f"{s}.log") for s in STAGES}
-    entries = sorted(r["entry"] for r in sides["prefill"].values())
+    entries = sorted(r["entry"] for r in sides["prefill"].values())[sequential:]
     for b, row in enumerate(rows):  # a request's burst: by its arrival at the prefill
         lo = entries[40 * b] if len(entries) > 40 * b else float("inf")
         hi = entries[40 * (b + 1)] if len(entries) > 40 * (b + 1) else float("inf")
@@ -83,7 +108,7 @@ def one(kind: str, model: Path, out: Path, bursts: int, gap: float) -> dict:
                 xs = [sides[s][k][st] for k in rooms if st in sides[s].get(k, {})]
                 row[f"{s}_{st}_ms"] = round(statistics.median(xs)) if xs else None
     return {"kind": kind, "loadavg_start": load, "loadavg_end": os.getloadavg()[0],
-            "bursts": rows}
+            "sequential_ttft_ms": single, "bursts": rows}
 
 
 def main(argv=None) -> int:
@@ -92,16 +117,27 @@ def main(argv=None) -> int:
     ap.add_argument("--bursts", type=int, default=2)
     ap.add_argument("--gap", type=float, default=3.0, help="seconds between bursts")
     ap.add_argument("--out", type=Path, required=True, help="logs and results.json here")
+    ap.add_argument("--sequential", type=int, default=0,
+                    help="before the bursts, this many streamed requests one at a time")
+    ap.add_argument("--kinds", default="stock,flag",
+                    help="comma-separated, run in this order each round, of: " + ", ".join(KINDS))
     a = ap.parse_args(argv)
+    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        ap.error(f"unknown kind(s) {unknown}; known: {', '.join(KINDS)}")
     model = make_tiny_model(a.out / "model")
     results = []
     for r in range(a.rounds):
-        for kind in KINDS:
-            res = one(kind, model, a.out / f"{kind}-{r}", a.bursts, a.gap)
+        for kind in kinds:
+            res = one(kind, model, a.out / f"{kind}-{r}", a.bursts, a.gap, a.sequential)
             results.append(res)
+            if res["sequential_ttft_ms"]:
+                print(f"round {r} {kind:20s} one at a time: TTFT {res['sequential_ttft_ms']} ms",
+                      flush=True)
             for b, row in enumerate(res["bursts"]):
                 t = row["ttft_ms"]
-                print(f"round {r} {kind:5s} burst {b}: TTFT median {statistics.median(t)} "
+                print(f"round {r} {kind:20s} burst {b}: TTFT median {statistics.median(t)} "
                       f"max {max(t)} ms; " + ", ".join(f"{k[:-3]} {v}" for k, v in row.items()
                                                      if k.endswith("_ms") and k != "ttft_ms")
                       + f"; load {res['loadavg_start']:.1f}-{res['loadavg_end']:.1f}",

@@ -41,10 +41,18 @@ PD_ARGS = ["--disable-overlap-schedule", "--disaggregation-transfer-backend", "n
 DECODE_ARGS = ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
 START_TIMEOUT = float(os.environ.get("KVMEM_E2E_START_TIMEOUT", "240"))
 STOP_TIMEOUT = 5.0
+IDLE_S = 20.0  # how long a server may take to let go of finished requests
 
 
 class DeployError(RuntimeError):
     """A server did not start, died, or did not answer in time (with its log's tail)."""
+
+
+# How a server's log says that the port it was given is taken (sglang: "[Errno 98] Address
+# already in use"; the router: "Address already in use (os error 98)"), and how many
+# starts a deployment gets when it says so.
+ADDRESS_IN_USE = "address already in use"
+PORT_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -183,6 +191,21 @@ class Server:
             pass
         return self.proc.returncode
 
+    def metric(self, name: str) -> dict[str, float]:
+        """The samples of metric ``name`` in the server's ``/metrics`` (sglang's
+        Prometheus text; the scheduler's counters included), by their label text
+        (``'what="sends"'``; '' for none)."""
+        r = http("GET", self.url + "/metrics", timeout=30)
+        if r.status != 200:
+            raise DeployError(f"{self.name}: /metrics answered {r.status} {r.error}")
+        out = {}
+        for line in str(r.body).splitlines():
+            head, _, value = line.rpartition(" ")
+            if head == name or head.startswith(name + "{"):
+                labels = head[len(name):].strip("{}")
+                out[labels] = out.get(labels, 0.0) + float(value)
+        return out
+
     def loads(self) -> dict:
         """The server's own load report (``GET /v1/loads``, its first DP rank): live
         counts of used KV tokens and of the requests in each queue."""
@@ -190,6 +213,19 @@ class Server:
         if r.status != 200 or not isinstance(r.body, dict):
             raise DeployError(f"{self.name}: /v1/loads answered {r.status} {r.error}")
         return r.body["loads"][0]
+
+    def held(self) -> dict[str, int]:
+        """What the server holds now, by its own ``/v1/loads``: KV tokens in use and
+        requests in each queue (the non-zero counts only)."""
+        loads = self.loads()
+        q = loads.get("disaggregation") or {}
+        counts = dict(kv_tokens=loads["num_used_tokens"], running=loads["num_running_reqs"],
+                      waiting=loads["num_waiting_reqs"],
+                      bootstrap=q.get("prefill_bootstrap_queue_reqs", 0),
+                      inflight=q.get("prefill_inflight_queue_reqs", 0),
+                      prealloc=q.get("decode_prealloc_queue_reqs", 0),
+                      transfer=q.get("decode_transfer_queue_reqs", 0))
+        return {k: v for k, v in counts.items() if v}
 
     def scheduler_pids(self) -> list[int]:
         """PIDs of the server's scheduler processes (sglang names them
@@ -250,12 +286,18 @@ class Deployment:
             self.servers = [self.single]
 
     # -- life ---------------------------------------------------------------------------
-    def _ports(self) -> None:
-        for s in self.servers:
+    def _ports(self, servers=None) -> None:
+        """New free ports for ``servers`` (default: all), written into their arguments."""
+        servers = self.servers if servers is None else servers
+        if self.pd and self.prefill in servers:
+            self.bootstrap_port = free_port()
+            args = self.prefill.args
+            args[args.index("--disaggregation-bootstrap-port") + 1] = str(self.bootstrap_port)
+        for s in servers:
             s.port = free_port()
             if "--port" in s.args:
                 s.args[s.args.index("--port") + 1] = str(s.port)
-        if self.pd:
+        if self.pd and self.router in servers:
             self.router.args = [
                 "--pd-disaggregation", "--prefill", self.prefill.url,
                 str(self.bootstrap_port), "--decode", self.decode.url, "--host",
@@ -264,16 +306,35 @@ class Deployment:
                 "--prometheus-port", str(free_port()), "--disable-circuit-breaker"]
 
     def start(self) -> "Deployment":
-        self._ports()
+        """Start every server and wait until each is healthy (the router: until it lists
+        both workers).  A port is chosen free just before the server that binds it
+        starts, but another process may bind it first (a starting sglang server binds
+        ephemeral ports of its own for tens of seconds): a start that failed on a taken
+        address is tried again with new ports, up to PORT_ATTEMPTS times in all."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start_once()
+            except DeployError:
+                taken = [s.name for s in self.servers if s.proc is not None
+                         and ADDRESS_IN_USE in s.log_text().lower()]
+                if not taken or attempt == PORT_ATTEMPTS:
+                    raise
+                print(f"deploy: {', '.join(taken)} found its port taken (attempt {attempt} "
+                      f"of {PORT_ATTEMPTS}); starting again on new ports", flush=True)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "Deployment":
+        engines = [s for s in self.servers if s.module == "sglang.launch_server"]
+        self._ports(engines)
         t0 = time.monotonic()
         deadline = t0 + START_TIMEOUT
-        engines = [s for s in self.servers if s.module == "sglang.launch_server"]
         for s in engines:
             s.start()
         try:
             for s in engines:
                 s.wait_healthy(deadline)
             if self.pd:
+                self._ports([self.router])  # chosen now: the engines hold theirs already
                 self.router.start()
                 self.router.wait_healthy(deadline)
                 self._wait_workers(deadline)
@@ -326,6 +387,19 @@ class Deployment:
     def control(self, server: Server, path: str, payload=None, timeout: float = 60.0) -> Response:
         return http("POST", server.url + path, payload if payload is not None else {},
                     timeout)
+
+    def settle(self, within: float = IDLE_S) -> dict[str, dict[str, int]]:
+        """What each engine still holds (:meth:`Server.held`) once it had up to
+        ``within`` seconds to finish what it was doing (a prefill pops a request whose
+        KV went out at its next scheduler pass, which can come after the client's
+        answer); {} when all are idle."""
+        engines = [self.prefill, self.decode] if self.pd else [self.single]
+        deadline = time.monotonic() + within
+        while True:
+            held = {s.name: h for s in engines if (h := s.held())}
+            if not held or time.monotonic() > deadline:
+                return held
+            time.sleep(0.25)
 
     def crashed(self) -> list[str]:
         """Servers whose process died or whose log shows a crash of a scheduler."""

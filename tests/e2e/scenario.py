@@ -29,10 +29,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from tests.e2e.deploy import http, prompt
+from tests.e2e.deploy import IDLE_S, http, prompt
 
 HANG_S = 30.0
-IDLE_S = 20.0
 TRANSFER_TIMEOUT_S = 3.0  # SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT of the deployments
 # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT of the deployments (an int; sglang's default is
 # 300 s): a request whose bootstrap handshake the stopped decode left unfinished (seen:
@@ -234,30 +233,12 @@ def _drain(futures) -> None:
 def _leaks(d) -> dict:
     """What the servers still hold once idle (bounded wait): their own counts, the
     adapter's leak counter, and leak log lines."""
-    deadline = time.monotonic() + IDLE_S
-    while True:
-        held = {}
-        for s in (d.prefill, d.decode):
-            loads = s.loads()
-            q = loads["disaggregation"]
-            counts = dict(kv_tokens=loads["num_used_tokens"],
-                          running=loads["num_running_reqs"], waiting=loads["num_waiting_reqs"],
-                          bootstrap=q["prefill_bootstrap_queue_reqs"],
-                          inflight=q["prefill_inflight_queue_reqs"],
-                          prealloc=q["decode_prealloc_queue_reqs"],
-                          transfer=q["decode_transfer_queue_reqs"])
-            counts = {k: v for k, v in counts.items() if v}
-            if counts:
-                held[s.name] = counts
-        if not held or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
+    held = d.settle(IDLE_S)
     for s in (d.prefill, d.decode):
-        metrics = http("GET", s.url + "/metrics", timeout=30).body or ""
-        for line in str(metrics).splitlines():
-            if line.startswith("kvmem_sglang_prefill_leaked_total") and \
-                    float(line.rsplit(" ", 1)[1]) > 0:
-                held.setdefault(s.name, {})[line.split("{")[0]] = line
+        name = "kvmem_sglang_prefill_leaked_total"
+        for labels, n in s.metric(name).items():
+            if n > 0:
+                held.setdefault(s.name, {})[name] = f"{name}{{{labels}}} {n}"
         leak_lines = [ln for ln in s.log_text().splitlines() if "kvmem-sglang leak audit" in ln]
         if leak_lines:
             held.setdefault(s.name, {})["log"] = leak_lines[:3]

@@ -46,6 +46,23 @@ def test_outputs_equal_stock(deployments, reference, kind):
     assert outputs(deployments.get(kind)) == reference
 
 
+@pytest.mark.parametrize("kind", ["kvmem-prefill", "kvmem-both"])
+def test_kvmem_send_path_carries_the_kv(deployments, reference, kind):
+    """With the flag's default SGLANG_KVMEM_TRANSFER=kvmem the prefill's KV goes through
+    kvmem's send path (its counters in the prefill's /metrics: sends, merged NIXL writes,
+    bytes; no fallback to sglang's own send), into a decode with or without the flag."""
+    d = deployments.get(kind)
+    before = d.prefill.metric("kvmem_sglang_transfer_total")
+    assert outputs(d) == reference
+    after = d.prefill.metric("kvmem_sglang_transfer_total")
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    print(f"{kind}: kvmem send path {grew}")
+    assert grew.get('what="sends"', 0) >= len(PROMPTS), grew
+    assert grew.get('what="nixl_writes"', 0) >= 1 and grew.get('what="bytes"', 0) > 0, grew
+    assert after.get('what="fallbacks"', 0) == 0, after
+    assert d.decode.metric("kvmem_sglang_transfer_total") == {}  # the decode sends nothing
+
+
 @pytest.mark.parametrize("kind", ["stock", "kvmem-prefill", "kvmem-both"])
 def test_start_lines_in_server_logs(deployments, kind):
     """The plugin's start line shows in a real server's log (sglang loads plugins before
@@ -83,6 +100,54 @@ def test_release_resume_then_transfer(deployments, reference, kind):
         assert "NIXL transfer lists prepared again for 1 decode peer(s)" in text
 
 
+@pytest.mark.parametrize("kind", ["kvmem-both"])
+def test_decode_released_before_it_met_the_prefill(deployments, reference, kind):
+    """A decode whose KV cache is released before its first request (an RL framework
+    releases every engine at once): the request is refused 503 at once and nothing is
+    held; the prefill's bootstrap thread lives (it used to die preparing transfer lists
+    over the decode's registration, which named no KV memory then, and every later
+    request hung in Bootstrapping); after the decode's resume the pair serves the same
+    tokens over the registration the decode sends then."""
+    deployments.discard(kind)  # a decode that never met the prefill
+    d = deployments.get(kind)
+    assert d.control(d.decode, "/release_memory_occupation", KV).status == 200
+    try:
+        r = d.generate(PROMPTS[0], timeout=30)
+        assert r.status == 503 and r.seconds < PROMPT_S, (r.status, r.seconds, r.body,
+                                                          r.error)
+        assert "released its KV cache" in str(r.body)
+        assert d.settle(PROMPT_S) == {}
+    finally:
+        assert d.control(d.decode, "/resume_memory_occupation", KV).status == 200
+    assert outputs(d) == reference
+    assert "bootstrap_thread died" not in d.prefill.log_text()
+    assert "registration with prefill rank(s)" in d.decode.log_text()
+    assert "new NIXL registration sent to 1 of 1 prefill rank(s)" in d.decode.log_text()
+    assert d.crashed() == []
+
+
+@pytest.mark.parametrize("kind", ["kvmem-both"])
+def test_decode_release_resume_registers_again(deployments, reference, kind):
+    """Release and resume the decode's KV cache after it served: the decode registers
+    its KV again and sends the prefill its new registration at each resume; the prefill
+    takes it in place of the old one where NIXL's metadata changed (new keys, as over
+    RDMA) and keeps the old one where it did not (host memory over UCX here: the same
+    bytes, sglang's "already registered"); the pair then serves the same tokens."""
+    d = deployments.get(kind)
+    assert outputs(d) == reference
+    for cycle in range(2):
+        assert d.control(d.decode, "/release_memory_occupation", KV).status == 200
+        assert d.control(d.decode, "/resume_memory_occupation", KV).status == 200
+        assert outputs(d) == reference, f"cycle {cycle}"
+    text = d.prefill.log_text()
+    taken = (text.count("registered again (its KV cache was released and resumed)")
+             + text.count("was already registered, ignoring"))
+    assert taken >= 2, d.trace("registered")
+    assert d.decode.log_text().count("new NIXL registration sent to 1 of 1") >= 2
+    assert "bootstrap_thread died" not in text
+    assert d.crashed() == []
+
+
 @pytest.mark.parametrize("kind,status", [("kvmem-both", 503), ("kvmem-prefill", 500)])
 def test_request_while_released_answered_promptly(deployments, reference, kind, status):
     """A request sent while the prefill's KV cache is released: the prefill refuses it
@@ -101,16 +166,8 @@ def test_request_while_released_answered_promptly(deployments, reference, kind, 
             assert "released its KV cache" in str(r.body)
         # the decode frees what it reserved: at once with the flag on it, at its next
         # scheduler passes with a stock decode (bounded wait)
-        deadline = time.monotonic() + PROMPT_S
-        while True:
-            loads = d.decode.loads()
-            q = loads["disaggregation"]
-            held = (loads["num_used_tokens"], q["decode_prealloc_queue_reqs"],
-                    q["decode_transfer_queue_reqs"])
-            if held == (0, 0, 0) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert held == (0, 0, 0), f"the decode still holds (tokens, prealloc, transfer) {held}"
+        held = d.settle(PROMPT_S)
+        assert held == {}, f"still held: {held}"
     finally:
         assert d.control(d.prefill, "/resume_memory_occupation", KV).status == 200
     assert outputs(d) == reference
@@ -158,9 +215,7 @@ def test_release_with_requests_in_flight(deployments, reference, kind, role):
             assert "released its KV cache" in str(a.body)
     assert d.crashed() == []
     assert outputs(d) == reference
-    for s in (d.prefill, d.decode):
-        loads = s.loads()
-        assert loads["num_used_tokens"] == 0 and loads["num_running_reqs"] == 0, (s.name, loads)
+    assert d.settle() == {}
 
 
 @pytest.mark.leaves_broken
