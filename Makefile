@@ -59,7 +59,10 @@ $(E2E_VENV)/.ready: pyproject.toml
 	$(E2E_PY) -m pip --disable-pip-version-check install -q --no-deps -e .
 	touch $@
 
+# From a fresh build directory: setuptools never prunes build/lib, so a module removed
+# from the adapter would be installed again from an old one.
 $(E2E_VENV)/.adapter: $(E2E_VENV)/.ready $(ADAPTER)
+	rm -rf integration/sglang/build
 	$(E2E_PY) -m pip --disable-pip-version-check install -q --no-deps --force-reinstall \
 	  ./integration/sglang
 	touch $@

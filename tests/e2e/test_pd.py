@@ -9,6 +9,7 @@ the prefill, a stock decode: a stock decode must still receive kvmem's KV);
 from __future__ import annotations
 
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -272,3 +273,47 @@ def test_aborted_requests_with_client_rids_are_answered(deployments, kind):
         reason = a.body["meta_info"]["finish_reason"]
         assert reason["type"] in ("abort", "length"), reason
     assert d.crashed() == []
+
+
+SERVER_500 = '"POST /generate HTTP/1.1" 500'
+
+
+@pytest.mark.parametrize("kind", ["kvmem-both"])
+def test_abort_on_the_prefill_alone_is_answered(deployments, kind):
+    """``abort_all`` sent to the prefill alone while requests with the client's own rids
+    wait there for their decode: every client gets the abort at once once the decode goes
+    on, and neither server answers 500.  The decode is stopped while the requests are
+    sent, so all of them are still bootstrapping on the prefill when the abort comes; the
+    kvmem prefill then tells the decode, marked as an abort, and the decode answers it as
+    one.  A 500 from either server is retried by sglang's router, which re-sends the
+    request the user aborted (it then ran to its end), and with the client's rid a retry
+    may never be answered (tests/e2e/README.md).  A stock decode answers that 500: the
+    adapter's README says so."""
+    d = deployments.get(kind)
+    assert d.settle() == {}
+    before = {s.name: s.log_text().count(SERVER_500) for s in (d.prefill, d.decode)}
+    pool = ThreadPoolExecutor(8)
+    rids = [f"prefill-abort-{time.monotonic_ns()}-{i}" for i in range(8)]
+    d.decode.signal(signal.SIGSTOP)
+    try:
+        futs = [pool.submit(d.generate, prompt(60 + i), 16, timeout=30, rid=r)
+                for i, r in enumerate(rids)]
+        deadline = time.monotonic() + 4.0  # well inside the tier's 8 s bootstrap timeout
+        while d.prefill.held().get("bootstrap", 0) < len(rids):
+            assert time.monotonic() < deadline, d.prefill.held()
+            time.sleep(0.05)
+        assert d.control(d.prefill, "/abort_request", {"abort_all": True}).status == 200
+    finally:
+        d.decode.signal(signal.SIGCONT)
+    t0 = time.monotonic()
+    answers = [f.result() for f in futs]
+    pool.shutdown()
+    for a, r in zip(answers, rids):
+        assert a.status == 200, (r, a.status, a.error, d.trace(r))
+        reason = a.body["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort", (r, reason, d.trace(r))
+    assert time.monotonic() - t0 < PROMPT_S
+    after = {s.name: s.log_text().count(SERVER_500) for s in (d.prefill, d.decode)}
+    assert after == before, (before, after)
+    assert d.crashed() == []
+    assert d.settle() == {}

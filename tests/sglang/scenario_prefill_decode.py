@@ -124,7 +124,7 @@ def main() -> dict:
 
     sizes = {"late": 5, "xfer": 12, "wait": 5, "boot": 5}
     out = {"states_at_abort": {}, "answers": {}}
-    published, aborted, failed, reasons, safe = {}, {}, {}, {}, {}
+    published, aborted, failed, reasons, safe, errors = {}, {}, {}, {}, {}, {}
 
     def decode_poll():
         """What the decode's transfer queue does each step (pop_transferred for a Failed
@@ -138,6 +138,7 @@ def main() -> dict:
                     r.failure_exception()
                 except Exception as e:  # KVTransferError: the decode's answer carries it
                     reasons[rid] = getattr(e, "failure_reason", str(e))
+                    errors[rid] = str(e)  # what sglang's failure path puts in its answer
             if rid in failed and rid not in safe and dm.is_abort_release_safe(room, 1):
                 safe[rid] = time.monotonic()
                 pages, slot = held[rid]  # what resolve_deferred_releases frees now
@@ -214,6 +215,7 @@ def main() -> dict:
     out["decode_failed_after_publish_s"] = rel(failed, published)
     out["decode_failed_after_abort_s"] = rel(failed, aborted)
     out["decode_reasons"] = reasons
+    out["decode_errors"] = errors
     out["decode_release_safe_after_publish_s"] = rel(safe, published)
     out["decode_pages_held_at_end"] = free_pages_at_start - int(dalloc.available_size())
     out["prefill_rooms_left"] = {

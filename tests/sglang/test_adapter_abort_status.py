@@ -8,7 +8,7 @@ from http import HTTPStatus
 import pytest
 
 from kvmem_sglang import decode
-from kvmem_sglang.reasons import tag
+from kvmem_sglang.reasons import EARLY_ABORT, is_abort, tag
 from tests.sglang.sglang_env import make_req
 
 
@@ -32,7 +32,21 @@ BY_DECODE = ("Prefill transfer failed for request rank=0 req.rid='a-1' "
              "Aborted by decode-side abort notification.")
 
 
-@pytest.mark.parametrize("message", [USER, BY_DECODE], ids=["user", "by-decode"])
+# what the prefill's bootstrap-failure path writes when the decode's ABORT came before
+# the request itself (kvmem_sglang.notify.manager_update_status fails the sender at once)
+EARLY = ("Prefill bootstrap failed for request rank=0 req.rid='a-1' "
+         f"req.bootstrap_room=7 with exception KVTransferError(bootstrap_room=7): {EARLY_ABORT}")
+# what a decode's transfer-failure path writes when a client aborted the request on the
+# kvmem prefill alone, which told the decode (kvmem_sglang.notify: the client's reason,
+# sglang's FINISH_ABORT() "Aborted", tagged as an abort)
+ON_PREFILL = ("Decode transfer failed for request rank=0 decode_req.req.rid='a-1' "
+              "decode_req.req.bootstrap_room=7 with exception KVTransferError("
+              "bootstrap_room=7): Prefill aborted the KV transfer of room 7 in "
+              f"WaitingForInput ({tag('Aborted', None)})")
+
+
+@pytest.mark.parametrize("message", [USER, BY_DECODE, EARLY, ON_PREFILL],
+                         ids=["user", "by-decode", "early", "on-prefill"])
 @pytest.mark.parametrize("how", ["keyword", "positional"])
 def test_an_aborted_request_is_answered_as_an_abort_not_a_500(how, message):
     args, kwargs = ((HTTPStatus.INTERNAL_SERVER_ERROR,), {}) if how == "positional" else \
@@ -54,3 +68,12 @@ def test_other_failures_keep_their_status():
     assert _answer(USER)["status_code"] is None  # sglang's default
     assert _answer("Aborted by AbortReq. then something else",
                    status_code=HTTPStatus.INTERNAL_SERVER_ERROR)["status_code"] == 500
+
+
+def test_only_a_reason_without_status_is_tagged_as_an_abort():
+    assert is_abort(tag("Aborted", None)) and is_abort(tag("Aborted", 0))
+    assert tag(tag("Aborted", None), None) == tag("Aborted", None)  # once
+    assert tag("Aborted by AbortReq.", None) == "Aborted by AbortReq."  # sglang's: known
+    assert not is_abort(tag("Aborted", 503))  # a client abort with a status keeps it
+    assert not is_abort("Prefill KV transfer timed out") and not is_abort(None)
+    assert not is_abort("Aborted by AbortReq. then something else")

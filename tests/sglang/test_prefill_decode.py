@@ -18,11 +18,12 @@ reason, and the prefill's ABORT_ACK lets it free the pages at once
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from pathlib import Path
 
 import pytest
 
-from tests.sglang.sglang_env import run_both
+from tests.sglang.sglang_env import make_req, run_both
 
 SCRIPT = Path(__file__).parent / "scenario_prefill_decode.py"
 WAITING_TIMEOUT_S = 3.0  # the scenario's decode waiting timeout
@@ -117,3 +118,39 @@ def test_a_failing_notification_never_escapes_abort(runs):
         assert run["boom_abort"] == "returned", run["boom_abort"]
         assert run["boom_failed"] is True
         assert len(run["answers"]["boom"]) == 1, run["answers"]["boom"]
+
+
+def _decode_answer(error: str, flag: bool) -> dict:
+    """The answer sglang's decode gives a request whose receiver failed with ``error``
+    (decode.py:2885: its message and ``prepare_abort(..., 500)``), stock or through the
+    adapter's hook."""
+    from sglang.srt.disaggregation.utils import prepare_abort
+
+    from kvmem_sglang import decode
+
+    req = make_req("r0", 16)
+    message = ("Decode transfer failed for request rank=0 decode_req.req.rid='r0' "
+               f"decode_req.req.bootstrap_room=7 with exception {error}")
+    if flag:
+        decode.prepare_abort(prepare_abort, req, message,
+                             status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+    else:
+        prepare_abort(req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+    return req.finished_reason.to_json()
+
+
+def test_the_decode_answers_a_client_abort_on_the_prefill_as_an_abort(runs):
+    """A client aborted xfer, wait and boot on the prefill alone; the kvmem prefill told
+    the decode with the reason marked as an abort.  A decode with the flag answers them as
+    aborts, with no status (sglang's router retries a 500, which would send the aborted
+    request again), and the adapter's transfer timeout keeps its 504.  Stock answers 500
+    for every one of them (the reasons the real receivers got, over NIXL)."""
+    on = runs["on"]["decode_errors"]
+    assert sorted(on) == sorted(RIDS), on
+    for rid in ("xfer", "wait", "boot"):
+        got = _decode_answer(on[rid], flag=True)
+        assert got["type"] == "abort" and got["status_code"] is None, (rid, got)
+        assert _decode_answer(on[rid], flag=False)["status_code"] == 500
+    assert _decode_answer(on["late"], flag=True)["status_code"] == 504
+    for rid, error in runs["off"]["decode_errors"].items():  # stock: its own timeout
+        assert _decode_answer(error, flag=True)["status_code"] == 500, rid

@@ -39,8 +39,12 @@ sglang 0.5.23 (file:line of the installed package, ``sglang/srt/``):
   with the flag alike).  The prefill's own answer for the request, when the decode's
   ABORT reached it first, is the same 500 ("Aborted by decode-side abort
   notification.", ``disaggregation/nixl/conn.py:3324``), which the router retries too.
-  :func:`prepare_abort` answers both as sglang answers an aborted request outside PD:
-  finish reason ``abort``, no error status.
+  So is the adapter's answer when that ABORT came even before the request
+  (``kvmem_sglang.reasons.EARLY_ABORT``), and a decode's answer when a client aborted the
+  request on the prefill alone, which the kvmem prefill tells its decode with the reason
+  marked as an abort (``kvmem_sglang.reasons.tag``).  :func:`prepare_abort` answers all
+  of them (``kvmem_sglang.reasons.is_abort``) as sglang answers an aborted request
+  outside PD: finish reason ``abort``, no error status.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import time
 from http import HTTPStatus
 
 from kvmem_sglang import options
-from kvmem_sglang.reasons import decide, status_of
+from kvmem_sglang.reasons import decide, is_abort, status_of
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -126,13 +130,6 @@ def _refuse_released(queue, sched) -> None:
                            ", ".join(refused))
 
 
-# What sglang's KV sender and receiver record when ``/abort_request`` aborted them
-# (``disaggregation/common/conn.py``: ``record_failure(room, "Aborted by AbortReq.")``),
-# and what a prefill records when its decode aborted the request
-# (``disaggregation/nixl/conn.py:3324``); its transfer-failure paths then answer 500.
-ABORTED = ("Aborted by AbortReq.", "Aborted by decode-side abort notification.")
-
-
 def prepare_abort(original, req, error_message, *args, **kwargs):
     """The answer of a PD request that failed, as a client should see it:
 
@@ -152,7 +149,7 @@ def prepare_abort(original, req, error_message, *args, **kwargs):
         tagged = status_of(error_message)
         if tagged is not None:
             status = HTTPStatus(tagged)
-        elif isinstance(error_message, str) and error_message.endswith(ABORTED):
+        elif is_abort(error_message):
             status = None
         if args:
             args = (status, *args[1:])

@@ -66,6 +66,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvmem_sglang.reasons import EARLY_ABORT, tag
+
 logger = logging.getLogger("kvmem.sglang")
 
 _CONN = "sglang.srt.disaggregation.common.conn"
@@ -95,7 +97,6 @@ def hooks() -> list[tuple[str, object, str]]:
     ]
 
 
-EARLY_ABORT = "Aborted by decode-side abort notification (received before the request)."
 
 
 def abort_notification(original, mgr, msg, *args, **kwargs):
@@ -177,8 +178,10 @@ def _tell(sender, mgr, room, before, concluded) -> None:
         return
     if mgr.request_status.get(room) != KVPoll.Failed:
         return  # sglang declined the abort (a room it does not own)
-    why = (getattr(sender, "_kvmem_abort_why", None) or mgr.failure_records.get(room)
-           or "aborted")
+    # the adapter's reason where it decided the abort (tagged: reasons.decide), else
+    # sglang's own record ("Aborted by AbortReq.": a client's abort), marked as an abort
+    why = (getattr(sender, "_kvmem_abort_why", None)
+           or tag(mgr.failure_records.get(room) or "Aborted", None))
     if before == KVPoll.Bootstrapping:
         _remember(mgr, room, f"Prefill aborted room {room} while bootstrapping ({why}); "
                              "its decode metadata came after the abort")
@@ -194,8 +197,6 @@ def _tell(sender, mgr, room, before, concluded) -> None:
         return
     name = {KVPoll.Bootstrapping: "Bootstrapping", KVPoll.WaitingForInput:
             "WaitingForInput", KVPoll.Transferring: "Transferring"}[before]
-    # why: the adapter's reason (a timeout, a release, ...: reasons.decide) where it
-    # decided the abort, with its status; else what sglang recorded ("Aborted by AbortReq.")
     reason = f"Prefill aborted the KV transfer of room {room} in {name} ({why})"
     STATS.told += 1
     logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)

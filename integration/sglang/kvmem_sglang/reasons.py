@@ -7,6 +7,13 @@ the one answer that leaves the scheduler.  When the request's KV sender is abort
 same message and status go to its decode (:mod:`kvmem_sglang.notify`), tagged so that a
 decode with the flag on answers the status instead of its generic 500
 (:mod:`kvmem_sglang.decode`).
+
+A reason with no status is a client's abort (``/abort_request``: sglang's
+``FINISH_ABORT()``); :func:`tag` marks it as one, and so does :mod:`kvmem_sglang.notify`
+for sglang's own abort records (:data:`ABORTED`) before it tells the decode.  Both servers
+answer a failure :func:`is_abort` finds in its reason as sglang answers an aborted request
+outside PD, with no error status, so that sglang's router, which retries a 500, does not
+send an aborted request again.
 """
 
 from __future__ import annotations
@@ -14,6 +21,18 @@ from __future__ import annotations
 import re
 
 _TAG = re.compile(r"\(kvmem-sglang HTTP (\d{3})\)")
+_ABORT_MARK = "(kvmem-sglang abort)"
+
+# The failure reasons of an abort: what sglang's KV sender and receiver record when
+# ``/abort_request`` aborted them (``disaggregation/common/conn.py:2463``, :2960), what a
+# prefill records when its decode's ABORT came first (``disaggregation/nixl/conn.py:3324``),
+# and what the adapter records when that ABORT came even before the request
+# (``kvmem_sglang.notify.abort_notification``).  sglang's failure paths write
+# "... with exception KVTransferError(bootstrap_room=N): <reason>", so a message that ends
+# with one of these is that abort.
+EARLY_ABORT = "Aborted by decode-side abort notification (received before the request)."
+ABORTED = ("Aborted by AbortReq.", "Aborted by decode-side abort notification.",
+           EARLY_ABORT)
 
 
 def abort_reason(message: str, status):
@@ -35,11 +54,21 @@ def decide(req, reason) -> bool:
 
 
 def tag(message: str, status) -> str:
-    """``message`` with the HTTP status the prefill answered, for the decode side."""
-    return f"{message} (kvmem-sglang HTTP {int(status)})" if status else message
+    """``message`` with the HTTP status the prefill answered, for the decode side; with no
+    status (a client's abort) marked as an abort instead (:func:`is_abort`)."""
+    if status:
+        return f"{message} (kvmem-sglang HTTP {int(status)})"
+    return message if is_abort(message) else f"{message} {_ABORT_MARK}"
 
 
 def status_of(message) -> int | None:
     """The status :func:`tag` put into ``message``, or None."""
     m = _TAG.search(message) if isinstance(message, str) else None
     return int(m.group(1)) if m else None
+
+
+def is_abort(message) -> bool:
+    """True if ``message`` is the failure reason of an abort (module docstring): marked by
+    :func:`tag`, or ending with one of :data:`ABORTED`."""
+    return isinstance(message, str) and (_ABORT_MARK in message
+                                         or message.rstrip().endswith(ABORTED))
