@@ -121,6 +121,8 @@ def main(argv=None) -> int:
                     help="before the bursts, this many streamed requests one at a time")
     ap.add_argument("--kinds", default="stock,flag",
                     help="comma-separated, run in this order each round, of: " + ", ".join(KINDS))
+    ap.add_argument("--alternate", action="store_true",
+                    help="run the kinds in reverse order in odd rounds (no kind always first)")
     a = ap.parse_args(argv)
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in KINDS]
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
     model = make_tiny_model(a.out / "model")
     results = []
     for r in range(a.rounds):
-        for kind in kinds:
+        for kind in (kinds[::-1] if a.alternate and r % 2 else kinds):
             res = one(kind, model, a.out / f"{kind}-{r}", a.bursts, a.gap, a.sequential)
             results.append(res)
             if res["sequential_ttft_ms"]:
@@ -143,7 +145,25 @@ def main(argv=None) -> int:
                       + f"; load {res['loadavg_start']:.1f}-{res['loadavg_end']:.1f}",
                       flush=True)
             (a.out / "results.json").write_text(json.dumps(results, indent=1))
+    _summary(results, kinds, a.bursts)
     return 0
+
+
+def _summary(results: list[dict], kinds: list[str], bursts: int) -> None:
+    """Per kind and burst: the median over rounds of each round's median TTFT, with the
+    rounds' range; then the requests sent one at a time, all rounds together."""
+    for kind in kinds:
+        runs = [r for r in results if r["kind"] == kind]
+        for b in range(bursts):
+            meds = [statistics.median(r["bursts"][b]["ttft_ms"]) for r in runs
+                    if len(r["bursts"]) > b and r["bursts"][b]["ttft_ms"]]
+            if meds:
+                print(f"{kind:20s} burst {b}: median over {len(meds)} rounds "
+                      f"{statistics.median(meds)} ms (rounds {min(meds)}-{max(meds)})")
+        single = sorted(x for r in runs for x in r["sequential_ttft_ms"] if x is not None)
+        if single:
+            print(f"{kind:20s} one at a time: median {statistics.median(single)} ms, p90 "
+                  f"{single[int(0.9 * (len(single) - 1))]} ms (n={len(single)})")
 
 
 if __name__ == "__main__":
