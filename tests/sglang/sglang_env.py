@@ -203,6 +203,22 @@ def make_req(rid: str, n_tokens: int, *, max_new_tokens: int = 8, seed: int = 0)
     return Req(rid=rid, origin_input_text="", origin_input_ids=ids, sampling_params=sp)
 
 
+def abort_answer(message, *args, flag: bool = True, **kwargs) -> dict:
+    """The finish reason (``to_json``) a PD request gets from sglang's ``prepare_abort``
+    (disaggregation/utils.py) with ``message`` and the given status, on a real ``Req``:
+    through the adapter's hook (``kvmem_sglang.decode.prepare_abort``), or stock."""
+    from sglang.srt.disaggregation.utils import prepare_abort
+
+    from kvmem_sglang import decode
+
+    req = make_req("r0", 16)
+    if flag:
+        decode.prepare_abort(prepare_abort, req, message, *args, **kwargs)
+    else:
+        prepare_abort(req, message, *args, **kwargs)
+    return req.finished_reason.to_json()
+
+
 def _extend(reqs, req_pool, alloc, tree, mc):
     import torch
     from sglang.srt.managers.schedule_batch import ScheduleBatch

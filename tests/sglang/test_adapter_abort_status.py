@@ -7,17 +7,8 @@ from http import HTTPStatus
 
 import pytest
 
-from kvmem_sglang import decode
 from kvmem_sglang.reasons import EARLY_ABORT, is_abort, tag
-from tests.sglang.sglang_env import make_req
-
-
-def _answer(message, *args, **kwargs):
-    from sglang.srt.disaggregation.utils import prepare_abort
-
-    req = make_req("r0", 16)
-    decode.prepare_abort(prepare_abort, req, message, *args, **kwargs)
-    return req.finished_reason.to_json()
+from tests.sglang.sglang_env import abort_answer as _answer
 
 
 # what the decode's transfer-failure path writes for a receiver /abort_request aborted

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sglang.sglang_env import make_req, run_both
+from tests.sglang.sglang_env import abort_answer, run_both
 
 SCRIPT = Path(__file__).parent / "scenario_prefill_decode.py"
 WAITING_TIMEOUT_S = 3.0  # the scenario's decode waiting timeout
@@ -124,19 +124,9 @@ def _decode_answer(error: str, flag: bool) -> dict:
     """The answer sglang's decode gives a request whose receiver failed with ``error``
     (decode.py:2885: its message and ``prepare_abort(..., 500)``), stock or through the
     adapter's hook."""
-    from sglang.srt.disaggregation.utils import prepare_abort
-
-    from kvmem_sglang import decode
-
-    req = make_req("r0", 16)
     message = ("Decode transfer failed for request rank=0 decode_req.req.rid='r0' "
                f"decode_req.req.bootstrap_room=7 with exception {error}")
-    if flag:
-        decode.prepare_abort(prepare_abort, req, message,
-                             status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
-    else:
-        prepare_abort(req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
-    return req.finished_reason.to_json()
+    return abort_answer(message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR, flag=flag)
 
 
 def test_the_decode_answers_a_client_abort_on_the_prefill_as_an_abort(runs):
