@@ -313,13 +313,15 @@ def weight_updater(req_pool, alloc, tree):
         alloc.clear()
         return True
 
-    import torch
+    from sglang.srt.managers.scheduler_components import weight_updater as wu_module
 
-    if not torch.cuda.is_available():
-        # The release ends with torch.get_device_module().synchronize(), which names CUDA
-        # on this CUDA build of torch even with no GPU; with no device there is no work
-        # to wait for.
-        torch.cuda.synchronize = lambda *a, **k: None
+    from tests.e2e.standins import cpu_torch
+
+    # The release ends with torch.get_device_module().synchronize() (weight_updater.py:379),
+    # which names CUDA on this CUDA build of torch even with no GPU: that module alone sees
+    # torch.cpu there, as the e2e tier's servers do.  Anything else that names CUDA
+    # without a device still fails here.
+    cpu_torch.apply(wu_module)
     m = object.__new__(SchedulerWeightUpdaterManager)  # __post_init__ wants a TP group
     m.tp_worker = m.draft_worker = m.scheduler = m.metrics_collector = None
     m.memory_saver_adapter = TorchMemorySaverAdapter.create(enable=False)

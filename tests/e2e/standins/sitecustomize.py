@@ -25,7 +25,13 @@ is applied when its module is first imported, through a post-import hook below:
    ``torch.get_device_module().synchronize()``): on a CUDA build of torch with no CUDA
    device that is ``torch.cuda``, and the scheduler dies.  In that module only,
    ``torch.get_device_module()`` without an argument returns ``torch.cpu`` when no CUDA
-   device is available (:func:`_cpu_device_module`).
+   device is available (:func:`_cpu_device_module`, ``cpu_torch.py``).
+
+4. ``torch.cuda.Event()`` in a PD prefill with the overlap schedule on
+   (``srt/disaggregation/prefill.py:1496``: an event recorded on the forward stream
+   before a cached prefix is sent early): in that module only it is a CPU event with
+   nothing to wait for, since a CPU forward is done when its call returns
+   (:func:`_cpu_device_module` again, ``cpu_torch.py``).
 
 ``KVMEM_E2E_STANDINS`` lists the stand-ins that were applied in a process, for the
 tests to check (``KVMEM_E2E_STANDINS_LOG``: a file each process appends its list to).
@@ -37,7 +43,6 @@ import importlib.abc
 import importlib.util
 import os
 import sys
-import types
 
 _APPLIED: list[str] = []
 
@@ -68,35 +73,18 @@ def _dram_for_vram(module) -> None:
     _note(f"nixl-vram-as-dram:{module.__name__}")
 
 
-class _TorchWithCpuDeviceModule(types.ModuleType):
-    """``torch`` as seen by one sglang module: everything is torch's, except that
-    ``get_device_module()`` with no argument is ``torch.cpu`` without a CUDA device."""
-
-    def __init__(self, torch):
-        super().__init__("torch")
-        self._torch = torch
-
-    def __getattr__(self, name):
-        return getattr(self._torch, name)
-
-    def get_device_module(self, device=None):
-        torch = self._torch
-        if device is None and not torch.cuda.is_available():
-            return torch.cpu
-        return torch.get_device_module(device)
-
-
 def _cpu_device_module(module) -> None:
-    if isinstance(module.torch, _TorchWithCpuDeviceModule):
-        return
-    module.torch = _TorchWithCpuDeviceModule(module.torch)
-    _note(f"cpu-device-module:{module.__name__}")
+    from cpu_torch import apply  # beside this file, on the same PYTHONPATH entry
+
+    if apply(module):
+        _note(f"cpu-device-module:{module.__name__}")
 
 
 _HOOKS = {
     "nixl_cu12._api": _dram_for_vram,
     "nixl_cu13._api": _dram_for_vram,
     "sglang.srt.managers.scheduler_components.weight_updater": _cpu_device_module,
+    "sglang.srt.disaggregation.prefill": _cpu_device_module,
 }
 
 

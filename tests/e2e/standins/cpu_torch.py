@@ -1,0 +1,83 @@
+"""``torch`` as one sglang module sees it on a CPU host: everything is torch's, except
+two CUDA-only names, and only when no CUDA device is there (on this CUDA build of torch
+both name CUDA whatever the server runs on):
+
+* ``get_device_module()`` with no argument is ``torch.cpu``, not ``torch.cuda`` (whose
+  ``synchronize`` raises).  For ``sglang/srt/managers/scheduler_components/
+  weight_updater.py:379``, ``torch.get_device_module().synchronize()`` at the end of a
+  release.
+* ``torch.cuda.Event()`` is :class:`CpuEvent`, whose calls have nothing to wait for.  For
+  ``sglang/srt/disaggregation/prefill.py:1496``: with the overlap schedule on, a prefill
+  records an event on its forward stream before it sends a cached prefix early (the
+  transfer is to wait for the previous forward's writes).  A CPU forward is done when
+  its call returns (torch runs CPU ops on the calling thread), so there is nothing to
+  record.  (The other ``torch.cuda.Event`` there, :1760, is for senders with host-tensor
+  indices, which NIXL's is not.)
+
+Used by the e2e tier's stand-ins (``sitecustomize.py`` beside this file, which imports
+it as ``cpu_torch``) and by the harness tests (``tests/sglang/sglang_env.py``, as
+``tests.e2e.standins.cpu_torch``).  It is applied to one module's ``torch`` name at a
+time, so a call anywhere else that names CUDA without a device (sglang's or kvmem's)
+still fails as it would on this host.
+"""
+
+from __future__ import annotations
+
+import types
+
+
+class CpuEvent:
+    """``torch.cuda.Event``'s calls for work that is done when it is issued."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class TorchWithCpuDeviceModule(types.ModuleType):
+    def __init__(self, torch):
+        super().__init__("torch")
+        self._torch = torch
+        self._cuda = None
+
+    def __getattr__(self, name):
+        if name == "cuda" and not self._torch.cuda.is_available():
+            if self._cuda is None:
+                self._cuda = _CudaWithCpuEvent(self._torch.cuda)
+            return self._cuda
+        return getattr(self._torch, name)
+
+    def get_device_module(self, device=None):
+        torch = self._torch
+        if device is None and not torch.cuda.is_available():
+            return torch.cpu
+        return torch.get_device_module(device)
+
+
+class _CudaWithCpuEvent(types.ModuleType):
+    def __init__(self, cuda):
+        super().__init__("torch.cuda")
+        self._cuda = cuda
+        self.Event = CpuEvent
+
+    def __getattr__(self, name):
+        return getattr(self._cuda, name)
+
+
+def apply(module) -> bool:
+    """Give ``module`` the view above as its ``torch``; False if it already has it."""
+    if isinstance(module.torch, TorchWithCpuDeviceModule):
+        return False
+    module.torch = TorchWithCpuDeviceModule(module.torch)
+    return True
