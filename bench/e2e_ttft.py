@@ -72,11 +72,11 @@ def _stats(log: Path) -> dict:
 
 
 def one(kind: str, model: Path, out: Path, bursts: int, gap: float,
-        sequential: int = 0) -> dict:
+        sequential: int = 0, server_args: list[str] = ()) -> dict:
     prefill_env, decode_env = KINDS[kind]
     d = Deployment(model, out / "logs", prefill_env=dict(prefill_env),
                    decode_env=dict(decode_env),
-                   extra_args=["--enable-request-time-stats-logging"])
+                   extra_args=["--enable-request-time-stats-logging", *server_args])
     load = os.getloadavg()[0]
     d.start()
     rows, single = [], []
@@ -107,7 +107,8 @@ def one(kind: str, model: Path, out: Path, bursts: int, gap: float,
             for st in stages:
                 xs = [sides[s][k][st] for k in rooms if st in sides[s].get(k, {})]
                 row[f"{s}_{st}_ms"] = round(statistics.median(xs)) if xs else None
-    return {"kind": kind, "loadavg_start": load, "loadavg_end": os.getloadavg()[0],
+    return {"kind": kind, "server_args": list(server_args), "loadavg_start": load,
+            "loadavg_end": os.getloadavg()[0],
             "sequential_ttft_ms": single, "bursts": rows}
 
 
@@ -123,6 +124,10 @@ def main(argv=None) -> int:
                     help="comma-separated, run in this order each round, of: " + ", ".join(KINDS))
     ap.add_argument("--alternate", action="store_true",
                     help="run the kinds in reverse order in odd rounds (no kind always first)")
+    ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for both servers of every kind (repeat it), e.g. "
+                         "--server-arg=--sleep-on-idle: sglang's schedulers then wait on their "
+                         "sockets while fully idle instead of polling a core each")
     a = ap.parse_args(argv)
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in KINDS]
@@ -132,7 +137,8 @@ def main(argv=None) -> int:
     results = []
     for r in range(a.rounds):
         for kind in (kinds[::-1] if a.alternate and r % 2 else kinds):
-            res = one(kind, model, a.out / f"{kind}-{r}", a.bursts, a.gap, a.sequential)
+            res = one(kind, model, a.out / f"{kind}-{r}", a.bursts, a.gap, a.sequential,
+                      a.server_arg)
             results.append(res)
             if res["sequential_ttft_ms"]:
                 print(f"round {r} {kind:20s} one at a time: TTFT {res['sequential_ttft_ms']} ms",
@@ -157,13 +163,23 @@ def _summary(results: list[dict], kinds: list[str], bursts: int) -> None:
         for b in range(bursts):
             meds = [statistics.median(r["bursts"][b]["ttft_ms"]) for r in runs
                     if len(r["bursts"]) > b and r["bursts"][b]["ttft_ms"]]
+            pooled = sorted(x for r in runs if len(r["bursts"]) > b
+                            for x in r["bursts"][b]["ttft_ms"])
             if meds:
                 print(f"{kind:20s} burst {b}: median over {len(meds)} rounds "
-                      f"{statistics.median(meds)} ms (rounds {min(meds)}-{max(meds)})")
+                      f"{statistics.median(meds)} ms (rounds {min(meds)}-{max(meds)}); "
+                      f"all rounds' requests together: median {statistics.median(pooled)} ms, "
+                      f"p99 {_pct(pooled, 0.99)} ms (n={len(pooled)})")
         single = sorted(x for r in runs for x in r["sequential_ttft_ms"] if x is not None)
         if single:
             print(f"{kind:20s} one at a time: median {statistics.median(single)} ms, p90 "
                   f"{single[int(0.9 * (len(single) - 1))]} ms (n={len(single)})")
+
+
+def _pct(xs: list, q: float):
+    """The ``q`` quantile of sorted ``xs`` (nearest rank, the convention of the e2e
+    scenario's report)."""
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 if __name__ == "__main__":
