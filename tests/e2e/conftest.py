@@ -32,6 +32,8 @@ KINDS = {
     "kvmem-prefill": (dict(prefill_env=FLAG), "SGLANG_KVMEM=1 prefill, stock decode"),
     "kvmem-both": (dict(prefill_env=FLAG, decode_env=FLAG),
                    "SGLANG_KVMEM=1 prefill and decode"),
+    "kvmem-both-no-overlap": (dict(prefill_env=FLAG, decode_env=FLAG, overlap=False),
+                              "SGLANG_KVMEM=1 prefill and decode, --disable-overlap-schedule"),
 }
 # At most this many deployments run at once: a PD pair and its router are six Python
 # processes of about 1.1-1.3 GB resident each here.  Tests are ordered so that each

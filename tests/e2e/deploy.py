@@ -37,8 +37,11 @@ SERVER_ARGS = [
     "bfloat16", "--skip-server-warmup", "--host", "127.0.0.1", "--enable-metrics",
     "--log-level", "info",
 ]
-PD_ARGS = ["--disable-overlap-schedule", "--disaggregation-transfer-backend", "nixl"]
+PD_ARGS = ["--disaggregation-transfer-backend", "nixl"]
+NO_OVERLAP = ["--disable-overlap-schedule"]
 DECODE_ARGS = ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+# OpenMP threads of each server process (its torch ops): KVMEM_E2E_CPU_THREADS, default 1.
+CPU_THREADS = os.environ.get("KVMEM_E2E_CPU_THREADS", "1")
 START_TIMEOUT = float(os.environ.get("KVMEM_E2E_START_TIMEOUT", "240"))
 STOP_TIMEOUT = 5.0
 IDLE_S = 20.0  # how long a server may take to let go of finished requests
@@ -130,7 +133,10 @@ class Server:
         env = dict(os.environ)
         for k in [k for k in env if k.startswith("SGLANG_KVMEM")]:
             del env[k]  # each server gets exactly the flags its test gives it
-        env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONUNBUFFERED="1",
+        # one OpenMP thread per server process: two servers, a router and the clients share
+        # two cores here, and torch's OpenMP threads spin while they wait for each other
+        # (tests/e2e/README.md)
+        env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS=CPU_THREADS,
                    PYTHONPATH=os.pathsep.join([str(STANDINS)]),
                    KVMEM_E2E_STANDINS_LOG=str(self.logdir / "standins.log"))
         env.update(self.env)
@@ -260,13 +266,18 @@ class Deployment:
     """A PD pair (prefill + decode + sglang's router) or one plain server, on 127.0.0.1.
 
     ``prefill_env`` / ``decode_env`` / ``env`` are the extra variables of each server
-    (``{"SGLANG_KVMEM": "1"}`` turns the adapter on there)."""
+    (``{"SGLANG_KVMEM": "1"}`` turns the adapter on there).  ``overlap``: sglang's
+    overlap schedule, its default and what a GPU deployment runs (off:
+    ``--disable-overlap-schedule``, the loops that launch a batch and process its result
+    in the same iteration)."""
 
     def __init__(self, model: Path, logdir: Path, *, pd: bool = True,
                  prefill_env: dict | None = None, decode_env: dict | None = None,
-                 env: dict | None = None, extra_args: list[str] | None = None):
+                 env: dict | None = None, extra_args: list[str] | None = None,
+                 overlap: bool = True):
         self.model, self.logdir, self.pd = Path(model), Path(logdir), pd
-        base = ["--model-path", str(self.model), *SERVER_ARGS, *(extra_args or [])]
+        base = ["--model-path", str(self.model), *SERVER_ARGS, *(extra_args or []),
+                *([] if overlap else NO_OVERLAP)]
         if pd:
             self.bootstrap_port = free_port()
             self.prefill = Server("prefill", [*base, *PD_ARGS, "--port", "0",

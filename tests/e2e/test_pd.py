@@ -195,12 +195,14 @@ def _in_flight(d, server, n=6, tokens=48, lead=0.3):
     return answers, rel, res
 
 
-@pytest.mark.parametrize("kind", ["kvmem-both"])
+@pytest.mark.parametrize("kind", ["kvmem-both", "kvmem-both-no-overlap"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_release_with_requests_in_flight(deployments, reference, kind, role):
     """An RL trainer releases an engine while requests still run: with the flag on both
     servers every request is answered (200 if it finished first, else 503 naming the
-    release), the server goes on and serves after the resume, nothing stays held."""
+    release), the server goes on and serves after the resume, nothing stays held.  With
+    sglang's overlap schedule (the tier's default) and without it: the release then
+    meets the other scheduler loop."""
     d = deployments.get(kind)
     server = getattr(d, role)
     answers, rel, res = _in_flight(d, server)
