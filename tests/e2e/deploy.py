@@ -449,6 +449,29 @@ def rss_anon(pid: int) -> int:
     raise DeployError(f"no RssAnon for pid {pid}")
 
 
+def rss_by_mapping(pid: int) -> dict[tuple[int, int], int]:
+    """Resident bytes of each mapping of a process (``Rss`` in /proc/PID/smaps), keyed
+    by its address range."""
+    out, key = {}, None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = head.split("-")
+            key = (int(lo, 16), int(hi, 16))
+        elif head == "Rss:" and key is not None:
+            out[key] = int(line.split()[1]) * 1024
+    return out
+
+
+def given_back(before: dict, after: dict, min_size: int = 1 << 20) -> int:
+    """Resident bytes that mappings of at least ``min_size`` bytes, present in both
+    :func:`rss_by_mapping` snapshots, gave back between them.  Unlike the difference of
+    two ``RssAnon`` figures, memory that other mappings gained meanwhile (requests served
+    while a release runs) does not hide what a release gave back."""
+    return sum(max(0, rss - after[k]) for k, rss in before.items()
+               if k in after and k[1] - k[0] >= min_size)
+
+
 def prompt(i: int, words: int = 12) -> str:
     """A deterministic prompt of the tiny model's words (tests.e2e.tiny_model.WORDS)."""
     from tests.e2e.tiny_model import WORDS

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.deploy import prompt, rss_anon
+from tests.e2e.deploy import given_back, prompt, rss_anon, rss_by_mapping
 
 # the tiny model's KV pool: 65537 pages x 1 token x 2 layers x (K + V) x 2 heads x 32 x 2 B
 POOL_BYTES = 65537 * 2 * 2 * 2 * 32 * 2
@@ -87,7 +87,7 @@ def test_release_resume_with_requests_in_flight(pair, kind, tags):
     body = {"tags": tags} if tags is not None else {}
     scheds = {s.name: s.scheduler_pids() for s in (d.prefill, d.decode)}
     assert all(len(p) == 1 for p in scheds.values()), scheds
-    before = {name: rss_anon(p[0]) for name, p in scheds.items()}
+    before = {name: rss_by_mapping(p[0]) for name, p in scheds.items()}
 
     def release_both():
         return [d.control(s, "/release_memory_occupation", body, timeout=90)
@@ -96,14 +96,16 @@ def test_release_resume_with_requests_in_flight(pair, kind, tags):
     try:
         rels, answers = with_requests(d, release_both)
         assert [r.status for r in rels] == [200, 200], rels
-        released = {name: rss_anon(p[0]) for name, p in scheds.items()}
+        released = {name: rss_by_mapping(p[0]) for name, p in scheds.items()}
         statuses = check_answers(answers, {200, 503})
-        print(f"tags {tags}: answers {statuses}; scheduler RssAnon before/while released "
-              f"(MiB): { {n: (before[n] >> 20, released[n] >> 20) for n in before} }")
-        # the pool was resident (pre-faulted by the last resume); the requests refused
-        # meanwhile allocate a few MiB of their own
-        for name in before:
-            assert before[name] - released[name] >= POOL_BYTES * 0.8, (name, before, released)
+        back = {n: given_back(before[n], released[n]) for n in before}
+        print(f"tags {tags}: answers {statuses}; resident MiB the schedulers' mappings gave "
+              f"back: { {n: round(b / 2**20, 1) for n, b in back.items()} }")
+        # the pool was resident (pre-faulted by the last resume); the requests served
+        # meanwhile grow other mappings (on 2026-12-02 by 7 MiB of the decode's, which
+        # hid a quarter of the pool in the whole process's RssAnon), not the pool's
+        for name, b in back.items():
+            assert b >= POOL_BYTES * 0.9, (name, b, POOL_BYTES)
     finally:
         for s in (d.prefill, d.decode):
             assert d.control(s, "/resume_memory_occupation", body, timeout=90).status == 200
