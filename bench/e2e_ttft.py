@@ -19,7 +19,10 @@ KV) and ``forward``.  The load average is printed beside each run: on a machine 
 use, these figures swing by several times (bench/results/cpu-2026-12-01-sglang-e2e.md).
 On two cores they swing on a quiet machine too: both servers' scheduler loops poll without
 sleeping and take a core each while idle, so a burst's TTFT is set by how the kernel shares
-two cores among them, the tokenizers, the router and the clients.
+two cores among them, the tokenizers, the router and the clients.  The servers run as the
+e2e tier runs them: sglang's overlap schedule, one OpenMP thread each (``deploy.py``;
+with torch's default of one per core every figure here was several times larger,
+bench/results/cpu-2026-12-02-e2e-overlap-threads.md).
 """
 
 from __future__ import annotations
