@@ -224,8 +224,7 @@ class PrefillHarness:
         s.model_config = self.mc
         s.server_args = SimpleNamespace(sampling_mask_max_tokens=0, enable_lmcache=False)
         s.enable_overlap = False
-        s.device = "cpu"
-        s.device_module = torch.get_device_module(s.device)  # as Scheduler.init_overlap
+        s.device_module = torch.get_device_module("cpu")  # as Scheduler.init_overlap
         s.enable_staging = False
         s.enable_priority_scheduling = False
         s.abort_on_priority_when_disabled = False

@@ -450,7 +450,10 @@ def _drain_for_release(sched) -> None:
             seen.add(id(req))
             live.append(req)
     if live and pending:  # a forward of the overlap loop may still write their pages
-        _device_module(sched).synchronize()
+        # the scheduler's device (Scheduler.init_overlap, always run, sets device_module
+        # from it); not torch.get_device_module(), which on a CUDA build of torch is
+        # torch.cuda whatever the server runs on, and raises on a CPU server
+        sched.device_module.synchronize()
     for req in live:
         if isinstance(req.to_finish, FINISH_ABORT):  # its client's abort, not yet applied
             _decide(req, req.to_finish)
@@ -481,17 +484,6 @@ def _drain_for_release(sched) -> None:
         sched.output_streamer.stream_output(answered, any(r.return_logprob for r in answered))
     if last is not None and last.reqs:
         last.filter_batch()  # drops finished requests: all of them are answered now
-
-
-def _device_module(sched):
-    """The torch device module of the scheduler's device (``Scheduler.init_overlap`` sets
-    ``device_module`` from ``device``).  Not ``torch.get_device_module()``: on a CUDA
-    build of torch that is ``torch.cuda`` whatever the server runs on, and on a CPU
-    server its ``synchronize`` raises in the scheduler loop."""
-    import torch
-
-    mod = getattr(sched, "device_module", None)
-    return mod if mod is not None else torch.get_device_module(sched.device)
 
 
 @contextlib.contextmanager
