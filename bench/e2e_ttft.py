@@ -172,17 +172,11 @@ def _summary(results: list[dict], kinds: list[str], bursts: int) -> None:
                 print(f"{kind:20s} burst {b}: median over {len(meds)} rounds "
                       f"{statistics.median(meds)} ms (rounds {min(meds)}-{max(meds)}); "
                       f"all rounds' requests together: median {statistics.median(pooled)} ms, "
-                      f"p99 {_pct(pooled, 0.99)} ms (n={len(pooled)})")
+                      f"p99 {scenario.nearest_rank(pooled, 0.99)} ms (n={len(pooled)})")
         single = sorted(x for r in runs for x in r["sequential_ttft_ms"] if x is not None)
         if single:
             print(f"{kind:20s} one at a time: median {statistics.median(single)} ms, p90 "
                   f"{single[int(0.9 * (len(single) - 1))]} ms (n={len(single)})")
-
-
-def _pct(xs: list, q: float):
-    """The ``q`` quantile of sorted ``xs`` (nearest rank, the convention of the e2e
-    scenario's report)."""
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 if __name__ == "__main__":
