@@ -45,34 +45,35 @@ class CpuEvent:
         return True
 
 
-class TorchWithCpuDeviceModule(types.ModuleType):
+class _View(types.ModuleType):
+    """A module as seen through this view: its own attributes first, then ``inner``'s."""
+
+    def __init__(self, name, inner):
+        super().__init__(name)
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class TorchWithCpuDeviceModule(_View):
     def __init__(self, torch):
-        super().__init__("torch")
-        self._torch = torch
+        super().__init__("torch", torch)
         self._cuda = None
 
     def __getattr__(self, name):
-        if name == "cuda" and not self._torch.cuda.is_available():
+        if name == "cuda" and not self._inner.cuda.is_available():
             if self._cuda is None:
-                self._cuda = _CudaWithCpuEvent(self._torch.cuda)
+                self._cuda = _View("torch.cuda", self._inner.cuda)
+                self._cuda.Event = CpuEvent
             return self._cuda
-        return getattr(self._torch, name)
+        return super().__getattr__(name)
 
     def get_device_module(self, device=None):
-        torch = self._torch
+        torch = self._inner
         if device is None and not torch.cuda.is_available():
             return torch.cpu
         return torch.get_device_module(device)
-
-
-class _CudaWithCpuEvent(types.ModuleType):
-    def __init__(self, cuda):
-        super().__init__("torch.cuda")
-        self._cuda = cuda
-        self.Event = CpuEvent
-
-    def __getattr__(self, name):
-        return getattr(self._cuda, name)
 
 
 def apply(module) -> bool:
