@@ -75,10 +75,12 @@ def _stats(log: Path) -> dict:
 
 
 def one(kind: str, model: Path, out: Path, bursts: int, gap: float,
-        sequential: int = 0, server_args: list[str] = ()) -> dict:
+        sequential: int = 0, server_args: list[str] = (),
+        server_env: dict[str, str] | None = None) -> dict:
     prefill_env, decode_env = KINDS[kind]
-    d = Deployment(model, out / "logs", prefill_env=dict(prefill_env),
-                   decode_env=dict(decode_env),
+    env = server_env or {}
+    d = Deployment(model, out / "logs", prefill_env={**env, **prefill_env},
+                   decode_env={**env, **decode_env},
                    extra_args=["--enable-request-time-stats-logging", *server_args])
     load = os.getloadavg()[0]
     d.start()
@@ -110,7 +112,8 @@ def one(kind: str, model: Path, out: Path, bursts: int, gap: float,
             for st in stages:
                 xs = [sides[s][k][st] for k in rooms if st in sides[s].get(k, {})]
                 row[f"{s}_{st}_ms"] = round(statistics.median(xs)) if xs else None
-    return {"kind": kind, "server_args": list(server_args), "loadavg_start": load,
+    return {"kind": kind, "server_args": list(server_args), "server_env": env,
+            "loadavg_start": load,
             "loadavg_end": os.getloadavg()[0],
             "sequential_ttft_ms": single, "bursts": rows}
 
@@ -131,7 +134,15 @@ def main(argv=None) -> int:
                     help="one more argument for both servers of every kind (repeat it), e.g. "
                          "--server-arg=--sleep-on-idle: sglang's schedulers then wait on their "
                          "sockets while fully idle instead of polling a core each")
+    ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="one more environment variable for both servers of every kind "
+                         "(repeat it), e.g. the scenario's --server-env="
+                         "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=8")
     a = ap.parse_args(argv)
+    bad = [e for e in a.server_env if "=" not in e]
+    if bad:
+        ap.error(f"--server-env wants NAME=VALUE, got {bad}")
+    server_env = dict(e.split("=", 1) for e in a.server_env)
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
@@ -141,7 +152,7 @@ def main(argv=None) -> int:
     for r in range(a.rounds):
         for kind in (kinds[::-1] if a.alternate and r % 2 else kinds):
             res = one(kind, model, a.out / f"{kind}-{r}", a.bursts, a.gap, a.sequential,
-                      a.server_arg)
+                      a.server_arg, server_env)
             results.append(res)
             if res["sequential_ttft_ms"]:
                 print(f"round {r} {kind:20s} one at a time: TTFT {res['sequential_ttft_ms']} ms",
