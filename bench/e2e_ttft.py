@@ -123,7 +123,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bursts", type=int, default=2)
     ap.add_argument("--gap", type=float, default=3.0, help="seconds between bursts")
-    ap.add_argument("--out", type=Path, required=True, help="logs and results.json here")
+    ap.add_argument("--out", type=Path, help="logs and results.json here")
+    ap.add_argument("--summarize", type=Path, metavar="RESULTS_JSON",
+                    help="run nothing: print the summary of an earlier run's results.json "
+                         "(with the --kinds and --bursts it ran with)")
     ap.add_argument("--sequential", type=int, default=0,
                     help="before the bursts, this many streamed requests one at a time")
     ap.add_argument("--kinds", default="stock,flag",
@@ -147,12 +150,21 @@ def main(argv=None) -> int:
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
         ap.error(f"unknown kind(s) {unknown}; known: {', '.join(KINDS)}")
+    if a.summarize:
+        results = json.loads(a.summarize.read_text())
+        for i, res in enumerate(results):  # runs recorded before "round" was kept
+            res.setdefault("round", i // len(kinds))
+        _summary(results, kinds, a.bursts)
+        return 0
+    if a.out is None:
+        ap.error("--out is required (or --summarize)")
     model = make_tiny_model(a.out / "model")
     results = []
     for r in range(a.rounds):
         for kind in (kinds[::-1] if a.alternate and r % 2 else kinds):
             res = one(kind, model, a.out / f"{kind}-{r}", a.bursts, a.gap, a.sequential,
                       a.server_arg, server_env)
+            res["round"] = r
             results.append(res)
             if res["sequential_ttft_ms"]:
                 print(f"round {r} {kind:20s} one at a time: TTFT {res['sequential_ttft_ms']} ms",
@@ -184,10 +196,40 @@ def _summary(results: list[dict], kinds: list[str], bursts: int) -> None:
                       f"{statistics.median(meds)} ms (rounds {min(meds)}-{max(meds)}); "
                       f"all rounds' requests together: median {statistics.median(pooled)} ms, "
                       f"p99 {scenario.nearest_rank(pooled, 0.99)} ms (n={len(pooled)})")
+        if kind != kinds[0]:
+            _against(results, kinds[0], kind, bursts)
         single = sorted(x for r in runs for x in r["sequential_ttft_ms"] if x is not None)
         if single:
             print(f"{kind:20s} one at a time: median {statistics.median(single)} ms, p90 "
                   f"{single[int(0.9 * (len(single) - 1))]} ms (n={len(single)})")
+
+
+def _against(results: list[dict], base: str, kind: str, bursts: int) -> None:
+    """Per burst, ``kind`` against ``base`` (the first of --kinds) round by round: the
+    ratio of the medians over rounds and of the pooled median and p99, and in how many
+    rounds ``kind``'s median was the lower (a sign count: on two cores a round's figure
+    swings by several times, so a ratio means little without it)."""
+    for b in range(bursts):
+        pairs, pooled = [], {base: [], kind: []}
+        for r in sorted({x["round"] for x in results}):
+            meds = {}
+            for k in (base, kind):
+                run = [x for x in results if x["kind"] == k and x["round"] == r]
+                t = run[0]["bursts"][b]["ttft_ms"] if run and len(run[0]["bursts"]) > b else []
+                pooled[k] += t
+                if t:
+                    meds[k] = statistics.median(t)
+            if len(meds) == 2:
+                pairs.append((meds[kind], meds[base]))
+        if not pairs:
+            continue
+        a, s = sorted(pooled[kind]), sorted(pooled[base])
+        lower = sum(x < y for x, y in pairs)
+        print(f"{kind:20s} burst {b} against {base}: median over rounds "
+              f"{statistics.median(x for x, _ in pairs) / statistics.median(y for _, y in pairs):.2f}x, "
+              f"pooled median {statistics.median(a) / statistics.median(s):.2f}x, pooled p99 "
+              f"{scenario.nearest_rank(a, 0.99) / scenario.nearest_rank(s, 0.99):.2f}x; lower "
+              f"in {lower} of {len(pairs)} rounds")
 
 
 if __name__ == "__main__":
