@@ -24,6 +24,10 @@ request (interleaved with the others'), every chunk queued at once:
 * ``refused``: the first NIXL write the first ``send_kvcache`` of the round creates is
   refused (``initialize_xfer`` / ``make_prepped_xfer`` raise, as NIXL does for a bad
   descriptor);
+* ``unreadable``: the state of that first write cannot be read once (``check_xfer_state``
+  raises, then answers the real state): the owner's wait gives up on it;
+* ``post_refused``: that first write is posted, then reported refused (``transfer``
+  raises after posting: a post NIXL failed part-way, whose writes may still land);
 * ``release``: the prefill's KV is deregistered (the adapter's
   ``deregister_buffer_to_engine``), its pool released and resumed, registered again
   (which prepares the peers' lists again, ``kvmem_sglang.nixl``), the pattern written
@@ -87,14 +91,17 @@ class _Agent:
         self.real_init = self.agent.initialize_xfer
         self.real_prep = self.agent.make_prepped_xfer
         self.real_send = self.pm.send_kvcache
+        self.real_transfer = self.agent.transfer
         self.hold_until = 0.0
         self.err, self.in_first_send, self.refuse_next, self.sends = set(), False, False, 0
+        self.unreadable, self.post_refused = {}, {}
         self.fault = None
         self.acks: dict[int, float] = {}
         agent, pm = self.agent, self.pm
         agent.check_xfer_state = self.check_xfer_state
         agent.initialize_xfer = self.initialize_xfer
         agent.make_prepped_xfer = self.make_prepped_xfer
+        agent.transfer = self.transfer
         pm.send_kvcache = self.send_kvcache
         real_ack = pm._send_abort_ack
 
@@ -106,8 +113,12 @@ class _Agent:
 
     def reset(self):
         self.hold_until, self.err, self.sends, self.fault = 0.0, set(), 0, None
+        self.unreadable, self.post_refused = {}, {}
 
     def check_xfer_state(self, h):
+        if self.unreadable.get(id(h)) is h:  # once: the next read answers the real state
+            del self.unreadable[id(h)]
+            raise RuntimeError("kvmem test: NIXL could not read the transfer state")
         state = self.real_state(h)
         if id(h) in self.err and state in ("DONE", "ERR"):
             return "ERR"
@@ -118,7 +129,18 @@ class _Agent:
     def _made(self, h):
         if self.in_first_send and self.fault == "err":
             self.err.add(id(h))
+        if self.in_first_send and self.fault in ("unreadable", "post_refused") \
+                and self.refuse_next:  # the first write of the first send only
+            self.refuse_next = False
+            # kept by value: an id alone could name a later handle once this one is freed
+            (self.unreadable if self.fault == "unreadable" else self.post_refused)[id(h)] = h
         return h
+
+    def transfer(self, h, *a, **k):
+        state = self.real_transfer(h, *a, **k)
+        if self.post_refused.get(id(h)) is h:  # posted, then reported refused: its writes may land
+            raise RuntimeError("kvmem test: NIXL refused to post the transfer")
+        return state
 
     def _refuse(self):
         if self.in_first_send and self.fault == "refused" and self.refuse_next:
@@ -226,6 +248,21 @@ def _rounds16(pair: Pair) -> dict:
                                     decode_timeout=3 if fault == "refused" else None)
             out[fault] = _outcome(pair, rnd) | {"stats": _delta(s0)}
             faults.fault = None
+
+        # the first write's state cannot be read once: the owner's wait gives up on it (it
+        # stays counted, sglang's rule), the rooms sent ahead in it wait for it themselves
+        # and succeed once it reads DONE; and a write posted then reported refused
+        for fault in ("unreadable", "post_refused"):
+            faults.reset()
+            faults.fault = fault
+            s0 = _stats()
+            rnd = pair.sglang_round(check=every, at_once=True, decode_timeout=3)
+            out[fault] = _outcome(pair, rnd) | {
+                "stats": _delta(s0), "rooms": [str(r) for r in rnd["rooms"]],
+                "poisoned": sorted(str(r) for r in rnd["rooms"]
+                                   if r in pair.pm._deferred_ack_poisoned_rooms)}
+            faults.fault = None
+            pair.pm._staging_outstanding.clear()  # the owner's count, kept for ever by sglang
 
         # release and resume the prefill's KV, then a plain round
         from kvmem_sglang import kvpool

@@ -9,8 +9,11 @@ room a fault hits), on both sides; every byte lands (every plane of every page c
 the stock decode); with kvmem's path the chunks queued together went as one merged write
 (fewer descriptors than sglang's one per page and plane); a room sent ahead of its turn
 and then aborted gets its decode's ABORT_ACK only after its write settled; a write that
-failed leaves the rooms sent ahead in it to be sent again; nothing stays counted; after a
-release and a resume the sends work over the new registration.
+failed leaves the rooms sent ahead in it to be sent again; a write its owner's wait gave
+up on is waited for by the rooms sent ahead in it, which then end Success; a write posted
+and then refused leaves no ABORT_ACK for any room in it; nothing stays counted but what
+sglang itself keeps counted; after a release and a resume the sends work over the new
+registration.
 """
 
 from __future__ import annotations
@@ -154,6 +157,39 @@ def test_refused_write_fails_its_owner_only(runs):
         assert r["bad_rows"] == 0 and r["outstanding"] == {}
     st = runs["kvmem"]["refused"]["stats"]
     assert st["ahead_done"] == st["sent_ahead"] == 4  # sent ahead by the next owner
+
+
+def test_write_the_owner_gave_up_on_is_waited_for_by_the_rooms_sent_ahead_in_it(runs):
+    # the owner's wait gives up on its write (its state could not be read): sglang fails
+    # the owner and keeps it counted for ever (it cannot prove the write over); the rooms
+    # sent ahead in that write wait for it themselves when the worker reaches them, end
+    # Success once it reads DONE, and are uncounted: none is held in Transferring
+    want = [FAILED] + [SUCCESS] * 5
+    for key in ("kvmem", "sglang"):
+        r = runs[key]["unreadable"]
+        assert r["prefill"] == want and r["decode"][1:] == want[1:], (key, r)
+        assert r["bad_rows"] == 0, key
+        assert r["outstanding"] == {r["rooms"][0]: 1}, (key, r["outstanding"])
+    st = runs["kvmem"]["unreadable"]["stats"]
+    assert st["unsettled"] == 1 and st["sent_ahead"] == 5 and st["resent"] == 0, st
+    assert st["ahead_done"] == 4, st  # the first room reached waited on the write itself
+
+
+def test_write_posted_then_refused_leaves_no_abort_ack_for_any_room_in_it(runs):
+    # sglang poisons the room whose post NIXL refused (its writes may still land: no
+    # ABORT_ACK, the decode falls back to its timeout); with kvmem's path the rooms sent
+    # ahead in that write are poisoned too, uncounted, and sent again on their own turn
+    want = [FAILED] + [SUCCESS] * 5
+    for key in ("kvmem", "sglang"):
+        r = runs[key]["post_refused"]
+        assert r["prefill"] == want and r["decode"][1:] == want[1:], (key, r)
+        assert r["bad_rows"] == 0 and r["outstanding"] == {}, (key, r)
+    assert runs["sglang"]["post_refused"]["poisoned"] == sorted(
+        runs["sglang"]["post_refused"]["rooms"][:1])
+    r = runs["kvmem"]["post_refused"]
+    assert r["poisoned"] == sorted(r["rooms"]), r
+    # counted once posted: the refused write counts none, the next owner's 4
+    assert r["stats"]["sent_ahead"] == 4 and r["stats"]["ahead_done"] == 4
 
 
 def test_sends_after_release_and_resume(runs):

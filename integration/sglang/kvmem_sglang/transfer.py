@@ -41,8 +41,14 @@ Chunks sent ahead of their turn.  Such a chunk is counted in the manager's
 owner's wait covers it (same write), and the queue is FIFO: when the worker reaches it,
 its write has settled, and ``send_kvcache`` returns a settled handle without moving
 anything (DONE), or sends it again on its own (the write failed).  If the owner's wait
-gives up on a write that never settles, the rooms sent ahead in it are poisoned as sglang
-poisons such a room (no ABORT_ACK; the decode falls back to its release timeout).  Statuses
+gives up on the write (a state that cannot be read, or a sibling ERR and the rest still
+in flight after ``NIXL_ERR_SETTLE_TIMEOUT_S``), the rooms sent ahead in it are poisoned as
+sglang poisons such a room (no ABORT_ACK; the decode falls back to its release timeout)
+and stay counted; when the worker reaches each, it waits for that write again (bounded),
+and the wait that sees it settle uncounts them: they end Success if it is DONE (sent
+again if ERR), and only a write that never settles keeps them counted.  A post NIXL
+refuses part-way poisons every room sent ahead in it, as sglang poisons its owner; they
+are uncounted and sent again on their own turn.  Statuses
 are not touched: a room sent ahead stays WaitingForInput until the worker reaches it and
 runs sglang's own code for it (Transferring, aux, Success or Failed, notifications).
 
@@ -291,7 +297,7 @@ def await_handles(original, mgr, handles, *, failure_seen):
     """AROUND ``NixlKVManager._await_handles``: ``(settled, any_failed)`` as sglang's,
     over NIXL handles, :class:`Batch` and :class:`Settled` handles alike."""
     STATS.add(waits=1)
-    natives, batches, seen = [], [], failure_seen
+    natives, batches, bounded = [], [], False
     for h in handles:
         if isinstance(h, Settled):
             continue
@@ -299,10 +305,10 @@ def await_handles(original, mgr, handles, *, failure_seen):
             if h not in batches:
                 batches.append(h)
                 natives += h.natives
-                seen = seen or h.failed
+                bounded = bounded or h.failed
             continue
         natives.append(h)
-    settled, failed, states = _settle(mgr, natives, seen)
+    settled, failed, states = _settle(mgr, natives, failure_seen, bounded)
     for b in batches:
         _conclude(mgr, b, states)
     return settled, failed
@@ -430,6 +436,8 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
     """Post the merged runs of ``pairs`` as up to SPLIT NIXL writes; the Batch.  On a
     refused post, what was posted is settled first (bounded), then sglang's post error
     is raised as its own ``_post_xfer`` would raise it."""
+    from sglang.srt.disaggregation.nixl import conn
+
     rs, rd, lens, npairs = _runs(pairs)
     planes = geo.item.size
     item = geo.item[:, None]
@@ -449,12 +457,15 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
                 raise RuntimeError("KVSender failed to create transfer")
             natives.append(h)
             mgr._post_xfer(h, "KVSender failed to post transfer")
-    except BaseException:
+    except BaseException as e:
         settled, _, _ = _settle(mgr, natives, True)
-        if not settled:
-            for a in ahead:  # a write of theirs may still land: no ACK for those rooms
+        if not settled or isinstance(e, conn._NixlPostError):
+            # a write of theirs may still land (unsettled, or in a post NIXL refused, which
+            # sglang treats so for its owner, nixl/conn.py:1942): no ACK for those rooms.
+            # They are uncounted all the same (send_kvcache) and sent again on their own
+            # turn, as sglang uncounts the owner of a refused post.
+            for a in ahead:
                 mgr.poison_deferred_ack_room(a.room)
-                a.counted = False
         raise
     batch = Batch(natives, ahead, int(nbytes.sum()), int(ld.shape[0]))
     st = _state(mgr)
@@ -469,18 +480,22 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
 
 # -- the wait ---------------------------------------------------------------------------------
 
-def _settle(mgr, handles: list, failure_seen: bool) -> tuple[bool, bool, dict]:
+def _settle(mgr, handles: list, failure_seen: bool,
+            bounded: bool = False) -> tuple[bool, bool, dict]:
     """Poll NIXL ``handles`` until each is DONE or ERR: ``(settled, any_failed, states by
     id)``.  sglang's rules (nixl/conn.py:1096): unbounded while none failed; from the first
     ERR (or ``failure_seen``) at most ``NIXL_ERR_SETTLE_TIMEOUT_S``, polled every
     ``NIXL_ERR_SETTLE_POLL_S``; a state that cannot be read ends the wait as failed and
-    unsettled (it does not prove the write is over)."""
+    unsettled (it does not prove the write is over).  ``bounded``: the same bound from the
+    start, without counting as a failure (a write an earlier wait gave up on: failed only
+    if a handle now reads ERR or still does not settle)."""
     from sglang.srt.disaggregation.nixl import conn
 
     states: dict[int, str] = {}
     pending = list(handles)
     failed = failure_seen
-    deadline = time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S if failure_seen else None
+    deadline = (time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S
+                if failure_seen or bounded else None)
     nap = NAP_MIN_S
     naps = 0  # counted once the wait ends: nothing but the sleep between polls
     try:
@@ -500,7 +515,7 @@ def _settle(mgr, handles: list, failure_seen: bool) -> tuple[bool, bool, dict]:
                 return False, True, states
             if not pending:
                 return True, failed, states
-            if not failed:
+            if not failed and deadline is None:
                 naps += 1
                 time.sleep(nap)
                 nap = min(2 * nap, NAP_MAX_S)
@@ -516,7 +531,13 @@ def _settle(mgr, handles: list, failure_seen: bool) -> tuple[bool, bool, dict]:
 
 def _conclude(mgr, batch: Batch, states: dict) -> None:
     """After a wait on ``batch``: DONE or ERR once every handle settled, and its chunks
-    sent ahead uncounted; else it stays PROC, marked failed, and their rooms poisoned."""
+    sent ahead uncounted; else it stays PROC, marked failed (a later wait on it is
+    bounded), and their rooms poisoned (no ABORT_ACK: nothing proves the write over) but
+    still counted, as sglang keeps a room whose write it gave up on.  Unlike sglang's own
+    handles, the batch is waited for again when the worker reaches each of those rooms
+    (``send_kvcache`` hands it back): the wait that sees it settle uncounts them, so a
+    room sent ahead in it ends Success (DONE) or is sent again (ERR) instead of staying
+    Transferring until its transfer timeout."""
     if batch.state != "PROC":
         return
     got = [states.get(id(h)) for h in batch.natives]
@@ -526,7 +547,6 @@ def _conclude(mgr, batch: Batch, states: dict) -> None:
         for a in batch.ahead:
             if a.counted:
                 mgr.poison_deferred_ack_room(a.room)
-                a.counted = False  # stays counted in sglang's table: no ACK, ever
         return
     batch.state = "ERR" if "ERR" in got else "DONE"
     batch.failed = batch.state == "ERR"
