@@ -184,6 +184,24 @@ def _posted_writes(h) -> dict:
         out["stuck_release"] = _call(h.release)
         out["stuck_release_s"] = time.monotonic() - t0
         out["stuck_resume"] = _call(h.resume)
+        # room 901 still counted: the next release does not wait for it again, but waits
+        # for room 902, which settles SETTLE_S after the release starts
+        marks.clear()
+        counts[902] += 1
+
+        def settle_902():
+            time.sleep(SETTLE_S)
+            marks["settled"] = time.monotonic()
+            counts[902] -= 1
+
+        worker = threading.Thread(target=settle_902)
+        t0 = time.monotonic()
+        worker.start()
+        out["again_release"] = _call(h.release)
+        out["again_release_s"] = time.monotonic() - t0
+        worker.join()
+        out["again_deregistered_after_settle"] = marks["deregistered"] >= marks["settled"]
+        out["again_resume"] = _call(h.resume)
         stats = prefill_stats()
         out["stats"] = stats and {k: stats[k] for k in ("drain_waits", "drain_timeouts")}
     finally:

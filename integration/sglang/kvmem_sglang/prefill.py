@@ -524,15 +524,25 @@ def _await_posted_writes(sched) -> None:
     DRAIN_LOG_S): a handle that never settles (sglang then keeps its room counted for
     ever, "poisoned") must not hang the release.  Past it the release goes on, with an
     error naming the rooms; their decode falls back to its own release timeout, as sglang
-    arranges for a poisoned room."""
+    arranges for a poisoned room.  A later release does not wait for those rooms again
+    (the memory under their writes was released already); it waits for the others."""
     mgr = getattr(getattr(sched, "disagg_prefill_bootstrap_queue", None), "kv_manager", None)
     counts = getattr(mgr, "_staging_outstanding", None)
     if not isinstance(counts, dict):
         return  # a backend without transfer workers (fake)
 
-    def busy() -> dict:
-        return {room: n for room, n in dict(counts).items() if n > 0}
+    # rooms an earlier release gave up on: that release went on under their writes, so
+    # waiting for them again protects nothing (sglang keeps such a room counted for ever)
+    given_up = mgr.__dict__.setdefault("_kvmem_drain_given_up", set())
+    given_up &= {room for room, n in dict(counts).items() if n > 0}
 
+    def busy() -> dict:
+        return {room: n for room, n in dict(counts).items() if n > 0 and room not in given_up}
+
+    if given_up:
+        logger.warning("kvmem-sglang: release_memory_occupation(kv_cache) does not wait "
+                       "again for room(s) %s: an earlier release gave up on their writes",
+                       sorted(given_up))
     rooms = busy()
     if not rooms:
         return
@@ -545,6 +555,7 @@ def _await_posted_writes(sched) -> None:
         now = time.monotonic()
         if now >= deadline:
             STATS.drain_timeouts += 1
+            given_up.update(rooms)
             logger.error("kvmem-sglang: release_memory_occupation(kv_cache): writes of "
                          "room(s) %s still unsettled after %.1f s (SGLANG_KVMEM_DRAIN_"
                          "TIMEOUT); releasing anyway: their decode side falls back to its "
