@@ -55,6 +55,22 @@ POLL_S = 0.0005  # the drivers' poll period while they wait (they must not spin 
 START_S = 900
 
 
+
+def last_json(stdout: str):
+    """The JSON value on the last line of a child's ``stdout`` that holds one: UCX prints
+    its own errors to stdout, after the child's result (seen: a TCP connect it retried
+    under load, "try to increase net.core.somaxconn ..."); raises naming the tail when no
+    line parses."""
+    lines = stdout.strip().splitlines()
+    for line in reversed(lines):
+        if line.lstrip().startswith(("{", "[")):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    raise ValueError("no JSON line in the child's output; its last lines:\n"
+                     + "\n".join(lines[-5:]))
+
 @dataclass(frozen=True)
 class Shape:
     layers: int = 32
@@ -771,7 +787,7 @@ def run_mode(mode: str, page_sizes, shape: Shape, repeats: int, *, one_process: 
             raise RuntimeError(f"{mode} at page sizes {pages}: the pair failed with "
                                f"{p.returncode}:\n{p.stderr[-6000:]}")
         others = max(0.0, (_busy_seconds() - busy0) - (cpu() - own0)) / wall
-        for r in json.loads(p.stdout.strip().splitlines()[-1]):
+        for r in last_json(p.stdout):
             r.update(mode=mode, others_cpu_cores=others,
                      loadavg=[load0, os.getloadavg()[0]],
                      ratio_to_raw=[s["gbps"] / w["gbps"] for s, w in zip(r["sglang"], r["raw"])])

@@ -9,13 +9,14 @@ bare H200 image: bench/gpu_check.sh skips it there with that reason)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from bench.sglang_pair import last_json
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang.srt.mem_cache.memory_pool")
@@ -66,6 +67,6 @@ def test_release_gives_back_kvmem_pool_and_tms_part():
         proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True,
                               text=True, env=env, cwd=ROOT, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = last_json(proc.stdout)
     assert got["kvmem"] and got["backend"] == "cuda_vmm" and got["usable"], got
     assert got["freed"] >= got["pool_bytes"], got

@@ -162,22 +162,29 @@ def _posted_writes(h) -> dict:
 
     queue.release_memory_occupation = release_spy
     out: dict = {}
-    try:
-        counts[900] += 1
+
+    def release_while_settling(room: int, key: str) -> None:
+        """Release while ``room``'s write settles SETTLE_S after the release starts (a
+        thread plays the worker); then resume."""
+        marks.clear()
+        counts[room] += 1
 
         def settle_later():
             time.sleep(SETTLE_S)
             marks["settled"] = time.monotonic()
-            counts[900] -= 1
+            counts[room] -= 1
 
         worker = threading.Thread(target=settle_later)
         t0 = time.monotonic()
         worker.start()
-        out["release"] = _call(h.release)
-        out["release_s"] = time.monotonic() - t0
+        out[f"{key}release"] = _call(h.release)
+        out[f"{key}release_s"] = time.monotonic() - t0
         worker.join()
-        out["deregistered_after_settle"] = marks["deregistered"] >= marks["settled"]
-        out["resume"] = _call(h.resume)
+        out[f"{key}deregistered_after_settle"] = marks["deregistered"] >= marks["settled"]
+        out[f"{key}resume"] = _call(h.resume)
+
+    try:
+        release_while_settling(900, "")
         marks.clear()
         counts[901] += 1  # never settles
         t0 = time.monotonic()
@@ -185,23 +192,8 @@ def _posted_writes(h) -> dict:
         out["stuck_release_s"] = time.monotonic() - t0
         out["stuck_resume"] = _call(h.resume)
         # room 901 still counted: the next release does not wait for it again, but waits
-        # for room 902, which settles SETTLE_S after the release starts
-        marks.clear()
-        counts[902] += 1
-
-        def settle_902():
-            time.sleep(SETTLE_S)
-            marks["settled"] = time.monotonic()
-            counts[902] -= 1
-
-        worker = threading.Thread(target=settle_902)
-        t0 = time.monotonic()
-        worker.start()
-        out["again_release"] = _call(h.release)
-        out["again_release_s"] = time.monotonic() - t0
-        worker.join()
-        out["again_deregistered_after_settle"] = marks["deregistered"] >= marks["settled"]
-        out["again_resume"] = _call(h.resume)
+        # for room 902's write
+        release_while_settling(902, "again_")
         stats = prefill_stats()
         out["stats"] = stats and {k: stats[k] for k in ("drain_waits", "drain_timeouts")}
     finally:

@@ -20,6 +20,8 @@ from array import array
 from pathlib import Path
 from types import SimpleNamespace
 
+from bench.sglang_pair import last_json
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -63,7 +65,7 @@ def run_both(script: Path, *, env: dict | None = None, timeout: float = 240,
         if proc.returncode != 0:
             raise AssertionError(f"{key} ({variants[key]}): {script.name} failed with "
                                  f"{proc.returncode}:\n{stderr[-4000:]}")
-        out[key] = json.loads(stdout.strip().splitlines()[-1])
+        out[key] = last_json(stdout)
         out[key]["stderr"] = stderr
     return out
 
@@ -79,7 +81,7 @@ def result_of(proc) -> dict:
     """The JSON a script printed on its last stdout line (``emit``)."""
     if proc.returncode != 0:
         raise AssertionError(f"script failed with {proc.returncode}:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return last_json(proc.stdout)
 
 
 def emit(obj) -> None:

@@ -18,7 +18,6 @@ registration.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import sys
 import numpy as np
 import pytest
 
+from bench.sglang_pair import last_json
 from tests.sglang.sglang_env import ROOT
 
 SCRIPT = ROOT / "tests" / "sglang" / "scenario_transfer.py"
@@ -59,7 +59,7 @@ def runs() -> dict:
             if proc.returncode != 0:
                 raise AssertionError(f"{key}: {SCRIPT.name} failed with {proc.returncode}:"
                                      f"\n{stderr[-4000:]}")
-            out[key] = json.loads(stdout.strip().splitlines()[-1])
+            out[key] = last_json(stdout)
     finally:
         for proc in procs.values():  # one failed: the others are not waited for
             if proc.poll() is None:
@@ -229,3 +229,13 @@ def test_small_batches_go_as_one_write_large_ones_split():
     assert split_pieces(64, 1 << 30) == SPLIT
     assert split_pieces(3, 1 << 30) == 3  # never a write without a descriptor
     assert split_pieces(0, 0) == 1
+
+
+def test_a_childs_result_is_read_past_what_ucx_prints_after_it():
+    # UCX writes its errors to stdout; one came after a child's JSON line under load
+    ucx = ('[1796286547.272837] [vm:13079:0]          tcp_ep.c:1234 UCX  ERROR try to '
+           'increase "net.core.somaxconn" ... UCX_TCP_MAX_CONN_RETRIES (=25)')
+    assert last_json('log line\n{"rooms": [1, 2]}\n' + ucx + "\n") == {"rooms": [1, 2]}
+    assert last_json('[{"a": 1}]') == [{"a": 1}]
+    with pytest.raises(ValueError, match="no JSON line"):
+        last_json(ucx)
