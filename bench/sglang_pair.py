@@ -55,7 +55,6 @@ POLL_S = 0.0005  # the drivers' poll period while they wait (they must not spin 
 START_S = 900
 
 
-
 def last_json(stdout: str):
     """The JSON value on the last line of a child's ``stdout`` that holds one: UCX prints
     its own errors to stdout, after the child's result (seen: a TCP connect it retried
@@ -70,6 +69,7 @@ def last_json(stdout: str):
                 continue
     raise ValueError("no JSON line in the child's output; its last lines:\n"
                      + "\n".join(lines[-5:]))
+
 
 @dataclass(frozen=True)
 class Shape:

@@ -78,7 +78,8 @@ def one(answers: list) -> dict:
 
 
 def result_of(proc) -> dict:
-    """The JSON a script printed on its last stdout line (``emit``)."""
+    """The JSON a script printed last on stdout (``emit``; ``last_json``: UCX may print
+    after it)."""
     if proc.returncode != 0:
         raise AssertionError(f"script failed with {proc.returncode}:\n{proc.stderr[-4000:]}")
     return last_json(proc.stdout)
