@@ -30,6 +30,7 @@ _LIVE: list[Deployment] = []
 KINDS = {
     "stock": (dict(), "stock prefill, stock decode"),
     "kvmem-prefill": (dict(prefill_env=FLAG), "SGLANG_KVMEM=1 prefill, stock decode"),
+    "kvmem-decode": (dict(decode_env=FLAG), "stock prefill, SGLANG_KVMEM=1 decode"),
     "kvmem-both": (dict(prefill_env=FLAG, decode_env=FLAG),
                    "SGLANG_KVMEM=1 prefill and decode"),
     "kvmem-both-no-overlap": (dict(prefill_env=FLAG, decode_env=FLAG, overlap=False),

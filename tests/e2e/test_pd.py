@@ -175,6 +175,39 @@ def test_request_while_released_answered_promptly(deployments, reference, kind, 
     assert d.crashed() == []
 
 
+@pytest.mark.parametrize("kind", ["kvmem-decode"])
+def test_request_refused_by_a_released_decode_is_answered_whatever_the_prefill(
+        deployments, reference, kind):
+    """The flag on the decode alone, beside a stock prefill (which first feeds it KV as
+    stock does).  While the decode's KV cache is released it refuses every request
+    before giving it a page and sends its prefill an ABORT; the router sends the request
+    to both at once, so that ABORT often reaches the prefill before the request does,
+    and a stock prefill ignores an ABORT for a room it does not know: it bootstrapped
+    the request alone until its bootstrap timeout (300 s) while the router waited (seen:
+    2 of 3 requests unanswered after 40 s).  The decode now sends the ABORT again until
+    the prefill can act on it (kvmem_sglang.chase): every request is answered 503
+    promptly and the prefill lets go of it."""
+    d = deployments.get(kind)
+    assert outputs(d) == reference
+    assert d.control(d.decode, "/release_memory_occupation", KV).status == 200
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: d.generate(PROMPTS[i], timeout=60), range(4)))
+        for r in answers:
+            assert r.status == 503, (r.status, r.body, r.error, round(r.seconds, 1))
+            assert "released its KV cache" in str(r.body)
+        slowest = max(r.seconds for r in answers)
+        print(f"{kind}: 4 requests refused by the released decode, slowest after "
+              f"{slowest:.2f} s")
+        assert slowest < 20, [round(r.seconds, 1) for r in answers]
+        held = d.settle()
+        assert held == {}, f"still held: {held}"
+    finally:
+        assert d.control(d.decode, "/resume_memory_occupation", KV).status == 200
+    assert outputs(d) == reference
+    assert d.crashed() == []
+
+
 def _in_flight(d, server, n=6, tokens=48, lead=0.3):
     """Start ``n`` requests of ``tokens`` new tokens, release ``server``'s KV cache
     ``lead`` seconds later, while they run, then resume it; (the answers, the release's

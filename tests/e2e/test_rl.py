@@ -1,8 +1,11 @@
 """What an RL trainer (slime, verl) does to the engines between rollouts, over HTTP, on
-the PD pair with the flag on both servers: pause and continue generation; release and
-resume the KV cache alone, the weights and the KV cache together, everything (no tags);
-a weight update between release and resume; requests in flight at each step.  Every
-request is answered once with the status of the lifecycle table, nothing stays held, and
+the PD pair and on a plain server with the flag: pause and continue generation in each
+of sglang's modes (``abort``, ``retract``, ``in_place``) with a release and a resume in
+between; release and resume the KV cache alone, the weights and the KV cache together,
+everything (no tags); a weight update between release and resume; requests in flight at
+each step, a structured-output request whose grammar still compiles among them.  Every
+request is answered once with the status of the lifecycle table (a paused engine keeps
+what stock keeps and serves it after ``continue_generation``), nothing stays held, and
 the KV pool's memory is really given back while released (the scheduler's resident
 memory drops by the pool's size)."""
 
@@ -14,10 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.e2e.deploy import given_back, prompt, rss_anon, rss_by_mapping
+from tests.e2e.tiny_model import WORDS
 
 # the tiny model's KV pool: 65537 pages x 1 token x 2 layers x (K + V) x 2 heads x 32 x 2 B
 POOL_BYTES = 65537 * 2 * 2 * 2 * 32 * 2
 PROMPTS = [prompt(i) for i in range(4)]
+MODES = ["abort", "retract", "in_place"]
+PLAIN = {"SGLANG_KVMEM": "1"}
 
 
 def served(d):
@@ -180,3 +186,123 @@ def test_single_server_rl_cycle(deployments, model, kind):
     assert d.generate(PROMPTS[0]).body["output_ids"] == first.body["output_ids"]
     assert d.settle() == {}
     assert d.crashed() == []
+
+
+def finish(answer) -> str:
+    """The finish reason's type of a 200 answer ("length", "stop", "abort")."""
+    return ((answer.body.get("meta_info") or {}).get("finish_reason") or {}).get("type", "")
+
+
+def paused_release(d, servers, mode, tags, *, n=3, tokens=300, delay=1.0):
+    """``n`` requests of ``tokens`` new tokens in flight, then on every server in turn:
+    pause_generation(mode), release(tags), resume (no tags: whatever is released),
+    continue_generation; (the control calls' statuses, the answers)."""
+    def cycle():
+        steps = []
+        for path, body in (("/pause_generation", {"mode": mode}),
+                           ("/release_memory_occupation", {"tags": tags}),
+                           ("/resume_memory_occupation", {}), ("/continue_generation", {})):
+            steps += [d.control(s, path, body, timeout=90).status for s in servers]
+        return steps
+
+    pool = ThreadPoolExecutor(n)
+    futs = [pool.submit(d.generate, PROMPTS[i % len(PROMPTS)], tokens, timeout=150)
+            for i in range(n)]
+    time.sleep(delay)
+    steps = cycle()
+    answers = [f.result() for f in futs]
+    pool.shutdown()
+    return steps, answers
+
+
+@pytest.mark.parametrize("kind", ["kvmem-both"])
+@pytest.mark.parametrize("mode", MODES)
+def test_pd_pause_release_resume_continue(pair, kind, mode):
+    """Both servers paused in ``mode`` with requests decoding, their KV cache released,
+    resumed, continued: every request answered once (decoding ones run on after the
+    continue, sglang's decode re-fetching their KV; ``abort`` answers them as aborts;
+    a request caught between the servers is refused 503), no crash, nothing held."""
+    d, reference = pair
+    steps, answers = paused_release(d, (d.prefill, d.decode), mode, ["kv_cache"])
+    assert set(steps) == {200}, steps
+    check_answers(answers, {200, 503})
+    kinds = [finish(a) if a.status == 200 else a.status for a in answers]
+    print(f"PD {mode}: {kinds}")
+    if mode == "abort":
+        assert set(kinds) <= {"abort", "length", 503}, kinds
+    else:  # kept across the release: they run to their length after the continue
+        assert "length" in kinds and "abort" not in kinds, kinds
+    assert served(d) == reference
+    idle(d)
+    assert d.crashed() == []
+
+
+@pytest.fixture(scope="module")
+def plain(deployments):
+    return deployments.get("single-kvmem", pd=False, env=PLAIN)
+
+
+@pytest.mark.parametrize("kind", ["single-kvmem"])
+@pytest.mark.parametrize("mode", MODES)
+def test_plain_pause_release_resume_continue(plain, kind, mode):
+    """A plain server paused in ``mode`` with requests running, weights and KV cache
+    released, everything resumed, continued.  ``retract``: stock keeps the retracted
+    requests waiting and finishes them after the continue, and so does the flag (it
+    answered them 503 before the fix).  ``in_place``: stock's scheduler dies on its idle
+    assertion; the flag retracts them as a retract pause does, and they finish too.
+    ``abort``: answered as aborts, as stock does."""
+    d = plain
+    steps, answers = paused_release(d, (d.single,), mode, ["weights", "kv_cache"],
+                                    tokens=600)
+    assert set(steps) == {200}, steps
+    check_answers(answers, {200})
+    kinds = [finish(a) for a in answers]
+    print(f"plain {mode}: {kinds}")
+    if mode == "abort":
+        assert set(kinds) <= {"abort", "length"}, kinds
+    else:
+        assert kinds == ["length"] * len(answers), [(a.status, a.body) for a in answers]
+        assert all(len(a.body["output_ids"]) == 600 for a in answers)
+    assert d.generate(PROMPTS[0]).status == 200
+    assert d.settle() == {}
+    assert d.crashed() == []
+
+
+def slow_grammar(n: int = 25000) -> str:
+    """A regex of ``n`` alternatives of four of the tiny model's words: xgrammar compiles
+    it for about 5 s here (a one-word answer matches it), long enough to be in sglang's
+    grammar queue when the engine pauses."""
+    import random
+
+    rng, seen = random.Random(0), set()
+    while len(seen) < n:
+        seen.add("".join(rng.choice(WORDS) for _ in range(4)))
+    return "(" + "|".join(sorted(seen)) + ")"
+
+
+@pytest.mark.parametrize("kind", ["single-kvmem"])
+def test_grammar_request_kept_across_a_paused_release(plain, kind):
+    """A structured-output request whose grammar is still compiling waits in sglang's
+    grammar queue, which the release's idle assertion counts even on a paused engine:
+    stock's scheduler dies there (seen: retract pause, release, the server gone).  With
+    the flag the release keeps the request (it holds no KV), and after the resume and the
+    continue it is served."""
+    d = plain
+    payload = {"text": PROMPTS[1], "sampling_params": {
+        "max_new_tokens": 16, "temperature": 0, "regex": slow_grammar()}}
+    from tests.e2e.deploy import http
+
+    pool = ThreadPoolExecutor(1)
+    fut = pool.submit(http, "POST", d.single.url + "/generate", payload, 150)
+    time.sleep(1.0)
+    for path, body in (("/pause_generation", {"mode": "retract"}),
+                       ("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
+                       ("/resume_memory_occupation", {}), ("/continue_generation", {})):
+        assert d.control(d.single, path, body, timeout=90).status == 200, path
+    answer = fut.result()
+    pool.shutdown()
+    assert d.crashed() == []
+    assert "waiting for their grammar" in d.single.log_text()  # it was in the queue
+    assert answer.status == 200, (answer.status, answer.body, answer.error)
+    assert d.generate(PROMPTS[0]).status == 200
+    assert d.settle() == {}

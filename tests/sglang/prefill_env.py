@@ -350,17 +350,19 @@ class PrefillHarness:
 
         self.s.abort_request(AbortReq(rid=rid, **kw))
 
-    def release(self):
+    def release(self, tags=("kv_cache",)):
+        """``release_memory_occupation`` with ``tags`` (None: no tags, i.e. all)."""
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
-        return self.wu.release_memory_occupation(
-            ReleaseMemoryOccupationReqInput(tags=["kv_cache"]))
+        return self.wu.release_memory_occupation(ReleaseMemoryOccupationReqInput(
+            tags=None if tags is None else list(tags)))
 
-    def resume(self):
+    def resume(self, tags=("kv_cache",)):
+        """``resume_memory_occupation`` with ``tags`` (None: no tags, i.e. all)."""
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
-        return self.wu.resume_memory_occupation(
-            ResumeMemoryOccupationReqInput(tags=["kv_cache"]))
+        return self.wu.resume_memory_occupation(ResumeMemoryOccupationReqInput(
+            tags=None if tags is None else list(tags)))
 
     # -- one scheduler step, in phases (event_loop_normal_disagg_prefill) ------------------
     def pop_bootstrapped(self):

@@ -133,7 +133,71 @@ def main() -> dict:
     # -- 6. release while writes posted earlier are still in flight --------------------------
     out["posted_writes"] = _posted_writes(h)
     out["posted_writes"]["after"] = settle()
+
+    # -- 7. release while a request waits for its grammar (grammar_queue) -------------------
+    g = h.submit("g-ready", 9)  # a request that reached the queues: it will be answered
+    grammar = make_req_like(h, "g-compiling")
+    h.s.grammar_manager.grammar_queue.append(grammar)  # its grammar still compiles
+    gr = {"release": _call(h.release)}
+    gr["kept"] = [r.rid for r in h.s.grammar_manager.grammar_queue]
+    gr["resume"] = _call(h.resume)
+    gr["answers"] = {"g-ready": answer("g-ready"), "g-compiling": answer("g-compiling")}
+    h.s.grammar_manager.grammar_queue.clear()
+    out["grammar"] = gr
+    gr["after"] = settle()
+    del g
+
+    # -- 8. release whose drain meets an exception from sglang's paths ----------------------
+    h.submit("x-fly", 9)
+    h.prefill_to_transferring("x-fly")
+
+    def broken(req, *a, **k):
+        raise RuntimeError("planted: sglang's failure path raised")
+
+    h.s.handle_inflight_transfer_failure = broken
+    x = {"release": _call(h.release)}
+    del h.s.handle_inflight_transfer_failure
+    x["released"] = sorted(h.wu.offload_tags)
+    stats = prefill_stats()
+    x["refused_releases"] = stats and stats["refused_releases"]
+    h.step()
+    h.s.last_batch = None
+    x["answer"] = answer("x-fly")
+    out["drain_raises"] = x
+    x["after"] = settle()
+    if h.wu.offload_tags:  # stock: its release asserted after marking nothing
+        _call(h.resume)
+
+    # -- 9. resume with no tags after a release of the KV cache alone -----------------------
+    nt = {"release": _call(h.release), "resume": _call(lambda: h.resume(None))}
+    nt["released_after"] = sorted(h.wu.offload_tags)
+    h.submit("n-after", 9)
+    h.step()
+    h.s.last_batch = None
+    nt["answer"] = answer("n-after")
+    if h.wu.offload_tags:
+        _call(h.resume)
+    out["resume_no_tags"] = nt
+    nt["after"] = settle()
+
+    # -- 10. abort_all with nothing to abort -----------------------------------------------
+    before = (prefill_stats() or {}).get("unknown_aborts")
+    h.abort("", abort_all=True)
+    out["abort_all_idle"] = {"unknown_aborts": [before, (prefill_stats() or {}).get(
+        "unknown_aborts")]}
     return out
+
+
+def make_req_like(h, rid: str):
+    """A generate request as the harness makes one, not queued anywhere (the scheduler
+    put it in its grammar queue instead)."""
+    from tests.sglang.sglang_env import make_req
+
+    req = make_req(rid, 9, max_new_tokens=8, seed=len(h.reqs))
+    h._room += 1
+    req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = "10.0.0.2", 8998, h._room
+    h.reqs[rid] = req
+    return req
 
 
 def _posted_writes(h) -> dict:

@@ -57,14 +57,14 @@ emit({"changed": sorted(t for t in targets if after[t] != before[t]),
     out = result_of(proc)
     assert out["installed"] and sorted(out["installed"]) == out["changed"]
     # 14 of the pool, allocator, release/resume, NIXL registration (a decode peer's, and a
-    # decode's own while released) and staging, 10 of the prefill
-    # lifecycle, 4 between the prefill and its decode (notify.py: telling an aborted
+    # decode's own while released) and staging, 11 of the prefill
+    # lifecycle (continue_generation among them), 4 between the prefill and its decode (notify.py: telling an aborted
     # sender's decode, a decode's early abort), 2 of the decode
     # (decode.py: its status for a prefill's abort, refusals while released); the 3 of the
     # NIXL send path (SGLANG_KVMEM_TRANSFER=kvmem, the default); the two AROUND hooks
     # of release and resume each nested into one (sglang warns about several on one target)
-    assert len(out["installed"]) == len(set(out["installed"])) == 31
-    assert proc.stderr.count("kvmem-sglang: SGLANG_KVMEM=1, 31 hooks installed") == 1
+    assert len(out["installed"]) == len(set(out["installed"])) == 32
+    assert proc.stderr.count("kvmem-sglang: SGLANG_KVMEM=1, 32 hooks installed") == 1
     assert "transfer kvmem)" in proc.stderr
     assert "Multiple AROUND hooks" not in proc.stderr
 
@@ -79,10 +79,10 @@ from tests.sglang.sglang_env import emit
 emit({"installed": plugin.INSTALLED})
 """, kvmem=True, env={"SGLANG_KVMEM_TRANSFER": "sglang"})
     out = result_of(proc)
-    assert len(out["installed"]) == 28
+    assert len(out["installed"]) == 29
     assert not [t for t in out["installed"] if t.endswith(("send_kvcache", "transfer_worker",
                                                            "_await_handles"))]
-    assert "28 hooks installed" in proc.stderr and "transfer sglang)" in proc.stderr
+    assert "29 hooks installed" in proc.stderr and "transfer sglang)" in proc.stderr
 
 
 LOAD = """

@@ -138,3 +138,49 @@ def test_release_waits_for_posted_writes(runs):
     assert on["again_release"]["ok"] and on["again_resume"]["ok"], on
     assert on["again_deregistered_after_settle"] and SETTLE_S <= on["again_release_s"] < 1.5
     assert on["stats"] == {"drain_waits": 3, "drain_timeouts": 1}
+
+
+def test_release_keeps_a_request_waiting_for_its_grammar(runs):
+    """A structured-output request whose grammar still compiles waits in sglang's grammar
+    queue, which the release's idle assertion counts (also while paused): stock's
+    scheduler loop dies on it.  kvmem: the release goes on and keeps the request there
+    (it holds nothing of the pool); the request that reached the queues is answered 503."""
+    off, on = runs["off"]["grammar"], runs["on"]["grammar"]
+    assert not off["release"]["ok"] and off["release"]["error"].startswith("AssertionError")
+    assert on["release"]["ok"] and on["resume"]["ok"], on
+    assert on["kept"] == ["g-compiling"] and on["answers"]["g-compiling"] == []
+    assert one(on["answers"]["g-ready"])["status"] == 503
+    assert on["after"]["held"] == EMPTY
+
+
+def test_a_drain_that_raises_refuses_the_release_and_keeps_the_loop(runs):
+    """An exception from sglang's paths while the release drains (planted in
+    ``handle_inflight_transfer_failure``) must not end the scheduler loop (sglang runs
+    the release with no try/except): kvmem refuses the release, nothing is released, and
+    the request is answered by the next loop step.  Stock's release asserts."""
+    off, on = runs["off"]["drain_raises"], runs["on"]["drain_raises"]
+    assert not off["release"]["ok"]
+    assert on["release"]["ok"] and on["released"] == [], on
+    assert on["refused_releases"] >= 1
+    assert len(on["answer"]) == 1, on["answer"]
+    assert on["after"]["held"] == EMPTY
+
+
+def test_resume_without_tags_resumes_what_was_released(runs):
+    """A release of the KV cache alone, then a resume with no tags (sglang: every tag):
+    stock raises KeyError in the loop for the tags it never released and leaves the KV
+    cache released; kvmem resumes what is released and serves."""
+    off, on = runs["off"]["resume_no_tags"], runs["on"]["resume_no_tags"]
+    assert off["release"]["ok"] and not off["resume"]["ok"]
+    assert "KeyError" in off["resume"]["error"]
+    assert on["release"]["ok"] and on["resume"]["ok"] and on["released_after"] == []
+    assert one(on["answer"])["status"] == 200
+    assert on["after"]["held"] == EMPTY
+
+
+def test_abort_all_with_nothing_running_is_not_an_unknown_rid(runs):
+    """sglang's pause in ``abort`` mode sends ``abort_all`` every second while requests
+    run; with none left it names no request, so it is no "unknown rid" (no log line, no
+    count)."""
+    before, after = runs["on"]["abort_all_idle"]["unknown_aborts"]
+    assert before == after

@@ -10,7 +10,7 @@ sglang 0.5.23 (file:line of the installed package, ``sglang/srt/``):
   release that comes while any request is bootstrapping, waiting for its KV, queued,
   decoding, or held for an ABORT_ACK raises ``AssertionError`` inside the scheduler loop,
   and the decode server dies.  RL frameworks release every engine, decode included.
-  :func:`drain_for_release` (called by the adapter's release hook, before sglang's
+  :func:`drain` (called by the adapter's release hook, before sglang's
   release) answers every such request 503 with the reason and frees what it holds,
   through sglang's own paths: a request whose KV the prefill may still be writing is
   aborted (its receiver sends ABORT to the prefill) and its pages are freed only at the
@@ -49,11 +49,12 @@ sglang 0.5.23 (file:line of the installed package, ``sglang/srt/``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from http import HTTPStatus
 
-from kvmem_sglang import options
+from kvmem_sglang import chase, options, roles
 from kvmem_sglang.reasons import decide, is_abort, status_of
 
 logger = logging.getLogger("kvmem.sglang")
@@ -69,19 +70,12 @@ def hooks() -> list[tuple[str, object, str]]:
     ]
 
 
-def _kv_released(sched) -> bool:
-    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
-
-    wu = getattr(sched, "weight_updater", None)
-    return wu is not None and GPU_MEMORY_TYPE_KV_CACHE in wu.offload_tags
-
-
 def pop_preallocated(original, queue, *args, **kwargs):
     """While the decode's KV cache is released, every request waiting for pages is
     answered 503 and its receiver aborted before sglang's preallocation runs (module
     docstring); sglang's own pass then removes and answers them."""
     sched = queue.scheduler
-    if not (queue.queue and _kv_released(sched)):  # a pending request is in queue too
+    if not (queue.queue and roles.released(sched)):  # a pending request is in queue too
         return original(queue, *args, **kwargs)
     # sglang's pass resolves where pending requests' prefills are (and initialises their
     # receivers) before it preallocates (decode.py:1346): a request resolved there would
@@ -117,12 +111,13 @@ def _refuse_released(queue, sched) -> None:
                 # timeout; refused at a later pass (no page is given before then)
                 continue
             decide(req, FINISH_ABORT(
-                f"Decode server {getattr(sched, 'tp_rank', 0)} has released its KV cache "
+                f"{roles.server(sched)} has released its {roles.what_released(sched)} "
                 f"(release_memory_occupation); request {req.rid} refused until "
                 "resume_memory_occupation", HTTPStatus.SERVICE_UNAVAILABLE))
             sglang_prepare_abort(req, req._kvmem_reason.message,
                                  status_code=req._kvmem_reason.status_code)
             decode_req.kv_receiver.abort()
+            chase.chase(decode_req.kv_receiver)  # the prefill may not know the room yet
             refused.append(req.rid)
         if refused:
             logger.warning("kvmem-sglang: decode KV cache released: %d request(s) refused "
@@ -164,32 +159,58 @@ def is_decode(sched) -> bool:
     return getattr(sched, "disaggregation_mode", None) == DisaggregationMode.DECODE
 
 
-def drain_for_release(sched) -> None:
-    """Answer every request of a decode (or plain, non-PD) scheduler 503 and free what it
-    holds, so that sglang's release finds the scheduler idle.  Never raises: sglang dispatches the
-    release with no try/except (``managers/scheduler.py:2253``)."""
-    try:
-        answered = _drain(sched)
-    except Exception:  # noqa: BLE001 - sglang's release then asserts, as stock would
-        logger.exception("kvmem-sglang: draining the scheduler for "
-                         "release_memory_occupation failed")
-        return
+def drain(sched, what: str = "KV cache") -> list:
+    """Answer what a decode (or plain, non-PD) scheduler holds and free it, so that
+    sglang's release finds the scheduler idle; the requests answered.  Raises what
+    sglang's paths raise (the release hook then refuses the release, which keeps the
+    loop alive).
+
+    A running engine's requests are all answered 503.  A paused engine
+    (``pause_generation``) keeps what stock sglang keeps across a release
+    (``is_fully_idle(ignore_waiting=True)``, weight_updater.py:339): its running
+    requests are first retracted through sglang's own retract (a ``retract`` pause has
+    done so already; an ``in_place`` pause, whose running batch stock cannot release, is
+    retracted here the same way), so they wait, hold no KV, and run again after
+    ``continue_generation`` (a decode's re-bootstrap theirs from the prefill); what
+    still holds KV or waits for a transfer is answered 503."""
+    answered = _drain(sched, what)
     if answered:
-        logger.warning("kvmem-sglang: release_memory_occupation(kv_cache): %d request(s) "
-                       "answered 503: %s", len(answered),
-                       ", ".join(r.rid for r in answered))
+        logger.warning("kvmem-sglang: release_memory_occupation: %d request(s) answered "
+                       "503: %s", len(answered), ", ".join(r.rid for r in answered))
+    return answered
 
 
-def _drain(sched) -> list:
+def _retract_paused(sched) -> None:
+    """sglang's ``retract`` pause on a paused scheduler that still runs requests (an
+    ``in_place`` pause): it processes the overlap loop's queued result, frees the KV of
+    every running request and queues it again (a decode holds it for re-bootstrap)."""
+    if not getattr(sched, "_engine_paused", False):
+        return
+    running = getattr(sched, "running_batch", None)
+    last = getattr(sched, "last_batch", None)
+    staged = is_decode(sched) and any(r.kv.holds_kv for r in sched.waiting_queue)
+    if ((running is None or running.is_empty()) and getattr(sched, "chunked_req", None) is None
+            and (last is None or last.is_empty()) and not staged):
+        return
+    from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+    sched.pause_generation(PauseGenerationReqInput(mode="retract"))
+    logger.info("kvmem-sglang: release_memory_occupation on an engine paused in place: "
+                "its running requests were retracted as a retract pause does; they run "
+                "again after continue_generation")
+
+
+def _drain(sched, what: str) -> list:
     from sglang.srt.disaggregation.utils import prepare_abort as sglang_prepare_abort
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
     from sglang.srt.mem_cache.common import release_kv_cache
 
-    role = "Decode server" if is_decode(sched) else "Server"
+    paused = bool(getattr(sched, "_engine_paused", False))
+    server = roles.server(sched)
 
     def reason(req, where):
         return FINISH_ABORT(
-            f"{role} released its KV cache (release_memory_occupation) while "
+            f"{server} released its {what} (release_memory_occupation) while "
             f"request {req.rid} was {where}; aborted, retry after the resume",
             HTTPStatus.SERVICE_UNAVAILABLE)
 
@@ -199,9 +220,11 @@ def _drain(sched) -> list:
                              status_code=req._kvmem_reason.status_code)
 
     answered = []
+    _retract_paused(sched)
     # the overlap loop's queued results first, as its next iteration would
     # (disaggregation/decode.py:3165, pop_and_process): their requests then finish or go
     # on decoding with their KV accounted as usual
+    last = getattr(sched, "last_batch", None)
     queued = getattr(sched, "result_queue", None)
     if queued:
         while queued:
@@ -210,8 +233,10 @@ def _drain(sched) -> list:
         # the loop pops a result whenever last_batch is set (decode.py:3216): none is left
         sched.last_batch = None
     # requests that hold their KV: running (decoding, or between the chunks of a chunked
-    # prefill on a plain server), or waiting to run (a decode's hold their transferred KV)
-    batches = [getattr(sched, "running_batch", None), getattr(sched, "last_batch", None)]
+    # prefill on a plain server), in the last batch (an extend batch's requests join the
+    # running batch only at the next iteration), or waiting to run (a decode's hold their
+    # transferred KV)
+    batches = [getattr(sched, "running_batch", None), last]
     chunked = getattr(sched, "chunked_req", None)
     live, seen = [], set()
     for req in ([chunked] if chunked is not None else []) + [
@@ -231,26 +256,42 @@ def _drain(sched) -> list:
     for b in batches:
         if b is not None and b.reqs:
             b.filter_batch()
+    kept = []
     for req in list(sched.waiting_queue):
+        if paused and not req.kv.holds_kv:  # what stock keeps: it runs after continue
+            kept.append(req)
+            continue
         answer(req, "waiting to run")
         sched._release_aborted_request(req)
         if req.kv.holds_kv:  # a decode's transferred request; a plain server's holds none
             release_kv_cache(req, sched.tree_cache, checkpoint=True)
         answered.append(req)
-    sched.waiting_queue = []
+    sched.waiting_queue = kept
+    if kept:
+        logger.info("kvmem-sglang: release_memory_occupation on a paused engine keeps %d "
+                    "waiting request(s) (they hold no KV; they run after the resume and "
+                    "continue_generation): %s", len(kept), ", ".join(r.rid for r in kept))
     if answered:
         sched.output_streamer.stream_output(answered, any(r.return_logprob for r in answered))
     if not is_decode(sched):
         return answered
     # requests before their KV arrived: sglang's own abort and queue paths answer them
     # (with the reason above, kvmem_sglang.prefill.stream_output) and free their pages,
-    # at the prefill's ABORT_ACK where a write may still be in flight
+    # at the prefill's ABORT_ACK where a write may still be in flight.  Those whose
+    # prefill is not resolved yet are resolved first, as sglang's own pass does before it
+    # preallocates (decode.py:1346): a receiver aborted before it knows its prefill sends
+    # no ABORT (common/conn.py:2965), and that prefill would then bootstrap the request
+    # alone until its bootstrap timeout while the router waits for it.
     prealloc, transfer = sched.disagg_decode_prealloc_queue, sched.disagg_decode_transfer_queue
+    if getattr(prealloc, "pending_reqs", None):
+        prealloc._resolve_pending_reqs()
     for where, queue in (("bootstrapping", prealloc.queue), ("receiving its KV", transfer.queue)):
         for decode_req in list(queue):
             answer(decode_req.req, where)
             if not getattr(decode_req, "host_staged", False):
                 decode_req.kv_receiver.abort()
+                if queue is prealloc.queue:  # its prefill may not know the room yet
+                    chase.chase(decode_req.kv_receiver)
             answered.append(decode_req.req)
     for req in list(prealloc.retracted_queue):
         from sglang.srt.disaggregation.decode import discard_kv_cache_backup
@@ -276,11 +317,13 @@ def _run_queues(sched, prealloc, transfer) -> None:
 
     from sglang.srt.disaggregation.utils import all_reduce_flags
 
+    host = transfer._is_host_destination  # held as sglang holds them (_give_up)
     start = time.monotonic()
     deadline = start + options.active().drain_timeout
     steps = 0
     while True:
-        busy = bool(prealloc.queue or transfer.queue or transfer.has_pending_deferred_releases())
+        busy = bool(prealloc.queue or any(not host(d) for d in transfer.queue)
+                    or any(not host(e[0]) for e in transfer._deferred_releases))
         late = time.monotonic() >= deadline
         busy, late = all_reduce_flags([int(busy), int(late)], group=transfer.gloo_group,
                                       op=ReduceOp.MAX)
@@ -308,22 +351,31 @@ def _give_up(sched, transfer, prealloc, waited: float) -> None:
     release finds the scheduler idle instead of asserting.  The prefill may still write
     into those pages: the pool is deregistered and released right after, so such a
     write fails there (on an RDMA NIC) instead of landing in a page given to another
-    request."""
-    held = list(transfer._deferred_releases)
-    rooms = [e[0].req.bootstrap_room for e in held]
-    queued = [r.req.rid for r in list(prealloc.queue) + list(transfer.queue)]
+    request.
+
+    Host destinations (``host_staged``: the KV lands in host memory, outside the pool)
+    are not released here: sglang never times their release out (decode.py:3054, "a
+    timeout cannot prove that a remote write has stopped"), and releasing the KV pool
+    protects nothing of theirs.  They stay held, set aside while sglang's release runs
+    (:func:`host_destinations_set_aside`), and are released at their ABORT_ACK as
+    sglang does."""
+    host = transfer._is_host_destination
+    held = [e for e in transfer._deferred_releases if not host(e[0])]
+    queued = [r.req.rid for r in list(prealloc.queue) + list(transfer.queue) if not host(r)]
     logger.error("kvmem-sglang: release_memory_occupation(kv_cache) on the decode: after "
                  "%.1f s (SGLANG_KVMEM_DRAIN_TIMEOUT) %d KV release(s) still wait for "
                  "their prefill's ABORT_ACK (rooms %s) and %d request(s) are still queued "
-                 "(%s); releasing them anyway", waited, len(held), rooms, len(queued), queued)
-    transfer._deferred_releases = []
-    left = [(d, d.metadata_buffer_index) for d in transfer.queue]
+                 "(%s); releasing them anyway", waited, len(held),
+                 [e[0].req.bootstrap_room for e in held], len(queued), queued)
+    transfer._deferred_releases = [e for e in transfer._deferred_releases if host(e[0])]
+    left = [(d, d.metadata_buffer_index) for d in transfer.queue if not host(d)]
     for decode_req, idx in [(e[0], e[3]) for e in held] + left:
         try:
             transfer._do_release(decode_req, idx)
         except Exception:  # noqa: BLE001 - the release must go on; the pool is reset next
             logger.exception("kvmem-sglang: releasing held room %s failed",
                              decode_req.req.bootstrap_room)
+    kept = [d for d in transfer.queue if host(d)]
     unanswered = [d.req for d in list(prealloc.queue) + list(transfer.queue)
                   if not getattr(d.req, "finished_output", False)]
     dropped = {id(d) for d in prealloc.queue}
@@ -333,7 +385,36 @@ def _give_up(sched, transfer, prealloc, waited: float) -> None:
     if hasattr(prealloc, "pending_reqs"):  # shares the DecodeRequests (decode.py:1397)
         prealloc.pending_reqs = [r for r in prealloc.pending_reqs if id(r) not in dropped]
     prealloc.queue.clear()
-    transfer.queue.clear()
+    transfer.queue[:] = kept
+    if kept or transfer._deferred_releases:
+        logger.warning("kvmem-sglang: %d host-staged request(s) stay held until their "
+                       "prefill's ABORT_ACK (their KV is not in the pool)",
+                       len(kept) + len(transfer._deferred_releases))
     if unanswered:  # answered with the reason decided above (prefill.stream_output)
         sched.output_streamer.stream_output(unanswered,
                                             any(r.return_logprob for r in unanswered))
+
+
+@contextlib.contextmanager
+def host_destinations_set_aside(sched):
+    """A decode's requests whose KV goes to host memory (``host_staged``) and that still
+    wait for their transfer or their prefill's ABORT_ACK, out of sight of sglang's
+    release and back afterwards: the release asserts an idle scheduler, and these hold
+    nothing of the KV pool it releases (:func:`_give_up`)."""
+    transfer = getattr(sched, "disagg_decode_transfer_queue", None) if is_decode(sched) else None
+    host = getattr(transfer, "_is_host_destination", None)
+    if host is None:
+        yield
+        return
+    queued = [d for d in transfer.queue if host(d)]
+    deferred = [e for e in transfer._deferred_releases if host(e[0])]
+    if not (queued or deferred):
+        yield
+        return
+    transfer.queue[:] = [d for d in transfer.queue if not host(d)]
+    transfer._deferred_releases = [e for e in transfer._deferred_releases if not host(e[0])]
+    try:
+        yield
+    finally:
+        transfer.queue[:] = queued + list(transfer.queue)
+        transfer._deferred_releases = deferred + list(transfer._deferred_releases)

@@ -56,7 +56,7 @@ import time
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from kvmem_sglang import audit, decode, kvpool, notify, options
+from kvmem_sglang import audit, decode, kvpool, notify, options, roles
 from kvmem_sglang.reasons import abort_reason as _abort_reason
 from kvmem_sglang.reasons import decide as _decide
 from kvmem_sglang.reasons import tag
@@ -112,6 +112,7 @@ def hooks() -> list[tuple[str, object, str]]:
         (f"{_MIXIN}.process_disagg_prefill_inflight_queue", process_inflight_queue,
          "AROUND"),
         (f"{_MIXIN}.send_kv_chunk", send_kv_chunk, "AROUND"),
+        (f"{_SCHED}.continue_generation", continue_generation, "AROUND"),
         (f"{_WU}.release_memory_occupation", release_memory_occupation, "AROUND"),
         (f"{_WU}.resume_memory_occupation", resume_memory_occupation, "AROUND"),
         (f"{_QUEUE}.release_memory_occupation", queue_release, "AFTER"),
@@ -124,16 +125,7 @@ def hooks() -> list[tuple[str, object, str]]:
 # -- helpers -----------------------------------------------------------------------------
 
 def _is_prefill(sched) -> bool:
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    return getattr(sched, "disaggregation_mode", None) == DisaggregationMode.PREFILL
-
-
-def _kv_released(sched) -> bool:
-    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
-
-    wu = getattr(sched, "weight_updater", None)
-    return wu is not None and GPU_MEMORY_TYPE_KV_CACHE in wu.offload_tags
+    return roles.role(sched) == "prefill"
 
 
 def _matches(recv_req, req) -> bool:  # sglang's own rule in Scheduler.abort_request
@@ -143,27 +135,34 @@ def _matches(recv_req, req) -> bool:  # sglang's own rule in Scheduler.abort_req
 # -- arrival: 503 while released; stamp the registration epoch ----------------------------
 
 def add_request_to_queue(original, sched, req, *args, **kwargs):
-    """A request that arrives while the KV cache is released is answered 503 at once: a
-    forward would write pages whose memory is gone (on a GPU an illegal address).  On a
-    prefill its decode is told too (notify.refuse_room).  A decode refuses in its
-    prealloc queue instead (kvmem_sglang.decode.pop_preallocated), where its receiver
-    exists to tell the prefill."""
-    if _kv_released(sched) and not decode.is_decode(sched):
+    """A request that reaches the queues while the KV cache or the weights are released
+    is answered 503 at once: a forward would read or write memory that is gone (on a GPU
+    an illegal address).  That covers a request that arrives, one whose grammar became
+    ready (sglang queues it from its grammar queue through this call) and one that
+    ``continue_generation`` would schedule.  On a prefill its decode is told too
+    (notify.refuse_room).  A decode refuses in its prealloc queue instead
+    (kvmem_sglang.decode.pop_preallocated), where its receiver exists to tell the
+    prefill.  A request that already ended (its client's abort) keeps its own answer."""
+    if roles.released(sched) and not decode.is_decode(sched):
         from sglang.srt.disaggregation.utils import prepare_abort
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        role = "Prefill server" if _is_prefill(sched) else "Server"
-        msg = (f"{role} {getattr(sched, 'tp_rank', 0)} has released its KV cache "
+        msg = (f"{roles.server(sched)} has released its {roles.what_released(sched)} "
                f"(release_memory_occupation); request {req.rid} refused until "
                "resume_memory_occupation")
-        STATS.refused_while_released += 1
-        logger.warning("kvmem-sglang: %s", msg)
+        status = HTTPStatus.SERVICE_UNAVAILABLE
+        ended = req.finished_reason if isinstance(req.finished_reason, FINISH_ABORT) else None
+        if ended is not None:
+            msg, status = ended.message, ended.status_code
+        else:
+            STATS.refused_while_released += 1
+            logger.warning("kvmem-sglang: %s", msg)
         if _is_prefill(sched):
             queue = getattr(sched, "disagg_prefill_bootstrap_queue", None)
             notify.refuse_room(getattr(queue, "kv_manager", None),
-                               getattr(req, "bootstrap_room", None),
-                               tag(msg, HTTPStatus.SERVICE_UNAVAILABLE))
+                               getattr(req, "bootstrap_room", None), tag(msg, status))
         sched._release_aborted_request(req)
-        prepare_abort(req, msg, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        prepare_abort(req, msg, status_code=status)
         sched.output_streamer.stream_output([req], req.return_logprob)
         return None
     req._kvmem_epoch = _EPOCH.get(id(sched), 0)
@@ -192,9 +191,12 @@ def abort_request(original, sched, recv_req, *args, **kwargs):
                 req.finished_reason = reason
         others = list(sched.waiting_queue) + [r for r in sched.collect_inflight_reqs()
                                                if not r.finished()]
+        others += list(getattr(getattr(sched, "grammar_manager", None), "grammar_queue", ()))
         if sched.chunked_req is not None:
             others.append(sched.chunked_req)
-        if not hit and not any(_matches(recv_req, r) for r in others):
+        # abort_all names no request: nothing to be unknown (sglang's pause in "abort"
+        # mode sends one every second while requests run)
+        if not (hit or recv_req.abort_all or any(_matches(recv_req, r) for r in others)):
             STATS.unknown_aborts += 1
             logger.info("kvmem-sglang: abort of rid %r (abort_all=%s): no such request on "
                         "this prefill server (unknown, or already answered); nothing "
@@ -323,7 +325,13 @@ def _tags(recv_req) -> list[str]:
 
 
 def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
-    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+    """Refuse what cannot be released (a pool that cannot give memory back, a tag
+    already released); else answer and free what the scheduler holds (its role's drain)
+    when the release takes the KV cache or the weights, wait for posted KV writes when it
+    takes a prefill's KV cache, and run sglang's release with the queues its idle
+    assertion counts but the drain keeps set aside (the grammar queue, the overlap loop's
+    queued results)."""
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS
     from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqOutput
 
     tags = _tags(recv_req)
@@ -344,24 +352,60 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
                        ",".join(tags), ",".join(again))
         return ReleaseMemoryOccupationReqOutput()
     sched = manager.scheduler
-    if GPU_MEMORY_TYPE_KV_CACHE in tags and sched is not None and _is_prefill(sched):
-        _drain_for_release(sched)
+    if sched is None:
+        return original(manager, recv_req, *args, **kwargs)
+    stops_forwards = GPU_MEMORY_TYPE_KV_CACHE in tags or GPU_MEMORY_TYPE_WEIGHTS in tags
+    if stops_forwards and not _drained(sched, roles.describe(tags)):
+        STATS.refused_releases += 1
+        logger.error("kvmem-sglang: release_memory_occupation(%s) refused: answering the "
+                     "requests in flight failed (logged above); nothing released, the "
+                     "server keeps serving", ",".join(tags))
+        return ReleaseMemoryOccupationReqOutput()
+    if GPU_MEMORY_TYPE_KV_CACHE in tags and _is_prefill(sched):
         _await_posted_writes(sched)
-        with _queued_results_set_aside(sched):
-            out = original(manager, recv_req, *args, **kwargs)
-    elif GPU_MEMORY_TYPE_KV_CACHE in tags and sched is not None:  # decode or plain server
-        decode.drain_for_release(sched)
+    with (_grammar_queue_set_aside(sched), _queued_results_set_aside(sched),
+          decode.host_destinations_set_aside(sched)):
         out = original(manager, recv_req, *args, **kwargs)
-    else:
-        out = original(manager, recv_req, *args, **kwargs)
-    if GPU_MEMORY_TYPE_KV_CACHE in tags and sched is not None:
+    if GPU_MEMORY_TYPE_KV_CACHE in tags:
         _EPOCH[id(sched)] = _EPOCH.get(id(sched), 0) + 1
     return out
 
 
+def _drained(sched, what: str) -> bool:
+    """Answer and free what ``sched`` holds before a release of the KV cache or the
+    weights (a forward needs both), through the drain of its role; False if the drain
+    raised (logged), in which case the release must not go on: sglang asserts an idle
+    scheduler (weight_updater.py:339) and dispatches the release with no try/except
+    (scheduler.py:2253), so an exception or a busy scheduler there ends its loop."""
+    try:
+        if _is_prefill(sched):
+            _drain_for_release(sched, what)
+        else:
+            decode.drain(sched, what)
+    except Exception:  # noqa: BLE001 - the release is refused instead of killing the loop
+        logger.exception("kvmem-sglang: draining the scheduler for "
+                         "release_memory_occupation failed")
+        return False
+    return True
+
+
 def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
+    """Resume what was released.  With no tags (sglang: every tag) only the tags released
+    now are resumed: after a release of the KV cache alone, a resume without tags brings
+    the KV cache back (stock raises ``KeyError`` for the tags it never released).  Named
+    tags that are not released refuse the whole resume, with a log line."""
     from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqOutput
 
+    if not recv_req.tags:
+        from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+
+        held = [t for t in GPU_MEMORY_ALL_TYPES if t in manager.offload_tags]
+        if not held:
+            STATS.refused_resumes += 1
+            logger.warning("kvmem-sglang: resume_memory_occupation() refused: nothing is "
+                           "released; nothing changed")
+            return ResumeMemoryOccupationReqOutput()
+        recv_req.tags = held
     tags = _tags(recv_req)
     missing = [t for t in tags if t not in manager.offload_tags]
     if missing:
@@ -372,7 +416,45 @@ def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
     return original(manager, recv_req, *args, **kwargs)
 
 
-def _drain_for_release(sched) -> None:
+def continue_generation(original, sched, *args, **kwargs):
+    """``continue_generation`` while the KV cache or the weights are still released
+    (resumed neither): the requests a paused release kept would be scheduled onto memory
+    that is gone, so they are answered 503 first, as a release without a pause answers
+    them."""
+    out = original(sched, *args, **kwargs)
+    if roles.released(sched) and not _drained(sched, roles.what_released(sched)):
+        logger.error("kvmem-sglang: continue_generation with memory released: requests "
+                     "kept by the release could not be answered")
+    return out
+
+
+@contextlib.contextmanager
+def _grammar_queue_set_aside(sched):
+    """Requests waiting for their grammar (``grammar_manager.grammar_queue``) out of
+    sight of sglang's release and back afterwards.  sglang's idle assertion counts that
+    queue (scheduler.py:5370-5372, also under ``ignore_waiting``), and a paused loop
+    never empties it, so a structured-output request whose grammar was still compiling
+    when the engine paused killed the scheduler at the release (stock and the flag
+    alike).  Such a request holds no KV and no request slot (it has not reached a queue
+    that allocates): it is kept, and when its grammar is ready it enters the queues
+    through ``_add_request_to_queue``, which answers it 503 while the memory is still
+    released and serves it after the resume."""
+    manager = getattr(sched, "grammar_manager", None)
+    queue = getattr(manager, "grammar_queue", None)
+    if not queue:
+        yield
+        return
+    kept = list(queue)
+    manager.grammar_queue = []
+    logger.info("kvmem-sglang: release_memory_occupation keeps %d request(s) waiting for "
+                "their grammar: %s", len(kept), ", ".join(r.rid for r in kept))
+    try:
+        yield
+    finally:
+        manager.grammar_queue = kept + manager.grammar_queue
+
+
+def _drain_for_release(sched, what: str = "KV cache") -> None:
     """Answer every PD request of ``sched`` with 503 and free what it holds, before
     sglang's release (which asserts an idle scheduler, weight_updater.py:339).  Never
     raises: sglang dispatches the release with no try/except (scheduler.py:2253), so an
@@ -403,9 +485,11 @@ def _drain_for_release(sched) -> None:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
     from sglang.srt.mem_cache.common import release_kv_cache
 
+    server = roles.server(sched)
+
     def reason(req, where):
         return _abort_reason(
-            f"Prefill server released its KV cache (release_memory_occupation) while "
+            f"{server} released its {what} (release_memory_occupation) while "
             f"request {req.rid} was {where}; aborted, retry after the resume",
             HTTPStatus.SERVICE_UNAVAILABLE)
 
