@@ -28,6 +28,14 @@ request (interleaved with the others'), every chunk queued at once:
   raises, then answers the real state): the owner's wait gives up on it;
 * ``post_refused``: that first write is posted, then reported refused (``transfer``
   raises after posting: a post NIXL failed part-way, whose writes may still land);
+* with kvmem's path, ``split_create_fails`` and ``split_post_refused``: the first merged
+  write of the round goes as several NIXL writes (``SPLIT_MIN_BYTES`` lowered, below);
+  its first piece is posted and held PROC for ``SPLIT_HOLD_S``, past sglang's
+  ``NIXL_ERR_SETTLE_TIMEOUT_S`` (lowered to ``SPLIT_SETTLE_S`` for these rounds), and its
+  second cannot be created (``initialize_xfer`` raises) or is posted and then reported
+  refused.  Recorded: every ABORT_ACK that left before the held piece settled, every
+  room of the round seen uncounted (and not poisoned) while it was held, and every room
+  the decode saw Success before it settled;
 * ``release``: the prefill's KV is deregistered (the adapter's
   ``deregister_buffer_to_engine``), its pool released and resumed, registered again
   (which prepares the peers' lists again, ``kvmem_sglang.nixl``), the pattern written
@@ -41,6 +49,7 @@ adapter's own code.  Prints one JSON object on its last line.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 from bench.sglang_pair import Pair, Shape, fill_pattern
@@ -48,6 +57,10 @@ from tests.sglang.sglang_env import script_main
 
 REQUESTS = 6
 HOLD_S = 0.6
+# the split rounds: sglang's settle bound, and how long the first piece stays PROC (past
+# the owner's bounded wait, within the next room's)
+SPLIT_SETTLE_S = 0.6
+SPLIT_HOLD_S = 1.0
 SHAPE = dict(layers=2, heads=2, head_dim=64, requests=REQUESTS, tokens=64)
 
 
@@ -82,6 +95,9 @@ def _outcome(pair: Pair, rnd: dict) -> dict:
                 regions=rnd["regions"])
 
 
+SPLIT_FAULTS = ("split_create_fails", "split_post_refused")
+
+
 class _Agent:
     """Fault wrappers on the prefill's real agent (see the module docstring)."""
 
@@ -96,6 +112,8 @@ class _Agent:
         self.err, self.in_first_send, self.refuse_next, self.sends = set(), False, False, 0
         self.unreadable, self.post_refused = {}, {}
         self.fault = None
+        self.pieces = 0  # NIXL writes the first send created (split rounds)
+        self.held, self.held_until, self.held_at, self.settled_at = {}, 0.0, None, None
         self.acks: dict[int, float] = {}
         agent, pm = self.agent, self.pm
         agent.check_xfer_state = self.check_xfer_state
@@ -114,11 +132,20 @@ class _Agent:
     def reset(self):
         self.hold_until, self.err, self.sends, self.fault = 0.0, set(), 0, None
         self.unreadable, self.post_refused = {}, {}
+        self.pieces = 0
+        self.held, self.held_until, self.held_at, self.settled_at = {}, 0.0, None, None
 
     def check_xfer_state(self, h):
         if self.unreadable.get(id(h)) is h:  # once: the next read answers the real state
             del self.unreadable[id(h)]
             raise RuntimeError("kvmem test: NIXL could not read the transfer state")
+        if self.held.get(id(h)) is h:  # the split rounds' first piece
+            if time.monotonic() < self.held_until:
+                return "PROC"
+            state = self.real_state(h)
+            if state in ("DONE", "ERR") and self.settled_at is None:
+                self.settled_at = time.monotonic()
+            return state
         state = self.real_state(h)
         if id(h) in self.err and state in ("DONE", "ERR"):
             return "ERR"
@@ -134,6 +161,13 @@ class _Agent:
             self.refuse_next = False
             # kept by value: an id alone could name a later handle once this one is freed
             (self.unreadable if self.fault == "unreadable" else self.post_refused)[id(h)] = h
+        if self.in_first_send and self.fault in SPLIT_FAULTS:
+            if self.pieces == 1:  # the first piece: held PROC
+                self.held_at = time.monotonic()
+                self.held_until = self.held_at + SPLIT_HOLD_S
+                self.held = {id(h): h}
+            elif self.pieces == 2 and self.fault == "split_post_refused":
+                self.post_refused[id(h)] = h
         return h
 
     def transfer(self, h, *a, **k):
@@ -149,6 +183,10 @@ class _Agent:
 
     def initialize_xfer(self, *a, **k):
         self._refuse()
+        if self.in_first_send and self.fault in SPLIT_FAULTS:
+            self.pieces += 1
+            if self.pieces == 2 and self.fault == "split_create_fails":
+                raise RuntimeError("kvmem test: NIXL could not create the second write")
         return self._made(self.real_init(*a, **k))
 
     def make_prepped_xfer(self, *a, **k):
@@ -264,6 +302,11 @@ def _rounds16(pair: Pair) -> dict:
             faults.fault = None
             pair.pm._staging_outstanding.clear()  # the owner's count, kept for ever by sglang
 
+        if _kvmem_path():  # a merged write split into several NIXL writes, cut short
+            for fault in SPLIT_FAULTS:
+                out[fault] = _split_round(pair, faults, fault)
+                pair.pm._staging_outstanding.clear()  # as above
+
         # release and resume the prefill's KV, then a plain round
         from kvmem_sglang import kvpool
 
@@ -281,6 +324,64 @@ def _rounds16(pair: Pair) -> dict:
     finally:
         pair.close()
     return out
+
+
+def _split_round(pair: Pair, faults: _Agent, fault: str) -> dict:
+    """One split round (module docstring), with a watcher that samples the prefill's
+    counts and poisoned rooms while the first piece is held."""
+    from sglang.srt.disaggregation.nixl import conn
+
+    pm = pair.pm
+    seen = {"uncounted": set(), "unprotected": set()}
+    rooms: list[int] = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            counts = dict(pm._staging_outstanding)
+            poisoned = set(pm._deferred_ack_poisoned_rooms)
+            if faults.held and faults.settled_at is None:  # read after the snapshot
+                for room in rooms:
+                    if counts.get(room, 0) <= 0:
+                        seen["uncounted"].add(room)
+                        if room not in poisoned:
+                            seen["unprotected"].add(room)
+            time.sleep(0.002)
+
+    def on_sent(senders):
+        rooms.extend(s.bootstrap_room for s in senders)
+
+    faults.reset()
+    faults.fault = fault
+    bound = conn.NIXL_ERR_SETTLE_TIMEOUT_S
+    conn.NIXL_ERR_SETTLE_TIMEOUT_S = SPLIT_SETTLE_S
+    s0 = _stats()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        # the owner is poisoned (its piece was never proven settled): its decode gets no
+        # ABORT_ACK and is watched only a while
+        rnd = pair.sglang_round(check=range(pair.shape.planes), at_once=True,
+                                on_sent=on_sent, decode_timeout=3)
+    finally:
+        stop.set()
+        watcher.join()
+        conn.NIXL_ERR_SETTLE_TIMEOUT_S = bound
+        faults.fault = None
+    settled = faults.settled_at if faults.settled_at is not None else float("inf")
+    ok_at = rnd["decode"]["ok_at"]
+    return _outcome(pair, rnd) | {
+        "stats": _delta(s0), "rooms": [str(r) for r in rnd["rooms"]],
+        "poisoned": sorted(str(r) for r in rnd["rooms"]
+                           if r in pm._deferred_ack_poisoned_rooms),
+        "pieces": faults.pieces, "settle_timeout_s": SPLIT_SETTLE_S,
+        "held_s": (None if faults.held_at is None or faults.settled_at is None
+                   else faults.settled_at - faults.held_at),
+        "acked_before_settle": sorted(str(r) for r in rnd["rooms"]
+                                      if faults.acks.get(r, float("inf")) < settled),
+        "uncounted_while_held": sorted(str(r) for r in seen["uncounted"]),
+        "unprotected_while_held": sorted(str(r) for r in seen["unprotected"]),
+        "ok_before_settle": sorted(r for r, t in ok_at.items() if t < settled)}
 
 
 def _both16(pair: Pair) -> dict:

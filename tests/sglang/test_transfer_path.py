@@ -11,9 +11,12 @@ the stock decode); with kvmem's path the chunks queued together went as one merg
 and then aborted gets its decode's ABORT_ACK only after its write settled; a write that
 failed leaves the rooms sent ahead in it to be sent again; a write its owner's wait gave
 up on is waited for by the rooms sent ahead in it, which then end Success; a write posted
-and then refused leaves no ABORT_ACK for any room in it; nothing stays counted but what
-sglang itself keeps counted; after a release and a resume the sends work over the new
-registration.
+and then refused leaves no ABORT_ACK for any room in it; a merged write split into
+several NIXL writes and cut short after its first piece was posted keeps every room in it
+counted, and its decode without an ABORT_ACK, until that piece settles (the owner fails,
+poisoned; the rooms sent ahead end Success only after it settled); nothing stays counted
+but what sglang itself keeps counted; after a release and a resume the sends work over
+the new registration.
 """
 
 from __future__ import annotations
@@ -190,6 +193,37 @@ def test_write_posted_then_refused_leaves_no_abort_ack_for_any_room_in_it(runs):
     assert r["poisoned"] == sorted(r["rooms"]), r
     # counted once posted: the refused write counts none, the next owner's 4
     assert r["stats"]["sent_ahead"] == 4 and r["stats"]["ahead_done"] == 4
+
+
+@pytest.mark.parametrize("rnd", ["split_create_fails", "split_post_refused"])
+def test_split_write_cut_short_keeps_its_rooms_held_until_its_posted_piece_settles(runs, rnd):
+    # the first merged write goes as several NIXL writes; the first is posted and stays
+    # PROC past sglang's settle bound, the second cannot be created (or its post is
+    # refused): while the first may still write into the decode's pages, no room of the
+    # write may be given back to its decode (no ABORT_ACK) or uncounted, and none may end
+    # Success (its prefill pages freed, its decode pages reused) before it settled
+    r = runs["kvmem"][rnd]
+    rooms, owner = r["rooms"], r["rooms"][0]
+    assert r["pieces"] >= 2, r
+    assert r["acked_before_settle"] == [], r
+    assert r["unprotected_while_held"] == [] and r["uncounted_while_held"] == [], r
+    assert r["ok_before_settle"] == [], r
+    # the held piece was waited for until it settled, past the owner's bounded wait
+    assert r["held_s"] is not None, "the posted piece was never read again: dropped"
+    assert r["held_s"] > r["settle_timeout_s"], r
+    # the owner fails, poisoned, and stays counted (sglang's rule for a write it gave up on)
+    assert r["prefill"][0] == FAILED and owner in r["poisoned"], r
+    assert r["outstanding"].get(owner) == 1, r
+    # the rooms sent ahead: Success once the piece settled (sent again), or, should the
+    # first of them reach a wait that gives up too, Failed and poisoned
+    for i, room in enumerate(rooms[1:], 1):
+        ok = r["prefill"][i] == r["decode"][i] == SUCCESS
+        assert ok or (r["prefill"][i] == FAILED and room in r["poisoned"]), (i, r)
+    assert r["prefill"][2:] == [SUCCESS] * 4 and r["decode"][2:] == [SUCCESS] * 4, r
+    assert set(r["outstanding"]) <= {owner, rooms[1]}, r
+    assert r["bad_rows"] == 0, r
+    st = r["stats"]
+    assert st.get("cut_short") == 1 and st["unsettled"] >= 1 and st["resent"] >= 1, st
 
 
 def test_sends_after_release_and_resume(runs):
