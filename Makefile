@@ -22,7 +22,10 @@ TRITON36      := triton==3.6.*
 # that its kvmem_sglang.pth start-up guard is in place; it is reinstalled when it changes.
 E2E_VENV   := .venv-e2e
 E2E_PY     := $(E2E_VENV)/bin/python
-E2E_PKGS   := $(SGLANG) sglang-router==0.3.2 nixl==1.5.1 nixl-cu13==1.5.1 pytest
+# Mooncake (sglang's default PD backend): the non-CUDA build, DRAM over TCP here.  The
+# CUDA build installs the same mooncake/ directory: never both in one environment.
+E2E_PKGS   := $(SGLANG) sglang-router==0.3.2 nixl==1.5.1 nixl-cu13==1.5.1 pytest \
+              mooncake-transfer-engine-non-cuda==0.3.13.post1
 ADAPTER    := $(wildcard integration/sglang/kvmem_sglang/*.py) integration/sglang/pyproject.toml \
               integration/sglang/setup.py integration/sglang/kvmem_sglang.pth
 
@@ -59,6 +62,15 @@ $(E2E_VENV)/.ready: pyproject.toml
 	$(E2E_PY) -m pip --disable-pip-version-check install -q --no-deps -e .
 	touch $@
 
+# Mooncake's engine.so needs libibverbs.so.1 (Debian's libibverbs1) even over TCP.  Where
+# ld.so does not find it, the package and its libnl are fetched with apt and unpacked
+# under .venv-e2e, for the Mooncake servers' LD_LIBRARY_PATH only (apt-get install would
+# add ibverbs-providers too, which crashes every NIXL process at exit: docs/transfer.md).
+# The file holds the library directories (empty: the system has it).
+$(E2E_VENV)/ibverbs.path: $(E2E_VENV)/.ready tests/transfer/rdma_host.py
+	$(E2E_PY) tests/transfer/rdma_host.py fetch-lib $(abspath $(E2E_VENV))/ibverbs libibverbs1 > $@.tmp
+	mv $@.tmp $@
+
 # From a fresh build directory: setuptools never prunes build/lib, so a module removed
 # from the adapter would be installed again from an old one.
 $(E2E_VENV)/.adapter: $(E2E_VENV)/.ready $(ADAPTER)
@@ -70,14 +82,14 @@ $(E2E_VENV)/.adapter: $(E2E_VENV)/.ready $(ADAPTER)
 venv-demo: $(VENV)/.demo-ready
 venv-test: $(VENV)/.test-ready
 venv-triton36: $(TRITON36_VENV)/.ready
-venv-e2e: $(E2E_VENV)/.adapter
+venv-e2e: $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 
 demo: $(VENV)/.demo-ready
 	$(BIN)/kvmem demo
 
 # The main suite, then the Triton kernels under the interpreter in a process of their own
 # (TRITON_INTERPRET is read when a kernel is decorated).
-test: $(VENV)/.test-ready $(TRITON36_VENV)/.ready $(E2E_VENV)/.adapter
+test: $(VENV)/.test-ready $(TRITON36_VENV)/.ready $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 	$(MAKE) --no-print-directory test-main test-interpret test-e2e
 
 # tests/ includes test_bench_smoke.py (every benchmark once, tiny sizes) and
@@ -90,7 +102,7 @@ test-interpret: $(VENV)/.test-ready
 
 # Real sglang 0.5.23 prefill/decode servers and sglang's router on 127.0.0.1, stock beside
 # SGLANG_KVMEM=1, driven over HTTP (tests/e2e/README.md).
-test-e2e: $(E2E_VENV)/.adapter
+test-e2e: $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 	KVMEM_E2E=1 $(E2E_PY) -m pytest -q tests/e2e
 
 # Writes bench/results/bench-<device>.json and the PNG plots of bench/plot.py beside it,

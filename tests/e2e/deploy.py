@@ -37,12 +37,37 @@ SERVER_ARGS = [
     "bfloat16", "--skip-server-warmup", "--host", "127.0.0.1", "--enable-metrics",
     "--log-level", "info",
 ]
-PD_ARGS = ["--disaggregation-transfer-backend", "nixl"]
+# sglang's PD transfer backends the tier runs.  Mooncake goes over TCP on this host (no
+# RDMA device): MOONCAKE_PROTOCOL=tcp (sglang's environ.py:887, read at
+# distributed/device_communicators/mooncake_transfer_engine.py:209).
+BACKENDS = ("nixl", "mooncake")
+BACKEND_ENV = {"nixl": {}, "mooncake": {"MOONCAKE_PROTOCOL": "tcp"}}
 NO_OVERLAP = ["--disable-overlap-schedule"]
 DECODE_ARGS = ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
 # OpenMP threads of each server process (its torch ops): KVMEM_E2E_CPU_THREADS, default 1.
 CPU_THREADS = os.environ.get("KVMEM_E2E_CPU_THREADS", "1")
 START_TIMEOUT = float(os.environ.get("KVMEM_E2E_START_TIMEOUT", "240"))
+# Where Debian's libibverbs1 (and the libnl it links) lie for the servers that load
+# Mooncake's engine (its engine.so needs libibverbs.so.1 even over TCP): `make venv-e2e`
+# writes the directories to this file (tests/transfer/rdma_host.py fetch-lib; empty when
+# the system has the library); they go on those servers' LD_LIBRARY_PATH only.
+IBVERBS_PATH = Path(os.environ.get("KVMEM_E2E_IBVERBS_PATH")
+                    or REPO / ".venv-e2e" / "ibverbs.path")
+
+
+def mooncake_env() -> dict:
+    """What a Mooncake server needs in its environment here (BACKEND_ENV, and
+    LD_LIBRARY_PATH for libibverbs.so.1 when the system lacks it)."""
+    env = dict(BACKEND_ENV["mooncake"])
+    try:
+        dirs = IBVERBS_PATH.read_text().strip()
+    except OSError:
+        raise DeployError(f"{IBVERBS_PATH} is missing: Mooncake's engine needs libibverbs1 "
+                          "(make venv-e2e fetches it)") from None
+    if dirs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            [dirs] + [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
+    return env
 STOP_TIMEOUT = 5.0
 IDLE_S = 20.0  # how long a server may take to let go of finished requests
 
@@ -136,7 +161,10 @@ class Server:
         # one OpenMP thread per server process: two servers, a router and the clients share
         # two cores here, and torch's OpenMP threads spin while they wait for each other
         # (tests/e2e/README.md)
+        # SGLANG_HOST_IP: what sglang's PD bootstrap, NIXL and Mooncake advertise to peers
+        # (else the machine's first interface, eth0): nothing leaves 127.0.0.1
         env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS=CPU_THREADS,
+                   SGLANG_HOST_IP="127.0.0.1",
                    PYTHONPATH=os.pathsep.join([str(STANDINS)]),
                    KVMEM_E2E_STANDINS_LOG=str(self.logdir / "standins.log"))
         env.update(self.env)
@@ -274,20 +302,24 @@ class Deployment:
     def __init__(self, model: Path, logdir: Path, *, pd: bool = True,
                  prefill_env: dict | None = None, decode_env: dict | None = None,
                  env: dict | None = None, extra_args: list[str] | None = None,
-                 overlap: bool = True):
-        self.model, self.logdir, self.pd = Path(model), Path(logdir), pd
+                 overlap: bool = True, backend: str = "nixl"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r}: one of {BACKENDS}")
+        self.model, self.logdir, self.pd, self.backend = Path(model), Path(logdir), pd, backend
         base = ["--model-path", str(self.model), *SERVER_ARGS, *(extra_args or []),
                 *([] if overlap else NO_OVERLAP)]
         if pd:
+            pd_args = ["--disaggregation-transfer-backend", backend]
+            pd_env = mooncake_env() if backend == "mooncake" else {}
             self.bootstrap_port = free_port()
-            self.prefill = Server("prefill", [*base, *PD_ARGS, "--port", "0",
+            self.prefill = Server("prefill", [*base, *pd_args, "--port", "0",
                                               "--disaggregation-mode", "prefill",
                                               "--disaggregation-bootstrap-port",
                                               str(self.bootstrap_port)], 0, self.logdir,
-                                  dict(prefill_env or {}))
-            self.decode = Server("decode", [*base, *PD_ARGS, *DECODE_ARGS, "--port", "0",
+                                  {**pd_env, **(prefill_env or {})})
+            self.decode = Server("decode", [*base, *pd_args, *DECODE_ARGS, "--port", "0",
                                             "--disaggregation-mode", "decode"], 0,
-                                 self.logdir, dict(decode_env or {}))
+                                 self.logdir, {**pd_env, **(decode_env or {})})
             self.router = Server("router", [], 0, self.logdir,
                                  module="sglang_router.launch_router")
             self.servers = [self.prefill, self.decode, self.router]

@@ -11,7 +11,15 @@ directories, as a container's ``/etc/hosts``, are hidden in there: the overlay's
 layer is the directory itself.)
 
     python tests/transfer/rdma_host.py fetch DIR          unpack the packages under DIR, print the root
+    python tests/transfer/rdma_host.py fetch-lib DIR PKG  unpack PKG and what it depends on (no
+                                                          recommended packages) under DIR, print
+                                                          the directories that hold its libraries
     python tests/transfer/rdma_host.py run ROOT CMD...    run CMD; its exit status (128 + N: signal N)
+
+``fetch-lib`` is for a library a process loads through ``LD_LIBRARY_PATH`` (Mooncake's
+engine needs ``libibverbs.so.1``, from ``libibverbs1``): apt would add
+``ibverbs-providers`` as a recommended package, and with it a second libnl in every NIXL
+process (docs/transfer.md, "Process exit"), so neither is installed on the machine.
 
 Needs root, util-linux's ``unshare``, ``dpkg-deb``, ``apt-get`` with a reachable archive
 and the kernel's overlay filesystem; :class:`RdmaHostError` names what is missing.
@@ -54,25 +62,26 @@ def installed_here() -> bool:
     return all(ctypes.util.find_library(n) is not None for n in ("ibverbs", "efa"))
 
 
-def _to_install(apt_opts: list[str]) -> list[str]:
-    """What ``apt-get install PACKAGES`` would install here (apt's own resolver, in a
+def _to_install(apt_opts: list[str], packages=PACKAGES) -> list[str]:
+    """What ``apt-get install packages`` would install here (apt's own resolver, in a
     simulation: ``apt-get -s`` changes nothing)."""
-    out = _run(["apt-get", *apt_opts, "-s", "install", *PACKAGES],
+    out = _run(["apt-get", *apt_opts, "-s", "install", *packages],
                "resolving what apt-get install would add")
     names = [line.split()[1] for line in out.splitlines() if line.startswith("Inst ")]
     if not names:
-        raise RdmaHostError(f"apt-get install {' '.join(PACKAGES)} would install nothing:\n"
+        raise RdmaHostError(f"apt-get install {' '.join(packages)} would install nothing:\n"
                             f"{out[-2000:]}")
     return names
 
 
-def fetch(dest: str) -> str | None:
-    """Download PACKAGES and the dependencies apt would add into ``dest`` and unpack them
-    into ``dest/root``; that root (reused when a previous call completed it), or None
-    when this machine's processes have them already (:func:`installed_here`).  apt's own
-    package lists are used when they know the packages; else a private ``apt-get
-    update`` under ``dest`` (the host's lists stay as they are)."""
-    if installed_here():
+def fetch(dest: str, packages=PACKAGES, recommends: bool = True) -> str | None:
+    """Download ``packages`` and the dependencies apt would add (``recommends``: its
+    recommended packages too) into ``dest`` and unpack them into ``dest/root``; that root
+    (reused when a previous call completed it), or None when this machine's processes
+    have PACKAGES already (:func:`installed_here`).  apt's own package lists are used
+    when they know the packages; else a private ``apt-get update`` under ``dest`` (the
+    host's lists stay as they are)."""
+    if packages == PACKAGES and installed_here():
         return None
     root = os.path.join(dest, "root")
     done = os.path.join(dest, "unpacked")
@@ -84,8 +93,10 @@ def fetch(dest: str) -> str | None:
     debs = os.path.join(dest, "debs")
     os.makedirs(debs, exist_ok=True)
     opts = ["-o", "APT::Sandbox::User=root"]  # root downloads into a root-owned directory
+    if not recommends:
+        opts += ["-o", "APT::Install-Recommends=false"]
     try:
-        names = _to_install(opts)
+        names = _to_install(opts, packages)
     except RdmaHostError:  # this machine's lists do not know them (or none): lists of our own
         state, cache = os.path.join(dest, "lists"), os.path.join(dest, "cache")
         os.makedirs(os.path.join(state, "partial"), exist_ok=True)
@@ -93,7 +104,7 @@ def fetch(dest: str) -> str | None:
         opts += ["-o", f"Dir::State::Lists={state}", "-o", f"Dir::Cache={cache}"]
         _run(["apt-get", *opts, "update"], "apt-get update into a private list directory",
              timeout=300)
-        names = _to_install(opts)
+        names = _to_install(opts, packages)
     p = subprocess.run(["apt-get", *opts, "download", *names], cwd=debs, capture_output=True,
                        text=True, timeout=300)
     if p.returncode != 0:
@@ -107,6 +118,26 @@ def fetch(dest: str) -> str | None:
         _run(["dpkg-deb", "-x", os.path.join(debs, f), root], f"unpacking {f}")
     open(done, "w").close()
     return root
+
+
+def library_dirs(root: str) -> list[str]:
+    """The directories under ``root`` that hold shared libraries (``*.so*``), for
+    ``LD_LIBRARY_PATH``."""
+    out = set()
+    for top, _, files in os.walk(root):
+        if any(".so" in f for f in files):
+            out.add(top)
+    return sorted(out)
+
+
+def fetch_lib(dest: str, package: str) -> list[str]:
+    """``package``'s libraries for ``LD_LIBRARY_PATH`` (module docstring): [] when ld.so
+    finds them on this machine already, else the directories :func:`fetch` unpacked them
+    to, without recommended packages."""
+    soname = {"libibverbs1": "ibverbs"}.get(package)
+    if soname is not None and ctypes.util.find_library(soname) is not None:
+        return []
+    return library_dirs(fetch(dest, (package,), recommends=False))
 
 
 def command(root: str | None, argv: list[str]) -> list[str]:
@@ -178,6 +209,14 @@ def _inside(root: str, argv: list[str]) -> None:
 def main(args: list[str]) -> int:
     if len(args) >= 2 and args[0] == "fetch":
         print(fetch(args[1]) or "this machine has them already")
+        return 0
+    if len(args) == 3 and args[0] == "fetch-lib":
+        try:
+            print(os.pathsep.join(fetch_lib(args[1], args[2])))
+        except RdmaHostError as e:
+            print(f"{args[2]} is needed and could not be fetched: {e}\nInstall it "
+                  f"(apt-get install {args[2]}) or run as root with apt.", file=sys.stderr)
+            return 1
         return 0
     if len(args) >= 3 and args[0] == "run":
         rc = subprocess.call(command(args[1], args[2:]))

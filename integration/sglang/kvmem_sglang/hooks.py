@@ -100,13 +100,6 @@ def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
     return original(manager, recv_req, *args, **kwargs)
 
 
-# -- transfer registrations (NIXL: kvmem_sglang.nixl) -------------------------------------
-
-def mooncake_registerable_regions(result, manager, *args, **kwargs):
-    ptrs, lens = kvpool.coalesce([p for p, _ in result], [n for _, n in result])
-    return list(zip(ptrs, lens))
-
-
 # -- staging ------------------------------------------------------------------------------
 
 def gather_all_layers_to_staging(*args, **kwargs):

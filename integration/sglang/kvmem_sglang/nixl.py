@@ -37,9 +37,9 @@ conn.py``).
   loses its bootstrap thread (seen in a real deployment: a decode released before its
   first request).  After a resume the decode's KV is registered again under new keys,
   which a prefill that kept the old metadata would use (over RDMA every write then
-  fails).  So, on a decode: :func:`register_kv_args` sends no registration while
+  fails).  So, on a decode: ``registrations.register_kv_args`` sends no registration while
   deregistered, and the resume sends the new registration to every prefill rank the
-  decode knows (:func:`resend_registration`).  On a prefill, :func:`add_remote_peer`
+  decode knows (``registrations.resend``).  On a prefill, :func:`add_remote_peer`
   takes a known decode's new registration in place of the old one (sglang ignores it,
   :2034) and never lets a peer's preparation kill the bootstrap thread: a peer whose
   lists cannot be prepared is kept without them, and its sends build descriptors per
@@ -58,7 +58,7 @@ import functools
 import logging
 import threading
 
-from kvmem_sglang import kvpool, options
+from kvmem_sglang import kvpool, options, registrations
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -78,7 +78,7 @@ def register_buffer_to_engine(original, manager, *args, **kwargs):
         if again:
             prepare_peers(manager)
     if again:
-        resend_registration(manager)
+        registrations.resend(manager)
     return out
 
 
@@ -265,49 +265,3 @@ def add_remote_peer(original, manager, peer, *args, **kwargs):
         if name in getattr(manager, "decode_kv_args_table", {}):
             _release_peer_lists(manager, name)
         return None
-
-
-def register_kv_args(original, receiver, *args, **kwargs):
-    """AROUND ``CommonKVReceiver._register_kv_args`` (a decode meeting a prefill rank
-    for the first time): while the decode's KV is deregistered nothing is sent (the
-    request is refused, :func:`kvmem_sglang.decode.pop_preallocated`), and the resume
-    sends the registration (:func:`resend_registration`); otherwise sglang's."""
-    if getattr(receiver.kv_mgr, "_kvmem_deregistered", False) and receiver.bootstrap_infos:
-        logger.info("kvmem-sglang: registration with prefill rank(s) %s deferred to the "
-                    "resume (this decode's KV cache is released)",
-                    ", ".join(f"{i.get('rank_ip')}:{i.get('rank_port')}"
-                              for i in receiver.bootstrap_infos))
-        return True
-    return original(receiver, *args, **kwargs)
-
-
-def resend_registration(manager) -> int:
-    """On a decode after its registration was made again: send the new registration to
-    every prefill rank in its connection pool; the number of ranks reached."""
-    from sglang.srt.disaggregation.utils import DisaggregationMode
-
-    if getattr(manager, "disaggregation_mode", None) != DisaggregationMode.DECODE:
-        return 0
-    with manager.connection_lock:
-        infos = [i for infos in manager.connection_pool.values() for i in infos]
-    ranks = {}
-    for info in infos:
-        ranks.setdefault((info["rank_ip"], info["rank_port"]), info)
-    if not ranks:
-        return 0
-    from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
-
-    message = manager.build_receiver_registration_message()
-    sent = 0
-    for (ip, port), info in ranks.items():
-        try:
-            sock, sock_lock = NixlKVReceiver._connect_to_bootstrap_server(info)
-            with sock_lock:
-                sock.send_multipart(message)
-            sent += 1
-        except Exception:  # noqa: BLE001 - that prefill then keeps the old registration
-            logger.exception("kvmem-sglang: sending this decode's new registration to "
-                             "prefill rank %s:%s failed", ip, port)
-    logger.info("kvmem-sglang: this decode's new NIXL registration sent to %d of %d "
-                "prefill rank(s)", sent, len(ranks))
-    return sent

@@ -44,6 +44,7 @@ The mooncake, staging and NIXL send hooks depend on options (``SGLANG_KVMEM_REGI
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pkgutil
@@ -51,6 +52,7 @@ import sys
 import time
 
 from kvmem_sglang import options as _options
+from kvmem_sglang.imports import after_import
 from kvmem_sglang.options import AdapterError, Options
 
 logger = logging.getLogger("kvmem.sglang")
@@ -78,17 +80,52 @@ def load() -> None:
     try:
         _check_version()
         hooks = _hooks(options)
-        _install(hooks)
+        now, later = _by_backend(hooks)
+        _install(now)
     except AdapterError as e:
         _fatal(str(e))
     _options.activate(options)
-    _announce("kvmem-sglang: SGLANG_KVMEM=1, %d hooks installed (pid %d, backend %s, "
-              "check %s, register %s, staging %s, transfer %s): %s", len(hooks),
+    for module, group in later.items():
+        after_import(module, functools.partial(_install_backend, group))
+    _announce("kvmem-sglang: SGLANG_KVMEM=1, %d hooks installed, %s (pid %d, backend %s, "
+              "check %s, register %s, staging %s, transfer %s): %s", len(now),
+              ", ".join(f"{len(g)} when {m.rsplit('.', 2)[-2]} loads"
+                        for m, g in later.items()),
               os.getpid(), options.backend or "auto", options.check,
               "regions" if options.register_regions else "layers", options.staging,
               "kvmem" if options.transfer else "sglang",
               ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1]
                         for t, _, _ in hooks))
+
+
+# The modules of sglang's PD transfer backends whose hooks wait for sglang to import them:
+# importing NIXL's (conn.py:59) loads the NIXL library, so a server on another backend
+# (Mooncake, sglang's default) would load NIXL only because the adapter named its classes.
+BACKEND_MODULES = ("sglang.srt.disaggregation.nixl.conn",
+                   "sglang.srt.disaggregation.mooncake.conn")
+
+
+def _by_backend(hooks):
+    """(the hooks to install now, {backend module: its hooks, installed when sglang
+    imports it}); a backend module already imported has its hooks installed now."""
+    now, later = [], {}
+    for hook in hooks:
+        module = next((m for m in BACKEND_MODULES if hook[0].startswith(m + ".")), None)
+        if module is None or module in sys.modules:
+            now.append(hook)
+        else:
+            later.setdefault(module, []).append(hook)
+    return now, later
+
+
+def _install_backend(hooks, module) -> None:
+    """After sglang imported a backend's module: install its hooks, or stop the process
+    (the import raises ``SystemExit`` with the adapter's message)."""
+    try:
+        _install(hooks)
+    except AdapterError as e:
+        _fatal(str(e))
+    logger.info("kvmem-sglang: %d hook(s) installed on %s", len(hooks), module.__name__)
 
 
 def _announce(fmt: str, *args) -> None:
@@ -135,7 +172,7 @@ def _hooks(options: Options) -> list[tuple[str, object, str]]:
         (f"{_WU}.release_memory_occupation", H.release_memory_occupation, "AROUND"),
         (f"{_WU}.resume_memory_occupation", H.resume_memory_occupation, "AROUND"),
     ]
-    from kvmem_sglang import nixl
+    from kvmem_sglang import nixl, registrations
 
     _nixl = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
     out += [(f"{_nixl}.register_buffer_to_engine", nixl.register_buffer_to_engine, "AROUND"),
@@ -143,14 +180,14 @@ def _hooks(options: Options) -> list[tuple[str, object, str]]:
             (f"{_nixl}._prepare_state_xfer", nixl.prepare_payload, "AROUND"),
             (f"{_nixl}._add_remote_peer", nixl.add_remote_peer, "AROUND"),
             ("sglang.srt.disaggregation.common.conn.CommonKVReceiver._register_kv_args",
-             nixl.register_kv_args, "AROUND")]
+             registrations.register_kv_args, "AROUND")]
     if options.transfer:
         from kvmem_sglang import transfer
 
         out += transfer.hooks()
-    if options.register_regions:
-        out.append(("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager."
-                    "_registerable_regions", H.mooncake_registerable_regions, "AFTER"))
+    from kvmem_sglang import mooncake
+
+    out += mooncake.hooks(options)
     from kvmem_sglang import prefill
 
     out += prefill.hooks()  # the PD prefill lifecycle (timeouts, statuses, audit)
@@ -240,4 +277,4 @@ def _install(hooks) -> None:
     if missing:
         raise AdapterError("sglang did not apply the hook(s) on " + ", ".join(missing) +
                            " (see sglang's log for the exception it swallowed)")
-    INSTALLED[:] = [t for t, _, _ in hooks]
+    INSTALLED.extend(t for t, _, _ in hooks)

@@ -60,6 +60,7 @@ from kvmem_sglang import audit, decode, kvpool, notify, options, roles
 from kvmem_sglang.reasons import abort_reason as _abort_reason
 from kvmem_sglang.reasons import decide as _decide
 from kvmem_sglang.reasons import tag
+from kvmem_sglang.mooncake import RegistrationError
 from kvmem_sglang.options import TRANSFER_TIMEOUT_VAR
 
 logger = logging.getLogger("kvmem.sglang")
@@ -363,9 +364,18 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
         return ReleaseMemoryOccupationReqOutput()
     if GPU_MEMORY_TYPE_KV_CACHE in tags and _is_prefill(sched):
         _await_posted_writes(sched)
-    with (_grammar_queue_set_aside(sched), _queued_results_set_aside(sched),
-          decode.host_destinations_set_aside(sched)):
-        out = original(manager, recv_req, *args, **kwargs)
+    try:
+        with (_grammar_queue_set_aside(sched), _queued_results_set_aside(sched),
+              decode.host_destinations_set_aside(sched)):
+            out = original(manager, recv_req, *args, **kwargs)
+    except RegistrationError as e:
+        # sglang's release stopped at the transfer engine's deregistration (it marks the
+        # tags released first): nothing was given back, so nothing is marked released
+        manager.offload_tags.difference_update(tags)
+        STATS.refused_releases += 1
+        logger.error("%s; release_memory_occupation(%s) refused, nothing released",
+                     e, ",".join(tags))
+        return ReleaseMemoryOccupationReqOutput()
     if GPU_MEMORY_TYPE_KV_CACHE in tags:
         _EPOCH[id(sched)] = _EPOCH.get(id(sched), 0) + 1
     return out
@@ -413,7 +423,20 @@ def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
         logger.warning("kvmem-sglang: resume_memory_occupation(%s) refused: %s not "
                        "released; nothing changed", ",".join(tags), ",".join(missing))
         return ResumeMemoryOccupationReqOutput()
-    return original(manager, recv_req, *args, **kwargs)
+    try:
+        return original(manager, recv_req, *args, **kwargs)
+    except RegistrationError as e:
+        # the transfer engine refused the KV cache's registration (sglang resumes it
+        # last): the KV cache stays released, so that nothing is served over memory no
+        # peer can reach; what resumed before it stays resumed
+        from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+
+        kvpool.release_all()
+        manager.offload_tags.add(GPU_MEMORY_TYPE_KV_CACHE)
+        STATS.refused_resumes += 1
+        logger.error("%s; resume_memory_occupation(%s) refused: the KV cache stays "
+                     "released (call resume_memory_occupation again)", e, ",".join(tags))
+        return ResumeMemoryOccupationReqOutput()
 
 
 def continue_generation(original, sched, *args, **kwargs):

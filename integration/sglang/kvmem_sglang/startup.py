@@ -16,10 +16,7 @@ every Python process of the environment.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
-import sys
 
 _TARGET = "sglang.srt.plugins"
 
@@ -57,38 +54,10 @@ def _guard(module) -> None:
     module.load_plugins = load_plugins
 
 
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner):
-        self._inner = inner
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module):
-        self._inner.exec_module(module)
-        _guard(module)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name != _TARGET:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader)
-        return spec
-
-
 def install() -> None:
     """What the .pth line calls: a no-op unless ``SGLANG_KVMEM=1``."""
     if os.environ.get("SGLANG_KVMEM", "").strip() != "1":
         return
-    if _TARGET in sys.modules:
-        _guard(sys.modules[_TARGET])
-        return
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    from kvmem_sglang.imports import after_import
+
+    after_import(_TARGET, _guard)

@@ -1,0 +1,117 @@
+"""sglang 0.5.23's ``MooncakeKVManager`` (sglang's default PD transfer backend) under the
+flag: registrations that fail loudly, one log line each, and reasons the decode can read.
+
+File:line below are of the installed sglang 0.5.23 (``sglang/srt/``).
+
+* Registration.  sglang registers the KV, aux and state buffers with
+  ``engine.batch_register`` and ignores its return code
+  (``disaggregation/mooncake/conn.py:424-428``; the wrapper logs a failure at debug
+  level, ``distributed/device_communicators/mooncake_transfer_engine.py:179-181``), at
+  start and again at every resume; the same for ``batch_deregister`` at a release
+  (:430-434).  A prefill whose registration failed serves on: every write its peers
+  build then fails ("not within any registered buffer"), and a decode's failed
+  registration lets no prefill reach its pages.  Here each is logged once with the
+  engine's return code, and a non-zero code raises :class:`RegistrationError`: at
+  start the scheduler stops with it; at a resume the adapter refuses the resume and
+  keeps the KV cache released (``kvmem_sglang.prefill.resume_memory_occupation``); at a
+  release it refuses the release before any memory is given back.  What is registered
+  is the kvmem pool's few regions (``SGLANG_KVMEM_REGISTER=regions``:
+  :func:`registerable_regions`) or sglang's one buffer per layer and per K/V.
+* Reasons.  A Mooncake status message carries no failure reason
+  (``kv_status_msg_carries_reason`` is False for this manager): a decode learns only
+  that the room failed and answers its generic 500 (``DEFAULT_PREFILL_FAILURE_REASON``)
+  where NIXL's carries the prefill's reason and status.  sglang's decode parses a
+  reason frame from any backend (``disaggregation/common/conn.py:757-782``), so a prefill
+  with the flag sends one (an instance attribute set at registration): a decode with the
+  flag answers the status the prefill decided (503 for a release, 504 for a timeout,
+  ``kvmem_sglang.decode.prepare_abort``), a stock one logs the real reason.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvmem_sglang import kvpool, registrations
+from kvmem_sglang.options import AdapterError
+
+logger = logging.getLogger("kvmem.sglang")
+
+_MGR = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
+
+
+class RegistrationError(AdapterError):
+    """The transfer engine refused a registration or a deregistration (its code in the
+    message)."""
+
+
+def hooks(opts) -> list[tuple[str, object, str]]:
+    """(target, hook, kind) for ``opts`` (:class:`~kvmem_sglang.options.Options`)."""
+    out = [(f"{_MGR}.register_buffer_to_engine", register_buffer_to_engine, "AROUND"),
+           (f"{_MGR}.deregister_buffer_to_engine", deregister_buffer_to_engine, "AROUND")]
+    if opts.register_regions:
+        out.append((f"{_MGR}._registerable_regions", registerable_regions, "AFTER"))
+    return out
+
+
+def registerable_regions(result, manager, *args, **kwargs):
+    """AFTER ``MooncakeKVManager._registerable_regions``: the kvmem pool's regions in
+    place of its per-layer buffers (other buffers as sglang listed them)."""
+    ptrs, lens = kvpool.coalesce([p for p, _ in result], [n for _, n in result])
+    return list(zip(ptrs, lens))
+
+
+def _regions(manager) -> tuple[list[int], list[int]]:
+    regions = manager._registerable_regions()
+    return [p for p, _ in regions], [n for _, n in regions]
+
+
+def _role(manager) -> str:
+    mode = getattr(manager, "disaggregation_mode", None)
+    return str(getattr(mode, "value", mode) or "?")
+
+
+def register_buffer_to_engine(original, manager, *args, **kwargs):
+    """AROUND ``MooncakeKVManager.register_buffer_to_engine``: sglang's registration with
+    its return code checked and logged (module docstring)."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    if getattr(manager, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
+        manager.kv_status_msg_carries_reason = True  # the decode reads it (docstring)
+    ptrs, lens = _regions(manager)
+    if not ptrs:
+        return None
+    code = manager.engine.batch_register(ptrs, lens)
+    again = getattr(manager, "_kvmem_deregistered", None) is not None
+    if code != 0:
+        raise RegistrationError(
+            f"Mooncake batch_register of {len(ptrs)} region(s) ({sum(lens)} bytes) on "
+            f"this {_role(manager)} returned {code}{' at the resume' if again else ''}",
+            "check the Mooncake engine's log above; the KV cache must be registered "
+            "before it can be served")
+    manager._kvmem_deregistered = False
+    logger.info("kvmem-sglang: Mooncake %s: %s %d region(s), %d bytes (batch_register "
+                "returned 0)", _role(manager), "registered again" if again else "registered",
+                len(ptrs), sum(lens))
+    if again:
+        registrations.resend(manager)
+    return None
+
+
+def deregister_buffer_to_engine(original, manager, *args, **kwargs):
+    """AROUND ``MooncakeKVManager.deregister_buffer_to_engine``: sglang's deregistration
+    (and its connection pool cleared, as sglang does) with the return code checked and
+    logged."""
+    ptrs, lens = _regions(manager)
+    code = manager.engine.batch_deregister(ptrs) if ptrs else 0
+    if code != 0:
+        raise RegistrationError(
+            f"Mooncake batch_deregister of {len(ptrs)} region(s) on this "
+            f"{_role(manager)} returned {code}",
+            "the KV cache stays registered and is not released")
+    if hasattr(manager, "connection_pool"):
+        with manager.connection_lock:
+            manager.connection_pool.clear()
+    manager._kvmem_deregistered = True
+    logger.info("kvmem-sglang: Mooncake %s: deregistered %d region(s), %d bytes "
+                "(batch_deregister returned 0)", _role(manager), len(ptrs), sum(lens))
+    return None
