@@ -8,6 +8,9 @@ JSON and the plots are still made, so a renamed field or a broken baseline fails
 Its figures mean nothing.  ``KVMEM_BENCH_NOTE`` is a line stored with the report and
 printed on every plot (e.g. that the machine was loaded).
 
+Without pytest-benchmark (the bare GPU host, or ``-p no:benchmark``) the ``benchmark``
+fixture is bench/timer.py's, the part of pytest-benchmark's the benchmarks use.
+
 A run that loaded NIXL ends through :func:`kvmem.transfer.nixl_exit.finish_pytest` once
 pytest has written everything, the report, its JSON and plots included (NIXL's native
 destructors crash at exit on a host with RDMA libraries; docs/transfer.md)."""
@@ -64,6 +67,11 @@ class Report:
         self.groups: dict[str, list[dict]] = defaultdict(list)
 
     def add(self, group: str, name: str, benchmark, nbytes: int | None = None, **extra):
+        """One row: ``benchmark``'s median; ``nbytes`` (bytes moved, for GB/s) is None or
+        > 0.  Raises ValueError for ``nbytes <= 0``: a benchmark that moved nothing has
+        measured nothing (its row would have no bandwidth to plot)."""
+        if nbytes is not None and nbytes <= 0:
+            raise ValueError(f"{group!r} / {name!r}: nbytes must be > 0 or None, got {nbytes}")
         median = benchmark.stats.stats.median
         row = dict(name=name, median_s=median, nbytes=nbytes, **extra)
         if nbytes:
@@ -85,6 +93,13 @@ class Report:
 
 
 _REPORT = Report()
+
+
+def pytest_configure(config):
+    if not config.pluginmanager.hasplugin("benchmark"):  # pytest-benchmark's name
+        from bench import timer
+
+        config.pluginmanager.register(timer, "kvmem-bench-timer")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -8,7 +8,8 @@ say which figure they belong to (``figure``) and what they are (``role``: ``kvme
 ``baseline`` or ``ceiling``); the figures:
 
     <tag>-pack.png       pack / unpack GB/s against chunk size and page size, plain copy
-                         of the same bytes as the ceiling (bench_pack.py)
+                         of the same bytes as the ceiling, one row of panels per model
+                         and direction (bench_pack.py)
     <tag>-allocator.png  kvmem's allocator against sglang's (bench_allocator.py,
                          bench_sglang_allocator.py)
     <tag>-release.png    release / resume time against pool size (bench_release.py)
@@ -86,11 +87,15 @@ def plot_pack(report: dict, out_dir: str) -> str | None:
     rows = [r for g in _rows(report, "pack").values() for r in g]
     if not rows:
         return None
-    ops = [op for op in ("pack", "unpack") if any(r["op"] == op for r in rows)]
-    sizes = sorted({r["page_size"] for r in rows})
-    fig, axes = plt.subplots(len(ops), 2, figsize=(12, 5.4 * len(ops)), squeeze=False)
-    for i, op in enumerate(ops):
-        mine = [r for r in rows if r["op"] == op]
+    # one row of panels per (model, op); rows from before the model field are gqa-bf16
+    models = list(dict.fromkeys(r.get("model", "gqa-bf16") for r in rows))
+    panels = [(m, op) for m in models for op in ("pack", "unpack")
+              if any(r["op"] == op and r.get("model", "gqa-bf16") == m for r in rows)]
+    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 5.4 * len(panels)), squeeze=False)
+    for i, (model, op) in enumerate(panels):
+        mine = [r for r in rows if r["op"] == op and r.get("model", "gqa-bf16") == model]
+        sizes = sorted({r["page_size"] for r in mine})
+        panel = op if len(models) == 1 else f"{op} ({model})"
         chunks = sorted({r["nbytes"] for r in mine})
         # left: GB/s against chunk size, one colour per page size
         ax = axes[i][0]
@@ -112,12 +117,12 @@ def plot_pack(report: dict, out_dir: str) -> str | None:
             ax.plot(*zip(*ceiling), "--s", color="black", markersize=4,
                     label="plain copy_ (ceiling)")
         ax.set_xscale("log", base=2)
-        ax.set_xticks([c / 2**20 for c in chunks], [f"{c / 2**20:g}" for c in chunks])
+        ax.set_xticks([c / 2**20 for c in chunks], [f"{c / 2**20:.4g}" for c in chunks])
         ax.minorticks_off()
         ax.set_yscale("log")  # the baselines sit 10-100x below the copy on a CPU
         ax.set_xlabel("chunk size (MiB)")
         ax.set_ylabel("GB/s (log)")
-        ax.set_title(f"{op}: bandwidth against chunk size")
+        ax.set_title(f"{panel}: bandwidth against chunk size")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6.5, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))
         # right: GB/s against page size at the largest chunk
@@ -136,7 +141,7 @@ def plot_pack(report: dict, out_dir: str) -> str | None:
             ax.bar_label(bars, fmt="%.1f", fontsize=7)
         ax.set_xticks(range(len(sizes)), [f"page {ps}" for ps in sizes])
         ax.set_ylabel("GB/s")
-        ax.set_title(f"{op}: bandwidth against page size, {big / 2**20:g} MiB chunk")
+        ax.set_title(f"{panel}: bandwidth against page size, {big / 2**20:.4g} MiB chunk")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
     _title(fig, report, "pack_pages / unpack_pages against a per-layer gather and a plain copy")
