@@ -1,121 +1,198 @@
 #!/usr/bin/env bash
 # GPU check: the GPU tests and the GPU benchmarks on a CUDA host, in under 5 minutes on a
-# bare H200 host (an empty Triton cache, no NIXL, no sglang, maybe no pytest-benchmark).
+# bare H200 host (an empty Triton cache; no NIXL, no sglang, no pytest-benchmark, no
+# package index), with the results in one archive.
 #
-#   bench/gpu_check.sh OUTDIR          run the steps below, results in OUTDIR
-#   bench/gpu_check.sh --plan [OUTDIR] print the plan (each step's budget, what it needs,
-#                                      what would be skipped on this host and why) and
-#                                      run nothing: also on a machine without a GPU
-#   bench/gpu_check.sh --selftest OUTDIR   the step runner on a few CPU commands (a pass,
-#                                      a failure, a step past its budget, a sharded one):
-#                                      what tests/test_bench_smoke.py checks here
+#   bench/gpu_check.sh OUTDIR            run the steps below; OUTDIR gets two files
+#   bench/gpu_check.sh --plan            print the plan (each step's budget, what it needs,
+#                                        what would be skipped on this host and why) and
+#                                        run nothing: also on a machine without a GPU
+#   bench/gpu_check.sh --dry-run OUTDIR  on a machine without a GPU, everything that can
+#                                        run there: the probes, the benchmark step on the
+#                                        CPU at smoke sizes (KVMEM_BENCH_SMOKE=1), the
+#                                        CUDA test steps collected only (pytest
+#                                        --collect-only: each file imports, or skips itself
+#                                        without CUDA), the summary and the archive
+#   bench/gpu_check.sh --selftest OUTDIR the step runner on a few CPU commands (a pass, a
+#                                        failure, a step past its budget, a sharded one)
+# tests/test_bench_smoke.py checks --plan, --dry-run and --selftest here.
 #
 # Uses the host's own python3 (the H200 target: Python 3.12, torch 2.11, triton 3.6, CuPy)
-# with this repository on PYTHONPATH, and installs nothing.
+# with this repository on PYTHONPATH, and installs nothing.  Without pytest-benchmark the
+# benchmarks time themselves with bench/timer.py (the same rounds and medians).
 #
-# Steps, in order (the first is a small kernel grid, so a broken kernel or toolchain shows
-# within a minute).  Each runs under a time budget sized from the Triton kernels it
-# compiles on an empty cache:
-#
-#     budget = BASE_S + run seconds + kernels * PER_KERNEL_S / processes
-#
-# kernels and run seconds are estimates per step (the table below says where each comes
-# from); PER_KERNEL_S starts as a guess and is replaced by what the first step measured
-# (seconds per new cubin in the Triton cache).  A step whose budget does not fit in what
-# is left of KVMEM_GPU_CHECK_SECONDS (default 280) is skipped, saying so; one that needs
-# a package the host lacks (NIXL, sglang, pytest-benchmark) too.  Every step prints one
-# line: what ran (pytest's counts), what it compiled, its time against its budget, or why
-# it was skipped.  Set KVMEM_GPU_CHECK_SECONDS higher to run everything on a slow host.
-#
-# Writes to OUTDIR:
+# Output.  Everything is written to a scratch folder; at the end (also after a failure or
+# an interrupt) bench/gpu_summary.py prints one screen (every step; every benchmark target
+# against what was measured, PASS / FAIL / n/a; the figures behind each plot), and OUTDIR
+# gets two files: kvmem-gpu-check.tar.gz, the whole scratch folder, and summary.txt, that
+# screen.  (The device tool returns at most 8 files from an output folder.)  The archive:
 #   env.txt        GPU name, driver, versions, which optional packages import
-#   summary.txt    the one line per step, and the totals
+#   run.txt        the runner's line per step, as printed while it ran
 #   steps.tsv      the same as columns (measured kernels and seconds: the next sizing)
+#   summary.txt    the end screen
 #   <step>.log     each step's pytest output (-rs: every skip with its reason)
 #   bench-cuda.json, nvidia-*-*.png, sglang_staging.json   where those steps ran
 # Exit status: 1 if a step failed or ran past its budget, 2 without a CUDA device (or
 # without pytest), else 0 (skips are listed, not failures).
 #
-# For planning (and the CPU test of this script, tests/test_bench_smoke.py):
+# Steps, in order: the small kernel grid (a broken kernel or toolchain shows within a
+# minute, and it measures this host's compile rate), then the benchmarks (the H200
+# targets are what they measure, so they get their budget before the rest), then the
+# other tests.  Each runs under a time budget sized from the Triton kernels it compiles on
+# an empty cache:
+#
+#     budget = BASE_S + (processes - 1) * START_EXTRA_S + run seconds
+#              + kernels * PER_KERNEL_S / processes
+#
+# kernels and run seconds are estimates per step (the table below says where each comes
+# from); PER_KERNEL_S starts as a guess and is replaced by what the first step measured
+# (seconds per new cubin in the Triton cache).  The whole run, the probes included, has
+# KVMEM_GPU_CHECK_SECONDS (default 290): a step whose budget does not fit in what is left
+# is skipped, saying so; one that needs a package the host lacks (NIXL, sglang) too.  The
+# last 10 s of the 5 minutes hold the summary and the archive (about 1 s) and the grace
+# of a step past its budget: it gets SIGTERM at its budget and SIGKILL KILL_S (5) s
+# later (timeout --kill-after), for a process that does not end on SIGTERM.  Set
+# KVMEM_GPU_CHECK_SECONDS higher to run everything on a slow host.
+#
+# For planning (and the CPU tests of this script):
 #   KVMEM_PYTHON=...                    the interpreter (default python3)
 #   KVMEM_GPU_CORES=16                  plan for that many cores (default: nproc)
 #   KVMEM_GPU_WITHOUT="nixl sglang pytest-benchmark"   treat these as not importable
-#   KVMEM_GPU_BASE_S, KVMEM_GPU_PER_KERNEL_S           override the two sizing guesses
+#   KVMEM_GPU_BASE_S, KVMEM_GPU_PER_KERNEL_S, KVMEM_GPU_START_EXTRA_S   the sizing guesses
 set -uo pipefail
 
-plan_only=0; selftest=0
-if [ "${1:-}" = "--plan" ]; then plan_only=1; shift; fi
-if [ "${1:-}" = "--selftest" ]; then selftest=1; shift; fi
-if [ "$plan_only" = 0 ]; then
-  out="${1:?usage: bench/gpu_check.sh [--plan | --selftest] OUTDIR}"
-else
-  out="${1:-}"
+mode=run
+case "${1:-}" in
+  --plan) mode=plan; shift ;;
+  --selftest) mode=selftest; shift ;;
+  --dry-run) mode=dry; shift ;;
+esac
+out="" work=""
+if [ "$mode" != plan ]; then
+  out="${1:?usage: bench/gpu_check.sh [--plan | --dry-run OUTDIR | --selftest OUTDIR | OUTDIR]}"
+  mkdir -p "$out" || exit 2
+  out="$(cd "$out" && pwd)"  # before the cd below: OUTDIR is the caller's
+  work="$(mktemp -d "${TMPDIR:-/tmp}/kvmem-gpu-check.XXXXXX")" || exit 2
 fi
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 py=${KVMEM_PYTHON:-python3}
+T0=$SECONDS
 
-DEADLINE=${KVMEM_GPU_CHECK_SECONDS:-280}  # the whole script, under the 5 minutes asked
+DEADLINE=${KVMEM_GPU_CHECK_SECONDS:-290}  # the whole run but the summary and the archive
 # A pytest process's start on the H200 host (python, torch, triton, a CUDA context, kvmem,
 # collection): a guess (about 12 s), not measured there yet.
 BASE_S=${KVMEM_GPU_BASE_S:-12}
+# Each more process of a step that starts several at once on one GPU: what of a start
+# does not overlap (CUDA context creation on one device, the imports' disk reads): a
+# guess, not measured.
+START_EXTRA_S=${KVMEM_GPU_START_EXTRA_S:-1}
 # One Triton 3.6 compile for sm_90 on that host's CPU: a guess until the first step
 # measures it (kept when it compiled nothing: a warm cache).
 PER_KERNEL_S=${KVMEM_GPU_PER_KERNEL_S:-1.0}
+# The probes: one python process (torch, CUDA, CuPy, pytest, NIXL, sglang imported or
+# not) and nvidia-smi: a guess.
+PROBE_S=8
+KILL_S=5
 CORES=${KVMEM_GPU_CORES:-$(nproc 2>/dev/null || echo 4)}
 SHARDS=$(( CORES / 2 )); [ "$SHARDS" -gt 8 ] && SHARDS=8; [ "$SHARDS" -lt 1 ] && SHARDS=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
-T0=$SECONDS
+ARCHIVE=kvmem-gpu-check.tar.gz
 
-if [ -n "$out" ]; then
-  mkdir -p "$out"
-  out="$(cd "$out" && pwd)"
+finish() {  # on every exit of a run: the end screen, then OUTDIR's two files
+  local rc=$?
+  trap - EXIT
+  if [ -n "$work" ]; then
+    "$py" -m bench.gpu_summary "$work" > "$work/summary.txt" 2>&1 \
+      || echo "(bench/gpu_summary.py failed: see above)" >> "$work/summary.txt"
+    echo
+    cat "$work/summary.txt"
+    if tar -czf "$out/$ARCHIVE" -C "$work" . && cp "$work/summary.txt" "$out/summary.txt"; then
+      echo "gpu_check: exit $rc; everything in $out/$ARCHIVE, this screen in $out/summary.txt"
+      rm -rf "$work"
+    else
+      echo "gpu_check: exit $rc; could not write $out/$ARCHIVE: the files stay in $work"
+    fi
+  fi
+  exit "$rc"
+}
+if [ -n "$work" ]; then
+  trap finish EXIT
+  trap 'exit 130' INT TERM  # so that finish runs then too
 fi
 
-without=" ${KVMEM_GPU_WITHOUT:-} "
-importable() {  # importable PACKAGE CODE
-  case $without in *" $1 "*) return 1 ;; esac
-  $py -c "$2" >/dev/null 2>&1
-}
 cubins() { find "$TRITON_CACHE_DIR" -name '*.cubin' 2>/dev/null | wc -l; }
 left() { echo $(( DEADLINE - (SECONDS - T0) )); }
-say() {  # one line to stdout and, when there is an OUTDIR, to summary.txt
+say() {  # one line to stdout and, in a run, to run.txt
   echo "$*"
-  [ -n "$out" ] && echo "$*" >> "$out/summary.txt"
+  [ -n "$work" ] && echo "$*" >> "$work/run.txt"
   return 0
 }
 
-has_cuda=0; importable cuda "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" && has_cuda=1
-has_pytest=0; importable pytest "import pytest" && has_pytest=1
-has_nixl=0; importable nixl "from kvmem.transfer.nixl import import_nixl; import_nixl()" && has_nixl=1
-has_sglang=0; importable sglang "import sglang.srt.disaggregation.common.staging_buffer" && has_sglang=1
-has_sglang_alloc=0; importable sglang "import sglang.srt.mem_cache.allocator" && has_sglang_alloc=1
-has_benchmark=0; importable pytest-benchmark "import pytest_benchmark" && has_benchmark=1
-has_cupy=0; importable cupy "import cupy" && has_cupy=1
+# -- what this host has: one python process (not for --selftest) --------------------------
+has_cuda=0 has_pytest=0 has_nixl=0 has_sglang=0 has_sglang_alloc=0 has_tms=0
+has_benchmark=0 has_cupy=0
+probe=""
+[ "$mode" != selftest ] && probe=$("$py" - 2>/dev/null <<'PY'
+import os
+CHECKS = {  # name: (the KVMEM_GPU_WITHOUT word that turns it off, what must import and hold)
+    "cuda": ("cuda", "import torch; assert torch.cuda.is_available()"),
+    "pytest": ("pytest", "import pytest"),
+    "nixl": ("nixl", "from kvmem.transfer.nixl import import_nixl; import_nixl()"),
+    "sglang": ("sglang", "import sglang.srt.disaggregation.common.staging_buffer"),
+    "sglang_alloc": ("sglang", "import sglang.srt.mem_cache.allocator"),
+    "tms": ("sglang", "import torch_memory_saver, sglang.srt.mem_cache.memory_pool"),
+    "benchmark": ("pytest-benchmark", "import pytest_benchmark"),
+    "cupy": ("cupy", "import cupy"),
+}
+without = set(os.environ.get("KVMEM_GPU_WITHOUT", "").split())
+for name, (word, code) in CHECKS.items():
+    ok = 0
+    if word not in without:
+        try:
+            exec(code, {})
+            ok = 1
+        except BaseException:
+            pass
+    print("has", name, ok)
+try:
+    import torch, triton
+    print("env torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)
+    if torch.cuda.is_available():
+        print("env device", torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))
+except BaseException as e:
+    print("env torch/triton:", repr(e))
+PY
+)
+while read -r kind name value; do
+  [ "$kind" = has ] || continue
+  case $name in
+    cuda) has_cuda=$value ;; pytest) has_pytest=$value ;; nixl) has_nixl=$value ;;
+    sglang) has_sglang=$value ;; sglang_alloc) has_sglang_alloc=$value ;;
+    tms) has_tms=$value ;; benchmark) has_benchmark=$value ;; cupy) has_cupy=$value ;;
+  esac
+done <<< "$probe"
 
-if [ -n "$out" ]; then
-  : > "$out/summary.txt"
-  printf 'step\tstatus\tseconds\tbudget\tkernels_est\tkernels_compiled\tprocesses\tresult\n' > "$out/steps.tsv"
+if [ -n "$work" ]; then
+  printf 'step\tstatus\tseconds\tbudget\tkernels_est\tkernels_compiled\tprocesses\tresult\n' > "$work/steps.tsv"
 fi
-if [ "$plan_only" = 0 ] && [ "$selftest" = 0 ]; then
+if [ "$mode" = run ] || [ "$mode" = dry ]; then
   {
     date -u +%FT%TZ
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1
-    $py - <<'PY'
-import torch, triton
-print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)
-if torch.cuda.is_available():
-    print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))
-PY
-    echo "cores $CORES, $SHARDS processes for the sharded step, TRITON_CACHE_DIR $TRITON_CACHE_DIR ($(cubins) cubins in it)"
-    echo "importable: pytest=$has_pytest cupy=$has_cupy nixl=$has_nixl sglang=$has_sglang pytest-benchmark=$has_benchmark"
-  } 2>&1 | tee "$out/env.txt"
-  if [ "$has_cuda" = 0 ]; then echo "gpu_check: no CUDA device here: nothing to check"; exit 2; fi
+    grep '^env ' <<< "$probe" | sed 's/^env //'
+    echo "mode $mode; cores $CORES, $SHARDS processes for the sharded step, TRITON_CACHE_DIR $TRITON_CACHE_DIR ($(cubins) cubins in it)"
+    echo "importable: cuda=$has_cuda pytest=$has_pytest cupy=$has_cupy nixl=$has_nixl sglang=$has_sglang pytest-benchmark=$has_benchmark (KVMEM_GPU_WITHOUT='${KVMEM_GPU_WITHOUT:-}')"
+  } 2>&1 | tee "$work/env.txt"
+  if [ "$mode" = run ] && [ "$has_cuda" = 0 ]; then
+    echo "gpu_check: no CUDA device here: nothing to check (--dry-run runs what a CPU can)"; exit 2
+  fi
   if [ "$has_pytest" = 0 ]; then echo "gpu_check: pytest is not importable here: nothing can run"; exit 2; fi
 fi
 
 status=0; n_ran=0; n_skipped=0; n_failed=0
+PLANNED=$PROBE_S
 
 # step NAME KERNELS RUN_S PROCESSES NEED WHAT -- COMMAND...
 #   KERNELS    Triton kernel variants it compiles on an empty cache (an estimate)
@@ -129,18 +206,19 @@ step() {
   local cmd=("$@") n=1
   [ "$procs" = shards ] && n=$SHARDS
   local budget
-  budget=$(awk -v b="$BASE_S" -v r="$run_s" -v k="$kernels" -v p="$PER_KERNEL_S" -v n="$n" \
-    'BEGIN { x = b + r + k * p / n; printf "%d", (x == int(x)) ? x : int(x) + 1 }')
+  budget=$(awk -v b="$BASE_S" -v e="$START_EXTRA_S" -v r="$run_s" -v k="$kernels" \
+    -v p="$PER_KERNEL_S" -v n="$n" \
+    'BEGIN { x = b + (n - 1) * e + r + k * p / n; printf "%d", (x == int(x)) ? x : int(x) + 1 }')
   local rem; rem=$(left)
-  if [ "$plan_only" = 1 ]; then  # as if every step before took its whole budget
-    rem=$(( DEADLINE - ${PLANNED:-0} ))
+  if [ "$mode" = plan ]; then  # as if every step before took its whole budget
+    rem=$(( DEADLINE - PLANNED ))
     local would=run
     if [ "$need" != - ]; then
       would="skip: $need"
     elif [ "$budget" -gt "$rem" ]; then
       would="skip: out of time unless the steps before end early (needs ${budget}s, ${rem}s left)"
     else
-      PLANNED=$(( ${PLANNED:-0} + budget ))
+      PLANNED=$(( PLANNED + budget ))
     fi
     say "plan $name budget=${budget}s kernels=$kernels processes=$n would=$would | $what"
     return 0
@@ -148,42 +226,48 @@ step() {
   if [ "$need" != - ]; then
     n_skipped=$((n_skipped + 1))
     say "[$name] skipped: $need | $what"
-    printf '%s\tskipped\t0\t%s\t%s\t0\t%s\t%s\n' "$name" "$budget" "$kernels" "$n" "$need" >> "$out/steps.tsv"
+    printf '%s\tskipped\t0\t%s\t%s\t0\t%s\t%s\n' "$name" "$budget" "$kernels" "$n" "$need" >> "$work/steps.tsv"
     return 0
   fi
   if [ "$budget" -gt "$rem" ]; then
     n_skipped=$((n_skipped + 1))
     say "[$name] skipped: needs ${budget}s ($kernels kernels at ${PER_KERNEL_S}s over $n process(es)), ${rem}s left of ${DEADLINE}s | $what"
-    printf '%s\tskipped\t0\t%s\t%s\t0\t%s\tout of time\n' "$name" "$budget" "$kernels" "$n" >> "$out/steps.tsv"
+    printf '%s\tskipped\t0\t%s\t%s\t0\t%s\tout of time (needs %ss, %ss left)\n' "$name" "$budget" \
+      "$kernels" "$n" "$budget" "$rem" >> "$work/steps.tsv"
     return 0
   fi
-  local log="$out/$name.log" before t rc=0
+  local log="$work/$name.log" before t rc=0
+  local limit=(timeout --kill-after="$KILL_S" "$budget")
   before=$(cubins); t=$SECONDS
   if [ "$n" -gt 1 ]; then
     local pids=() i
     for ((i = 0; i < n; i++)); do
-      KVMEM_GPU_SHARD="$i/$n" timeout "$budget" "${cmd[@]}" > "$log.$i" 2>&1 &
+      KVMEM_GPU_SHARD="$i/$n" "${limit[@]}" "${cmd[@]}" > "$log.$i" 2>&1 &
       pids+=($!)
     done
     local one
     for i in "${!pids[@]}"; do
       wait "${pids[$i]}"; one=$?
-      [ "$one" -ne 0 ] && [ "$rc" -ne 124 ] && rc=$one
+      # a timeout (124: ended by SIGTERM, 137: by SIGKILL) outranks any other status
+      if [ "$one" -eq 124 ] || [ "$one" -eq 137 ]; then rc=$one
+      elif [ "$one" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ]; then rc=$one; fi
     done
     for ((i = 0; i < n; i++)); do echo "== process $i of $n"; cat "$log.$i"; rm -f "$log.$i"; done > "$log"
   else
-    timeout "$budget" "${cmd[@]}" > "$log" 2>&1; rc=$?
+    "${limit[@]}" "${cmd[@]}" > "$log" 2>&1; rc=$?
   fi
   local secs=$((SECONDS - t)) compiled=$(( $(cubins) - before ))
-  # pytest's count lines (one per process): "12 passed, 1 skipped in 30.1s"
+  # pytest's count lines (one per process): "12 passed, 1 skipped in 30.1s", and what
+  # --collect-only says: "6 tests collected in 0.5s"
   local result
-  result=$(grep -E '^=*[^=]*\b(passed|failed|error|errors|skipped|deselected|no tests ran)\b[^=]* in [0-9.]+s' "$log" \
+  result=$(grep -E '^=*[^=]*\b(passed|failed|error|errors|skipped|deselected|collected|no tests ran)\b[^=]* in [0-9.]+s' "$log" \
            | sed -E 's/^=+ //; s/ =+$//' | paste -sd ';' -)
   [ -z "$result" ] && result="no pytest summary (see $name.log)"
   local verdict=ok
+  if [ "$mode" = dry ] && [ "$rc" = 5 ]; then rc=0; fi  # collected nothing: skips itself without CUDA
   case $rc in
     0) n_ran=$((n_ran + 1)) ;;
-    124) verdict="TIMEOUT (ran past its ${budget}s budget)"; status=1; n_failed=$((n_failed + 1)) ;;
+    124|137) verdict="TIMEOUT (ran past its ${budget}s budget)"; status=1; n_failed=$((n_failed + 1)) ;;
     5) verdict="nothing collected"; status=1; n_failed=$((n_failed + 1)) ;;
     *) verdict="FAILED (exit $rc)"; status=1; n_failed=$((n_failed + 1)) ;;
   esac
@@ -191,19 +275,21 @@ step() {
   grep -E '^SKIPPED' "$log" | sed -E 's/^/    /' | head -n 5 | while read -r l; do say "$l"; done
   if [ "$rc" -ne 0 ]; then tail -n 25 "$log"; fi
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "${verdict%% *}" "$secs" "$budget" "$kernels" \
-    "$compiled" "$n" "$result" >> "$out/steps.tsv"
+    "$compiled" "$n" "$result" >> "$work/steps.tsv"
   if [ "$name" = smoke ] && [ "$compiled" -gt 0 ]; then
     # the host's own compile rate, for the budgets of the steps that follow
-    PER_KERNEL_S=$(awk -v s="$secs" -v b="$BASE_S" -v c="$compiled" \
-      'BEGIN { x = (s - b) / c; if (x < 0.2) x = 0.2; if (x > 5) x = 5; printf "%.2f", x }')
+    PER_KERNEL_S=$(awk -v s="$secs" -v b="$BASE_S" -v r="$run_s" -v c="$compiled" \
+      'BEGIN { x = (s - b - r) / c; if (x < 0.2) x = 0.2; if (x > 5) x = 5; printf "%.2f", x }')
     say "    measured: ${PER_KERNEL_S}s per kernel (the following budgets use it)"
   fi
 }
 
-if [ "$selftest" = 1 ]; then  # the runner itself, on CPU commands
+if [ "$mode" = selftest ]; then  # the runner itself, on CPU commands
   step pass 0 3 1 - "a step that passes" -- "$py" -c "print('3 passed, 1 skipped in 0.10s')"
   step fail 0 3 1 - "a step that fails" -- "$py" -c "import sys; print('1 failed, 2 passed in 0.20s'); sys.exit(1)"
   step slow 0 1 1 - "a step past its budget" -- sleep 30
+  step stubborn 0 1 1 - "a step that ignores SIGTERM" -- \
+    "$py" -c "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
   step sharded 0 3 shards - "a sharded step" -- "$py" -c "import os; print('shard', os.environ['KVMEM_GPU_SHARD']); print('1 passed in 0.01s')"
   step missing 0 3 1 "a package is not importable here" "a step that cannot run here" -- false
   say "gpu_check: $n_ran ran ok, $n_failed failed, $n_skipped skipped; exit $status"
@@ -212,46 +298,58 @@ fi
 
 need_nixl="-"; [ "$has_nixl" = 0 ] && need_nixl="NIXL is not importable here (carry a nixl-cu13 wheel): the disagg sides cannot run"
 need_sglang="-"; [ "$has_sglang" = 0 ] && need_sglang="sglang is not importable here: nothing to compare its staging kernels with"
-has_tms=0; importable sglang "import torch_memory_saver, sglang.srt.mem_cache.memory_pool" && has_tms=1
 need_tms="-"; [ "$has_tms" = 0 ] && need_tms="sglang or torch_memory_saver is not importable here: nothing to run the adapter beside --enable-memory-saver with"
-need_bench="-"; [ "$has_benchmark" = 0 ] && need_bench="pytest-benchmark is not importable here (carry its wheel): the benchmarks are its fixtures"
 pyt=("$py" -m pytest -q -rs -p no:cacheprovider)
+bench_smoke=""
+if [ "$mode" = dry ]; then  # CUDA tests: collected only; the benchmarks on the CPU, tiny
+  pyt+=(--noconftest --collect-only)
+  bench_smoke=1
+fi
 
 # Kernel estimates: the pack grid's 75 cases compile about 204 variants (issue 15, an
-# empty Triton cache), about 2.7 a case; the small grid is 6 of them.  The others are
-# counted by reading the tests (a guess each, replaced by steps.tsv's measured column):
-# the allocator's take/free/undo/slot kernels per page size and check flag, the disagg
-# sides' pack/unpack of one spec, the hardening chunks, the pool tests' few shapes.
+# empty Triton cache), about 2.7 a case; the small grid is 6 of them.  The benchmarks
+# (bench_pack.py's cases): pack and unpack of 3 gqa-bf16 page sizes in two variants each
+# (Triton specialises the page count on divisibility by 16, and the 1 MiB / 8-page /
+# 2-page chunks are not) and of 3 fp8 MLA page sizes, 18, and about 8 of the allocator's.  The others are counted by reading the tests (a guess
+# each, replaced by steps.tsv's measured column): the allocator's take/free/undo/slot
+# kernels per page size and check flag, the disagg sides' pack/unpack of one spec, the
+# hardening chunks, the pool tests' few shapes.  Run seconds: the benchmarks' 30 s are
+# their rounds (the 64 GiB release/resume the most) with the pools filled on the device
+# (the CPU fill of 7.7 GiB took tens of seconds); the others are guesses.
 KVMEM_GPU_GRID=small step smoke 18 5 1 - "small kernel grid first: 6 pack/unpack cases vs the CPU reference" -- \
   "${pyt[@]}" tests/gpu/test_cuda_pack_pool.py -k kernel_matches_ref
-step disagg 10 25 1 "$need_nixl" "the disagg sides on CUDA pools: no host sync in step(), memory reused after the unpack" -- \
-  "${pyt[@]}" tests/gpu/test_gpu_disagg.py
-step hardening 12 40 1 - "chunks past 2^31 units, two devices where there are two, streams, sync-free paths" -- \
-  "${pyt[@]}" tests/gpu/test_cuda_sizes_devices_streams.py
-step allocator-pool 30 30 1 - "allocator kernels vs the CPU allocator, cuda_vmm pools under pressure and over several chunks, CuPy views" -- \
-  "${pyt[@]}" tests/gpu/test_cuda_allocator.py tests/gpu/test_cuda_allocator_order.py \
-  tests/gpu/test_gpu_memory_vmm.py tests/gpu/test_gpu_memory_chunks.py \
-  tests/gpu/test_cuda_pack_pool.py -k "not kernel_matches_ref"
-KVMEM_GPU_GRID=rest step pack-grid 186 10 shards - "the rest of the pack grid (69 cases), sharded" -- \
-  "${pyt[@]}" tests/gpu/test_cuda_pack_pool.py -k kernel_matches_ref
-KVMEM_GPU_OUT="$out" step sglang-staging 16 15 1 "$need_sglang" "the adapter's staging gather/scatter vs sglang's Triton kernels" -- \
-  "${pyt[@]}" -s tests/gpu/test_gpu_sglang_staging.py
-step sglang-memory-saver 4 30 1 "$need_tms" "the adapter beside --enable-memory-saver: kvmem's pool and torch_memory_saver's part both released and resumed" -- \
-  "${pyt[@]}" tests/gpu/test_gpu_sglang_memory_saver.py
 # The benchmarks: sglang's baselines only where it imports, the NIXL ones only where NIXL
-# does (said in the log), the table and its plots into OUTDIR.
+# does (said in the log), the table and its plots into the archive.
 bench_args=()
 [ "$has_sglang_alloc" = 0 ] && bench_args+=(-k "not sglang")
 [ "$has_nixl" = 0 ] && bench_args+=(--ignore bench/bench_transfer.py --ignore bench/bench_demo.py)
 # bench_netns.py measures TCP over a veth between host-memory pools (no GPU part; it needs
 # root to make network namespaces): the CPU run's, not this script's
 bench_args+=(--ignore bench/bench_netns.py)
-KVMEM_BENCH_OUT="$out" step bench 20 60 1 "$need_bench" "pytest bench: kvmem vs its baselines (no sglang baselines without sglang, no NIXL ones without NIXL)" -- \
-  "${pyt[@]}" bench "${bench_args[@]}" --benchmark-columns=median,iqr,ops --benchmark-sort=name
+if [ "$has_benchmark" = 1 ]; then
+  bench_args+=(--benchmark-columns=median,iqr,ops --benchmark-sort=name)
+else
+  bench_args+=(-p no:benchmark)  # bench/timer.py times them
+fi
+KVMEM_BENCH_SMOKE="$bench_smoke" KVMEM_BENCH_OUT="$work" step bench 26 30 1 - "pytest bench: kvmem vs its baselines (no sglang baselines without sglang, no NIXL ones without NIXL)" -- \
+  "$py" -m pytest -q -rs -p no:cacheprovider bench "${bench_args[@]}"
+step gpu-paths 42 70 1 - "chunks past 2^31 units, two devices where there are two, streams, sync-free paths; allocator kernels vs the CPU allocator, cuda_vmm pools under pressure and over several chunks, CuPy views" -- \
+  "${pyt[@]}" tests/gpu/test_cuda_sizes_devices_streams.py \
+  tests/gpu/test_cuda_allocator.py tests/gpu/test_cuda_allocator_order.py \
+  tests/gpu/test_gpu_memory_vmm.py tests/gpu/test_gpu_memory_chunks.py \
+  tests/gpu/test_cuda_pack_pool.py -k "not kernel_matches_ref"
+step disagg 10 25 1 "$need_nixl" "the disagg sides on CUDA pools: no host sync in step(), memory reused after the unpack" -- \
+  "${pyt[@]}" tests/gpu/test_gpu_disagg.py
+KVMEM_GPU_GRID=rest step pack-grid 186 10 shards - "the rest of the pack grid (69 cases), sharded" -- \
+  "${pyt[@]}" tests/gpu/test_cuda_pack_pool.py -k kernel_matches_ref
+KVMEM_GPU_OUT="$work" step sglang-staging 16 15 1 "$need_sglang" "the adapter's staging gather/scatter vs sglang's Triton kernels" -- \
+  "${pyt[@]}" -s tests/gpu/test_gpu_sglang_staging.py
+step sglang-memory-saver 4 30 1 "$need_tms" "the adapter beside --enable-memory-saver: kvmem's pool and torch_memory_saver's part both released and resumed" -- \
+  "${pyt[@]}" tests/gpu/test_gpu_sglang_memory_saver.py
 
-if [ "$plan_only" = 1 ]; then
-  say "plan total: ${PLANNED:-0}s of budgets for the steps that would run, ${DEADLINE}s allowed (BASE_S=${BASE_S}s, PER_KERNEL_S=${PER_KERNEL_S}s, $SHARDS processes for the sharded step)"
+if [ "$mode" = plan ]; then
+  say "plan total: ${PLANNED}s of budgets (the probes' ${PROBE_S}s and the steps that would run), ${DEADLINE}s allowed (BASE_S=${BASE_S}s, START_EXTRA_S=${START_EXTRA_S}s, PER_KERNEL_S=${PER_KERNEL_S}s, $SHARDS processes for the sharded step)"
   exit 0
 fi
-say "gpu_check: $n_ran ran ok, $n_failed failed, $n_skipped skipped; $((SECONDS - T0))s of ${DEADLINE}s; exit $status; results in $out"
+say "gpu_check: $n_ran ran ok, $n_failed failed, $n_skipped skipped; $((SECONDS - T0))s of ${DEADLINE}s; exit $status"
 exit $status

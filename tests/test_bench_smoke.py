@@ -8,9 +8,12 @@
   exists, it names every CUDA-only test file, and those collect on this CPU machine:
   imported, or skipped at module level, never an import error.  The bench files it runs
   are the ones the smoke run just ran.  Its plan (``--plan``) for a bare H200 host fits
-  its time limit with the small kernel grid first, its step runner (``--selftest``)
-  reports passes, failures, steps past their budget and skips, and the parts it runs the
-  pack grid in (KVMEM_GPU_GRID, KVMEM_GPU_SHARD) partition the grid.
+  its time limit with the small kernel grid first and the benchmarks second, and budgets
+  the start of every process of the sharded step; its step runner (``--selftest``)
+  reports passes, failures, steps past their budget (killed when SIGTERM is ignored) and
+  skips; its dry run (``--dry-run``) runs on this CPU everything a CPU can; a run leaves
+  one archive and its end screen in OUTDIR; and the parts it runs the pack grid in
+  (KVMEM_GPU_GRID, KVMEM_GPU_SHARD) partition the grid.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import time
 import xml.etree.ElementTree as ET
 
@@ -148,51 +152,119 @@ def _gpu_check(*args, **env) -> subprocess.CompletedProcess:
                           timeout=300, env=_env(KVMEM_PYTHON=sys.executable, **env))
 
 
-def test_gpu_check_plan_for_a_bare_h200_fits_its_time():
-    """A bare H200 host: 16 cores, no NIXL, no sglang, no pytest-benchmark.  The plan puts
-    the small kernel grid first, skips the steps those packages carry (saying which), and
-    the budgets of the rest, each sized from its kernels, fit the time limit."""
-    p = _gpu_check("--plan", KVMEM_GPU_CORES="16",
-                   KVMEM_GPU_WITHOUT="nixl sglang pytest-benchmark")
+def _plan(**env) -> tuple[dict[str, str], dict[str, int], str]:
+    """``--plan`` on a bare H200 host (16 cores, no NIXL, no sglang, no pytest-benchmark):
+    ({step: would}, {step: budget}, stdout), steps in their order."""
+    env = {"KVMEM_GPU_CORES": "16", "KVMEM_GPU_WITHOUT": "nixl sglang pytest-benchmark", **env}
+    p = _gpu_check("--plan", **env)
     assert p.returncode == 0, p.stderr
-    lines = [x for x in p.stdout.splitlines() if x.startswith("plan ")]
-    steps = [x.split()[1] for x in lines if "budget=" in x]
-    assert steps[0] == "smoke" and "small kernel grid first" in lines[0], lines
-    assert set(steps) == {"smoke", "disagg", "hardening", "allocator-pool", "pack-grid",
-                          "sglang-staging", "sglang-memory-saver", "bench"}, steps
-    would = {x.split()[1]: x.split("would=")[1] for x in lines if "budget=" in x}
+    lines = [x for x in p.stdout.splitlines() if x.startswith("plan ") and "budget=" in x]
+    would = {x.split()[1]: x.split("would=")[1] for x in lines}
+    budget = {x.split()[1]: int(re.search(r"budget=(\d+)s", x).group(1)) for x in lines}
+    return would, budget, p.stdout
+
+
+def test_gpu_check_plan_for_a_bare_h200_fits_its_time():
+    """The plan puts the small kernel grid first and the benchmarks right after it (the
+    H200 targets are what they measure), runs them without pytest-benchmark, skips the
+    steps NIXL and sglang carry (saying which), and every step that can run on a bare
+    host, the benchmarks included, fits the time limit."""
+    would, budget, out = _plan()
+    steps = list(would)
+    assert steps[:2] == ["smoke", "bench"], steps
+    assert "small kernel grid first" in out.splitlines()[0]
+    assert set(steps) == {"smoke", "bench", "gpu-paths", "disagg", "pack-grid",
+                          "sglang-staging", "sglang-memory-saver"}, steps
     assert would["disagg"].startswith("skip: NIXL is not importable")
     assert would["sglang-staging"].startswith("skip: sglang is not importable")
     assert would["sglang-memory-saver"].startswith("skip: sglang or torch_memory_saver")
-    assert would["bench"].startswith("skip: pytest-benchmark is not importable")
-    for name in ("smoke", "hardening", "allocator-pool", "pack-grid"):
+    for name in ("smoke", "bench", "gpu-paths", "pack-grid"):
         assert would[name].startswith("run"), (name, would[name])
-    assert "processes=8" in next(x for x in lines if x.startswith("plan pack-grid"))
-    total = re.search(r"plan total: (\d+)s of budgets .*, (\d+)s allowed", p.stdout)
-    assert total and int(total.group(1)) <= int(total.group(2)) <= 290, p.stdout
+    assert "processes=8" in next(x for x in out.splitlines() if x.startswith("plan pack-grid"))
+    total = re.search(r"plan total: (\d+)s of budgets .*, (\d+)s allowed", out)
+    assert total and int(total.group(1)) <= int(total.group(2)) <= 290, out
     # with every package there, what does not fit is said to be out of time
     p = _gpu_check("--plan", KVMEM_GPU_CORES="16")
     assert p.returncode == 0 and "would=skip: out of time" in p.stdout, p.stdout
 
 
+def test_gpu_check_budgets_the_start_of_every_shard():
+    """8 pytest processes starting at once on one GPU take longer than one: the sharded
+    step's budget grows with each process's share of the start (KVMEM_GPU_START_EXTRA_S),
+    a single process's does not."""
+    _, one, _ = _plan(KVMEM_GPU_START_EXTRA_S="1", KVMEM_GPU_CHECK_SECONDS="3000")
+    _, three, _ = _plan(KVMEM_GPU_START_EXTRA_S="3", KVMEM_GPU_CHECK_SECONDS="3000")
+    assert three["pack-grid"] - one["pack-grid"] == 7 * 2
+    assert all(three[s] == one[s] for s in one if s != "pack-grid")
+
+
+def _archive(outdir) -> dict[str, bytes]:
+    """OUTDIR of a run: at most 8 files (what the device tool returns), the archive and the
+    end screen; the archive's files by name."""
+    names = sorted(os.listdir(outdir))
+    assert names == ["kvmem-gpu-check.tar.gz", "summary.txt"], names
+    with tarfile.open(os.path.join(outdir, "kvmem-gpu-check.tar.gz")) as tar:
+        return {os.path.normpath(m.name): tar.extractfile(m).read()
+                for m in tar.getmembers() if m.isfile()}
+
+
 def test_gpu_check_step_runner(tmp_path):
-    """--selftest: a pass, a failure, a step killed at its budget, a sharded step, a step
-    that cannot run here; one line each, the table, the exit status of a failure."""
+    """--selftest: a pass, a failure, a step stopped at its budget, one that ignores
+    SIGTERM (killed KILL_S later), a sharded step, a step that cannot run here; one line
+    each, the table, the exit status of a failure; one archive and the end screen."""
+    t = time.monotonic()
     p = _gpu_check("--selftest", str(tmp_path), KVMEM_GPU_BASE_S="1", KVMEM_GPU_CORES="4")
     assert p.returncode == 1, p.stdout + p.stderr
-    summary = (tmp_path / "summary.txt").read_text().splitlines()
-    assert summary[0].startswith("[pass] ran: 3 passed, 1 skipped") and summary[0].endswith("| ok")
-    assert summary[1].startswith("[fail] ran: 1 failed, 2 passed") and "FAILED (exit 1)" in summary[1]
-    assert summary[2].startswith("[slow] ") and "TIMEOUT (ran past its 2s budget)" in summary[2]
-    assert summary[3].startswith("[sharded] ran: 1 passed in 0.01s;1 passed in 0.01s")
-    assert summary[4] == "[missing] skipped: a package is not importable here | a step that cannot run here"
-    assert summary[-1].startswith("gpu_check: 2 ran ok, 2 failed, 1 skipped")
-    rows = [r.split("\t") for r in (tmp_path / "steps.tsv").read_text().splitlines()]
+    assert time.monotonic() - t < 40  # the stubborn step did not sleep its 60 s
+    files = _archive(tmp_path)
+    run = files["run.txt"].decode().splitlines()
+    assert run[0].startswith("[pass] ran: 3 passed, 1 skipped") and run[0].endswith("| ok")
+    assert run[1].startswith("[fail] ran: 1 failed, 2 passed") and "FAILED (exit 1)" in run[1]
+    assert run[2].startswith("[slow] ") and "TIMEOUT (ran past its 2s budget)" in run[2]
+    assert run[3].startswith("[stubborn] ") and "TIMEOUT (ran past its 2s budget)" in run[3]
+    assert run[4].startswith("[sharded] ran: 1 passed in 0.01s;1 passed in 0.01s")
+    assert run[5] == "[missing] skipped: a package is not importable here | a step that cannot run here"
+    assert run[-1].startswith("gpu_check: 2 ran ok, 3 failed, 1 skipped")
+    rows = [r.split("\t") for r in files["steps.tsv"].decode().splitlines()]
     assert rows[0][:4] == ["step", "status", "seconds", "budget"]
     assert [r[:2] for r in rows[1:]] == [["pass", "ok"], ["fail", "FAILED"], ["slow", "TIMEOUT"],
-                                        ["sharded", "ok"], ["missing", "skipped"]]
-    log = (tmp_path / "sharded.log").read_text()
+                                        ["stubborn", "TIMEOUT"], ["sharded", "ok"],
+                                        ["missing", "skipped"]]
+    log = files["sharded.log"].decode()
     assert "shard 0/2" in log and "shard 1/2" in log
+    screen = (tmp_path / "summary.txt").read_text()
+    assert screen == files["summary.txt"].decode() and screen in p.stdout
+    assert "stubborn" in screen and "no benchmark report" in screen
+
+
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    """--dry-run on this CPU machine as a bare H200 host would run (no NIXL, no sglang, no
+    pytest-benchmark): the probes, the CUDA test steps collected, the benchmarks at smoke
+    sizes on the CPU with bench/timer.py, the end screen with every target, one archive.
+    Budgets and the limit are raised: this is about what runs, not how fast this VM is."""
+    p = _gpu_check("--dry-run", str(tmp_path), KVMEM_GPU_CORES="4",
+                   KVMEM_GPU_WITHOUT="nixl sglang pytest-benchmark",
+                   KVMEM_GPU_BASE_S="240", KVMEM_GPU_CHECK_SECONDS="6000")
+    assert p.returncode == 0, p.stdout[-8000:] + p.stderr[-3000:]
+    files = _archive(tmp_path)
+    tsv = [r.split("\t") for r in files["steps.tsv"].decode().splitlines()[1:]]
+    status = {r[0]: r[1] for r in tsv}
+    assert status == {"smoke": "ok", "bench": "ok", "gpu-paths": "ok", "disagg": "skipped",
+                      "pack-grid": "ok", "sglang-staging": "skipped",
+                      "sglang-memory-saver": "skipped"}, tsv
+    assert re.match(r"6/\d+ tests collected", next(r[7] for r in tsv if r[0] == "smoke"))
+    report = json.loads(files["bench-cpu.json"])
+    assert report["smoke"] is True
+    assert {"cpu-pack.png", "cpu-allocator.png", "cpu-release.png", "env.txt", "run.txt",
+            "bench.log", "summary.txt"} <= set(files), sorted(files)
+    screen = (tmp_path / "summary.txt").read_text().splitlines()
+    assert len(screen) <= 60, len(screen)  # one screen
+    text = "\n".join(screen)
+    assert "SMOKE RUN" in text and "targets:" in text and "figures" in text
+    for target in ("pack gqa-bf16, page size >= 16", "unpack gqa-bf16, page size >= 16",
+                   "pack P1 >= 3x faster", "release 2 GiB", "resume 2 GiB"):
+        assert target in text, (target, text)
+    assert "\n".join(screen) in p.stdout  # printed at the end
 
 
 def test_gpu_grid_parts_partition_the_pack_grid():
