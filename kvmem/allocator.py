@@ -113,7 +113,10 @@ class PageAllocator:
       always runs.
     - CUDA: every call runs on the allocator's device and its one stream (``stream=``,
       else the device's current stream at construction), ordered against the caller's
-      stream without a host sync.  CPU: no stream; ``stream=`` is refused.
+      stream without a host sync; the state above is allocated on that stream too, so
+      dropping an allocator whose stream still has work queued frees nothing the
+      caller's stream could reuse before that work ends.  CPU: no stream; ``stream=`` is
+      refused.
     - Not thread-safe (the counts are host ints): one thread, or the caller's lock.  Two
       allocators share nothing.
 
@@ -138,10 +141,17 @@ class PageAllocator:
         self.device = device
         self._cap = num_pages - 1
         self._on_cuda = device.type == "cuda"
-        self._ring = torch.empty(self._cap, dtype=torch.int64, device=device)
-        # One entry more than there are pages, always 0, which the CPU free check uses
-        # (kvmem.kernels.alloc.free_pages_cpu); _owned is the map proper.
-        self._owned_ext = torch.zeros(num_pages + 1, dtype=torch.int32, device=device)
+        # The state is made on the allocator's stream, as all its later work runs: CUDA's
+        # caching allocator ties a block to the stream it was allocated on and hands it
+        # out again on that stream once freed, so state made on the caller's stream
+        # could be reused there while this allocator's stream still wrote it (after the
+        # allocator is dropped with work queued).
+        with self._on_stream():
+            self._ring = torch.empty(self._cap, dtype=torch.int64, device=device)
+            # One entry more than there are pages, always 0, which the CPU free check
+            # uses (kvmem.kernels.alloc.free_pages_cpu); _owned is the map proper.
+            self._owned_ext = torch.zeros(num_pages + 1, dtype=torch.int32, device=device)
+            self._err = torch.empty(4, dtype=torch.int64, device=device)
         self._owned = self._owned_ext[:num_pages]
         # CPU: numpy views of the state (zero copy) for the take/free bookkeeping
         self._ring_np = self._ring.numpy() if device.type == "cpu" else None
@@ -154,7 +164,6 @@ class PageAllocator:
         cpu_py = device.type == "cpu" and not self._use_triton
         self._ring_mv = memoryview(self._ring_np) if cpu_py else None
         self._owned_mv = memoryview(self._owned_np[:num_pages]) if cpu_py else None
-        self._err = torch.empty(4, dtype=torch.int64, device=device)
         # CPU free's scratch (kvmem.kernels.alloc.free_pages_cpu), this allocator's own
         self._marks = K.free_marks(min(self._cap, 1024)) if device.type == "cpu" else None
         self._group: list[tuple[torch.Tensor, bool]] | None = None

@@ -108,6 +108,41 @@ def test_free_group_applies_on_the_allocators_stream(monkeypatch):
     assert a.num_free == 8
 
 
+def test_state_is_allocated_on_the_allocators_stream(monkeypatch):
+    """CUDA's caching allocator hands a freed block out again on the stream it was
+    allocated on.  State allocated on the caller's stream and written on the allocator's
+    could go to the caller's next tensor while the allocator's stream still writes it
+    (the allocator dropped with work queued); allocated on the allocator's stream, it
+    cannot."""
+    log, current = [], ["caller"]
+    monkeypatch.setattr(kvmem.allocator, "_own_stream",
+                        lambda device, stream: _Stream("own", log))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: _Stream(current[-1], log))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    @contextlib.contextmanager
+    def on(s):
+        current.append(s.name)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    made = []
+    for name in ("empty", "zeros"):
+        real = getattr(torch, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            if kwargs.get("device") is not None:  # the allocator's own device tensors
+                made.append((_name, current[-1]))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, spy)
+    PageAllocator(9, 1)
+    assert len(made) == 3 and {s for _, s in made} == {"own"}, made  # _ring, _owned, _err
+
+
 # -- reset makes no host tensor (so no host-to-device copy on CUDA) --------------------
 
 
