@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from kvmem.kernels.pack import plan as P
@@ -92,3 +93,14 @@ def test_threads_asking_for_the_same_plans_get_the_same_objects():
     assert errors == []
     for r in results[1:]:
         assert all(a is b for a, b in zip(r, results[0])) and len(r) == len(keys)
+
+
+@pytest.mark.parametrize("device", ["meta"])
+def test_layers_on_a_device_are_refused(device):
+    """A tensor of layer indices on a device would be read on the host on every call (a
+    hidden sync on CUDA): refused, naming the device; a CPU tensor is fine."""
+    ks, vs = _model(7)
+    with pytest.raises(ValueError, match=rf"layers is a tensor on {device}: reading it "
+                                         r"would cost a host sync"):
+        P.make_plan(ks, vs, None, torch.tensor([0, 1], device=device), None)
+    assert P.make_plan(ks, vs, None, torch.tensor([1, 0]), None).layers == (1, 0)

@@ -107,9 +107,16 @@ def _kind(view: torch.Tensor, unit: int, h0: int, nh: int) -> _Kind:
 
 
 def _check_layers(layers, num_layers: int) -> tuple[int, ...]:
+    """``layers`` (None: all; else a sequence of distinct layer indices, a CPU tensor
+    included) as a tuple.  A tensor on another device is refused: reading its values on
+    the host would be a hidden sync (CUDA) on every call."""
     if layers is None:
         return tuple(range(num_layers))
     if isinstance(layers, torch.Tensor):
+        if layers.device.type != "cpu":
+            raise ValueError(
+                f"layers is a tensor on {layers.device}: reading it would cost a host sync "
+                "on every call; pass a list, a tuple or a CPU tensor of layer indices")
         layers = layers.tolist()
     try:
         out = tuple(layers)
