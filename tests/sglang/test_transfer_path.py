@@ -273,3 +273,26 @@ def test_a_childs_result_is_read_past_what_ucx_prints_after_it():
     assert last_json('[{"a": 1}]') == [{"a": 1}]
     with pytest.raises(ValueError, match="no JSON line"):
         last_json(ucx)
+
+
+def test_transfer_counters_add_up_across_threads():
+    # every transfer worker thread adds to the same counters
+    import threading
+
+    from kvmem_sglang.transfer import Stats
+
+    stats, n, threads = Stats(), 20000, 4
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    try:
+        workers = [threading.Thread(target=lambda: [stats.add(waits=1, naps=2)
+                                                    for _ in range(n)])
+                   for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert stats.as_dict()["waits"] == n * threads and stats.naps == 2 * n * threads
+

@@ -75,6 +75,7 @@ import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -108,7 +109,8 @@ NAP_MAX_S = 1e-3
 
 @dataclass
 class Stats:
-    """What the path did in this process (all managers)."""
+    """What the path did in this process (all managers); the transfer workers of every
+    manager add to it, under one lock."""
 
     sends: int = 0            # send_kvcache calls served here
     fallbacks: int = 0        # send_kvcache calls left to sglang (geometry not served)
@@ -125,16 +127,23 @@ class Stats:
     naps: int = 0             # sleeps inside them
     unsettled: int = 0        # waits that gave up on a write (rooms poisoned)
 
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        with self._lock:
+            return asdict(self)
 
     def add(self, **counts: int) -> None:
         """Add to the named counters, here and in ``kvmem_sglang_transfer_total{what}``
-        (sglang's ``/metrics``, where prometheus_client imports)."""
-        for what, n in counts.items():
-            setattr(self, what, getattr(self, what) + n)
-            if _COUNTER is not None and n:
-                _COUNTER.labels(what=what).inc(n)
+        (sglang's ``/metrics``, where prometheus_client imports; its counters lock
+        themselves)."""
+        with self._lock:
+            for what, n in counts.items():
+                setattr(self, what, getattr(self, what) + n)
+        if _COUNTER is not None:
+            for what, n in counts.items():
+                if n:
+                    _COUNTER.labels(what=what).inc(n)
 
 
 _COUNTER = audit.prometheus_counter(
