@@ -408,14 +408,23 @@ def _dst_of(mgr, chunk, peer: str, rec: _Ahead) -> bool:
 
 def _uncount(mgr, rec: _Ahead, drop: bool = False) -> None:
     """Undo a chunk's count (its write settled or never went); send a pending ABORT_ACK
-    that waited for it."""
+    that waited for it.  No entry is made or left below zero: the worker drops a room's
+    whole count when it skips the room (cleared, or Failed: nixl/conn.py:1620-1648), and
+    then there is nothing of this chunk's left to undo; an entry that reaches zero is
+    dropped where the room is gone (nothing would drop it) or ``drop`` (made for this
+    count).  Runs on the worker thread that counts the room's chunks."""
     if not rec.counted:
         return
     rec.counted = False
     counts = mgr._staging_outstanding
-    counts[rec.room] -= 1
-    if drop and counts.get(rec.room, 0) <= 0:
-        counts.pop(rec.room, None)
+    n = counts.get(rec.room)
+    if n is not None:
+        if n > 1:
+            counts[rec.room] = n - 1
+        elif drop or rec.room not in mgr.request_status:
+            counts.pop(rec.room, None)
+        else:
+            counts[rec.room] = 0
     if mgr.enable_deferred_decode_kv_release:
         mgr._maybe_ack_drained_abort(rec.room)
 
