@@ -33,6 +33,9 @@ What this module changes: how the bytes of those sends move, nothing else.  Thre
 * ``_await_handles``: sglang's contract (wait while every handle is healthy; once one
   failed, at most ``NIXL_ERR_SETTLE_TIMEOUT_S`` more; an unreadable state fails), with
   growing sleeps between polls instead of ``sleep(0)``, and the handles above expanded.
+  One addition: the worker's wait on a write cut short by a post NIXL refused (below)
+  raises sglang's ``_NixlPostError`` once the pieces posted settled, so that sglang's
+  worker treats its room as it treats the owner of a refused post.
 
 Chunks sent ahead of their turn.  Such a chunk is counted in the manager's
 ``_staging_outstanding`` before it is checked (as the worker counts a chunk at dequeue,
@@ -44,13 +47,29 @@ anything (DONE), or sends it again on its own (the write failed).  If the owner'
 gives up on the write (a state that cannot be read, or a sibling ERR and the rest still
 in flight after ``NIXL_ERR_SETTLE_TIMEOUT_S``), the rooms sent ahead in it are poisoned as
 sglang poisons such a room (no ABORT_ACK; the decode falls back to its release timeout)
-and stay counted; when the worker reaches each, it waits for that write again (bounded),
-and the wait that sees it settle uncounts them: they end Success if it is DONE (sent
-again if ERR), and only a write that never settles keeps them counted.  A post NIXL
-refuses part-way poisons every room sent ahead in it, as sglang poisons its owner; they
-are uncounted and sent again on their own turn.  Statuses
-are not touched: a room sent ahead stays WaitingForInput until the worker reaches it and
-runs sglang's own code for it (Transferring, aux, Success or Failed, notifications).
+and stay counted.  When the worker reaches each, ``send_kvcache`` waits for that write
+again (at most ``NIXL_ERR_SETTLE_TIMEOUT_S``), and the wait that sees it settle uncounts
+them: the room ends Success if it is DONE and is sent again if it is ERR.  Still
+unsettled, it goes to the worker, whose wait reads it once more: the room then fails as
+sglang fails a room whose write it gave up on (poisoned, counted).  Only a write that
+never settles keeps them counted.  Statuses are not touched: a room sent ahead stays
+WaitingForInput until the worker reaches it and runs sglang's own code for it
+(Transferring, aux, Success or Failed, notifications).
+
+A write cut short (NIXL refuses to create or to post one of its pieces).  Before any
+piece was posted nothing is in flight: the error goes to the owner as sglang's own send
+raises it, and the rooms sent ahead are uncounted and sent again on their own turn
+(poisoned first if NIXL refused a post: its writes may still land, and sglang never ACKs
+the room of such a post, nixl/conn.py:1942).  Once a piece was posted, nothing posted is
+dropped (sglang never abandons a posted handle either): the pieces posted are the write,
+which ends ERR once they settle (it carries only part of the pages).  The owner's wait
+waits for them (bounded, as after a sibling's ERR): settled, the owner fails and is
+uncounted (its decode may free its pages); unsettled, it fails as sglang fails a room
+whose write it gave up on (poisoned, counted).  The rooms sent ahead stay counted until
+the pieces settle, as above, and are then sent again on their own turn.  After a refused
+post every room of the write is poisoned: the rooms sent ahead at once, the owner by
+sglang's own rule for a refused post (the owner's wait raises ``_NixlPostError`` once the
+pieces posted settled).
 
 Served geometry (anything else, e.g. pipeline parallelism, DCP relayout, hybrid MLA,
 mixed memory kinds, heterogeneous TP or staging, goes to sglang's own ``send_kvcache``):
@@ -126,6 +145,7 @@ class Stats:
     waits: int = 0            # _await_handles calls
     naps: int = 0             # sleeps inside them
     unsettled: int = 0        # waits that gave up on a write (rooms poisoned)
+    cut_short: int = 0        # merged writes cut short once a piece was posted (not in batches)
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
@@ -155,19 +175,30 @@ _TLS = threading.local()  # .queue: the FastQueue the calling worker thread serv
 
 
 class Batch:
-    """One merged write: its NIXL handles and the chunks sent ahead in it.
+    """One merged write: its NIXL handles (those posted) and the chunks sent ahead in it.
 
     ``state``: "PROC" until every handle settled, then "DONE" or "ERR".  ``failed``: a
-    handle was seen ERR (a wait on it is then bounded)."""
+    handle was seen ERR, or a wait gave up on it, or it was cut short (a wait on it is
+    then bounded).  ``cut_short``: why a piece after the first posted one never went (the
+    write then ends ERR); ``refused``: that reason was a post NIXL refused (its writes
+    may still land); ``raised``: a wait raised sglang's post error for it.  ``until``: a
+    wait in ``send_kvcache`` gave up on it then; the worker's wait that follows reads it
+    once, without a bound of its own."""
 
     def __init__(self, natives: list, ahead: list, nbytes: int, descs: int):
         self.natives, self.ahead = natives, ahead
         self.nbytes, self.descs = nbytes, descs
         self.state, self.failed = "PROC", False
+        self.cut_short: str | None = None
+        self.refused: BaseException | None = None
+        self.raised = False
+        self.until: float | None = None
 
     def __repr__(self):
+        cut = f", cut short: {self.cut_short}" if self.cut_short else ""
         return (f"kvmem Batch({len(self.natives)} NIXL write(s), {self.descs} descriptor(s), "
-                f"{self.nbytes} bytes, {len(self.ahead)} chunk(s) sent ahead, {self.state})")
+                f"{self.nbytes} bytes, {len(self.ahead)} chunk(s) sent ahead, "
+                f"{self.state}{cut})")
 
 
 class Settled:
@@ -271,17 +302,22 @@ def transfer_worker(original, mgr, queue, *args, **kwargs):
 def send_kvcache(original, mgr, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
                  dst_gpu_id, dst_mem_kind="VRAM"):
     """AROUND ``NixlKVManager.send_kvcache``: see the module docstring.  Returns a
-    :class:`Batch` (posted), a :class:`Settled` (sent ahead, DONE) or what sglang's own
-    send returns."""
+    :class:`Batch` (posted, possibly cut short, or a write sent ahead that is still
+    unsettled), a :class:`Settled` (sent ahead, DONE) or what sglang's own send returns."""
     st = _state(mgr)
     rec = st.take(prefill_kv_indices)
     if rec is not None:
         same = rec.peer == peer_name and np.array_equal(rec.dst, dst_kv_indices)
-        if same and rec.batch is not None and rec.batch.state == "DONE":
+        batch = rec.batch if same else None
+        if batch is not None and batch.state == "PROC":
+            _wait_again(mgr, batch)  # its owner's wait gave up on it
+            if batch.state == "PROC":
+                return batch  # the worker's wait reads it once more, then gives up
+            if batch.state == "DONE":
+                return Settled(batch)
+        elif batch is not None and batch.state == "DONE":
             STATS.add(ahead_done=1)
-            return Settled(rec.batch)
-        if same and rec.batch is not None and rec.batch.state == "PROC":
-            return rec.batch  # its owner's wait gave up on it: wait on it (bounded)
+            return Settled(batch)
         STATS.add(resent=1)  # the write failed (or never went): send the chunk again
     geo = _geometry(mgr, peer_name, dst_kv_ptrs, dst_mem_kind, dst_gpu_id)
     if geo is None or len(prefill_kv_indices) != len(dst_kv_indices) or not len(dst_kv_indices):
@@ -296,31 +332,55 @@ def send_kvcache(original, mgr, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_
     try:
         return _post(mgr, geo, peer_name, [(src, dst)] + [(a.src, a.dst) for a in ahead],
                      ahead)
-    except BaseException:
-        for a in ahead:  # _post settled what it had posted: nothing of theirs in flight
+    except Exception:
+        for a in ahead:  # _post raises only before it posted anything: nothing in flight
             _uncount(mgr, a)
         raise
 
 
 def await_handles(original, mgr, handles, *, failure_seen):
     """AROUND ``NixlKVManager._await_handles``: ``(settled, any_failed)`` as sglang's,
-    over NIXL handles, :class:`Batch` and :class:`Settled` handles alike."""
+    over NIXL handles, :class:`Batch` and :class:`Settled` handles alike (a Batch an
+    earlier wait concluded is not read again).  A write in ``handles`` that a refused post
+    cut short, once its pieces posted settled: at the worker's barrier (``failure_seen``
+    False) this raises sglang's ``_NixlPostError``, and the worker poisons the room and
+    uncounts it, as for its own refused post; in the wait of the worker's failure path
+    (which must not raise) after some other error, the write reads as unsettled, and the
+    worker poisons the room and keeps it counted."""
+    from sglang.srt.disaggregation.nixl import conn
+
     STATS.add(waits=1)
-    natives, batches, bounded = [], [], False
+    natives, batches, bounded, failed, until = [], [], False, False, None
     for h in handles:
         if isinstance(h, Settled):
             continue
         if isinstance(h, Batch):
-            if h not in batches:
-                batches.append(h)
-                natives += h.natives
-                bounded = bounded or h.failed
+            if h in batches:
+                continue
+            batches.append(h)
+            if h.state != "PROC":
+                failed = failed or h.state == "ERR"
+                continue
+            natives += h.natives
+            bounded = bounded or h.failed
+            if h.until is not None:
+                until = h.until if until is None else min(until, h.until)
+                h.until = None
             continue
         natives.append(h)
-    settled, failed, states = _settle(mgr, natives, failure_seen, bounded)
+    settled, any_failed, states = _settle(mgr, natives, failure_seen, bounded, until)
     for b in batches:
         _conclude(mgr, b, states)
-    return settled, failed
+        failed = failed or b.state == "ERR"
+    refused = [b for b in batches if b.refused is not None and not b.raised]
+    if settled and refused:
+        if failure_seen:
+            return False, True
+        for b in refused:
+            b.raised = True
+        raise conn._NixlPostError(f"KVSender failed to post transfer: {refused[0]!r}") \
+            from refused[0].refused
+    return settled, failed or any_failed
 
 
 # -- the send ---------------------------------------------------------------------------------
@@ -451,9 +511,11 @@ def split_pieces(descriptors: int, nbytes: int) -> int:
 
 
 def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
-    """Post the merged runs of ``pairs`` as up to SPLIT NIXL writes; the Batch.  On a
-    refused post, what was posted is settled first (bounded), then sglang's post error
-    is raised as its own ``_post_xfer`` would raise it."""
+    """Post the merged runs of ``pairs`` as up to SPLIT NIXL writes; the Batch, whose
+    chunks sent ahead are recorded.  A piece NIXL refuses (not created, or its post
+    refused) before any was posted: the error is raised as sglang's own send raises it
+    (rooms sent ahead poisoned first if a post was refused).  After one was posted: the
+    Batch of the pieces posted, cut short (module docstring); nothing waits here."""
     from sglang.srt.disaggregation.nixl import conn
 
     rs, rd, lens, npairs = _runs(pairs)
@@ -465,32 +527,41 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
     ld = np.stack([src_addr, nbytes, np.full_like(src_addr, geo.src_dev)], axis=1)
     rdsc = np.stack([dst_addr, nbytes, np.full_like(dst_addr, geo.dst_dev)], axis=1)
     agent = mgr.agent
-    natives = []
+    posted = []
     pieces = split_pieces(int(ld.shape[0]), int(nbytes.sum()))
+    cut = None
     try:
         for lpart, rpart in zip(np.array_split(ld, pieces), np.array_split(rdsc, pieces)):
             h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(lpart, geo.src_kind),
                                       agent.get_xfer_descs(rpart, geo.dst_kind), peer)
             if not h:
                 raise RuntimeError("KVSender failed to create transfer")
-            natives.append(h)
             mgr._post_xfer(h, "KVSender failed to post transfer")
-    except BaseException as e:
-        settled, _, _ = _settle(mgr, natives, True)
-        if not settled or isinstance(e, conn._NixlPostError):
-            # a write of theirs may still land (unsettled, or in a post NIXL refused, which
-            # sglang treats so for its owner, nixl/conn.py:1942): no ACK for those rooms.
-            # They are uncounted all the same (send_kvcache) and sent again on their own
-            # turn, as sglang uncounts the owner of a refused post.
+            posted.append(h)
+    except Exception as e:
+        if isinstance(e, conn._NixlPostError):
+            # that post's writes may still land (sglang never ACKs its room for it,
+            # nixl/conn.py:1942): nor the rooms sent ahead in it
             for a in ahead:
                 mgr.poison_deferred_ack_room(a.room)
-        raise
-    batch = Batch(natives, ahead, int(nbytes.sum()), int(ld.shape[0]))
+        if not posted:
+            raise  # nothing in flight: send_kvcache uncounts the rooms sent ahead
+        cut = e
+    batch = Batch(posted, ahead, int(nbytes.sum()), int(ld.shape[0]))
     st = _state(mgr)
     for a in ahead:
         a.batch = batch
         st.put(a)
-    STATS.add(batches=1, nixl_writes=len(natives), chunks=1 + len(ahead),
+    if cut is not None:
+        batch.cut_short = f"piece {len(posted) + 1} of {pieces}: {cut}"
+        batch.refused = cut if isinstance(cut, conn._NixlPostError) else None
+        batch.failed = True
+        logger.warning("kvmem-sglang: a merged write to %s was cut short after %d of %d "
+                       "NIXL write(s) were posted (%s); the rooms in it are held until "
+                       "those settle", peer, len(posted), pieces, cut)
+        STATS.add(cut_short=1, nixl_writes=len(posted))
+        return batch
+    STATS.add(batches=1, nixl_writes=len(posted), chunks=1 + len(ahead),
               sent_ahead=len(ahead), index_pairs=npairs * planes,
               descriptors=int(ld.shape[0]), bytes=batch.nbytes)
     return batch
@@ -498,22 +569,26 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
 
 # -- the wait ---------------------------------------------------------------------------------
 
-def _settle(mgr, handles: list, failure_seen: bool,
-            bounded: bool = False) -> tuple[bool, bool, dict]:
+def _settle(mgr, handles: list, failure_seen: bool, bounded: bool = False,
+            until: float | None = None) -> tuple[bool, bool, dict]:
     """Poll NIXL ``handles`` until each is DONE or ERR: ``(settled, any_failed, states by
     id)``.  sglang's rules (nixl/conn.py:1096): unbounded while none failed; from the first
     ERR (or ``failure_seen``) at most ``NIXL_ERR_SETTLE_TIMEOUT_S``, polled every
     ``NIXL_ERR_SETTLE_POLL_S``; a state that cannot be read ends the wait as failed and
     unsettled (it does not prove the write is over).  ``bounded``: the same bound from the
     start, without counting as a failure (a write an earlier wait gave up on: failed only
-    if a handle now reads ERR or still does not settle)."""
+    if a handle now reads ERR or still does not settle).  ``until`` (``time.time()``): the
+    bound ends then instead (once read, however early)."""
     from sglang.srt.disaggregation.nixl import conn
 
     states: dict[int, str] = {}
     pending = list(handles)
     failed = failure_seen
-    deadline = (time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S
-                if failure_seen or bounded else None)
+    if until is not None:
+        deadline = until
+    else:
+        deadline = (time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S
+                    if failure_seen or bounded else None)
     nap = NAP_MIN_S
     naps = 0  # counted once the wait ends: nothing but the sleep between polls
     try:
@@ -548,14 +623,14 @@ def _settle(mgr, handles: list, failure_seen: bool,
 
 
 def _conclude(mgr, batch: Batch, states: dict) -> None:
-    """After a wait on ``batch``: DONE or ERR once every handle settled, and its chunks
-    sent ahead uncounted; else it stays PROC, marked failed (a later wait on it is
-    bounded), and their rooms poisoned (no ABORT_ACK: nothing proves the write over) but
-    still counted, as sglang keeps a room whose write it gave up on.  Unlike sglang's own
-    handles, the batch is waited for again when the worker reaches each of those rooms
-    (``send_kvcache`` hands it back): the wait that sees it settle uncounts them, so a
-    room sent ahead in it ends Success (DONE) or is sent again (ERR) instead of staying
-    Transferring until its transfer timeout."""
+    """After a wait on ``batch``: DONE or ERR once every handle settled (ERR if it was
+    cut short), and its chunks sent ahead uncounted; else it stays PROC, marked failed (a
+    later wait on it is bounded), and their rooms poisoned (no ABORT_ACK: nothing proves
+    the write over) but still counted, as sglang keeps a room whose write it gave up on.
+    Unlike sglang's own handles, the batch is waited for again when the worker reaches
+    each of those rooms (:func:`_wait_again`): the wait that sees it settle uncounts them,
+    so a room sent ahead in it ends Success (DONE) or is sent again (ERR) instead of
+    staying Transferring until its transfer timeout."""
     if batch.state != "PROC":
         return
     got = [states.get(id(h)) for h in batch.natives]
@@ -566,7 +641,18 @@ def _conclude(mgr, batch: Batch, states: dict) -> None:
             if a.counted:
                 mgr.poison_deferred_ack_room(a.room)
         return
-    batch.state = "ERR" if "ERR" in got else "DONE"
+    batch.state = "ERR" if batch.cut_short is not None or "ERR" in got else "DONE"
     batch.failed = batch.state == "ERR"
     for a in batch.ahead:
         _uncount(mgr, a)
+
+
+def _wait_again(mgr, batch: Batch) -> None:
+    """The worker reached a room sent ahead in ``batch``, a write its owner's wait gave
+    up on: wait for it (at most ``NIXL_ERR_SETTLE_TIMEOUT_S``) and conclude it.  Still
+    unsettled: ``batch.until`` is now, so the worker's own wait on it reads it once and
+    gives up (the room waits one bound in all, as sglang's does)."""
+    _, _, states = _settle(mgr, batch.natives, False, bounded=True)
+    _conclude(mgr, batch, states)
+    if batch.state == "PROC":
+        batch.until = time.time()
