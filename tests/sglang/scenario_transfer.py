@@ -109,7 +109,7 @@ class _Agent:
         self.real_send = self.pm.send_kvcache
         self.real_transfer = self.agent.transfer
         self.hold_until = 0.0
-        self.err, self.in_first_send, self.refuse_next, self.sends = set(), False, False, 0
+        self.err, self.in_first_send, self.refuse_next, self.sends = {}, False, False, 0
         self.unreadable, self.post_refused = {}, {}
         self.fault = None
         self.pieces = 0  # NIXL writes the first send created (split rounds)
@@ -130,7 +130,7 @@ class _Agent:
         pm._send_abort_ack = send_abort_ack
 
     def reset(self):
-        self.hold_until, self.err, self.sends, self.fault = 0.0, set(), 0, None
+        self.hold_until, self.err, self.sends, self.fault = 0.0, {}, 0, None
         self.unreadable, self.post_refused = {}, {}
         self.pieces = 0
         self.held, self.held_until, self.held_at, self.settled_at = {}, 0.0, None, None
@@ -147,7 +147,7 @@ class _Agent:
                 self.settled_at = time.monotonic()
             return state
         state = self.real_state(h)
-        if id(h) in self.err and state in ("DONE", "ERR"):
+        if self.err.get(id(h)) is h and state in ("DONE", "ERR"):
             return "ERR"
         if time.monotonic() < self.hold_until and state == "DONE":
             return "PROC"
@@ -155,7 +155,7 @@ class _Agent:
 
     def _made(self, h):
         if self.in_first_send and self.fault == "err":
-            self.err.add(id(h))
+            self.err[id(h)] = h  # by value, as below
         if self.in_first_send and self.fault in ("unreadable", "post_refused") \
                 and self.refuse_next:  # the first write of the first send only
             self.refuse_next = False
