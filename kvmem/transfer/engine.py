@@ -582,13 +582,16 @@ class TransferEngine(abc.ABC):
 
     def drain(self, timeout: float | None = None, peer: str | None = None) -> list[TransferHandle]:
         """Poll every open handle (to ``peer``) until none is PROC; return those that were
-        in flight (now DONE or ERR; not released).  TransferInFlightError after
-        ``timeout`` seconds (None: wait forever), nothing released.  When the transport
-        has no progress thread, the targets' owners must be progressing meanwhile (they
-        are, in their own processes; two engines in one process: drive the other one)."""
+        in flight when called (PROC as last seen: posted and not yet seen to end), now
+        DONE or ERR, not released, whether they ended at drain's first poll or later.
+        TransferInFlightError after ``timeout`` seconds (None: wait forever), nothing
+        released.  When the transport has no progress thread, the targets' owners must
+        be progressing meanwhile (they are, in their own processes; two engines in one
+        process: drive the other one)."""
         self._check_open("drain")
-        todo = self.in_flight(peer)
-        drained = list(todo)
+        drained = [h for h in self._handles.values()
+                   if (peer is None or h.peer == peer) and h.state == "PROC"]
+        todo = [h for h in drained if self._refresh(h) == "PROC"]
         deadline = None if timeout is None else time.monotonic() + timeout
         nap = 20e-6
         while todo:
