@@ -117,21 +117,32 @@ class NixlEngine(TransferEngine):
             engine involved must be driven (``in_flight()`` / ``get_notifs()``), see the
             module docstring for what it gains on a small CPU.
         num_threads: UCX worker threads (0: NIXL's default).
+        agent: an existing NIXL agent named ``name`` to drive instead of creating one
+            (``progress_thread`` and ``num_threads`` are then the agent's own), for a
+            process that keeps agents across engines (a test session: each creation
+            sets up a UCX context and worker).  It must hold nothing of an
+            earlier engine: no registrations, prepared lists, transfers or loaded peers,
+            and no notifications left unread.  ``close()`` leaves it so, and leaves it
+            alive for its owner.
     """
 
     kind = "nixl"
 
     def __init__(self, name: str, backends=("UCX",), *, progress_thread: bool = True,
-                 num_threads: int = 0):
+                 num_threads: int = 0, agent=None):
         super().__init__(name)
-        nixl = import_nixl()
-        conf = nixl.nixl_agent_config(enable_prog_thread=progress_thread,
-                                      num_threads=num_threads, backends=list(backends))
-        try:
-            agent = nixl.nixl_agent(name, conf)
-        except Exception as e:
-            raise TransferError(f"NixlEngine {name!r}: NIXL agent creation failed: "
-                                f"{type(e).__name__}: {e}") from None
+        if agent is None:
+            nixl = import_nixl()
+            conf = nixl.nixl_agent_config(enable_prog_thread=progress_thread,
+                                          num_threads=num_threads, backends=list(backends))
+            try:
+                agent = nixl.nixl_agent(name, conf)
+            except Exception as e:
+                raise TransferError(f"NixlEngine {name!r}: NIXL agent creation failed: "
+                                    f"{type(e).__name__}: {e}") from None
+        elif getattr(agent, "name", None) != name:
+            raise ValueError(f"NixlEngine {name!r}: the agent given is named "
+                             f"{getattr(agent, 'name', None)!r}")
         missing = [b for b in backends if b not in agent.backends]
         if missing:   # NIXL only logs a warning for a missing plugin
             raise TransferError(f"NixlEngine {name!r}: NIXL backend(s) {missing} not available "
@@ -282,5 +293,6 @@ class NixlEngine(TransferEngine):
         return self.agent.get_new_notifs()
 
     def _t_close(self) -> None:
-        # The agent's destructor stops its threads and closes UCX; nothing else holds it.
+        # The agent's destructor stops its threads and closes UCX once nothing holds it
+        # (an agent given to __init__ stays with its owner).
         self.agent = None
