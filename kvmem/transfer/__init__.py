@@ -1,12 +1,14 @@
 """Transfer registration: the :class:`TransferEngine` interface with the epoch guard
-(:mod:`kvmem.transfer.engine`) and the NIXL engine (:mod:`kvmem.transfer.nixl`; NIXL itself
+(:mod:`kvmem.transfer.engine`), the NIXL engine (:mod:`kvmem.transfer.nixl`; NIXL itself
 is imported when a :class:`NixlEngine` is created, so ``import kvmem.transfer`` works
-without it).
+without it) and the loopback engine between agents of one process
+(:mod:`kvmem.transfer.loopback`).
 
-One job a module: ``engine`` (the rules), ``nixl`` (NIXL's agent API), ``errors``,
-``ranges`` (range checks), ``layout`` (block layouts), ``records`` (the values an engine
-hands out), ``envelope`` (the metadata envelope), ``nixl_exit`` (ending a process that
-loaded NIXL).  The rules themselves: docs/transfer.md.
+One job a module: ``engine`` (the rules), ``nixl`` (NIXL's agent API), ``loopback`` (one
+process's agents, host memory), ``errors``, ``ranges`` (range checks), ``layout`` (block
+layouts), ``records`` (the values an engine hands out), ``envelope`` (the metadata
+envelope), ``nixl_exit`` (ending a process that loaded NIXL).  The rules themselves:
+docs/transfer.md.
 """
 
 from kvmem.transfer.engine import TransferEngine
@@ -15,10 +17,12 @@ from kvmem.transfer.errors import (
 )
 from kvmem.transfer.layout import BlockLayout
 from kvmem.transfer.records import BlockTable, Registration, RemoteMemory, TransferHandle
+from kvmem.transfer.loopback import LoopbackEngine, LoopbackFabric
 from kvmem.transfer.nixl import NixlEngine
 
 __all__ = [
-    "TransferEngine", "NixlEngine", "Registration", "RemoteMemory", "TransferHandle",
+    "TransferEngine", "NixlEngine", "LoopbackEngine", "LoopbackFabric", "Registration",
+    "RemoteMemory", "TransferHandle",
     "StaleEpochError", "TransferInFlightError", "MetadataError", "TransferError",
     "EngineClosedError", "BlockLayout", "BlockTable",
 ]
