@@ -58,6 +58,7 @@ _BODY = """
 """
 
 
+@pytest.mark.nixl
 @pytest.mark.parametrize("body, status, err", [
     ("pass", 0, ""),
     ("sys.exit(4)", 4, ""),
@@ -85,6 +86,7 @@ def test_without_nixl_finish_returns_the_status_for_a_normal_exit():
     assert (p.returncode, p.stdout) == (7, "5\n"), p.stderr
 
 
+@pytest.mark.nixl
 def test_a_pytest_run_that_loaded_nixl_ends_after_its_reports(tmp_path):
     """tests/conftest.py's hook (loaded here with -p): a run whose tests created a NIXL
     agent ends with pytest's own status (1: a test failed), its summary printed and its

@@ -48,6 +48,9 @@ if sys.argv[1:] == ["finish"]:
 SYSTEM_LIBNL = "libnl-route-3.so.200"  # the system's; the wheel's is libnl-route-3-<hash>
 
 
+pytestmark = pytest.mark.nixl
+
+
 @pytest.fixture(scope="module")
 def rdma_root(tmp_path_factory):
     """The unpacked packages (None: this machine's processes have them already)."""

@@ -15,6 +15,8 @@ import torch
 
 from bench.twin_64g import Twin, spec_of
 
+pytestmark = pytest.mark.nixl
+
 
 def _edges(t: Twin) -> list[tuple[int, int]]:
     """(plane, page) of the blocks next to each chunk boundary."""
