@@ -4,7 +4,8 @@ pool's regions.  A descriptor across two chunks is refused by NIXL itself
 before NIXL sees it; every prepared descriptor of a pool lies inside one chunk, so every
 page of every plane moves in direct (post_blocks WRITE), pull (READ) and packed
 (pack + write + unpack) modes, for 576- and 1152-byte MLA tokens at page_size 1 and 64
-and for both layouts."""
+and for both layouts.  The engines borrow session-long NIXL agents (tests/nixl_agents.py);
+the rules they share with the loopback engine are tests/transfer/test_engine_contract.py."""
 
 from __future__ import annotations
 
@@ -36,19 +37,23 @@ SPECS = {
 }
 TARGET = 300_000  # several planes a chunk for some shapes, one for others
 
+pytestmark = pytest.mark.nixl
+
 
 @pytest.fixture
-def engines():
+def engines(nixl_agents):
+    """``engines(role)``: a new NixlEngine (no progress thread) over a session-long agent,
+    given back after the test."""
     made = []
 
     def make(role: str) -> NixlEngine:
-        e = NixlEngine(f"{role}-{os.getpid()}-{next(_ids)}", progress_thread=False)
+        e = nixl_agents.engine()
         made.append(e)
         return e
 
     yield make
     for e in made:
-        e.close(timeout=5.0)
+        nixl_agents.give_back(e)
 
 
 def _wait(a: NixlEngine, b: NixlEngine, h) -> None:
