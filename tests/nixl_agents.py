@@ -6,9 +6,14 @@ Creating a NIXL agent (UCX context, worker, backend) took 0.13-0.5 s here and cl
 fresh agents paid both every time.  An engine made
 by :meth:`AgentPool.engine` is a fresh :class:`NixlEngine` (new incarnation, no keys, no
 tombstones, no peers) over an agent another engine used before: ``close()`` leaves the
-agent holding nothing (keys deregistered, lists and handles released, peers removed),
-and :meth:`AgentPool.give_back` drops the notifications still unread before the agent is
-lent again.  A test that needs a *new* agent (a restarted peer) makes its own.
+agent holding nothing (keys deregistered, lists and handles released, peers removed).
+What it may still hold are messages on the wire: a notification one agent sent in a test
+can reach its peer's agent later, in another test, where the same names play other roles
+(seen: a REQ of one test refused by the next test's prefill).  So
+:meth:`AgentPool.give_back` takes back every engine of a test together and drives their
+agents until the wire is quiet, dropping what arrives, before any is lent again.  A test
+that needs a *new* agent (a restarted peer, a peer that dies) makes its own, or
+:meth:`AgentPool.discard` s one.
 
 Agents are made without NIXL's progress thread (it spins a core per agent, for the whole
 session); the tests drive both engines, as the demo's workers do.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 from kvmem.transfer.nixl import NixlEngine, import_nixl
 
@@ -29,7 +35,8 @@ class AgentPool:
         self._idle: list = []
         self._lent: dict[int, object] = {}   # id(engine) -> agent
         self._ids = itertools.count()
-        self.made = 0
+        self.made = 0      # agents created
+        self.dropped = 0   # messages that arrived after their test, dropped
 
     def engine(self) -> NixlEngine:
         """A new engine over an idle agent (one is made when none is idle)."""
@@ -45,18 +52,32 @@ class AgentPool:
         self._lent[id(eng)] = agent
         return eng
 
-    def give_back(self, eng: NixlEngine) -> None:
-        """Close ``eng`` (if open) and take its agent back; an engine that cannot be
-        closed (a write still in flight) keeps its agent out of the pool for good."""
-        agent = self._lent.pop(id(eng), None)
-        if agent is None:
-            return
-        try:
-            eng.close(timeout=5.0)
-        except Exception:
-            return
-        agent.get_new_notifs()
-        self._idle.append(agent)
+    def give_back(self, *engines: NixlEngine, quiet_s: float = 0.02,
+                  limit_s: float = 2.0) -> None:
+        """Close ``engines`` (those still open) and take their agents back, after driving
+        them until none received anything for ``quiet_s`` (at most ``limit_s``): what was
+        still on the wire between them is dropped here, not read by a later test.  An
+        engine that cannot be closed (a write still in flight) keeps its agent out of the
+        pool for good; one not lent by this pool is left alone."""
+        agents = []
+        for eng in engines:
+            agent = self._lent.pop(id(eng), None)
+            if agent is None:
+                continue
+            try:
+                eng.close(timeout=5.0)
+            except Exception:
+                continue
+            agents.append(agent)
+        now = time.monotonic()
+        quiet_since, end = now, now + limit_s
+        while agents and time.monotonic() - quiet_since < quiet_s and time.monotonic() < end:
+            for agent in agents:
+                got = agent.get_new_notifs()
+                if any(got.values()):
+                    self.dropped += sum(len(v) for v in got.values())
+                    quiet_since = time.monotonic()
+        self._idle.extend(agents)
 
     def discard(self, eng: NixlEngine) -> None:
         """Close ``eng`` and let its agent go (its destructor runs): what a peer sees when

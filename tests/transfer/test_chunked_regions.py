@@ -52,8 +52,7 @@ def engines(nixl_agents):
         return e
 
     yield make
-    for e in made:
-        nixl_agents.give_back(e)
+    nixl_agents.give_back(*made)
 
 
 def _wait(a: NixlEngine, b: NixlEngine, h) -> None:

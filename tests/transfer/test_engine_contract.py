@@ -239,9 +239,9 @@ class Engines:
         return f"{role}-{os.getpid()}-{next(_ids)}"
 
     def close(self) -> None:
+        if self.pool is not None:   # closes them; an engine on an agent of its own is left
+            self.pool.give_back(*self.made)
         for e in self.made:
-            if self.pool is not None and e.kind == "nixl":
-                self.pool.give_back(e)   # closes it; an agent of its own is not taken
             if not e.closed:
                 e.close(timeout=5.0)
 

@@ -52,5 +52,4 @@ def test_nixl_itself_does_not_revoke(nixl_agents):
         assert torch.equal(pb.k_buffer[0][8].view(torch.uint8),
                            pa.k_buffer[0][7].view(torch.uint8))
     finally:
-        nixl_agents.give_back(a)
-        nixl_agents.give_back(b)
+        nixl_agents.give_back(a, b)
