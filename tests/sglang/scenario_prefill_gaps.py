@@ -180,6 +180,17 @@ def main() -> dict:
     out["resume_no_tags"] = nt
     nt["after"] = settle()
 
+    # -- 11. release inside the settle window of a transfer that failed while moving ---------
+    import collections
+
+    h.mgr._staging_outstanding = collections.defaultdict(int)
+    h.mgr._kvmem_settle_until = time.monotonic() + SETTLE_S  # what kvmem_sglang.mooncake sets
+    t0 = time.monotonic()
+    sw = {"release": _call(h.release), "release_s": time.monotonic() - t0,
+          "resume": _call(h.resume)}
+    del h.mgr._kvmem_settle_until, h.mgr._staging_outstanding
+    out["settle_window"] = sw
+
     # -- 10. abort_all with nothing to abort -----------------------------------------------
     before = (prefill_stats() or {}).get("unknown_aborts")
     h.abort("", abort_all=True)

@@ -184,3 +184,14 @@ def test_abort_all_with_nothing_running_is_not_an_unknown_rid(runs):
     count)."""
     before, after = runs["on"]["abort_all_idle"]["unknown_aborts"]
     assert before == after
+
+
+def test_release_waits_out_the_settle_window_of_a_failed_transfer(runs):
+    """A Mooncake write that failed may still be moving for a while (its batch returned
+    -1 with slices in flight) while sglang has already uncounted its room: the adapter's
+    Mooncake hook opens a settle window, and a release waits it out before it
+    deregisters and gives the memory back.  Stock releases at once."""
+    off, on = runs["off"]["settle_window"], runs["on"]["settle_window"]
+    assert off["release"]["ok"] and on["release"]["ok"] and on["resume"]["ok"]
+    assert off["release_s"] < SETTLE_S
+    assert SETTLE_S <= on["release_s"] < 1.5, on

@@ -62,12 +62,52 @@ logger = logging.getLogger("kvmem.sglang")
 DRAIN_POLL_S = 0.002
 
 
+# How long a decode rank whose poll says Failed only because another rank's did (the
+# ranks' polls are combined, MIN) waits for its own prefill rank's notice, so that it
+# answers with the prefill's reason and status rather than "unknown reason from another
+# rank" (500).  The prefill ranks send their notices in the same scheduler step; seen on
+# a TP 2 pair here: a few milliseconds apart.  A guess with a wide margin.
+OWN_REASON_WAIT_S = 1.0
+
+
 def hooks() -> list[tuple[str, object, str]]:
     return [
         ("sglang.srt.disaggregation.utils.prepare_abort", prepare_abort, "AROUND"),
         ("sglang.srt.disaggregation.decode.DecodePreallocQueue.pop_preallocated",
          pop_preallocated, "AROUND"),
+        ("sglang.srt.disaggregation.common.conn.CommonKVReceiver.failure_exception",
+         receiver_failure_exception, "AROUND"),
     ]
+
+
+def receiver_failure_exception(original, receiver, *args, **kwargs):
+    """AROUND ``CommonKVReceiver.failure_exception`` on a decode at attention TP > 1.
+
+    Each prefill rank tells its own decode rank that a room failed (sglang's status
+    channel; the kvmem prefill sends its reason and status there), and the decode ranks
+    combine their polls (MIN), so a rank can see Failed before its own notice arrived.
+    sglang then raises "Failed due to an unknown reason from another rank"
+    (``disaggregation/common/conn.py:2946-2955``), and that rank answers 500
+    (``disaggregation/decode.py:2888``), which sglang's router retries, where the rank
+    that had the notice answers the prefill's 503.  Seen on a TP 2 + TP 2 pair with the
+    prefill released: 23 of 85 decode answers 500.  Rank 0's answer is the one the
+    client gets, whichever rank saw the failure first.  So a rank with no record of the
+    room's failure waits up to :data:`OWN_REASON_WAIT_S` for its own notice (the room is
+    still open, so sglang's status thread records it), then raises as sglang does: all
+    ranks answer with the prefill's reason and status."""
+    mgr = getattr(receiver, "kv_mgr", None)
+    room = getattr(receiver, "bootstrap_room", None)
+    records = getattr(mgr, "failure_records", None)
+    if (records is not None and room not in records
+            and int(getattr(mgr, "attn_tp_size", 1) or 1) > 1 and room in mgr.request_status):
+        deadline = time.monotonic() + OWN_REASON_WAIT_S
+        while room not in records and time.monotonic() < deadline:
+            time.sleep(0.002)
+        if room in records:
+            logger.info("kvmem-sglang: room %s: this decode rank's own failure notice came "
+                        "%.3f s after another rank's", room,
+                        OWN_REASON_WAIT_S - (deadline - time.monotonic()))
+    return original(receiver, *args, **kwargs)
 
 
 def pop_preallocated(original, queue, *args, **kwargs):

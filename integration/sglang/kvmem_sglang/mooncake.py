@@ -17,6 +17,12 @@ File:line below are of the installed sglang 0.5.23 (``sglang/srt/``).
   release it refuses the release before any memory is given back.  What is registered
   is the kvmem pool's few regions (``SGLANG_KVMEM_REGISTER=regions``:
   :func:`registerable_regions`) or sglang's one buffer per layer and per K/V.
+* Failed writes.  ``batch_transfer_sync_write`` returns -1 while other slices of the
+  batch may still be in flight (they landed after the -1 once the target registered the
+  region again within milliseconds).  sglang poisons such a room's ABORT_ACK (its decode
+  keeps the pages until its deferred-release timeout, 30 s) but uncounts it at once, so
+  a release right after would deregister and give back memory those slices still read:
+  :func:`poison_unsettled_send` opens a settle window a release waits out.
 * Reasons.  A Mooncake status message carries no failure reason
   (``kv_status_msg_carries_reason`` is False for this manager): a decode learns only
   that the room failed and answers its generic 500 (``DEFAULT_PREFILL_FAILURE_REASON``)
@@ -30,6 +36,7 @@ File:line below are of the installed sglang 0.5.23 (``sglang/srt/``).
 from __future__ import annotations
 
 import logging
+import time
 
 from kvmem_sglang import kvpool, registrations
 from kvmem_sglang.options import AdapterError
@@ -37,6 +44,13 @@ from kvmem_sglang.options import AdapterError
 logger = logging.getLogger("kvmem.sglang")
 
 _MGR = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
+
+
+# Seconds after a Mooncake write that failed during which slices of it may still move:
+# batch_transfer_sync_write returns -1 while other slices of the batch are in flight;
+# measured here (TCP, 8 slices of 1 MiB): they landed within milliseconds once the target
+# registered the region again, and were refused about 1 s after the failure otherwise.
+SETTLE_S = 2.0
 
 
 class RegistrationError(AdapterError):
@@ -47,7 +61,8 @@ class RegistrationError(AdapterError):
 def hooks(opts) -> list[tuple[str, object, str]]:
     """(target, hook, kind) for ``opts`` (:class:`~kvmem_sglang.options.Options`)."""
     out = [(f"{_MGR}.register_buffer_to_engine", register_buffer_to_engine, "AROUND"),
-           (f"{_MGR}.deregister_buffer_to_engine", deregister_buffer_to_engine, "AROUND")]
+           (f"{_MGR}.deregister_buffer_to_engine", deregister_buffer_to_engine, "AROUND"),
+           (f"{_MGR}._poison_unsettled_send", poison_unsettled_send, "AROUND")]
     if opts.register_regions:
         out.append((f"{_MGR}._registerable_regions", registerable_regions, "AFTER"))
     return out
@@ -115,3 +130,18 @@ def deregister_buffer_to_engine(original, manager, *args, **kwargs):
     logger.info("kvmem-sglang: Mooncake %s: deregistered %d region(s), %d bytes "
                 "(batch_deregister returned 0)", _role(manager), len(ptrs), sum(lens))
     return None
+
+
+def poison_unsettled_send(original, manager, room, *args, **kwargs):
+    """AROUND ``MooncakeKVManager._poison_unsettled_send`` (sglang calls it for a write
+    that failed and may still be moving, mooncake/conn.py:2478-2486; it poisons the
+    room's ABORT_ACK so the decode keeps the pages until its deferred-release timeout):
+    also open a settle window of :data:`SETTLE_S` on the manager, which a release of
+    this prefill's KV cache waits out before it deregisters and gives the memory back
+    (``kvmem_sglang.prefill``): sglang's worker uncounts the room at once, and a
+    registration made again at once lets the late slices land (module docstring)."""
+    until = time.monotonic() + SETTLE_S
+    manager._kvmem_settle_until = max(getattr(manager, "_kvmem_settle_until", 0.0), until)
+    logger.warning("kvmem-sglang: Mooncake write of room %s failed and may still move for "
+                   "%.1f s; a release waits that long", room, SETTLE_S)
+    return original(manager, room, *args, **kwargs)

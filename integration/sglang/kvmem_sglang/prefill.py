@@ -651,11 +651,12 @@ def _await_posted_writes(sched) -> None:
                        "again for room(s) %s: an earlier release gave up on their writes",
                        sorted(given_up))
     rooms = busy()
+    start = time.monotonic()
+    deadline, next_log = start + options.active().drain_timeout, start + DRAIN_LOG_S
+    _await_settle_window(mgr, deadline)
     if not rooms:
         return
     STATS.drain_waits += 1
-    start = time.monotonic()
-    deadline, next_log = start + options.active().drain_timeout, start + DRAIN_LOG_S
     logger.info("kvmem-sglang: release_memory_occupation(kv_cache) waits for the writes "
                 "already posted for %d room(s) to settle: %s", len(rooms), rooms)
     while rooms:
@@ -676,6 +677,19 @@ def _await_posted_writes(sched) -> None:
         rooms = busy()
     logger.info("kvmem-sglang: posted writes settled after %.3f s; releasing",
                 time.monotonic() - start)
+
+
+def _await_settle_window(mgr, deadline: float) -> None:
+    """Wait (until ``deadline`` at most) for the settle window a transfer backend opened
+    after a write that failed while parts of it may still be moving
+    (``mgr._kvmem_settle_until``, monotonic seconds; set by ``kvmem_sglang.mooncake``):
+    sglang's worker uncounts such a room at once, so the counts above cannot show it."""
+    until = min(getattr(mgr, "_kvmem_settle_until", 0.0), deadline)
+    wait = until - time.monotonic()
+    if wait > 0:
+        logger.warning("kvmem-sglang: release_memory_occupation(kv_cache) waits %.2f s for "
+                       "the slices of a failed transfer that may still move", wait)
+        time.sleep(wait)
 
 
 # -- transfer-engine registrations: every backend deregisters at release ---------------------
