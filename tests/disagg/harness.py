@@ -1,5 +1,14 @@
-"""A prefill side and a decode side in one process, over two real NIXL agents (UCX), with
-a clock the test advances (timeouts), and fault hooks the test sets per request."""
+"""A prefill side and a decode side in one process, with a clock the test advances
+(timeouts), and fault hooks the test sets per request.
+
+The two sides talk over two loopback engines (kvmem.transfer.loopback: the engine rules
+of kvmem.transfer, bytes copied within the process, states that settle on poll), or over
+two real NIXL agents (UCX) where a test asks for ``engine="nixl"`` (what NIXL itself
+refuses, raw NIXL calls), where the pools are on a CUDA device (VRAM), or for every test
+when ``KVMEM_TEST_ENGINE=nixl`` is set: the lifecycle suite then runs over real NIXL as
+it did before the loopback engine.  tests/transfer/test_engine_contract.py holds both
+engines to the same rules.  NIXL engines borrow session-long agents
+(tests/nixl_agents.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ import ctypes
 import ctypes.util
 import itertools
 import mmap
+import os
 import unittest.mock
 import uuid
 from dataclasses import dataclass, field
@@ -19,7 +29,7 @@ from kvmem.memory import MemoryBackend
 from kvmem.disagg.decode import DecodeFaults, DecodeSide
 from kvmem.disagg.prefill import Faults, PrefillSide
 from kvmem.demo.synth import Synth
-from kvmem.transfer.nixl import NixlEngine
+from kvmem.transfer.loopback import LoopbackEngine
 
 SPEC = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
 
@@ -61,6 +71,55 @@ class TestFaults(Faults, DecodeFaults):
 
 
 _ids = itertools.count()
+
+ENGINES = ("loopback", "nixl")
+# The lifecycle modes every row runs in: push with chunks packed into the landing region,
+# push with chunks written direct (pool pages to the decode's pool pages; threshold 0:
+# every chunk), and pull (the decode reads the prefill's pool pages).
+MODES = {"packed": {}, "direct": {"direct_threshold": 0}, "pull": {"transfer_mode": "pull"}}
+
+
+def engine_kind(engine: str | None = None, device="cpu") -> str:
+    """The engine a pair runs over: ``engine`` when given; else NIXL for CUDA pools (the
+    loopback engine moves host memory only); else ``KVMEM_TEST_ENGINE`` (``loopback`` by
+    default, ``nixl`` to run the lifecycle suite over real NIXL)."""
+    if engine is None:
+        if torch.device(device).type == "cuda":
+            engine = "nixl"
+        else:
+            engine = os.environ.get("KVMEM_TEST_ENGINE", "loopback")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    return engine
+
+
+def make_engines(engine: str | None = None, device="cpu", tag: str = "pair"):
+    """``(prefill engine, decode engine)`` of kind :func:`engine_kind`: loopback engines
+    named after ``tag``, or NIXL engines over session-long agents (close them with
+    :func:`close_engines`)."""
+    if engine_kind(engine, device) == "nixl":
+        from tests.nixl_agents import POOL
+
+        return POOL.engine(), POOL.engine()
+    uid = f"{uuid.uuid4().hex[:8]}-{next(_ids)}"
+    # settle_polls=2: a transfer outlives the poll in the step that posted it (a side
+    # polls what it posted before its step ends), as NIXL's do here; with 1, a pull read
+    # would never be in flight between two steps.
+    return (LoopbackEngine(f"{tag}-prefill-{uid}", settle_polls=2),
+            LoopbackEngine(f"{tag}-decode-{uid}", settle_polls=2))
+
+
+def close_engines(*engines) -> None:
+    """Close each engine; NIXL ones give their agents back to the session's pool (all of
+    a test's together: see tests/nixl_agents.py)."""
+    nixl = [e for e in engines if e.kind == "nixl"]
+    if nixl:
+        from tests.nixl_agents import POOL
+
+        POOL.give_back(*nixl)
+    for e in engines:
+        if not e.closed:
+            e.close()
 
 
 class ChunkedLanding:
@@ -158,7 +217,8 @@ class Pair:
                  decode_timeout: float = 60.0, staging_chunks: int = 8, spec=SPEC,
                  ready_event=None, landing_chunk: int | None = None,
                  direct_threshold: int | None = None, transfer_mode: str = "push",
-                 staging_chunk: int | None = None, done_event=None, device="cpu"):
+                 staging_chunk: int | None = None, done_event=None, device="cpu",
+                 engine: str | None = None):
         """``ready_event``: the prefill's (see PrefillSide); ``landing_chunk``: register
         the decode's landing buffer as regions of that many bytes (ChunkedLanding);
         ``staging_chunk``: the prefill's staging buffer made of separate mappings of that
@@ -167,14 +227,16 @@ class Pair:
         staging and landing buffers follow the pools);
         ``direct_threshold``: the prefill's (None: every chunk packed, 0: every chunk
         written direct, pool pages to pool pages); ``transfer_mode``: both sides' ("pull":
-        the decode reads the prefill's pool pages)."""
-        tag = f"{uuid.uuid4().hex[:8]}-{next(_ids)}"
+        the decode reads the prefill's pool pages); ``engine``: ``"loopback"`` or
+        ``"nixl"`` (None: :func:`engine_kind` chooses).  ``ready_event`` and
+        ``done_event`` stay readable as attributes."""
         self.clock = Clock()
         self.faults = TestFaults()
         self.spec = spec
         self.synth = Synth(spec, max_tokens)
-        self.pe = NixlEngine(f"prefill-{tag}", progress_thread=False)
-        self.de = NixlEngine(f"decode-{tag}", progress_thread=False)
+        self.ready_event, self.done_event = ready_event, done_event
+        self.engine = engine_kind(engine, device)
+        self.pe, self.de = make_engines(self.engine, device)
         self.finished: dict[int, kvmem.disagg.Reason] = {}
         landing_bytes = kvmem.packed_nbytes(spec, num_pages) + 64 * 1024
         with unittest.mock.patch("kvmem.disagg.decode.make_backend", _landing_backend(landing_chunk)):
@@ -227,8 +289,20 @@ class Pair:
         assert self.prefill.arena.used_bytes == 0 and self.decode.arena.used_bytes == 0
         assert self.pe.open_handles() == 0
 
+    def vanish_decode(self) -> None:
+        """The decode side goes away as its process would: its side and engine closed,
+        and a NIXL engine's agent destroyed (a session-long agent merely given back would
+        keep answering)."""
+        self.decode.close()
+        if self.de.kind == "nixl":
+            from tests.nixl_agents import POOL
+
+            POOL.discard(self.de)
+        else:
+            self.de.close()
+
     def close(self) -> None:
         for side, engine in ((self.prefill, self.pe), (self.decode, self.de)):
             if not engine.closed:
                 side.close()
-                engine.close()
+        close_engines(self.pe, self.de)

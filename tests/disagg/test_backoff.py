@@ -1,7 +1,7 @@
 """Pacing of the worker loops: each side's step() says whether it made progress, and the
 loop's Backoff naps only after steps that made none (kvmem.demo.worker drives both sides
-this way).  Real sides over two NIXL agents (tests/disagg/harness.py); the clock is the
-harness's, so the timeouts here fire however long the naps are."""
+this way).  Real sides over two engines in this process (tests/disagg/harness.py); the
+clock is the harness's, so the timeouts here fire however long the naps are."""
 
 from __future__ import annotations
 
@@ -43,11 +43,8 @@ def _until_progress(naps: Naps, side, other, seconds: float = 5.0) -> list:
     raise AssertionError(f"no progress in {seconds} s: {out[-5:]}")
 
 
-@pytest.fixture(params=["push", "pull"])
-def pair(request):
-    p = Pair(transfer_mode=request.param)
-    yield p
-    p.close()
+# the shared pair fixture (tests/disagg/conftest.py), once per transfer mode
+PAIR_PARAMS = {"push": dict(transfer_mode="push"), "pull": dict(transfer_mode="pull")}
 
 
 def test_backoff_spins_then_doubles_to_the_cap_and_resets_on_progress():

@@ -7,16 +7,15 @@ overwrite them.  So each landed chunk records an event, and a request that ends 
 memory back only once its last event is done, polled in step(), never waited on.
 
 On the CPU that work is done when it returns; the ordering contract is tested with
-stand-in events the test opens by hand (tests/disagg/test_landing_and_hostile_peers.py Gate), over real
-NIXL.  tests/gpu/test_gpu_disagg.py runs the same on a GPU with CUDA events."""
+stand-in events the test opens by hand (tests/disagg/test_landing_and_hostile_peers.py Gate), both sides
+in this process (tests/disagg/harness.py).  tests/gpu/test_gpu_disagg.py runs the same on a
+GPU with CUDA events, over real NIXL."""
 
 from __future__ import annotations
 
-import pytest
-
 import kvmem
 from kvmem.disagg import KVPoll
-from tests.disagg.harness import SPEC, Pair
+from tests.disagg.harness import MODES, SPEC
 from tests.disagg.test_landing_and_hostile_peers import Gate
 
 NUM_PAGES = 14  # 13 usable: a 200-token request holds every page of the decode
@@ -26,15 +25,10 @@ def pages_of(tokens: int) -> int:
     return -(-tokens // SPEC.page_size)
 
 
-@pytest.fixture(params=["packed", "direct", "pull"])
-def pair(request):
-    gate = Gate()
-    p = Pair(num_pages=NUM_PAGES, done_event=gate,
-             direct_threshold=0 if request.param == "direct" else None,
-             transfer_mode="pull" if request.param == "pull" else "push")
-    p.gate = gate
-    yield p
-    p.close()
+# the shared pair fixture (tests/disagg/conftest.py) in every transfer mode, its decode's
+# device work a Gate the test opens by hand (pair.done_event)
+PAIR_PARAMS = {mode: (lambda kw=kw: dict(num_pages=NUM_PAGES, done_event=Gate(), **kw))
+               for mode, kw in MODES.items()}
 
 
 def test_memory_of_a_delivered_request_waits_for_its_device_work(pair):
@@ -51,11 +45,11 @@ def test_memory_of_a_delivered_request_waits_for_its_device_work(pair):
         pair.step()
     # the new request waits: no page, no landing region of request 1 is handed out
     assert dec.reqs[2].state == "waiting" and pair.prefill.state(2) == KVPoll.Bootstrapping
-    for ev in pair.gate.made[:-1]:
+    for ev in pair.done_event.made[:-1]:
         ev.done = True  # every chunk's work but the last (the AUX check) done: still held
     pair.step(3)
     assert dec.reqs[2].state == "waiting" and dec.alloc.num_free == 0
-    pair.gate.open_all(auto=True)
+    pair.done_event.open_all(auto=True)
     pair.step()
     assert dict(dec.ledger.freed_by_reason) == {"completed": pages_of(200)}
     pair.run_idle()
@@ -72,7 +66,7 @@ def test_an_abort_frees_the_memory_once_the_unpack_ran(pair):
     pair.faults.stall_at[1] = 1
     pair.prefill.add_request(1, 200)
     pair.run_until(lambda: 1 in dec.reqs and dec.reqs[1].pages_done == 4)
-    assert not pair.gate.made[-1].done
+    assert not pair.done_event.made[-1].done
     pair.prefill.abort(1)
     pair.run_until(lambda: 1 in dec.completed)
     assert dec.completed[1].status == 499 and 1 not in dec.reqs
@@ -81,7 +75,7 @@ def test_an_abort_frees_the_memory_once_the_unpack_ran(pair):
     pair.prefill.add_request(2, 100)
     pair.step(20)
     assert dec.reqs[2].state == "waiting"  # nothing to boot it with yet
-    pair.gate.open_all(auto=True)
+    pair.done_event.open_all(auto=True)
     pair.run_idle()
     assert pair.finished[2].status == 200
     assert dict(dec.ledger.freed_by_reason) == {"abort:499": 13, "completed": pages_of(100)}
@@ -97,7 +91,7 @@ def test_a_decode_pause_releases_memory_only_after_the_device_work(pair):
     pair.run_until(lambda: 1 in dec.completed)  # PAUSE_ACK: request 1 freed (503)
     pair.step(10)
     assert dec.pausing and not dec.paused and not dec.pool.released
-    pair.gate.open_all(auto=True)
+    pair.done_event.open_all(auto=True)
     pair.run_until(lambda: dec.paused)
     assert dec.pool.released and dec.audit() == {"leaked": {}, "quarantined": {},
                                                  "unaccounted": []}
@@ -111,10 +105,10 @@ def test_a_decode_pause_releases_memory_only_after_the_device_work(pair):
 def test_landed_chunks_record_events_that_are_only_polled(pair):
     """One event per landed chunk or read and per AUX, each polled (query) by step, none
     waited on; on the CPU the default is always ready."""
-    pair.gate.auto = True
+    pair.done_event.auto = True
     pair.prefill.add_request(1, 130)  # 3 chunks
     pair.run_idle()
-    assert len(pair.gate.made) == 3 + 1  # three chunks, the AUX
+    assert len(pair.done_event.made) == 3 + 1  # three chunks, the AUX
     from kvmem.disagg.common import device_event
 
     assert device_event("cpu")().query() is True

@@ -17,11 +17,7 @@ from tests.disagg.harness import SPEC, Pair
 PLANE_PAGE = SPEC.page_size * SPEC.num_kv_heads * SPEC.head_dim * 2  # bytes of one page of a layer's K
 
 
-@pytest.fixture
-def pair():
-    p = Pair(direct_threshold=0)
-    yield p
-    p.close()
+PAIR = dict(direct_threshold=0)  # the shared pair fixture (tests/disagg/conftest.py)
 
 
 def test_direct_chunks_land_in_pool_pages_verified_in_place_pages_freed_once(pair):

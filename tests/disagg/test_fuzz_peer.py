@@ -1,7 +1,8 @@
 """Fuzzing what a peer can send: control messages and metadata blobs of every
 type, with fields missing, extra, of the wrong type, out of range; replayed, reordered,
-duplicated; fed to a real prefill side and a real decode side over NIXL (loopback) while
-real requests run, and caller aborts with good and bad values in between.
+duplicated; fed to a real prefill side and a real decode side (the loopback engine,
+tests/disagg/harness.py; KVMEM_TEST_ENGINE=nixl: over NIXL) while real requests run,
+and caller aborts with good and bad values in between.
 
 Invariants, after every step of both sides:
   * no exception escapes ``step()`` (or the caller's call: a refused call is a

@@ -1,7 +1,8 @@
 """The PD lifecycle at its edges: a landing buffer of several regions, an AUX slot that is
 not 8-byte aligned, hostile peer messages in one batch, a PAUSE_ACK of another pause, an
 ABORT_REQ that claims success, bad values from the caller, and pack ordered before post.
-Both sides run in this process over two real NIXL agents (tests/disagg/harness.py)."""
+Both sides run in this process (tests/disagg/harness.py; ``pair`` is the shared fixture of
+tests/disagg/conftest.py)."""
 
 from __future__ import annotations
 
@@ -68,13 +69,6 @@ def step_until(side, cond, sender, steps: int = 200) -> None:
             return
         time.sleep(0.001)
     raise AssertionError("condition not reached")
-
-
-@pytest.fixture
-def pair():
-    p = Pair()
-    yield p
-    p.close()
 
 
 # --- 3: a landing buffer of several regions ------------------------------------------------

@@ -1,6 +1,6 @@
 """One test per row of the lifecycle table (docs/disagg.md) (and the quarantine rule): the state
 reached, the pages freed exactly once, what the client and the decode side were told.
-Both sides run in this process over two real NIXL agents; the clock is the test's."""
+Both sides run in this process (tests/disagg/harness.py); the clock is the test's."""
 
 from __future__ import annotations
 
@@ -12,18 +12,13 @@ from kvmem.disagg import KVPoll, Outcome, ProtocolError
 from kvmem.disagg.decode import DecodeSide
 from kvmem.disagg.protocol import encode, parse
 from kvmem.transfer.errors import StaleEpochError
-from tests.disagg.harness import SPEC, Pair
+from tests.disagg.harness import MODES, SPEC
 
 
-@pytest.fixture(params=["packed", "direct", "pull"])
-def pair(request):
-    """Every row in both transfer modes: push with chunks packed into the landing region,
-    push with chunks written direct (pool pages to the decode's pool pages; threshold 0:
-    every chunk), and pull (the decode reads the prefill's pool pages)."""
-    p = Pair(direct_threshold=0 if request.param == "direct" else None,
-             transfer_mode="pull" if request.param == "pull" else "push")
-    yield p
-    p.close()
+# Every row in every transfer mode (harness.MODES: push with chunks packed into the landing
+# region, push with chunks written direct, pull), through the shared pair fixture
+# (tests/disagg/conftest.py).
+PAIR_PARAMS = MODES
 
 
 def pages_of(tokens: int) -> int:
@@ -344,21 +339,20 @@ def test_metrics_exposition(pair):
 
 
 def test_vanished_decode_is_counted_not_fatal(pair):
-    """The decode side goes away: its write in flight fails (500, NIXL reports the remote
-    disconnect), sends to it fail and are counted, the bootstrap timeout ends the request
-    it never answered (504), and every page is freed once."""
+    """The decode side goes away: its write in flight fails (500, the engine reports the
+    remote disconnect), sends to it fail and are counted, the bootstrap timeout ends the
+    request it never answered (504), and every page is freed once."""
     pair.faults.stall_at[1] = 1
     pair.prefill.add_request(1, 200)
     pair.run_until(lambda: pair.prefill.state(1) == KVPoll.Transferring)
-    pair.decode.close()
-    pair.de.close()
+    pair.vanish_decode()  # its side and engine closed, as when its process dies
     pair.prefill.add_request(2, 64)
     for _ in range(3):
         pair.prefill.step()
     pair.clock.advance(31)
     for _ in range(5):
         pair.prefill.step()
-    # push: NIXL reports the write's remote disconnect; pull: the decode's read was
+    # push: the engine reports the write's remote disconnect; pull: the decode's read was
     # cancelled with it and the offered pages' quarantine timed out (logged)
     assert pair.finished[1].status == 500 and (
         "DISCONNECT" in pair.finished[1].message if pair.prefill.transfer_mode == "push"

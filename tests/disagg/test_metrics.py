@@ -1,5 +1,5 @@
 """kvmem.disagg.metrics: the PD sides' counters in a prometheus_client registry.  Values after a
-real run of both sides (the disagg harness: two NIXL agents in this process), the
+real run of both sides (the disagg harness: two engines in this process), the
 exposition parsed back with prometheus_client's own parser, a scrape over HTTP from the
 server thread, and the registration rules (kvmem's own registry by default, one side of
 each kind per registry, errors that change nothing)."""
@@ -17,17 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvmem.disagg.metrics
 from kvmem.disagg import Metrics
-from tests.disagg.harness import Pair
 
 COUNTERS = ("kvmem_requests", "kvmem_pages_freed", "kvmem_transfer_bytes", "kvmem_pauses",
             "kvmem_pause_seconds", "kvmem_protocol_errors", "kvmem_send_errors")
-
-
-@pytest.fixture
-def pair():
-    p = Pair()
-    yield p
-    p.close()
 
 
 def scrape(registry) -> dict:

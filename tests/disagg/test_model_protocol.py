@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ import torch
 import kvmem
 from kvmem.disagg import DecodeSide, Forward, PrefillSide, Verifier
 from kvmem.disagg.common import AUX_BYTES
-from kvmem.transfer import NixlEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16)
@@ -70,18 +68,8 @@ class Ramp:
         return torch.tensor(ok, device=pool.device)
 
 
-@pytest.fixture
-def engines():
-    tag = uuid.uuid4().hex[:8]
-    pe = NixlEngine(f"model-prefill-{tag}", progress_thread=False)
-    de = NixlEngine(f"model-decode-{tag}", progress_thread=False)
-    yield pe, de
-    pe.close()
-    de.close()
-
-
-def _pair(engines, model, verifier, mode: str):
-    pe, de = engines
+def _pair(engine_pair, model, verifier, mode: str):
+    pe, de = engine_pair
     pull = "pull" if mode == "pull" else "push"
     decode = DecodeSide(kvmem.KVPool(SPEC, PAGES), kvmem.PageAllocator(PAGES, 16), de,
                         verifier, prefill_peer=pe.name, transfer_mode=pull,
@@ -125,9 +113,9 @@ def test_the_demo_synth_keeps_both_contracts():
 
 
 @pytest.mark.parametrize("mode", ["packed", "direct", "pull"])
-def test_the_sides_run_with_a_model_that_is_not_synth(engines, mode):
+def test_the_sides_run_with_a_model_that_is_not_synth(engine_pair, mode):
     model, verifier = Ramp(SPEC, 256), Ramp(SPEC, 256)
-    prefill, decode, finished = _pair(engines, model, verifier, mode)
+    prefill, decode, finished = _pair(engine_pair, model, verifier, mode)
     assert model.prepared == [prefill.pool.device] and verifier.prepared == [decode.pool.device]
     _run(prefill, decode, finished, [200, 64, 1, 130])
     assert {rid: r.status for rid, r in finished.items()} == {0: 200, 1: 200, 2: 200, 3: 200}
@@ -143,8 +131,8 @@ def test_the_sides_run_with_a_model_that_is_not_synth(engines, mode):
 
 
 @pytest.mark.parametrize("mode", ["packed", "pull"])
-def test_a_verifier_that_disagrees_counts_every_landed_byte_corrupt(engines, mode):
-    prefill, decode, finished = _pair(engines, Ramp(SPEC, 256), Ramp(SPEC, 256, salt=1), mode)
+def test_a_verifier_that_disagrees_counts_every_landed_byte_corrupt(engine_pair, mode):
+    prefill, decode, finished = _pair(engine_pair, Ramp(SPEC, 256), Ramp(SPEC, 256, salt=1), mode)
     _run(prefill, decode, finished, [100])
     m = decode.metrics  # the KV corrupt; the extra state, the sides' own, verified
     assert m.bytes_corrupt == kvmem.packed_nbytes(SPEC, 7)
@@ -167,8 +155,8 @@ class _NoFill:
     (Ramp(SPEC, 0), ValueError, "PrefillSide: kvmem.disagg.Forward.max_tokens must be >= 1, got 0"),
 ])
 def test_a_model_without_the_contract_is_refused_before_anything_is_registered(
-        engines, model, error, message):
-    pe, de = engines
+        engine_pair, model, error, message):
+    pe, de = engine_pair
     with pytest.raises(error) as e:
         PrefillSide(kvmem.KVPool(SPEC, PAGES), kvmem.PageAllocator(PAGES, 16), pe, model,
                     decode_peer=de.name, chunk_tokens=64)
@@ -176,8 +164,8 @@ def test_a_model_without_the_contract_is_refused_before_anything_is_registered(
     assert pe.registrations() == {}
 
 
-def test_a_verifier_without_the_contract_is_refused(engines):
-    pe, de = engines
+def test_a_verifier_without_the_contract_is_refused(engine_pair):
+    pe, de = engine_pair
     with pytest.raises(TypeError, match=r"^DecodeSide: _NoFill is not a kvmem.disagg.Verifier: "
                                         r"it has no verify, verify_pages$"):
         DecodeSide(kvmem.KVPool(SPEC, PAGES), kvmem.PageAllocator(PAGES, 16), de, _NoFill(),

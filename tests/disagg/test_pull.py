@@ -14,14 +14,10 @@ import kvmem
 from kvmem.disagg import KVPoll
 from kvmem.disagg.protocol import encode
 from kvmem.transfer.errors import StaleEpochError
-from tests.disagg.harness import SPEC, Pair
+from tests.disagg.harness import SPEC
 
 
-@pytest.fixture
-def pair():
-    p = Pair(transfer_mode="pull")
-    yield p
-    p.close()
+PAIR = dict(transfer_mode="pull")  # the shared pair fixture (tests/disagg/conftest.py)
 
 
 def test_pull_reads_pool_to_pool_verified_in_place_pages_freed_once(pair):

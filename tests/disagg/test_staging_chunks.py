@@ -3,7 +3,8 @@ backend maps a buffer as one physical allocation per chunk and NIXL refuses a de
 that spans two registrations, so the staging buffer is registered one region per chunk
 and no write posts one local range across a chunk boundary.  Here the chunks are
 separate host mappings side by side (tests/disagg/harness.py SideBySideMappings) and
-both sides run over real NIXL."""
+both sides run over real NIXL (session-long agents, tests/nixl_agents.py): what NIXL
+refuses at a chunk boundary is the premise, so these tests stay on it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 
 import kvmem
 from tests.disagg.harness import SPEC, Pair
+
+pytestmark = pytest.mark.nixl
 
 CHUNK_BYTES = kvmem.packed_nbytes(SPEC, 4)  # one 64-token chunk of SPEC: 64 KiB
 SPLIT = CHUNK_BYTES + CHUNK_BYTES // 2  # mappings of 96 KiB: the second slot straddles one
@@ -33,11 +36,7 @@ def inside_one(ranges, regions) -> bool:
     return all(any(a <= x and x + n <= a + m for a, m in regions) for x, n in ranges)
 
 
-@pytest.fixture
-def pair():
-    p = Pair(staging_chunk=SPLIT)
-    yield p
-    p.close()
+PAIR = dict(staging_chunk=SPLIT, engine="nixl")  # the shared pair fixture (tests/disagg/conftest.py)
 
 
 def test_nixl_refuses_a_descriptor_across_two_mappings(pair):
@@ -102,7 +101,7 @@ def test_calibration_writes_cut_at_both_sides_chunks():
 
     from kvmem.disagg.calibrate import calibrate_direct
 
-    p = Pair(staging_chunk=32768, landing_chunk=40000)
+    p = Pair(staging_chunk=32768, landing_chunk=40000, engine="nixl")
     stop = threading.Event()
 
     def drive_decode():  # the decode's engine must progress (no NIXL progress thread)

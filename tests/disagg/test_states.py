@@ -5,7 +5,8 @@ function of each side:
 * every edge of the table is accepted, every other one refused with an error naming the
   request and both states, the request unchanged;
 * each side's dispatch table handles exactly the message kinds the protocol sends it;
-* real lifecycles over NIXL (loopback) take every drawn edge, in each transfer mode, and
+* real lifecycles (both sides in this process, tests/disagg/harness.py) take every drawn
+  edge, in each transfer mode, and
   nothing else: the sides log each change (DEBUG), and per request the changes form one
   path from its entry;
 * a property test: random programs of requests, faults, aborts on both sides, timeouts
