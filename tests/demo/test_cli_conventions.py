@@ -51,6 +51,7 @@ def test_python_m_kvmem_is_the_kvmem_command():
     assert "usage: kvmem selfcheck" in bad.stderr and "--pages must be >= 2" in bad.stderr
 
 
+@pytest.mark.nixl
 def test_python_m_kvmem_runs_the_demo():
     """The demo's workers are started with 'spawn', which imports kvmem/__main__.py again
     in each of them: they must run their work, not the command.  Timeouts of 20 s: this

@@ -119,6 +119,7 @@ def assert_every_fault_lifecycle(r: dict, requests: int) -> None:
         assert r[side]["allocator_allocated"] == 0 and r[side]["open_handles"] == 0
 
 
+@pytest.mark.nixl
 def test_demo_end_to_end_every_fault(tmp_path):
     out = tmp_path / "demo.json"
     out.write_text("not json: --json must overwrite it")
@@ -260,6 +261,7 @@ def test_selfcheck_cuda_without_cuda_exits_2(capsys, monkeypatch):
         capsys, "selfcheck", "--device", "cuda")
 
 
+@pytest.mark.nixl
 def test_tiny_model_with_an_unaligned_extra_state_slot():
     """4 bytes of KV a page, so the AUX slot after a request's KV is not
     8-byte aligned for most lengths; the decode used to crash reading it as int64."""
@@ -287,6 +289,7 @@ def _workload_running(proc, term) -> list[int]:
     return workers
 
 
+@pytest.mark.nixl
 @pytest.mark.parametrize("group", [False, True], ids=["parent", "process-group"])
 def test_sigterm_stops_the_demo_cleanly(group):
     proc, term = _popen(["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
@@ -312,6 +315,7 @@ def test_sigterm_stops_the_demo_cleanly(group):
         assert not Path(f"/proc/{pid}").exists(), pid
 
 
+@pytest.mark.nixl
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV], ids=["SIGKILL", "SIGSEGV"])
 def test_a_worker_that_dies_does_not_hang_the_parent(sig):
     """Killed during the workload, before its final report: the run fails (status 3)."""
@@ -336,6 +340,7 @@ def test_a_worker_that_dies_does_not_hang_the_parent(sig):
         assert not Path(f"/proc/{pid}").exists(), pid
 
 
+@pytest.mark.nixl
 def test_a_worker_that_dies_after_its_final_report_leaves_the_results_valid(tmp_path):
     """The decode worker is killed with SIGSEGV at its exit, after its final report (a
     Python exit handler of tests/exit_probe, as a native destructor would crash there on
@@ -360,6 +365,7 @@ def test_a_worker_that_dies_after_its_final_report_leaves_the_results_valid(tmp_
     assert r["succeeded"] + r["aborted"] + r["timed_out"] + r["failed"] == 30
 
 
+@pytest.mark.nixl
 def test_no_progress_line_when_stderr_is_not_a_terminal():
     """Piped (a log file, CI): the report on stdout, no progress line on stderr."""
     p = _run(["--requests", "6", "--no-faults", "--bw-mib", "0", "--layers", "1", "--heads",

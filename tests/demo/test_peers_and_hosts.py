@@ -133,6 +133,7 @@ def test_two_hosts_are_apart_joined_by_tcp_and_removed():
     assert _namespaces() - before == set()
 
 
+@pytest.mark.nixl
 def test_demo_over_two_netns_hosts_every_fault(netns_demo, tmp_path):
     out = tmp_path / "demo.json"
     p = netns_demo(SMALL + ["--requests", "60", "--bw-mib", "8", "--json", str(out)])
@@ -152,6 +153,7 @@ def test_demo_over_two_netns_hosts_every_fault(netns_demo, tmp_path):
     assert "joined by a veth pair" in p.stdout and p.stdout.rstrip().endswith("OK")
 
 
+@pytest.mark.nixl
 def test_two_prefills_two_decodes_one_paused_one_killed(tmp_path):
     """Random faults off, two pauses on: the first a prefill's, the second a decode's
     (decode0: the one --kill-decode spares); decode1 killed mid-transfer.  32-token

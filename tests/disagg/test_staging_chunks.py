@@ -13,8 +13,6 @@ import pytest
 import kvmem
 from tests.disagg.harness import SPEC, Pair
 
-pytestmark = pytest.mark.nixl
-
 CHUNK_BYTES = kvmem.packed_nbytes(SPEC, 4)  # one 64-token chunk of SPEC: 64 KiB
 SPLIT = CHUNK_BYTES + CHUNK_BYTES // 2  # mappings of 96 KiB: the second slot straddles one
 
@@ -39,6 +37,7 @@ def inside_one(ranges, regions) -> bool:
 PAIR = dict(staging_chunk=SPLIT, engine="nixl")  # the shared pair fixture (tests/disagg/conftest.py)
 
 
+@pytest.mark.nixl
 def test_nixl_refuses_a_descriptor_across_two_mappings(pair):
     """The premise: two registrations side by side are two to NIXL.  A write whose local
     descriptor crosses from one into the other is refused (NIXL_ERR_NOT_FOUND), as a
@@ -61,6 +60,7 @@ def test_nixl_refuses_a_descriptor_across_two_mappings(pair):
                            pair.de.name, b"")
 
 
+@pytest.mark.nixl
 def test_staging_registered_per_chunk_and_no_write_crosses_one(pair):
     regions = pair.prefill._staging_mem.regions()
     assert list(pair.pe.registrations()["staging"].regions) == regions
@@ -94,6 +94,7 @@ def test_a_staging_buffer_whose_regions_do_not_tile_it_is_refused():
             buffer_map(t, bad)
 
 
+@pytest.mark.nixl
 def test_calibration_writes_cut_at_both_sides_chunks():
     """calibrate_direct's packed moves go through the same cut: its staging chunk spans
     two 32 KiB mappings and the landing buffer is registered in 40000-byte regions."""
