@@ -63,7 +63,14 @@ def _code(page: Path, line: int, code: str):
     return compile("\n" * (line - 1) + code, str(page), "exec")
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_name)
+def _example_params() -> list:
+    """Every page; marked ``nixl`` where a runnable example makes a NixlEngine."""
+    return [pytest.param(page, id=_name(page), marks=[pytest.mark.nixl] if any(
+        "NixlEngine(" in code for _, code, m in blocks(page) if "no-run" not in m) else [])
+        for page in PAGES]
+
+
+@pytest.mark.parametrize("page", _example_params())
 def test_examples_run(page: Path):
     """The page's runnable blocks, in order, in one namespace; no-run blocks compile."""
     namespace = {"__name__": f"docs:{_name(page)}"}
