@@ -157,7 +157,8 @@ class _Agent:
 
 class LoopbackFabric:
     """The wire between the loopback agents of one process: the open agents by name, what
-    each ever registered, each one's notification inbox, and one lock over all of it.
+    each ever registered, each one's notification inbox, and one lock over all of it.  An
+    engine holds its name until it is closed (one dropped unclosed keeps it).
 
     ``copier``: ``"process_vm"`` (failures of a copy are errors) or ``"memmove"`` (the
     system calls were refused here: a copy into unmapped memory crashes the process)."""
@@ -320,11 +321,12 @@ class LoopbackEngine(TransferEngine):
 
     def fail_next(self, count: int = 1, *, at: str = "poll",
                   reason: str = "injected failure") -> None:
-        """This engine's next ``count`` posts (``post_write`` or ``post_blocks``, after the
-        engine's own checks pass) fail: ``at="post"``: refused with
-        :class:`TransferError` (nothing posted, the engine unchanged); ``at="poll"``:
-        posted, no byte moved, the poll that settles it reads ERR with ``reason`` in
-        ``h.error`` and no notification is delivered."""
+        """This engine's next ``count`` posts (``post_write`` or ``post_blocks`` that the
+        engine's and the transport's own checks let through; a post they refuse uses no
+        injected failure) fail: ``at="post"``: refused with :class:`TransferError`
+        naming ``reason`` (nothing posted; the engine as it was, one injected failure
+        fewer); ``at="poll"``: posted, no byte moved, the poll that settles it reads ERR
+        with ``reason`` in ``h.error`` and no notification is delivered."""
         if at not in ("post", "poll"):
             raise ValueError(f"fail_next: at must be 'post' or 'poll', got {at!r}")
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
