@@ -1,5 +1,6 @@
-"""A NixlEngine in a process of its own, for tests/transfer/test_nixl_engine.py (started with the
-'spawn' context, so this module imports nothing from pytest).
+"""A NixlEngine in a process of its own, the NIXL target of the in-flight test of
+tests/transfer/test_engine_contract.py (started with the 'spawn' context, so this module
+imports nothing from pytest).
 
 Protocol over a multiprocessing Pipe:
     child -> parent   local_metadata() of its engine (one registration "buf" of nbytes)

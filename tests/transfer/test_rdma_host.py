@@ -83,8 +83,8 @@ def test_nixl_processes_end_cleanly_with_rdma_libraries(rdma_root, tmp_path):
         demo=_start(rdma_root, [py, "-m", "kvmem", "demo", "--requests", "50", "--bw-mib",
                                 "16", "--quiet", "--json", str(report)]),
         tests=_start(rdma_root, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 "tests/transfer/test_nixl_engine.py::"
-                                 "test_in_flight_write_blocks_deregister_until_drained",
+                                 "tests/transfer/test_engine_contract.py::"
+                                 "test_in_flight_write_blocks_deregister_until_drained[nixl]",
                                  f"--junitxml={junit}"]),
         bench=_start(rdma_root, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                  "bench/bench_transfer.py"],
