@@ -35,9 +35,18 @@ ON_PREFILL = ("Decode transfer failed for request rank=0 decode_req.req.rid='a-1
               "bootstrap_room=7): Prefill aborted the KV transfer of room 7 in "
               f"WaitingForInput ({tag('Aborted', None)})")
 
+# the same when the request was in the prefill's running batch: sglang's own retire path
+# aborted the sender, whose record ("Aborted by AbortReq.") the prefill tells the decode
+# (seen on a real pair: the decode answered it 500, the router re-sent it, and it ran to
+# its end); inside sglang's parentheses it no longer ends like an abort
+IN_BATCH = ("Decode transfer failed for request rank=0 decode_req.req.rid='a-1' "
+            "decode_req.req.bootstrap_room=7 with exception KVTransferError("
+            "bootstrap_room=7): Prefill aborted the KV transfer of room 7 in "
+            f"Transferring ({tag('Aborted by AbortReq.', None)})")
 
-@pytest.mark.parametrize("message", [USER, BY_DECODE, EARLY, ON_PREFILL],
-                         ids=["user", "by-decode", "early", "on-prefill"])
+
+@pytest.mark.parametrize("message", [USER, BY_DECODE, EARLY, ON_PREFILL, IN_BATCH],
+                         ids=["user", "by-decode", "early", "on-prefill", "in-batch"])
 @pytest.mark.parametrize("how", ["keyword", "positional"])
 def test_an_aborted_request_is_answered_as_an_abort_not_a_500(how, message):
     args, kwargs = ((HTTPStatus.INTERNAL_SERVER_ERROR,), {}) if how == "positional" else \
@@ -64,7 +73,8 @@ def test_other_failures_keep_their_status():
 def test_only_a_reason_without_status_is_tagged_as_an_abort():
     assert is_abort(tag("Aborted", None)) and is_abort(tag("Aborted", 0))
     assert tag(tag("Aborted", None), None) == tag("Aborted", None)  # once
-    assert tag("Aborted by AbortReq.", None) == "Aborted by AbortReq."  # sglang's: known
+    # sglang's own record is marked too: the decode reads it inside sglang's text
+    assert tag("Aborted by AbortReq.", None).endswith("(kvmem-sglang abort)")
     assert not is_abort(tag("Aborted", 503))  # a client abort with a status keeps it
     assert not is_abort("Prefill KV transfer timed out") and not is_abort(None)
     assert not is_abort("Aborted by AbortReq. then something else")

@@ -62,14 +62,6 @@ logger = logging.getLogger("kvmem.sglang")
 DRAIN_POLL_S = 0.002
 
 
-# How long a decode rank whose poll says Failed only because another rank's did (the
-# ranks' polls are combined, MIN) waits for its own prefill rank's notice, so that it
-# answers with the prefill's reason and status rather than "unknown reason from another
-# rank" (500).  The prefill ranks send their notices in the same scheduler step; seen on
-# a TP 2 pair here: a few milliseconds apart.  A guess with a wide margin.
-OWN_REASON_WAIT_S = 1.0
-
-
 def hooks() -> list[tuple[str, object, str]]:
     return [
         ("sglang.srt.disaggregation.utils.prepare_abort", prepare_abort, "AROUND"),
@@ -90,24 +82,40 @@ def receiver_failure_exception(original, receiver, *args, **kwargs):
     (``disaggregation/common/conn.py:2946-2955``), and that rank answers 500
     (``disaggregation/decode.py:2888``), which sglang's router retries, where the rank
     that had the notice answers the prefill's 503.  Seen on a TP 2 + TP 2 pair with the
-    prefill released: 23 of 85 decode answers 500.  Rank 0's answer is the one the
-    client gets, whichever rank saw the failure first.  So a rank with no record of the
-    room's failure waits up to :data:`OWN_REASON_WAIT_S` for its own notice (the room is
-    still open, so sglang's status thread records it), then raises as sglang does: all
-    ranks answer with the prefill's reason and status."""
-    mgr = getattr(receiver, "kv_mgr", None)
-    room = getattr(receiver, "bootstrap_room", None)
-    records = getattr(mgr, "failure_records", None)
-    if (records is not None and room not in records
-            and int(getattr(mgr, "attn_tp_size", 1) or 1) > 1 and room in mgr.request_status):
-        deadline = time.monotonic() + OWN_REASON_WAIT_S
-        while room not in records and time.monotonic() < deadline:
-            time.sleep(0.002)
-        if room in records:
-            logger.info("kvmem-sglang: room %s: this decode rank's own failure notice came "
-                        "%.3f s after another rank's", room,
-                        OWN_REASON_WAIT_S - (deadline - time.monotonic()))
-    return original(receiver, *args, **kwargs)
+    prefill released: 23 of 85 decode answers 500; rank 0's answer is the one the client
+    gets, whichever rank saw the failure first.
+
+    So the ranks share their reasons: sglang calls this on every rank of the attention
+    TP group for the same rooms in the same order (only after ``poll_and_all_reduce``,
+    decode.py:1143 and the transfer queue's poll), so an ``all_gather_object`` over that
+    group's CPU group is in step; a rank with no reason of its own raises with the first
+    rank's that has one.  With pipeline parallelism (whose polls follow a PP consensus)
+    sglang's own behaviour is kept."""
+    try:
+        return original(receiver, *args, **kwargs)
+    except Exception as e:
+        if int(getattr(getattr(receiver, "kv_mgr", None), "attn_tp_size", 1) or 1) <= 1:
+            raise
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        if int(getattr(parallel, "pp_size", 1) or 1) > 1:
+            raise
+        import torch.distributed as dist
+
+        mine = None if getattr(e, "is_from_another_rank", False) else getattr(
+            e, "failure_reason", None)
+        reasons: list = [None] * int(receiver.kv_mgr.attn_tp_size)
+        dist.all_gather_object(reasons, mine, group=parallel.attn_tp_group.cpu_group)
+        if mine is not None:
+            raise
+        found = next((r for r in reasons if r), None)
+        if found is None:
+            raise
+        from sglang.srt.disaggregation.common.conn import KVTransferError
+
+        raise KVTransferError(receiver.bootstrap_room, found,
+                              is_from_another_rank=True) from None
 
 
 def pop_preallocated(original, queue, *args, **kwargs):

@@ -55,10 +55,12 @@ def decide(req, reason) -> bool:
 
 def tag(message: str, status) -> str:
     """``message`` with the HTTP status the prefill answered, for the decode side; with no
-    status (a client's abort) marked as an abort instead (:func:`is_abort`)."""
+    status (a client's abort) marked as an abort instead (:func:`is_abort`).  The mark is
+    added even to a message that ends like an abort already: the decode reads it inside
+    sglang's own text ("... in Transferring (<message>)"), where only the mark survives."""
     if status:
         return f"{message} (kvmem-sglang HTTP {int(status)})"
-    return message if is_abort(message) else f"{message} {_ABORT_MARK}"
+    return message if _ABORT_MARK in message else f"{message} {_ABORT_MARK}"
 
 
 def status_of(message) -> int | None:
