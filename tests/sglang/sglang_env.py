@@ -7,36 +7,69 @@ no model: the model config (only the numbers the batch reads) and the forward pa
 test appends output tokens itself).
 
 A process publishes one ServerArgs; the adapter's hooks cannot be undone, so a test that
-compares flag off with flag on runs this module in two processes (``run_script``).
+compares flag off with flag on runs its script in one process per variant
+(``run_script``, ``run_both``).  Those processes are forked from one fork server per
+pytest session (testkit/zygote.py, :func:`fork_server`) that imported torch and sglang's
+scheduler parts once (:data:`PRELOAD`): each child is the interpreter a fresh
+``python`` would be for it, without the 20-30 s of imports.  ``fresh=True`` (and any
+environment the server says a fresh interpreter would read differently) starts a
+fresh interpreter instead.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from array import array
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.sglang_pair import last_json
+from testkit.child import Child, child_env, json_of, run, run_children
+from testkit.child import emit, script_main  # noqa: F401 - what the scripts here import
+from testkit.zygote import ForkServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# What every script here imports before it differs by variant: torch and sglang's
+# scheduler parts (about 20 s of the 25-30 s a script took here, python -X importtime;
+# what the scripts import after these takes well under a second).  Not NIXL or Mooncake
+# (sglang's conn modules load their libraries at import, and a script must show that it
+# loads no other backend's), not kvmem_sglang, and no load_plugins() (the adapter's
+# hooks cannot be undone): each child does those itself.
+PRELOAD = ["torch", "sglang.srt.server_args", "sglang.srt.mem_cache.memory_pool",
+           "sglang.srt.managers.schedule_batch", "sglang.srt.managers.scheduler",
+           "sglang.srt.disaggregation.prefill", "sglang.srt.disaggregation.decode"]
+FORBID = ["nixl", "nixl_cu12", "mooncake", "kvmem_sglang", "sglang.srt.disaggregation.nixl",
+          "sglang.srt.disaggregation.mooncake"]
+_FORK: ForkServer | None = None
 
-def run_script(code: str, *, kvmem: bool, env: dict | None = None, timeout: float = 240):
-    """Run ``code`` in a fresh interpreter with SGLANG_KVMEM on or off; returns the
-    CompletedProcess (stdout, stderr as text)."""
-    full = dict(os.environ)
-    full.pop("SGLANG_KVMEM", None)
-    if kvmem:
-        full["SGLANG_KVMEM"] = "1"
-    full.update(env or {})
-    full["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT)] + [p for p in full.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=full, timeout=timeout, cwd=ROOT)
+
+def fork_server() -> ForkServer:
+    """This session's fork server for the scripts here, started at its first child
+    (tests/sglang/conftest.py stops it at the session's end)."""
+    global _FORK
+    if _FORK is None:
+        _FORK = ForkServer(PRELOAD, forbid=FORBID, env=child_env(drop=("SGLANG_KVMEM",)),
+                           cwd=ROOT)
+    return _FORK
+
+
+def close_fork_server() -> None:
+    if _FORK is not None:
+        _FORK.close()
+
+
+def run_script(code: str, *, kvmem: bool, env: dict | None = None, timeout: float = 240,
+               fresh: bool = False):
+    """Run ``code`` as ``python -c`` with SGLANG_KVMEM on or off (``env`` over it);
+    returns the CompletedProcess (stdout, stderr as text).  Forked from the fork server
+    unless ``fresh`` (a fresh interpreter: what must be shown of one)."""
+    extra = ({"SGLANG_KVMEM": "1"} if kvmem else {}) | (env or {})
+    full = child_env(extra)
+    if "SGLANG_KVMEM" not in extra:
+        full.pop("SGLANG_KVMEM", None)
+    return run(Child(code=code, env=full, cwd=ROOT, fork=None if fresh else fork_server()),
+               timeout)
 
 
 BOTH = {"off": {"SGLANG_KVMEM": "0"}, "on": {"SGLANG_KVMEM": "1"}}
@@ -49,24 +82,14 @@ def run_both(script: Path, *, env: dict | None = None, timeout: float = 240,
     the caller's environment less its SGLANG_KVMEM_* variables (so unset ones are the
     adapter's defaults); ``{variant: ...}``, each the JSON its last stdout line holds,
     plus its ``"stderr"``."""
-    procs = {}
-    for key, extra in variants.items():
-        full = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KVMEM_")}
-        full.update(env or {})
-        full.update(extra)
-        full["PYTHONPATH"] = os.pathsep.join(
-            [str(ROOT)] + [q for q in full.get("PYTHONPATH", "").split(os.pathsep) if q])
-        procs[key] = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=full,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True)
+    children = {key: Child(script=script, env=child_env((env or {}) | extra,
+                                                       drop=("SGLANG_KVMEM_",)),
+                           cwd=ROOT, fork=fork_server())
+                for key, extra in variants.items()}
     out = {}
-    for key, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=timeout)
-        if proc.returncode != 0:
-            raise AssertionError(f"{key} ({variants[key]}): {script.name} failed with "
-                                 f"{proc.returncode}:\n{stderr[-4000:]}")
-        out[key] = last_json(stdout)
-        out[key]["stderr"] = stderr
+    for key, reply in run_children(children, timeout).items():
+        out[key] = reply.value
+        out[key]["stderr"] = reply.stderr
     return out
 
 
@@ -80,30 +103,7 @@ def one(answers: list) -> dict:
 def result_of(proc) -> dict:
     """The JSON a script printed last on stdout (``emit``; ``last_json``: UCX may print
     after it)."""
-    if proc.returncode != 0:
-        raise AssertionError(f"script failed with {proc.returncode}:\n{proc.stderr[-4000:]}")
-    return last_json(proc.stdout)
-
-
-def emit(obj) -> None:
-    print(json.dumps(obj), flush=True)
-
-
-def script_main(main) -> None:
-    """Run a scenario script's ``main()`` and leave: its result as JSON on the last
-    stdout line and status 0, or the traceback on stderr and status 1; with ``os._exit``
-    either way (sglang's threads are not daemons, and NIXL's exit is not clean here)."""
-    try:
-        result = main()
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    print(json.dumps(result, default=str), flush=True)
-    sys.stderr.flush()
-    os._exit(0)
+    return json_of(proc, "script")
 
 
 def model_dir(*, layers: int = 2, heads: int = 2, head_dim: int = 16) -> Path:

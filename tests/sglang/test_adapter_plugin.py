@@ -1,7 +1,9 @@
 """The adapter as sglang loads it: sglang's own ``load_plugins()`` finds the installed
 ``kvmem`` entry point; with the flag off nothing is patched, with it on every hook is in
 place, and every way it cannot be installed stops the process with one clear error.
-Each case runs in a process of its own."""
+Each case runs in a process of its own (forked from the session's fork server,
+sglang_env.run_script); the bad option values are checked in this process too, and one
+of them stops a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -98,14 +100,42 @@ def _refused(proc, *needles):
         assert n in last, f"{n!r} not in {last!r}"
 
 
-@pytest.mark.parametrize("env, needle", [
+BAD_OPTIONS = pytest.mark.parametrize("env, needle", [
     ({"SGLANG_KVMEM": "yes"}, "SGLANG_KVMEM='yes'"),
     ({"SGLANG_KVMEM_BACKEND": "gpu"}, "SGLANG_KVMEM_BACKEND='gpu'"),
     ({"SGLANG_KVMEM_REGISTER": "all"}, "SGLANG_KVMEM_REGISTER='all'"),
     ({"SGLANG_KVMEM_TRANSFER": "fast"}, "SGLANG_KVMEM_TRANSFER='fast'"),
 ], ids=["flag", "backend", "register", "transfer"])
+
+
+@BAD_OPTIONS
+def test_bad_option_is_refused_at_plugin_load(env, needle, monkeypatch):
+    """In this process: the entry point sglang calls refuses before it installs
+    anything, with the one message a process stop shows (below)."""
+    import os
+
+    from kvmem_sglang import plugin
+    from kvmem_sglang.options import PREFIX
+
+    for name in [k for k in os.environ if k.startswith("SGLANG_KVMEM")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SGLANG_KVMEM", "1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    installed = list(plugin.INSTALLED)
+    with pytest.raises(SystemExit) as stop:
+        plugin.load()
+    msg = str(stop.value.code)
+    assert msg.startswith(PREFIX) and "\n" not in msg, msg
+    assert needle in msg and "not understood" in msg, msg
+    assert plugin.INSTALLED == installed
+
+
+@BAD_OPTIONS
 def test_bad_option_stops_the_process(env, needle):
-    _refused(run_script(LOAD, kvmem=True, env=env), needle, "not understood")
+    # one case in a fresh interpreter: sglang's load_plugins() at its start, as a server's
+    fresh = "SGLANG_KVMEM" in env
+    _refused(run_script(LOAD, kvmem=True, env=env, fresh=fresh), needle, "not understood")
 
 
 def test_other_sglang_version_stops_the_process():

@@ -21,15 +21,13 @@ the new registration.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from bench.sglang_pair import last_json
-from tests.sglang.sglang_env import ROOT
+from testkit.child import Child, child_env, last_json, run_children
+from tests.sglang.sglang_env import ROOT, fork_server
 
 SCRIPT = ROOT / "tests" / "sglang" / "scenario_transfer.py"
 WAITING, SUCCESS, FAILED = 2, 4, 0
@@ -44,30 +42,11 @@ def runs() -> dict:
             "sglang": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang",
                        "KVMEM_TEST_PAGES": "16"},
             "off": {"SGLANG_KVMEM": "0"}}
-    procs = {}
-    for key, extra in envs.items():
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("SGLANG_KVMEM") and k != "KVMEM_TEST_PAGES"}
-        env.update(extra)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(ROOT), str(ROOT / "integration" / "sglang")]
-            + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        procs[key] = subprocess.Popen([sys.executable, str(SCRIPT)], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True)
-    out = {}
-    try:
-        for key, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=900)
-            if proc.returncode != 0:
-                raise AssertionError(f"{key}: {SCRIPT.name} failed with {proc.returncode}:"
-                                     f"\n{stderr[-4000:]}")
-            out[key] = last_json(stdout)
-    finally:
-        for proc in procs.values():  # one failed: the others are not waited for
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    children = {key: Child(script=SCRIPT, cwd=ROOT, fork=fork_server(),
+                           env=child_env(extra, drop=("SGLANG_KVMEM", "KVMEM_TEST_PAGES"),
+                                         paths=[ROOT / "integration" / "sglang"]))
+                for key, extra in envs.items()}
+    out = {key: reply.value for key, reply in run_children(children, timeout=900).items()}
     assert out["kvmem"]["kvmem_path"] and not out["sglang"]["kvmem_path"]
     return out
 
