@@ -36,7 +36,8 @@ import statistics
 import pytest
 
 from bench.conftest import SMOKE, pick
-from bench.sglang_pair import MODES, Shape, run_mode, table
+from bench.sglang_pair import MODES, run_mode, table
+from testkit.sglang_pair import Shape
 
 # Others' CPU from which a figure is flagged (cores): a guess, as in bench_demo.py.
 LOADED_CORES = 0.25

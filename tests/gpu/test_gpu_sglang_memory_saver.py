@@ -10,13 +10,11 @@ bare H200 image: bench/gpu_check.sh skips it there with that reason)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from bench.sglang_pair import last_json
+from testkit.child import Child, json_of, run
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang.srt.mem_cache.memory_pool")
@@ -64,9 +62,7 @@ def test_release_gives_back_kvmem_pool_and_tms_part():
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     with tms.configure_subprocess():  # TMS's preload hook (LD_PRELOAD) for the child
         env.update({k: v for k, v in os.environ.items() if k == "LD_PRELOAD"})
-        proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True,
-                              text=True, env=env, cwd=ROOT, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = last_json(proc.stdout)
+        proc = run(Child(code=SCRIPT, env=env, cwd=ROOT), timeout=240)  # fresh: TMS's preload
+    got = json_of(proc, "the memory saver script")
     assert got["kvmem"] and got["backend"] == "cuda_vmm" and got["usable"], got
     assert got["freed"] >= got["pool_bytes"], got

@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 import time
 
-from bench.sglang_pair import kv_args, nixl_as_sglang_imports_it
+from testkit.sglang_pair import kv_args, nixl_as_sglang_imports_it
 from tests.sglang.sglang_env import script_main
 
 WAITING_TIMEOUT_S = 3  # the decode's SGLANG_DISAGGREGATION_WAITING_TIMEOUT (an int)

@@ -1,5 +1,5 @@
 """Run by tests/sglang/test_transfer_path.py in a process of its own: a real sglang PD
-pair (``bench.sglang_pair.Pair``: prefill ``NixlKVManager`` + ``NixlKVSender``s here, a
+pair (``testkit.sglang_pair.Pair``: prefill ``NixlKVManager`` + ``NixlKVSender``s here, a
 decode ``NixlKVManager`` + ``NixlKVReceiver``s in a child process with its own
 environment, NIXL/UCX on DRAM) with the prefill's environment as the test sets it
 (``SGLANG_KVMEM`` and ``SGLANG_KVMEM_TRANSFER``) and a STOCK decode (``SGLANG_KVMEM=0``;
@@ -52,7 +52,7 @@ import os
 import threading
 import time
 
-from bench.sglang_pair import Pair, Shape, fill_pattern
+from testkit.sglang_pair import Pair, Shape, fill_pattern
 from tests.sglang.sglang_env import script_main
 
 REQUESTS = 6

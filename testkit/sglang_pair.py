@@ -1,0 +1,646 @@
+"""A real sglang 0.5.23 PD pair in two processes on DRAM: a prefill-side ``NixlKVManager``
+with its ``NixlKVSender``s and sglang's ``NixlKVBootstrapServer`` in this process, a
+decode-side ``NixlKVManager`` with its ``NixlKVReceiver``s in a child process; NIXL over
+UCX between them, KV pools built by sglang's own ``MHATokenToKVPool`` (with
+``SGLANG_KVMEM=1`` in a side's environment, the adapter's hooks put a kvmem pool under
+it).  Used by ``bench/sglang_pair.py`` (stock against the flag, raw NIXL in the same
+processes) and by the adapter's transfer tests (``tests/sglang``).
+
+Shapes (named symbols used below)::
+
+    L layers, H KV heads, D head dim, bf16            (the issue's model: 32 x 8 x 128)
+    P page size (tokens), R requests, T tokens each   (32 requests x 1024 tokens)
+    planes = 2 L: K of layer 0..L-1, then V of layer 0..L-1 (sglang's buffer order)
+    pool rows = R T + P (page 0 is sglang's padding page); pages 1 .. R T / P
+
+Page ids are the same on both sides and no two pages of a request are adjacent: request
+``r`` holds pages ``1 + r + j R`` (``j < T / P``), so the R requests interleave (R >= 2).
+The prefill fills every row of its pool with a positional pattern (int64 word ``i`` of
+plane ``k`` holds ``k << 40 | i``), so the decode checks what landed without being told
+the bytes: a row of a plane must hold the prefill's word for that row.
+
+One *round* of the sglang transfer: the decode makes a receiver per request, allocates
+its metadata slot, clears the rows it will check and publishes its pages
+(``send_metadata``); the prefill waits until every sender is WaitingForInput, then,
+timed, calls ``sender.send(pages)`` for every request (one chunk, the last) and waits
+until every room is Success on both sides.  The *raw* write moves the same bytes between
+the same two processes with the prefill manager's own NIXL agent: per request one
+``initialize_xfer`` of 2 L descriptors (the request's share of each plane, contiguous,
+same offsets on both sides), all requests posted at once, polled to DONE.
+
+Stand-ins: the model (only the KV shape), the forward pass (the pattern), the
+scheduler (the senders and receivers are driven here as the bootstrap/inflight queues
+drive them).  One environment shim: the NIXL wheel installed is ``nixl_cu12``, which
+sglang imports as ``nixl``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+POLL_S = 0.0005  # the drivers' poll period while they wait (they must not spin a core)
+# How long a decode process may take to start (import sglang, build its pool and manager):
+# about 30 s on the 2-core machine here, several minutes when other runs share it.
+START_S = 900
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 32
+    heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    requests: int = 32
+    tokens: int = 1024
+
+    def __post_init__(self):
+        if self.requests < 2 or self.tokens % self.page_size:
+            raise ValueError(f"{self}: need requests >= 2 and tokens a multiple of the page "
+                             "size (pages of a request are made non-adjacent by interleaving)")
+
+    @property
+    def pages_per_request(self) -> int:
+        return self.tokens // self.page_size
+
+    @property
+    def planes(self) -> int:
+        return 2 * self.layers
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token of one plane."""
+        return self.heads * self.head_dim * 2
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one plane (a NIXL descriptor when nothing merges)."""
+        return self.page_size * self.row_bytes
+
+    @property
+    def request_bytes(self) -> int:
+        return self.tokens * self.planes * self.row_bytes
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.requests * self.tokens
+
+
+def request_pages(shape: Shape, r: int) -> np.ndarray:
+    """int32 [T / P] page ids of request ``r`` (same on both sides; never adjacent)."""
+    j = np.arange(shape.pages_per_request, dtype=np.int64)
+    return (1 + r + j * shape.requests).astype(np.int32)
+
+
+def merged_runs(src: np.ndarray, dst: np.ndarray) -> int:
+    """Runs of pages adjacent on both sides (what NIXL merges into one descriptor per
+    plane): 1 + the number of breaks."""
+    if src.size == 0:
+        return 0
+    brk = (np.diff(src.astype(np.int64)) != 1) | (np.diff(dst.astype(np.int64)) != 1)
+    return 1 + int(brk.sum())
+
+
+# -- one side's sglang parts ---------------------------------------------------------------
+
+def nixl_as_sglang_imports_it() -> None:
+    """sglang imports ``nixl._api``; the wheel installed here is ``nixl_cu12``."""
+    try:
+        import nixl._api  # noqa: F401
+        return
+    except ImportError:
+        pass
+    import nixl_cu12
+    import nixl_cu12._api
+
+    sys.modules.setdefault("nixl", nixl_cu12)
+    sys.modules.setdefault("nixl._api", nixl_cu12._api)
+
+
+_PUBLISHED: dict = {}
+
+
+def publish(role: str, page_size: int):
+    """Publish this process's ServerArgs (a PD ``role`` server on the CPU, NIXL backend)
+    and load sglang's plugins, as ``run_scheduler_process`` does; once per process (a
+    later call returns the first ServerArgs: the page size that matters is the pool's)."""
+    if role in _PUBLISHED:
+        return _PUBLISHED[role]
+    nixl_as_sglang_imports_it()
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.runtime_context import publish as _publish
+    from sglang.srt.server_args import ServerArgs
+
+    sa = ServerArgs(model_path="dummy", device="cpu", page_size=page_size,
+                    disaggregation_mode=role, disaggregation_transfer_backend="nixl")
+    _publish(sa, role="test")
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    # one rank, as a launcher's rank bundle would say; pp_size 1 (the group is never used)
+    get_parallel().override_permanently(tp_rank=0, pp_rank=0, attn_tp_rank=0,
+                                        attn_cp_rank=0, attn_dp_rank=0, moe_ep_rank=0,
+                                        dp_rank=None, pp_group=None)
+    _PUBLISHED[role] = sa
+    return sa
+
+
+def build_pool(shape: Shape):
+    """sglang's CPU MHA pool of ``R T`` tokens and its creation time (s)."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    t0 = time.perf_counter()
+    kv = MHATokenToKVPool(shape.pool_tokens, page_size=shape.page_size, dtype=torch.bfloat16,
+                          head_num=shape.heads, head_dim=shape.head_dim,
+                          layer_num=shape.layers, device="cpu", enable_memory_saver=False)
+    return kv, time.perf_counter() - t0
+
+
+def memory_counters() -> dict:
+    """This process's anonymous memory in transparent huge pages (``AnonHugePages`` of
+    /proc/self/smaps_rollup) and the machine's THP and compaction counters
+    (/proc/vmstat: huge pages faulted in, faults that fell back to small pages, direct
+    compactions stalled in), in bytes and counts; where the files are missing, empty."""
+    out = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    out["anon_huge_bytes"] = int(line.split()[1]) << 10
+    except OSError:
+        pass
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                k, v = line.split()
+                if k in ("thp_fault_alloc", "thp_fault_fallback", "compact_stall"):
+                    out[k] = int(v)
+    except OSError:
+        pass
+    return out
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in after if k != "anon_huge_bytes"} | (
+        {"anon_huge_bytes": after["anon_huge_bytes"]} if "anon_huge_bytes" in after else {})
+
+
+def planes_of(kv) -> list:
+    """The pool's planes (K of every layer, then V), each ``[rows, H, D]``."""
+    return list(kv.k_buffer) + list(kv.v_buffer)
+
+
+def words(buf):
+    """A plane as int64 words ``[rows, H D / 4]``."""
+    return buf.view(buf.shape[0], -1).view(__import__("torch").int64)
+
+
+def fill_pattern(kv) -> float:
+    """Write the positional pattern into every row of every plane; seconds taken."""
+    import torch
+
+    t0 = time.perf_counter()
+    for k, buf in enumerate(planes_of(kv)):
+        w = words(buf).view(-1)
+        torch.arange(k << 40, (k << 40) + w.numel(), dtype=torch.int64, out=w)
+    return time.perf_counter() - t0
+
+
+def check_rows(kv, shape: Shape, pages: np.ndarray, plane_ids) -> int:
+    """Rows of ``pages`` in the planes ``plane_ids`` that differ from the prefill's
+    pattern (0: every byte landed)."""
+    import torch
+
+    rows = (torch.from_numpy(pages.astype(np.int64))[:, None] * shape.page_size
+            + torch.arange(shape.page_size)).reshape(-1)
+    bad = 0
+    for k in plane_ids:
+        w = words(planes_of(kv)[k])
+        per_row = w.shape[1]
+        want = (k << 40) + rows[:, None] * per_row + torch.arange(per_row)
+        bad += int((w[rows] != want).any(dim=1).sum())
+    return bad
+
+
+def clear_rows(kv, shape: Shape, pages: np.ndarray, plane_ids) -> None:
+    import torch
+
+    rows = (torch.from_numpy(pages.astype(np.int64))[:, None] * shape.page_size
+            + torch.arange(shape.page_size)).reshape(-1)
+    for k in plane_ids:
+        words(planes_of(kv)[k])[rows] = 0
+
+
+def metadata_buffers(n: int):
+    import torch
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+
+    return MetadataBuffers(n, hidden_size=64, hidden_states_dtype=torch.bfloat16,
+                           max_sampling_mask_tokens=0)
+
+
+def kv_args(kv, meta):
+    """What ``PrefillBootstrapQueue._init_kv_manager`` / ``DecodePreallocQueue.
+    _init_kv_manager`` put in a KVArgs for a plain MHA pool on one rank, the pool's
+    memory kind DRAM (host memory here)."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos
+
+    a = KVArgs()
+    a.engine_rank, a.pp_rank, a.system_dp_rank, a.gpu_id = 0, 0, 0, 0
+    a.kv_cache_dtype_str, a.kv_layout, a.ib_device = "bfloat16", None, None
+    a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = get_kv_transfer_buf_infos(kv)
+    a.kv_data_mem_kinds = ["DRAM"] * len(a.kv_data_ptrs)
+    a.num_draft_entries = 0
+    layers = len(a.kv_data_ptrs) // 2
+    a.kv_layer_ids = list(range(layers)) * 2  # k0..kL-1 then v0..vL-1
+    a.page_size = kv.page_size
+    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = meta.get_buf_infos()
+    a.state_types, a.state_data_ptrs, a.state_data_lens = [], [], []
+    a.state_item_lens, a.state_layer_ids = [], []
+    return a
+
+
+def manager(kv, meta, role: str, server_args):
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+    return NixlKVManager(kv_args(kv, meta), mode, server_args, False)
+
+
+class DescriptorCount:
+    """Counts what an agent is asked to move: descriptors per ``make_prepped_xfer`` /
+    ``initialize_xfer`` call (wraps the two methods of one agent instance).  With
+    ``record`` the ``(address, bytes)`` of every descriptor of every ``initialize_xfer``
+    are kept too, local and remote (``ranges``; for small test rounds: a descriptor list
+    is read entry by entry)."""
+
+    def __init__(self, agent, record: bool = False):
+        self.calls = self.descs = 0
+        self.by_call: list[int] = []
+        self.record = record
+        self.ranges: list[tuple[list, list]] = []  # per call: (local, remote) [(addr, n)]
+        prepped, plain = agent.make_prepped_xfer, agent.initialize_xfer
+
+        def make_prepped_xfer(op, ls, lidx, rs, ridx, *a, **k):
+            self._count(len(lidx))
+            return prepped(op, ls, lidx, rs, ridx, *a, **k)
+
+        def initialize_xfer(op, ls, rs, *a, **k):
+            self._count(ls.descCount() if hasattr(ls, "descCount") else len(ls))
+            if self.record:
+                self.ranges.append((_ranges_of(ls), _ranges_of(rs)))
+            return plain(op, ls, rs, *a, **k)
+
+        agent.make_prepped_xfer, agent.initialize_xfer = make_prepped_xfer, initialize_xfer
+
+    def _count(self, n: int) -> None:
+        self.calls += 1
+        self.descs += n
+        self.by_call.append(n)
+
+    def take(self) -> dict:
+        out = dict(calls=self.calls, descriptors=self.descs, ranges=self.ranges)
+        self.calls = self.descs = 0
+        self.by_call, self.ranges = [], []
+        return out
+
+
+def _ranges_of(dlist) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of every entry of a NIXL descriptor list."""
+    return [(int(d[0]), int(d[1])) for d in (dlist[i] for i in range(dlist.descCount()))]
+
+
+def registered(mgr) -> dict:
+    """``(address, bytes)`` of every registration a ``NixlKVManager`` holds now: ``kv``
+    (its ``kv_descs``: one per layer and K/V stock, one per pool region, i.e. physical
+    chunk, with the adapter's ``SGLANG_KVMEM_REGISTER=regions``) and ``other`` (aux and
+    state buffers)."""
+    other = [d for d in (getattr(mgr, "aux_descs", None), getattr(mgr, "state_descs", None))
+             if d is not None]
+    return dict(kv=[r for descs in mgr.kv_descs for r in _ranges_of(descs)],
+                other=[r for descs in other for r in _ranges_of(descs)])
+
+
+def outside_one_region(ranges, regions) -> int:
+    """How many ``(address, bytes)`` ranges do not lie inside one of ``regions`` (NIXL
+    refuses a descriptor across two registrations, also two adjacent ones)."""
+    return sum(not any(a <= p and p + n <= a + m for a, m in regions) for p, n in ranges)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(pred, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise TimeoutError(f"{what}: not reached in {timeout:.0f} s")
+        time.sleep(POLL_S)
+
+
+# -- the decode process ----------------------------------------------------------------------
+
+def _decode_main(conn, shape_d: dict, addr: str, env: dict) -> None:
+    """The decode side: commands from the prefill over ``conn``, one reply each."""
+    try:
+        os.environ.update(env)
+        shape = Shape(**shape_d)
+        sa = publish("decode", shape.page_size)
+        m0 = memory_counters()
+        kv, created_s = build_pool(shape)
+        memory = counter_delta(m0, memory_counters())
+        meta = metadata_buffers(shape.requests)
+        dm = manager(kv, meta, "decode", sa)
+        # DecodePreallocQueue asks again at every step until the prefill answers
+        end = time.monotonic() + START_S
+        while not dm.try_ensure_parallel_info(addr):
+            if time.monotonic() > end:
+                raise TimeoutError(f"the prefill's bootstrap server {addr} did not answer "
+                                   f"in {START_S} s")
+            time.sleep(0.2)
+        conn.send(dict(pool_create_s=created_s, kvmem_pool=_kvmem_pool(kv), memory=memory))
+        recv = {}
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "stop":
+                conn.send("bye")
+                break
+            if cmd == "publish":  # arg: (rooms, planes to check[, clear them first])
+                from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
+
+                rooms, check, *more = arg
+                clear = more[0] if more else True
+                recv = {}
+                for r, room in enumerate(rooms):
+                    if clear:
+                        clear_rows(kv, shape, request_pages(shape, r), check)
+                    rc = NixlKVReceiver(dm, addr, room)
+                    rc.init(0)
+                    recv[room] = rc
+                for r, room in enumerate(rooms):
+                    recv[room].send_metadata(request_pages(shape, r), aux_index=r)
+                conn.send("published")
+            elif cmd == "wait":  # arg: (timeout, planes to check) -> every room's end
+                timeout, check = arg
+                conn.send(_decode_wait(dm, kv, shape, recv, timeout, check))
+            elif cmd == "info":
+                conn.send(dict(dst_kv_ptrs=list(dm.kv_args.kv_data_ptrs),
+                               agent=dm.agent.name, registered=registered(dm)))
+            else:
+                conn.send(f"unknown command {cmd!r}")
+    except BaseException:  # noqa: BLE001 - the prefill reads the traceback
+        conn.send(dict(error=traceback.format_exc()))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # sglang's threads are not daemons; NIXL's exit is not clean here
+
+
+def _decode_wait(dm, kv, shape: Shape, recv: dict, timeout: float, check) -> dict:
+    """Poll every receiver as the decode's transfer queue does until each room is
+    Success, or Failed with its release safe: a Failed room's ABORT goes to the prefill
+    (``ensure_abort_notified(force_arm=True)``, decode.py:2899-2906) and its pages count as
+    free once the prefill's ABORT_ACK made ``is_abort_release_safe`` true
+    (decode.py:3046-3060).  Returns when (monotonic clock) each room ended, the rows of
+    the Success rooms that differ from the pattern in the planes ``check``, and when
+    ``done_at`` every room ended."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    rooms = list(recv)
+    state, failed_at, safe_at, ok_at = {}, {}, {}, {}
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for room in rooms:
+            if room in ok_at or room in safe_at:
+                continue
+            st = recv[room].poll()
+            state[room] = int(st)
+            if st == KVPoll.Success:
+                ok_at[room] = time.monotonic()
+            elif st == KVPoll.Failed:
+                if room not in failed_at:
+                    failed_at[room] = time.monotonic()
+                    recv[room].ensure_abort_notified(force_arm=True)
+                if dm.is_abort_release_safe(room, 1):
+                    safe_at[room] = time.monotonic()
+        if len(ok_at) + len(safe_at) == len(rooms):
+            break
+        time.sleep(POLL_S)
+    done_at = time.monotonic()
+    bad = sum(check_rows(kv, shape, request_pages(shape, r), check)
+              for r, room in enumerate(rooms) if room in ok_at) if check else 0
+    return dict(done_at=done_at, states=[state.get(room) for room in rooms],
+                ok_at={str(k): v for k, v in ok_at.items()},
+                failed_at={str(k): v for k, v in failed_at.items()},
+                safe_at={str(k): v for k, v in safe_at.items()}, bad_rows=bad)
+
+
+def _kvmem_pool(kv) -> bool:
+    return getattr(kv, "_kvmem_pool", None) is not None
+
+
+# -- the prefill process (this one) ----------------------------------------------------------
+
+class Pair:
+    """The prefill side in this process and the decode side in a child; see the module
+    docstring.  ``decode_env``: environment of the decode process (the flag there).
+    ``wait=False``: return once the decode process is started; :meth:`ready` waits for
+    it (several pairs of one process then start their decodes together).  ``record``:
+    keep every descriptor of a round (``DescriptorCount``) for :meth:`regions_check`."""
+
+    def __init__(self, shape: Shape, decode_env: dict | None = None, timeout: float = 300,
+                 wait: bool = True, record: bool = False):
+        self.shape, self.timeout = shape, timeout
+        sa = publish("prefill", shape.page_size)
+        from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer
+        from sglang.srt.runtime_context import get_disagg
+
+        port = _free_port()
+        get_disagg()._set("disaggregation_bootstrap_port", port)
+        NixlKVBootstrapServer("127.0.0.1", port)
+        self.addr = f"127.0.0.1:{port}"
+        m0 = memory_counters()
+        self.kv, self.pool_create_s = build_pool(shape)
+        self.fill_s = fill_pattern(self.kv)
+        self.memory = counter_delta(m0, memory_counters())  # the pool made and filled
+        self.meta = metadata_buffers(shape.requests)
+        self.pm = manager(self.kv, self.meta, "prefill", sa)
+        self.count = DescriptorCount(self.pm.agent, record)
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        env = {k: v for k, v in os.environ.items()}
+        env = {k: v for k, v in env.items() if not k.startswith("SGLANG_KVMEM")}
+        env.update(decode_env if decode_env is not None else
+                   {k: v for k, v in os.environ.items() if k.startswith("SGLANG_KVMEM")})
+        self.proc = ctx.Process(target=_decode_main, args=(child, asdict(shape), self.addr, env),
+                                daemon=True)
+        self.proc.start()
+        self.decode_info = None
+        self.next_room = 1000
+        self.rounds = 0
+        if wait:
+            self.ready()
+
+    def ready(self) -> "Pair":
+        """Wait until the decode process is up (its pool, manager and bootstrap)."""
+        if self.decode_info is None:
+            self.decode_info = self._reply(START_S)
+        return self
+
+    def _reply(self, timeout: float | None = None):
+        timeout = timeout or self.timeout
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"the decode process did not answer in {timeout} s")
+        out = self.conn.recv()
+        if isinstance(out, dict) and "error" in out:
+            raise RuntimeError("decode process failed:\n" + out["error"])
+        return out
+
+    def ask(self, cmd: str, arg=None, timeout: float | None = None):
+        self.conn.send((cmd, arg))
+        return self._reply(timeout)
+
+    def senders(self, n: int, check=(), clear: bool = True):
+        """``n`` bootstrapped senders (rooms WaitingForInput), one per request; the
+        decode clears the rows of the planes ``check`` first unless ``clear`` is False."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.nixl.conn import NixlKVSender
+
+        rooms = list(range(self.next_room, self.next_room + n))
+        self.next_room += n
+        out = []
+        for r, room in enumerate(rooms):
+            s = NixlKVSender(self.pm, self.addr, room)
+            s.init(self.shape.pages_per_request, aux_index=r)
+            out.append(s)
+        assert self.ask("publish", (rooms, list(check), clear)) == "published"
+        _wait(lambda: all(s.poll() == KVPoll.WaitingForInput for s in out), self.timeout,
+              "every sender WaitingForInput")
+        return out
+
+    def sglang_round(self, check=(0,), on_sent=None, at_once: bool = False,
+                     decode_timeout: float | None = None, clear: bool = True) -> dict:
+        """One timed round of sglang's transfer of every request; see the module
+        docstring.  ``check``: planes the decode clears before and checks after (in the
+        rooms that end Success).  ``on_sent(senders)``: called once every chunk is
+        queued (a test's abort or fault).  ``at_once``: the chunks reach the workers'
+        queues together (queued on queues no worker reads, then moved over in one step),
+        as a worker still busy with an earlier room would find them.
+        ``decode_timeout``: how long the decode waits for every room to end.
+        ``clear=False``: the decode does not clear the rows first (a fresh pool reads as
+        zeros, and no pattern word of a transferred row is zero): the round is then the
+        first write into those pages, and pays their first touch where the pool left it
+        to the first touch."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.disaggregation.common.utils import FastQueue
+
+        shape = self.shape
+        senders = self.senders(shape.requests, check, clear)
+        self.count.take()
+        real = self.pm.transfer_queues
+        if at_once:
+            self.pm.transfer_queues = [FastQueue() for _ in real]
+        t0 = time.monotonic()
+        for r, s in enumerate(senders):
+            s.send(request_pages(shape, r))
+        if at_once:
+            backlog, self.pm.transfer_queues = self.pm.transfer_queues, real
+            for b, q in zip(backlog, real):
+                with q._cond:  # FastQueue: a deque and a condition
+                    q._buf.extend(b._buf)
+                    q._cond.notify_all()
+        if on_sent is not None:
+            on_sent(senders)
+        _wait(lambda: all(s.poll() in (KVPoll.Success, KVPoll.Failed) for s in senders),
+              self.timeout, "every room concluded on the prefill")
+        t_prefill = time.monotonic()
+        wait_s = decode_timeout or self.timeout
+        d = self.ask("wait", (wait_s, list(check)), timeout=wait_s + self.timeout)
+        states = [int(s.poll()) for s in senders]
+        counted = self.count.take()
+        for s in senders:
+            s.clear()
+        self.rounds += 1
+        wall = max(t_prefill, d["done_at"]) - t0
+        nbytes = shape.requests * shape.request_bytes
+        aux = len(self.pm.kv_args.aux_data_ptrs)  # send_aux: one descriptor per aux buffer
+        return dict(seconds=wall, gbps=nbytes / wall / 1e9, nbytes=nbytes, t0=t0,
+                    rooms=[s.bootstrap_room for s in senders],
+                    prefill_states=states, decode_states=d["states"], bad_rows=d["bad_rows"],
+                    decode=d, nixl_calls=counted["calls"] - shape.requests,
+                    kv_descriptors_per_request=counted["descriptors"] / shape.requests - aux,
+                    **({"regions": self.regions_check(counted["ranges"])}
+                       if self.count.record else {}))
+
+    def regions_check(self, ranges) -> dict:
+        """Of the descriptors ``ranges`` recorded in a round: how many lie inside no
+        single registration, locally and on the decode, and each side's KV registrations
+        (a kvmem pool registers one per physical chunk)."""
+        mine = registered(self.pm)
+        theirs = self.ask("info")["registered"]
+        local = [r for lo, _ in ranges for r in lo]
+        remote = [r for _, ro in ranges for r in ro]
+        return dict(descriptors=len(local), kv_regions=len(mine["kv"]),
+                    decode_kv_regions=len(theirs["kv"]),
+                    local_outside=outside_one_region(local, mine["kv"] + mine["other"]),
+                    remote_outside=outside_one_region(remote, theirs["kv"] + theirs["other"]))
+
+    def raw_round(self) -> dict:
+        """The raw NIXL write of the same bytes (module docstring)."""
+        shape, agent = self.shape, self.pm.agent
+        peer = next(iter(self.pm.decode_kv_args_table))
+        dst = self.pm.decode_kv_args_table[peer].dst_kv_ptrs
+        src = self.pm.kv_args.kv_data_ptrs
+        span = shape.tokens * shape.row_bytes
+        first = shape.page_size * shape.row_bytes  # row P: after the padding page
+        lists = []
+        for r in range(shape.requests):
+            off = first + r * span
+            ld = np.array([(s + off, span, 0) for s in src], dtype=np.uint64)
+            rd = np.array([(d + off, span, 0) for d in dst], dtype=np.uint64)
+            lists.append((agent.get_xfer_descs(ld, "DRAM"), agent.get_xfer_descs(rd, "DRAM")))
+        self.count.take()
+        t0 = time.monotonic()
+        handles = []
+        for ld, rd in lists:
+            h = agent.initialize_xfer("WRITE", ld, rd, peer)
+            agent.transfer(h)
+            handles.append(h)
+        pending = list(handles)
+        end = t0 + self.timeout
+        while pending:
+            states = [agent.check_xfer_state(h) for h in pending]
+            if "ERR" in states:
+                raise RuntimeError("raw NIXL write ended ERR")
+            pending = [h for h, st in zip(pending, states) if st != "DONE"]
+            if pending:
+                if time.monotonic() > end:
+                    raise TimeoutError("raw NIXL write not DONE")
+                time.sleep(POLL_S)
+        wall = time.monotonic() - t0
+        for h in handles:
+            agent.release_xfer_handle(h)
+        counted = self.count.take()
+        nbytes = shape.requests * shape.request_bytes
+        return dict(seconds=wall, gbps=nbytes / wall / 1e9, nbytes=nbytes,
+                    kv_descriptors_per_request=counted["descriptors"] / shape.requests)
+
+    def close(self) -> None:
+        try:
+            self.ask("stop")
+        except Exception:  # noqa: BLE001 - the child may be gone already
+            pass
+        self.proc.join(10)
