@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.twin_64g import Twin, spec_of
+from testkit.twin import Twin, spec_of
 
 pytestmark = pytest.mark.nixl
 
