@@ -5,12 +5,14 @@ sglang with its full dependencies, sglang-router, NIXL and kvmem with its adapte
 installed.  The main suite (``.venv``) does not collect this directory
 (tests/conftest.py).
 
-Deployments are module-scoped: starting a PD pair and the router costs about a minute
-on two cores, so each module starts the few it needs and its tests share them, in the
-order they are written.  Each test that can leave a deployment changed (a crash, a
-stopped server) says so and restarts what it needs.  Server logs go to a directory per
-deployment; the tail of every log is attached to a failing test's report, and the
-directory is kept (``KVMEM_E2E_LOGS`` chooses where; default: pytest's tmp dir).
+Servers are shared by the whole session (``fleet.py``): starting one costs 35-70 s on two
+cores, so every engine configuration runs once and serves every deployment kind that
+names it, and the tests are ordered (backend, then kind) so that each server serves one
+contiguous block of them.  Each test that can leave a server changed (a crash, a stopped
+server) says so (``leaves_broken``) and restarts what it needs.  Server logs go to a
+directory per server; the tail of every live server's log is attached to a failing
+test's report, and the directory is kept (``KVMEM_E2E_LOGS`` chooses where; default:
+pytest's tmp dir).
 """
 
 from __future__ import annotations
@@ -20,13 +22,29 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.deploy import Deployment
+from tests.e2e import scenario
+from tests.e2e.deploy import BACKENDS as B
+from tests.e2e.deploy import Deployment, tail
+from tests.e2e.fleet import Fleet
 from tests.e2e.tiny_model import make_tiny_model
 
 FLAG = {"SGLANG_KVMEM": "1"}
-_LIVE: list[Deployment] = []
+_FLEETS: list = []  # the session's fleet, for the failure report
 
-# The deployments the tests share, by name: (Deployment kwargs, what it is).
+# sglang's PD transfer backends every PD test runs on (KVMEM_E2E_BACKENDS narrows it,
+# e.g. "mooncake" while working on one); a test takes them through its ``backend``
+# argument.
+BACKENDS = tuple(b for b in os.environ.get("KVMEM_E2E_BACKENDS", ",".join(B)).split(",") if b)
+if not BACKENDS or set(BACKENDS) - set(B):
+    raise pytest.UsageError(f"KVMEM_E2E_BACKENDS={os.environ['KVMEM_E2E_BACKENDS']!r}: "
+                            f"a comma-separated subset of {','.join(B)}")
+
+# the scenario's timeouts (tests/e2e/scenario.py): its decode stops for longer than them
+_SCENARIO = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(scenario.TRANSFER_TIMEOUT_S),
+             "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(scenario.BOOTSTRAP_TIMEOUT_S)}
+
+# The deployments the tests share, by name: (Deployment kwargs, what it is).  A PD kind
+# runs on each backend a test asks for (its ``backend`` argument); a plain one on none.
 KINDS = {
     "stock": (dict(), "stock prefill, stock decode"),
     "kvmem-prefill": (dict(prefill_env=FLAG), "SGLANG_KVMEM=1 prefill, stock decode"),
@@ -35,57 +53,39 @@ KINDS = {
                    "SGLANG_KVMEM=1 prefill and decode"),
     "kvmem-both-no-overlap": (dict(prefill_env=FLAG, decode_env=FLAG, overlap=False),
                               "SGLANG_KVMEM=1 prefill and decode, --disable-overlap-schedule"),
+    "scenario-stock": (dict(prefill_env=_SCENARIO, decode_env=_SCENARIO),
+                       "stock prefill and decode with the scenario's timeouts"),
+    "scenario-kvmem": (dict(prefill_env={**FLAG, **_SCENARIO},
+                            decode_env={**FLAG, **_SCENARIO}),
+                       "SGLANG_KVMEM=1 prefill and decode with the scenario's timeouts"),
+    "single-kvmem": (dict(pd=False, env=FLAG), "one plain server, SGLANG_KVMEM=1"),
+    "tp2-plain": (dict(pd=False, env=FLAG, tp=2), "one plain server at TP 2, SGLANG_KVMEM=1"),
+    "tp2-both": (dict(prefill_env=FLAG, decode_env=FLAG, tp=2),
+                 "SGLANG_KVMEM=1 prefill and decode, both at TP 2"),
+    "tp2-prefill": (dict(prefill_env=FLAG, decode_env=FLAG, prefill_tp=2),
+                    "SGLANG_KVMEM=1 prefill at TP 2, SGLANG_KVMEM=1 decode at TP 1"),
 }
-# At most this many deployments run at once: a PD pair and its router are six Python
-# processes of about 1.1-1.3 GB resident each here.  Tests are ordered so that each
-# deployment serves one contiguous block of them (pytest_collection_modifyitems).
-MAX_LIVE = 1
-
 
 class Deployments:
-    """Session-wide deployments by name (:data:`KINDS`, or any name with its kwargs),
-    started on first use, restarted when a server died or a test called
-    :meth:`discard`, the least recently used one stopped when :data:`MAX_LIVE` run."""
+    """Session-wide deployments by name (:data:`KINDS`, or any name with its Deployment
+    kwargs), over the engines and routers of one :class:`~tests.e2e.fleet.Fleet`: started
+    on first use, started again when a server died or a test called :meth:`discard`."""
 
     def __init__(self, model: Path, logroot: Path):
-        self.model, self.logroot = model, logroot
-        self.live: dict[str, Deployment] = {}
-        self.starts: dict[str, int] = {}
+        self.fleet = Fleet(model, logroot)
 
-    def get(self, name: str, **kwargs) -> Deployment:
-        d = self.live.pop(name, None)
-        if d is not None and d.crashed():
-            d.stop()
-            _LIVE.remove(d)
-            d = None
-        if d is None:
-            while len(self.live) >= MAX_LIVE:
-                old, dep = next(iter(self.live.items()))
-                dep.stop()
-                _LIVE.remove(dep)
-                del self.live[old]
-            n = self.starts[name] = self.starts.get(name, 0) + 1
-            conf = kwargs or KINDS[name][0]
-            d = Deployment(self.model, self.logroot / f"{name}-{n}", **conf)
-            _LIVE.append(d)
-            try:
-                d.start()
-            except BaseException:
-                _LIVE.remove(d)
-                raise
-        self.live[name] = d  # most recently used last
-        return d
+    def get(self, name: str, backend: str = "nixl", **kwargs) -> Deployment:
+        """The deployment ``name`` on ``backend`` (a PD one; a plain one has none)."""
+        return self.fleet.get(kwargs or KINDS[name][0], backend)
 
-    def discard(self, name: str) -> None:
-        """Stop ``name`` (a test left it changed); the next :meth:`get` starts it anew."""
-        d = self.live.pop(name, None)
-        if d is not None:
-            d.stop()
-            _LIVE.remove(d)
+    def discard(self, name: str, backend: str = "nixl",
+                roles=("prefill", "decode", "plain")) -> None:
+        """Stop the servers of ``name`` with those roles (a test left them changed); the
+        next :meth:`get` starts them anew."""
+        self.fleet.discard(KINDS[name][0], backend, roles)
 
     def stop_all(self) -> None:
-        for name in list(self.live):
-            self.discard(name)
+        self.fleet.stop_all()
 
 
 @pytest.fixture(scope="session")
@@ -105,29 +105,48 @@ def logroot(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def deployments(model, logroot):
     reg = Deployments(model, logroot)
+    _FLEETS.append(reg.fleet)
     yield reg
     reg.stop_all()
+    print(f"\ne2e servers started: {reg.fleet.started}")
 
 
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "backends(*names): the PD transfer backends a test runs on (default: "
+        "all of KVMEM_E2E_BACKENDS)")
     config.addinivalue_line(
         "markers", "leaves_broken: the test may leave its deployment crashed or changed; "
         "it runs last among the tests of that deployment, which is restarted after it")
 
 
+def pytest_generate_tests(metafunc):
+    """Every test that takes ``backend`` runs on each of BACKENDS, unless it names its
+    own (``@pytest.mark.backends("nixl")``: what only that backend has)."""
+    if "backend" in metafunc.fixturenames:
+        mark = metafunc.definition.get_closest_marker("backends")
+        names = [b for b in (mark.args if mark else BACKENDS) if b in BACKENDS]
+        metafunc.parametrize("backend", names, scope="module")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Within each module, the tests of one deployment kind (their ``kind`` parameter,
-    in the order of KINDS; tests without one first) run together, and those marked
-    ``leaves_broken`` last in their kind's block; otherwise the written order holds."""
+    """The tests of one deployment run together, whatever their module: ordered by
+    backend (tests without one first), then by kind (their ``kind`` parameter, in the
+    order of KINDS; tests without one first), those marked ``leaves_broken`` last in
+    their block; otherwise the written order holds (module, then position)."""
     modules = {}
     for item in items:
         modules.setdefault(item.module, len(modules))
+    position = {id(item): i for i, item in enumerate(items)}
 
     def key(item):
         params = getattr(getattr(item, "callspec", None), "params", {})
+        backend = params.get("backend")
         kind = params.get("kind")
-        rank = list(KINDS).index(kind) if kind in KINDS else -1
-        return (modules[item.module], rank, item.get_closest_marker("leaves_broken") is not None)
+        return (BACKENDS.index(backend) if backend in BACKENDS else -1,
+                list(KINDS).index(kind) if kind in KINDS else -1,
+                item.get_closest_marker("leaves_broken") is not None,
+                modules[item.module], position[id(item)])
 
     items.sort(key=key)
 
@@ -137,5 +156,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.when == "call" and report.failed:
-        for d in _LIVE:
-            report.sections.append((f"server logs of {d.logdir.name}", d.logs(80)))
+        for fleet in _FLEETS:
+            for s in fleet.live():
+                report.sections.append((f"log of {s.logdir.name}/{s.name}",
+                                        tail(s.log, 80)))

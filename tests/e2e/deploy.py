@@ -35,7 +35,7 @@ SERVER_ARGS = [
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend",
     "pytorch", "--disable-cuda-graph", "--max-total-tokens", "65536", "--dtype",
     "bfloat16", "--skip-server-warmup", "--host", "127.0.0.1", "--enable-metrics",
-    "--log-level", "info",
+    "--log-level", "info", "--sleep-on-idle",
 ]
 # sglang's PD transfer backends the tier runs.  Mooncake goes over TCP on this host (no
 # RDMA device): MOONCAKE_PROTOCOL=tcp (sglang's environ.py:887, read at
@@ -70,6 +70,22 @@ def mooncake_env() -> dict:
     return env
 STOP_TIMEOUT = 5.0
 IDLE_S = 20.0  # how long a server may take to let go of finished requests
+
+
+def tp_args(tp: int) -> tuple[list[str], dict]:
+    """A server's arguments and variables for tensor parallelism ``tp`` on this CPU host
+    (nothing at TP 1).  sglang 0.5.23 at TP > 1 here: gloo (platforms/cpu.py:108);
+    ``SGLANG_CPU_OMP_THREADS_BIND`` with one entry per rank (else utils/numa_utils.py:463
+    asserts ranks <= NUMA nodes); ``SGLANG_NCCL_SO_PATH`` naming no library, so that sglang
+    disables PyNccl as on a CPU-only torch (pynccl.py:73-79; this CUDA build of torch
+    ships libnccl, and PyNccl raises "Expected a cuda device" at
+    device_communicators/pynccl.py:116 otherwise)."""
+    if tp == 1:
+        return [], {}
+    cores = os.cpu_count() or 1
+    return (["--tp-size", str(tp)],
+            {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % cores) for r in range(tp)),
+             "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"})
 
 
 class DeployError(RuntimeError):
@@ -302,7 +318,8 @@ class Deployment:
     def __init__(self, model: Path, logdir: Path, *, pd: bool = True,
                  prefill_env: dict | None = None, decode_env: dict | None = None,
                  env: dict | None = None, extra_args: list[str] | None = None,
-                 overlap: bool = True, backend: str = "nixl"):
+                 overlap: bool = True, backend: str = "nixl", tp: int = 1,
+                 prefill_tp: int | None = None, decode_tp: int | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: one of {BACKENDS}")
         self.model, self.logdir, self.pd, self.backend = Path(model), Path(logdir), pd, backend
@@ -311,22 +328,43 @@ class Deployment:
         if pd:
             pd_args = ["--disaggregation-transfer-backend", backend]
             pd_env = mooncake_env() if backend == "mooncake" else {}
+            p_args, p_env = tp_args(prefill_tp or tp)
+            d_args, d_env = tp_args(decode_tp or tp)
             self.bootstrap_port = free_port()
-            self.prefill = Server("prefill", [*base, *pd_args, "--port", "0",
+            self.prefill = Server("prefill", [*base, *pd_args, *p_args, "--port", "0",
                                               "--disaggregation-mode", "prefill",
                                               "--disaggregation-bootstrap-port",
                                               str(self.bootstrap_port)], 0, self.logdir,
-                                  {**pd_env, **(prefill_env or {})})
-            self.decode = Server("decode", [*base, *pd_args, *DECODE_ARGS, "--port", "0",
-                                            "--disaggregation-mode", "decode"], 0,
-                                 self.logdir, {**pd_env, **(decode_env or {})})
+                                  {**pd_env, **p_env, **(prefill_env or {})})
+            self.decode = Server("decode", [*base, *pd_args, *DECODE_ARGS, *d_args, "--port",
+                                            "0", "--disaggregation-mode", "decode"], 0,
+                                 self.logdir, {**pd_env, **d_env, **(decode_env or {})})
             self.router = Server("router", [], 0, self.logdir,
                                  module="sglang_router.launch_router")
             self.servers = [self.prefill, self.decode, self.router]
         else:
-            self.single = Server("server", [*base, "--port", "0"], 0, self.logdir,
-                                 dict(env or {}))
+            s_args, s_env = tp_args(tp)
+            self.single = Server("server", [*base, *s_args, "--port", "0"], 0, self.logdir,
+                                 {**s_env, **(env or {})})
             self.servers = [self.single]
+
+    @classmethod
+    def over(cls, model: Path, *, single: Server | None = None, prefill: Server | None = None,
+             decode: Server | None = None, router: Server | None = None,
+             bootstrap_port: int = 0, backend: str | None = None) -> "Deployment":
+        """A deployment over servers that run already (``tests.e2e.fleet`` shares them
+        between deployments): one plain server, or a prefill, a decode and a router."""
+        d = cls.__new__(cls)
+        d.model, d.backend, d.pd = Path(model), backend, single is None
+        if d.pd:
+            d.prefill, d.decode, d.router = prefill, decode, router
+            d.bootstrap_port = bootstrap_port
+            d.servers = [prefill, decode, router]
+        else:
+            d.single = single
+            d.servers = [single]
+        d.logdir = d.servers[0].logdir
+        return d
 
     # -- life ---------------------------------------------------------------------------
     def _ports(self, servers=None) -> None:

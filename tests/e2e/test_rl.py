@@ -23,7 +23,6 @@ from tests.e2e.tiny_model import WORDS
 POOL_BYTES = 65537 * 2 * 2 * 2 * 32 * 2
 PROMPTS = [prompt(i) for i in range(4)]
 MODES = ["abort", "retract", "in_place"]
-PLAIN = {"SGLANG_KVMEM": "1"}
 
 
 def served(d):
@@ -62,8 +61,8 @@ def check_answers(answers, allowed):
 
 
 @pytest.fixture(scope="module")
-def pair(deployments):
-    d = deployments.get("kvmem-both")
+def pair(deployments, backend):
+    d = deployments.get("kvmem-both", backend)
     reference = served(d)
     kv = {"tags": ["kv_cache"]}
     for s in (d.prefill, d.decode):  # a resume pre-faults the pool: all of it resident
@@ -166,7 +165,7 @@ def test_single_server_rl_cycle(deployments, model, kind):
     """One (non-PD) server with the flag, slime's whole cycle: generate, pause, release
     everything (no tags), resume, continue, generate; release weights and KV cache,
     resume the weights, update them from disk, resume the KV cache, generate."""
-    d = deployments.get(kind, pd=False, env={"SGLANG_KVMEM": "1"})
+    d = deployments.get(kind)
     first = d.generate(PROMPTS[0])
     assert first.status == 200, first
     s = d.single
@@ -239,7 +238,7 @@ def test_pd_pause_release_resume_continue(pair, kind, mode):
 
 @pytest.fixture(scope="module")
 def plain(deployments):
-    return deployments.get("single-kvmem", pd=False, env=PLAIN)
+    return deployments.get("single-kvmem")
 
 
 @pytest.mark.parametrize("kind", ["single-kvmem"])

@@ -18,15 +18,7 @@ import pytest
 
 from tests.e2e import scenario
 
-ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(scenario.TRANSFER_TIMEOUT_S),
-       "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(scenario.BOOTSTRAP_TIMEOUT_S)}
-FLAG = {"SGLANG_KVMEM": "1", **ENV}
 REPORTS: dict[str, dict] = {}
-
-
-def _kinds():
-    return {"scenario-stock": dict(prefill_env=ENV, decode_env=ENV),
-            "scenario-kvmem": dict(prefill_env=FLAG, decode_env=FLAG)}
 
 
 def _print(name, rep):
@@ -46,27 +38,27 @@ def _keep(name, rep):
 
 
 @pytest.mark.leaves_broken
-def test_scenario_stock(deployments):
-    name = "scenario-stock"
-    d = deployments.get(name, **_kinds()[name])
+@pytest.mark.parametrize("kind", ["scenario-stock"])
+def test_scenario_stock(deployments, backend, kind):
+    d = deployments.get(kind, backend)
     try:
         rep = scenario.run(d)
-        _keep("stock", rep)
-        _print("stock sglang 0.5.23", rep)
+        _keep(f"stock@{backend}", rep)
+        _print(f"stock sglang 0.5.23 on {backend}", rep)
         assert rep.requests >= 200
         # stock's release with requests in flight kills a scheduler (weight_updater.py:339)
         assert rep.crashes, "stock was expected to crash on a release with requests in flight"
     finally:
-        deployments.discard(name)
+        deployments.discard(kind, backend)
 
 
-def test_scenario_kvmem(deployments):
-    name = "scenario-kvmem"
-    d = deployments.get(name, **_kinds()[name])
+@pytest.mark.parametrize("kind", ["scenario-kvmem"])
+def test_scenario_kvmem(deployments, backend, kind):
+    d = deployments.get(kind, backend)
     rep = scenario.run(d)
-    _keep("kvmem", rep)
-    _print("SGLANG_KVMEM=1 on both servers", rep)
+    _keep(f"kvmem@{backend}", rep)
+    _print(f"SGLANG_KVMEM=1 on both servers, {backend}", rep)
     assert rep.requests >= 200
     assert rep.hangs == 0 and rep.crashes == [] and rep.leaks == {}, rep.as_json()
     assert rep.wrong == 0 and rep.answered == rep.requests, rep.wrong_examples
-    deployments.discard(name)
+    deployments.discard(kind, backend)
