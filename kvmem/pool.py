@@ -285,12 +285,21 @@ class KVPool:
 
     # --- pack / unpack -------------------------------------------------------------------
     def _plan(self, layers, heads):
+        """The pool's plan of a selection, made once.  The whole pool (``layers`` and
+        ``heads`` None, the common call) is found without validating or keying again."""
+        whole = layers is None and heads is None
+        if whole:
+            plan = self._plans.get(None)
+            if plan is not None:
+                return plan
         key = (_pack._check_layers(layers, self.spec.num_layers),
                _pack._check_heads(heads, self.spec.num_kv_heads))
         plan = self._plans.get(key)
         if plan is None:
             plan = _pack.make_plan(self._k_buffer, self._v_buffer, None, *key)
             self._plans[key] = plan
+        if whole:
+            self._plans[None] = plan
         return plan
 
     def pack(self, page_ids, layers=None, heads=None, out=None, check=True) -> torch.Tensor:

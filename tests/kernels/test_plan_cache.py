@@ -1,7 +1,9 @@
 """The pack plan cache: one LRU per device, guarded by a lock,
 big enough that packing an 80-layer model one layer at a time (sglang's staging path)
 never evicts a plan it will ask for again; the old 64-entry cache missed on every call
-there, and each miss was a blocking host-to-device copy on CUDA."""
+there, and each miss was a blocking host-to-device copy on CUDA.  And what else a launch
+costs on the host: its arguments made once per plan, the pool's whole-pool plan found
+without keying, layer indices never read from a device."""
 
 from __future__ import annotations
 
@@ -93,6 +95,64 @@ def test_threads_asking_for_the_same_plans_get_the_same_objects():
     assert errors == []
     for r in results[1:]:
         assert all(a is b for a, b in zip(r, results[0])) and len(r) == len(keys)
+
+
+# -- what a launch costs on the host ------------------------------------------------------
+
+
+class _Kernel:
+    """Stands in for the Triton kernel: records each launch's grid and arguments."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+def test_launches_of_a_plan_reuse_its_arguments(monkeypatch):
+    """The launch's 21 constexpr arguments are made once per plan and direction, not per
+    launch (issue 32: host work on every call, in the hot path)."""
+    from kvmem.kernels.pack import triton as T
+
+    kernel, made = _Kernel(), []
+    real = T.kernel_params
+    monkeypatch.setattr(T, "_copy_pages_kernel", kernel)
+    monkeypatch.setattr(T, "kernel_params", lambda plan, pack: made.append(pack) or real(plan, pack))
+    ks, vs = _model(6)
+    plan = P.make_plan(ks, vs, None, [3, 1], (1, 3))
+    ids = torch.tensor([2, 0])
+    chunk = torch.empty(plan.nbytes(2), dtype=torch.uint8)
+    for pack in (True, False, True, False, True):
+        T._launch(plan, ks, ids, chunk, pack)
+    assert made == [True, False]
+    assert len(kernel.launches) == 5
+    for (grid, _, kwargs), pack in zip(kernel.launches, (True, False, True, False, True)):
+        assert grid == (2, 4)
+        assert kwargs == dict(real(plan, pack), num_warps=T._NUM_WARPS)
+
+
+def test_pool_finds_its_whole_pool_plan_without_keying_again(monkeypatch):
+    """pack_pages of the whole pool (layers and heads None, the common call) finds its
+    plan without validating the selection again: no tuple of every layer index built and
+    hashed per call."""
+    import kvmem
+    from kvmem.kernels import pack as _pack
+
+    spec = kvmem.KVSpec(num_layers=80, num_kv_heads=2, head_dim=8, page_size=2,
+                        dtype=torch.float16)
+    pool = kvmem.KVPool(spec, num_pages=5)
+    first = kvmem.pack_pages(pool, [1, 3])
+    checked = []
+    real = _pack._check_layers
+    monkeypatch.setattr(_pack, "_check_layers", lambda *a: checked.append(a) or real(*a))
+    for _ in range(3):
+        assert torch.equal(kvmem.pack_pages(pool, [1, 3]), first)
+    assert checked == []
+    kvmem.pack_pages(pool, [1], layers=[0, 2])  # a selection is still validated
+    assert len(checked) == 1
+    with pytest.raises(ValueError, match=r"layers: 80 is not a layer index"):
+        kvmem.pack_pages(pool, [1], layers=[80])
 
 
 @pytest.mark.parametrize("device", ["meta"])

@@ -79,6 +79,10 @@ class _Plan:
     # complete; launches before that make their stream wait on it (the copy was queued
     # on whichever stream was current when the plan was made).  Empty otherwise.
     ready: list = field(default_factory=list, compare=False, repr=False)
+    # The Triton launch's keyword arguments per direction ({pack: dict}), made by the
+    # first launch in that direction (kvmem.kernels.pack.triton._launch_args), so later
+    # launches build nothing.  A plan is immutable otherwise.
+    launch: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_copies(self) -> int:
@@ -198,9 +202,12 @@ def make_plan(k_buffers, v_buffers, page_size, layers, heads) -> _Plan:
         raise ValueError("k_buffers[0] must be [num_pages, page_size, H, D] or [num_tokens, H, D], "
                          f"got shape {tuple(k_buffers[0].shape)}")
     heads = _check_heads(heads, k_buffers[0].shape[-2])
+    # Every buffer's address, shape and strides: what tells a changed buffer from the one
+    # planned, O(layers) on every call (a list comprehension: about 0.3 us a buffer,
+    # a quarter less than a generator; bench/results/cpu-2026-12-03-launch-prep.md).
     key = (
-        tuple((b.data_ptr(), b.shape, b.stride()) for b in k_buffers),
-        tuple((b.data_ptr(), b.shape, b.stride()) for b in v_buffers),
+        tuple([(b.data_ptr(), b.shape, b.stride()) for b in k_buffers]),
+        tuple([(b.data_ptr(), b.shape, b.stride()) for b in v_buffers]),
         k_buffers[0].dtype, k_buffers[0].device, page_size, layers, heads,
     )
     device = k_buffers[0].device

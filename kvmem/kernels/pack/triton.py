@@ -126,6 +126,15 @@ def kernel_params(plan: _Plan, pack: bool) -> dict:
     return params
 
 
+def _launch_args(plan: _Plan, pack: bool) -> dict:
+    """The launch's keyword arguments (``kernel_params`` and ``num_warps``) for a plan and
+    direction: made once, kept in ``plan.launch`` (a launch then builds no dict)."""
+    args = plan.launch.get(pack)
+    if args is None:
+        args = plan.launch[pack] = dict(kernel_params(plan, pack), num_warps=_NUM_WARPS)
+    return args
+
+
 def _launch(plan: _Plan, k_buffers, page_ids: torch.Tensor, chunk: torch.Tensor,
             pack: bool) -> None:
     n = page_ids.numel()
@@ -141,6 +150,6 @@ def _launch(plan: _Plan, k_buffers, page_ids: torch.Tensor, chunk: torch.Tensor,
         _wait_ready(plan)
         _copy_pages_kernel[(n, plan.num_copies)](
             base, plan.layer_offs, page_ids, chunk.view(unit), n, plan.num_pages,
-            err, **kernel_params(plan, pack), num_warps=_NUM_WARPS,
+            err, **_launch_args(plan, pack),
         )
 
