@@ -178,10 +178,12 @@ def main() -> dict:
         from kvmem_sglang import plugin, transfer
 
         audit = {"audits": A.STATS.audits, "leaks": A.STATS.leaks}
-        # kvmem's NIXL send path (SGLANG_KVMEM_TRANSFER=kvmem): installed or not, and
-        # what it moved (nothing here: the FakeKVManager is no NixlKVManager)
+        # kvmem's NIXL send path (SGLANG_KVMEM_TRANSFER=kvmem): installed or not (once
+        # sglang imports NIXL's module: pending here, where the backend is sglang's fake
+        # one), and what it moved (nothing here: the FakeKVManager is no NixlKVManager)
+        planned = plugin.INSTALLED + [t for ts in plugin.PENDING.values() for t in ts]
         send_path = {"installed": any(t.endswith("NixlKVManager.send_kvcache")
-                                      for t in plugin.INSTALLED),
+                                      for t in planned),
                      "sends": transfer.STATS.sends + transfer.STATS.fallbacks}
     except ImportError:
         pass

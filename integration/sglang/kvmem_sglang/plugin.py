@@ -65,6 +65,7 @@ _WU = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUp
 _STAGING = "sglang.srt.disaggregation.common.staging_buffer"
 
 INSTALLED: list[str] = []  # targets patched in this process
+PENDING: dict[str, list[str]] = {}  # backend module -> targets patched when it is imported
 
 
 def load() -> None:
@@ -86,6 +87,7 @@ def load() -> None:
         _fatal(str(e))
     _options.activate(options)
     for module, group in later.items():
+        PENDING[module] = [t for t, _, _ in group]
         after_import(module, functools.partial(_install_backend, group))
     _announce("kvmem-sglang: SGLANG_KVMEM=1, %d hooks installed, %s (pid %d, backend %s, "
               "check %s, register %s, staging %s, transfer %s): %s", len(now),
@@ -125,6 +127,7 @@ def _install_backend(hooks, module) -> None:
         _install(hooks)
     except AdapterError as e:
         _fatal(str(e))
+    PENDING.pop(module.__name__, None)
     logger.info("kvmem-sglang: %d hook(s) installed on %s", len(hooks), module.__name__)
 
 
