@@ -29,8 +29,13 @@ E2E_PKGS   := $(SGLANG) sglang-router==0.3.2 nixl==1.5.1 nixl-cu13==1.5.1 pytest
 ADAPTER    := $(wildcard integration/sglang/kvmem_sglang/*.py) integration/sglang/pyproject.toml \
               integration/sglang/setup.py integration/sglang/kvmem_sglang.pth
 
-.PHONY: demo test test-main test-interpret test-e2e bench bench-smoke venv-demo venv-test \
+.PHONY: demo test check test-main test-interpret test-e2e bench bench-smoke venv-demo venv-test \
 	venv-triton36 venv-e2e clean
+
+# The tiers (markers in pyproject.toml): `make check` is the edit loop, what runs in one
+# process with no server and no other interpreter (Hypothesis's dev profile: a tenth of
+# the examples); `make test` runs every tier once, with the ci profile.
+CHECK_MARKS := not (subprocess or nixl or sglang or e2e or slow)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -95,7 +100,10 @@ test: $(VENV)/.test-ready $(TRITON36_VENV)/.ready $(E2E_VENV)/.adapter $(E2E_VEN
 # tests/ includes test_bench_smoke.py (every benchmark once, tiny sizes) and
 # test_aot_sm90.py (the kernels compiled for sm_90 with both tritons).
 test-main: $(VENV)/.test-ready $(TRITON36_VENV)/.ready
-	$(BIN)/python -m pytest -q tests
+	KVMEM_HYPOTHESIS=ci $(BIN)/python -m pytest -q tests
+
+check: $(VENV)/.test-ready
+	KVMEM_HYPOTHESIS=dev $(BIN)/python -m pytest -q -m "$(CHECK_MARKS)" tests
 
 test-interpret: $(VENV)/.test-ready
 	TRITON_INTERPRET=1 KVMEM_FORCE_TRITON=1 $(BIN)/python -m pytest -q tests/interpret

@@ -1,4 +1,8 @@
-"""What the main test run (``pytest tests``) collects.
+"""What the main test run (``pytest tests``) collects, its tiers and its Hypothesis profile.
+
+Tiers (markers, pyproject.toml): ``make check`` runs what needs one process and no
+server (``-m "not (subprocess or nixl or sglang or e2e or slow)"``); ``make test`` runs
+everything once.
 
 - ``tests/interpret``: the Triton kernels under Triton's interpreter run in a process of
   their own (``make test-interpret``: ``TRITON_INTERPRET=1 KVMEM_FORCE_TRITON=1 pytest
@@ -27,7 +31,24 @@ import os
 import pytest
 import torch
 
+try:
+    from hypothesis import settings
+except ImportError:  # the e2e tier's environment has no Hypothesis (and no property test)
+    settings = None
+
 os.environ.setdefault("KVMEM_CHUNK_BYTES", str(256 << 10))
+
+# Hypothesis profiles, chosen by KVMEM_HYPOTHESIS: "dev" (default: the edit loop, a tenth
+# of the examples), "ci" (what make test runs), "nightly" (ten times ci).  A property test
+# that sets its own count scales it with tests.util.examples().
+PROFILE = os.environ.get("KVMEM_HYPOTHESIS", "dev")
+if PROFILE not in ("dev", "ci", "nightly"):
+    raise pytest.UsageError(f"KVMEM_HYPOTHESIS={PROFILE!r}: dev, ci or nightly")
+if settings is not None:
+    settings.register_profile("dev", max_examples=10, deadline=None)
+    settings.register_profile("ci", max_examples=100, deadline=None)
+    settings.register_profile("nightly", max_examples=1000, deadline=None)
+    settings.load_profile(PROFILE)
 
 collect_ignore = []
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -36,6 +57,19 @@ if not torch.cuda.is_available():
     collect_ignore.append("gpu")
 if os.environ.get("KVMEM_E2E") != "1":
     collect_ignore.append("e2e")
+
+
+# folders whose tests all carry a tier's marker (tests that start interpreters elsewhere
+# say so themselves: ``pytestmark = pytest.mark.subprocess``)
+_FOLDER_MARKS = {"sglang": ("sglang", "subprocess"), "e2e": ("e2e", "subprocess")}
+
+
+def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        rel = os.path.relpath(str(item.fspath), here).split(os.sep)
+        for name in _FOLDER_MARKS.get(rel[0], ()):
+            item.add_marker(name)
 
 
 @pytest.hookimpl(wrapper=True)

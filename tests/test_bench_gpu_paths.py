@@ -14,6 +14,8 @@ import pytest
 
 from tests.test_bench_smoke import ROOT, _env
 
+pytestmark = pytest.mark.subprocess  # starts other interpreters
+
 
 # -- bench_pack.py at the GPU run's chunk sizes -------------------------------------------
 

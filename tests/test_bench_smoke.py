@@ -30,6 +30,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+pytestmark = pytest.mark.subprocess  # starts other interpreters
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_CHECK = os.path.join(ROOT, "bench", "gpu_check.sh")
 FIGURES = ["pack", "allocator", "release", "demo", "transfer", "netns"]

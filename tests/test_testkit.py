@@ -20,6 +20,8 @@ import pytest
 from testkit.child import Child, child_env, json_of, run, run_children, start
 from testkit.zygote import ForkServer
 
+pytestmark = pytest.mark.subprocess  # starts other interpreters
+
 PRELOAD = """
 import json, os
 IMPORT_VAR = os.environ.get("KZ_IMPORT_VAR")

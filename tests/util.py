@@ -1,6 +1,16 @@
 """Small helpers shared by tests."""
 
 import contextlib
+import os
+
+_SCALE = {"dev": 0.1, "ci": 1.0, "nightly": 10.0}
+
+
+def examples(ci: int) -> int:
+    """How many examples a property test runs: ``ci`` under the ``ci`` Hypothesis profile
+    (make test), a tenth of it (at least 5) under ``dev`` (the default), ten times under
+    ``nightly`` (KVMEM_HYPOTHESIS, tests/conftest.py)."""
+    return max(5, int(ci * _SCALE[os.environ.get("KVMEM_HYPOTHESIS", "dev")]))
 
 
 def vm_rss() -> int:

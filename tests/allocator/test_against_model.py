@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 
 from kvmem.allocator import PageAllocator
 from kvmem.errors import DoubleFreeError, OutOfPagesError
+from tests.util import examples
 
 
 class Req:
@@ -251,7 +252,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(
-    max_examples=300, stateful_step_count=40, deadline=None, derandomize=True,
+    max_examples=examples(300), stateful_step_count=40, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     database=None,
 )

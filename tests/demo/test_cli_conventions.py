@@ -15,6 +15,8 @@ import pytest
 import kvmem
 from kvmem.cli import main
 
+pytestmark = pytest.mark.subprocess  # starts other interpreters
+
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "kvmem"
 CONSOLE = Path(sys.executable).with_name("kvmem")  # the console script beside python

@@ -26,6 +26,8 @@ from kvmem.demo.faults import FAMILIES
 from kvmem.demo.report import loop_breakdown
 from tests.util import communicate, no_core_dumps, pythonpath_env
 
+pytestmark = pytest.mark.subprocess  # starts other interpreters
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = [sys.executable, "-m", "kvmem.cli", "demo"]
 PROBE = ROOT / "tests" / "exit_probe"  # its sitecustomize.py says what it does

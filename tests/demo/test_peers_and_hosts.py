@@ -29,6 +29,8 @@ from kvmem.demo.hosts import ADDRESS, NetnsHosts, PREFIX, netns_refusal, remove_
 from tests.demo.test_demo import assert_every_fault_lifecycle
 from tests.util import communicate
 
+pytestmark = pytest.mark.subprocess  # starts other interpreters
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = [sys.executable, "-m", "kvmem.cli", "demo"]
 # A small model, so that four workers start and run in tens of seconds on 2 busy cores:

@@ -32,6 +32,7 @@ import json
 import os
 from collections import Counter
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -43,10 +44,11 @@ from kvmem.disagg.protocol import (
 )
 from kvmem.transfer.envelope import decode_metadata, encode_metadata
 from tests.disagg.harness import Pair
+from tests.util import examples
 
 LONG = os.environ.get("KVMEM_FUZZ_EXAMPLES")
-RUNS = int(LONG) if LONG else 20
-PARSER_INPUTS = 10 * RUNS if LONG else 1000
+RUNS = int(LONG) if LONG else examples(20)
+PARSER_INPUTS = 10 * RUNS if LONG else examples(1000)
 SENTINEL = 0x5A
 POS = {"tokens", "nbytes", "last"}  # fields that must be >= 1
 TALLY: Counter = Counter()
@@ -369,6 +371,7 @@ def _page_rows(pool, idx: torch.Tensor) -> list:
             for b in pool.k_buffer + pool.v_buffer]
 
 
+@pytest.mark.slow  # 10-15 s here (live sides through the engine): make test
 def test_fuzz_live_sides_survive_hostile_peers():
     @_settings(RUNS)
     @given(plan=actions(), data=st.data())

@@ -95,6 +95,7 @@ def _run(prefill, decode, finished, lengths) -> None:
     raise AssertionError(f"not done: finished {finished}")
 
 
+@pytest.mark.subprocess  # a fresh interpreter: what importing kvmem loads
 def test_import_kvmem_and_kvmem_disagg_load_nothing_of_the_demo():
     code = ("import sys, kvmem, kvmem.disagg, kvmem.disagg.metrics, kvmem.disagg.calibrate\n"
             "print(sorted(m for m in sys.modules if m.split('.')[:2] == ['kvmem', 'demo']))")

@@ -16,6 +16,7 @@ from tests.disagg.harness import Pair
 REQUESTS = int(os.environ.get("KVMEM_SOAK_REQUESTS", "2000"))
 
 
+@pytest.mark.slow  # 10-40 s each here: make test, not make check
 @pytest.mark.parametrize("chunks", ["packed", "direct", "mixed", "pull"])
 def test_soak_every_fault_and_pauses(chunks):
     """Push with ``chunks``: every chunk packed, every chunk direct (pool pages to pool

@@ -38,6 +38,7 @@ from kvmem.disagg.states import (
 )
 from tests.disagg.harness import Pair
 from tests.disagg.test_sync_free import _Lag
+from tests.util import examples
 
 SIDES = {
     "prefill": (prefill_mod, PrefillState, PREFILL_EDGES),
@@ -414,7 +415,7 @@ def run_program(mode: str, lag: int, ops) -> None:
         assert rec.edges(side) <= SIDES[side][2]
 
 
-@settings(max_examples=int(LONG) if LONG else 8, deadline=None, database=None,
+@settings(max_examples=int(LONG) if LONG else examples(8), deadline=None, database=None,
           derandomize=not LONG, suppress_health_check=list(HealthCheck))
 @given(mode=st.sampled_from(sorted(MODES)), lag=st.sampled_from([0, 0, 2]),
        ops=st.lists(OPS, min_size=1, max_size=14))

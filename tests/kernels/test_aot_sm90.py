@@ -22,6 +22,8 @@ import triton
 
 from tests.kernels.test_ptx_sm90 import narrow_address_math
 
+pytestmark = pytest.mark.subprocess  # starts other interpreters
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, "tools", "aot_sm90.py")
 TRITON36 = os.environ.get("KVMEM_TRITON36_PYTHON",

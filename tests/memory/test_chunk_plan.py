@@ -13,6 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.util import examples
+
 import kvmem
 from kvmem.memory.plan import (
     CHUNK_BYTES, CHUNK_ENV, LAYER_ALIGN, chunk_target, plan_pool, plan_range,
@@ -77,7 +79,7 @@ specs = st.builds(
     st.sampled_from([torch.bfloat16, torch.float8_e4m3fn, torch.float32]))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(specs, st.integers(2, 5000), st.sampled_from(["kvmem", "sglang"]),
        st.sampled_from([1, 512, 4096, 2 * MiB]),
        st.one_of(st.none(), st.integers(1, 8 * MiB)))

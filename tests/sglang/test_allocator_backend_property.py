@@ -12,6 +12,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.util import examples
+
 import pytest
 from tests.sglang.test_allocator_backend import CASE_IDS, CASES, decode, extend, ours, split, stock
 
@@ -69,7 +71,7 @@ def _check(mine: Side, theirs: Side, ps: int):
 
 
 @pytest.mark.parametrize("ps,need_sort", CASES, ids=CASE_IDS)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_calls_match_sglang(ps, need_sort, data):
     size = POOL_PAGES * ps

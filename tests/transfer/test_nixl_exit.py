@@ -20,6 +20,8 @@ import pytest
 
 from tests.util import pythonpath_env
 
+pytestmark = pytest.mark.subprocess  # starts other interpreters
+
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = ROOT / "tests" / "exit_probe"
 

@@ -48,7 +48,7 @@ if sys.argv[1:] == ["finish"]:
 SYSTEM_LIBNL = "libnl-route-3.so.200"  # the system's; the wheel's is libnl-route-3-<hash>
 
 
-pytestmark = pytest.mark.nixl
+pytestmark = [pytest.mark.subprocess, pytest.mark.nixl]
 
 
 @pytest.fixture(scope="module")
