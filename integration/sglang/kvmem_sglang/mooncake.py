@@ -14,8 +14,10 @@ File:line below are of the installed sglang 0.5.23 (``sglang/srt/``).
   engine's return code, and a non-zero code raises :class:`RegistrationError`: at
   start the scheduler stops with it; at a resume the adapter refuses the resume and
   keeps the KV cache released (``kvmem_sglang.prefill.resume_memory_occupation``); at a
-  release it refuses the release before any memory is given back.  What is registered
-  is the kvmem pool's few regions (``SGLANG_KVMEM_REGISTER=regions``:
+  release it refuses the release before any memory is given back, and registers
+  again what a refused deregistration dropped (:func:`deregister_buffer_to_engine`
+  deregisters region by region for that).
+  What is registered is the kvmem pool's few regions (``SGLANG_KVMEM_REGISTER=regions``:
   :func:`registerable_regions`) or sglang's one buffer per layer and per K/V.
 * Failed writes.  ``batch_transfer_sync_write`` returns -1 while other slices of the
   batch may still be in flight (they landed after the -1 once the target registered the
@@ -114,15 +116,26 @@ def register_buffer_to_engine(original, manager, *args, **kwargs):
 
 def deregister_buffer_to_engine(original, manager, *args, **kwargs):
     """AROUND ``MooncakeKVManager.deregister_buffer_to_engine``: sglang's deregistration
-    (and its connection pool cleared, as sglang does) with the return code checked and
-    logged."""
+    (and its connection pool cleared, as sglang does), one region at a time, each code
+    checked and logged.
+
+    Not one ``batch_deregister`` as sglang does: Mooncake 0.3.13 answers a batch holding
+    one region it does not have (-3) by dropping the batch's other regions half-way
+    (measured here: they can then be neither deregistered, -3, nor registered again, -7
+    "overlapped memory region", for the life of the engine).  Region by region, a refused
+    region leaves the others as they were, and :func:`_register_again` can put them back.
+    """
     ptrs, lens = _regions(manager)
-    code = manager.engine.batch_deregister(ptrs) if ptrs else 0
-    if code != 0:
+    codes = [manager.engine.batch_deregister([p]) for p in ptrs]
+    if any(codes):
+        again = _register_again(manager, ptrs, lens)
         raise RegistrationError(
-            f"Mooncake batch_deregister of {len(ptrs)} region(s) on this "
-            f"{_role(manager)} returned {code}",
-            "the KV cache stays registered and is not released")
+            f"Mooncake deregistration of {len(ptrs)} region(s) on this {_role(manager)} "
+            f"refused (codes {codes})",
+            "nothing is released; every region is registered again "
+            f"(codes {again}) and the server keeps serving" if set(again) <= {0, -7}
+            else "nothing is released, but not every region could be registered again "
+            f"(codes {again}): transfers of this server may fail until it is restarted")
     if hasattr(manager, "connection_pool"):
         with manager.connection_lock:
             manager.connection_pool.clear()
@@ -130,6 +143,13 @@ def deregister_buffer_to_engine(original, manager, *args, **kwargs):
     logger.info("kvmem-sglang: Mooncake %s: deregistered %d region(s), %d bytes "
                 "(batch_deregister returned 0)", _role(manager), len(ptrs), sum(lens))
     return None
+
+
+def _register_again(manager, ptrs: list[int], lens: list[int]) -> list[int]:
+    """After a refused deregistration: register each region again alone; the engine's
+    codes.  -7 ("overlapped memory region") is the code for a region it still holds,
+    which is what the caller needs too."""
+    return [manager.engine.batch_register([p], [n]) for p, n in zip(ptrs, lens)]
 
 
 def poison_unsettled_send(original, manager, room, *args, **kwargs):
