@@ -29,6 +29,7 @@ from tests.e2e.fleet import Fleet
 from tests.e2e.tiny_model import make_tiny_model
 
 FLAG = {"SGLANG_KVMEM": "1"}
+DEFERRED_RELEASE_S = 10.0
 _FLEETS: list = []  # the session's fleet, for the failure report
 
 # sglang's PD transfer backends every PD test runs on (KVMEM_E2E_BACKENDS narrows it,
@@ -39,30 +40,41 @@ if not BACKENDS or set(BACKENDS) - set(B):
     raise pytest.UsageError(f"KVMEM_E2E_BACKENDS={os.environ['KVMEM_E2E_BACKENDS']!r}: "
                             f"a comma-separated subset of {','.join(B)}")
 
-# the scenario's timeouts (tests/e2e/scenario.py): its decode stops for longer than them
-_SCENARIO = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(scenario.TRANSFER_TIMEOUT_S),
-             "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(scenario.BOOTSTRAP_TIMEOUT_S)}
+# The prefill's transfer and bootstrap timeouts of every PD server of the tier (sglang's
+# defaults: 600 s and 300 s), short enough for the scenario (tests/e2e/scenario.py: its
+# decode stops for longer than the transfer timeout, and requests whose bootstrap the
+# stopped decode left unfinished are ended by the bootstrap timeout inside its HANG_S),
+# long enough for a loaded machine and for the tests that show an answer comes sooner
+# than a timeout would give it (PROMPT_S).  One value for every server, so that the
+# scenario runs on the servers of the other tests.
+# The decode's deferred release (sglang's default 30 s: how long a decode keeps the pages
+# of a request whose prefill's write failed and may still be moving, unless the prefill
+# says it drained) is shortened the same way, so that a test that fails a write sees the
+# pages come back within its settle time.
+TIMEOUTS = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(scenario.TRANSFER_TIMEOUT_S),
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(scenario.BOOTSTRAP_TIMEOUT_S),
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT":
+                str(DEFERRED_RELEASE_S)}
+
+
+def _pd(prefill: dict | None = None, decode: dict | None = None, **kwargs) -> dict:
+    return dict(prefill_env={**TIMEOUTS, **(prefill or {})},
+                decode_env={**TIMEOUTS, **(decode or {})}, **kwargs)
+
 
 # The deployments the tests share, by name: (Deployment kwargs, what it is).  A PD kind
 # runs on each backend a test asks for (its ``backend`` argument); a plain one on none.
 KINDS = {
-    "stock": (dict(), "stock prefill, stock decode"),
-    "kvmem-prefill": (dict(prefill_env=FLAG), "SGLANG_KVMEM=1 prefill, stock decode"),
-    "kvmem-decode": (dict(decode_env=FLAG), "stock prefill, SGLANG_KVMEM=1 decode"),
-    "kvmem-both": (dict(prefill_env=FLAG, decode_env=FLAG),
-                   "SGLANG_KVMEM=1 prefill and decode"),
-    "kvmem-both-no-overlap": (dict(prefill_env=FLAG, decode_env=FLAG, overlap=False),
+    "stock": (_pd(), "stock prefill, stock decode"),
+    "kvmem-prefill": (_pd(FLAG), "SGLANG_KVMEM=1 prefill, stock decode"),
+    "kvmem-decode": (_pd(decode=FLAG), "stock prefill, SGLANG_KVMEM=1 decode"),
+    "kvmem-both": (_pd(FLAG, FLAG), "SGLANG_KVMEM=1 prefill and decode"),
+    "kvmem-both-no-overlap": (_pd(FLAG, FLAG, overlap=False),
                               "SGLANG_KVMEM=1 prefill and decode, --disable-overlap-schedule"),
-    "scenario-stock": (dict(prefill_env=_SCENARIO, decode_env=_SCENARIO),
-                       "stock prefill and decode with the scenario's timeouts"),
-    "scenario-kvmem": (dict(prefill_env={**FLAG, **_SCENARIO},
-                            decode_env={**FLAG, **_SCENARIO}),
-                       "SGLANG_KVMEM=1 prefill and decode with the scenario's timeouts"),
     "single-kvmem": (dict(pd=False, env=FLAG), "one plain server, SGLANG_KVMEM=1"),
     "tp2-plain": (dict(pd=False, env=FLAG, tp=2), "one plain server at TP 2, SGLANG_KVMEM=1"),
-    "tp2-both": (dict(prefill_env=FLAG, decode_env=FLAG, tp=2),
-                 "SGLANG_KVMEM=1 prefill and decode, both at TP 2"),
-    "tp2-prefill": (dict(prefill_env=FLAG, decode_env=FLAG, prefill_tp=2),
+    "tp2-both": (_pd(FLAG, FLAG, tp=2), "SGLANG_KVMEM=1 prefill and decode, both at TP 2"),
+    "tp2-prefill": (_pd(FLAG, FLAG, prefill_tp=2),
                     "SGLANG_KVMEM=1 prefill at TP 2, SGLANG_KVMEM=1 decode at TP 1"),
 }
 

@@ -167,6 +167,25 @@ class Server:
         return self.logdir / f"{self.name}.log"
 
     @property
+    def faults(self) -> Path:
+        """The folder a test arms this server's faults in (``standins/faults.py``)."""
+        return self.logdir / "faults" / self.name
+
+    def arm(self, fault: str) -> None:
+        """Arm one fault of ``standins/faults.py`` in this server: it fires at the next
+        call it names, once."""
+        from tests.e2e.standins.faults import FAULTS
+
+        if fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}; known: {FAULTS}")
+        (self.faults / fault).write_text("")
+
+    def fault_notes(self) -> list[str]:
+        """What this server's fired faults noted (``fault:<name> <code> ...``)."""
+        path = self.faults / "fired.log"
+        return path.read_text().splitlines() if path.exists() else []
+
+    @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
@@ -182,8 +201,13 @@ class Server:
         env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS=CPU_THREADS,
                    SGLANG_HOST_IP="127.0.0.1",
                    PYTHONPATH=os.pathsep.join([str(STANDINS)]),
-                   KVMEM_E2E_STANDINS_LOG=str(self.logdir / "standins.log"))
+                   KVMEM_E2E_STANDINS_LOG=str(self.logdir / "standins.log"),
+                   KVMEM_E2E_FAULTS=str(self.faults))
         env.update(self.env)
+        self.faults.mkdir(parents=True, exist_ok=True)
+        for armed in self.faults.iterdir():  # a fault armed for an earlier start
+            if armed.name != "fired.log":
+                armed.unlink()
         self.logdir.mkdir(parents=True, exist_ok=True)
         self.log_offset = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as out:

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.conftest import BACKENDS
-from tests.e2e.deploy import prompt
+from tests.e2e.conftest import BACKENDS, DEFERRED_RELEASE_S
+from tests.e2e.deploy import IDLE_S, prompt
 
 PROMPTS = [prompt(i) for i in range(6)]
 KV = {"tags": ["kv_cache"]}
@@ -26,6 +26,9 @@ KV = {"tags": ["kv_cache"]}
 # seen with the machine loaded by other test runs (load average 30), so the bound is
 # generous: it fails a hang, not a slow machine.
 PROMPT_S = 20.0
+# The same for a 500 that sglang's router retried (six tries, with backoff): what stays
+# under the decode's timeouts (300 s) and the client's (60 s).
+RETRIED_S = 45.0
 
 
 def outputs(d, prompts=PROMPTS):
@@ -172,6 +175,129 @@ def test_decode_release_resume_registers_again(deployments, backend, reference, 
     assert d.crashed() == []
 
 
+@pytest.mark.backends("mooncake")
+@pytest.mark.parametrize("kind", ["kvmem-both"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_mooncake_registration_refused_at_a_resume(deployments, backend, reference, kind,
+                                                   role):
+    """The real Mooncake engine refuses the KV regions' registration at a resume (a 4 KiB
+    registration overlapping the first region, armed in that server: standins/faults.py):
+    the adapter refuses the resume with the engine's code, the KV cache stays released (a
+    request is refused 503, never served over memory no peer can reach), and the next
+    resume registers and serves.  Stock ignores the code (mooncake/conn.py:424-428) and
+    serves over unregistered memory."""
+    d = deployments.get(kind, backend)
+    server = getattr(d, role)
+    assert d.control(server, "/release_memory_occupation", KV).status == 200
+    resumed, seen = False, len(server.fault_notes())
+    try:
+        server.arm("register-overlap")
+        assert d.control(server, "/resume_memory_occupation", KV).status == 200
+        assert [n.split()[:2] for n in server.fault_notes()[seen:]] == [
+            ["fault:register-overlap", "-7"]], server.fault_notes()
+        log = server.log_text()
+        assert re.search(rf"kvmem-sglang \(SGLANG_KVMEM=1\): Mooncake batch_register of "
+                         rf"\d+ region\(s\) \(\d+ bytes\) on this {role} returned -7 at "
+                         rf"the resume", log), d.trace("batch_register")
+        assert "refused: the KV cache stays released" in log, d.trace("refused")
+        r = d.generate(PROMPTS[0], timeout=30)
+        assert r.status == 503 and "released its KV cache" in str(r.body), (r.status, r.body)
+        assert r.seconds < PROMPT_S, f"answered after {r.seconds:.2f} s"
+        assert d.control(server, "/resume_memory_occupation", KV).status == 200
+        resumed = True
+    finally:
+        if not resumed:
+            d.control(server, "/resume_memory_occupation", KV)
+    assert outputs(d) == reference
+    assert d.settle() == {}
+    assert d.crashed() == []
+
+
+@pytest.mark.backends("mooncake")
+@pytest.mark.parametrize("kind", ["kvmem-both"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_mooncake_deregistration_refused_at_a_release(deployments, backend, reference, kind,
+                                                      role):
+    """The real Mooncake engine refuses the deregistration of one region at a release (it
+    was deregistered alone just before, armed in that server: standins/faults.py).  The
+    adapter refuses the release with the engine's codes and registers the regions again,
+    so the server keeps serving the same tokens, and a release after that works as
+    before.  (With one batch_deregister of every region, as sglang calls it, the engine
+    dropped the others half-way and they could not be registered again: every later
+    transfer failed until a restart.)"""
+    d = deployments.get(kind, backend)
+    assert outputs(d) == reference
+    server = getattr(d, role)
+    seen = len(server.fault_notes())
+    server.arm("deregister-missing")
+    assert d.control(server, "/release_memory_occupation", KV).status == 200
+    assert [n.split()[:2] for n in server.fault_notes()[seen:]] == [
+        ["fault:deregister-missing", "-3"]], server.fault_notes()
+    log = server.log_text()
+    assert re.search(rf"kvmem-sglang \(SGLANG_KVMEM=1\): Mooncake deregistration of "
+                     rf"\d+ region\(s\) on this {role} refused \(codes \[-3(, 0)+\]\); "
+                     rf"nothing is released; every region is registered again \(codes "
+                     rf"\[0(, 0)+\]\)", log), d.trace("deregistration")
+    assert "refused, nothing released" in log, d.trace("refused")
+    assert outputs(d) == reference  # served: nothing released, every region registered
+    assert d.control(server, "/release_memory_occupation", KV).status == 200
+    assert d.control(server, "/resume_memory_occupation", KV).status == 200
+    assert outputs(d) == reference
+    assert d.settle() == {}
+    assert d.crashed() == []
+
+
+def _fired(server, fault: str, seen: int, within: float = PROMPT_S) -> str:
+    """The note of ``fault`` once the server's fault watcher fired it (bounded wait)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        notes = [n for n in server.fault_notes()[seen:] if n.startswith(f"fault:{fault} ")]
+        if notes:
+            return notes[0]
+        time.sleep(0.1)
+    raise AssertionError(f"{server.name}: fault {fault} not fired within {within} s")
+
+
+@pytest.mark.backends("mooncake")
+@pytest.mark.parametrize("kind", ["stock", "kvmem-prefill", "kvmem-both"])
+def test_failed_last_send_fails_the_request_and_the_next_serve(deployments, backend, reference,
+                                                                kind):
+    """The seed's failure on a real pair: a request's last send (its aux data, after its
+    KV) refused by the decode's Mooncake engine, whose aux regions are deregistered
+    (``aux-unregister``, standins/faults.py).  Each request is answered promptly as a
+    failure, the decode is told and frees its pages, nothing stays held, and once the
+    regions are registered again the next requests serve the same tokens."""
+    d = deployments.get(kind, backend)
+    assert outputs(d) == reference
+    seen = len(d.decode.fault_notes())
+    d.decode.arm("aux-unregister")
+    note = _fired(d.decode, "aux-unregister", seen)
+    assert note != "fault:aux-unregister []" and "-" not in note.split(" ", 1)[1], note
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda i: d.generate(PROMPTS[i], timeout=60), range(2)))
+        print(f"{kind}: last send refused: {[(a.status, round(a.seconds, 2)) for a in answers]}"
+              f" {answers[0].body}")
+        for a in answers:
+            assert a.status == 500, (a.status, a.body, a.error)
+            # the router tries a 500 six times (--retry-max-retries 5, with backoff:
+            # about 20 s here on stock and the flag alike, each try failing at once), so
+            # the bound is on the client's answer after the last try, not a hang
+            assert a.seconds < RETRIED_S, f"answered after {a.seconds:.2f} s"
+        assert "aux" in d.prefill.log_text(), d.trace("aux")
+    finally:
+        d.decode.arm("aux-restore")
+        restored = _fired(d.decode, "aux-restore", seen)
+    assert "-" not in restored.split(" ", 1)[1], restored
+    # the decode keeps the pages of a request whose write failed until the prefill says
+    # the write drained or its deferred release times out (sglang's safety for slices
+    # still moving): bounded, then nothing held
+    held = d.settle(DEFERRED_RELEASE_S + IDLE_S)
+    assert held == {}, f"still held: {held}"
+    assert outputs(d) == reference
+    assert d.crashed() == []
+
+
 @pytest.mark.parametrize("kind,status", [("kvmem-both", 503), ("kvmem-prefill", 500)])
 def test_request_while_released_answered_promptly(deployments, backend, reference, kind, status):
     """A request sent while the prefill's KV cache is released: the prefill refuses it
@@ -251,15 +377,27 @@ def _in_flight(d, server, n=6, tokens=48, lead=0.3):
     return answers, rel, res
 
 
-@pytest.mark.parametrize("kind", ["kvmem-both", "kvmem-both-no-overlap"])
+@pytest.mark.parametrize("kind", ["kvmem-both"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_release_with_requests_in_flight(deployments, backend, reference, kind, role):
     """An RL trainer releases an engine while requests still run: with the flag on both
     servers every request is answered (200 if it finished first, else 503 naming the
-    release), the server goes on and serves after the resume, nothing stays held.  With
-    sglang's overlap schedule (the tier's default) and without it: the release then
-    meets the other scheduler loop."""
-    d = deployments.get(kind, backend)
+    release), the server goes on and serves after the resume, nothing stays held."""
+    _release_with_requests_in_flight(deployments.get(kind, backend), role, reference)
+
+
+@pytest.mark.backends("nixl")  # the scheduler loop is the backend's neighbour, not its user
+@pytest.mark.parametrize("kind", ["kvmem-both-no-overlap"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_release_with_requests_in_flight_without_overlap(deployments, backend, reference,
+                                                          kind, role):
+    """The same without sglang's overlap schedule (the tier's default is with it): the
+    release then meets the other scheduler loop.  The loops are the same whatever the
+    transfer backend, so this runs on NIXL only (two fewer servers to start)."""
+    _release_with_requests_in_flight(deployments.get(kind, backend), role, reference)
+
+
+def _release_with_requests_in_flight(d, role, reference):
     server = getattr(d, role)
     answers, rel, res = _in_flight(d, server)
     assert rel.status == 200 and res is not None and res.status == 200, (rel, res)
@@ -278,12 +416,15 @@ def test_release_with_requests_in_flight(deployments, backend, reference, kind, 
 
 
 @pytest.mark.leaves_broken
+@pytest.mark.backends("nixl")  # sglang's idle assertion, whatever the backend
 @pytest.mark.parametrize("kind", ["stock"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_stock_release_with_requests_in_flight_kills_the_scheduler(deployments, backend, kind, role):
+def test_stock_release_with_requests_in_flight_kills_the_scheduler(deployments, backend, kind,
+                                                                   role):
     """The same on stock sglang 0.5.23: ``release_memory_occupation`` asserts an idle
     scheduler (weight_updater.py:339) and the server's scheduler dies.  (The gap the
-    flag closes; the stock deployment is restarted afterwards.)"""
+    flag closes; the stock deployment is restarted afterwards.)  That assertion is the
+    same whatever the transfer backend: NIXL only (each run restarts a server)."""
     d = deployments.get(kind, backend)
     server = getattr(d, role)
     try:

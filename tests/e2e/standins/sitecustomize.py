@@ -33,6 +33,22 @@ is applied when its module is first imported, through a post-import hook below:
    nothing to wait for, since a CPU forward is done when its call returns
    (:func:`_cpu_device_module` again, ``cpu_torch.py``).
 
+Besides the stand-ins, one setting for a machine of two cores, applied to stock and the
+flag alike (as the tier's one OpenMP thread per server is):
+
+5. NIXL's progress thread naps between polls (:func:`_progress_thread_naps`): NIXL's
+   Python agent hard-codes ``pthrDelay = 0`` (``nixl_cu13/_api.py:226``), so the UCX
+   backend's shared progress thread (``nixlUcxSharedThread::run``) calls ``poll()`` with
+   a zero timeout in a loop: every idle NIXL server here kept 40-70% of a core busy
+   (seen with gdb: the scheduler's main thread asleep in its idle poll, that thread
+   running), and a tier with four servers up ran at a load of 12-14 on two cores.  With
+   ``pthrDelay`` at ``nixl_nap.PTHR_DELAY_US`` the thread still wakes at once when a worker's
+   file descriptor is ready; the delay only bounds its periodic wake-up.
+
+Besides those, ``faults.py`` (beside this file) lets a test make the real
+Mooncake engine refuse one registration or deregistration of a running server; it does
+nothing until a test arms it (its docstring).
+
 ``KVMEM_E2E_STANDINS`` lists the stand-ins that were applied in a process, for the
 tests to check (``KVMEM_E2E_STANDINS_LOG``: a file each process appends its list to).
 """
@@ -73,6 +89,18 @@ def _dram_for_vram(module) -> None:
     _note(f"nixl-vram-as-dram:{module.__name__}")
 
 
+def _progress_thread_naps(module) -> None:
+    from nixl_nap import apply  # beside this file
+
+    if apply(module):
+        _note(f"nixl-progress-thread-delay:{module.__name__}")
+
+
+def _nixl_api(module) -> None:
+    _dram_for_vram(module)
+    _progress_thread_naps(module)
+
+
 def _cpu_device_module(module) -> None:
     from cpu_torch import apply  # beside this file, on the same PYTHONPATH entry
 
@@ -80,9 +108,25 @@ def _cpu_device_module(module) -> None:
         _note(f"cpu-device-module:{module.__name__}")
 
 
+def _faults(module) -> None:
+    from faults import apply  # beside this file
+
+    if apply(module):
+        _note(f"faults-armable:{module.__name__}")
+
+
+def _fault_managers(module) -> None:
+    from faults import apply_managers  # beside this file
+
+    if apply_managers(module):
+        _note(f"faults-armable:{module.__name__}")
+
+
 _HOOKS = {
-    "nixl_cu12._api": _dram_for_vram,
-    "nixl_cu13._api": _dram_for_vram,
+    "sglang.srt.distributed.device_communicators.mooncake_transfer_engine": _faults,
+    "sglang.srt.disaggregation.mooncake.conn": _fault_managers,
+    "nixl_cu12._api": _nixl_api,
+    "nixl_cu13._api": _nixl_api,
     "sglang.srt.managers.scheduler_components.weight_updater": _cpu_device_module,
     "sglang.srt.disaggregation.prefill": _cpu_device_module,
 }
