@@ -38,8 +38,13 @@ def _keep(name, rep):
 
 
 @pytest.mark.leaves_broken
-@pytest.mark.parametrize("kind", ["scenario-stock"])
+@pytest.mark.backends("nixl")
+@pytest.mark.parametrize("kind", ["stock"])
 def test_scenario_stock(deployments, backend, kind):
+    """Stock's scenario, on NIXL only: it ends in a crashed scheduler on either backend
+    (the same idle assertion), its figures are the baseline beside the flag's, and it
+    takes about five minutes here (its hangs wait out ``HANG_S``), so the tier does not
+    run it on Mooncake."""
     d = deployments.get(kind, backend)
     try:
         rep = scenario.run(d)
@@ -52,7 +57,8 @@ def test_scenario_stock(deployments, backend, kind):
         deployments.discard(kind, backend)
 
 
-@pytest.mark.parametrize("kind", ["scenario-kvmem"])
+@pytest.mark.leaves_broken  # last on its servers: they are restarted after it
+@pytest.mark.parametrize("kind", ["kvmem-both"])
 def test_scenario_kvmem(deployments, backend, kind):
     d = deployments.get(kind, backend)
     rep = scenario.run(d)

@@ -1,0 +1,44 @@
+"""NIXL's progress thread with a nap between polls, for the CPU test tiers.
+
+NIXL's Python agent hard-codes ``pthrDelay = 0`` (``nixl_cu13/_api.py:226``, the same in
+``nixl_cu12``), so an agent with a progress thread (NIXL's default, and sglang's) makes
+the UCX backend's shared thread (``nixlUcxSharedThread::run``) call ``poll()`` with a
+zero timeout in a loop: measured here, an idle agent uses a whole core (3.0 s of CPU in
+3 s), and 0.03 s with the delay below.  The thread still wakes at once when a worker's
+file descriptor is ready; the delay only bounds its periodic wake-up (NIXL keeps that
+wake-up as a workaround for fds that poll does not report).
+
+Applied to one ``_api`` module at a time: every agent it makes gets
+:data:`PTHR_DELAY_US`.  Used by the e2e tier's servers (``sitecustomize.py``, stock and
+the flag alike) and by the harness's sglang pairs (``testkit/sglang_pair.py``).
+"""
+
+from __future__ import annotations
+
+import types
+
+PTHR_DELAY_US = 5000
+
+
+class NappingBind(types.ModuleType):
+    """NIXL's bindings module as ``_api`` sees it, but every agent made with a progress
+    thread delay of :data:`PTHR_DELAY_US`."""
+
+    def __init__(self, inner):
+        super().__init__(inner.__name__)
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def nixlAgent(self, name, config):
+        config.pthrDelay = PTHR_DELAY_US
+        return self._inner.nixlAgent(name, config)
+
+
+def apply(module) -> bool:
+    """Give NIXL's ``_api`` ``module`` the napping bindings; False if it has them."""
+    if isinstance(module.nixlBind, NappingBind):
+        return False
+    module.nixlBind = NappingBind(module.nixlBind)
+    return True
