@@ -10,7 +10,8 @@ wake-up as a workaround for fds that poll does not report).
 
 Applied to one ``_api`` module at a time: every agent it makes gets
 :data:`PTHR_DELAY_US`.  Used by the e2e tier's servers (``sitecustomize.py``, stock and
-the flag alike) and by the harness's sglang pairs (``testkit/sglang_pair.py``).
+the flag alike).  The harness's agents (``testkit/sglang_pair.py``, the NIXL scripts of
+``tests/sglang``) still spin while they live.
 """
 
 from __future__ import annotations
