@@ -73,6 +73,7 @@ KINDS = {
                               "SGLANG_KVMEM=1 prefill and decode, --disable-overlap-schedule"),
     "single-kvmem": (dict(pd=False, env=FLAG), "one plain server, SGLANG_KVMEM=1"),
     "tp2-plain": (dict(pd=False, env=FLAG, tp=2), "one plain server at TP 2, SGLANG_KVMEM=1"),
+    "tp2-stock": (_pd(tp=2), "stock prefill and decode, both at TP 2"),
     "tp2-both": (_pd(FLAG, FLAG, tp=2), "SGLANG_KVMEM=1 prefill and decode, both at TP 2"),
     "tp2-prefill": (_pd(FLAG, FLAG, prefill_tp=2),
                     "SGLANG_KVMEM=1 prefill at TP 2, SGLANG_KVMEM=1 decode at TP 1"),

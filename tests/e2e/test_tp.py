@@ -111,6 +111,14 @@ def test_tp2_pd_outputs_equal_plain_tp2(deployments, backend, tp2_reference, kin
     assert outputs(deployments.get(kind, backend)) == tp2_reference
 
 
+@pytest.mark.backends("nixl")  # two more TP 2 servers per backend: one backend shows it
+@pytest.mark.parametrize("kind", ["tp2-stock"])
+def test_tp2_stock_pd_outputs_equal_plain_tp2(deployments, backend, tp2_reference, kind):
+    """Stock sglang's TP 2 prefill and decode, beside the flag's: the same tokens as the
+    plain TP 2 server with the flag (so the flag's TP 2 pairs above equal stock's)."""
+    assert outputs(deployments.get(kind, backend)) == tp2_reference
+
+
 @pytest.mark.parametrize("kind", ["tp2-both"])
 def test_tp2_refusal_by_a_released_prefill_is_503_on_every_decode_rank(
         deployments, backend, tp2_reference, kind):
