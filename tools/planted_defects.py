@@ -76,14 +76,13 @@ def _run(d: Defect, copy: str) -> tuple[bool, str, float]:
         f.write(text.replace(d.old, d.new))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [copy, os.path.join(copy, "integration", "sglang")]))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
     if d.tier == "check":
         env["KVMEM_HYPOTHESIS"] = "dev"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-               "-m", _check_marks(), "tests"]
+        cmd += ["-m", _check_marks(), "tests"]
     else:
         env["KVMEM_HYPOTHESIS"] = "ci"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-               "tests/sglang"]
+        cmd += ["tests/sglang"]
     where = subprocess.run([sys.executable, "-c", "import kvmem; print(kvmem.__file__)"],
                            cwd=copy, env=env, capture_output=True, text=True, check=True)
     if not where.stdout.startswith(copy):

@@ -29,7 +29,6 @@ from tests.e2e.fleet import Fleet
 from tests.e2e.tiny_model import make_tiny_model
 
 FLAG = {"SGLANG_KVMEM": "1"}
-DEFERRED_RELEASE_S = 10.0
 _FLEETS: list = []  # the session's fleet, for the failure report
 
 # sglang's PD transfer backends every PD test runs on (KVMEM_E2E_BACKENDS narrows it,
@@ -47,10 +46,12 @@ if not BACKENDS or set(BACKENDS) - set(B):
 # long enough for a loaded machine and for the tests that show an answer comes sooner
 # than a timeout would give it (PROMPT_S).  One value for every server, so that the
 # scenario runs on the servers of the other tests.
+#
 # The decode's deferred release (sglang's default 30 s: how long a decode keeps the pages
 # of a request whose prefill's write failed and may still be moving, unless the prefill
 # says it drained) is shortened the same way, so that a test that fails a write sees the
 # pages come back within its settle time.
+DEFERRED_RELEASE_S = 10.0
 TIMEOUTS = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(scenario.TRANSFER_TIMEOUT_S),
             "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(scenario.BOOTSTRAP_TIMEOUT_S),
             "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT":

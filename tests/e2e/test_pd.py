@@ -264,9 +264,10 @@ def test_failed_last_send_fails_the_request_and_the_next_serve(deployments, back
                                                                 kind):
     """The seed's failure on a real pair: a request's last send (its aux data, after its
     KV) refused by the decode's Mooncake engine, whose aux regions are deregistered
-    (``aux-unregister``, standins/faults.py).  Each request is answered promptly as a
-    failure, the decode is told and frees its pages, nothing stays held, and once the
-    regions are registered again the next requests serve the same tokens."""
+    (``aux-unregister``, standins/faults.py).  Each request is answered as a failure
+    (500, once sglang's router has retried it), the decode is told and frees its pages
+    within its deferred release, nothing stays held, and once the regions are registered
+    again the next requests serve the same tokens."""
     d = deployments.get(kind, backend)
     assert outputs(d) == reference
     seen = len(d.decode.fault_notes())
