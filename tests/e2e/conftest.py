@@ -18,13 +18,14 @@ pytest's tmp dir).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.e2e import scenario
 from tests.e2e.deploy import BACKENDS as B
-from tests.e2e.deploy import Deployment, tail
+from tests.e2e.deploy import IDLE_S, Deployment, tail
 from tests.e2e.fleet import Fleet
 from tests.e2e.tiny_model import make_tiny_model
 
@@ -74,10 +75,13 @@ KINDS = {
                               "SGLANG_KVMEM=1 prefill and decode, --disable-overlap-schedule"),
     "single-kvmem": (dict(pd=False, env=FLAG), "one plain server, SGLANG_KVMEM=1"),
     "tp2-plain": (dict(pd=False, env=FLAG, tp=2), "one plain server at TP 2, SGLANG_KVMEM=1"),
-    "tp2-stock": (_pd(tp=2), "stock prefill and decode, both at TP 2"),
-    "tp2-both": (_pd(FLAG, FLAG, tp=2), "SGLANG_KVMEM=1 prefill and decode, both at TP 2"),
+    # tp2-prefill before tp2-both: it finds kvmem-both's decode still up (the four
+    # engines before it leave room for a TP 2 prefill beside it), and tp2-both finds its
+    # TP 2 prefill
     "tp2-prefill": (_pd(FLAG, FLAG, prefill_tp=2),
                     "SGLANG_KVMEM=1 prefill at TP 2, SGLANG_KVMEM=1 decode at TP 1"),
+    "tp2-both": (_pd(FLAG, FLAG, tp=2), "SGLANG_KVMEM=1 prefill and decode, both at TP 2"),
+    "tp2-stock": (_pd(tp=2), "stock prefill and decode, both at TP 2"),
 }
 
 class Deployments:
@@ -97,6 +101,31 @@ class Deployments:
         """Stop the servers of ``name`` with those roles (a test left them changed); the
         next :meth:`get` starts them anew."""
         self.fleet.discard(KINDS[name][0], backend, roles)
+
+    def discard_broken(self, name: str, backend: str, d: Deployment) -> list[str]:
+        """After a test that may have left ``d`` crashed or busy: stop its servers that
+        crashed, or that still hold something once they had ``IDLE_S`` to settle; the
+        others serve the next tests as they are (a restart costs a minute here).  The
+        roles stopped."""
+        crashed = {c.split(":", 1)[0] for c in d.crashed()}
+        servers = {"prefill": d.prefill, "decode": d.decode}
+        broken = [r for r, s in servers.items() if s.name in crashed]
+        deadline = time.monotonic() + IDLE_S
+        for role, s in servers.items():
+            while role not in broken:
+                try:
+                    if not s.held():
+                        break
+                except Exception:  # noqa: BLE001 - no answer: as good as crashed
+                    broken.append(role)
+                    break
+                if time.monotonic() > deadline:
+                    broken.append(role)
+                    break
+                time.sleep(0.25)
+        if broken:
+            self.discard(name, backend, tuple(broken))
+        return broken
 
     def stop_all(self) -> None:
         self.fleet.stop_all()

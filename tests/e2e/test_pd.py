@@ -299,6 +299,58 @@ def test_failed_last_send_fails_the_request_and_the_next_serve(deployments, back
     assert d.crashed() == []
 
 
+@pytest.mark.backends("mooncake")
+@pytest.mark.parametrize("kind", ["stock", "kvmem-prefill"])
+def test_release_right_after_a_failed_write_waits_for_its_slices(deployments, backend,
+                                                                   reference, kind):
+    """A Mooncake batch write that failed may still move: ``batch_transfer_sync_write``
+    returns -1 while other slices of the batch are in flight, and sglang uncounts the
+    room at once, so a release of the prefill's KV cache right after finds it idle.
+    Here the prefill is released the moment its log shows a failed write (the decode's
+    aux regions deregistered, ``aux-unregister``) and resumed at once.  With the flag
+    the release first waits out the settle window the failure opened
+    (``kvmem_sglang.mooncake.SETTLE_S``), then deregisters; stock deregisters and
+    gives the memory back at once (its time is printed).  Either way the pair serves
+    the same tokens afterwards and nothing stays held."""
+    d = deployments.get(kind, backend)
+    assert outputs(d) == reference
+    seen = len(d.decode.fault_notes())
+    mark = len(d.prefill.log_text())
+    d.decode.arm("aux-unregister")
+    _fired(d.decode, "aux-unregister", seen)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(d.generate, PROMPTS[0], timeout=60)
+            deadline = time.monotonic() + PROMPT_S
+            while "Failed to send aux data" not in d.prefill.log_text()[mark:]:
+                assert time.monotonic() < deadline, d.trace("aux")
+                time.sleep(0.02)
+            t0 = time.monotonic()
+            rel = d.control(d.prefill, "/release_memory_occupation", KV)
+            released_s = time.monotonic() - t0
+            res = d.control(d.prefill, "/resume_memory_occupation", KV)
+            a = answer.result()
+    finally:
+        d.decode.arm("aux-restore")
+        _fired(d.decode, "aux-restore", seen)
+    print(f"{kind}: released {released_s:.3f} s after the failed write was logged; "
+          f"answer {a.status} after {a.seconds:.1f} s")
+    assert rel.status == 200 and res.status == 200, (rel.status, rel.body, res.status, res.body)
+    assert a.status in (500, 503), (a.status, a.body, a.error)
+    log = d.prefill.log_text()[mark:]
+    waited = re.search(r"release_memory_occupation\(kv_cache\) waits ([\d.]+) s for the "
+                       r"slices of a failed transfer", log)
+    if kind == "stock":
+        assert waited is None
+    else:
+        assert waited and float(waited.group(1)) > 0, d.trace("waits")
+        gone = log.find("Mooncake prefill: deregistered")
+        assert gone > waited.start(), d.trace("deregistered")
+    assert d.settle(DEFERRED_RELEASE_S + IDLE_S) == {}
+    assert outputs(d) == reference
+    assert d.crashed() == []
+
+
 @pytest.mark.parametrize("kind,status", [("kvmem-both", 503), ("kvmem-prefill", 500)])
 def test_request_while_released_answered_promptly(deployments, backend, reference, kind, status):
     """A request sent while the prefill's KV cache is released: the prefill refuses it
@@ -447,7 +499,7 @@ def test_stock_release_with_requests_in_flight_kills_the_scheduler(deployments, 
         assert "AssertionError: release_memory_occupation should be called only when " \
                "server is idle" in server.log_text()
     finally:
-        deployments.discard(kind, backend)
+        deployments.discard_broken(kind, backend, d)
 
 
 @pytest.mark.parametrize("kind", ["kvmem-both"])
