@@ -24,6 +24,11 @@ small pools of the tests have several chunks, each one mapping and one registere
 as a GPU pool has at 2 GiB: a descriptor, registration or page run that crosses a chunk
 fails here as it would on the GPU.  Most test pools then have a chunk boundary after
 every one to five layer planes.
+
+NIXL's progress threads nap 5 ms between polls (``testkit/nixl_nap.py``) in this process
+and in the harness's processes, as in the e2e tier's servers: an idle agent otherwise
+keeps a core busy, and a test with several agents starves the rest of a 2-core machine.
+kvmem's own engines keep NIXL's default.
 """
 
 import os
@@ -31,12 +36,18 @@ import os
 import pytest
 import torch
 
+from testkit import nixl_nap
+
 try:
     from hypothesis import settings
 except ImportError:  # the e2e tier's environment has no Hypothesis (and no property test)
     settings = None
 
 os.environ.setdefault("KVMEM_CHUNK_BYTES", str(256 << 10))
+
+# NIXL agents made in this process nap between progress polls instead of spinning a
+# core each (testkit/nixl_nap.py); the harness's child processes do the same.
+nixl_nap.install()
 
 # Hypothesis profiles, chosen by KVMEM_HYPOTHESIS: "dev" (default: the edit loop, a tenth
 # of the examples), "ci" (what make test runs), "nightly" (ten times ci).  A property test

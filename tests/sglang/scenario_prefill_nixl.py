@@ -24,6 +24,9 @@ def main() -> dict:
 
     h = PrefillHarness(page_size=4, pages=64, max_reqs=8)
     import torch
+    from testkit import nixl_nap
+
+    nixl_nap.install()  # its agents nap between progress polls
     from nixl_cu12._api import nixl_agent, nixl_agent_config
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.nixl.conn import NixlKVManager, _normalize_kv_mem_kinds

@@ -42,8 +42,9 @@ flag alike (as the tier's one OpenMP thread per server is):
    a zero timeout in a loop: every idle NIXL server here kept 40-70% of a core busy
    (seen with gdb: the scheduler's main thread asleep in its idle poll, that thread
    running), and a tier with four servers up ran at a load of 12-14 on two cores.  With
-   ``pthrDelay`` at ``nixl_nap.PTHR_DELAY_US`` the thread still wakes at once when a worker's
-   file descriptor is ready; the delay only bounds its periodic wake-up.
+   ``pthrDelay`` at ``PTHR_DELAY_US`` (``testkit/nixl_nap.py``) the thread still wakes at
+   once when a worker's file descriptor is ready; the delay only bounds its periodic
+   wake-up.
 
 Besides those, ``faults.py`` (beside this file) lets a test make the real
 Mooncake engine refuse one registration or deregistration of a running server; it does
@@ -90,9 +91,13 @@ def _dram_for_vram(module) -> None:
 
 
 def _progress_thread_naps(module) -> None:
-    from nixl_nap import apply  # beside this file
-
-    if apply(module):
+    # testkit/nixl_nap.py, loaded from its file: the repository is not on this path
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
+                        os.pardir, "testkit", "nixl_nap.py")
+    spec = importlib.util.spec_from_file_location("kvmem_e2e_nixl_nap", path)
+    nap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nap)
+    if nap.apply(module):
         _note(f"nixl-progress-thread-delay:{module.__name__}")
 
 

@@ -42,6 +42,9 @@ def main() -> dict:
     load_plugins()
 
     import torch
+    from testkit import nixl_nap
+
+    nixl_nap.install()  # its agents nap between progress polls
     from nixl_cu12._api import nixl_agent, nixl_agent_config
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
     from sglang.srt.disaggregation.base.conn import KVArgs

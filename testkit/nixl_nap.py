@@ -8,15 +8,21 @@ zero timeout in a loop: measured here, an idle agent uses a whole core (3.0 s of
 file descriptor is ready; the delay only bounds its periodic wake-up (NIXL keeps that
 wake-up as a workaround for fds that poll does not report).
 
-Applied to one ``_api`` module at a time: every agent it makes gets
-:data:`PTHR_DELAY_US`.  Used by the e2e tier's servers (``sitecustomize.py``, stock and
-the flag alike).  The harness's agents (``testkit/sglang_pair.py``, the NIXL scripts of
-``tests/sglang``) still spin while they live.
+Applied to one ``_api`` module at a time (:func:`apply`), or to each of NIXL's wheels'
+``_api`` modules when it is imported (:func:`install`): every agent it makes gets
+:data:`PTHR_DELAY_US`.  Used by the e2e tier's servers
+(``tests/e2e/standins/sitecustomize.py``, stock and the flag alike), the test session
+(``tests/conftest.py``) and the harness's processes (``testkit.sglang_pair``, the NIXL
+scripts of ``tests/sglang``).  kvmem itself keeps NIXL's default.
 """
 
 from __future__ import annotations
 
 import types
+
+# The modules that define NIXL's Python agent, one per wheel (sglang imports ``nixl``,
+# the meta package, which loads one of them).
+API_MODULES = ("nixl_cu12._api", "nixl_cu13._api")
 
 PTHR_DELAY_US = 5000
 
@@ -43,3 +49,18 @@ def apply(module) -> bool:
         return False
     module.nixlBind = NappingBind(module.nixlBind)
     return True
+
+
+
+def install() -> None:
+    """Nap in this process: :func:`apply` to each ``_api`` module of :data:`API_MODULES`,
+    now if it is imported already, else when it is (the adapter's post-import hook,
+    ``kvmem_sglang.imports``, standard library only); nothing where the adapter is not
+    installed (a bare GPU host: no NIXL there either)."""
+    try:
+        from kvmem_sglang.imports import after_import
+    except ImportError:
+        return
+
+    for name in API_MODULES:
+        after_import(name, apply)
