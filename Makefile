@@ -97,9 +97,10 @@ demo: $(VENV)/.demo-ready
 test: $(VENV)/.test-ready $(TRITON36_VENV)/.ready $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 	$(MAKE) --no-print-directory test-main test-interpret test-e2e
 
-# tests/ includes test_bench_smoke.py (every benchmark once, tiny sizes) and
+# tests/ includes test_bench_smoke.py (every benchmark once, tiny sizes; sglang's Mooncake
+# pair runs in .venv-e2e) and
 # test_aot_sm90.py (the kernels compiled for sm_90 with both tritons).
-test-main: $(VENV)/.test-ready $(TRITON36_VENV)/.ready
+test-main: $(VENV)/.test-ready $(TRITON36_VENV)/.ready $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 	KVMEM_HYPOTHESIS=ci $(BIN)/python -m pytest -q tests
 
 check: $(VENV)/.test-ready
@@ -114,14 +115,15 @@ test-e2e: $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 	KVMEM_E2E=1 $(E2E_PY) -m pytest -q tests/e2e
 
 # Writes bench/results/bench-<device>.json and the PNG plots of bench/plot.py beside it,
-# then the figures README.md and docs/ quote from it (bench/figures.py).
-bench: $(VENV)/.test-ready
+# then the figures README.md and docs/ quote from it (bench/figures.py).  sglang's
+# Mooncake pairs run in .venv-e2e (bench/bench_sglang_transfer.py).
+bench: $(VENV)/.test-ready $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 	KVMEM_BENCH_OUT=bench/results $(BIN)/python -m pytest -q bench \
 	  --benchmark-columns=median,iqr,ops --benchmark-sort=name
 	$(BIN)/python -m bench.figures
 
 # Every benchmark once at tiny sizes (what tests/test_bench_smoke.py runs), into /tmp.
-bench-smoke: $(VENV)/.test-ready
+bench-smoke: $(VENV)/.test-ready $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 	KVMEM_BENCH_SMOKE=1 KVMEM_BENCH_OUT=$${TMPDIR:-/tmp}/kvmem-bench-smoke $(BIN)/python -m pytest -q bench
 
 clean:

@@ -1,6 +1,7 @@
 """sglang 0.5.23's PD KV transfer (real ``NixlKVManager``s, prefill and decode in two
-processes, NIXL/UCX on DRAM), stock against ``SGLANG_KVMEM=1``, with a raw NIXL write of
-the same bytes between the same two processes in the same run (issue 17, item 3).
+processes, NIXL/UCX on DRAM; and real ``MooncakeKVManager``s, Mooncake's engine over TCP),
+stock against ``SGLANG_KVMEM=1``, with a raw write of the same bytes between the same two
+processes in the same run (a NIXL write; one Mooncake ``batch_transfer_sync_write``).
 
 The harness is :mod:`bench.sglang_pair` (its docstring has the set-up: the model is 32
 layers x 8 KV heads x 128, bf16; 32 requests x 1,024 tokens, the pages of a request never
@@ -21,11 +22,17 @@ registrations, the first round, pool creation and first fill times, and how much
 *other* processes used meanwhile (on this 2-core machine anything above
 ``LOADED_CORES`` is flagged ``under_load``: no measurement of a target).
 
+On Mooncake the modes are stock, the flag, and the flag on the prefill alone
+(:data:`MOONCAKE_MODES`): the flag's Mooncake send is sglang's own (kvmem's send path is
+NIXL's), so what differs is the pool and its registration (a few regions).  Mooncake's
+pairs run with ``.venv-e2e``'s interpreter (``make venv-e2e``).
+
 ``KVMEM_BENCH_SGL_REQUESTS`` / ``_TOKENS`` / ``_PAGES`` / ``_MODES`` (comma-separated
-MODES keys) change the run; ``python -m bench.sglang_pair`` runs the same and prints a
-compact table.  The smoke mode: a 2-layer model, 4 requests x 64 tokens (a whole page at
-page size 64), one round,
-stock and the flag only, every page size in one process per mode.
+MODES keys) / ``_BACKENDS`` (``nixl,mooncake``) change the run; ``python -m bench.sglang_pair`` runs the same and prints a
+compact table.  The smoke mode: a 2-layer model, 4 requests x 64 tokens, one round,
+page size 16 alone, the flag on NIXL and stock on Mooncake (each pair costs two
+processes that import sglang; the modes differ only in their variables;
+tests/sglang/test_transfer_path.py moves pages of size 1 and 16 for real).
 """
 
 from __future__ import annotations
@@ -44,11 +51,16 @@ LOADED_CORES = 0.25
 SHAPE = pick(Shape(requests=int(os.environ.get("KVMEM_BENCH_SGL_REQUESTS", "32")),
                    tokens=int(os.environ.get("KVMEM_BENCH_SGL_TOKENS", "1024"))),
              Shape(layers=2, requests=4, tokens=64, page_size=4))
-PAGES = [int(p) for p in os.environ.get("KVMEM_BENCH_SGL_PAGES", "1,16,64").split(",")]
+PAGES = [int(p) for p in os.environ.get("KVMEM_BENCH_SGL_PAGES",
+                                         pick("1,16,64", "16")).split(",")]
 REPEATS = pick(int(os.environ.get("KVMEM_BENCH_SGL_REPEATS", "5")), 1)
 _MODES = os.environ.get("KVMEM_BENCH_SGL_MODES")
-RUN_MODES = ([m for m in _MODES.split(",") if m] if _MODES else
-             pick(list(MODES), ["stock", "kvmem"]))
+MOONCAKE_MODES = ["stock", "kvmem", "kvmem prefill + stock decode"]
+BACKENDS = os.environ.get("KVMEM_BENCH_SGL_BACKENDS", "nixl,mooncake").split(",")
+RUNS = [(b, m) for b in BACKENDS for m in
+        ([m for m in _MODES.split(",") if m] if _MODES else
+         pick(list(MODES) if b == "nixl" else MOONCAKE_MODES,
+              ["kvmem"] if b == "nixl" else ["stock"]))]
 _RESULTS: list[dict] = []
 
 
@@ -59,16 +71,18 @@ def _row(report, r: dict) -> None:
     nbytes = r["sglang"][0]["nbytes"]
     loaded = r["others_cpu_cores"] > LOADED_CORES
     flag = f" UNDER LOAD (others {r['others_cpu_cores']:.2f} cores)" if loaded else ""
-    group = (f"sglang PD transfer, page {ps}: {r['shape']['requests']} requests x "
+    over = "" if r["backend"] == "nixl" else f" over {r['backend']}"
+    group = (f"sglang PD transfer{over}, page {ps}: {r['shape']['requests']} requests x "
              f"{r['shape']['tokens']} tokens, {r['shape']['layers']} layers")
     ratio = statistics.median(r["ratio_to_raw"])
     desc = statistics.median(x["kv_descriptors_per_request"] for x in r["sglang"])
     name = ("stock sglang" if r["mode"] == "stock" else r["mode"])
-    extra = dict(mode=r["mode"], page_size=ps, ratio_to_raw=ratio,
+    extra = dict(mode=r["mode"], backend=r["backend"], page_size=ps, ratio_to_raw=ratio,
                  ratio_spread=[min(r["ratio_to_raw"]), max(r["ratio_to_raw"])],
                  gbps_spread=[min(sg), max(sg)], kv_descriptors_per_request=desc,
-                 nixl_writes_per_round=statistics.median(x["nixl_calls"] for x in r["sglang"]),
-                 nixl_registrations=r["nixl_registrations"], first_gbps=r["first"]["gbps"],
+                 engine_writes_per_round=statistics.median(x["engine_writes"]
+                                                           for x in r["sglang"]),
+                 registrations=r["registrations"], first_gbps=r["first"]["gbps"],
                  pool_create_s=r["pool_create_s"], fill_s=r["fill_s"],
                  decode_pool_create_s=r["decode_pool_create_s"], kvmem_pool=r["kvmem_pool"],
                  kvmem_transfer=r.get("kvmem_transfer"),
@@ -79,17 +93,20 @@ def _row(report, r: dict) -> None:
              + flag, median_s=nbytes / med / 1e9, nbytes=nbytes, gb_per_s=med, **extra))
     raw = statistics.median(x["gbps"] for x in r["raw"])
     report.groups[group].append(dict(
-        name=f"raw NIXL write, same processes ({r['mode']}): {raw:.2f} GB/s" + flag,
+        name=f"raw {'NIXL' if r['backend'] == 'nixl' else 'Mooncake'} write, same processes "
+             f"({r['mode']}): {raw:.2f} GB/s" + flag,
         median_s=nbytes / raw / 1e9, nbytes=nbytes, gb_per_s=raw, mode=r["mode"],
+        backend=r["backend"],
         page_size=ps, role="raw", others_cpu_cores=r["others_cpu_cores"]))
 
 
-@pytest.mark.parametrize("mode", RUN_MODES)
-def test_sglang_transfer(benchmark, report, mode):
+@pytest.mark.parametrize("backend,mode", RUNS, ids=[f"{b}-{m}" for b, m in RUNS])
+def test_sglang_transfer(benchmark, report, backend, mode):
     results = []
 
     def one():
-        results.extend(run_mode(mode, PAGES, SHAPE, REPEATS, one_process=SMOKE))
+        results.extend(run_mode(mode, PAGES, SHAPE, REPEATS, one_process=SMOKE,
+                                backend=backend))
 
     benchmark.pedantic(one, rounds=1, iterations=1)
     assert [r["shape"]["page_size"] for r in results] == PAGES

@@ -1,7 +1,9 @@
 """sglang 0.5.23's PD transfer between two processes on DRAM, stock against
-``SGLANG_KVMEM=1``, with a raw NIXL write of the same bytes between the same processes:
-each mode (:data:`MODES`) and page size measured in a child process of its own around
-``testkit.sglang_pair.Pair`` (its docstring has the pair, the shapes and one round).
+``SGLANG_KVMEM=1``, with a raw write of the same bytes between the same processes: each
+mode (:data:`MODES`), backend (NIXL, or Mooncake over TCP) and page size measured in a
+child process of its own around ``testkit.sglang_pair.Pair`` (its docstring has the
+pair, the shapes and one round).  Mooncake's pairs run with ``.venv-e2e``'s interpreter,
+the environment that has Mooncake's engine (``make venv-e2e``).
 ``bench/bench_sglang_transfer.py`` runs it under pytest; ``python -m bench.sglang_pair``
 prints the table.
 """
@@ -17,7 +19,8 @@ import traceback
 from dataclasses import asdict
 
 from testkit.child import Child, child_env, run_children
-from testkit.sglang_pair import Pair, Shape, _kvmem_pool, merged_runs, request_pages
+from testkit.sglang_pair import (E2E_PYTHON, Pair, Shape, _kvmem_pool, merged_runs,
+                                 request_pages, with_ibverbs)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,18 +56,20 @@ MODES = {
 }
 
 
-def measure(shape: Shape, repeats: int, decode_env: dict | None = None) -> dict:
+def measure(shape: Shape, repeats: int, decode_env: dict | None = None,
+            backend: str = "nixl") -> dict:
     """Start a pair, move the requests once (the first round: fresh pools, the decode's
     rows not cleared first, so the round is the first touch of its pages), then
     ``repeats`` rounds of the raw write and of the sglang transfer, alternating; the
     rows checked: every plane in the first round, the first and last plane after."""
     t0 = time.monotonic()
-    pair = Pair(shape, decode_env)
-    out = dict(shape=asdict(shape), pool_create_s=pair.pool_create_s, fill_s=pair.fill_s,
+    pair = Pair(shape, decode_env, backend=backend)
+    out = dict(shape=asdict(shape), backend=backend, pool_create_s=pair.pool_create_s,
+               fill_s=pair.fill_s,
                decode_pool_create_s=pair.decode_info["pool_create_s"],
                kvmem_pool=dict(prefill=_kvmem_pool(pair.kv),
                                decode=pair.decode_info["kvmem_pool"]),
-               nixl_registrations=sum(d.descCount() for d in pair.pm.kv_descs),
+               registrations=pair.registrations(),
                memory=dict(prefill=pair.memory, decode=pair.decode_info.get("memory")))
     stats0 = _transfer_stats()
     try:
@@ -109,31 +114,38 @@ def _busy_seconds() -> float:
 
 
 def run_mode(mode: str, page_sizes, shape: Shape, repeats: int, *, one_process: bool = False,
-             timeout: float = 1800) -> list[dict]:
-    """Measure ``mode`` (a key of MODES) at each page size: one prefill process (and its
-    decode child) per page size, or one for them all (``one_process``: the smoke mode;
-    the pairs made first keep their NIXL threads while the later ones run).  Each result
-    gets ``mode``, the machine's load meanwhile (``others_cpu_cores``: busy CPU of other
-    processes, in cores; ``loadavg``) and the ratios of each round to the raw write
-    just before it."""
+             timeout: float = 1800, backend: str = "nixl") -> list[dict]:
+    """Measure ``mode`` (a key of MODES) on ``backend`` at each page size: one prefill
+    process (and its decode child) per page size, or one for them all (``one_process``:
+    the smoke mode; the pairs made first keep their engine threads while the later ones
+    run).  Each result gets ``mode``, the machine's load meanwhile (``others_cpu_cores``:
+    busy CPU of other processes, in cores; ``loadavg``) and the ratios of each round to
+    the raw write just before it."""
     import resource
 
     prefill_env, decode_env = MODES[mode]
     env = child_env(prefill_env, drop=("SGLANG_KVMEM", "THP_MEM_ALLOC_ENABLE"),
                     paths=[os.path.join(ROOT, "integration", "sglang")])
+    python = None
+    if backend == "mooncake":
+        if not E2E_PYTHON.exists():
+            raise FileNotFoundError(f"{E2E_PYTHON} is missing: Mooncake's pairs run in the "
+                                    "e2e environment (make venv-e2e)")
+        env, python = with_ibverbs(env), str(E2E_PYTHON)
     groups = [list(page_sizes)] if one_process else [[p] for p in page_sizes]
     results = []
     for pages in groups:
-        cfg = dict(shape=asdict(shape), pages=pages, repeats=repeats, decode_env=decode_env)
+        cfg = dict(shape=asdict(shape), pages=pages, repeats=repeats, decode_env=decode_env,
+                   backend=backend)
 
         def cpu() -> float:
             c = resource.getrusage(resource.RUSAGE_CHILDREN)
             return c.ru_utime + c.ru_stime
 
         busy0, own0, t0, load0 = _busy_seconds(), cpu(), time.monotonic(), os.getloadavg()[0]
-        name = f"{mode} at page sizes {pages}"
+        name = f"{mode} on {backend} at page sizes {pages}"
         child = Child(module="bench.sglang_pair", args=("--child", json.dumps(cfg)), env=env,
-                      cwd=ROOT)  # a fresh interpreter: what the measurement starts
+                      cwd=ROOT, python=python)  # a fresh interpreter: what it measures
         reply = run_children({name: child}, timeout)[name]
         wall = time.monotonic() - t0
         others = max(0.0, (_busy_seconds() - busy0) - (cpu() - own0)) / wall
@@ -147,28 +159,31 @@ def run_mode(mode: str, page_sizes, shape: Shape, repeats: int, *, one_process: 
 
 def table(results: list[dict]) -> list[str]:
     """A compact table of ``run_mode`` results: one line per mode and page size."""
-    stock = {r["shape"]["page_size"]: statistics.median(x["gbps"] for x in r["sglang"])
+    stock = {(r.get("backend", "nixl"), r["shape"]["page_size"]):
+             statistics.median(x["gbps"] for x in r["sglang"])
              for r in results if r["mode"] == "stock"}
-    head = (f"{'page':>4} {'mode':<40} {'GB/s':>6} {'[min, max]':>13} {'raw':>6} "
+    head = (f"{'page':>4} {'backend':<8} {'mode':<40} {'GB/s':>6} {'[min, max]':>13} {'raw':>6} "
             f"{'x raw':>6} {'x stock':>7} {'desc/req':>8} {'first':>6} {'regs':>4} {'load':>5}")
     out = [head, "-" * len(head)]
-    for r in sorted(results, key=lambda r: (r["shape"]["page_size"], list(MODES).index(r["mode"])
+    for r in sorted(results, key=lambda r: (r["shape"]["page_size"], r.get("backend", "nixl"),
+                                             list(MODES).index(r["mode"])
                                              if r["mode"] in MODES else 99)):
-        ps = r["shape"]["page_size"]
+        ps, backend = r["shape"]["page_size"], r.get("backend", "nixl")
         g = summary(x["gbps"] for x in r["sglang"])
         raw = statistics.median(x["gbps"] for x in r["raw"])
         ratio = statistics.median(r["ratio_to_raw"])
-        vs = g["median"] / stock[ps] if ps in stock else float("nan")
+        vs = g["median"] / stock[backend, ps] if (backend, ps) in stock else float("nan")
         desc = statistics.median(x["kv_descriptors_per_request"] for x in r["sglang"])
-        out.append(f"{ps:>4} {r['mode']:<40} {g['median']:6.2f} [{g['min']:5.2f},{g['max']:5.2f}] "
+        out.append(f"{ps:>4} {backend:<8} {r['mode']:<40} {g['median']:6.2f} [{g['min']:5.2f},{g['max']:5.2f}] "
                    f"{raw:6.2f} {ratio:6.2f} {vs:7.2f} {desc:8.0f} {r['first']['gbps']:6.2f} "
-                   f"{r['nixl_registrations']:>4} {r['others_cpu_cores']:5.2f}")
+                   f"{r['registrations']:>4} {r['others_cpu_cores']:5.2f}")
     return out
 
 
 def _child(cfg: dict) -> list[dict]:
     shape = cfg["shape"]
-    return [measure(Shape(**{**shape, "page_size": ps}), cfg["repeats"], cfg.get("decode_env"))
+    return [measure(Shape(**{**shape, "page_size": ps}), cfg["repeats"], cfg.get("decode_env"),
+                    cfg.get("backend", "nixl"))
             for ps in cfg["pages"]]
 
 
@@ -183,6 +198,7 @@ def main(argv: list[str]) -> None:
                     "same under pytest).")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--pages", default="1,16,64")
+    ap.add_argument("--backends", default="nixl", help="comma-separated: nixl, mooncake")
     ap.add_argument("--modes", default=",".join(MODES),
                     help="comma-separated, of: " + "; ".join(MODES))
     ap.add_argument("--requests", type=int, default=32)
@@ -197,9 +213,10 @@ def main(argv: list[str]) -> None:
     shape = Shape(layers=a.layers, requests=a.requests, tokens=a.tokens)
     pages = [int(p) for p in a.pages.split(",")]
     results = []
-    for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
-        results += run_mode(mode, pages, shape, a.repeats)
-        print("\n".join(table(results)), flush=True)
+    for backend in [b.strip() for b in a.backends.split(",") if b.strip()]:
+        for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
+            results += run_mode(mode, pages, shape, a.repeats, backend=backend)
+            print("\n".join(table(results)), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(time=time.strftime("%Y-%m-%dT%H:%M:%S"), cpus=os.cpu_count(),

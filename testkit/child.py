@@ -81,7 +81,8 @@ class Child:
     """One child: ``code`` (``python -c``), ``script`` (a file run as ``__main__``) or
     ``module`` (``python -m``), with ``args`` after it; ``env``: its whole environment
     (default :func:`child_env`); ``fork``: a fork server to fork it from (None: a fresh
-    interpreter, as for everything that must start as one)."""
+    interpreter, as for everything that must start as one); ``python``: the interpreter
+    of a fresh one (default: this one's; another environment's is never forked)."""
 
     code: str | None = None
     script: str | Path | None = None
@@ -90,10 +91,13 @@ class Child:
     env: dict | None = None
     cwd: str | Path = ROOT
     fork: object = field(default=None, compare=False)
+    python: str | None = None
 
     def __post_init__(self):
         if sum(x is not None for x in (self.code, self.script, self.module)) != 1:
             raise ValueError("a Child runs exactly one of code, script or module")
+        if self.python is not None and self.fork is not None:
+            raise ValueError("a Child of another interpreter cannot be forked from this one's")
 
     def argv(self) -> list[str]:
         """The interpreter's arguments after ``sys.executable``."""
@@ -117,7 +121,7 @@ def start(child: Child):
         proc = child.fork.spawn(child)
         if proc is not None:
             return proc
-    return subprocess.Popen([sys.executable, *child.argv()], cwd=child.cwd,
+    return subprocess.Popen([child.python or sys.executable, *child.argv()], cwd=child.cwd,
                             env=child.environment(), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

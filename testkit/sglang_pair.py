@@ -1,7 +1,8 @@
 """A real sglang 0.5.23 PD pair in two processes on DRAM: a prefill-side ``NixlKVManager``
 with its ``NixlKVSender``s and sglang's ``NixlKVBootstrapServer`` in this process, a
 decode-side ``NixlKVManager`` with its ``NixlKVReceiver``s in a child process; NIXL over
-UCX between them, KV pools built by sglang's own ``MHATokenToKVPool`` (with
+UCX between them (or, ``backend="mooncake"``, sglang's ``MooncakeKV*`` classes over
+Mooncake's transfer engine on TCP, the environment of ``MOONCAKE_ENV`` set), KV pools built by sglang's own ``MHATokenToKVPool`` (with
 ``SGLANG_KVMEM=1`` in a side's environment, the adapter's hooks put a kvmem pool under
 it).  Used by ``bench/sglang_pair.py`` (stock against the flag, raw NIXL in the same
 processes) and by the adapter's transfer tests (``tests/sglang``).
@@ -26,7 +27,9 @@ timed, calls ``sender.send(pages)`` for every request (one chunk, the last) and 
 until every room is Success on both sides.  The *raw* write moves the same bytes between
 the same two processes with the prefill manager's own NIXL agent: per request one
 ``initialize_xfer`` of 2 L descriptors (the request's share of each plane, contiguous,
-same offsets on both sides), all requests posted at once, polled to DONE.
+same offsets on both sides), all requests posted at once, polled to DONE.  On Mooncake:
+the prefill manager's own engine, one ``batch_transfer_sync_write`` of those 2 L R
+slices.
 
 Stand-ins: the model (only the KV shape), the forward pass (the pattern), the
 scheduler (the senders and receivers are driven here as the bootstrap/inflight queues
@@ -43,9 +46,41 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
+# sglang's PD transfer backends this pair runs: the module and class-name prefix of
+# each one's manager, sender, receiver and bootstrap server.
+BACKENDS = {"nixl": ("sglang.srt.disaggregation.nixl.conn", "Nixl"),
+            "mooncake": ("sglang.srt.disaggregation.mooncake.conn", "Mooncake")}
+# What Mooncake needs in a pair's processes here (set where unset): TCP, as no RDMA
+# device exists; its engine.so also needs libibverbs.so.1 on the loader's path, which
+# must be in LD_LIBRARY_PATH when the process starts (``.venv-e2e/ibverbs.path``).
+MOONCAKE_ENV = {"MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": "127.0.0.1"}
+# The environment that has Mooncake's engine (the main one has none: `make venv-e2e`),
+# and the file where `make venv-e2e` wrote the directories of libibverbs.so.1 (empty:
+# the system has it).
+REPO = Path(__file__).resolve().parents[1]
+E2E_PYTHON = REPO / ".venv-e2e" / "bin" / "python"
+IBVERBS_PATH = Path(os.environ.get("KVMEM_E2E_IBVERBS_PATH")
+                    or REPO / ".venv-e2e" / "ibverbs.path")
+
+
+def with_ibverbs(env: dict) -> dict:
+    """``env`` with the directories of ``IBVERBS_PATH`` ahead of its LD_LIBRARY_PATH (what
+    a process that loads Mooncake's engine needs when it starts); FileNotFoundError
+    naming the make target when the file is missing."""
+    try:
+        dirs = IBVERBS_PATH.read_text().strip()
+    except OSError:
+        raise FileNotFoundError(f"{IBVERBS_PATH} is missing: Mooncake's engine needs "
+                                "libibverbs1 (make venv-e2e fetches it)") from None
+    out = dict(env)
+    if dirs:
+        out["LD_LIBRARY_PATH"] = os.pathsep.join(
+            [dirs] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
+    return out
 POLL_S = 0.0005  # the drivers' poll period while they wait (they must not spin a core)
 # How long a decode process may take to start (import sglang, build its pool and manager):
 # about 30 s on the 2-core machine here, several minutes when other runs share it.
@@ -111,7 +146,11 @@ def merged_runs(src: np.ndarray, dst: np.ndarray) -> int:
 # -- one side's sglang parts ---------------------------------------------------------------
 
 def nixl_as_sglang_imports_it() -> None:
-    """sglang imports ``nixl._api``; the wheel installed here is ``nixl_cu12``."""
+    """sglang imports ``nixl._api``; the wheel installed here is ``nixl_cu12``.  Its
+    agents nap between progress polls (``testkit.nixl_nap``)."""
+    from testkit import nixl_nap
+
+    nixl_nap.install()
     try:
         import nixl._api  # noqa: F401
         return
@@ -127,19 +166,33 @@ def nixl_as_sglang_imports_it() -> None:
 _PUBLISHED: dict = {}
 
 
-def publish(role: str, page_size: int):
-    """Publish this process's ServerArgs (a PD ``role`` server on the CPU, NIXL backend)
-    and load sglang's plugins, as ``run_scheduler_process`` does; once per process (a
-    later call returns the first ServerArgs: the page size that matters is the pool's)."""
+def conn_class(backend: str, name: str):
+    """sglang's ``<Backend>KV<name>`` class (``name``: Manager, Sender, Receiver,
+    BootstrapServer) of ``backend`` (:data:`BACKENDS`)."""
+    import importlib
+
+    module, prefix = BACKENDS[backend]
+    return getattr(importlib.import_module(module), f"{prefix}KV{name}")
+
+
+def publish(role: str, page_size: int, backend: str = "nixl"):
+    """Publish this process's ServerArgs (a PD ``role`` server on the CPU, ``backend``)
+    and load sglang's plugins, as ``run_scheduler_process`` does, and start the shared
+    Mooncake engine as the scheduler does for that backend; once per process (a later
+    call returns the first ServerArgs: the page size that matters is the pool's)."""
     if role in _PUBLISHED:
         return _PUBLISHED[role]
-    nixl_as_sglang_imports_it()
+    if backend == "nixl":
+        nixl_as_sglang_imports_it()
+    else:
+        for k, v in MOONCAKE_ENV.items():
+            os.environ.setdefault(k, v)
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.runtime_context import publish as _publish
     from sglang.srt.server_args import ServerArgs
 
     sa = ServerArgs(model_path="dummy", device="cpu", page_size=page_size,
-                    disaggregation_mode=role, disaggregation_transfer_backend="nixl")
+                    disaggregation_mode=role, disaggregation_transfer_backend=backend)
     _publish(sa, role="test")
     from sglang.srt.plugins import load_plugins
 
@@ -148,6 +201,11 @@ def publish(role: str, page_size: int):
     get_parallel().override_permanently(tp_rank=0, pp_rank=0, attn_tp_rank=0,
                                         attn_cp_rank=0, attn_dp_rank=0, moe_ep_rank=0,
                                         dp_rank=None, pp_group=None)
+    if backend == "mooncake":
+        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+            init_mooncake_transfer_engine)
+
+        init_mooncake_transfer_engine("127.0.0.1", gpu_id=0)
     _PUBLISHED[role] = sa
     return sa
 
@@ -269,12 +327,11 @@ def kv_args(kv, meta):
     return a
 
 
-def manager(kv, meta, role: str, server_args):
-    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+def manager(kv, meta, role: str, server_args, backend: str = "nixl"):
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
-    return NixlKVManager(kv_args(kv, meta), mode, server_args, False)
+    return conn_class(backend, "Manager")(kv_args(kv, meta), mode, server_args, False)
 
 
 class DescriptorCount:
@@ -315,6 +372,25 @@ class DescriptorCount:
         return out
 
 
+class SliceCount(DescriptorCount):
+    """:class:`DescriptorCount` for a Mooncake manager: slices per
+    ``batch_transfer_sync`` call of its engine (the wrapper sglang's sends and aux
+    writes go through; wrapped on that instance)."""
+
+    def __init__(self, engine, record: bool = False):
+        self.calls = self.descs = 0
+        self.by_call, self.record, self.ranges = [], record, []
+        plain = engine.batch_transfer_sync
+
+        def batch_transfer_sync(session, buffers, peers, lengths, *a, **k):
+            self._count(len(buffers))
+            if self.record:
+                self.ranges.append((list(zip(buffers, lengths)), list(zip(peers, lengths))))
+            return plain(session, buffers, peers, lengths, *a, **k)
+
+        engine.batch_transfer_sync = batch_transfer_sync
+
+
 def _ranges_of(dlist) -> list[tuple[int, int]]:
     """``(address, bytes)`` of every entry of a NIXL descriptor list."""
     return [(int(d[0]), int(d[1])) for d in (dlist[i] for i in range(dlist.descCount()))]
@@ -353,17 +429,17 @@ def _wait(pred, timeout: float, what: str):
 
 # -- the decode process ----------------------------------------------------------------------
 
-def _decode_main(conn, shape_d: dict, addr: str, env: dict) -> None:
+def _decode_main(conn, shape_d: dict, addr: str, env: dict, backend: str = "nixl") -> None:
     """The decode side: commands from the prefill over ``conn``, one reply each."""
     try:
         os.environ.update(env)
         shape = Shape(**shape_d)
-        sa = publish("decode", shape.page_size)
+        sa = publish("decode", shape.page_size, backend)
         m0 = memory_counters()
         kv, created_s = build_pool(shape)
         memory = counter_delta(m0, memory_counters())
         meta = metadata_buffers(shape.requests)
-        dm = manager(kv, meta, "decode", sa)
+        dm = manager(kv, meta, "decode", sa, backend)
         # DecodePreallocQueue asks again at every step until the prefill answers
         end = time.monotonic() + START_S
         while not dm.try_ensure_parallel_info(addr):
@@ -379,15 +455,14 @@ def _decode_main(conn, shape_d: dict, addr: str, env: dict) -> None:
                 conn.send("bye")
                 break
             if cmd == "publish":  # arg: (rooms, planes to check[, clear them first])
-                from sglang.srt.disaggregation.nixl.conn import NixlKVReceiver
-
+                receiver = conn_class(backend, "Receiver")
                 rooms, check, *more = arg
                 clear = more[0] if more else True
                 recv = {}
                 for r, room in enumerate(rooms):
                     if clear:
                         clear_rows(kv, shape, request_pages(shape, r), check)
-                    rc = NixlKVReceiver(dm, addr, room)
+                    rc = receiver(dm, addr, room)
                     rc.init(0)
                     recv[room] = rc
                 for r, room in enumerate(rooms):
@@ -398,7 +473,8 @@ def _decode_main(conn, shape_d: dict, addr: str, env: dict) -> None:
                 conn.send(_decode_wait(dm, kv, shape, recv, timeout, check))
             elif cmd == "info":
                 conn.send(dict(dst_kv_ptrs=list(dm.kv_args.kv_data_ptrs),
-                               agent=dm.agent.name, registered=registered(dm)))
+                               **(dict(agent=dm.agent.name, registered=registered(dm))
+                                  if backend == "nixl" else {})))
             else:
                 conn.send(f"unknown command {cmd!r}")
     except BaseException:  # noqa: BLE001 - the prefill reads the traceback
@@ -459,33 +535,35 @@ class Pair:
     docstring.  ``decode_env``: environment of the decode process (the flag there).
     ``wait=False``: return once the decode process is started; :meth:`ready` waits for
     it (several pairs of one process then start their decodes together).  ``record``:
-    keep every descriptor of a round (``DescriptorCount``) for :meth:`regions_check`."""
+    keep every descriptor of a round (``DescriptorCount``) for :meth:`regions_check`
+    (NIXL).  ``backend``: ``nixl`` or ``mooncake`` (:data:`BACKENDS`)."""
 
     def __init__(self, shape: Shape, decode_env: dict | None = None, timeout: float = 300,
-                 wait: bool = True, record: bool = False):
-        self.shape, self.timeout = shape, timeout
-        sa = publish("prefill", shape.page_size)
-        from sglang.srt.disaggregation.nixl.conn import NixlKVBootstrapServer
+                 wait: bool = True, record: bool = False, backend: str = "nixl"):
+        self.shape, self.timeout, self.backend = shape, timeout, backend
+        sa = publish("prefill", shape.page_size, backend)
         from sglang.srt.runtime_context import get_disagg
 
         port = _free_port()
         get_disagg()._set("disaggregation_bootstrap_port", port)
-        NixlKVBootstrapServer("127.0.0.1", port)
+        conn_class(backend, "BootstrapServer")("127.0.0.1", port)
         self.addr = f"127.0.0.1:{port}"
         m0 = memory_counters()
         self.kv, self.pool_create_s = build_pool(shape)
         self.fill_s = fill_pattern(self.kv)
         self.memory = counter_delta(m0, memory_counters())  # the pool made and filled
         self.meta = metadata_buffers(shape.requests)
-        self.pm = manager(self.kv, self.meta, "prefill", sa)
-        self.count = DescriptorCount(self.pm.agent, record)
+        self.pm = manager(self.kv, self.meta, "prefill", sa, backend)
+        self.count = (DescriptorCount(self.pm.agent, record) if backend == "nixl" else
+                      SliceCount(self.pm.engine, record))
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         env = {k: v for k, v in os.environ.items()}
         env = {k: v for k, v in env.items() if not k.startswith("SGLANG_KVMEM")}
         env.update(decode_env if decode_env is not None else
                    {k: v for k, v in os.environ.items() if k.startswith("SGLANG_KVMEM")})
-        self.proc = ctx.Process(target=_decode_main, args=(child, asdict(shape), self.addr, env),
+        self.proc = ctx.Process(target=_decode_main,
+                                args=(child, asdict(shape), self.addr, env, backend),
                                 daemon=True)
         self.proc.start()
         self.decode_info = None
@@ -517,13 +595,13 @@ class Pair:
         """``n`` bootstrapped senders (rooms WaitingForInput), one per request; the
         decode clears the rows of the planes ``check`` first unless ``clear`` is False."""
         from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.disaggregation.nixl.conn import NixlKVSender
 
+        sender = conn_class(self.backend, "Sender")
         rooms = list(range(self.next_room, self.next_room + n))
         self.next_room += n
         out = []
         for r, room in enumerate(rooms):
-            s = NixlKVSender(self.pm, self.addr, room)
+            s = sender(self.pm, self.addr, room)
             s.init(self.shape.pages_per_request, aux_index=r)
             out.append(s)
         assert self.ask("publish", (rooms, list(check), clear)) == "published"
@@ -580,7 +658,7 @@ class Pair:
         return dict(seconds=wall, gbps=nbytes / wall / 1e9, nbytes=nbytes, t0=t0,
                     rooms=[s.bootstrap_room for s in senders],
                     prefill_states=states, decode_states=d["states"], bad_rows=d["bad_rows"],
-                    decode=d, nixl_calls=counted["calls"] - shape.requests,
+                    decode=d, engine_writes=counted["calls"] - shape.requests,
                     kv_descriptors_per_request=counted["descriptors"] / shape.requests - aux,
                     **({"regions": self.regions_check(counted["ranges"])}
                        if self.count.record else {}))
@@ -598,8 +676,17 @@ class Pair:
                     local_outside=outside_one_region(local, mine["kv"] + mine["other"]),
                     remote_outside=outside_one_region(remote, theirs["kv"] + theirs["other"]))
 
+    def registrations(self) -> int:
+        """The prefill's registrations with its engine: NIXL's KV descriptors; on
+        Mooncake every region it registers (KV and aux)."""
+        if self.backend == "nixl":
+            return sum(d.descCount() for d in self.pm.kv_descs)
+        return len(self.pm._registerable_regions())
+
     def raw_round(self) -> dict:
-        """The raw NIXL write of the same bytes (module docstring)."""
+        """The raw write of the same bytes (module docstring)."""
+        if self.backend == "mooncake":
+            return self._raw_round_mooncake()
         shape, agent = self.shape, self.pm.agent
         peer = next(iter(self.pm.decode_kv_args_table))
         dst = self.pm.decode_kv_args_table[peer].dst_kv_ptrs
@@ -633,6 +720,27 @@ class Pair:
         wall = time.monotonic() - t0
         for h in handles:
             agent.release_xfer_handle(h)
+        counted = self.count.take()
+        nbytes = shape.requests * shape.request_bytes
+        return dict(seconds=wall, gbps=nbytes / wall / 1e9, nbytes=nbytes,
+                    kv_descriptors_per_request=counted["descriptors"] / shape.requests)
+
+    def _raw_round_mooncake(self) -> dict:
+        shape = self.shape
+        peer = next(iter(self.pm.decode_kv_args_table))
+        dst = self.pm.decode_kv_args_table[peer].dst_kv_ptrs
+        src = self.pm.kv_args.kv_data_ptrs
+        span = shape.tokens * shape.row_bytes
+        first = shape.page_size * shape.row_bytes  # row P: after the padding page
+        offs = [first + r * span for r in range(shape.requests)]
+        bufs = [s + o for o in offs for s in src]
+        peers = [d + o for o in offs for d in dst]
+        self.count.take()
+        t0 = time.monotonic()
+        code = self.pm.engine.batch_transfer_sync(peer, bufs, peers, [span] * len(bufs))
+        wall = time.monotonic() - t0
+        if code != 0:
+            raise RuntimeError(f"raw Mooncake batch write returned {code}")
         counted = self.count.take()
         nbytes = shape.requests * shape.request_bytes
         return dict(seconds=wall, gbps=nbytes / wall / 1e9, nbytes=nbytes,

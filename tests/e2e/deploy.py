@@ -25,6 +25,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from testkit.sglang_pair import with_ibverbs
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 STANDINS = HERE / "standins"
@@ -47,27 +49,23 @@ DECODE_ARGS = ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
 # OpenMP threads of each server process (its torch ops): KVMEM_E2E_CPU_THREADS, default 1.
 CPU_THREADS = os.environ.get("KVMEM_E2E_CPU_THREADS", "1")
 START_TIMEOUT = float(os.environ.get("KVMEM_E2E_START_TIMEOUT", "240"))
-# Where Debian's libibverbs1 (and the libnl it links) lie for the servers that load
-# Mooncake's engine (its engine.so needs libibverbs.so.1 even over TCP): `make venv-e2e`
-# writes the directories to this file (tests/transfer/rdma_host.py fetch-lib; empty when
-# the system has the library); they go on those servers' LD_LIBRARY_PATH only.
-IBVERBS_PATH = Path(os.environ.get("KVMEM_E2E_IBVERBS_PATH")
-                    or REPO / ".venv-e2e" / "ibverbs.path")
+# Mooncake's engine.so needs libibverbs.so.1 (Debian's libibverbs1) even over TCP:
+# testkit.sglang_pair.with_ibverbs puts where `make venv-e2e` found it on the Mooncake
+# servers' LD_LIBRARY_PATH only.
 
 
 def mooncake_env() -> dict:
     """What a Mooncake server needs in its environment here (BACKEND_ENV, and
     LD_LIBRARY_PATH for libibverbs.so.1 when the system lacks it)."""
     env = dict(BACKEND_ENV["mooncake"])
+    if os.environ.get("LD_LIBRARY_PATH"):
+        env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
     try:
-        dirs = IBVERBS_PATH.read_text().strip()
-    except OSError:
-        raise DeployError(f"{IBVERBS_PATH} is missing: Mooncake's engine needs libibverbs1 "
-                          "(make venv-e2e fetches it)") from None
-    if dirs:
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            [dirs] + [p for p in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
-    return env
+        return with_ibverbs(env)
+    except FileNotFoundError as e:
+        raise DeployError(str(e)) from None
+
+
 STOP_TIMEOUT = 5.0
 IDLE_S = 20.0  # how long a server may take to let go of finished requests
 

@@ -91,7 +91,7 @@ def _outcome(pair: Pair, rnd: dict) -> dict:
                 bad_rows=rnd["bad_rows"], safe=[r in d["safe_at"] for r in rooms],
                 outstanding={str(k): v for k, v in pair.pm._staging_outstanding.items()
                              if v > 0},
-                descriptors=rnd["kv_descriptors_per_request"], nixl_calls=rnd["nixl_calls"],
+                descriptors=rnd["kv_descriptors_per_request"], nixl_calls=rnd["engine_writes"],
                 regions=rnd["regions"])
 
 
