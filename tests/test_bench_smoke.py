@@ -270,20 +270,26 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
 
 
 def test_gpu_grid_parts_partition_the_pack_grid():
-    """KVMEM_GPU_GRID=small, the rest in shards: every case of the grid exactly once."""
+    """KVMEM_GPU_GRID=small, the rest in shards: every case of the grid exactly once (the
+    selection in process; one collection in a child shows pytest collects what the
+    variables select)."""
+    from tests.gpu.test_cuda_pack_pool import selected
+    from tests.kv_cases import grid
 
-    def ids(**env) -> list[str]:
-        p = subprocess.run(
-            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-             "--noconftest", "tests/gpu/test_cuda_pack_pool.py", "-k", "kernel_matches_ref"],
-            cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-        return [x for x in p.stdout.splitlines() if "::" in x]
-
-    full, small = ids(), ids(KVMEM_GPU_GRID="small")
-    shards = [ids(KVMEM_GPU_GRID="rest", KVMEM_GPU_SHARD=f"{i}/3") for i in range(3)]
+    cases = grid()
+    full = [c.id for c in selected(cases, None, None)]
+    small = [c.id for c in selected(cases, "small", None)]
+    shards = [[c.id for c in selected(cases, "rest", f"{i}/3")] for i in range(3)]
     parts = small + [x for s in shards for x in s]
     assert len(small) == 6 and sorted(parts) == sorted(full) and len(set(parts)) == len(full) == 75
+    p = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "--noconftest", "tests/gpu/test_cuda_pack_pool.py", "-k", "kernel_matches_ref"],
+        cwd=ROOT, env=_env(KVMEM_GPU_GRID="rest", KVMEM_GPU_SHARD="1/3"),
+        capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    collected = [x.split("[", 1)[1].rstrip("]") for x in p.stdout.splitlines() if "::" in x]
+    assert collected == shards[1]
 
 
 def test_plot_ratios_are_against_the_rows_own_kvmem_mode():

@@ -28,6 +28,21 @@ def _run(argv, timeout=120):
     return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def _run_all(argvs, timeout=120) -> list[subprocess.CompletedProcess]:
+    """:func:`_run` of each of ``argvs``, all started at once (each imports torch)."""
+    procs = [subprocess.Popen(a, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for a in argvs]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [subprocess.CompletedProcess(a, p.returncode, o, e)
+            for a, p, (o, e) in zip(argvs, procs, outs)]
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
@@ -40,15 +55,17 @@ def test_version(capsys):
 def test_python_m_kvmem_is_the_kvmem_command():
     # pyproject.toml's [project.scripts]: the install (make test) puts it beside python
     assert CONSOLE.exists(), f"no kvmem console script at {CONSOLE}: kvmem is not installed"
-    for args in (["--version"], ["--help"], SELFCHECK):
-        by_module = _run([sys.executable, "-m", "kvmem", *args])
-        by_script = _run([str(CONSOLE), *args])
+    cases = (["--version"], ["--help"], SELFCHECK)
+    runs = _run_all([argv for args in cases for argv in
+                     ([sys.executable, "-m", "kvmem", *args], [str(CONSOLE), *args])]
+                    + [[sys.executable, "-m", "kvmem", "selfcheck", "--pages", "1"]])
+    for by_module, by_script in zip(runs[0:-1:2], runs[1:-1:2]):
         assert by_module.returncode == by_script.returncode == 0, by_module.stderr
         # the same output but for selfcheck's own timing line
         strip = lambda out: re.sub(r"done in [0-9.]+ s", "done in T s", out)  # noqa: E731
         assert strip(by_module.stdout) == strip(by_script.stdout)
     assert by_module.stdout.rstrip().endswith(": OK")
-    bad = _run([sys.executable, "-m", "kvmem", "selfcheck", "--pages", "1"])
+    bad = runs[-1]
     assert bad.returncode == 2
     assert "usage: kvmem selfcheck" in bad.stderr and "--pages must be >= 2" in bad.stderr
 
@@ -73,11 +90,12 @@ def test_the_demo_is_imported_only_for_its_subcommand():
     code = ("import sys\nfrom kvmem.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "print(sorted(m for m in sys.modules if m.split('.')[:2] == ['kvmem', 'demo']))")
-    for args in (SELFCHECK, ["--version"], ["--help"]):
-        p = _run([sys.executable, "-c", code, *args])
+    cases = (SELFCHECK, ["--version"], ["--help"], ["demo", "--help"])
+    runs = _run_all([[sys.executable, "-c", code, *args] for args in cases])
+    for args, p in zip(cases[:-1], runs):
         assert p.returncode == 0, p.stderr
         assert p.stdout.splitlines()[-1] == "[]", (args, p.stdout)
-    p = _run([sys.executable, "-c", code, "demo", "--help"])
+    p = runs[-1]
     assert p.returncode == 0, p.stderr
     assert "--transfer-mode" in p.stdout and "'kvmem.demo.command'" in p.stdout.splitlines()[-1]
 
