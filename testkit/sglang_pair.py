@@ -2,10 +2,11 @@
 with its ``NixlKVSender``s and sglang's ``NixlKVBootstrapServer`` in this process, a
 decode-side ``NixlKVManager`` with its ``NixlKVReceiver``s in a child process; NIXL over
 UCX between them (or, ``backend="mooncake"``, sglang's ``MooncakeKV*`` classes over
-Mooncake's transfer engine on TCP, the environment of ``MOONCAKE_ENV`` set), KV pools built by sglang's own ``MHATokenToKVPool`` (with
-``SGLANG_KVMEM=1`` in a side's environment, the adapter's hooks put a kvmem pool under
-it).  Used by ``bench/sglang_pair.py`` (stock against the flag, raw NIXL in the same
-processes) and by the adapter's transfer tests (``tests/sglang``).
+Mooncake's transfer engine on TCP, with :data:`MOONCAKE_ENV`); KV pools built by sglang's
+own ``MHATokenToKVPool`` (with ``SGLANG_KVMEM=1`` in a side's environment, the adapter's
+hooks put a kvmem pool under it).  Used by ``bench/sglang_pair.py`` (stock against the
+flag, a raw write in the same processes) and by the adapter's transfer tests
+(``tests/sglang``).
 
 Shapes (named symbols used below)::
 
@@ -55,9 +56,17 @@ import numpy as np
 BACKENDS = {"nixl": ("sglang.srt.disaggregation.nixl.conn", "Nixl"),
             "mooncake": ("sglang.srt.disaggregation.mooncake.conn", "Mooncake")}
 # What Mooncake needs in a pair's processes here (set where unset): TCP, as no RDMA
-# device exists; its engine.so also needs libibverbs.so.1 on the loader's path, which
-# must be in LD_LIBRARY_PATH when the process starts (``.venv-e2e/ibverbs.path``).
-MOONCAKE_ENV = {"MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": "127.0.0.1"}
+# device exists, and room in its TCP transport's per-peer queues (1,024 transfers by
+# default; 4,096 is the most it accepts): sglang's four transfer workers each post one
+# batch of 2 L x T / P slices per request (16,384 in flight at the shape, page
+# size 16), and past the queue the engine logs "TCP lane queue-full rejection", fails
+# the session, and every room in flight fails (measured with mooncake-transfer-engine-
+# non-cuda 0.3.13.post1, stock and the flag alike).  Its engine.so also needs
+# libibverbs.so.1 on the loader's path, which must be in LD_LIBRARY_PATH when the
+# process starts (``.venv-e2e/ibverbs.path``).
+MOONCAKE_ENV = {"MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": "127.0.0.1",
+                "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "4096",
+                "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "4096"}
 # The environment that has Mooncake's engine (the main one has none: `make venv-e2e`),
 # and the file where `make venv-e2e` wrote the directories of libibverbs.so.1 (empty:
 # the system has it).
