@@ -160,14 +160,15 @@ def test_two_prefills_two_decodes_one_paused_one_killed(tmp_path):
     """Random faults off, two pauses on: the first a prefill's, the second a decode's
     (decode0: the one --kill-decode spares); decode1 killed mid-transfer.  32-token
     chunks (up to 16 per request), so that requests spend long enough half-received for
-    the kill to find one from every prefill.  The timeouts are 10 s, not the demo's 2 s:
-    the survivor must see no 504, and a loaded machine (CI's once) can stall a transfer
-    to it past 2 s."""
+    the kill to find one from every prefill.  The timeouts are 30 s, not the demo's 2 s:
+    the survivor must see no 504, and a loaded machine can stall a transfer to it past
+    2 s (CI's once) and past 10 s (the e2e tier running beside the main suite,
+    2026-12-05, load average 5-7 on two cores)."""
     out = tmp_path / "demo.json"
     proc = subprocess.Popen(
         DEMO + SMALL + ["--chunk-tokens", "32", "--prefills", "2", "--decodes", "2", "--kill-decode", "--requests",
                         "80", "--abort-rate", "0", "--timeout-rate", "0", "--fail-rate", "0",
-                        "--pauses", "2", "--bw-mib", "0", "--timeout", "10", "--json", str(out)],
+                        "--pauses", "2", "--bw-mib", "0", "--timeout", "30", "--json", str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     o, e = communicate(proc, 240)
     assert proc.returncode == 0, o.decode() + e.decode()

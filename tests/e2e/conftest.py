@@ -73,7 +73,11 @@ KINDS = {
     "kvmem-both": (_pd(FLAG, FLAG), "SGLANG_KVMEM=1 prefill and decode"),
     "kvmem-both-no-overlap": (_pd(FLAG, FLAG, overlap=False),
                               "SGLANG_KVMEM=1 prefill and decode, --disable-overlap-schedule"),
-    "single-kvmem": (dict(pd=False, env=FLAG), "one plain server, SGLANG_KVMEM=1"),
+    # sglang's grammar timeout (SGLANG_GRAMMAR_MAX_POLL_ITERATIONS, 10,000 polls of at
+    # least 5 ms) ten times longer: the grammar test's regex compiled for about 5 s quiet
+    # and past the default's 50 s with the main suite running beside the tier
+    "single-kvmem": (dict(pd=False, env={**FLAG, "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS":
+                                         "100000"}), "one plain server, SGLANG_KVMEM=1"),
     "tp2-plain": (dict(pd=False, env=FLAG, tp=2), "one plain server at TP 2, SGLANG_KVMEM=1"),
     # tp2-prefill before tp2-both: it finds kvmem-both's decode still up (the four
     # engines before it leave room for a TP 2 prefill beside it), and tp2-both finds its

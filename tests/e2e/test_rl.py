@@ -292,7 +292,7 @@ def test_grammar_request_kept_across_a_paused_release(plain, kind):
     from tests.e2e.deploy import http
 
     pool = ThreadPoolExecutor(1)
-    fut = pool.submit(http, "POST", d.single.url + "/generate", payload, 150)
+    fut = pool.submit(http, "POST", d.single.url + "/generate", payload, 600)
     time.sleep(1.0)
     for path, body in (("/pause_generation", {"mode": "retract"}),
                        ("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
