@@ -351,10 +351,8 @@ class DescriptorCount:
     is read entry by entry)."""
 
     def __init__(self, agent, record: bool = False):
-        self.calls = self.descs = 0
-        self.by_call: list[int] = []
         self.record = record
-        self.ranges: list[tuple[list, list]] = []  # per call: (local, remote) [(addr, n)]
+        self._reset()
         prepped, plain = agent.make_prepped_xfer, agent.initialize_xfer
 
         def make_prepped_xfer(op, ls, lidx, rs, ridx, *a, **k):
@@ -369,6 +367,11 @@ class DescriptorCount:
 
         agent.make_prepped_xfer, agent.initialize_xfer = make_prepped_xfer, initialize_xfer
 
+    def _reset(self) -> None:
+        self.calls = self.descs = 0
+        self.by_call: list[int] = []
+        self.ranges: list[tuple[list, list]] = []  # per call: (local, remote) [(addr, n)]
+
     def _count(self, n: int) -> None:
         self.calls += 1
         self.descs += n
@@ -376,8 +379,7 @@ class DescriptorCount:
 
     def take(self) -> dict:
         out = dict(calls=self.calls, descriptors=self.descs, ranges=self.ranges)
-        self.calls = self.descs = 0
-        self.by_call, self.ranges = [], []
+        self._reset()
         return out
 
 
@@ -387,8 +389,8 @@ class SliceCount(DescriptorCount):
     writes go through; wrapped on that instance)."""
 
     def __init__(self, engine, record: bool = False):
-        self.calls = self.descs = 0
-        self.by_call, self.record, self.ranges = [], record, []
+        self.record = record
+        self._reset()
         plain = engine.batch_transfer_sync
 
         def batch_transfer_sync(session, buffers, peers, lengths, *a, **k):

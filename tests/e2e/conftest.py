@@ -112,27 +112,29 @@ class Deployments:
         others serve the next tests as they are (a restart costs a minute here).  The
         roles stopped."""
         crashed = {c.split(":", 1)[0] for c in d.crashed()}
-        servers = {"prefill": d.prefill, "decode": d.decode}
-        broken = [r for r, s in servers.items() if s.name in crashed]
         deadline = time.monotonic() + IDLE_S
-        for role, s in servers.items():
-            while role not in broken:
-                try:
-                    if not s.held():
-                        break
-                except Exception:  # noqa: BLE001 - no answer: as good as crashed
-                    broken.append(role)
-                    break
-                if time.monotonic() > deadline:
-                    broken.append(role)
-                    break
-                time.sleep(0.25)
+        broken = [role for role, s in (("prefill", d.prefill), ("decode", d.decode))
+                  if s.name in crashed or not _idle_by(s, deadline)]
         if broken:
             self.discard(name, backend, tuple(broken))
         return broken
 
     def stop_all(self) -> None:
         self.fleet.stop_all()
+
+
+def _idle_by(server, deadline: float) -> bool:
+    """Whether ``server`` holds nothing (its own ``/v1/loads``) before ``deadline``; a
+    server that does not answer is not idle."""
+    while True:
+        try:
+            if not server.held():
+                return True
+        except Exception:  # noqa: BLE001 - no answer: as good as crashed
+            return False
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
 
 
 @pytest.fixture(scope="session")
