@@ -104,8 +104,13 @@ class Shape:
     page_size: int = 16
     requests: int = 32
     tokens: int = 1024
+    # pages of request r are 1 + spread (r + j R): at 1 together they are every page from
+    # 1 to R T / P; at 2 no two pages of a round are adjacent, across requests either
+    spread: int = 1
 
     def __post_init__(self):
+        if self.spread < 1:
+            raise ValueError(f"{self}: spread must be at least 1")
         if self.requests < 2 or self.tokens % self.page_size:
             raise ValueError(f"{self}: need requests >= 2 and tokens a multiple of the page "
                              "size (pages of a request are made non-adjacent by interleaving)")
@@ -134,13 +139,13 @@ class Shape:
 
     @property
     def pool_tokens(self) -> int:
-        return self.requests * self.tokens
+        return self.requests * self.tokens * self.spread
 
 
 def request_pages(shape: Shape, r: int) -> np.ndarray:
     """int32 [T / P] page ids of request ``r`` (same on both sides; never adjacent)."""
     j = np.arange(shape.pages_per_request, dtype=np.int64)
-    return (1 + r + j * shape.requests).astype(np.int32)
+    return (1 + shape.spread * (r + j * shape.requests)).astype(np.int32)
 
 
 def merged_runs(src: np.ndarray, dst: np.ndarray) -> int:
@@ -440,6 +445,23 @@ def _wait(pred, timeout: float, what: str):
 
 # -- the decode process ----------------------------------------------------------------------
 
+def _start_with_flag(proc, env: dict) -> None:
+    """Start ``proc`` (spawned) with the SGLANG_KVMEM* variables of ``env`` in the
+    environment it starts with: the adapter's start-up check (``kvmem_sglang.pth``)
+    reads SGLANG_KVMEM when the interpreter starts, before ``_decode_main`` sets ``env``,
+    so a decode without the flag beside a prefill with it must start without it."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_KVMEM")}
+    try:
+        for k in saved:
+            del os.environ[k]
+        os.environ.update({k: v for k, v in env.items() if k.startswith("SGLANG_KVMEM")})
+        proc.start()
+    finally:
+        for k in [k for k in os.environ if k.startswith("SGLANG_KVMEM")]:
+            del os.environ[k]
+        os.environ.update(saved)
+
+
 def _decode_main(conn, shape_d: dict, addr: str, env: dict, backend: str = "nixl") -> None:
     """The decode side: commands from the prefill over ``conn``, one reply each."""
     try:
@@ -576,7 +598,7 @@ class Pair:
         self.proc = ctx.Process(target=_decode_main,
                                 args=(child, asdict(shape), self.addr, env, backend),
                                 daemon=True)
-        self.proc.start()
+        _start_with_flag(self.proc, env)
         self.decode_info = None
         self.next_room = 1000
         self.rounds = 0

@@ -100,7 +100,7 @@ def test_queued_chunks_go_as_one_merged_write(runs, rnd, pages):
     # the requests' pages interleave (request r has pages 1 + r + j R): together they
     # are every page from 1 to R x pages, one run per plane
     assert st["descriptors"] == PLANES
-    assert st["nixl_writes"] <= 4 and st["unsettled"] == 0
+    assert st["writes"] <= 4 and st["unsettled"] == 0
 
 
 def test_abort_of_a_room_sent_ahead_waits_for_its_write(runs):

@@ -34,6 +34,9 @@ NixlKVManager.transfer_worker                          AROUND   KV sends on kvme
 NixlKVManager.send_kvcache                             AROUND   (kvmem_sglang.transfer):
 NixlKVManager._await_handles                           AROUND   merged runs, no spinning
 MooncakeKVManager._registerable_regions                AFTER    the same for mooncake
+MooncakeKVManager.transfer_worker                      AROUND   KV sends on kvmem's path
+MooncakeKVManager.send_kvcache                         AROUND   (mooncake_send): merged
+                                                                runs, bounded batches
 staging_buffer.gather_all_layers_to_staging            REPLACE  kvmem.pack_buffers
 staging_buffer.scatter_staging_to_kv                   REPLACE  kvmem.unpack_buffers
 =====================================================  =======  ==========================
@@ -185,9 +188,9 @@ def _hooks(options: Options) -> list[tuple[str, object, str]]:
             ("sglang.srt.disaggregation.common.conn.CommonKVReceiver._register_kv_args",
              registrations.register_kv_args, "AROUND")]
     if options.transfer:
-        from kvmem_sglang import transfer
+        from kvmem_sglang import mooncake_send, transfer
 
-        out += transfer.hooks()
+        out += transfer.hooks() + mooncake_send.hooks()
     from kvmem_sglang import mooncake
 
     out += mooncake.hooks(options)

@@ -134,7 +134,7 @@ class Stats:
     sends: int = 0            # send_kvcache calls served here
     fallbacks: int = 0        # send_kvcache calls left to sglang (geometry not served)
     batches: int = 0          # merged writes (each posted as <= SPLIT NIXL writes)
-    nixl_writes: int = 0      # NIXL writes posted
+    writes: int = 0           # engine writes posted: NIXL writes, Mooncake batch calls
     chunks: int = 0           # chunks carried by the merged writes (owners + ahead)
     sent_ahead: int = 0       # of those, chunks sent ahead of their turn
     ahead_done: int = 0       # send_kvcache calls answered by a settled write
@@ -168,7 +168,7 @@ class Stats:
 
 _COUNTER = audit.prometheus_counter(
     "kvmem_sglang_transfer", "What kvmem's NIXL send path did in this sglang process "
-    "(what: sends, fallbacks to sglang's own send, nixl_writes, descriptors, bytes, ...; "
+    "(what: sends, fallbacks to sglang's own send, writes, descriptors, bytes, ...; "
     "the fields of kvmem_sglang.transfer.Stats)", "what")
 STATS = Stats()
 _TLS = threading.local()  # .queue: the FastQueue the calling worker thread serves
@@ -328,7 +328,8 @@ def send_kvcache(original, mgr, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_
     src = np.asarray(prefill_kv_indices, dtype=np.int64)
     dst = np.asarray(dst_kv_indices, dtype=np.int64)
     budget = BATCH_BYTES - src.size * int(geo.item.sum())
-    ahead = _take_ahead(mgr, st, peer_name, budget, geo) if budget > 0 else []
+    ahead = (_take_ahead(mgr, st, peer_name, budget, int(geo.item.sum()), _nixl_peer)
+             if budget > 0 else [])
     try:
         return _post(mgr, geo, peer_name, [(src, dst)] + [(a.src, a.dst) for a in ahead],
                      ahead)
@@ -412,9 +413,17 @@ def _geometry(mgr, peer, dst_kv_ptrs, dst_kind, dst_gpu_id) -> _Geometry | None:
                      conn._nixl_device_id(dst_kind, dst_gpu_id))
 
 
-def _take_ahead(mgr, st: _State, peer: str, budget: int, geo: _Geometry) -> list[_Ahead]:
+def _nixl_peer(req) -> str:
+    return req.agent_name
+
+
+def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int,
+                peer_of) -> list[_Ahead]:
     """The chunks queued behind the owner on this worker's queue that may go in its write
-    now, each counted in ``_staging_outstanding``; at most ``budget`` bytes."""
+    now, each counted in ``_staging_outstanding``; at most ``budget`` bytes of KV,
+    ``per_page`` bytes a page.  ``peer_of(req)``: the peer of one of a room's transfer
+    infos, compared with ``peer`` (NIXL's agent name, Mooncake's session id).  Used by
+    both backends' paths: their managers share these fields and this queue."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     queue = getattr(_TLS, "queue", None)
@@ -423,7 +432,6 @@ def _take_ahead(mgr, st: _State, peer: str, budget: int, geo: _Geometry) -> list
     st.sweep(mgr)
     with queue._cond:  # FastQueue (disaggregation/common/utils.py): a deque and a condition
         queued = list(queue._buf)
-    per_page = int(geo.item.sum())
     out = []
     for chunk in queued:
         src = chunk.prefill_kv_indices
@@ -437,7 +445,7 @@ def _take_ahead(mgr, st: _State, peer: str, budget: int, geo: _Geometry) -> list
         rec = _Ahead(room, peer, src, np.empty(0, dtype=np.int64))
         try:
             ok = (room in mgr.request_status and mgr.check_status(room) != KVPoll.Failed
-                  and _dst_of(mgr, chunk, peer, rec))
+                  and _dst_of(mgr, chunk, peer, rec, peer_of))
         except Exception:  # noqa: BLE001 - a room being cleared meanwhile: not sent ahead
             ok = False
         if not ok:
@@ -448,7 +456,7 @@ def _take_ahead(mgr, st: _State, peer: str, budget: int, geo: _Geometry) -> list
     return out
 
 
-def _dst_of(mgr, chunk, peer: str, rec: _Ahead) -> bool:
+def _dst_of(mgr, chunk, peer: str, rec: _Ahead, peer_of) -> bool:
     """Set ``rec.dst`` to the chunk's destination pages as the worker would take them
     (:1667-1690); False when the room is not a one-peer room of ``peer`` or its page
     counts differ (the worker then handles it itself)."""
@@ -456,7 +464,7 @@ def _dst_of(mgr, chunk, peer: str, rec: _Ahead) -> bool:
     if not infos:
         return False
     reqs = [r for r in infos.values() if not r.is_dummy]
-    if len(reqs) != 1 or reqs[0].agent_name != peer:
+    if len(reqs) != 1 or peer_of(reqs[0]) != peer:
         return False
     dst = np.asarray(reqs[0].dst_kv_indices[chunk.index_slice], dtype=np.int64)
     if dst.size != len(chunk.prefill_kv_indices):
@@ -559,9 +567,9 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
         logger.warning("kvmem-sglang: a merged write to %s was cut short after %d of %d "
                        "NIXL write(s) were posted (%s); the rooms in it are held until "
                        "those settle", peer, len(posted), pieces, cut)
-        STATS.add(cut_short=1, nixl_writes=len(posted))
+        STATS.add(cut_short=1, writes=len(posted))
         return batch
-    STATS.add(batches=1, nixl_writes=len(posted), chunks=1 + len(ahead),
+    STATS.add(batches=1, writes=len(posted), chunks=1 + len(ahead),
               sent_ahead=len(ahead), index_pairs=npairs * planes,
               descriptors=int(ld.shape[0]), bytes=batch.nbytes)
     return batch

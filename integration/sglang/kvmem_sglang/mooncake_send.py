@@ -1,0 +1,202 @@
+"""kvmem's send path under sglang 0.5.23's Mooncake prefill (``SGLANG_KVMEM_TRANSFER=kvmem``,
+the default; ``sglang`` leaves sglang's own path).
+
+File:line below are of the installed ``sglang/srt/disaggregation/mooncake/conn.py``.
+
+What sglang does.  As on NIXL (:mod:`kvmem_sglang.transfer`), every room going to one
+decode lands in one transfer worker's queue (``add_transfer_request`` shards by the
+decode's ports, :3114-3116), and the worker sends its chunks one at a time.  Per chunk
+``send_kvcache`` merges the chunk's own pages adjacent on both sides
+(``group_concurrent_contiguous``) and posts one ``batch_transfer_sync`` of one slice per
+run and plane (``_send_kvcache_generic``, :1019-1279), which returns when every slice
+landed or failed.  Pages of one request that are not adjacent cost one slice each.  Over
+TCP a batch has a ceiling besides: Mooncake's TCP transport queues at most
+``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` transfers per peer (1,024 by default, 4,096 at
+most); past it the engine logs "TCP lane queue-full rejection", the call returns -1, and
+sglang marks the decode's session failed (measured with mooncake-transfer-engine-non-cuda
+0.3.13.post1: a chunk of 4,096 slices fails at the default, one of 2,048 passes), so a
+long request whose pages are scattered fails with nothing wrong but its layout.
+
+What this module changes: how the bytes of those sends move, nothing else.  Two hooks
+(AROUND) on ``MooncakeKVManager``:
+
+* ``transfer_worker``: remembers which queue the calling thread serves
+  (:func:`kvmem_sglang.transfer.transfer_worker`, shared with NIXL).
+* ``send_kvcache`` (the worker calls it for MHA and MLA at equal attention TP, :2661).
+  It takes the chunk handed to it (the *owner*) and the chunks queued behind it on the
+  same worker for the same decode session, up to :data:`kvmem_sglang.transfer.BATCH_BYTES`
+  (:func:`kvmem_sglang.transfer._take_ahead`: the worker's own checks, each counted in
+  ``_staging_outstanding`` as the worker counts a chunk at dequeue), pairs every page of
+  them all, sorts the pairs by source page and merges runs adjacent on both sides
+  (:func:`kvmem_sglang.transfer._runs`): one slice per run and plane, a run never leaving
+  its plane (one registration on either side, as on NIXL).  The slices go out as
+  ``batch_transfer_sync`` calls of at most :func:`max_slices` each, one after the other
+  (each waits for its slices; a failed call stops the rest), and the owner gets 0 or the
+  first failed call's code, as from sglang's own send.
+
+Chunks sent ahead.  Their bytes have landed when the owner's call returns 0; each is
+uncounted then, so an ABORT_ACK held for it (``_maybe_ack_drained_abort``) goes only
+after its write.  When the worker reaches one, ``send_kvcache`` returns 0 without moving
+anything, and sglang's own code runs for the room from there (the aux write,
+Success, notifications): a room sent ahead stays WaitingForInput until then.  A failed
+call fails them all: Mooncake returns -1 while slices of the batch may still move
+(:mod:`kvmem_sglang.mooncake`), so each room sent ahead is poisoned as sglang poisons the
+owner (``_poison_unsettled_send``: no ABORT_ACK, its decode falls back to its release
+timeout) before it is uncounted.  The owner's failure marks the session failed (sglang,
+:2722-2730), and the worker then fails the rooms behind it as it fails any room of a
+failed session; should the session be usable again by then, the room is sent again on
+its own turn.
+
+Served geometry (anything else goes to sglang's own ``send_kvcache``): no pipeline
+parallelism, hybrid MLA, custom memory pool, unified memory or HiSparse device indices;
+the decode registered as many planes as the prefill with the same bytes per page (where
+it published them) and the same layer ids (where both did); equal attention TP or MLA.
+
+Counters: :data:`kvmem_sglang.transfer.STATS` (``writes`` counts ``batch_transfer_sync``
+calls, ``descriptors`` their slices).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from kvmem_sglang import transfer
+from kvmem_sglang.transfer import STATS
+
+_CONN = "sglang.srt.disaggregation.mooncake.conn"
+_MGR = f"{_CONN}.MooncakeKVManager"
+
+# Mooncake's TCP transport takes this many queued transfers per peer unless
+# MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER says otherwise (module docstring).
+TCP_QUEUE_DEFAULT = 1024
+
+
+def hooks() -> list[tuple[str, object, str]]:
+    return [
+        (f"{_MGR}.transfer_worker", transfer.transfer_worker, "AROUND"),
+        (f"{_MGR}.send_kvcache", send_kvcache, "AROUND"),
+    ]
+
+
+def max_slices(mgr=None, planes: int = 0, env=None) -> int:
+    """Slices one ``batch_transfer_sync`` call carries at most: Mooncake's TCP queue per
+    peer (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``, :data:`TCP_QUEUE_DEFAULT` when unset
+    or not a positive integer), and, where the user bounded sglang's batches
+    (``SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES``, read by the manager), that many pages
+    of ``planes`` planes."""
+    env = os.environ if env is None else env
+    try:
+        cap = int(env.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", ""))
+    except ValueError:
+        cap = 0
+    cap = cap if cap > 0 else TCP_QUEUE_DEFAULT
+    pages = int(getattr(mgr, "max_transfer_batch_indices", 0) or 0)
+    if pages > 0 and planes > 0:
+        cap = min(cap, pages * planes)
+    return max(1, cap)
+
+
+def send_kvcache(original, mgr, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+                 dst_kv_indices, executor, dst_layer_ids=None, dst_device_kv_indices=None,
+                 dst_kv_item_len=None, dst_attn_tp_size=None):
+    """AROUND ``MooncakeKVManager.send_kvcache``: see the module docstring.  Returns 0 or
+    the engine's code of the first failed call, as sglang's own send does."""
+    session = mooncake_session_id
+    st = transfer._state(mgr)
+    rec = st.take(prefill_kv_indices)
+    if rec is not None:
+        if (rec.peer == session and np.array_equal(rec.dst, dst_kv_indices)
+                and rec.batch is not None and rec.batch.state == "DONE"):
+            STATS.add(ahead_done=1)
+            return 0
+        STATS.add(resent=1)  # its write failed: send the chunk again
+    geo = _geometry(mgr, session, dst_kv_ptrs, dst_layer_ids, dst_device_kv_indices)
+    if geo is None or len(prefill_kv_indices) != len(dst_kv_indices) or not len(dst_kv_indices):
+        STATS.add(fallbacks=1)
+        return original(mgr, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
+                        dst_kv_indices, executor, dst_layer_ids=dst_layer_ids,
+                        dst_device_kv_indices=dst_device_kv_indices,
+                        dst_kv_item_len=dst_kv_item_len, dst_attn_tp_size=dst_attn_tp_size)
+    STATS.add(sends=1)
+    src_ptrs, dst_ptrs, item = geo
+    src = np.asarray(prefill_kv_indices, dtype=np.int64)
+    dst = np.asarray(dst_kv_indices, dtype=np.int64)
+    per_page = int(item.sum())
+    budget = transfer.BATCH_BYTES - src.size * per_page
+    ahead = (transfer._take_ahead(mgr, st, session, budget, per_page, _mooncake_peer)
+             if budget > 0 else [])
+    pairs = [(src, dst)] + [(a.src, a.dst) for a in ahead]
+    code, calls, slices, nbytes, npairs = 1, 0, 0, 0, 0
+    try:
+        code, calls, slices, nbytes, npairs = _write(mgr, geo, session, pairs)
+    finally:
+        # an exception from the engine leaves the rooms sent ahead as a failed call does
+        batch = transfer.Batch([], ahead, nbytes, slices)
+        batch.state = "DONE" if code == 0 else "ERR"
+        batch.failed = code != 0
+        for a in ahead:
+            if code != 0:
+                mgr._poison_unsettled_send(a.room)
+            a.batch = batch
+            st.put(a)
+            transfer._uncount(mgr, a)
+    STATS.add(writes=calls)
+    if code == 0:
+        STATS.add(batches=1, chunks=1 + len(ahead), sent_ahead=len(ahead),
+                  index_pairs=npairs * item.size, descriptors=slices, bytes=nbytes)
+    else:
+        STATS.add(cut_short=1)
+    return code
+
+
+def _mooncake_peer(req) -> str:
+    return req.mooncake_session_id
+
+
+def _geometry(mgr, session, dst_kv_ptrs, dst_layer_ids, dst_device_kv_indices):
+    """``(source plane pointers, destination plane pointers, bytes of a page per plane)``,
+    uint64 arrays, when this path serves the peer (module docstring); else None."""
+    from sglang.srt.disaggregation.mooncake import conn
+
+    info = mgr.decode_kv_args_table.get(session)
+    args = mgr.kv_args
+    src_ptrs, item = list(args.kv_data_ptrs), list(args.kv_item_lens)
+    src_ids = list(getattr(args, "kv_layer_ids", None) or [])
+    dst_ids = list(dst_layer_ids or [])
+    dst_item = list(getattr(info, "dst_kv_item_lens", None) or []) if info is not None else []
+    if (info is None or dst_device_kv_indices is not None or not src_ptrs
+            or getattr(mgr, "pp_size", 1) != 1 or mgr.is_hybrid_mla_backend
+            or mgr.enable_custom_mem_pool or conn.get_memory().enable_unified_memory
+            or len(item) != len(src_ptrs)
+            or list(dst_kv_ptrs) != list(info.dst_kv_ptrs)
+            or len(dst_kv_ptrs) != len(src_ptrs)
+            or (dst_item and dst_item != item)
+            or (src_ids and dst_ids and src_ids != dst_ids)):
+        return None
+    if not (mgr.is_mla_backend or info.dst_attn_tp_size == mgr.attn_tp_size):
+        return None
+    return (np.array(src_ptrs, dtype=np.uint64), np.array(dst_kv_ptrs, dtype=np.uint64),
+            np.array(item, dtype=np.uint64))
+
+
+def _write(mgr, geo, session: str, pairs) -> tuple[int, int, int, int, int]:
+    """Move the merged runs of ``pairs``: ``(code, calls, slices, bytes, pairs)``, code 0
+    once every call returned 0, else the first non-zero code (no call after it)."""
+    src_ptrs, dst_ptrs, item = geo
+    rs, rd, lens, npairs = transfer._runs(pairs)
+    col = item[:, None]
+    src_addr = (src_ptrs[:, None] + rs.astype(np.uint64)[None, :] * col).reshape(-1)
+    dst_addr = (dst_ptrs[:, None] + rd.astype(np.uint64)[None, :] * col).reshape(-1)
+    nbytes = (lens.astype(np.uint64)[None, :] * col).reshape(-1)
+    cap = max_slices(mgr, int(item.size))
+    calls = 0
+    for lo in range(0, src_addr.size, cap):
+        code = mgr.engine.batch_transfer_sync(session, src_addr[lo:lo + cap].tolist(),
+                                              dst_addr[lo:lo + cap].tolist(),
+                                              nbytes[lo:lo + cap].tolist())
+        calls += 1
+        if code != 0:
+            return code, calls, int(src_addr.size), int(nbytes.sum()), npairs
+    return 0, calls, int(src_addr.size), int(nbytes.sum()), npairs

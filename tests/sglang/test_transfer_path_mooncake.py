@@ -1,0 +1,124 @@
+"""kvmem's send path under sglang's Mooncake prefill (kvmem_sglang.mooncake_send,
+``SGLANG_KVMEM_TRANSFER=kvmem``) against sglang's own send (``SGLANG_KVMEM_TRANSFER=sglang``),
+a STOCK decode on the other side, real classes over Mooncake's engine on TCP in two
+processes, at Mooncake's default TCP queue (tests/sglang/scenario_transfer_mooncake.py
+has the rounds).  Two runs at once, in ``.venv-e2e`` (the environment with Mooncake's
+engine; ``make test`` builds it).
+
+What must hold: every room ends as sglang's own send ends it, on both sides; every byte
+lands; the chunks queued together go as one merged call; a room sent ahead of its turn
+and then aborted gets its decode's ABORT_ACK only after its write; a failed call leaves
+every room in it without an ABORT_ACK (its slices may still move); after a release and
+a resume the sends work over the new registration; and a request whose pages are
+scattered, which sglang posts as one call past Mooncake's TCP queue (its rooms fail),
+goes as calls within it and lands.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from testkit.child import Child, child_env, run_children
+from testkit.sglang_pair import E2E_PYTHON, with_ibverbs
+from tests.sglang.sglang_env import ROOT
+
+SCRIPT = ROOT / "tests" / "sglang" / "scenario_transfer_mooncake.py"
+SUCCESS, FAILED = 4, 0
+PLANES, PAGES = 4, 4  # the small rounds: 2 layers, 64 tokens at page size 16
+SCATTERED_SLICES = 64 * 64  # 1,024 tokens at page 16, 32 layers: sglang's slices a request
+TCP_QUEUE = 1024  # Mooncake's default, set in both runs
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    if not E2E_PYTHON.exists():
+        pytest.fail(f"{E2E_PYTHON} is missing: Mooncake's engine is installed there "
+                    "(make venv-e2e; make test builds it)")
+    queue = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": str(TCP_QUEUE),
+             "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": str(TCP_QUEUE)}
+    envs = {"kvmem": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"},
+            "sglang": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang"}}
+    children = {
+        key: Child(script=SCRIPT, cwd=ROOT, python=str(E2E_PYTHON),
+                   env=with_ibverbs(child_env(extra | queue, drop=("SGLANG_KVMEM", "MC_TCP"),
+                                              paths=[ROOT / "integration" / "sglang"])))
+        for key, extra in envs.items()}
+    out = {key: reply.value for key, reply in run_children(children, timeout=900).items()}
+    assert out["kvmem"]["kvmem_path"] and not out["sglang"]["kvmem_path"]
+    return out
+
+
+def _all(states, value):
+    return states == [value] * len(states)
+
+
+def test_stock_decode_receives_every_byte(runs):
+    for key in ("kvmem", "sglang"):
+        r = runs[key]["plain"]
+        assert _all(r["prefill"], SUCCESS) and _all(r["decode"], SUCCESS), (key, r)
+        assert r["bad_rows"] == 0 and r["outstanding"] == {}, (key, r)
+
+
+def test_queued_chunks_go_as_one_merged_call(runs):
+    # sglang: one call per request, one slice per page and plane (none adjacent)
+    r = runs["sglang"]["plain"]
+    assert r["slices_per_request"] == PAGES * PLANES, r
+    assert r["stats"]["sends"] == 0 and r["stats"]["writes"] == 0, r
+    st = runs["kvmem"]["plain"]["stats"]
+    rooms = len(runs["kvmem"]["plain"]["prefill"])
+    assert st["batches"] == 1 and st["writes"] == 1 and st["fallbacks"] == 0, st
+    assert st["chunks"] == rooms and st["sent_ahead"] == st["ahead_done"] == rooms - 1, st
+    assert st["index_pairs"] == rooms * PAGES * PLANES
+    # the requests' pages interleave: together they are one run per plane
+    assert st["descriptors"] == PLANES, st
+
+
+def test_abort_of_a_room_sent_ahead_waits_for_its_write(runs):
+    want = [SUCCESS, SUCCESS, FAILED, SUCCESS, SUCCESS, SUCCESS]
+    for key in ("kvmem", "sglang"):
+        r = runs[key]["abort"]
+        assert r["prefill"] == want and r["decode"] == want, (key, r)
+        assert r["safe"][2], (key, "the aborted room's decode never got its ABORT_ACK")
+        assert r["bad_rows"] == 0 and r["outstanding"] == {}, (key, r)
+    k = runs["kvmem"]["abort"]
+    # sent ahead in the first room's write (counted, still WaitingForInput), which was
+    # held until hold_end: no ACK before it
+    assert k["ahead_state"] == 2 and k["stats"]["sent_ahead"] >= 2, k
+    assert k["ack_after_abort_s"] >= k["hold_end_after_abort_s"] > 0.3, k
+
+
+def test_failed_call_leaves_no_abort_ack_for_any_room_in_it(runs):
+    # sglang fails the owner (poisoned: its slices may still move) and, the session marked
+    # failed, every room behind it; kvmem's path sent those rooms ahead in the failed
+    # call, so each is poisoned too: none gets an ABORT_ACK, none ends Success
+    for key in ("kvmem", "sglang"):
+        r = runs[key]["err"]
+        assert _all(r["prefill"], FAILED) and _all(r["decode"], FAILED), (key, r)
+        assert r["rooms"][0] in r["poisoned"] and not r["safe"][0], (key, r)
+    k = runs["kvmem"]["err"]
+    assert k["poisoned"] == sorted(k["rooms"]) and not any(k["safe"]), k
+    assert k["stats"]["cut_short"] == 1 and k["stats"]["batches"] == 0, k
+
+
+def test_sends_after_release_and_resume(runs):
+    for key in ("kvmem", "sglang"):
+        r = runs[key]["release"]
+        assert _all(r["prefill"], SUCCESS) and _all(r["decode"], SUCCESS), (key, r)
+        assert r["bad_rows"] == 0 and r["outstanding"] == {}, (key, r)
+    assert runs["kvmem"]["release"]["stats"]["batches"] == 1
+
+
+def test_scattered_request_stays_within_the_tcp_queue(runs):
+    # sglang posts each request as one call of 4,096 slices, past the TCP queue: the
+    # engine rejects it, and every room fails
+    s = runs["sglang"]["scattered"]
+    assert max(s["calls"]) >= SCATTERED_SLICES, s["calls"]
+    assert _all(s["prefill"], FAILED), s
+    # kvmem's path: the same slices (nothing adjacent to merge) in calls of at most the
+    # queue's size, every room Success, every byte checked
+    k = runs["kvmem"]["scattered"]
+    assert _all(k["prefill"], SUCCESS) and _all(k["decode"], SUCCESS), k
+    assert k["bad_rows"] == 0 and k["outstanding"] == {}, k
+    st = k["stats"]
+    assert st["descriptors"] == st["index_pairs"] == 2 * SCATTERED_SLICES, st
+    assert max(k["calls"]) <= TCP_QUEUE and st["writes"] >= 2 * SCATTERED_SLICES // TCP_QUEUE
