@@ -62,9 +62,10 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
         "or ERR) before it goes on with an error log; a positive number"),
     "SGLANG_KVMEM_TRANSFER": (
         "kvmem", ("kvmem", "sglang"),
-        "how a NIXL prefill moves KV: kvmem = merged runs across the chunks queued for a "
-        "decode, several writes in flight, no spinning (kvmem_sglang.transfer); sglang = "
-        "sglang's own send"),
+        "how a NIXL or Mooncake prefill moves KV: kvmem = merged runs across the chunks "
+        "queued for a decode (NIXL: several writes in flight, no spinning, "
+        "kvmem_sglang.transfer; Mooncake: calls within its TCP queue, "
+        "kvmem_sglang.mooncake_send); sglang = sglang's own send"),
 }
 DEFAULT_DRAIN_TIMEOUT = 30.0
 # sglang's own variable for the prefill-side transfer timeout, which 0.5.23 reads nowhere
