@@ -643,7 +643,8 @@ class Pair:
         return out
 
     def sglang_round(self, check=(0,), on_sent=None, at_once: bool = False,
-                     decode_timeout: float | None = None, clear: bool = True) -> dict:
+                     decode_timeout: float | None = None, clear: bool = True,
+                     send=None) -> dict:
         """One timed round of sglang's transfer of every request; see the module
         docstring.  ``check``: planes the decode clears before and checks after (in the
         rooms that end Success).  ``on_sent(senders)``: called once every chunk is
@@ -654,7 +655,9 @@ class Pair:
         ``clear=False``: the decode does not clear the rows first (a fresh pool reads as
         zeros, and no pattern word of a transferred row is zero): the round is then the
         first write into those pages, and pays their first touch where the pool left it
-        to the first touch."""
+        to the first touch.  ``send(r, sender, pages)``: how request ``r`` is handed to
+        its sender (default ``sender.send(pages)``; a test passes sglang's other
+        arguments, as a scheduler would)."""
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.common.utils import FastQueue
 
@@ -666,7 +669,10 @@ class Pair:
             self.pm.transfer_queues = [FastQueue() for _ in real]
         t0 = time.monotonic()
         for r, s in enumerate(senders):
-            s.send(request_pages(shape, r))
+            if send is None:
+                s.send(request_pages(shape, r))
+            else:
+                send(r, s, request_pages(shape, r))
         if at_once:
             backlog, self.pm.transfer_queues = self.pm.transfer_queues, real
             for b, q in zip(backlog, real):

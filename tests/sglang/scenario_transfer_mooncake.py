@@ -19,6 +19,12 @@ request (interleaved with the others'), every chunk queued at once:
 * ``err``: the first ``batch_transfer_sync`` of the round returns -1 after moving its
   slices (a batch that failed while its slices moved); the session is then marked failed
   by sglang, and cleared here after the round (as sglang's probe would);
+* ``events``: the chunks carry what a GPU prefill gives them (``prefill.py:1745-1773``,
+  ``1495-1498``): page ids as a host tensor with the event of their copy, and the third
+  room's copy event and the fourth room's forward event (``wait_event``) still pending
+  until ``HOLD_S`` after the round starts (``query()`` False, ``synchronize()`` blocks
+  until then); the others' events done.  Recorded: the path's counters when the worker
+  first waits on a pending event (what went ahead before it);
 * ``release``: the prefill's KV is deregistered (the adapter's
   ``deregister_buffer_to_engine``), its pool released and resumed, registered again, the
   pattern written again, then a ``plain`` round;
@@ -110,6 +116,45 @@ class _Link:
         return code
 
 
+class _Event:
+    """A CUDA event as sglang's worker reads it: done at ``at`` (``time.monotonic()``);
+    ``on_wait()`` runs when a worker first blocks on it before then."""
+
+    def __init__(self, at: float, on_wait=None):
+        self.at, self.on_wait = at, on_wait
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def synchronize(self) -> None:
+        if not self.query() and self.on_wait is not None:
+            self.on_wait()
+            self.on_wait = None
+        while not self.query():
+            time.sleep(0.002)
+
+
+def _events_round(pair: Pair, link: "_Link") -> dict:
+    import torch
+
+    every = range(pair.shape.planes)
+    link.reset()
+    s0 = _stats()
+    seen = {}
+    pending = _Event(float("inf"), on_wait=lambda: seen.setdefault("at_wait", _delta(s0)))
+
+    def send(r, sender, pages):
+        if r == 0:
+            pending.at = time.monotonic() + HOLD_S
+        if r == 3:
+            sender._early_send_wait_event = pending
+        ev = pending if r == 2 else _Event(0.0)
+        sender.send(torch.from_numpy(pages), indices_event=ev)
+
+    rnd = pair.sglang_round(check=every, at_once=True, send=send)
+    return {"events": _outcome(pair, rnd, s0, link.calls) | {"at_wait": seen.get("at_wait")}}
+
+
 def _clear_failed_sessions(pm) -> None:
     """What sglang's failed-session probe does once the decode answers again."""
     with pm.session_lock:
@@ -179,6 +224,8 @@ def _rounds(pair: Pair) -> dict:
     out["err"] = _outcome(pair, rnd, s0, link.calls)
     _clear_failed_sessions(pair.pm)
     pair.pm._staging_outstanding.clear()  # what sglang keeps counted for failed rooms
+
+    out |= _events_round(pair, link)
 
     # release and resume the prefill's KV, then a plain round
     from kvmem_sglang import kvpool

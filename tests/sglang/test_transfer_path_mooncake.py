@@ -6,7 +6,9 @@ has the rounds).  Two runs at once, in ``.venv-e2e`` (the environment with Moonc
 engine; ``make test`` builds it).
 
 What must hold: every room ends as sglang's own send ends it, on both sides; every byte
-lands; the chunks queued together go as one merged call; a room sent ahead of its turn
+lands; the chunks queued together go as one merged call; a chunk whose page ids or
+pages a GPU is still writing (its CUDA events pending) is not read before they complete;
+a room sent ahead of its turn
 and then aborted gets its decode's ABORT_ACK only after its write; a failed call leaves
 every room in it without an ABORT_ACK (its slices may still move); after a release and
 a resume the sends work over the new registration; and a request whose pages are
@@ -98,6 +100,23 @@ def test_failed_call_leaves_no_abort_ack_for_any_room_in_it(runs):
     k = runs["kvmem"]["err"]
     assert k["poisoned"] == sorted(k["rooms"]) and not any(k["safe"]), k
     assert k["stats"]["cut_short"] == 1 and k["stats"]["batches"] == 0, k
+
+
+def test_chunk_is_not_read_before_its_events_complete(runs):
+    # the third room's page ids (a host tensor) are still being copied and the fourth
+    # room's pages still being written (their events pending): neither goes ahead of its
+    # turn while the worker cannot read it; the rooms whose events completed go ahead,
+    # found again when the worker reaches them (none sent twice)
+    for key in ("kvmem", "sglang"):
+        r = runs[key]["events"]
+        assert _all(r["prefill"], SUCCESS) and _all(r["decode"], SUCCESS), (key, r)
+        assert r["bad_rows"] == 0 and r["outstanding"] == {}, (key, r)
+    k = runs["kvmem"]["events"]
+    assert k["at_wait"] is not None, "the worker never waited on the pending event"
+    assert k["at_wait"]["sent_ahead"] == 3 and k["at_wait"]["chunks"] == 4, k  # 1, 4, 5
+    st = k["stats"]
+    assert st["resent"] == 0 and st["sent_ahead"] == st["ahead_done"] == 4, st
+    assert st["sends"] == 2 and st["fallbacks"] == 0, st  # the first room and the third
 
 
 def test_sends_after_release_and_resume(runs):

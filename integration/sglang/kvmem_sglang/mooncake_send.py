@@ -5,7 +5,7 @@ File:line below are of the installed ``sglang/srt/disaggregation/mooncake/conn.p
 
 What sglang does.  As on NIXL (:mod:`kvmem_sglang.transfer`), every room going to one
 decode lands in one transfer worker's queue (``add_transfer_request`` shards by the
-decode's ports, :3114-3116), and the worker sends its chunks one at a time.  Per chunk
+decode's ports, :3117-3118), and the worker sends its chunks one at a time.  Per chunk
 ``send_kvcache`` merges the chunk's own pages adjacent on both sides
 (``group_concurrent_contiguous``) and posts one ``batch_transfer_sync`` of one slice per
 run and plane (``_send_kvcache_generic``, :1019-1279), which returns when every slice
@@ -22,11 +22,13 @@ What this module changes: how the bytes of those sends move, nothing else.  Two 
 
 * ``transfer_worker``: remembers which queue the calling thread serves
   (:func:`kvmem_sglang.transfer.transfer_worker`, shared with NIXL).
-* ``send_kvcache`` (the worker calls it for MHA and MLA at equal attention TP, :2661).
+* ``send_kvcache`` (the worker calls it for MHA and MLA at equal attention TP, :2696).
   It takes the chunk handed to it (the *owner*) and the chunks queued behind it on the
   same worker for the same decode session, up to :data:`kvmem_sglang.transfer.BATCH_BYTES`
   (:func:`kvmem_sglang.transfer._take_ahead`: the worker's own checks, each counted in
-  ``_staging_outstanding`` as the worker counts a chunk at dequeue), pairs every page of
+  ``_staging_outstanding`` as the worker counts a chunk at dequeue; a chunk a GPU is
+  still writing, its page ids or its pages, waits for its own turn:
+  :func:`kvmem_sglang.transfer._readable`), pairs every page of
   them all, sorts the pairs by source page and merges runs adjacent on both sides
   (:func:`kvmem_sglang.transfer._runs`): one slice per run and plane, a run never leaving
   its plane (one registration on either side, as on NIXL).  The slices go out as
@@ -43,7 +45,7 @@ call fails them all: Mooncake returns -1 while slices of the batch may still mov
 (:mod:`kvmem_sglang.mooncake`), so each room sent ahead is poisoned as sglang poisons the
 owner (``_poison_unsettled_send``: no ABORT_ACK, its decode falls back to its release
 timeout) before it is uncounted.  The owner's failure marks the session failed (sglang,
-:2722-2730), and the worker then fails the rooms behind it as it fails any room of a
+:2740-2750), and the worker then fails the rooms behind it as it fails any room of a
 failed session; should the session be usable again by then, the room is sent again on
 its own turn.
 

@@ -434,6 +434,8 @@ def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int,
         queued = list(queue._buf)
     out = []
     for chunk in queued:
+        if not _readable(chunk):
+            continue
         src = chunk.prefill_kv_indices
         n = len(src)
         if n == 0 or n * per_page > budget or st.sent_ahead(src):
@@ -454,6 +456,33 @@ def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int,
         budget -= n * per_page
         out.append(rec)
     return out
+
+
+def _readable(chunk) -> bool:
+    """Whether a queued chunk may be read now, as its worker reads it at dequeue
+    (mooncake/conn.py:2532-2543): no CUDA event of its own pending (``wait_event``: the
+    forward still writing its pages under the overlap schedule, prefill.py:1495-1498;
+    ``indices_event``: the copy of its page ids to the host, prefill.py:1745-1761), read
+    with ``query()``, which never blocks.  A chunk whose events completed is given what
+    the worker would give it: the events dropped, a host tensor of page ids made a numpy
+    array (the object by which the chunk is found again when the worker reaches it).
+    NIXL's chunks carry neither (nixl/conn.py:3296-3305)."""
+    for name in ("wait_event", "indices_event"):
+        ev = getattr(chunk, name, None)
+        try:
+            if ev is not None and not ev.query():
+                return False
+        except Exception:  # noqa: BLE001 - an event that cannot be read: its own turn
+            return False
+    for name in ("wait_event", "indices_event"):
+        if getattr(chunk, name, None) is not None:
+            setattr(chunk, name, None)
+    src = chunk.prefill_kv_indices
+    if not isinstance(src, np.ndarray):
+        if not hasattr(src, "numpy"):
+            return False
+        chunk.prefill_kv_indices = src.numpy()
+    return True
 
 
 def _dst_of(mgr, chunk, peer: str, rec: _Ahead, peer_of) -> bool:
