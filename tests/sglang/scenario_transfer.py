@@ -317,7 +317,7 @@ def _rounds16(pair: Pair) -> dict:
         pm.register_buffer_to_engine()
         fill_pattern(pair.kv)
         s0 = _stats()
-        rnd = pair.sglang_round(check=every)
+        rnd = pair.sglang_round(check=every, at_once=True)  # one batch: all queued at once
         out["release"] = _outcome(pair, rnd) | {
             "stats": _delta(s0), "prepared_lists": len(pm.prep_handles),
             "registrations": sum(d.descCount() for d in pm.kv_descs)}
