@@ -416,19 +416,19 @@ class PageAllocator:
             if hints is not None:
                 problems = torch.cat((problems, agree(prefix_lens, hints[0]),
                                       agree(seq_lens, hints[1])))
-            first, code, num_new, total, *agree = self._read_device(problems,
-                                                                    raise_pending=check)
+            first, code, num_new, total, *agreed = self._read_device(problems,
+                                                                     raise_pending=check)
         else:
             if check and self._pending:
                 self._read_device(None)
             first, code, num_new, total = extend_problems_np(
                 prefix_lens.numpy(), seq_lens.numpy(), last_loc.numpy(), self._owned_np, ps)
-            agree = [] if hints is None else [
+            agreed = [] if hints is None else [
                 np.array_equal(prefix_lens.numpy(), hints[0].numpy()),
                 np.array_equal(seq_lens.numpy(), hints[1].numpy())]
         if first >= 0:
             raise alloc_error(code, first, self.num_pages, call="alloc_extend")
-        if not all(agree):
+        if not all(agreed):
             raise ValueError("alloc_extend: prefix_lens_cpu / seq_lens_cpu disagree with "
                              "prefix_lens / seq_lens")
         if extend_num_tokens is not None and extend_num_tokens != total:
@@ -443,17 +443,17 @@ class PageAllocator:
             problems = decode_problems(seq_lens, last_loc, self._owned, ps)
             if hints is not None:
                 problems = torch.cat((problems, agree(seq_lens, hints[0])))
-            first, code, num_new, *agree = self._read_device(problems, raise_pending=check)
+            first, code, num_new, *agreed = self._read_device(problems, raise_pending=check)
         else:
             if check and self._pending:
                 self._read_device(None)
             first, code, num_new = decode_problems_np(seq_lens.numpy(), last_loc.numpy(),
                                                        self._owned_np, ps)
-            agree = [] if hints is None else [np.array_equal(seq_lens.numpy(),
-                                                             hints[0].numpy())]
+            agreed = [] if hints is None else [np.array_equal(seq_lens.numpy(),
+                                                              hints[0].numpy())]
         if first >= 0:
             raise alloc_error(code, first, self.num_pages, call="alloc_decode")
-        if not all(agree):
+        if not all(agreed):
             raise ValueError("alloc_decode: seq_lens_cpu disagrees with seq_lens")
         return num_new
 

@@ -453,6 +453,33 @@ def test_extend_int32_inputs_and_hints():
     assert got.tolist() == [17, 21]
 
 
+def test_device_checked_calls_with_hints(monkeypatch):
+    """The checked calls' device branch (CUDA's: problems read in one sync, the hints
+    compared on the device) on CPU tensors: the same pages as the host branch, and hints
+    that disagree refused.  Before it was run here, that branch called the imported
+    ``agree`` after a local of the same name had shadowed it (UnboundLocalError at the
+    first checked alloc_extend or alloc_decode with hints on a GPU)."""
+    import kvmem.allocator as allocator_module
+
+    host = _prepared()
+    want = (host.alloc_extend(i64(6, 4), i64(9, 5), i64(9, 15), prefix_lens_cpu=i64(6, 4),
+                              seq_lens_cpu=i64(9, 5), check=True),
+            host.alloc_decode(i64(10, 6), i64(16, 20), seq_lens_cpu=i64(10, 6), check=True))
+    monkeypatch.setattr(allocator_module, "is_async_device", lambda t: True)
+    dev = _prepared()
+    got = (dev.alloc_extend(i64(6, 4), i64(9, 5), i64(9, 15), prefix_lens_cpu=i64(6, 4),
+                            seq_lens_cpu=i64(9, 5), check=True),
+           dev.alloc_decode(i64(10, 6), i64(16, 20), seq_lens_cpu=i64(10, 6), check=True))
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+    snap = snapshot(dev)
+    with pytest.raises(ValueError, match="disagree"):
+        dev.alloc_extend(i64(6, 4), i64(9, 5), i64(9, 15), prefix_lens_cpu=i64(6, 3),
+                         seq_lens_cpu=i64(9, 5), check=True)
+    with pytest.raises(ValueError, match="disagrees"):
+        dev.alloc_decode(i64(10, 6), i64(16, 20), seq_lens_cpu=i64(10, 7), check=True)
+    assert_same(dev, snap)
+
+
 # -- CPU implementations against the references ----------------------------------------
 
 
