@@ -64,7 +64,7 @@ def _cases(tokens: int):
             "copy_": lambda: out.copy_(src),
         }
         yield ps, out.numel(), fns
-        del pool, out, src
+        pool = out = src = None  # the lambdas above hold these names: dropped, not deleted
 
 
 def _numpy_take(plan, k, v, ids, out):

@@ -6,7 +6,6 @@ pytest-benchmark.  gpu_check.sh itself: tests/test_bench_smoke.py."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 

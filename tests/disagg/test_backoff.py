@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from kvmem.disagg import KVPoll
 from kvmem.disagg.common import Backoff
 from tests.disagg.harness import Pair
 

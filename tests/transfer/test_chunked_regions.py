@@ -21,7 +21,7 @@ import torch
 import kvmem
 from kvmem.memory import make_backend
 from kvmem.transfer import NixlEngine, TransferError
-from kvmem.transfer.layout import MAX_TABLE_BLOCKS, BlockLayout, pool_layout
+from kvmem.transfer.layout import MAX_TABLE_BLOCKS, BlockLayout
 
 _ids = itertools.count()
 
