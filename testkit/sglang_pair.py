@@ -445,6 +445,20 @@ def _wait(pred, timeout: float, what: str):
 
 # -- the decode process ----------------------------------------------------------------------
 
+def record_abort_acks(manager) -> dict:
+    """Wrap ``manager._send_abort_ack`` (on that instance): the returned dict fills with
+    room -> ``time.monotonic()`` of the first ABORT_ACK the manager sent for it."""
+    acks: dict[int, float] = {}
+    real = manager._send_abort_ack
+
+    def send_abort_ack(room, target):
+        acks.setdefault(room, time.monotonic())
+        return real(room, target)
+
+    manager._send_abort_ack = send_abort_ack
+    return acks
+
+
 def _start_with_flag(proc, env: dict) -> None:
     """Start ``proc`` (spawned) with the SGLANG_KVMEM* variables of ``env`` in the
     environment it starts with: the adapter's start-up check (``kvmem_sglang.pth``)

@@ -52,8 +52,11 @@ import os
 import threading
 import time
 
-from testkit.sglang_pair import Pair, Shape, fill_pattern
+from testkit.sglang_pair import Pair, Shape, fill_pattern, record_abort_acks
+from tests.sglang.sglang_env import kvmem_send_path as _kvmem_path
 from tests.sglang.sglang_env import script_main
+from tests.sglang.sglang_env import stats_since as _delta
+from tests.sglang.sglang_env import transfer_stats as _stats
 
 REQUESTS = 6
 HOLD_S = 0.6
@@ -66,22 +69,6 @@ SHAPE = dict(layers=2, heads=2, head_dim=64, requests=REQUESTS, tokens=64)
 
 def _flag(name: str) -> bool:
     return os.environ.get(name) == "1"
-
-
-def _kvmem_path() -> bool:
-    return _flag("SGLANG_KVMEM") and os.environ.get("SGLANG_KVMEM_TRANSFER", "kvmem") == "kvmem"
-
-
-def _stats() -> dict:
-    if not _kvmem_path():
-        return {}
-    from kvmem_sglang import transfer
-
-    return transfer.STATS.as_dict()
-
-
-def _delta(before: dict) -> dict:
-    return {k: v - before.get(k, 0) for k, v in _stats().items()}
 
 
 def _outcome(pair: Pair, rnd: dict) -> dict:
@@ -114,20 +101,13 @@ class _Agent:
         self.fault = None
         self.pieces = 0  # NIXL writes the first send created (split rounds)
         self.held, self.held_until, self.held_at, self.settled_at = {}, 0.0, None, None
-        self.acks: dict[int, float] = {}
+        self.acks = record_abort_acks(self.pm)
         agent, pm = self.agent, self.pm
         agent.check_xfer_state = self.check_xfer_state
         agent.initialize_xfer = self.initialize_xfer
         agent.make_prepped_xfer = self.make_prepped_xfer
         agent.transfer = self.transfer
         pm.send_kvcache = self.send_kvcache
-        real_ack = pm._send_abort_ack
-
-        def send_abort_ack(room, target):
-            self.acks.setdefault(room, time.monotonic())
-            return real_ack(room, target)
-
-        pm._send_abort_ack = send_abort_ack
 
     def reset(self):
         self.hold_until, self.err, self.sends, self.fault = 0.0, {}, 0, None

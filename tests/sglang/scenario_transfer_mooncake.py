@@ -40,31 +40,18 @@ on its last line.
 
 from __future__ import annotations
 
-import os
 import time
 
-from testkit.sglang_pair import Pair, Shape, fill_pattern
+from testkit.sglang_pair import Pair, Shape, fill_pattern, record_abort_acks
+from tests.sglang.sglang_env import kvmem_send_path as _kvmem_path
 from tests.sglang.sglang_env import script_main
+from tests.sglang.sglang_env import stats_since as _delta
+from tests.sglang.sglang_env import transfer_stats as _stats
 
 REQUESTS = 6
 HOLD_S = 0.6
 SHAPE = dict(layers=2, heads=2, head_dim=64, requests=REQUESTS, tokens=64)
 SCATTERED = dict(layers=32, heads=2, head_dim=64, requests=2, tokens=1024, spread=2)
-
-
-def _kvmem_path() -> bool:
-    return (os.environ.get("SGLANG_KVMEM") == "1"
-            and os.environ.get("SGLANG_KVMEM_TRANSFER", "kvmem") == "kvmem")
-
-
-def _stats() -> dict:
-    from kvmem_sglang import transfer
-
-    return transfer.STATS.as_dict()
-
-
-def _delta(before: dict) -> dict:
-    return {k: v - before.get(k, 0) for k, v in _stats().items()}
 
 
 def _outcome(pair: Pair, rnd: dict, stats0: dict, calls: list) -> dict:
@@ -91,16 +78,8 @@ class _Link:
         self.hold_until = 0.0
         self.fail_first = False
         self.calls: list[int] = []
-        self.acks: dict[int, float] = {}
+        self.acks = record_abort_acks(pair.pm)
         self.engine.batch_transfer_sync = self.batch_transfer_sync
-        pm = pair.pm
-        real_ack = pm._send_abort_ack
-
-        def send_abort_ack(room, target):
-            self.acks.setdefault(room, time.monotonic())
-            return real_ack(room, target)
-
-        pm._send_abort_ack = send_abort_ack
 
     def reset(self) -> None:
         self.hold_until, self.fail_first, self.calls = 0.0, False, []

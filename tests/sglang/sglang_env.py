@@ -342,3 +342,39 @@ def rss_anon() -> int:
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+# -- the transfer-path scenarios (scenario_transfer*.py) and their tests -------------------
+
+def kvmem_send_path() -> bool:
+    """Whether this process sends KV on kvmem's path: the flag on and
+    ``SGLANG_KVMEM_TRANSFER`` ``kvmem`` (its default)."""
+    return (os.environ.get("SGLANG_KVMEM") == "1"
+            and os.environ.get("SGLANG_KVMEM_TRANSFER", "kvmem") == "kvmem")
+
+
+def transfer_stats() -> dict:
+    """kvmem's send-path counters in this process (``kvmem_sglang.transfer.STATS``), or
+    ``{}`` without the flag (the adapter is then never imported)."""
+    if os.environ.get("SGLANG_KVMEM") != "1":
+        return {}
+    from kvmem_sglang import transfer
+
+    return transfer.STATS.as_dict()
+
+
+def stats_since(before: dict) -> dict:
+    """How much each counter of :func:`transfer_stats` grew since ``before``."""
+    return {k: v - before.get(k, 0) for k, v in transfer_stats().items()}
+
+
+def transfer_runs(children: dict) -> dict:
+    """Run the scenario ``children`` at once; their results by key, after checking that
+    the one named ``kvmem`` sent on kvmem's path and the one named ``sglang`` did not."""
+    out = {key: reply.value for key, reply in run_children(children, timeout=900).items()}
+    assert out["kvmem"]["kvmem_path"] and not out["sglang"]["kvmem_path"]
+    return out
+
+
+def all_are(states: list, value) -> bool:
+    return states == [value] * len(states)

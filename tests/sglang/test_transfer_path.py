@@ -26,8 +26,9 @@ import sys
 import numpy as np
 import pytest
 
-from testkit.child import Child, child_env, last_json, run_children
-from tests.sglang.sglang_env import ROOT, fork_server
+from testkit.child import Child, child_env, last_json
+from tests.sglang.sglang_env import ROOT, fork_server, transfer_runs
+from tests.sglang.sglang_env import all_are as _all
 
 SCRIPT = ROOT / "tests" / "sglang" / "scenario_transfer.py"
 WAITING, SUCCESS, FAILED = 2, 4, 0
@@ -46,13 +47,7 @@ def runs() -> dict:
                            env=child_env(extra, drop=("SGLANG_KVMEM", "KVMEM_TEST_PAGES"),
                                          paths=[ROOT / "integration" / "sglang"]))
                 for key, extra in envs.items()}
-    out = {key: reply.value for key, reply in run_children(children, timeout=900).items()}
-    assert out["kvmem"]["kvmem_path"] and not out["sglang"]["kvmem_path"]
-    return out
-
-
-def _all(states, value):
-    return states == [value] * len(states)
+    return transfer_runs(children)
 
 
 @pytest.mark.parametrize("rnd", ["plain16", "plain1"])

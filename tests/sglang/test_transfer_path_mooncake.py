@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import pytest
 
-from testkit.child import Child, child_env, run_children
+from testkit.child import Child, child_env
 from testkit.sglang_pair import E2E_PYTHON, with_ibverbs
-from tests.sglang.sglang_env import ROOT
+from tests.sglang.sglang_env import ROOT, transfer_runs
+from tests.sglang.sglang_env import all_are as _all
 
 SCRIPT = ROOT / "tests" / "sglang" / "scenario_transfer_mooncake.py"
 SUCCESS, FAILED = 4, 0
@@ -45,13 +46,7 @@ def runs() -> dict:
                    env=with_ibverbs(child_env(extra | queue, drop=("SGLANG_KVMEM", "MC_TCP"),
                                               paths=[ROOT / "integration" / "sglang"])))
         for key, extra in envs.items()}
-    out = {key: reply.value for key, reply in run_children(children, timeout=900).items()}
-    assert out["kvmem"]["kvmem_path"] and not out["sglang"]["kvmem_path"]
-    return out
-
-
-def _all(states, value):
-    return states == [value] * len(states)
+    return transfer_runs(children)
 
 
 def test_stock_decode_receives_every_byte(runs):
@@ -141,3 +136,20 @@ def test_scattered_request_stays_within_the_tcp_queue(runs):
     st = k["stats"]
     assert st["descriptors"] == st["index_pairs"] == 2 * SCATTERED_SLICES, st
     assert max(k["calls"]) <= TCP_QUEUE and st["writes"] >= 2 * SCATTERED_SLICES // TCP_QUEUE
+
+
+def test_max_slices_follows_the_tcp_queue_and_sglangs_own_bound():
+    from types import SimpleNamespace
+
+    from kvmem_sglang.mooncake_send import TCP_QUEUE_DEFAULT, max_slices
+
+    queue = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
+    assert max_slices(env={}) == TCP_QUEUE_DEFAULT == TCP_QUEUE
+    assert max_slices(env={queue: "4096"}) == 4096
+    for bad in ("", "many", "0", "-3"):  # what Mooncake would not take: its default
+        assert max_slices(env={queue: bad}) == TCP_QUEUE_DEFAULT, bad
+    # SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES (the manager's field): pages per call
+    bounded = SimpleNamespace(max_transfer_batch_indices=8)
+    assert max_slices(bounded, planes=64, env={queue: "4096"}) == 8 * 64
+    assert max_slices(bounded, planes=256, env={}) == TCP_QUEUE_DEFAULT
+    assert max_slices(SimpleNamespace(max_transfer_batch_indices=0), planes=64, env={}) == 1024

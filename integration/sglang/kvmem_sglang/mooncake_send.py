@@ -28,10 +28,10 @@ What this module changes: how the bytes of those sends move, nothing else.  Two 
   (:func:`kvmem_sglang.transfer._take_ahead`: the worker's own checks, each counted in
   ``_staging_outstanding`` as the worker counts a chunk at dequeue; a chunk a GPU is
   still writing, its page ids or its pages, waits for its own turn:
-  :func:`kvmem_sglang.transfer._readable`), pairs every page of
-  them all, sorts the pairs by source page and merges runs adjacent on both sides
-  (:func:`kvmem_sglang.transfer._runs`): one slice per run and plane, a run never leaving
-  its plane (one registration on either side, as on NIXL).  The slices go out as
+  :func:`kvmem_sglang.transfer._readable`), pairs every page of them all, sorts the
+  pairs by source page and merges runs adjacent on both sides
+  (:func:`kvmem_sglang.transfer.run_addresses`): one slice per run and plane, a run
+  never leaving its plane (one registration on either side, as on NIXL).  The slices go out as
   ``batch_transfer_sync`` calls of at most :func:`max_slices` each, one after the other
   (each waits for its slices; a failed call stops the rest), and the owner gets 0 or the
   first failed call's code, as from sglang's own send.
@@ -130,27 +130,37 @@ def send_kvcache(original, mgr, mooncake_session_id, prefill_kv_indices, dst_kv_
     ahead = (transfer._take_ahead(mgr, st, session, budget, per_page, _mooncake_peer)
              if budget > 0 else [])
     pairs = [(src, dst)] + [(a.src, a.dst) for a in ahead]
-    code, calls, slices, nbytes, npairs = 1, 0, 0, 0, 0
     try:
-        code, calls, slices, nbytes, npairs = _write(mgr, geo, session, pairs)
-    finally:
-        # an exception from the engine leaves the rooms sent ahead as a failed call does
-        batch = transfer.Batch([], ahead, nbytes, slices)
-        batch.state = "DONE" if code == 0 else "ERR"
-        batch.failed = code != 0
-        for a in ahead:
-            if code != 0:
-                mgr._poison_unsettled_send(a.room)
-            a.batch = batch
-            st.put(a)
-            transfer._uncount(mgr, a)
+        src_addr, dst_addr, nbytes, npairs = transfer.run_addresses(src_ptrs, dst_ptrs, item,
+                                                                    pairs)
+        code, calls = _write(mgr, session, src_addr, dst_addr, nbytes,
+                             max_slices(mgr, int(item.size)))
+    except BaseException:
+        _end_ahead(mgr, st, ahead, transfer.Batch([], ahead, 0, 0), failed=True)
+        raise  # the rooms sent ahead end as after a failed call
+    nbytes = int(nbytes.sum())
+    _end_ahead(mgr, st, ahead, transfer.Batch([], ahead, nbytes, src_addr.size), code != 0)
     STATS.add(writes=calls)
     if code == 0:
         STATS.add(batches=1, chunks=1 + len(ahead), sent_ahead=len(ahead),
-                  index_pairs=npairs * item.size, descriptors=slices, bytes=nbytes)
+                  index_pairs=npairs * item.size, descriptors=src_addr.size, bytes=nbytes)
     else:
         STATS.add(cut_short=1)
     return code
+
+
+def _end_ahead(mgr, st, ahead, batch, failed: bool) -> None:
+    """The call carrying the chunks sent ahead returned: ``batch`` settled DONE, or ERR
+    when it ``failed`` (each room poisoned first: its slices may still move); each chunk
+    recorded for the worker's turn and uncounted."""
+    batch.state = "ERR" if failed else "DONE"
+    batch.failed = failed
+    for a in ahead:
+        if failed:
+            mgr._poison_unsettled_send(a.room)
+        a.batch = batch
+        st.put(a)
+        transfer._uncount(mgr, a)
 
 
 def _mooncake_peer(req) -> str:
@@ -183,16 +193,10 @@ def _geometry(mgr, session, dst_kv_ptrs, dst_layer_ids, dst_device_kv_indices):
             np.array(item, dtype=np.uint64))
 
 
-def _write(mgr, geo, session: str, pairs) -> tuple[int, int, int, int, int]:
-    """Move the merged runs of ``pairs``: ``(code, calls, slices, bytes, pairs)``, code 0
-    once every call returned 0, else the first non-zero code (no call after it)."""
-    src_ptrs, dst_ptrs, item = geo
-    rs, rd, lens, npairs = transfer._runs(pairs)
-    col = item[:, None]
-    src_addr = (src_ptrs[:, None] + rs.astype(np.uint64)[None, :] * col).reshape(-1)
-    dst_addr = (dst_ptrs[:, None] + rd.astype(np.uint64)[None, :] * col).reshape(-1)
-    nbytes = (lens.astype(np.uint64)[None, :] * col).reshape(-1)
-    cap = max_slices(mgr, int(item.size))
+def _write(mgr, session: str, src_addr, dst_addr, nbytes, cap: int) -> tuple[int, int]:
+    """Post the slices as ``batch_transfer_sync`` calls of at most ``cap`` each, one after
+    the other: ``(code, calls)``, code 0 once every call returned 0, else the first
+    non-zero code (no call after it)."""
     calls = 0
     for lo in range(0, src_addr.size, cap):
         code = mgr.engine.batch_transfer_sync(session, src_addr[lo:lo + cap].tolist(),
@@ -200,5 +204,5 @@ def _write(mgr, geo, session: str, pairs) -> tuple[int, int, int, int, int]:
                                               nbytes[lo:lo + cap].tolist())
         calls += 1
         if code != 0:
-            return code, calls, int(src_addr.size), int(nbytes.sum()), npairs
-    return 0, calls, int(src_addr.size), int(nbytes.sum()), npairs
+            return code, calls
+    return 0, calls

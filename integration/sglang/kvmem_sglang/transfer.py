@@ -327,8 +327,9 @@ def send_kvcache(original, mgr, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_
     STATS.add(sends=1)
     src = np.asarray(prefill_kv_indices, dtype=np.int64)
     dst = np.asarray(dst_kv_indices, dtype=np.int64)
-    budget = BATCH_BYTES - src.size * int(geo.item.sum())
-    ahead = (_take_ahead(mgr, st, peer_name, budget, int(geo.item.sum()), _nixl_peer)
+    per_page = int(geo.item.sum())
+    budget = BATCH_BYTES - src.size * per_page
+    ahead = (_take_ahead(mgr, st, peer_name, budget, per_page, _nixl_peer)
              if budget > 0 else [])
     try:
         return _post(mgr, geo, peer_name, [(src, dst)] + [(a.src, a.dst) for a in ahead],
@@ -540,6 +541,19 @@ def _runs(pairs) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     return s[starts], d[starts], lens, s.size
 
 
+def run_addresses(src_ptrs: np.ndarray, dst_ptrs: np.ndarray, item: np.ndarray, pairs):
+    """The descriptors of the merged runs of ``pairs`` (:func:`_runs`) over planes at
+    ``src_ptrs`` / ``dst_ptrs`` with ``item`` bytes a page (uint64 [planes] each):
+    ``(source addresses, destination addresses, bytes, page pairs)``, the first three
+    uint64 [planes x runs], plane-major.  Both backends' paths post these."""
+    rs, rd, lens, npairs = _runs(pairs)
+    col = item[:, None]
+    src_addr = (src_ptrs[:, None] + rs.astype(np.uint64)[None, :] * col).reshape(-1)
+    dst_addr = (dst_ptrs[:, None] + rd.astype(np.uint64)[None, :] * col).reshape(-1)
+    nbytes = (lens.astype(np.uint64)[None, :] * col).reshape(-1)
+    return src_addr, dst_addr, nbytes, npairs
+
+
 def split_pieces(descriptors: int, nbytes: int) -> int:
     """How many NIXL writes a merged batch of ``descriptors`` descriptors and ``nbytes``
     bytes is posted as: up to SPLIT, none with fewer than one descriptor or (past the
@@ -555,12 +569,9 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
     Batch of the pieces posted, cut short (module docstring); nothing waits here."""
     from sglang.srt.disaggregation.nixl import conn
 
-    rs, rd, lens, npairs = _runs(pairs)
+    src_addr, dst_addr, nbytes, npairs = run_addresses(geo.src_ptrs, geo.dst_ptrs, geo.item,
+                                                       pairs)
     planes = geo.item.size
-    item = geo.item[:, None]
-    src_addr = (geo.src_ptrs[:, None] + rs.astype(np.uint64)[None, :] * item).reshape(-1)
-    dst_addr = (geo.dst_ptrs[:, None] + rd.astype(np.uint64)[None, :] * item).reshape(-1)
-    nbytes = (lens.astype(np.uint64)[None, :] * item).reshape(-1)
     ld = np.stack([src_addr, nbytes, np.full_like(src_addr, geo.src_dev)], axis=1)
     rdsc = np.stack([dst_addr, nbytes, np.full_like(dst_addr, geo.dst_dev)], axis=1)
     agent = mgr.agent
