@@ -159,25 +159,34 @@ def run_mode(mode: str, page_sizes, shape: Shape, repeats: int, *, one_process: 
 
 def table(results: list[dict]) -> list[str]:
     """A compact table of ``run_mode`` results: one line per mode and page size."""
-    stock = {(r.get("backend", "nixl"), r["shape"]["page_size"]):
-             statistics.median(x["gbps"] for x in r["sglang"])
+    def key(r):
+        return (r.get("backend", "nixl"), r["shape"]["page_size"], _tp(r))
+
+    stock = {key(r): statistics.median(x["gbps"] for x in r["sglang"])
              for r in results if r["mode"] == "stock"}
-    head = (f"{'page':>4} {'backend':<8} {'mode':<40} {'GB/s':>6} {'[min, max]':>13} {'raw':>6} "
+    head = (f"{'tp':>3} {'page':>4} {'backend':<8} {'mode':<40} {'GB/s':>6} {'[min, max]':>13} {'raw':>6} "
             f"{'x raw':>6} {'x stock':>7} {'desc/req':>8} {'first':>6} {'regs':>4} {'load':>5}")
     out = [head, "-" * len(head)]
-    for r in sorted(results, key=lambda r: (r["shape"]["page_size"], r.get("backend", "nixl"),
+    for r in sorted(results, key=lambda r: (_tp(r), r["shape"]["page_size"],
+                                             r.get("backend", "nixl"),
                                              list(MODES).index(r["mode"])
                                              if r["mode"] in MODES else 99)):
         ps, backend = r["shape"]["page_size"], r.get("backend", "nixl")
         g = summary(x["gbps"] for x in r["sglang"])
         raw = statistics.median(x["gbps"] for x in r["raw"])
         ratio = statistics.median(r["ratio_to_raw"])
-        vs = g["median"] / stock[backend, ps] if (backend, ps) in stock else float("nan")
+        vs = g["median"] / stock[key(r)] if key(r) in stock else float("nan")
         desc = statistics.median(x["kv_descriptors_per_request"] for x in r["sglang"])
-        out.append(f"{ps:>4} {backend:<8} {r['mode']:<40} {g['median']:6.2f} [{g['min']:5.2f},{g['max']:5.2f}] "
+        out.append(f"{_tp(r):>3} {ps:>4} {backend:<8} {r['mode']:<40} {g['median']:6.2f} [{g['min']:5.2f},{g['max']:5.2f}] "
                    f"{raw:6.2f} {ratio:6.2f} {vs:7.2f} {desc:8.0f} {r['first']['gbps']:6.2f} "
                    f"{r['registrations']:>4} {r['others_cpu_cores']:5.2f}")
     return out
+
+
+def _tp(result: dict) -> str:
+    """``"<prefill TP>x<decode TP>"`` of a result (1x1 for results made before TP)."""
+    s = result["shape"]
+    return f"{s.get('prefill_tp', 1)}x{s.get('decode_tp', 1)}"
 
 
 def _child(cfg: dict) -> list[dict]:
@@ -205,18 +214,24 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tp", default="1x1",
+                    help="comma-separated <prefill TP>x<decode TP> (the decode's dividing "
+                         "the prefill's): 1x1, 2x1, 2x2, ...")
     ap.add_argument("--json", help="write every result here")
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(_child(json.loads(a.child))), flush=True)
         return
-    shape = Shape(layers=a.layers, requests=a.requests, tokens=a.tokens)
     pages = [int(p) for p in a.pages.split(",")]
     results = []
-    for backend in [b.strip() for b in a.backends.split(",") if b.strip()]:
-        for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
-            results += run_mode(mode, pages, shape, a.repeats, backend=backend)
-            print("\n".join(table(results)), flush=True)
+    for tp in [t.strip() for t in a.tp.split(",") if t.strip()]:
+        ptp, dtp = (int(x) for x in tp.split("x"))
+        shape = Shape(layers=a.layers, requests=a.requests, tokens=a.tokens,
+                      prefill_tp=ptp, decode_tp=dtp)
+        for backend in [b.strip() for b in a.backends.split(",") if b.strip()]:
+            for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
+                results += run_mode(mode, pages, shape, a.repeats, backend=backend)
+                print("\n".join(table(results)), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(time=time.strftime("%Y-%m-%dT%H:%M:%S"), cpus=os.cpu_count(),

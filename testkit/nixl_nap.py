@@ -14,6 +14,11 @@ Applied to one ``_api`` module at a time (:func:`apply`), or to each of NIXL's w
 (``tests/e2e/standins/sitecustomize.py``, stock and the flag alike), the test session
 (``tests/conftest.py``) and the harness's processes (``testkit.sglang_pair``, the NIXL
 scripts of ``tests/sglang``).  kvmem itself keeps NIXL's default.
+
+:func:`vram_as_dram` is the other NIXL setting those processes need where sglang labels
+host memory "VRAM" (the e2e servers, the harness's pairs at TP 2): sglang registers and
+describes KV buffers as "VRAM" (``_normalize_kv_mem_kinds``, ``disaggregation/
+decode.py:629``), which UCX refuses for CPU memory, and no flag selects DRAM.
 """
 
 from __future__ import annotations
@@ -50,6 +55,23 @@ def apply(module) -> bool:
     module.nixlBind = NappingBind(module.nixlBind)
     return True
 
+
+def vram_as_dram(module) -> bool:
+    """Make every agent of NIXL's ``_api`` ``module`` resolve the memory type "VRAM" as
+    DRAM (each descriptor call of an agent looks its memory type up in the agent's
+    ``nixl_mems``); False if it does already."""
+    cls = module.nixl_agent
+    if getattr(cls, "_kvmem_vram_as_dram", False):
+        return False
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.nixl_mems["VRAM"] = self.nixl_mems["DRAM"]
+
+    cls.__init__ = __init__
+    cls._kvmem_vram_as_dram = True
+    return True
 
 
 def install() -> None:

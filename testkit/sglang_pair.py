@@ -32,6 +32,15 @@ same offsets on both sides), all requests posted at once, polled to DONE.  On Mo
 the prefill manager's own engine, one ``batch_transfer_sync_write`` of those 2 L R
 slices.
 
+At TP (``Shape.prefill_tp`` / ``decode_tp`` above 1) every rank is a process of its own
+(the prefill's rank 0 is this one) holding ``H / tp`` of the heads, as sglang's ranks do;
+one bootstrap server, this process's.  Prefill rank ``r`` fills its heads' words of the
+same pattern, so a decode rank checks its rows against the whole row's pattern whichever
+prefill ranks wrote them.  The raw write at unequal TP moves each prefill rank's bytes
+contiguously into its decode rank's share of the request (the same bytes, not the
+decode's head layout: the ceiling a transfer of them could reach).  At TP 2 the pools are
+labelled VRAM and NIXL takes that for DRAM, as on sglang's CPU servers (:func:`kv_args`).
+
 Stand-ins: the model (only the KV shape), the forward pass (the pattern), the
 scheduler (the senders and receivers are driven here as the bootstrap/inflight queues
 drive them).  One environment shim: the NIXL wheel installed is ``nixl_cu12``, which
@@ -107,10 +116,19 @@ class Shape:
     # pages of request r are 1 + spread (r + j R): at 1 together they are every page from
     # 1 to R T / P; at 2 no two pages of a round are adjacent, across requests either
     spread: int = 1
+    # attention TP of each side: a rank holds H / tp of the KV heads (rank r the heads
+    # [r H / tp, (r + 1) H / tp)), in a process of its own; the prefill's TP a multiple
+    # of the decode's (each prefill rank writes to one decode rank)
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self):
         if self.spread < 1:
             raise ValueError(f"{self}: spread must be at least 1")
+        if (min(self.prefill_tp, self.decode_tp) < 1 or self.heads % self.prefill_tp
+                or self.heads % self.decode_tp or self.prefill_tp % self.decode_tp):
+            raise ValueError(f"{self}: each TP must divide the KV heads, and the decode's "
+                             "the prefill's")
         if self.requests < 2 or self.tokens % self.page_size:
             raise ValueError(f"{self}: need requests >= 2 and tokens a multiple of the page "
                              "size (pages of a request are made non-adjacent by interleaving)")
@@ -141,6 +159,17 @@ class Shape:
     def pool_tokens(self) -> int:
         return self.requests * self.tokens * self.spread
 
+    @property
+    def mem_kind(self) -> str:
+        """The memory kind the pair's KV args give (:func:`kv_args`): DRAM at TP 1,
+        VRAM (taken as DRAM) at TP 2 and more, as sglang's servers give it."""
+        return "DRAM" if self.prefill_tp == 1 else "VRAM"
+
+    @property
+    def tp_label(self) -> str:
+        """``"<prefill TP>x<decode TP>"``."""
+        return f"{self.prefill_tp}x{self.decode_tp}"
+
 
 def request_pages(shape: Shape, r: int) -> np.ndarray:
     """int32 [T / P] page ids of request ``r`` (same on both sides; never adjacent)."""
@@ -161,20 +190,20 @@ def merged_runs(src: np.ndarray, dst: np.ndarray) -> int:
 
 def nixl_as_sglang_imports_it() -> None:
     """sglang imports ``nixl._api``; the wheel installed here is ``nixl_cu12``.  Its
-    agents nap between progress polls (``testkit.nixl_nap``)."""
+    agents nap between progress polls and take "VRAM" for DRAM (``testkit.nixl_nap``:
+    the pairs at TP 2 label their pools as sglang's servers do, see :func:`kv_args`)."""
     from testkit import nixl_nap
 
     nixl_nap.install()
     try:
-        import nixl._api  # noqa: F401
-        return
+        import nixl._api  # noqa: F401 - sglang imports it so
     except ImportError:
-        pass
-    import nixl_cu12
-    import nixl_cu12._api
+        import nixl_cu12
+        import nixl_cu12._api
 
-    sys.modules.setdefault("nixl", nixl_cu12)
-    sys.modules.setdefault("nixl._api", nixl_cu12._api)
+        sys.modules.setdefault("nixl", nixl_cu12)
+        sys.modules.setdefault("nixl._api", nixl_cu12._api)
+    nixl_nap.vram_as_dram(sys.modules["nixl._api"])
 
 
 _PUBLISHED: dict = {}
@@ -189,11 +218,12 @@ def conn_class(backend: str, name: str):
     return getattr(importlib.import_module(module), f"{prefix}KV{name}")
 
 
-def publish(role: str, page_size: int, backend: str = "nixl"):
-    """Publish this process's ServerArgs (a PD ``role`` server on the CPU, ``backend``)
-    and load sglang's plugins, as ``run_scheduler_process`` does, and start the shared
-    Mooncake engine as the scheduler does for that backend; once per process (a later
-    call returns the first ServerArgs: the page size that matters is the pool's)."""
+def publish(role: str, page_size: int, backend: str = "nixl", tp: int = 1, rank: int = 0):
+    """Publish this process's ServerArgs (a PD ``role`` server on the CPU, ``backend``,
+    attention TP ``tp``, this process its rank ``rank``) and load sglang's plugins, as
+    ``run_scheduler_process`` does, and start the shared Mooncake engine as the scheduler
+    does for that backend; once per process (a later call returns the first ServerArgs:
+    the page size that matters is the pool's)."""
     if role in _PUBLISHED:
         return _PUBLISHED[role]
     if backend == "nixl":
@@ -205,14 +235,14 @@ def publish(role: str, page_size: int, backend: str = "nixl"):
     from sglang.srt.runtime_context import publish as _publish
     from sglang.srt.server_args import ServerArgs
 
-    sa = ServerArgs(model_path="dummy", device="cpu", page_size=page_size,
+    sa = ServerArgs(model_path="dummy", device="cpu", page_size=page_size, tp_size=tp,
                     disaggregation_mode=role, disaggregation_transfer_backend=backend)
     _publish(sa, role="test")
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
     # one rank, as a launcher's rank bundle would say; pp_size 1 (the group is never used)
-    get_parallel().override_permanently(tp_rank=0, pp_rank=0, attn_tp_rank=0,
+    get_parallel().override_permanently(tp_rank=rank, pp_rank=0, attn_tp_rank=rank,
                                         attn_cp_rank=0, attn_dp_rank=0, moe_ep_rank=0,
                                         dp_rank=None, pp_group=None)
     if backend == "mooncake":
@@ -224,14 +254,15 @@ def publish(role: str, page_size: int, backend: str = "nixl"):
     return sa
 
 
-def build_pool(shape: Shape):
-    """sglang's CPU MHA pool of ``R T`` tokens and its creation time (s)."""
+def build_pool(shape: Shape, tp: int = 1):
+    """sglang's CPU MHA pool of ``R T`` tokens (a rank's at TP ``tp``: ``H / tp`` heads)
+    and its creation time (s)."""
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     t0 = time.perf_counter()
     kv = MHATokenToKVPool(shape.pool_tokens, page_size=shape.page_size, dtype=torch.bfloat16,
-                          head_num=shape.heads, head_dim=shape.head_dim,
+                          head_num=shape.heads // tp, head_dim=shape.head_dim,
                           layer_num=shape.layers, device="cpu", enable_memory_saver=False)
     return kv, time.perf_counter() - t0
 
@@ -275,20 +306,38 @@ def words(buf):
     return buf.view(buf.shape[0], -1).view(__import__("torch").int64)
 
 
-def fill_pattern(kv) -> float:
-    """Write the positional pattern into every row of every plane; seconds taken."""
+def fill_pattern(kv, tp: int = 1, rank: int = 0) -> float:
+    """Write the positional pattern into every row of every plane (rank ``rank`` of TP
+    ``tp``: its heads' words of the whole row's pattern); seconds taken."""
     import torch
 
     t0 = time.perf_counter()
     for k, buf in enumerate(planes_of(kv)):
-        w = words(buf).view(-1)
-        torch.arange(k << 40, (k << 40) + w.numel(), dtype=torch.int64, out=w)
+        w = words(buf)
+        if tp == 1:
+            w = w.view(-1)
+            torch.arange(k << 40, (k << 40) + w.numel(), dtype=torch.int64, out=w)
+        else:
+            torch.add(_row_words(w.shape[0], w.shape[1], k, tp, rank),
+                      torch.arange(w.shape[1], dtype=torch.int64), out=w)
     return time.perf_counter() - t0
 
 
-def check_rows(kv, shape: Shape, pages: np.ndarray, plane_ids) -> int:
+def _row_words(rows, per_rank: int, k: int, tp: int, rank: int):
+    """The pattern's first word of rank ``rank``'s share of each row of ``rows`` (a count
+    or a tensor of row ids) of plane ``k``, ``[n, 1]``: a row of the whole plane holds
+    ``tp x per_rank`` words."""
+    import torch
+
+    if isinstance(rows, int):
+        rows = torch.arange(rows, dtype=torch.int64)
+    return (k << 40) + rows[:, None] * (per_rank * tp) + rank * per_rank
+
+
+def check_rows(kv, shape: Shape, pages: np.ndarray, plane_ids, tp: int = 1,
+               rank: int = 0) -> int:
     """Rows of ``pages`` in the planes ``plane_ids`` that differ from the prefill's
-    pattern (0: every byte landed)."""
+    pattern (0: every byte landed); ``kv`` is rank ``rank``'s pool at TP ``tp``."""
     import torch
 
     rows = (torch.from_numpy(pages.astype(np.int64))[:, None] * shape.page_size
@@ -297,7 +346,7 @@ def check_rows(kv, shape: Shape, pages: np.ndarray, plane_ids) -> int:
     for k in plane_ids:
         w = words(planes_of(kv)[k])
         per_row = w.shape[1]
-        want = (k << 40) + rows[:, None] * per_row + torch.arange(per_row)
+        want = _row_words(rows, per_row, k, tp, rank) + torch.arange(per_row)
         bad += int((w[rows] != want).any(dim=1).sum())
     return bad
 
@@ -319,33 +368,41 @@ def metadata_buffers(n: int):
                            max_sampling_mask_tokens=0)
 
 
-def kv_args(kv, meta):
+def kv_args(kv, meta, rank: int = 0, kind: str = "DRAM", tp: int = 1):
     """What ``PrefillBootstrapQueue._init_kv_manager`` / ``DecodePreallocQueue.
-    _init_kv_manager`` put in a KVArgs for a plain MHA pool on one rank, the pool's
-    memory kind DRAM (host memory here)."""
+    _init_kv_manager`` put in a KVArgs for a plain MHA pool on rank ``rank`` of TP ``tp``
+    (the pool holds ``1 / tp`` of the heads), the pool's
+    memory kind ``kind``: DRAM (host memory here), or VRAM as sglang's servers label it
+    (:func:`nixl_as_sglang_imports_it` makes that DRAM; sglang's NIXL manager refuses a
+    DRAM destination at unequal TP, ``nixl/conn.py:1587-1593``)."""
     from sglang.srt.disaggregation.base.conn import KVArgs
     from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos
 
     a = KVArgs()
-    a.engine_rank, a.pp_rank, a.system_dp_rank, a.gpu_id = 0, 0, 0, 0
+    a.engine_rank, a.pp_rank, a.system_dp_rank, a.gpu_id = rank, 0, 0, 0
     a.kv_cache_dtype_str, a.kv_layout, a.ib_device = "bfloat16", None, None
     a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = get_kv_transfer_buf_infos(kv)
-    a.kv_data_mem_kinds = ["DRAM"] * len(a.kv_data_ptrs)
+    a.kv_data_mem_kinds = [kind] * len(a.kv_data_ptrs)
     a.num_draft_entries = 0
     layers = len(a.kv_data_ptrs) // 2
     a.kv_layer_ids = list(range(layers)) * 2  # k0..kL-1 then v0..vL-1
     a.page_size = kv.page_size
+    a.kv_head_num, a.total_kv_head_num = kv.head_num, kv.head_num * tp
+    a.prefill_start_layer, a.prefill_end_layer = kv.start_layer, getattr(kv, "end_layer", None)
+    a.mla_compression_ratios = None
     a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = meta.get_buf_infos()
     a.state_types, a.state_data_ptrs, a.state_data_lens = [], [], []
     a.state_item_lens, a.state_layer_ids = [], []
     return a
 
 
-def manager(kv, meta, role: str, server_args, backend: str = "nixl"):
+def manager(kv, meta, role: str, server_args, backend: str = "nixl", rank: int = 0,
+            kind: str = "DRAM", tp: int = 1):
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
-    return conn_class(backend, "Manager")(kv_args(kv, meta), mode, server_args, False)
+    return conn_class(backend, "Manager")(kv_args(kv, meta, rank, kind, tp), mode, server_args,
+                                          False)
 
 
 class DescriptorCount:
@@ -476,17 +533,20 @@ def _start_with_flag(proc, env: dict) -> None:
         os.environ.update(saved)
 
 
-def _decode_main(conn, shape_d: dict, addr: str, env: dict, backend: str = "nixl") -> None:
-    """The decode side: commands from the prefill over ``conn``, one reply each."""
+def _decode_main(conn, shape_d: dict, addr: str, env: dict, backend: str = "nixl",
+                 rank: int = 0) -> None:
+    """The decode side (rank ``rank`` of its TP): commands from the prefill over
+    ``conn``, one reply each."""
     try:
         os.environ.update(env)
         shape = Shape(**shape_d)
-        sa = publish("decode", shape.page_size, backend)
+        sa = publish("decode", shape.page_size, backend, shape.decode_tp, rank)
         m0 = memory_counters()
-        kv, created_s = build_pool(shape)
+        kv, created_s = build_pool(shape, shape.decode_tp)
         memory = counter_delta(m0, memory_counters())
         meta = metadata_buffers(shape.requests)
-        dm = manager(kv, meta, "decode", sa, backend)
+        dm = manager(kv, meta, "decode", sa, backend, rank, shape.mem_kind,
+                 shape.decode_tp)
         # DecodePreallocQueue asks again at every step until the prefill answers
         end = time.monotonic() + START_S
         while not dm.try_ensure_parallel_info(addr):
@@ -517,7 +577,7 @@ def _decode_main(conn, shape_d: dict, addr: str, env: dict, backend: str = "nixl
                 conn.send("published")
             elif cmd == "wait":  # arg: (timeout, planes to check) -> every room's end
                 timeout, check = arg
-                conn.send(_decode_wait(dm, kv, shape, recv, timeout, check))
+                conn.send(_decode_wait(dm, kv, shape, recv, timeout, check, rank))
             elif cmd == "info":
                 conn.send(dict(dst_kv_ptrs=list(dm.kv_args.kv_data_ptrs),
                                **(dict(agent=dm.agent.name, registered=registered(dm))
@@ -532,7 +592,8 @@ def _decode_main(conn, shape_d: dict, addr: str, env: dict, backend: str = "nixl
         os._exit(0)  # sglang's threads are not daemons; NIXL's exit is not clean here
 
 
-def _decode_wait(dm, kv, shape: Shape, recv: dict, timeout: float, check) -> dict:
+def _decode_wait(dm, kv, shape: Shape, recv: dict, timeout: float, check,
+                 rank: int = 0) -> dict:
     """Poll every receiver as the decode's transfer queue does until each room is
     Success, or Failed with its release safe: a Failed room's ABORT goes to the prefill
     (``ensure_abort_notified(force_arm=True)``, decode.py:2899-2906) and its pages count as
@@ -563,7 +624,7 @@ def _decode_wait(dm, kv, shape: Shape, recv: dict, timeout: float, check) -> dic
             break
         time.sleep(POLL_S)
     done_at = time.monotonic()
-    bad = sum(check_rows(kv, shape, request_pages(shape, r), check)
+    bad = sum(check_rows(kv, shape, request_pages(shape, r), check, shape.decode_tp, rank)
               for r, room in enumerate(rooms) if room in ok_at) if check else 0
     return dict(done_at=done_at, states=[state.get(room) for room in rooms],
                 ok_at={str(k): v for k, v in ok_at.items()},
@@ -575,20 +636,221 @@ def _kvmem_pool(kv) -> bool:
     return getattr(kv, "_kvmem_pool", None) is not None
 
 
-# -- the prefill process (this one) ----------------------------------------------------------
+# -- one prefill rank's work (this process's rank 0, a child's other ranks) ------------------
+
+def _make_senders(pm, backend: str, addr: str, shape: Shape, rooms) -> list:
+    """A sender per room (request ``r`` the ``r``-th), initialized as the bootstrap queue
+    does."""
+    sender = conn_class(backend, "Sender")
+    out = []
+    for r, room in enumerate(rooms):
+        s = sender(pm, addr, room)
+        s.init(shape.pages_per_request, aux_index=r)
+        out.append(s)
+    return out
+
+
+def _wait_waiting(senders, timeout: float) -> None:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    _wait(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), timeout,
+          "every sender WaitingForInput")
+
+
+def _wait_concluded(senders, timeout: float) -> float:
+    """Wait until every room is Success or Failed on this rank; when (monotonic)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    _wait(lambda: all(s.poll() in (KVPoll.Success, KVPoll.Failed) for s in senders),
+          timeout, "every room concluded on the prefill")
+    return time.monotonic()
+
+
+def _raw_offsets(shape: Shape, rank: int) -> tuple[int, list[int], list[int]]:
+    """The raw write of prefill rank ``rank``: bytes a request of one plane (``span``),
+    and per request the offset it is read from in the rank's plane and written to in its
+    decode rank's plane.  At unequal TP the prefill ranks that write one decode rank put
+    their spans side by side in that request's share of the plane (the bytes a
+    transfer moves, contiguous; not the decode's head layout)."""
+    src_row = shape.row_bytes // shape.prefill_tp
+    dst_row = shape.row_bytes // shape.decode_tp
+    span, slot = shape.tokens * src_row, rank % (shape.prefill_tp // shape.decode_tp)
+    src = [shape.page_size * src_row + r * span for r in range(shape.requests)]
+    dst = [shape.page_size * dst_row + r * shape.tokens * dst_row + slot * span
+           for r in range(shape.requests)]
+    return span, src, dst
+
+
+def _raw_write(pm, shape: Shape, count, backend: str, rank: int, timeout: float) -> dict:
+    """The raw write of one prefill rank (module docstring), with the manager's own NIXL
+    agent or Mooncake engine, to the one decode peer it has sent to."""
+    peer = next(iter(pm.decode_kv_args_table))
+    dst = pm.decode_kv_args_table[peer].dst_kv_ptrs
+    src = pm.kv_args.kv_data_ptrs
+    span, src_offs, dst_offs = _raw_offsets(shape, rank)
+    count.take()
+    if backend == "mooncake":
+        bufs = [s + o for o in src_offs for s in src]
+        peers = [d + o for o in dst_offs for d in dst]
+        t0 = time.monotonic()
+        code = pm.engine.batch_transfer_sync(peer, bufs, peers, [span] * len(bufs))
+        done = time.monotonic()
+        if code != 0:
+            raise RuntimeError(f"raw Mooncake batch write returned {code}")
+    else:
+        agent = pm.agent
+        lists = []
+        for so, do in zip(src_offs, dst_offs):
+            ld = np.array([(s + so, span, 0) for s in src], dtype=np.uint64)
+            rd = np.array([(d + do, span, 0) for d in dst], dtype=np.uint64)
+            lists.append((agent.get_xfer_descs(ld, "DRAM"), agent.get_xfer_descs(rd, "DRAM")))
+        t0 = time.monotonic()
+        handles = []
+        for ld, rd in lists:
+            h = agent.initialize_xfer("WRITE", ld, rd, peer)
+            agent.transfer(h)
+            handles.append(h)
+        pending = list(handles)
+        end = t0 + timeout
+        while pending:
+            states = [agent.check_xfer_state(h) for h in pending]
+            if "ERR" in states:
+                raise RuntimeError("raw NIXL write ended ERR")
+            pending = [h for h, st in zip(pending, states) if st != "DONE"]
+            if pending:
+                if time.monotonic() > end:
+                    raise TimeoutError("raw NIXL write not DONE")
+                time.sleep(POLL_S)
+        done = time.monotonic()
+        for h in handles:
+            agent.release_xfer_handle(h)
+    counted = count.take()
+    return dict(t0=t0, done_at=done, nbytes=span * len(src) * shape.requests,
+                descriptors=counted["descriptors"])
+
+
+def _counter(pm, backend: str, record: bool = False):
+    return (DescriptorCount(pm.agent, record) if backend == "nixl" else
+            SliceCount(pm.engine, record))
+
+
+def _prefill_main(conn, shape_d: dict, port: int, env: dict, backend: str, rank: int,
+                  timeout: float) -> None:
+    """Prefill rank ``rank`` (not 0) of the pair's TP: its pool (its heads, the pattern),
+    manager (registered with the bootstrap server on ``port`` of this host) and senders;
+    commands from the pair over ``conn``, one reply each."""
+    try:
+        os.environ.update(env)
+        shape = Shape(**shape_d)
+        sa = publish("prefill", shape.page_size, backend, shape.prefill_tp, rank)
+        from sglang.srt.runtime_context import get_disagg
+
+        get_disagg()._set("disaggregation_bootstrap_port", port)
+        addr = f"127.0.0.1:{port}"
+        kv, created_s = build_pool(shape, shape.prefill_tp)
+        fill_s = fill_pattern(kv, shape.prefill_tp, rank)
+        meta = metadata_buffers(shape.requests)
+        pm = manager(kv, meta, "prefill", sa, backend, rank, shape.mem_kind,
+                     shape.prefill_tp)
+        count = _counter(pm, backend)
+        conn.send(dict(pool_create_s=created_s, fill_s=fill_s, kvmem_pool=_kvmem_pool(kv)))
+        senders = []
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "stop":
+                conn.send("bye")
+                break
+            if cmd == "senders":  # arg: rooms
+                senders = _make_senders(pm, backend, addr, shape, arg)
+                conn.send("made")
+            elif cmd == "waiting":
+                _wait_waiting(senders, timeout)
+                conn.send("waiting")
+            elif cmd == "send":  # every request's one chunk; replies when all concluded
+                count.take()
+                for r, s in enumerate(senders):
+                    s.send(request_pages(shape, r))
+                done_at = _wait_concluded(senders, timeout)
+                counted = count.take()
+                conn.send(dict(done_at=done_at, states=[int(s.poll()) for s in senders],
+                               calls=counted["calls"], descriptors=counted["descriptors"],
+                               aux=len(pm.kv_args.aux_data_ptrs)))
+            elif cmd == "clear":
+                for s in senders:
+                    s.clear()
+                senders = []
+                conn.send("cleared")
+            elif cmd == "raw":
+                conn.send(_raw_write(pm, shape, count, backend, rank, timeout))
+            else:
+                conn.send(f"unknown command {cmd!r}")
+    except BaseException:  # noqa: BLE001 - the pair reads the traceback
+        conn.send(dict(error=traceback.format_exc()))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+class _Child:
+    """A rank's process and the pipe to it: one command, one reply."""
+
+    def __init__(self, target, args: tuple, env: dict, timeout: float):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.timeout = timeout
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        _start_with_flag(self.proc, env)
+
+    def post(self, cmd: str, arg=None) -> None:
+        self.conn.send((cmd, arg))
+
+    def reply(self, timeout: float | None = None):
+        timeout = timeout or self.timeout
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"a rank's process did not answer in {timeout} s")
+        out = self.conn.recv()
+        if isinstance(out, dict) and "error" in out:
+            raise RuntimeError("a rank's process failed:\n" + out["error"])
+        return out
+
+    def ask(self, cmd: str, arg=None, timeout: float | None = None):
+        self.post(cmd, arg)
+        return self.reply(timeout)
+
+    def close(self) -> None:
+        try:
+            self.ask("stop", timeout=30)
+        except Exception:  # noqa: BLE001 - the child may be gone already
+            pass
+        self.proc.join(10)
+
+
+def _all(children, cmd: str, arg=None, timeout: float | None = None) -> list:
+    """Post ``cmd`` to every child, then read their replies (they work at once)."""
+    for c in children:
+        c.post(cmd, arg)
+    return [c.reply(timeout) for c in children]
+
+
+# -- the pair (the prefill's rank 0 is this process) -----------------------------------------
 
 class Pair:
     """The prefill side in this process and the decode side in a child; see the module
-    docstring.  ``decode_env``: environment of the decode process (the flag there).
-    ``wait=False``: return once the decode process is started; :meth:`ready` waits for
-    it (several pairs of one process then start their decodes together).  ``record``:
-    keep every descriptor of a round (``DescriptorCount``) for :meth:`regions_check`
-    (NIXL).  ``backend``: ``nixl`` or ``mooncake`` (:data:`BACKENDS`)."""
+    docstring.  At TP (``shape.prefill_tp`` / ``decode_tp`` above 1) this process is the
+    prefill's rank 0, each other prefill rank and each decode rank a child of its own,
+    every rank with its share of the heads; one bootstrap server (this process's).
+    ``decode_env``: environment of the decode processes (the flag there); the prefill's
+    other ranks get this process's SGLANG_KVMEM* variables.  ``wait=False``: return once
+    the children are started; :meth:`ready` waits for them (several pairs of one process
+    then start their children together).  ``record``: keep every descriptor of a round
+    (``DescriptorCount``) for :meth:`regions_check` (NIXL, TP 1).  ``backend``: ``nixl``
+    or ``mooncake`` (:data:`BACKENDS`)."""
 
     def __init__(self, shape: Shape, decode_env: dict | None = None, timeout: float = 300,
                  wait: bool = True, record: bool = False, backend: str = "nixl"):
         self.shape, self.timeout, self.backend = shape, timeout, backend
-        sa = publish("prefill", shape.page_size, backend)
+        sa = publish("prefill", shape.page_size, backend, shape.prefill_tp, 0)
         from sglang.srt.runtime_context import get_disagg
 
         port = _free_port()
@@ -596,23 +858,23 @@ class Pair:
         conn_class(backend, "BootstrapServer")("127.0.0.1", port)
         self.addr = f"127.0.0.1:{port}"
         m0 = memory_counters()
-        self.kv, self.pool_create_s = build_pool(shape)
-        self.fill_s = fill_pattern(self.kv)
+        self.kv, self.pool_create_s = build_pool(shape, shape.prefill_tp)
+        self.fill_s = fill_pattern(self.kv, shape.prefill_tp, 0)
         self.memory = counter_delta(m0, memory_counters())  # the pool made and filled
         self.meta = metadata_buffers(shape.requests)
-        self.pm = manager(self.kv, self.meta, "prefill", sa, backend)
-        self.count = (DescriptorCount(self.pm.agent, record) if backend == "nixl" else
-                      SliceCount(self.pm.engine, record))
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        env = {k: v for k, v in os.environ.items()}
-        env = {k: v for k, v in env.items() if not k.startswith("SGLANG_KVMEM")}
-        env.update(decode_env if decode_env is not None else
-                   {k: v for k, v in os.environ.items() if k.startswith("SGLANG_KVMEM")})
-        self.proc = ctx.Process(target=_decode_main,
-                                args=(child, asdict(shape), self.addr, env, backend),
-                                daemon=True)
-        _start_with_flag(self.proc, env)
+        self.pm = manager(self.kv, self.meta, "prefill", sa, backend, 0, shape.mem_kind,
+                          shape.prefill_tp)
+        self.count = _counter(self.pm, backend, record)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KVMEM")}
+        mine = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_KVMEM")}
+        self.ranks = [_Child(_prefill_main, (asdict(shape), port, {**env, **mine}, backend,
+                                             rank, timeout), {**env, **mine}, timeout)
+                      for rank in range(1, shape.prefill_tp)]
+        denv = {**env, **(decode_env if decode_env is not None else mine)}
+        self.decodes = [_Child(_decode_main, (asdict(shape), self.addr, denv, backend, rank),
+                               denv, timeout)
+                        for rank in range(shape.decode_tp)]
+        self.proc = self.decodes[0].proc
         self.decode_info = None
         self.next_room = 1000
         self.rounds = 0
@@ -620,40 +882,33 @@ class Pair:
             self.ready()
 
     def ready(self) -> "Pair":
-        """Wait until the decode process is up (its pool, manager and bootstrap)."""
+        """Wait until every child is up (its pool, manager and bootstrap);
+        ``decode_info``: decode rank 0's start-up reply, ``rank_info`` the prefill
+        ranks'."""
         if self.decode_info is None:
-            self.decode_info = self._reply(START_S)
+            self.rank_info = [c.reply(START_S) for c in self.ranks]
+            self.decode_info = [c.reply(START_S) for c in self.decodes][0]
         return self
 
-    def _reply(self, timeout: float | None = None):
-        timeout = timeout or self.timeout
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"the decode process did not answer in {timeout} s")
-        out = self.conn.recv()
-        if isinstance(out, dict) and "error" in out:
-            raise RuntimeError("decode process failed:\n" + out["error"])
-        return out
-
     def ask(self, cmd: str, arg=None, timeout: float | None = None):
-        self.conn.send((cmd, arg))
-        return self._reply(timeout)
+        """A command to decode rank 0, its reply."""
+        return self.decodes[0].ask(cmd, arg, timeout)
 
     def senders(self, n: int, check=(), clear: bool = True):
-        """``n`` bootstrapped senders (rooms WaitingForInput), one per request; the
-        decode clears the rows of the planes ``check`` first unless ``clear`` is False."""
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        sender = conn_class(self.backend, "Sender")
+        """``n`` bootstrapped senders of this process's rank (rooms WaitingForInput, on
+        every rank), one per request; the decode clears the rows of the planes ``check``
+        first unless ``clear`` is False."""
         rooms = list(range(self.next_room, self.next_room + n))
         self.next_room += n
-        out = []
-        for r, room in enumerate(rooms):
-            s = sender(self.pm, self.addr, room)
-            s.init(self.shape.pages_per_request, aux_index=r)
-            out.append(s)
-        assert self.ask("publish", (rooms, list(check), clear)) == "published"
-        _wait(lambda: all(s.poll() == KVPoll.WaitingForInput for s in out), self.timeout,
-              "every sender WaitingForInput")
+        out = _make_senders(self.pm, self.backend, self.addr, self.shape, rooms)
+        assert _all(self.ranks, "senders", rooms) == ["made"] * len(self.ranks)
+        assert (_all(self.decodes, "publish", (rooms, list(check), clear))
+                == ["published"] * len(self.decodes))
+        for c in self.ranks:
+            c.post("waiting")
+        _wait_waiting(out, self.timeout)
+        for c in self.ranks:
+            c.reply()
         return out
 
     def sglang_round(self, check=(0,), on_sent=None, at_once: bool = False,
@@ -671,8 +926,8 @@ class Pair:
         first write into those pages, and pays their first touch where the pool left it
         to the first touch.  ``send(r, sender, pages)``: how request ``r`` is handed to
         its sender (default ``sender.send(pages)``; a test passes sglang's other
-        arguments, as a scheduler would)."""
-        from sglang.srt.disaggregation.base.conn import KVPoll
+        arguments, as a scheduler would).  ``on_sent``, ``at_once`` and ``send`` act on
+        this process's rank only; the other prefill ranks send every chunk plainly."""
         from sglang.srt.disaggregation.common.utils import FastQueue
 
         shape = self.shape
@@ -682,6 +937,8 @@ class Pair:
         if at_once:
             self.pm.transfer_queues = [FastQueue() for _ in real]
         t0 = time.monotonic()
+        for c in self.ranks:
+            c.post("send")
         for r, s in enumerate(senders):
             if send is None:
                 s.send(request_pages(shape, r))
@@ -695,24 +952,29 @@ class Pair:
                     q._cond.notify_all()
         if on_sent is not None:
             on_sent(senders)
-        _wait(lambda: all(s.poll() in (KVPoll.Success, KVPoll.Failed) for s in senders),
-              self.timeout, "every room concluded on the prefill")
-        t_prefill = time.monotonic()
+        t_prefill = _wait_concluded(senders, self.timeout)
+        ranks = [c.reply() for c in self.ranks]
         wait_s = decode_timeout or self.timeout
-        d = self.ask("wait", (wait_s, list(check)), timeout=wait_s + self.timeout)
+        ds = _all(self.decodes, "wait", (wait_s, list(check)), timeout=wait_s + self.timeout)
         states = [int(s.poll()) for s in senders]
         counted = self.count.take()
         for s in senders:
             s.clear()
+        _all(self.ranks, "clear")
         self.rounds += 1
-        wall = max(t_prefill, d["done_at"]) - t0
+        wall = max([t_prefill] + [x["done_at"] for x in ranks + ds]) - t0
         nbytes = shape.requests * shape.request_bytes
         aux = len(self.pm.kv_args.aux_data_ptrs)  # send_aux: one descriptor per aux buffer
+        calls = counted["calls"] + sum(x["calls"] for x in ranks)
+        descs = counted["descriptors"] + sum(x["descriptors"] for x in ranks)
         return dict(seconds=wall, gbps=nbytes / wall / 1e9, nbytes=nbytes, t0=t0,
                     rooms=[s.bootstrap_room for s in senders],
-                    prefill_states=states, decode_states=d["states"], bad_rows=d["bad_rows"],
-                    decode=d, engine_writes=counted["calls"] - shape.requests,
-                    kv_descriptors_per_request=counted["descriptors"] / shape.requests - aux,
+                    prefill_states=states, decode_states=ds[0]["states"],
+                    rank_states=[x["states"] for x in ranks],
+                    decode_rank_states=[d["states"] for d in ds[1:]],
+                    bad_rows=sum(d["bad_rows"] for d in ds), decode=ds[0],
+                    engine_writes=calls - shape.requests * shape.prefill_tp,
+                    kv_descriptors_per_request=descs / shape.requests - aux * shape.prefill_tp,
                     **({"regions": self.regions_check(counted["ranges"])}
                        if self.count.record else {}))
 
@@ -737,71 +999,18 @@ class Pair:
         return len(self.pm._registerable_regions())
 
     def raw_round(self) -> dict:
-        """The raw write of the same bytes (module docstring)."""
-        if self.backend == "mooncake":
-            return self._raw_round_mooncake()
-        shape, agent = self.shape, self.pm.agent
-        peer = next(iter(self.pm.decode_kv_args_table))
-        dst = self.pm.decode_kv_args_table[peer].dst_kv_ptrs
-        src = self.pm.kv_args.kv_data_ptrs
-        span = shape.tokens * shape.row_bytes
-        first = shape.page_size * shape.row_bytes  # row P: after the padding page
-        lists = []
-        for r in range(shape.requests):
-            off = first + r * span
-            ld = np.array([(s + off, span, 0) for s in src], dtype=np.uint64)
-            rd = np.array([(d + off, span, 0) for d in dst], dtype=np.uint64)
-            lists.append((agent.get_xfer_descs(ld, "DRAM"), agent.get_xfer_descs(rd, "DRAM")))
-        self.count.take()
-        t0 = time.monotonic()
-        handles = []
-        for ld, rd in lists:
-            h = agent.initialize_xfer("WRITE", ld, rd, peer)
-            agent.transfer(h)
-            handles.append(h)
-        pending = list(handles)
-        end = t0 + self.timeout
-        while pending:
-            states = [agent.check_xfer_state(h) for h in pending]
-            if "ERR" in states:
-                raise RuntimeError("raw NIXL write ended ERR")
-            pending = [h for h, st in zip(pending, states) if st != "DONE"]
-            if pending:
-                if time.monotonic() > end:
-                    raise TimeoutError("raw NIXL write not DONE")
-                time.sleep(POLL_S)
-        wall = time.monotonic() - t0
-        for h in handles:
-            agent.release_xfer_handle(h)
-        counted = self.count.take()
-        nbytes = shape.requests * shape.request_bytes
+        """The raw write of the same bytes (module docstring), every prefill rank at
+        once."""
+        for c in self.ranks:
+            c.post("raw")
+        mine = _raw_write(self.pm, self.shape, self.count, self.backend, 0, self.timeout)
+        every = [mine] + [c.reply() for c in self.ranks]
+        wall = max(x["done_at"] for x in every) - min(x["t0"] for x in every)
+        nbytes = sum(x["nbytes"] for x in every)
         return dict(seconds=wall, gbps=nbytes / wall / 1e9, nbytes=nbytes,
-                    kv_descriptors_per_request=counted["descriptors"] / shape.requests)
-
-    def _raw_round_mooncake(self) -> dict:
-        shape = self.shape
-        peer = next(iter(self.pm.decode_kv_args_table))
-        dst = self.pm.decode_kv_args_table[peer].dst_kv_ptrs
-        src = self.pm.kv_args.kv_data_ptrs
-        span = shape.tokens * shape.row_bytes
-        first = shape.page_size * shape.row_bytes  # row P: after the padding page
-        offs = [first + r * span for r in range(shape.requests)]
-        bufs = [s + o for o in offs for s in src]
-        peers = [d + o for o in offs for d in dst]
-        self.count.take()
-        t0 = time.monotonic()
-        code = self.pm.engine.batch_transfer_sync(peer, bufs, peers, [span] * len(bufs))
-        wall = time.monotonic() - t0
-        if code != 0:
-            raise RuntimeError(f"raw Mooncake batch write returned {code}")
-        counted = self.count.take()
-        nbytes = shape.requests * shape.request_bytes
-        return dict(seconds=wall, gbps=nbytes / wall / 1e9, nbytes=nbytes,
-                    kv_descriptors_per_request=counted["descriptors"] / shape.requests)
+                    kv_descriptors_per_request=sum(x["descriptors"] for x in every)
+                    / self.shape.requests)
 
     def close(self) -> None:
-        try:
-            self.ask("stop")
-        except Exception:  # noqa: BLE001 - the child may be gone already
-            pass
-        self.proc.join(10)
+        for c in self.ranks + self.decodes:
+            c.close()

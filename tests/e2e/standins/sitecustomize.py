@@ -75,29 +75,27 @@ def _note(name: str) -> None:
             pass
 
 
+def _nap_module():
+    """testkit/nixl_nap.py, loaded from its file once: the repository is not on this
+    path."""
+    nap = sys.modules.get("kvmem_e2e_nixl_nap")
+    if nap is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                            os.pardir, os.pardir, "testkit", "nixl_nap.py")
+        spec = importlib.util.spec_from_file_location("kvmem_e2e_nixl_nap", path)
+        nap = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(nap)
+        sys.modules["kvmem_e2e_nixl_nap"] = nap
+    return nap
+
+
 def _dram_for_vram(module) -> None:
-    cls = module.nixl_agent
-    if getattr(cls, "_kvmem_e2e_dram", False):
-        return
-    init = cls.__init__
-
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.nixl_mems["VRAM"] = self.nixl_mems["DRAM"]
-
-    cls.__init__ = __init__
-    cls._kvmem_e2e_dram = True
-    _note(f"nixl-vram-as-dram:{module.__name__}")
+    if _nap_module().vram_as_dram(module):
+        _note(f"nixl-vram-as-dram:{module.__name__}")
 
 
 def _progress_thread_naps(module) -> None:
-    # testkit/nixl_nap.py, loaded from its file: the repository is not on this path
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir,
-                        os.pardir, "testkit", "nixl_nap.py")
-    spec = importlib.util.spec_from_file_location("kvmem_e2e_nixl_nap", path)
-    nap = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(nap)
-    if nap.apply(module):
+    if _nap_module().apply(module):
         _note(f"nixl-progress-thread-delay:{module.__name__}")
 
 
