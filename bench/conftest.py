@@ -11,7 +11,7 @@ printed on every plot (e.g. that the machine was loaded).
 Without pytest-benchmark (the bare GPU host, or ``-p no:benchmark``) the ``benchmark``
 fixture is bench/timer.py's, the part of pytest-benchmark's the benchmarks use.
 
-A run that loaded NIXL ends through :func:`kvmem.transfer.nixl_exit.finish_pytest` once
+A run that loaded NIXL ends through :func:`testkit.pytest_exit.finish_pytest` once
 pytest has written everything, the report, its JSON and plots included (NIXL's native
 destructors crash at exit on a host with RDMA libraries; docs/transfer.md)."""
 
@@ -105,7 +105,7 @@ def pytest_configure(config):
 @pytest.hookimpl(wrapper=True)
 def pytest_cmdline_main(config):
     status = yield
-    from kvmem.transfer.nixl_exit import finish_pytest  # here: collection imports no kvmem
+    from testkit.pytest_exit import finish_pytest  # here: collection imports no kvmem
 
     return finish_pytest(config, status)
 

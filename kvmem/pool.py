@@ -44,10 +44,8 @@ import torch
 from kvmem.errors import ClosedPoolError, ReleasedPoolError
 from kvmem.kernels import pack as _pack
 from kvmem.memory import MemoryBackend, make_backend
-from kvmem.memory.plan import LAYER_ALIGN, LAYOUTS, ChunkPlan, plan_pool
+from kvmem.memory.plan import LAYOUTS, ChunkPlan, plan_pool
 from kvmem.spec import KVSpec
-
-_LAYER_ALIGN = LAYER_ALIGN  # the name tests and older callers use
 
 
 def layer_offsets(spec: KVSpec, num_pages: int, layout: str) -> tuple[list[int], list[int], int]:

@@ -14,7 +14,7 @@ everything once.
   ``.venv-e2e`` (sglang with its full dependencies and the router), which sets
   ``KVMEM_E2E=1``; the main run leaves that folder out.
 
-A run that loaded NIXL ends through :func:`kvmem.transfer.nixl_exit.finish_pytest` once
+A run that loaded NIXL ends through :func:`testkit.pytest_exit.finish_pytest` once
 pytest has written everything (on a host with RDMA libraries NIXL's native destructors
 crash at exit, status 139, after the tests passed; docs/transfer.md, "Process exit").
 
@@ -86,6 +86,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(wrapper=True)
 def pytest_cmdline_main(config):
     status = yield
-    from kvmem.transfer.nixl_exit import finish_pytest  # here: collection imports no kvmem
+    from testkit.pytest_exit import finish_pytest  # here: collection imports no kvmem
 
     return finish_pytest(config, status)

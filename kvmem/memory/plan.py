@@ -28,8 +28,8 @@ With one chunk (a pool up to ``target``) the offsets are those of a single range
 padded to 512 bytes only.  Both backends (``host``, ``cuda_vmm``) take their chunks from
 a plan, so the CPU test suite sees the GPU's boundaries.
 
-Units: bytes, offsets from the start of the pool's range.  Sizes of a 64 GiB pool for
-80-layer 8B/70B-class and MLA shapes (driver calls, padding): bench/results/chunk-plan.md.
+Units: bytes, offsets from the start of the pool's range.  What plans of real pools
+cost (driver calls, padding): docs/pool.md, "Physical chunks".
 """
 
 from __future__ import annotations
@@ -47,9 +47,7 @@ LAYER_ALIGN = 512
 
 LAYOUTS = ("kvmem", "sglang")
 
-# Default chunk target.  2 GiB keeps release/resume of a 64 GiB pool to 32-40 chunks,
-# i.e. 64-80 driver calls to release and 96-120 to resume (bench/results/chunk-plan.md);
-# its cost on the H200 (time of one cuMemCreate/cuMemMap of 2 GiB) is not measured yet.
+# Default chunk target: docs/pool.md, "Physical chunks" (what it costs a 64 GiB pool).
 CHUNK_BYTES = 2 << 30
 
 # Environment variable with the chunk target in bytes, read when a backend is made

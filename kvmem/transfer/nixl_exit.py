@@ -22,8 +22,8 @@ agent not closed: its threads end with the process), and buffered data of files 
 closed.
 
 Who calls it: the ``kvmem demo`` workers (:mod:`kvmem.demo.worker`; the demo's parent
-never loads NIXL), pytest runs through :func:`finish_pytest` (the repository's conftests),
-and scripts or multiprocessing targets through :func:`process_body`.
+never loads NIXL), scripts or multiprocessing targets through :func:`process_body`, and
+the repository's pytest runs through its test kit's wrapper of :func:`finish`.
 """
 
 from __future__ import annotations
@@ -99,15 +99,3 @@ def process_body():
     else:
         status = 0
     sys.exit(finish(status))
-
-
-def finish_pytest(config, status) -> int:
-    """For a conftest's ``pytest_cmdline_main`` wrapper, once pytest's command line has
-    done everything (summary printed, junit XML and plugins' files written, unconfigure
-    and clean-up run): :func:`finish` with pytest's exit status when this pytest run is the
-    process's own command line; else (``pytest.main()`` inside another program) the status
-    as it is."""
-    status = int(status)
-    if tuple(config.invocation_params.args) == tuple(sys.argv[1:]):
-        return finish(status)
-    return status

@@ -105,7 +105,7 @@ def _sources():
 
 
 def test_no_hand_written_prometheus_text_or_progress_bar_in_kvmem():
-    """Metrics go through prometheus_client (kvmem.metrics), progress through tqdm."""
+    """Metrics go through prometheus_client (kvmem.disagg.metrics), progress through tqdm."""
     found = []
     for path in _sources():
         text = path.read_text()

@@ -241,13 +241,3 @@ def test_a_host_serves_the_registry_over_http(pair):
     got = {(s.labels["side"], s.labels["outcome"]): s.value
            for s in fams["kvmem_requests"].samples}
     assert got[("prefill", "succeeded")] == got[("decode", "succeeded")] == 1
-
-
-def test_the_former_name_kvmem_metrics_gives_the_same_objects():
-    import kvmem.metrics
-
-    assert set(kvmem.metrics.__all__) == {n for n in vars(kvmem.disagg.metrics)
-                                          if not n.startswith("_") and n.isupper()} | {
-        "register", "unregister", "DisaggCollector"}
-    for name in kvmem.metrics.__all__:
-        assert getattr(kvmem.metrics, name) is getattr(kvmem.disagg.metrics, name), name

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvmem
-from kvmem.pool import _LAYER_ALIGN
+from kvmem.memory.plan import LAYER_ALIGN
 from tests.kv_cases import fill_random
 
 SPECS = {
@@ -42,9 +42,9 @@ def test_sglang_layout_puts_v_right_after_k(name):
     pool = kvmem.KVPool(spec, PAGES, layout="sglang", chunk_bytes=ONE_CHUNK)
     assert pool.layout == "sglang"
     k_bytes, v_bytes = _layer_bytes(spec)
-    block = -(-(k_bytes + v_bytes) // _LAYER_ALIGN) * _LAYER_ALIGN
+    block = -(-(k_bytes + v_bytes) // LAYER_ALIGN) * LAYER_ALIGN
     base = pool._mem.tensor.data_ptr()
-    assert base % _LAYER_ALIGN == 0
+    assert base % LAYER_ALIGN == 0
     assert pool.nbytes == spec.num_layers * block
     assert len(pool.v_buffer) == (spec.num_layers if spec.has_v else 0)
     for l in range(spec.num_layers):
@@ -93,7 +93,7 @@ def test_several_chunks_keep_each_block_whole(name):
         assert len(regions) > 1
         for l in range(spec.num_layers):
             k = pool.k_buffer[l]
-            assert k.data_ptr() % _LAYER_ALIGN == 0
+            assert k.data_ptr() % LAYER_ALIGN == 0
             blocks = [(k.data_ptr(), k.nbytes)]
             if spec.has_v:
                 v = pool.v_buffer[l]
@@ -112,7 +112,7 @@ def test_kvmem_layout_is_unchanged():
     pool = kvmem.KVPool(spec, PAGES, chunk_bytes=ONE_CHUNK)
     assert pool.layout == "kvmem"
     k_bytes = spec.k_layer_bytes(PAGES)
-    stride = -(-k_bytes // _LAYER_ALIGN) * _LAYER_ALIGN
+    stride = -(-k_bytes // LAYER_ALIGN) * LAYER_ALIGN
     base = pool._mem.tensor.data_ptr()
     assert [b.data_ptr() - base for b in pool.k_buffer] == [l * stride for l in range(3)]
     assert [b.data_ptr() - base for b in pool.v_buffer] == [(3 + l) * stride for l in range(3)]
