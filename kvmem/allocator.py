@@ -1,9 +1,9 @@
 """PageAllocator: the KV pages of one pool, handed out and taken back on the pool's
 device, with sglang 0.5.23's token-slot semantics for alloc_extend / alloc_decode.
 
-About 630 lines, one class over one state: its methods keep the invariants the class
-docstring states, so they stay together; what they launch and check lives in
-kvmem/kernels/alloc/, the refusals in kvmem/errors.py."""
+One class over one state: its methods keep the invariants the class docstring states;
+what they launch and check lives in kvmem/kernels/alloc/, the refusals in
+kvmem/errors.py."""
 
 from __future__ import annotations
 
@@ -461,8 +461,7 @@ class PageAllocator:
     def _triton(self) -> bool:
         """kvmem.kernels._dispatch.use_triton for the allocator's device (every tensor a
         call touches is on it), decided when the allocator was made: a read per call is
-        a measurable part of an alloc+free on the CPU
-        (bench/results/cpu-2026-11-30-cpu-paths.md)."""
+        a measurable part of an alloc+free on the CPU (docs/kernels.md, "Measured on the CPU")."""
         return self._use_triton
 
     def _flag(self, check: bool) -> bool:
@@ -505,8 +504,7 @@ class PageAllocator:
         end = head + count
         if self._ring_np is not None and not self._triton():
             ring = self._ring_np
-            # 1/6, where the map scan overtakes np.sort:
-            # bench/results/cpu-2026-11-30-cpu-paths.md
+            # 1/6, where the map scan overtakes np.sort (docs/kernels.md, "Measured on the CPU")
             if count * 6 >= self.num_pages:
                 free = np.flatnonzero(self._owned_np[1:self.num_pages] == 0)
                 assert free.shape[0] == count, "the free list and the map disagree"

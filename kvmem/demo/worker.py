@@ -2,8 +2,8 @@
 the 'spawn' context; this module is what each child imports): ``--prefills`` prefill
 workers and ``--decodes`` decode workers, one and one by default.
 
-About 600 lines: the two worker classes share their loop, pacing and pipe protocol
-(``_Worker``), and each is the one place its side's setup and workload are driven from.
+The two worker classes share their loop, pacing and pipe protocol (``_Worker``), and
+each is the one place its side's setup and workload are driven from.
 
 Each worker owns a KVPool (host backend), a PageAllocator, a NixlEngine (UCX, no progress
 thread: the loops poll) and one side of the PD lifecycle

@@ -10,13 +10,10 @@ rules, what the transport does not do, and the pause/resume ordering the PD life
 
 An engine is driven by one thread (NIXL's agent is created without locking).
 
-About 650 lines, one class: the rules above are checks on one shared state (epochs,
-tombstones, the in-flight table, the prepared tables), so they stay in one place; the data
-types, range checks, layouts and the metadata envelope live in their own modules beside it.
-
-About 650 lines, one class: every method reads or changes the same registrations, peers,
-handles and tables, under the invariants of the class docstring; what needs none of that
-state lives beside it (errors, ranges, layout, records, envelope).
+One class: the rules above are checks on one shared state (registrations, peers, epochs,
+tombstones, the in-flight table, the prepared tables), under the invariants of the class
+docstring; what needs none of that state lives beside it (errors, ranges, layouts,
+records, the metadata envelope).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The decode side is told when the prefill aborts a KV sender (issue 8 item 5).
+"""The decode side is told when the prefill aborts a KV sender.
 
 sglang 0.5.23 (file:line of the installed package, ``sglang/srt/disaggregation/``):
 

@@ -148,7 +148,7 @@ def _last_page_problem_np(partial, last, owned_ext, ps):
 
 def extend_problems_np(pre, seq, last, owned_ext, ps) -> list[int]:
     """numpy twin of extend_problems for CPU batches (NumPy calls cost a fraction of
-    torch's there: bench/results/cpu-2026-11-30-cpu-paths.md): [first bad request or -1,
+    torch's there: docs/kernels.md, "Measured on the CPU"): [first bad request or -1,
     code, new pages, tokens]."""
     pre = pre.astype(np.int64, copy=False)
     seq = seq.astype(np.int64, copy=False)

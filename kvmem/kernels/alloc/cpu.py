@@ -3,8 +3,8 @@ tensors (zero copy), a free of a short Python list in plain Python, and the torc
 computations of alloc_extend / alloc_decode.  Layouts: ``kvmem.kernels.alloc``.
 
 Take and free are NumPy, not torch: they move a few hundred integers, where a torch
-call's dispatch costs several times a NumPy call's
-(bench/results/cpu-2026-11-30-cpu-paths.md).  The slot computations are torch.
+call's dispatch costs several times a NumPy call's (docs/kernels.md, "Measured on the
+CPU").  The slot computations are torch.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def free_pages_cpu(pages: np.ndarray, ring: np.ndarray, owned_ext: np.ndarray,
 
 
 # Longest Python list free_pages_list takes: where it and free_pages_cpu cross
-# (bench/results/cpu-2026-11-30-cpu-paths.md).
+# (docs/kernels.md, "Measured on the CPU").
 PY_FREE_MAX = 32
 
 
@@ -130,8 +130,8 @@ def extend_slots_torch(prefix_lens, seq_lens, last_loc, new_pages, page_size: in
     owner = torch.repeat_interleave(
         torch.arange(seq.numel(), device=device), ext, output_size=total
     )
-    # index_select, not advanced indexing: same result, faster
-    # (bench/results/cpu-2026-11-30-cpu-paths.md)
+    # index_select, not advanced indexing: same result, faster (docs/kernels.md,
+    # "Measured on the CPU")
     per_tok = per_req.index_select(0, owner)
     pos = torch.arange(total, device=device) + per_tok[:, 0]
     old_slot = pos + per_tok[:, 1]

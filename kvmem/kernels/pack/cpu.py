@@ -53,7 +53,7 @@ def _one_storage_rows(plan: _Plan, k_buffers, v_buffers) -> list[_Rows] | None:
 
     Why: each torch op on the CPU is one OpenMP parallel region, and each region waits
     for all its threads; with another process keeping a core busy that wait is one
-    scheduler slice per region (measured: bench/results/cpu-2026-11-30-contention.md).
+    scheduler slice per region (measured: docs/kernels.md, "Measured on the CPU").
     Offsets need not be equal strides: every row sits a multiple of ``pitch`` (the gcd of
     all offsets and strides) from the storage's start, so any layout in one storage is one
     view."""
@@ -140,8 +140,7 @@ def _torch_copy_per_layer(plan: _Plan, k_buffers, v_buffers, ids: torch.Tensor,
             dst = chunk[off:off + nbytes].view(word).view((n,) + tuple(sel_w.shape[1:]))
             if pack:
                 torch.index_select(sel_w, 0, ids, out=dst)
-            else:  # index_put_, not index_copy_ or NumPy
-                # (bench/results/cpu-2026-11-30-cpu-paths.md)
+            else:  # index_put_, not index_copy_ or NumPy (docs/kernels.md)
                 sel_w.index_put_((ids,), dst)
             off += nbytes
 

@@ -203,8 +203,8 @@ def make_plan(k_buffers, v_buffers, page_size, layers, heads) -> _Plan:
                          f"got shape {tuple(k_buffers[0].shape)}")
     heads = _check_heads(heads, k_buffers[0].shape[-2])
     # Every buffer's address, shape and strides: what tells a changed buffer from the one
-    # planned, O(layers) on every call (a list comprehension: about 0.3 us a buffer,
-    # a quarter less than a generator; bench/results/cpu-2026-12-03-launch-prep.md).
+    # planned, O(layers) on every call (a list comprehension, a quarter faster than a
+    # generator: docs/kernels.md, "Measured on the CPU").
     key = (
         tuple([(b.data_ptr(), b.shape, b.stride()) for b in k_buffers]),
         tuple([(b.data_ptr(), b.shape, b.stride()) for b in v_buffers]),
