@@ -351,7 +351,7 @@ class TransferEngine(abc.ABC):
         Cost: the regions of both sides are indexed once (at register / add_peer), sorted.
         A write of up to 8 ranges a side given as Python ints is checked by bisect in
         Python; longer lists, and arrays, go through numpy, O(n log n) (figures:
-        bench/results/cpu-2026-11-30-transfer-checks.md).
+        docs/transfer.md, "Costs").
         """
         self._check_open("post_write")
         self.check_fresh(remote)
@@ -478,7 +478,7 @@ class TransferEngine(abc.ABC):
         is live at its epoch, indices within the tables and sizes equal pairwise
         (ValueError).  Cost: a few numpy reductions over the indices, no range search
         (the blocks were checked inside their registrations when prepared; figures:
-        bench/results/cpu-2026-11-30-transfer-checks.md).
+        docs/transfer.md, "Costs").
         """
         self._check_open("post_blocks")
         if op not in ("WRITE", "READ"):

@@ -1,60 +1,10 @@
 """NixlEngine: the TransferEngine over NIXL (UCX), DRAM on the CPU, VRAM on CUDA.
 
 The epoch rule, the tombstones and the pause/resume ordering are in docs/transfer.md (and
-:mod:`kvmem.transfer.engine`); this module only maps them onto NIXL's agent API.  Facts it
-relies on, checked with nixl-cu12 1.5.1 on a 2-core CPU machine (UCX bundled in the wheel;
-the measurements behind them: bench/results/cpu-2026-11-30-nixl-behaviour.md):
-
-* **No revocation.**  ``deregister_memory`` does not stop a peer: a write built from old
-  metadata landed after the target deregistered, and after it re-registered.  The
-  initiator's NIXL also keeps a peer's old sections: ``add_remote_agent`` of newer
-  metadata *merges* (a region the peer dropped stays writable through raw NIXL calls).
-  kvmem's epoch check in ``post_write`` is the initiator-side guard.
-* **Re-adding a peer.**  Loading newer metadata of the same agent (same process) works
-  without ``remove_remote_agent``, keeps the connection warm, and a write in flight
-  survives it.  A *restarted* peer (new agent, same name) is refused
-  (NIXL_ERR_NOT_ALLOWED) until ``remove_remote_agent``; so kvmem removes first when the
-  incarnation changed.  ``remove_remote_agent`` while a write to that peer is in flight
-  makes the write's status raise (nixlNotFoundError, "remote agent was invalidated or
-  re-registered during transfer"): kvmem reports that as ERR; the handle still releases.
-* **Damaged metadata poisons the peer name.**  A truncated blob half-loads (connection
-  info in, sections refused) and NIXL then refuses the *valid* metadata of that agent
-  (NIXL_ERR_INVALID_PARAM), even after ``remove_remote_agent``.  The kvmem envelope's
-  digest keeps damaged bytes away from NIXL.
-* **Registration metadata is address-based.**  After deregister + register of the same
-  addresses, ``get_agent_metadata()`` returned identical bytes: NIXL's metadata carries
-  no epoch, hence kvmem's header.  Re-adding peers and re-registering regions many times
-  leaks nothing measurable.
-* **Notifications.**  A write's notif is sent when the *initiator's* poll
-  (``check_xfer_state``) sees the write complete, not by the progress thread: with nobody
-  polling, a write lands but its notif does not leave; one poll sends it.  So the sender polls its writes (``TransferEngine.in_flight()`` each loop step).
-  When the notif arrives the bytes are there (the tests check the bytes at that moment,
-  in one process and across two).  The target needs nothing to receive; ``send_notif``
-  needs the target's metadata loaded (NIXL_ERR_NOT_FOUND otherwise) and does not block
-  on a stopped peer.  A write cancelled in flight (``release`` of a PROC handle succeeds:
-  NIXL cancels it) never delivers its notif.  ``invalidate_local_metadata`` only
-  concerns NIXL's own metadata exchange (listener thread / central server), which kvmem
-  does not use: its metadata travels as bytes the caller carries.
-* **Transports.**  UCX's defaults here: RMA writes by ``cma`` (process_vm_writev,
-  zero-copy, host to host, also between two agents of one process), active messages
-  (notifs, wireup) over ``tcp`` on loopback (``UCX_PROTO_INFO=y`` shows it).  A cma
-  write's bytes land inside ``transfer()``; its state stays PROC until polled.  UCX_TLS
-  is left alone: the defaults were as fast as ``cma,tcp,self``, ``tcp,self`` was slower,
-  and ``sm,self`` / ``posix,cma,self`` fail at agent creation (NIXL_ERR_BACKEND).
-  bench/bench_transfer.py measures NIXL against a plain copy.
-* **Progress thread.**  NIXL's progress thread (on by default, ``pthrDelay`` 0 in its
-  Python API) spins: an idle process with an agent uses a whole core.  On a small host
-  that costs bandwidth and latency of everything else.  Without it nothing progresses
-  unless its owner calls in: a write without a notif stays PROC, however often the
-  initiator polls, until the *target* engine calls ``get_notifs()``.  ``NixlEngine`` keeps NIXL's default; ``progress_thread=False`` is
-  for processes whose loops poll both as initiator (``in_flight()``) and as target
-  (``get_notifs()``) all the time, as the demo's workers do.
-* **First transfer.**  Loading a peer (``add_peer``) starts the connection set-up in
-  the background; a write posted at once waits for it (an order of magnitude slower than
-  a warm one), in one process and between two.  ``make_connection`` gave nothing on top
-  of that, so kvmem does not expose it.  kvmem keeps one agent per engine and never removes a live peer
-  when newer metadata of the same incarnation arrives, so connections stay warm across
-  pause/resume: publish the new metadata as early as the resume allows.
+:mod:`kvmem.transfer.engine`); this module only maps them onto NIXL's agent API.  The
+facts about NIXL it relies on (no revocation, re-adding peers, damaged metadata,
+notifications, transports, the progress thread, the first transfer) are in
+docs/transfer.md, "NIXL facts kvmem relies on".
 
 VRAM (not run on this CPU machine; each spot is marked ``GPU-CHECK``): regions on a CUDA
 device register as "VRAM" with the device index as NIXL's device id; a CUDA context must
@@ -77,8 +27,7 @@ from kvmem.transfer.layout import MAX_TABLE_BLOCKS, BlockLayout
 from kvmem.transfer.records import Registration, RemoteMemory
 
 # Blocks a table may hold where NIXL has no strided lists and every block is one row: a
-# choice, not a limit NIXL reported (what 2**24 rows cost:
-# bench/results/cpu-2026-11-30-transfer-checks.md).
+# choice, not a limit NIXL reported (docs/transfer.md, "Costs").
 EXPANDED_MAX_BLOCKS = 1 << 24
 
 
@@ -209,8 +158,8 @@ class NixlEngine(TransferEngine):
         # registrations (local) or the peer's loaded metadata (remote) here, once, so a
         # post names blocks by index.  The list is NIXL's strided form, one (base, nbytes,
         # device id, stride, count) row per plane: O(planes) to build and to prepare (an
-        # expanded row per block costs memory and prep time per block; the figures are in
-        # bench/results/cpu-2026-11-30-nixl-behaviour.md).
+        # expanded row per block costs memory and prep time per block: docs/transfer.md,
+        # "Costs").
         # Index plane * count + i is block i of that plane.  A plane's whole span must lie
         # inside one registered region (NIXL_ERR_NOT_FOUND otherwise, checked), which a
         # pool's chunk plan guarantees.  Adjacent blocks picked in a row are merged into

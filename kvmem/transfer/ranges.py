@@ -32,8 +32,8 @@ class RegionIndex:
         return i if i >= 0 and addr + nbytes <= self.ends_l[i] else -1
 
 
-# Range lists up to this long take the pure-Python path of post_write.  A guess: only one
-# range a side was timed on it (bench/results/cpu-2026-11-30-transfer-checks.md).
+# Range lists up to this long take the pure-Python path of post_write: a guess
+# (docs/transfer.md, "Costs").
 _FEW = 8
 
 
