@@ -44,8 +44,8 @@ class DemoConfig:
     bw_mib: int = 256  # raw NIXL bandwidth buffer; 0: skip that phase
     bw_rounds: int = 5
     chunks: str = "auto"  # packed | direct | auto (per chunk, threshold calibrated at start)
-    # pull: the decode reads; push: the prefill writes.  Pull by default: it led push in a
-    # quiet window, push led under load (bench/results/cpu-2026-11-30-transfer-modes.md).
+    # pull: the decode reads; push: the prefill writes.  Pull by default (docs/demo.md,
+    # "Pacing").
     transfer_mode: str = "pull"
     hosts: str = "one"  # one: every worker on this host; netns: two network namespaces
     prefills: int = 1  # prefill workers

@@ -76,14 +76,13 @@ PIPE_EVERY = 0.002  # seconds between polls of the parent's pipe in the workload
 # A loop step that made no progress (nothing arrived, posted, ended or computed): after
 # NAP_SPINS such steps in a row the loop sleeps, doubling from NAP_FIRST to NAP_MOST, and
 # stops at the first step that progresses (kvmem.disagg.common.Backoff).  Why these
-# values: bench/results/cpu-2026-12-01-demo-naps.md.
+# values: docs/demo.md, "Pacing".
 NAP_FIRST, NAP_MOST, NAP_SPINS = 5e-6, 200e-6, 1
 # Over TCP (--hosts netns) the kernel moves the bytes (socket copies, the veth's softirq)
 # and UCX only needs its worker polled now and then, so a loop that spins while its
 # transfers are in flight takes the core the kernel needs: with TCP the loops nap (as
 # above) also then, and the raw bandwidth phase naps NAP_MOST between polls on both
-# sides (the raw write spinning vs napping: bench/results/cpu-2026-12-01-netns.md, "The
-# raw baseline over TCP").  On one host UCX copies by cross-memory attach inside the
+# sides (docs/demo.md, "Pacing").  On one host UCX copies by cross-memory attach inside the
 # poll that drives it: there the loops keep spinning while a transfer is in flight.
 NAP_WHILE_MOVING = {"one": False, "netns": True}
 

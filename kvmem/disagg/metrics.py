@@ -87,7 +87,7 @@ SIDES = ("prefill", "decode")  # Metrics.side
 FIELDS = frozenset({"requests", *(f"bytes_{s}" for s in STAGES), "pauses", "pause_seconds",
                     "protocol_errors", "send_errors", "time_to_free", "peers"})
 # Seconds from an abort inside the running batch to its pages being free, 0.1 ms to 1 s
-# around what the demo measured (bench/results/cpu-2026-12-01-demo-naps.md).
+# around what the demo measured (docs/logging.md, "Metrics").
 ABORT_FREE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                       0.25, 1.0)
 

@@ -24,9 +24,8 @@ the pages go back to the kernel and the next touch faults in zero-filled pages, 
 same address.
 
 Every chunk is marked ``MADV_HUGEPAGE``: with transparent huge pages a release and a
-pre-fault are many times faster than with 4 KiB pages (the figures:
-bench/results/cpu-2026-11-30-host-backend.md; the kernel falls back to small pages when no
-huge page is free).  Pre-faulting on resume runs
+pre-fault are many times faster than with 4 KiB pages (docs/pool.md, "Costs"; the kernel
+falls back to small pages when no huge page is free).  Pre-faulting on resume runs
 ``MADV_POPULATE_WRITE`` over slices of the range from several threads (``madvise`` through
 ctypes releases the GIL); the page faults are the cost, and they parallelise.
 
@@ -240,7 +239,7 @@ class HostBackend(MemoryBackend):
         ``MADV_POPULATE_WRITE`` over slices from several threads, ``mlock``/``munlock``
         where the kernel lacks it, else nothing (see the module docstring).  First touches
         of a fresh range otherwise cost several times more, also for UCX's cma writes
-        (bench/results/cpu-2026-11-30-host-backend.md).
+        (docs/pool.md, "Costs").
 
         Raises:
             OSError: ``MADV_POPULATE_WRITE`` is supported and failed (e.g. ``ENOMEM``: the

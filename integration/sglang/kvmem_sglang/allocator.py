@@ -353,7 +353,7 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             return free_index
         if free_index.device.type == "cpu":
             # one NumPy call straight to int64, cheaper than a torch op and kvmem's
-            # int32 -> int64 widening (bench/results/cpu-2026-11-30-host-backend.md)
+            # int32 -> int64 widening (docs/allocator.md, "Costs")
             return torch.from_numpy(np.floor_divide(free_index.numpy()[::ps], ps,
                                                     dtype=np.int64))
         return free_index[::ps] // ps

@@ -76,7 +76,7 @@ def _make_pool(kind: str, kvcache, spec: kvmem.KVSpec, options: Options) -> kvme
         # Back every page now, as sglang's torch.zeros buffers are backed when they are
         # made: left to first touch, the faults land in the first forward's writes and
         # in the first KV transfer into this pool (UCX's cma write faults the target's
-        # pages inside the copy); bench/results/cpu-2026-12-01-sglang-transfer.md measures both.
+        # pages inside the copy): docs/sglang.md, "PD transfer speed".
         pool.prefault()
     with _LOCK:
         _POOLS[pool] = kind

@@ -82,7 +82,7 @@ decode unpacks it.  Here the receiving side is sglang's decode, stock or with th
 whose contract is KV at the page slots it published: a packed buffer would need a decode
 that unpacks, i.e. a change to sglang's decode protocol.  So every chunk goes direct,
 with runs merged where both sides are adjacent; on DRAM that already moves as fast as a
-raw NIXL write of the same bytes (bench/results/cpu-2026-12-01-sglang-transfer-quiet.md).
+raw NIXL write of the same bytes (docs/sglang.md, "PD transfer speed").
 
 Descriptor counts, writes and bytes are in :data:`STATS`.
 """
