@@ -533,63 +533,81 @@ def _start_with_flag(proc, env: dict) -> None:
         os.environ.update(saved)
 
 
-def _decode_main(conn, shape_d: dict, addr: str, env: dict, backend: str = "nixl",
-                 rank: int = 0) -> None:
-    """The decode side (rank ``rank`` of its TP): commands from the prefill over
-    ``conn``, one reply each."""
+def _serve(conn, env: dict, start) -> None:
+    """A rank process's life: ``env`` set, ``start()`` builds the rank and returns its
+    start-up reply and its command handler ``handle(cmd, arg) -> reply``; each command
+    from ``conn`` then gets one reply until ``stop``.  A failure sends its traceback
+    (the pair raises it); the process leaves with ``os._exit`` (sglang's threads are not
+    daemons; NIXL's exit is not clean here)."""
     try:
         os.environ.update(env)
-        shape = Shape(**shape_d)
-        sa = publish("decode", shape.page_size, backend, shape.decode_tp, rank)
-        m0 = memory_counters()
-        kv, created_s = build_pool(shape, shape.decode_tp)
-        memory = counter_delta(m0, memory_counters())
-        meta = metadata_buffers(shape.requests)
-        dm = manager(kv, meta, "decode", sa, backend, rank, shape.mem_kind,
-                 shape.decode_tp)
-        # DecodePreallocQueue asks again at every step until the prefill answers
-        end = time.monotonic() + START_S
-        while not dm.try_ensure_parallel_info(addr):
-            if time.monotonic() > end:
-                raise TimeoutError(f"the prefill's bootstrap server {addr} did not answer "
-                                   f"in {START_S} s")
-            time.sleep(0.2)
-        conn.send(dict(pool_create_s=created_s, kvmem_pool=_kvmem_pool(kv), memory=memory))
-        recv = {}
+        hello, handle = start()
+        conn.send(hello)
         while True:
             cmd, arg = conn.recv()
             if cmd == "stop":
                 conn.send("bye")
                 break
-            if cmd == "publish":  # arg: (rooms, planes to check[, clear them first])
-                receiver = conn_class(backend, "Receiver")
-                rooms, check, *more = arg
-                clear = more[0] if more else True
-                recv = {}
-                for r, room in enumerate(rooms):
-                    if clear:
-                        clear_rows(kv, shape, request_pages(shape, r), check)
-                    rc = receiver(dm, addr, room)
-                    rc.init(0)
-                    recv[room] = rc
-                for r, room in enumerate(rooms):
-                    recv[room].send_metadata(request_pages(shape, r), aux_index=r)
-                conn.send("published")
-            elif cmd == "wait":  # arg: (timeout, planes to check) -> every room's end
-                timeout, check = arg
-                conn.send(_decode_wait(dm, kv, shape, recv, timeout, check, rank))
-            elif cmd == "info":
-                conn.send(dict(dst_kv_ptrs=list(dm.kv_args.kv_data_ptrs),
-                               **(dict(agent=dm.agent.name, registered=registered(dm))
-                                  if backend == "nixl" else {})))
-            else:
-                conn.send(f"unknown command {cmd!r}")
-    except BaseException:  # noqa: BLE001 - the prefill reads the traceback
+            conn.send(handle(cmd, arg))
+    except BaseException:  # noqa: BLE001 - the pair reads the traceback
         conn.send(dict(error=traceback.format_exc()))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)  # sglang's threads are not daemons; NIXL's exit is not clean here
+        os._exit(0)
+
+
+def _decode_main(conn, shape_d: dict, addr: str, env: dict, backend: str = "nixl",
+                 rank: int = 0) -> None:
+    """The decode side (rank ``rank`` of its TP): commands from the prefill over
+    ``conn``, one reply each (:func:`_serve`)."""
+    _serve(conn, env, lambda: _decode_start(Shape(**shape_d), addr, backend, rank))
+
+
+def _decode_start(shape: Shape, addr: str, backend: str, rank: int):
+    sa = publish("decode", shape.page_size, backend, shape.decode_tp, rank)
+    m0 = memory_counters()
+    kv, created_s = build_pool(shape, shape.decode_tp)
+    memory = counter_delta(m0, memory_counters())
+    meta = metadata_buffers(shape.requests)
+    dm = manager(kv, meta, "decode", sa, backend, rank, shape.mem_kind, shape.decode_tp)
+    # DecodePreallocQueue asks again at every step until the prefill answers
+    end = time.monotonic() + START_S
+    while not dm.try_ensure_parallel_info(addr):
+        if time.monotonic() > end:
+            raise TimeoutError(f"the prefill's bootstrap server {addr} did not answer "
+                               f"in {START_S} s")
+        time.sleep(0.2)
+    recv = {}
+
+    def handle(cmd, arg):
+        if cmd == "publish":  # arg: (rooms, planes to check[, clear them first])
+            receiver = conn_class(backend, "Receiver")
+            rooms, check, *more = arg
+            clear = more[0] if more else True
+            recv.clear()
+            for r, room in enumerate(rooms):
+                if clear:
+                    clear_rows(kv, shape, request_pages(shape, r), check)
+                rc = receiver(dm, addr, room)
+                rc.init(0)
+                recv[room] = rc
+            for r, room in enumerate(rooms):
+                recv[room].send_metadata(request_pages(shape, r), aux_index=r)
+            return "published"
+        if cmd == "wait":  # arg: (timeout, planes to check) -> every room's end
+            timeout, check = arg
+            return _decode_wait(dm, kv, shape, recv, timeout, check, rank)
+        if cmd == "info":
+            return dict(dst_kv_ptrs=list(dm.kv_args.kv_data_ptrs),
+                        **(dict(agent=dm.agent.name, registered=registered(dm))
+                           if backend == "nixl" else {}))
+        return f"unknown command {cmd!r}"
+
+    # what the engine has registered (the pool, the metadata buffers) must outlive the
+    # loop: the manager keeps their addresses only
+    handle.keep = (kv, meta, dm)
+    return dict(pool_create_s=created_s, kvmem_pool=_kvmem_pool(kv), memory=memory), handle
 
 
 def _decode_wait(dm, kv, shape: Shape, recv: dict, timeout: float, check,
@@ -738,58 +756,50 @@ def _prefill_main(conn, shape_d: dict, port: int, env: dict, backend: str, rank:
                   timeout: float) -> None:
     """Prefill rank ``rank`` (not 0) of the pair's TP: its pool (its heads, the pattern),
     manager (registered with the bootstrap server on ``port`` of this host) and senders;
-    commands from the pair over ``conn``, one reply each."""
-    try:
-        os.environ.update(env)
-        shape = Shape(**shape_d)
-        sa = publish("prefill", shape.page_size, backend, shape.prefill_tp, rank)
-        from sglang.srt.runtime_context import get_disagg
+    commands from the pair over ``conn``, one reply each (:func:`_serve`)."""
+    _serve(conn, env, lambda: _prefill_start(Shape(**shape_d), port, backend, rank, timeout))
 
-        get_disagg()._set("disaggregation_bootstrap_port", port)
-        addr = f"127.0.0.1:{port}"
-        kv, created_s = build_pool(shape, shape.prefill_tp)
-        fill_s = fill_pattern(kv, shape.prefill_tp, rank)
-        meta = metadata_buffers(shape.requests)
-        pm = manager(kv, meta, "prefill", sa, backend, rank, shape.mem_kind,
-                     shape.prefill_tp)
-        count = _counter(pm, backend)
-        conn.send(dict(pool_create_s=created_s, fill_s=fill_s, kvmem_pool=_kvmem_pool(kv)))
-        senders = []
-        while True:
-            cmd, arg = conn.recv()
-            if cmd == "stop":
-                conn.send("bye")
-                break
-            if cmd == "senders":  # arg: rooms
-                senders = _make_senders(pm, backend, addr, shape, arg)
-                conn.send("made")
-            elif cmd == "waiting":
-                _wait_waiting(senders, timeout)
-                conn.send("waiting")
-            elif cmd == "send":  # every request's one chunk; replies when all concluded
-                count.take()
-                for r, s in enumerate(senders):
-                    s.send(request_pages(shape, r))
-                done_at = _wait_concluded(senders, timeout)
-                counted = count.take()
-                conn.send(dict(done_at=done_at, states=[int(s.poll()) for s in senders],
-                               calls=counted["calls"], descriptors=counted["descriptors"],
-                               aux=len(pm.kv_args.aux_data_ptrs)))
-            elif cmd == "clear":
-                for s in senders:
-                    s.clear()
-                senders = []
-                conn.send("cleared")
-            elif cmd == "raw":
-                conn.send(_raw_write(pm, shape, count, backend, rank, timeout))
-            else:
-                conn.send(f"unknown command {cmd!r}")
-    except BaseException:  # noqa: BLE001 - the pair reads the traceback
-        conn.send(dict(error=traceback.format_exc()))
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+
+def _prefill_start(shape: Shape, port: int, backend: str, rank: int, timeout: float):
+    sa = publish("prefill", shape.page_size, backend, shape.prefill_tp, rank)
+    from sglang.srt.runtime_context import get_disagg
+
+    get_disagg()._set("disaggregation_bootstrap_port", port)
+    addr = f"127.0.0.1:{port}"
+    kv, created_s = build_pool(shape, shape.prefill_tp)
+    fill_s = fill_pattern(kv, shape.prefill_tp, rank)
+    meta = metadata_buffers(shape.requests)
+    pm = manager(kv, meta, "prefill", sa, backend, rank, shape.mem_kind, shape.prefill_tp)
+    count = _counter(pm, backend)
+    senders = []
+
+    def handle(cmd, arg):
+        if cmd == "senders":  # arg: rooms
+            senders[:] = _make_senders(pm, backend, addr, shape, arg)
+            return "made"
+        if cmd == "waiting":
+            _wait_waiting(senders, timeout)
+            return "waiting"
+        if cmd == "send":  # every request's one chunk; replies when all concluded
+            count.take()
+            for r, s in enumerate(senders):
+                s.send(request_pages(shape, r))
+            done_at = _wait_concluded(senders, timeout)
+            counted = count.take()
+            return dict(done_at=done_at, states=[int(s.poll()) for s in senders],
+                        calls=counted["calls"], descriptors=counted["descriptors"],
+                        aux=len(pm.kv_args.aux_data_ptrs))
+        if cmd == "clear":
+            for s in senders:
+                s.clear()
+            senders.clear()
+            return "cleared"
+        if cmd == "raw":
+            return _raw_write(pm, shape, count, backend, rank, timeout)
+        return f"unknown command {cmd!r}"
+
+    handle.keep = (kv, meta, pm)  # registered memory outlives the loop (_decode_start)
+    return dict(pool_create_s=created_s, fill_s=fill_s, kvmem_pool=_kvmem_pool(kv)), handle
 
 
 class _Child:
