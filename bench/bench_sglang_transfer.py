@@ -23,9 +23,11 @@ registrations, the first round, pool creation and first fill times, and how much
 ``LOADED_CORES`` is flagged ``under_load``: no measurement of a target).
 
 On Mooncake the modes are stock, the flag, and the flag on the prefill alone
-(:data:`MOONCAKE_MODES`): the flag's Mooncake send is sglang's own (kvmem's send path is
-NIXL's), so what differs is the pool and its registration (a few regions).  Mooncake's
-pairs run with ``.venv-e2e``'s interpreter (``make venv-e2e``).
+(:data:`MOONCAKE_MODES`); the flag sends on kvmem's Mooncake path
+(``kvmem_sglang.mooncake_send``: merged slices, calls within the TCP queue).  Mooncake's
+pairs run with ``.venv-e2e``'s interpreter (``make venv-e2e``).  The pairs here are at
+TP 1; ``python -m bench.sglang_pair --tp 2x1,2x2`` measures TP 2 prefills (each rank a
+process with its share of the heads).
 
 ``KVMEM_BENCH_SGL_REQUESTS`` / ``_TOKENS`` / ``_PAGES`` / ``_MODES`` (comma-separated
 MODES keys) / ``_BACKENDS`` (``nixl,mooncake``) change the run; ``python -m bench.sglang_pair`` runs the same and prints a
