@@ -884,7 +884,6 @@ class Pair:
         self.decodes = [_Child(_decode_main, (asdict(shape), self.addr, denv, backend, rank),
                                denv, timeout)
                         for rank in range(shape.decode_tp)]
-        self.proc = self.decodes[0].proc
         self.decode_info = None
         self.next_room = 1000
         self.rounds = 0
