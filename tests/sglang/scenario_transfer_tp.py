@@ -1,8 +1,8 @@
 """Run by tests/sglang/test_transfer_tp.py in a process of its own: real sglang PD pairs
 at TP 2 (``testkit.sglang_pair.Pair`` with ``prefill_tp=2``: the prefill's rank 0 here,
 its rank 1 and each decode rank in processes of their own, each rank with its half of the
-KV heads; NIXL/UCX on DRAM), with the environment the test sets on both sides (the flag
-on, kvmem's send path).
+KV heads; NIXL/UCX on DRAM, or Mooncake over TCP with ``KVMEM_TEST_BACKEND=mooncake``), with
+the environment the test sets on both sides (the flag on, kvmem's send path).
 
 Two pairs, started together, one round each of ``REQUESTS`` requests whose pages are
 never adjacent within a request, every plane of every page checked on each decode rank:
@@ -20,6 +20,8 @@ descriptors a request took on all prefill ranks, and rank 0's send-path counters
 
 from __future__ import annotations
 
+import os
+
 from testkit.child import script_main
 from testkit.sglang_pair import Pair, Shape
 from tests.sglang.sglang_env import kvmem_send_path, stats_since, transfer_stats
@@ -29,8 +31,9 @@ SHAPE = dict(layers=2, heads=4, head_dim=64, page_size=16, requests=REQUESTS, to
 
 
 def main() -> dict:
+    backend = os.environ.get("KVMEM_TEST_BACKEND", "nixl")
     pairs = {f"2x{d}": Pair(Shape(**SHAPE, prefill_tp=2, decode_tp=d), timeout=120,
-                            wait=False)
+                            wait=False, backend=backend)
              for d in (1, 2)}  # every rank's process starts at once
     out = {"kvmem_path": kvmem_send_path()}
     try:
