@@ -184,9 +184,8 @@ def table(results: list[dict]) -> list[str]:
 
 
 def _tp(result: dict) -> str:
-    """``"<prefill TP>x<decode TP>"`` of a result (1x1 for results made before TP)."""
-    s = result["shape"]
-    return f"{s.get('prefill_tp', 1)}x{s.get('decode_tp', 1)}"
+    """``Shape.tp_label`` of a result (1x1 for results made before TP)."""
+    return Shape(**result["shape"]).tp_label
 
 
 def _child(cfg: dict) -> list[dict]:

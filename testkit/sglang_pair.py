@@ -314,12 +314,8 @@ def fill_pattern(kv, tp: int = 1, rank: int = 0) -> float:
     t0 = time.perf_counter()
     for k, buf in enumerate(planes_of(kv)):
         w = words(buf)
-        if tp == 1:
-            w = w.view(-1)
-            torch.arange(k << 40, (k << 40) + w.numel(), dtype=torch.int64, out=w)
-        else:
-            torch.add(_row_words(w.shape[0], w.shape[1], k, tp, rank),
-                      torch.arange(w.shape[1], dtype=torch.int64), out=w)
+        torch.add(_row_words(w.shape[0], w.shape[1], k, tp, rank),
+                  torch.arange(w.shape[1], dtype=torch.int64), out=w)
     return time.perf_counter() - t0
 
 
@@ -973,7 +969,8 @@ class Pair:
         self.rounds += 1
         wall = max([t_prefill] + [x["done_at"] for x in ranks + ds]) - t0
         nbytes = shape.requests * shape.request_bytes
-        aux = len(self.pm.kv_args.aux_data_ptrs)  # send_aux: one descriptor per aux buffer
+        # send_aux: one descriptor per aux buffer, on every prefill rank
+        aux = len(self.pm.kv_args.aux_data_ptrs) + sum(x["aux"] for x in ranks)
         calls = counted["calls"] + sum(x["calls"] for x in ranks)
         descs = counted["descriptors"] + sum(x["descriptors"] for x in ranks)
         return dict(seconds=wall, gbps=nbytes / wall / 1e9, nbytes=nbytes, t0=t0,
@@ -983,7 +980,7 @@ class Pair:
                     decode_rank_states=[d["states"] for d in ds[1:]],
                     bad_rows=sum(d["bad_rows"] for d in ds), decode=ds[0],
                     engine_writes=calls - shape.requests * shape.prefill_tp,
-                    kv_descriptors_per_request=descs / shape.requests - aux * shape.prefill_tp,
+                    kv_descriptors_per_request=descs / shape.requests - aux,
                     **({"regions": self.regions_check(counted["ranges"])}
                        if self.count.record else {}))
 
