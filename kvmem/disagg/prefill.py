@@ -51,9 +51,9 @@ two)::
 * The decode side is told of every early end by ``ABORT`` once no write (or offered read)
   of the request is in flight: that message is also its acknowledgement that it may free
   (un-quarantine) the request's decode pages.
-* Pause (:meth:`begin_pause`): stop posting, drain every posted write, abort every request
-  (503), reset the allocator, deregister, release.  Resume: resume, register, publish the
-  new metadata (``META``).  When the decode side pauses (``PAUSING``), requests bound to
+* Pause (:meth:`begin_pause`): stop posting, end every request (503) at once, drain the
+  posted writes of those ending, reset the allocator, deregister, release.  Resume:
+  resume, register, publish the new metadata (``META``).  When the decode side pauses (``PAUSING``), requests bound to
   it are drained and aborted (503) and ``PAUSE_ACK`` tells it no write is in flight; its
   ``META`` (new epoch) lets requests flow again, and the engine refuses writes built from
   its older metadata (StaleEpochError), which end the request with 503.
@@ -511,13 +511,18 @@ class PrefillSide(PrefillPeers, PrefillSending):
         self.metrics.pauses += 1
 
     def _advance_pause(self) -> bool:
-        """True once the pause is complete (memory released), False while writes drain."""
-        if any(req.handles for req in self.reqs.values()):
-            return False  # step() polls them to DONE/ERR
+        """True once the pause is complete (memory released), False while writes drain.
+
+        Every request ends (503) at once, not after the drain: one waiting for its next
+        chunk would otherwise sit out the slowest transfer in flight (an offered read to a
+        dead decode lasts the transfer timeout) and end 504 here and on its decode.  A
+        request with a transfer in flight stays ENDING until it is DONE or ERR."""
         for req in list(self.reqs.values()):
             self._end(req, Reason(SERVICE_UNAVAILABLE, (
                 f"request {req.rid} (room {req.room}) aborted: prefill paused to release "
                 "its KV memory")))
+        if self.reqs:
+            return False  # step() polls their transfers to DONE/ERR
         audit = self.ledger.audit()
         if audit["leaked"] or audit["unaccounted"]:
             raise AssertionError(f"prefill pause: pages still held after aborting every "

@@ -220,6 +220,31 @@ def test_prefill_pause_aborts_everything_503_and_resume_serves_again(pair):
     pair.assert_clean()
 
 
+def test_prefill_pause_ends_a_request_without_a_transfer_at_once(pair):
+    """A pause ends a request waiting for its next chunk (503) in the step that begins it,
+    not once another request's transfer has drained: that drain can last the transfer
+    timeout (an offered read to a dead decode), and the waiting request would end 504 on
+    both sides meanwhile (a demo with a killed decode did, 2026-12-06)."""
+    pair.faults.stall_at[1] = 1  # first chunk sent (pull: offered), then stalls
+    pair.faults.stall_at[2] = 0  # bootstrapped, its forward never scheduled
+    pair.prefill.add_request(1, 200)
+    pair.prefill.add_request(2, 100)
+    pair.run_until(lambda: pair.prefill.state(1) == KVPoll.Transferring
+                   and pair.prefill.state(2) == KVPoll.WaitingForInput)
+    pair.prefill.begin_pause()
+    pair.prefill.step()  # the decode does not step: an offered read stays in flight
+    assert pair.finished[2].status == 503 and "paused" in pair.finished[2].message
+    assert pair.prefill.state(1) == KVPoll.Failed  # ENDING: its transfer drains first
+    pair.decode.step()
+    assert pair.decode.completed[2].status == 503  # told at once (ABORT)
+    pair.run_until(lambda: pair.prefill.paused)
+    assert pair.finished[1].status == 503
+    pair.prefill.resume()
+    pair.faults.stall_at.clear()
+    pair.run_idle()
+    pair.assert_clean()
+
+
 def test_decode_pause_refuses_stale_writes_and_resumes(pair):
     pair.faults.stall_at[1] = 1
     pair.prefill.add_request(1, 200)
