@@ -81,8 +81,8 @@ class Child:
     """One child: ``code`` (``python -c``), ``script`` (a file run as ``__main__``) or
     ``module`` (``python -m``), with ``args`` after it; ``env``: its whole environment
     (default :func:`child_env`); ``fork``: a fork server to fork it from (None: a fresh
-    interpreter, as for everything that must start as one); ``python``: the interpreter
-    of a fresh one (default: this one's; another environment's is never forked)."""
+    interpreter, as for everything that must start as one), of the same interpreter;
+    ``python``: the child's interpreter (default: this one's)."""
 
     code: str | None = None
     script: str | Path | None = None
@@ -96,8 +96,9 @@ class Child:
     def __post_init__(self):
         if sum(x is not None for x in (self.code, self.script, self.module)) != 1:
             raise ValueError("a Child runs exactly one of code, script or module")
-        if self.python is not None and self.fork is not None:
-            raise ValueError("a Child of another interpreter cannot be forked from this one's")
+        if (self.fork is not None
+                and str(self.python or sys.executable) != getattr(self.fork, "python", None)):
+            raise ValueError("a Child is forked only from a fork server of its interpreter")
 
     def argv(self) -> list[str]:
         """The interpreter's arguments after ``sys.executable``."""

@@ -49,16 +49,22 @@ sglang imports as ``nixl``.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
+import shutil
 import socket
 import sys
+import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
+
+from testkit import child
+from testkit.zygote import ForkServer
 
 # sglang's PD transfer backends this pair runs: the module and class-name prefix of
 # each one's manager, sender, receiver and bootstrap server.
@@ -512,23 +518,6 @@ def record_abort_acks(manager) -> dict:
     return acks
 
 
-def _start_with_flag(proc, env: dict) -> None:
-    """Start ``proc`` (spawned) with the SGLANG_KVMEM* variables of ``env`` in the
-    environment it starts with: the adapter's start-up check (``kvmem_sglang.pth``)
-    reads SGLANG_KVMEM when the interpreter starts, before ``_decode_main`` sets ``env``,
-    so a decode without the flag beside a prefill with it must start without it."""
-    saved = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_KVMEM")}
-    try:
-        for k in saved:
-            del os.environ[k]
-        os.environ.update({k: v for k, v in env.items() if k.startswith("SGLANG_KVMEM")})
-        proc.start()
-    finally:
-        for k in [k for k in os.environ if k.startswith("SGLANG_KVMEM")]:
-            del os.environ[k]
-        os.environ.update(saved)
-
-
 def _serve(conn, env: dict, start) -> None:
     """A rank process's life: ``env`` set, ``start()`` builds the rank and returns its
     start-up reply and its command handler ``handle(cmd, arg) -> reply``; each command
@@ -799,23 +788,72 @@ def _prefill_start(shape: Shape, port: int, backend: str, rank: int, timeout: fl
 
 
 class _Child:
-    """A rank's process and the pipe to it: one command, one reply."""
+    """A rank's process and the connection to it: one command, one reply.
+
+    The process runs :func:`_rank_main` with ``env`` as its
+    whole environment (the flag as the rank wants it from its start: the adapter's
+    start-up check reads SGLANG_KVMEM then), forked from the fork server that forked
+    this process when there is one (``testkit.zygote``: sglang imported once, not once
+    per rank), else a fresh interpreter.  It connects to a Unix socket of this process
+    and is sent ``target``'s name and ``args``.  Its stdout and stderr are copied to this
+    process's stderr when it ends."""
 
     def __init__(self, target, args: tuple, env: dict, timeout: float):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
         self.timeout = timeout
-        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-        _start_with_flag(self.proc, env)
+        self._dir = tempfile.mkdtemp(prefix="sglang-pair-")
+        path = os.path.join(self._dir, "sock")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(path)
+        self._listener.listen(1)
+        self._job = (target.__name__, args)
+        self._conn = None
+        code = f"from testkit.sglang_pair import _rank_main; _rank_main({path!r})"
+        self.proc = child.start(child.Child(code=code, env=env, cwd=REPO,
+                                            fork=ForkServer.of_parent()))
+        self._ended = threading.Event()
+        threading.Thread(target=self._copy_output, daemon=True).start()
+
+    def _copy_output(self) -> None:
+        try:
+            out, err = self.proc.communicate()
+            sys.stderr.write(out + err)
+            sys.stderr.flush()
+        finally:
+            self._ended.set()
+
+    def _connected(self, timeout: float):
+        """The connection, accepted at the first use; TimeoutError when the process has
+        not connected in ``timeout`` s, RuntimeError when it ended first."""
+        if self._conn is None:
+            self._listener.settimeout(0.2)
+            end = time.monotonic() + timeout
+            while self._conn is None:
+                try:
+                    sock, _ = self._listener.accept()
+                except socket.timeout:
+                    if self._ended.is_set():
+                        raise RuntimeError(f"a rank's process ended (status "
+                                           f"{self.proc.returncode}) before it connected; "
+                                           "its output is above") from None
+                    if time.monotonic() > end:
+                        raise TimeoutError(f"a rank's process did not connect in "
+                                           f"{timeout} s") from None
+                    continue
+                sock.setblocking(True)
+                self._conn = Connection(sock.detach())
+            self._listener.close()
+            self._conn.send(self._job)
+        return self._conn
 
     def post(self, cmd: str, arg=None) -> None:
-        self.conn.send((cmd, arg))
+        self._connected(START_S).send((cmd, arg))
 
     def reply(self, timeout: float | None = None):
         timeout = timeout or self.timeout
-        if not self.conn.poll(timeout):
+        conn = self._connected(timeout)
+        if not conn.poll(timeout):
             raise TimeoutError(f"a rank's process did not answer in {timeout} s")
-        out = self.conn.recv()
+        out = conn.recv()
         if isinstance(out, dict) and "error" in out:
             raise RuntimeError("a rank's process failed:\n" + out["error"])
         return out
@@ -825,11 +863,24 @@ class _Child:
         return self.reply(timeout)
 
     def close(self) -> None:
-        try:
-            self.ask("stop", timeout=30)
-        except Exception:  # noqa: BLE001 - the child may be gone already
-            pass
-        self.proc.join(10)
+        if self._conn is not None:
+            try:
+                self.ask("stop", timeout=30)
+            except Exception:  # noqa: BLE001 - the child may be gone already
+                pass
+        if not self._ended.wait(10):
+            self.proc.kill()
+            self._ended.wait(10)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _rank_main(path: str) -> None:
+    """A rank's process (:class:`_Child`): connect to ``path``, run the target it names."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    conn = Connection(sock.detach())
+    name, args = conn.recv()
+    {"_prefill_main": _prefill_main, "_decode_main": _decode_main}[name](conn, *args)
 
 
 def _all(children, cmd: str, arg=None, timeout: float | None = None) -> list:
@@ -1020,3 +1071,4 @@ class Pair:
     def close(self) -> None:
         for c in self.ranks + self.decodes:
             c.close()
+

@@ -88,6 +88,10 @@ SCANS = {
 
 _HEADER = 8  # bytes of a request's length, ahead of its JSON
 
+# Set in every forked child: ``<the server's interpreter><os.pathsep><its socket>``, so
+# that the child can ask the same server for siblings (:meth:`ForkServer.of_parent`).
+ZYGOTE_VAR = "TESTKIT_ZYGOTE"
+
 
 # -- the server ---------------------------------------------------------------------------
 
@@ -163,6 +167,7 @@ def _native_threads() -> list[str]:
 class _Server:
     def __init__(self, preload: list[str], forbid: list[str], idle_s: float | None = None):
         self.idle_s = idle_s
+        self.sock = ""  # its listening socket (main)
         self.env0 = dict(os.environ)
         cwd = os.getcwd()
         self.pythonpath = [os.path.abspath(os.path.join(cwd, p))
@@ -379,6 +384,7 @@ class _Server:
         for fd in (null, *fds):
             os.close(fd)
         env = dict(req["env"])
+        env[ZYGOTE_VAR] = f"{sys.executable}{os.pathsep}{self.sock}"
         for k, v in self.import_writes.items():  # what the preload's imports set
             if v is None:
                 env.pop(k, None)
@@ -478,6 +484,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("preload", nargs="*")
     a = ap.parse_args(argv)
     server = _Server(a.preload, [f for f in a.forbid.split(",") if f], a.idle)
+    server.sock = os.path.abspath(a.socket)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(a.socket)
     listener.listen(64)
@@ -593,13 +600,15 @@ class ForkServer:
     be imported then (their submodules too); ``env``: its environment (default: this
     process's); ``cwd``: its working directory; ``idle_s``: it ends after that long
     with no child running and none asked for (its memory given back), and starts again
-    at the next :meth:`spawn`.  ``forked``, ``refused`` (reason -> count), ``starts``
+    at the next :meth:`spawn`; ``python``: its interpreter (default: this one's; the
+    children it forks run that environment's).  ``forked``, ``refused`` (reason -> count), ``starts``
     and ``start_s`` (seconds spent starting it) say what it did; ``info`` is what its
     last start reported (preload seconds, modules, native threads, variables read)."""
 
     def __init__(self, preload: list[str], *, forbid: list[str] = (), env: dict | None = None,
                  cwd: str | Path | None = None, idle_s: float | None = 600,
-                 start_timeout: float = 900):
+                 start_timeout: float = 900, python: str | None = None):
+        self.python = str(python or sys.executable)
         self.preload, self.forbid = list(preload), list(forbid)
         self.env, self.cwd, self.idle_s = env, cwd, idle_s
         self.start_timeout = start_timeout
@@ -608,10 +617,26 @@ class ForkServer:
         self.forked = self.starts = 0
         self.start_s = 0.0
         self.refused: dict[str, int] = {}
+        self.attached = False
+
+    @classmethod
+    def of_parent(cls) -> "ForkServer | None":
+        """A handle on the fork server that forked this process (its children are then
+        this process's siblings, forked from the server's clean state), or None: this
+        process was not forked from one, or from one of another interpreter (a child of
+        another environment must start fresh there), or that server is gone.  The handle
+        never starts or stops the server; when the server ends, :meth:`spawn` returns
+        None."""
+        python, _, sock = os.environ.get(ZYGOTE_VAR, "").partition(os.pathsep)
+        if python != sys.executable or not os.path.exists(sock):
+            return None
+        server = cls([])
+        server.attached, server.info = True, {"socket": sock}
+        return server
 
     def start(self) -> None:
         """Start the server unless it runs; returns once it imported the preload."""
-        if self.proc is not None and self.proc.poll() is None:
+        if self.attached or (self.proc is not None and self.proc.poll() is None):
             return
         self.close()
         self._dir = tempfile.mkdtemp(prefix="testkit-zygote-")
@@ -621,7 +646,7 @@ class ForkServer:
         idle = [] if self.idle_s is None else ["--idle", str(self.idle_s)]
         with open(self._log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "testkit.zygote", "--socket", sock,
+                [self.python, "-m", "testkit.zygote", "--socket", sock,
                  "--forbid", ",".join(self.forbid), *idle, *self.preload],
                 cwd=self.cwd, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=log)
@@ -657,8 +682,10 @@ class ForkServer:
         for attempt in (1, 2):
             self.start()
             try:
-                return self._spawn(data, [sys.executable, *child.argv()])
+                return self._spawn(data, [self.python, *child.argv()])
             except _Gone:
+                if self.attached:
+                    return None  # not ours to start again: a fresh interpreter runs it
                 if attempt == 2:
                     raise RuntimeError("the fork server ended twice while asked for a child; "
                                        f"its log: {self._log}") from None
@@ -685,6 +712,8 @@ class ForkServer:
                 os.close(out_w)
                 os.close(err_w)
             if b"\n" not in reply:
+                if self.proc is None:  # attached: the server is gone
+                    raise _Gone()
                 try:  # unanswered: the server ended on its idle time as we asked
                     self.proc.wait(30)
                 except subprocess.TimeoutExpired:

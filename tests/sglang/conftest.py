@@ -17,13 +17,11 @@ def sglang_fork_server():
 
 
 def pytest_terminal_summary(terminalreporter):
-    server = sglang_env._FORK
-    if server is None or not server.starts:
-        return
-    info = server.info
-    terminalreporter.write_line(
-        f"sglang fork server: started {server.starts}x in {server.start_s:.1f} s (its imports "
-        f"{info['preload_s']} s, {info['modules']} modules), {server.forked} children "
-        f"forked, {sum(server.refused.values())} refused")
-    for why, n in server.refused.items():
-        terminalreporter.write_line(f"  refused {n}x: {why}")
+    for name, server in sglang_env.servers().items():
+        info = server.info
+        terminalreporter.write_line(
+            f"{name} fork server: started {server.starts}x in {server.start_s:.1f} s (its "
+            f"imports {info['preload_s']} s, {info['modules']} modules), {server.forked} "
+            f"children forked, {sum(server.refused.values())} refused")
+        for why, n in server.refused.items():
+            terminalreporter.write_line(f"  refused {n}x: {why}")

@@ -42,6 +42,8 @@ PRELOAD = ["torch", "sglang.srt.server_args", "sglang.srt.mem_cache.memory_pool"
 FORBID = ["nixl", "nixl_cu12", "mooncake", "kvmem_sglang", "sglang.srt.disaggregation.nixl",
           "sglang.srt.disaggregation.mooncake"]
 _FORK: ForkServer | None = None
+_E2E_FORK: ForkServer | None = None
+ADAPTER = ROOT / "integration" / "sglang"
 
 
 def fork_server() -> ForkServer:
@@ -54,9 +56,45 @@ def fork_server() -> ForkServer:
     return _FORK
 
 
+def e2e_env(env: dict | None = None, drop: tuple[str, ...] = ()) -> dict:
+    """The environment of a child of ``.venv-e2e`` (Mooncake's engine is there): ``env``
+    over this one's less ``drop`` and SGLANG_KVMEM (the flag on unless ``env`` says
+    otherwise), the adapter's source on the path, libibverbs on the loader's."""
+    from testkit.sglang_pair import with_ibverbs
+
+    return with_ibverbs(child_env({"SGLANG_KVMEM": "1"} | (env or {}),
+                                  drop=("SGLANG_KVMEM", *drop), paths=[ADAPTER]))
+
+
+def e2e_fork_server() -> ForkServer:
+    """This session's fork server of ``.venv-e2e``'s interpreter, for the Mooncake
+    scripts here, with the flag on: the environment's ``kvmem_sglang.pth`` reads
+    SGLANG_KVMEM at start (and imports the adapter's start-up check with it on: its
+    ``startup`` and ``imports`` modules, standard library only), so a child with the
+    flag off starts fresh.  The adapter's other modules are not imported there, as in
+    :func:`fork_server`."""
+    from testkit.sglang_pair import E2E_PYTHON
+
+    global _E2E_FORK
+    if _E2E_FORK is None:
+        adapter = sorted(f"kvmem_sglang.{p.stem}" for p in (ADAPTER / "kvmem_sglang").glob("*.py")
+                         if p.stem not in ("__init__", "startup", "imports"))
+        forbid = [m for m in FORBID if m != "kvmem_sglang"] + adapter
+        _E2E_FORK = ForkServer(PRELOAD, forbid=forbid, env=e2e_env(), cwd=ROOT,
+                               python=E2E_PYTHON)
+    return _E2E_FORK
+
+
+def servers() -> dict[str, ForkServer]:
+    """The fork servers this session started, by name."""
+    return {name: s for name, s in (("sglang", _FORK), ("sglang .venv-e2e", _E2E_FORK))
+            if s is not None and s.starts}
+
+
 def close_fork_server() -> None:
-    if _FORK is not None:
-        _FORK.close()
+    for server in (_FORK, _E2E_FORK):
+        if server is not None:
+            server.close()
 
 
 def run_script(code: str, *, kvmem: bool, env: dict | None = None, timeout: float = 240,

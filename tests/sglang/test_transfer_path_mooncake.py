@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import pytest
 
-from testkit.child import Child, child_env
-from testkit.sglang_pair import E2E_PYTHON, with_ibverbs
-from tests.sglang.sglang_env import ROOT, transfer_runs
+from testkit.child import Child
+from testkit.sglang_pair import E2E_PYTHON
+from tests.sglang.sglang_env import ROOT, e2e_env, e2e_fork_server, transfer_runs
 from tests.sglang.sglang_env import all_are as _all
 
 SCRIPT = ROOT / "tests" / "sglang" / "scenario_transfer_mooncake.py"
@@ -42,9 +42,8 @@ def runs() -> dict:
     envs = {"kvmem": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"},
             "sglang": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang"}}
     children = {
-        key: Child(script=SCRIPT, cwd=ROOT, python=str(E2E_PYTHON),
-                   env=with_ibverbs(child_env(extra | queue, drop=("SGLANG_KVMEM", "MC_TCP"),
-                                              paths=[ROOT / "integration" / "sglang"])))
+        key: Child(script=SCRIPT, cwd=ROOT, python=str(E2E_PYTHON), fork=e2e_fork_server(),
+                   env=e2e_env(extra | queue, drop=("MC_TCP",)))
         for key, extra in envs.items()}
     return transfer_runs(children)
 

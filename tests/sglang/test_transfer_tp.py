@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 
 from testkit.child import Child, child_env, run_children
-from testkit.sglang_pair import E2E_PYTHON, with_ibverbs
-from tests.sglang.sglang_env import ROOT, fork_server
+from testkit.sglang_pair import E2E_PYTHON
+from tests.sglang.sglang_env import ADAPTER, ROOT, e2e_env, e2e_fork_server, fork_server
 from tests.sglang.sglang_env import all_are as _all
 
 SCRIPT = ROOT / "tests" / "sglang" / "scenario_transfer_tp.py"
@@ -32,15 +32,15 @@ def runs() -> dict:
     if not E2E_PYTHON.exists():
         pytest.fail(f"{E2E_PYTHON} is missing: Mooncake's engine is installed there "
                     "(make venv-e2e; make test builds it)")
-    children = {}
-    for backend in BACKENDS:
-        env = child_env({"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem",
-                         "KVMEM_TEST_BACKEND": backend},
-                        drop=("SGLANG_KVMEM", "KVMEM_TEST_BACKEND"),
-                        paths=[ROOT / "integration" / "sglang"])
-        children[backend] = (
-            Child(script=SCRIPT, cwd=ROOT, fork=fork_server(), env=env) if backend == "nixl"
-            else Child(script=SCRIPT, cwd=ROOT, python=str(E2E_PYTHON), env=with_ibverbs(env)))
+    flag = {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"}
+    children = {
+        "nixl": Child(script=SCRIPT, cwd=ROOT, fork=fork_server(), env=child_env(
+            flag | {"KVMEM_TEST_BACKEND": "nixl"}, drop=("SGLANG_KVMEM", "KVMEM_TEST_BACKEND"),
+            paths=[ADAPTER])),
+        "mooncake": Child(script=SCRIPT, cwd=ROOT, python=str(E2E_PYTHON),
+                          fork=e2e_fork_server(),
+                          env=e2e_env(flag | {"KVMEM_TEST_BACKEND": "mooncake"},
+                                      drop=("KVMEM_TEST_BACKEND",)))}
     out = {key: reply.value for key, reply in run_children(children, timeout=900).items()}
     assert all(out[b]["kvmem_path"] for b in BACKENDS)
     return out
