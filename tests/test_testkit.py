@@ -205,3 +205,27 @@ def test_preload_that_imports_a_forbidden_module_does_not_start(tmp_path):
         fs.start()
     fs.close()
     assert sys.modules.get("testkit.zygote") is not None
+
+
+def test_forked_child_forks_its_siblings_from_the_same_server(server):
+    """A forked child reaches its server (``ForkServer.of_parent``): what it starts is
+    forked there too (the server's child, not its own), in its environment; a fresh
+    child, or one told of a server of another interpreter, has none."""
+    code = textwrap.dedent("""
+        import json, os
+        from testkit.child import Child, child_env, run
+        from testkit.zygote import ForkServer
+        fs = ForkServer.of_parent()
+        sib = run(Child(code="import os; print(os.getppid(), os.environ['KZ_SIB'])",
+                        env=child_env({"KZ_SIB": "s"}), fork=fs), 60)
+        print(json.dumps({"sib": sib.stdout.split(), "me": os.getppid(),
+                          "kind": type(fs).__name__}))
+    """)
+    env = child_env(paths=[server.dir])
+    r = json_of(run(Child(code=code, env=env, fork=server), 60))
+    assert r["kind"] == "ForkServer" and r["sib"] == [str(server.info["pid"]), "s"], r
+    assert r["me"] == server.info["pid"]  # both children of the server
+    probe = "from testkit.zygote import ForkServer; print(ForkServer.of_parent())"
+    assert run(Child(code=probe, env=env), 60).stdout == "None\n"
+    other = env | {"TESTKIT_ZYGOTE": f"/usr/bin/python3:{server.info['socket']}"}
+    assert run(Child(code=probe, env=other), 60).stdout == "None\n"
