@@ -32,9 +32,9 @@ process with its share of the heads).
 ``KVMEM_BENCH_SGL_REQUESTS`` / ``_TOKENS`` / ``_PAGES`` / ``_MODES`` (comma-separated
 MODES keys) / ``_BACKENDS`` (``nixl,mooncake``) change the run; ``python -m bench.sglang_pair`` runs the same and prints a
 compact table.  The smoke mode: a 2-layer model, 4 requests x 64 tokens, one round,
-page size 16 alone, the flag on NIXL and stock on Mooncake (each pair costs two
-processes that import sglang; the modes differ only in their variables;
-tests/sglang/test_transfer_path.py moves pages of size 1 and 16 for real).
+page size 16 alone, the flag on both backends (the modes differ only in their
+variables; tests/sglang/test_transfer_path.py moves pages of size 1 and 16 for real), its
+processes forked from the fork servers the smoke test names (``run_mode``'s ``forked``).
 """
 
 from __future__ import annotations
@@ -61,8 +61,7 @@ MOONCAKE_MODES = ["stock", "kvmem", "kvmem prefill + stock decode"]
 BACKENDS = os.environ.get("KVMEM_BENCH_SGL_BACKENDS", "nixl,mooncake").split(",")
 RUNS = [(b, m) for b in BACKENDS for m in
         ([m for m in _MODES.split(",") if m] if _MODES else
-         pick(list(MODES) if b == "nixl" else MOONCAKE_MODES,
-              ["kvmem"] if b == "nixl" else ["stock"]))]
+         pick(list(MODES) if b == "nixl" else MOONCAKE_MODES, ["kvmem"]))]
 _RESULTS: list[dict] = []
 
 
@@ -108,7 +107,7 @@ def test_sglang_transfer(benchmark, report, backend, mode):
 
     def one():
         results.extend(run_mode(mode, PAGES, SHAPE, REPEATS, one_process=SMOKE,
-                                backend=backend))
+                                backend=backend, forked=SMOKE))
 
     benchmark.pedantic(one, rounds=1, iterations=1)
     assert [r["shape"]["page_size"] for r in results] == PAGES

@@ -19,6 +19,7 @@ import traceback
 from dataclasses import asdict
 
 from testkit.child import Child, child_env, run_children
+from testkit.zygote import ForkServer
 from testkit.sglang_pair import (E2E_PYTHON, Pair, Shape, _kvmem_pool, merged_runs,
                                  request_pages, with_ibverbs)
 
@@ -114,11 +115,14 @@ def _busy_seconds() -> float:
 
 
 def run_mode(mode: str, page_sizes, shape: Shape, repeats: int, *, one_process: bool = False,
-             timeout: float = 1800, backend: str = "nixl") -> list[dict]:
+             timeout: float = 1800, backend: str = "nixl", forked: bool = False) -> list[dict]:
     """Measure ``mode`` (a key of MODES) on ``backend`` at each page size: one prefill
     process (and its decode child) per page size, or one for them all (``one_process``:
     the smoke mode; the pairs made first keep their engine threads while the later ones
-    run).  Each result gets ``mode``, the machine's load meanwhile (``others_cpu_cores``:
+    run).  ``forked``: those processes are forked from the fork server of their
+    interpreter this process was told of (``testkit.zygote.ForkServer.of_parent``; the
+    smoke run's, whose figures mean nothing), where there is one that takes them; else
+    each is a fresh interpreter, which is what a measurement needs.  Each result gets ``mode``, the machine's load meanwhile (``others_cpu_cores``:
     busy CPU of other processes, in cores; ``loadavg``) and the ratios of each round to
     the raw write just before it."""
     import resource
@@ -145,7 +149,8 @@ def run_mode(mode: str, page_sizes, shape: Shape, repeats: int, *, one_process: 
         busy0, own0, t0, load0 = _busy_seconds(), cpu(), time.monotonic(), os.getloadavg()[0]
         name = f"{mode} on {backend} at page sizes {pages}"
         child = Child(module="bench.sglang_pair", args=("--child", json.dumps(cfg)), env=env,
-                      cwd=ROOT, python=python)  # a fresh interpreter: what it measures
+                      cwd=ROOT, python=python,
+                      fork=ForkServer.of_parent(python) if forked else None)
         reply = run_children({name: child}, timeout)[name]
         wall = time.monotonic() - t0
         others = max(0.0, (_busy_seconds() - busy0) - (cpu() - own0)) / wall

@@ -90,6 +90,8 @@ _HEADER = 8  # bytes of a request's length, ahead of its JSON
 
 # Set in every forked child: ``<the server's interpreter><os.pathsep><its socket>``, so
 # that the child can ask the same server for siblings (:meth:`ForkServer.of_parent`).
+# A caller may name several servers there, one per interpreter, separated by ``;``
+# (:meth:`ForkServer.variable`).
 ZYGOTE_VAR = "TESTKIT_ZYGOTE"
 
 
@@ -384,7 +386,9 @@ class _Server:
         for fd in (null, *fds):
             os.close(fd)
         env = dict(req["env"])
-        env[ZYGOTE_VAR] = f"{sys.executable}{os.pathsep}{self.sock}"
+        mine = f"{sys.executable}{os.pathsep}{self.sock}"  # first: of_parent finds it
+        env[ZYGOTE_VAR] = ";".join([mine] + [e for e in env.get(ZYGOTE_VAR, "").split(";")
+                                             if e and e != mine])
         for k, v in self.import_writes.items():  # what the preload's imports set
             if v is None:
                 env.pop(k, None)
@@ -620,19 +624,26 @@ class ForkServer:
         self.attached = False
 
     @classmethod
-    def of_parent(cls) -> "ForkServer | None":
-        """A handle on the fork server that forked this process (its children are then
-        this process's siblings, forked from the server's clean state), or None: this
-        process was not forked from one, or from one of another interpreter (a child of
-        another environment must start fresh there), or that server is gone.  The handle
-        never starts or stops the server; when the server ends, :meth:`spawn` returns
-        None."""
-        python, _, sock = os.environ.get(ZYGOTE_VAR, "").partition(os.pathsep)
-        if python != sys.executable or not os.path.exists(sock):
-            return None
-        server = cls([])
-        server.attached, server.info = True, {"socket": sock}
-        return server
+    def of_parent(cls, python: str | Path | None = None) -> "ForkServer | None":
+        """A handle on the fork server of interpreter ``python`` (default: this one's)
+        that this process was forked from, or told of (:data:`ZYGOTE_VAR`): its children
+        are forked from the server's clean state.  None: there is none for that
+        interpreter, or its socket is gone.  The handle never starts or stops the
+        server; when the server ends, :meth:`spawn` returns None."""
+        want = str(python or sys.executable)
+        for entry in os.environ.get(ZYGOTE_VAR, "").split(";"):
+            exe, _, sock = entry.partition(os.pathsep)
+            if exe == want and os.path.exists(sock):
+                server = cls([], python=want)
+                server.attached, server.info = True, {"socket": sock}
+                return server
+        return None
+
+    @staticmethod
+    def variable(*servers: "ForkServer") -> str:
+        """The value of :data:`ZYGOTE_VAR` that tells a process of ``servers`` (started
+        ones), so that it forks its children of their interpreters there."""
+        return ";".join(f"{s.python}{os.pathsep}{s.info['socket']}" for s in servers)
 
     def start(self) -> None:
         """Start the server unless it runs; returns once it imported the preload."""

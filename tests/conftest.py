@@ -32,6 +32,7 @@ kvmem's own engines keep NIXL's default.
 """
 
 import os
+import sys
 
 import pytest
 import torch
@@ -81,6 +82,31 @@ def pytest_collection_modifyitems(config, items):
         rel = os.path.relpath(str(item.fspath), here).split(os.sep)
         for name in _FOLDER_MARKS.get(rel[0], ()):
             item.add_marker(name)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sglang_fork_servers():
+    """The fork servers of tests.sglang.sglang_env (torch and sglang imported once, about
+    1 GB each) live until the session ends: tests/sglang and the benchmark smoke both
+    fork from them."""
+    yield
+    env = sys.modules.get("tests.sglang.sglang_env")
+    if env is not None:
+        env.close_fork_server()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What each fork server did, and which children it left to a fresh interpreter, and
+    why."""
+    env = sys.modules.get("tests.sglang.sglang_env")
+    for name, server in (env.servers() if env is not None else {}).items():
+        info = server.info
+        terminalreporter.write_line(
+            f"{name} fork server: started {server.starts}x in {server.start_s:.1f} s (its "
+            f"imports {info['preload_s']} s, {info['modules']} modules), {server.forked} "
+            f"children forked, {sum(server.refused.values())} refused")
+        for why, n in server.refused.items():
+            terminalreporter.write_line(f"  refused {n}x: {why}")
 
 
 @pytest.hookimpl(wrapper=True)

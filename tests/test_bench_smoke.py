@@ -1,7 +1,8 @@
 """The benchmarks and the GPU check cannot rot unseen.
 
 - Every benchmark runs once in the smoke mode (``KVMEM_BENCH_SMOKE=1``, bench/conftest.py:
-  tiny sizes, one round, no timing assertion), in a process of its own, and the report,
+  tiny sizes, one round, no timing assertion), in a process of its own (its sglang pairs
+  forked from the session's sglang fork servers), and the report,
   its JSON and every plot come out: a renamed field, a broken baseline or a plot that no
   longer draws fails here.
 - bench/gpu_check.sh (run by hand on a CUDA host) parses, every path it hands pytest
@@ -25,10 +26,13 @@ import re
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 
 import pytest
+
+from testkit.zygote import ForkServer
 
 pytestmark = pytest.mark.subprocess  # starts other interpreters
 
@@ -45,15 +49,34 @@ def _env(**extra) -> dict:
     return env
 
 
+def _fork_servers() -> str:
+    """The session's sglang fork servers (tests/sglang/sglang_env.py: this environment's
+    and ``.venv-e2e``'s, started together), named for the smoke run: its sglang pairs
+    fork from them instead of importing sglang in fresh interpreters."""
+    from tests.sglang.sglang_env import e2e_fork_server, fork_server
+
+    servers = [fork_server(), e2e_fork_server()]
+    starting = [threading.Thread(target=s.start) for s in servers]
+    for t in starting:
+        t.start()
+    for t in starting:
+        t.join()
+    for s in servers:
+        s.start()  # nothing when it runs; else it fails here, with its log
+    return ForkServer.variable(*servers)
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench-smoke")
     junit = out / "junit.xml"
+    zygotes = _fork_servers()
     t = time.monotonic()
     p = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench",
          f"--junitxml={junit}"],
-        cwd=ROOT, env=_env(KVMEM_BENCH_SMOKE="1", KVMEM_BENCH_OUT=str(out)),
+        cwd=ROOT, env=_env(KVMEM_BENCH_SMOKE="1", KVMEM_BENCH_OUT=str(out),
+                           TESTKIT_ZYGOTE=zygotes),
         capture_output=True, text=True, timeout=600)
     return dict(p=p, out=out, junit=junit, seconds=time.monotonic() - t)
 

@@ -10,7 +10,8 @@ A process publishes one ServerArgs; the adapter's hooks cannot be undone, so a t
 compares flag off with flag on runs its script in one process per variant
 (``run_script``, ``run_both``).  Those processes are forked from one fork server per
 pytest session (testkit/zygote.py, :func:`fork_server`) that imported torch and sglang's
-scheduler parts once (:data:`PRELOAD`): each child is the interpreter a fresh
+scheduler parts once (:data:`PRELOAD`; and one of ``.venv-e2e``'s, :func:`e2e_fork_server`):
+each child is the interpreter a fresh
 ``python`` would be for it, without the 20-30 s of imports.  ``fresh=True`` (and any
 environment the server says a fresh interpreter would read differently) starts a
 fresh interpreter instead.
@@ -48,7 +49,7 @@ ADAPTER = ROOT / "integration" / "sglang"
 
 def fork_server() -> ForkServer:
     """This session's fork server for the scripts here, started at its first child
-    (tests/sglang/conftest.py stops it at the session's end)."""
+    (tests/conftest.py stops it at the session's end)."""
     global _FORK
     if _FORK is None:
         _FORK = ForkServer(PRELOAD, forbid=FORBID, env=child_env(drop=("SGLANG_KVMEM",)),
