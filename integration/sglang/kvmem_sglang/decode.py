@@ -62,16 +62,6 @@ logger = logging.getLogger("kvmem.sglang")
 DRAIN_POLL_S = 0.002
 
 
-def hooks() -> list[tuple[str, object, str]]:
-    return [
-        ("sglang.srt.disaggregation.utils.prepare_abort", prepare_abort, "AROUND"),
-        ("sglang.srt.disaggregation.decode.DecodePreallocQueue.pop_preallocated",
-         pop_preallocated, "AROUND"),
-        ("sglang.srt.disaggregation.common.conn.CommonKVReceiver.failure_exception",
-         receiver_failure_exception, "AROUND"),
-    ]
-
-
 def receiver_failure_exception(original, receiver, *args, **kwargs):
     """AROUND ``CommonKVReceiver.failure_exception`` on a decode at attention TP > 1.
 

@@ -45,8 +45,6 @@ from kvmem_sglang.options import AdapterError
 
 logger = logging.getLogger("kvmem.sglang")
 
-_MGR = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager"
-
 
 # Seconds after a Mooncake write that failed during which slices of it may still move:
 # batch_transfer_sync_write returns -1 while other slices of the batch are in flight;
@@ -58,16 +56,6 @@ SETTLE_S = 2.0
 class RegistrationError(AdapterError):
     """The transfer engine refused a registration or a deregistration (its code in the
     message)."""
-
-
-def hooks(opts) -> list[tuple[str, object, str]]:
-    """(target, hook, kind) for ``opts`` (:class:`~kvmem_sglang.options.Options`)."""
-    out = [(f"{_MGR}.register_buffer_to_engine", register_buffer_to_engine, "AROUND"),
-           (f"{_MGR}.deregister_buffer_to_engine", deregister_buffer_to_engine, "AROUND"),
-           (f"{_MGR}._poison_unsettled_send", poison_unsettled_send, "AROUND")]
-    if opts.register_regions:
-        out.append((f"{_MGR}._registerable_regions", registerable_regions, "AFTER"))
-    return out
 
 
 def registerable_regions(result, manager, *args, **kwargs):

@@ -67,19 +67,10 @@ import numpy as np
 from kvmem_sglang import transfer
 from kvmem_sglang.transfer import STATS
 
-_CONN = "sglang.srt.disaggregation.mooncake.conn"
-_MGR = f"{_CONN}.MooncakeKVManager"
 
 # Mooncake's TCP transport takes this many queued transfers per peer unless
 # MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER says otherwise (module docstring).
 TCP_QUEUE_DEFAULT = 1024
-
-
-def hooks() -> list[tuple[str, object, str]]:
-    return [
-        (f"{_MGR}.transfer_worker", transfer.transfer_worker, "AROUND"),
-        (f"{_MGR}.send_kvcache", send_kvcache, "AROUND"),
-    ]
 
 
 def max_slices(mgr=None, planes: int = 0, env=None) -> int:

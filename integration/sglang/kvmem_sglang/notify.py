@@ -70,8 +70,6 @@ from kvmem_sglang.reasons import EARLY_ABORT, tag
 
 logger = logging.getLogger("kvmem.sglang")
 
-_CONN = "sglang.srt.disaggregation.common.conn"
-
 
 @dataclass
 class NotifyStats:
@@ -84,19 +82,6 @@ class NotifyStats:
 STATS = NotifyStats()
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
-
-
-def hooks() -> list[tuple[str, object, str]]:
-    return [
-        (f"{_CONN}.CommonKVSender.abort", sender_abort, "AROUND"),
-        (f"{_CONN}.CommonKVManager.update_status", manager_update_status, "AROUND"),
-        ("sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_abort_notification",
-         abort_notification, "AROUND"),
-        ("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager."
-         "_handle_abort_notification", abort_notification, "AROUND"),
-    ]
-
-
 
 
 def abort_notification(original, mgr, msg, *args, **kwargs):

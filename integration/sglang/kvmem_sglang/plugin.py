@@ -14,35 +14,10 @@ cause.  Problems found later, when sglang builds its pool (a KV layout kvmem can
 place), raise :class:`~kvmem_sglang.options.AdapterError` from inside the hook, which
 sglang does not catch: the scheduler stops with that message.
 
-Hooks (target -> kind -> what it does):
-
-=====================================================  =======  ==========================
-MHATokenToKVPool._create_buffers                       AROUND   refuse layouts kvmem
-                                                                cannot place
-MHATokenToKVPool._create_buffers_normal                REPLACE  K/V views of a KVPool
-MLATokenToKVPool._create_buffers                       REPLACE  KV views of a KVPool
-KVCacheConfigurator._build_token_to_kv_pool_allocator  AROUND   kvmem's allocator; refuse
-                                                                pools kvmem does not own
-SchedulerWeightUpdaterManager.release_memory_occupation AROUND  pool.release() after
-                                                                sglang's kv_cache release
-SchedulerWeightUpdaterManager.resume_memory_occupation AROUND   pool.resume() before
-                                                                sglang's kv_cache resume
-NixlKVManager.register_buffer_to_engine                AROUND   register pool regions;
-                                                                give the manager the
-                                                                deregistration it lacks
-NixlKVManager.transfer_worker                          AROUND   KV sends on kvmem's path
-NixlKVManager.send_kvcache                             AROUND   (kvmem_sglang.transfer):
-NixlKVManager._await_handles                           AROUND   merged runs, no spinning
-MooncakeKVManager._registerable_regions                AFTER    the same for mooncake
-MooncakeKVManager.transfer_worker                      AROUND   KV sends on kvmem's path
-MooncakeKVManager.send_kvcache                         AROUND   (mooncake_send): merged
-                                                                runs, bounded batches
-staging_buffer.gather_all_layers_to_staging            REPLACE  kvmem.pack_buffers
-staging_buffer.scatter_staging_to_kv                   REPLACE  kvmem.unpack_buffers
-=====================================================  =======  ==========================
-
-The mooncake, staging and NIXL send hooks depend on options (``SGLANG_KVMEM_REGISTER``,
-``SGLANG_KVMEM_STAGING``, ``SGLANG_KVMEM_TRANSFER``).
+The hooks, their targets and kinds, and the options they depend on
+(``SGLANG_KVMEM_REGISTER``, ``SGLANG_KVMEM_STAGING``, ``SGLANG_KVMEM_TRANSFER``) are
+listed in :mod:`kvmem_sglang.manifest`, with every other part of sglang the adapter
+touches; the README's table is generated from it.
 """
 
 from __future__ import annotations
@@ -61,11 +36,6 @@ from kvmem_sglang.options import AdapterError, Options
 logger = logging.getLogger("kvmem.sglang")
 
 SGLANG_VERSION = "0.5.23"
-
-_MEM = "sglang.srt.mem_cache.memory_pool"
-_CONF = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
-_WU = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
-_STAGING = "sglang.srt.disaggregation.common.staging_buffer"
 
 INSTALLED: list[str] = []  # targets patched in this process
 PENDING: dict[str, list[str]] = {}  # backend module -> targets patched when it is imported
@@ -166,44 +136,11 @@ def _check_version() -> None:
 
 
 def _hooks(options: Options) -> list[tuple[str, object, str]]:
-    """(target, hook, kind) for these options."""
-    from kvmem_sglang import hooks as H
+    """(target, hook, kind) for these options: :data:`kvmem_sglang.manifest.HOOKS`, the
+    AROUND hooks of one target nested."""
+    from kvmem_sglang import manifest
 
-    out = [
-        (f"{_MEM}.MHATokenToKVPool._create_buffers", H.mha_create_buffers, "AROUND"),
-        (f"{_MEM}.MHATokenToKVPool._create_buffers_normal", H.mha_create_buffers_normal,
-         "REPLACE"),
-        (f"{_MEM}.MLATokenToKVPool._create_buffers", H.mla_create_buffers, "REPLACE"),
-        (f"{_CONF}._build_token_to_kv_pool_allocator", H.build_allocator, "AROUND"),
-        (f"{_WU}.release_memory_occupation", H.release_memory_occupation, "AROUND"),
-        (f"{_WU}.resume_memory_occupation", H.resume_memory_occupation, "AROUND"),
-    ]
-    from kvmem_sglang import nixl, registrations
-
-    _nixl = "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
-    out += [(f"{_nixl}.register_buffer_to_engine", nixl.register_buffer_to_engine, "AROUND"),
-            (f"{_nixl}._prepare_payload_xfer", nixl.prepare_payload, "AROUND"),
-            (f"{_nixl}._prepare_state_xfer", nixl.prepare_payload, "AROUND"),
-            (f"{_nixl}._add_remote_peer", nixl.add_remote_peer, "AROUND"),
-            ("sglang.srt.disaggregation.common.conn.CommonKVReceiver._register_kv_args",
-             registrations.register_kv_args, "AROUND")]
-    if options.transfer:
-        from kvmem_sglang import mooncake_send, transfer
-
-        out += transfer.hooks() + mooncake_send.hooks()
-    from kvmem_sglang import mooncake
-
-    out += mooncake.hooks(options)
-    from kvmem_sglang import prefill
-
-    out += prefill.hooks()  # the PD prefill lifecycle (timeouts, statuses, audit)
-    if options.staging:
-        out += [
-            (f"{_STAGING}.gather_all_layers_to_staging", H.gather_all_layers_to_staging,
-             "REPLACE"),
-            (f"{_STAGING}.scatter_staging_to_kv", H.scatter_staging_to_kv, "REPLACE"),
-        ]
-    return _one_around_per_target(out)
+    return _one_around_per_target(manifest.hooks_for(options))
 
 
 def _one_around_per_target(hooks):

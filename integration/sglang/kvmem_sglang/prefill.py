@@ -68,14 +68,6 @@ logger = logging.getLogger("kvmem.sglang")
 DRAIN_POLL_S = 0.001  # how often a release re-reads the transfer workers' counts
 DRAIN_LOG_S = 5.0  # a release still waiting logs the rooms it waits for this often
 
-_P = "sglang.srt.disaggregation.prefill"
-_MIXIN = f"{_P}.SchedulerDisaggregationPrefillMixin"
-_QUEUE = f"{_P}.PrefillBootstrapQueue"
-_SCHED = "sglang.srt.managers.scheduler.Scheduler"
-_WU = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager"
-_STREAMER = ("sglang.srt.managers.scheduler_components.output_streamer."
-             "SchedulerOutputStreamer")
-
 
 @dataclass
 class PrefillStats:
@@ -99,28 +91,6 @@ class PrefillStats:
 STATS = PrefillStats()
 _WARNED: set[str] = set()  # managers already warned about (once per class)
 _EPOCH: dict[int, int] = {}  # id(scheduler) -> registration epoch (+1 per kv release)
-
-
-def hooks() -> list[tuple[str, object, str]]:
-    """(target, hook, kind) of the prefill lifecycle hooks (an aborted sender's decode
-    is told: :mod:`kvmem_sglang.notify`)."""
-
-    return [
-        (f"{_SCHED}._add_request_to_queue", add_request_to_queue, "AROUND"),
-        (f"{_SCHED}.abort_request", abort_request, "AROUND"),
-        (f"{_STREAMER}.stream_output", stream_output, "BEFORE"),
-        (f"{_MIXIN}.handle_bootstrap_failure", handle_bootstrap_failure, "BEFORE"),
-        (f"{_MIXIN}.process_disagg_prefill_inflight_queue", process_inflight_queue,
-         "AROUND"),
-        (f"{_MIXIN}.send_kv_chunk", send_kv_chunk, "AROUND"),
-        (f"{_SCHED}.continue_generation", continue_generation, "AROUND"),
-        (f"{_WU}.release_memory_occupation", release_memory_occupation, "AROUND"),
-        (f"{_WU}.resume_memory_occupation", resume_memory_occupation, "AROUND"),
-        (f"{_QUEUE}.release_memory_occupation", queue_release, "AFTER"),
-        (f"{_QUEUE}.resume_memory_occupation", queue_resume, "AROUND"),
-        *notify.hooks(),
-        *decode.hooks(),
-    ]
 
 
 # -- helpers -----------------------------------------------------------------------------

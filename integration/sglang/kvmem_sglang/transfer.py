@@ -102,8 +102,6 @@ from kvmem_sglang import audit
 
 logger = logging.getLogger("kvmem.sglang")
 
-_CONN = "sglang.srt.disaggregation.nixl.conn"
-_MGR = f"{_CONN}.NixlKVManager"
 
 # Bytes of KV one merged write may carry (the owner always goes, even when larger).  A
 # room waits for the whole write it is in, so this bounds how long the first room of a
@@ -281,14 +279,6 @@ def _state(mgr) -> _State:
         if st is None:
             st = _STATES[mgr] = _State()
         return st
-
-
-def hooks() -> list[tuple[str, object, str]]:
-    return [
-        (f"{_MGR}.transfer_worker", transfer_worker, "AROUND"),
-        (f"{_MGR}.send_kvcache", send_kvcache, "AROUND"),
-        (f"{_MGR}._await_handles", await_handles, "AROUND"),
-    ]
 
 
 # -- hooks ----------------------------------------------------------------------------------
