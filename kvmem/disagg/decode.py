@@ -97,7 +97,8 @@ from kvmem.disagg.protocol import (
     Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs,
     dispatch, encode, encode_runs,
 )
-from kvmem.disagg.states import DECODE_EDGES, DecodeState, transition
+from kvmem.disagg.states import (DECODE_EDGES, DECODE_PAUSE_EDGES, DecodeState, PausePhase,
+                                 set_phase, transition)
 from kvmem.transfer.errors import StaleEpochError, TransferError
 from kvmem.disagg.model import Verifier, prepare_model
 from kvmem.memory import make_backend
@@ -181,7 +182,6 @@ class DecodeSide(DecodeMemory):
         # pull: ... of each prefill's pool
         self._tables = {n: PeerTable(engine, n) for n in self.prefill_peers}
         self._acks_due: set = set()  # prefills whose PAUSE_ACK this pause still waits for
-        self._ack_pending = False  # every PAUSE_ACK came while own reads were in flight
         self.timeout = timeout
         self.quarantine_timeout = timeout if quarantine_timeout is None else quarantine_timeout
         self.clock = clock
@@ -194,7 +194,6 @@ class DecodeSide(DecodeMemory):
         # memory of ended requests that device work may still touch: (event, ledger
         # owner, ledger reason, landing offset), freed once the event is done
         self._draining: list = []
-        self._complete_pause_due = False  # the pause's frees wait for _draining
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("decode")
         self.chunk_modes: Counter = Counter()  # CHUNKs landed, "packed" / "direct"
@@ -204,14 +203,26 @@ class DecodeSide(DecodeMemory):
         self.reqs: dict[int, DecodeRequest] = {}
         self._rooms: dict[int, int] = {}  # room -> rid
         self.completed: dict[int, Reason] = {}
-        self.pausing = False
-        self.paused = False
+        self.phase = PausePhase.SERVING  # DECODE_PAUSE_EDGES
         self.inbox = Inbox(engine, peers=self.prefill_peers, receiver="decode",
                            handle=self.handle_message, metrics=self.metrics, log=log)
         self._register()
 
     def _tell(self, peer: str, msg: bytes) -> bool:
         return tell(self.engine, peer, msg, self.metrics, log)
+
+    @property
+    def pausing(self) -> bool:
+        """A pause began and its memory is not released yet."""
+        return self.phase in (PausePhase.DRAINING, PausePhase.READS, PausePhase.FREEING)
+
+    @property
+    def paused(self) -> bool:
+        """The memory is released; :meth:`resume` serves again."""
+        return self.phase is PausePhase.PAUSED
+
+    def _phase(self, to: PausePhase) -> None:
+        set_phase("decode", DECODE_PAUSE_EDGES, self, to, log)
 
     @property
     def prefill_peer(self) -> str:
@@ -228,16 +239,15 @@ class DecodeSide(DecodeMemory):
         busy = self.inbox.drain() > 0
         busy = self._apply_checks() or busy
         busy = self._drain_device() or busy
-        if self._complete_pause_due and not self._draining:
+        if self.phase is PausePhase.FREEING and not self._draining:
             self._complete_pause()
             busy = True
         if self.transfer_mode == "pull":
             busy = self._poll_reads() or busy
-            if self._ack_pending and not any(r.reads for r in self.reqs.values()):
-                self._ack_pending = False
+            if self.phase is PausePhase.READS and not any(r.reads for r in self.reqs.values()):
                 self._finish_pause()
                 busy = True
-        if not self.pausing and not self.paused:
+        if self.phase is PausePhase.SERVING:
             for req in list(self.reqs.values()):
                 if req.state is DecodeState.WAITING:
                     busy = self._boot(req) or busy
@@ -283,7 +293,7 @@ class DecodeSide(DecodeMemory):
         self.reqs[rid] = req
         self._rooms[room] = rid
         self.completed.pop(rid, None)
-        if req.state is DecodeState.WAITING and not self.pausing and not self.paused:
+        if req.state is DecodeState.WAITING and self.phase is PausePhase.SERVING:
             self._boot(req)
 
     def _boot(self, req: DecodeRequest) -> bool:

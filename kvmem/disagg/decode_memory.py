@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from kvmem.disagg.common import SERVICE_UNAVAILABLE, ProtocolError, Reason, buffer_map
 from kvmem.disagg.protocol import PauseAck, encode, meta_message
-from kvmem.disagg.states import DecodeState
+from kvmem.disagg.states import DecodeState, PausePhase
 
 if TYPE_CHECKING:
     from kvmem.disagg.decode import DecodeRequest
@@ -72,10 +72,10 @@ class DecodeMemory:
         self._maybe_finish_pause()
 
     def _maybe_finish_pause(self) -> None:
-        if self._acks_due or not self.pausing or self._ack_pending:
+        if self._acks_due or self.phase is not PausePhase.DRAINING:
             return
         if any(r.reads for r in self.reqs.values()):
-            self._ack_pending = True  # our own reads into the pool first (step polls them)
+            self._phase(PausePhase.READS)  # our own reads into the pool first (step polls)
             return
         self._finish_pause()
 
@@ -122,16 +122,15 @@ class DecodeMemory:
 
     # --- pause / resume ---------------------------------------------------------------------
     def begin_pause(self) -> None:
-        if self.pausing or self.paused:
+        if self.phase is not PausePhase.SERVING:
             return
-        self.pausing = True
+        self._phase(PausePhase.DRAINING)
         self._pause_t0 = self.clock()
         self.metrics.pauses += 1
         msg = encode("PAUSING", epoch=self.pool.epoch)
         # a prefill that cannot be told is gone (its process died, its connection broke):
         # none of its writes can land any more, so this pause does not wait for its ack
         self._acks_due = {n for n in self.prefill_peers if self._tell(n, msg)}
-        self._ack_pending = False
         self._maybe_finish_pause()
 
     def _finish_pause(self) -> None:
@@ -145,13 +144,12 @@ class DecodeMemory:
                     "its KV memory")))
         self._drain_device()
         if self._draining:
-            self._complete_pause_due = True  # step() completes it
+            self._phase(PausePhase.FREEING)  # step() completes it
             return
         self._complete_pause()
 
     def _complete_pause(self) -> None:
         """Every page is free and no device work touches the memory: release it."""
-        self._complete_pause_due = False
         self._apply_checks()
         audit = self.ledger.audit()
         if audit["leaked"] or audit["unaccounted"] or audit["quarantined"]:
@@ -162,17 +160,17 @@ class DecodeMemory:
         self.publish_metadata()  # tombstones: any write built before is refused now
         self._landing_mem.release()
         self.pool.release()
-        self.pausing, self.paused = False, True
+        self._phase(PausePhase.PAUSED)
 
     def resume(self) -> None:
-        if not self.paused:
+        if self.phase is not PausePhase.PAUSED:
             return
         self._local_table = None  # deregister released it; _register prepares the new one
         self.pool.resume()
         self._landing_mem.resume()
         self._register()
         self.publish_metadata()
-        self.paused = False
+        self._phase(PausePhase.SERVING)
         self.metrics.pause_seconds += self.clock() - self._pause_t0
 
     def prefault(self) -> None:

@@ -84,7 +84,8 @@ from kvmem.disagg.common import (
 from kvmem.disagg.model import Forward, prepare_model
 from kvmem.disagg.prefill_peers import PrefillPeers, _DecodePeer
 from kvmem.disagg.prefill_send import Offer, PrefillSending, _Staged
-from kvmem.disagg.states import PREFILL_EDGES, PrefillState, transition
+from kvmem.disagg.states import (PREFILL_EDGES, PREFILL_PAUSE_EDGES, PausePhase, PrefillState,
+                                 set_phase, transition)
 from kvmem.disagg.protocol import Inbox, encode, meta_message
 from kvmem.memory import make_backend
 
@@ -235,13 +236,26 @@ class PrefillSide(PrefillPeers, PrefillSending):
         self.finished_peer: dict[int, str] = {}  # rid -> the decode peer it was bound to
         self._rooms: set[int] = set()
         self._order: list[int] = []  # scheduling order (FIFO)
-        self.paused = False
-        self._pausing_since: float | None = None
+        self.phase = PausePhase.SERVING  # PREFILL_PAUSE_EDGES
+        self._pause_t0 = 0.0
         # last_loc of a request with no token yet (alloc_extend's -1), on the device
         self._no_slot = torch.full((1,), -1, dtype=torch.int64, device=allocator.device)
 
     def _tell(self, peer: str, msg: bytes) -> bool:
         return tell(self.engine, peer, msg, self.metrics, log)
+
+    @property
+    def pausing(self) -> bool:
+        """A pause began and its memory is not released yet."""
+        return self.phase is PausePhase.DRAINING
+
+    @property
+    def paused(self) -> bool:
+        """The memory is released; :meth:`resume` serves again."""
+        return self.phase is PausePhase.PAUSED
+
+    def _phase(self, to: PausePhase) -> None:
+        set_phase("prefill", PREFILL_PAUSE_EDGES, self, to, log)
 
     # --- the caller's API ------------------------------------------------------------------
     def add_request(self, rid: int, tokens: int, room: int | None = None,
@@ -332,9 +346,9 @@ class PrefillSide(PrefillPeers, PrefillSending):
         moved = self._handle_notifs()
         moved = self._poll_writes() or moved
         moved = self._check_timeouts() or moved
-        if self._pausing_since is not None:
+        if self.phase is PausePhase.DRAINING:
             return self._advance_pause() or moved
-        if self.paused:
+        if self.phase is PausePhase.PAUSED:
             return moved
         moved = self._flush_pending() or moved
         batch = self._schedule()
@@ -505,9 +519,10 @@ class PrefillSide(PrefillPeers, PrefillSending):
     def begin_pause(self) -> None:
         """Stop posting; ``step`` then drains, aborts (503), resets, deregisters and
         releases.  :attr:`paused` is True once the memory is released."""
-        if self.paused or self._pausing_since is not None:
+        if self.phase is not PausePhase.SERVING:
             return
-        self._pausing_since = self.clock()
+        self._phase(PausePhase.DRAINING)
+        self._pause_t0 = self.clock()
         self.metrics.pauses += 1
 
     def _advance_pause(self) -> bool:
@@ -532,18 +547,17 @@ class PrefillSide(PrefillPeers, PrefillSending):
         if self.transfer_mode == "pull":  # the decodes refuse reads from the old pool now
             self._tell_all(meta_message(self.engine))
         self.pool.release()
-        self.paused = True
-        self._pause_t0, self._pausing_since = self._pausing_since, None
+        self._phase(PausePhase.PAUSED)
         return True
 
     def resume(self) -> None:
-        if not self.paused:
+        if self.phase is not PausePhase.PAUSED:
             return
         self.pool.resume()
         self.engine.register_pool(self.pool, "kv")
         self._prep_local()  # deregister released the old list
         self._tell_all(meta_message(self.engine))
-        self.paused = False
+        self._phase(PausePhase.SERVING)
         self.metrics.pause_seconds += self.clock() - self._pause_t0
 
     def _tell_all(self, msg: bytes) -> None:

@@ -1,5 +1,6 @@
 """The request states of both PD sides, the edges between them, and the one check every
-state change goes through (:func:`check_edge`).
+state change goes through (:func:`check_edge`); each side's pause phases and their
+edges, checked the same way (:func:`set_phase`).
 
 Each side's module docstring draws its edges (:mod:`kvmem.disagg.prefill`,
 :mod:`kvmem.disagg.decode`); the tables here are what the code enforces, and
@@ -92,6 +93,44 @@ DECODE_EDGES: frozenset = frozenset({
     *((s, _D.QUARANTINED) for s in (_D.WAITING, _D.WITHHELD, _D.BOOTING, _D.BOOTED)),
     *((s, _D.FREED) for s in (_D.WAITING, _D.WITHHELD, _D.BOOTING, _D.BOOTED, _D.QUARANTINED)),
 })
+
+
+class PausePhase(enum.StrEnum):
+    """Where a side is in a pause (``PrefillSide.phase``, ``DecodeSide.phase``)."""
+
+    SERVING = "serving"  # no pause: requests are scheduled, booted, sent
+    DRAINING = "draining"  # prefill: its requests ended (503), their transfers draining;
+    #                        decode: PAUSING sent, waiting for every prefill's PAUSE_ACK
+    READS = "reads"  # decode, pull: acknowledged, its own reads into its pool draining
+    FREEING = "freeing"  # decode: requests freed, device work on their memory still queued
+    PAUSED = "paused"  # the memory is released; resume() serves again
+
+
+_S = PausePhase
+PREFILL_PAUSE_EDGES: frozenset = frozenset({
+    (_S.SERVING, _S.DRAINING), (_S.DRAINING, _S.PAUSED), (_S.PAUSED, _S.SERVING)})
+DECODE_PAUSE_EDGES: frozenset = frozenset({
+    (_S.SERVING, _S.DRAINING), (_S.DRAINING, _S.READS), (_S.DRAINING, _S.FREEING),
+    (_S.DRAINING, _S.PAUSED), (_S.READS, _S.FREEING), (_S.READS, _S.PAUSED),
+    (_S.FREEING, _S.PAUSED), (_S.PAUSED, _S.SERVING)})
+
+
+class IllegalPhase(KVMemError, RuntimeError):
+    """A side tried to change its pause phase along an edge its table does not have (a
+    bug in the side); ``side``, ``src``, ``dst``; the phase is unchanged."""
+
+    def __init__(self, side: str, src: PausePhase, dst: PausePhase):
+        self.side, self.src, self.dst = side, src, dst
+        super().__init__(f"{side}: no pause phase edge {src.name} -> {dst.name}")
+
+
+def set_phase(side: str, edges: frozenset, obj, to: PausePhase, log: logging.Logger) -> None:
+    """Move ``obj.phase`` to ``to`` along an edge of ``edges`` (logged at DEBUG);
+    :class:`IllegalPhase`, ``obj`` unchanged, for any other."""
+    if (obj.phase, to) not in edges:
+        raise IllegalPhase(side, obj.phase, to)
+    log.debug("%s: pause phase %s -> %s", side, obj.phase.name, to.name)
+    obj.phase = to
 
 
 class IllegalTransition(KVMemError, RuntimeError):

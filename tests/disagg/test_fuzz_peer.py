@@ -362,7 +362,7 @@ class Live:
 
 
 def _pausing(side) -> bool:
-    return getattr(side, "pausing", False) or getattr(side, "_pausing_since", None) is not None
+    return side.pausing
 
 
 def _page_rows(pool, idx: torch.Tensor) -> list:

@@ -40,7 +40,7 @@ def test_soak_every_fault_and_pauses(chunks):
         steps += 1
         assert steps < 200 * REQUESTS, "soak made no progress"
         while (next_rid < REQUESTS and len(pre.reqs) < in_flight_cap and not pre.paused
-               and pre._pausing_since is None):
+               and not pre.pausing):
             pre.add_request(next_rid, plan.tokens(next_rid))
             kinds[plan.kind(next_rid)] += 1
             next_rid += 1

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import re
+import types
 import unittest.mock
 
 import pytest
@@ -34,7 +35,8 @@ from kvmem.disagg.decode import DecodeRequest, DecodeSide
 from kvmem.disagg.prefill import PrefillRequest, PrefillSide
 from kvmem.disagg.protocol import DECODE_RECEIVES, PREFILL_RECEIVES, PauseAck, Pulled
 from kvmem.disagg.states import (
-    DECODE_EDGES, PREFILL_EDGES, DecodeState, IllegalTransition, PrefillState,
+    DECODE_EDGES, DECODE_PAUSE_EDGES, PREFILL_EDGES, PREFILL_PAUSE_EDGES, DecodeState,
+    IllegalPhase, IllegalTransition, PausePhase, PrefillState, set_phase,
 )
 from tests.disagg.harness import Pair
 from tests.disagg.test_sync_free import _Lag
@@ -421,3 +423,80 @@ def run_program(mode: str, lag: int, ops) -> None:
        ops=st.lists(OPS, min_size=1, max_size=14))
 def test_random_programs_keep_every_state_promise(mode, lag, ops):
     run_program(mode, lag, ops)
+
+
+# -- pause phases ------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def phases():
+    """Every pause phase change of both sides, as (side, from, to)."""
+    seen = []
+
+    def wrap(cls):
+        real = cls._phase
+
+        def record(self, to):
+            seen.append((type(self).__name__, self.phase, to))
+            real(self, to)
+        return unittest.mock.patch.object(cls, "_phase", record)
+
+    with wrap(PrefillSide), wrap(DecodeSide):
+        yield seen
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_pauses_walk_their_phase_tables(mode):
+    """A prefill's pause and a decode's take only edges of their tables, and every phase
+    they can reach on the CPU (READS in pull mode: every PAUSE_ACK in while the decode's
+    own read is in flight, which happens when the prefill gave the offer up); an edge off
+    the table is refused, the phase unchanged."""
+    S = PausePhase
+    with phases() as seen:
+        pair = Pair(**MODES[mode])
+        try:
+            pre, dec = pair.prefill, pair.decode
+            pair.faults.stall_at[1] = 1
+            pre.add_request(1, 200)
+            pair.run_until(lambda: pre.state(1) == KVPoll.Transferring)
+            pre.begin_pause()
+            assert pre.phase is S.DRAINING and pre.pausing and not pre.paused
+            pair.run_until(lambda: pre.paused)
+            pre.resume()
+            pair.faults.stall_at.clear()
+            pair.run_idle()
+            pre.add_request(2, 200)
+            if mode == "pull":  # the decode's read of an offer posted, not yet polled
+                for _ in range(500):
+                    pre.step()
+                    dec.inbox.drain()
+                    if any(r.reads for r in dec.reqs.values()):
+                        break
+                    dec.step()
+                dec.begin_pause()
+                # the prefill gives the offer up (no PULLED in its quarantine timeout),
+                # so it acknowledges with the decode's read still in flight
+                pair.clock.advance(pre.quarantine_timeout + 1)
+                pre.step()
+                dec.inbox.drain()
+                assert dec.phase is S.READS
+            else:
+                pair.step(2)
+                dec.begin_pause()
+            pair.run_until(lambda: dec.paused)
+            dec.resume()
+            pair.run_idle()
+            pair.assert_clean()
+        finally:
+            pair.close()
+    pre_edges = [(a, b) for side, a, b in seen if side == "PrefillSide"]
+    dec_edges = [(a, b) for side, a, b in seen if side == "DecodeSide"]
+    assert pre_edges == [(S.SERVING, S.DRAINING), (S.DRAINING, S.PAUSED),
+                         (S.PAUSED, S.SERVING)] and set(pre_edges) == PREFILL_PAUSE_EDGES
+    want = [(S.SERVING, S.DRAINING)] + ([(S.DRAINING, S.READS), (S.READS, S.PAUSED)]
+                                         if mode == "pull" else [(S.DRAINING, S.PAUSED)])
+    assert dec_edges == want + [(S.PAUSED, S.SERVING)], dec_edges
+    assert set(dec_edges) <= DECODE_PAUSE_EDGES
+    obj = types.SimpleNamespace(phase=S.PAUSED)
+    with pytest.raises(IllegalPhase, match="PAUSED -> DRAINING") as e:
+        set_phase("decode", DECODE_PAUSE_EDGES, obj, S.DRAINING, logging.getLogger("t"))
+    assert obj.phase is S.PAUSED and e.value.side == "decode"
