@@ -16,13 +16,14 @@ from kvmem.transfer.errors import (
     EngineClosedError, MetadataError, StaleEpochError, TransferError, TransferInFlightError,
 )
 from kvmem.transfer.layout import BlockLayout
-from kvmem.transfer.records import BlockTable, Registration, RemoteMemory, TransferHandle
+from kvmem.transfer.records import (BlockTable, Registration, RemoteMemory, TransferHandle,
+                                   XferState)
 from kvmem.transfer.loopback import LoopbackEngine, LoopbackFabric
 from kvmem.transfer.nixl import NixlEngine
 
 __all__ = [
     "TransferEngine", "NixlEngine", "LoopbackEngine", "LoopbackFabric", "Registration",
-    "RemoteMemory", "TransferHandle",
+    "RemoteMemory", "TransferHandle", "XferState",
     "StaleEpochError", "TransferInFlightError", "MetadataError", "TransferError",
     "EngineClosedError", "BlockLayout", "BlockTable",
 ]

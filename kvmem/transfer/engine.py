@@ -31,9 +31,8 @@ from kvmem.transfer.errors import (
 )
 from kvmem.transfer.layout import MAX_TABLE_BLOCKS, BlockLayout, pool_layout
 from kvmem.transfer.ranges import RegionIndex, as_ranges, locate, pair_few, pair_ranges
-from kvmem.transfer.records import BlockTable, Registration, RemoteMemory, TransferHandle, mem_of
-
-STATES = ("PROC", "DONE", "ERR")
+from kvmem.transfer.records import (BlockTable, Registration, RemoteMemory, TransferHandle,
+                                   XferState, mem_of)
 
 
 @dataclass
@@ -210,7 +209,7 @@ class TransferEngine(abc.ABC):
             raise ValueError(f"deregister: {key!r} is not registered ({state}; live: "
                              f"{sorted(self._regs)})")
         busy = [h for h in self._handles.values()
-                if key in h.local_keys and self._refresh(h) == "PROC"]
+                if key in h.local_keys and self._refresh(h) == XferState.PROC]
         if busy:
             ids = [h.id for h in busy][:8]
             raise TransferInFlightError(f"deregister {key!r}", len(busy),
@@ -365,8 +364,9 @@ class TransferEngine(abc.ABC):
         else:
             lo, ro, local_keys = self._many(local_ranges, remote, remote_ranges, lindex, rindex)
         native, state = self._t_post(lo, self._regs[local_keys[0]], ro, remote, bytes(notif))
+        state = XferState(state)
         h = TransferHandle(self._next_id, remote.peer, remote.key, local_keys, int(lo[:, 1].sum()),
-                           bytes(notif), state, None if state != "ERR" else "failed at post",
+                           bytes(notif), state, None if state != XferState.ERR else "failed at post",
                            native=native)
         self._next_id += 1
         self._handles[h.id] = h
@@ -461,7 +461,7 @@ class TransferEngine(abc.ABC):
     def release_table(self, t: BlockTable) -> None:
         """Free a prepared table (refused while a write posted from it is in flight)."""
         busy = [h for h in self._handles.values()
-                if t.id in h.tables and self._refresh(h) == "PROC"]
+                if t.id in h.tables and self._refresh(h) == XferState.PROC]
         if busy:
             raise TransferInFlightError("release_table", len(busy))
         self._drop_table(t)
@@ -512,9 +512,10 @@ class TransferEngine(abc.ABC):
             raise ValueError("post_blocks: paired blocks differ in size")
         native, state = self._t_post_blocks(op, local.native, li, remote.native, ri,
                                             remote.remote.peer, bytes(notif))
+        state = XferState(state)
         h = TransferHandle(self._next_id, remote.remote.peer, remote.key, (local.key,),
                            int(lb.sum()), bytes(notif), state,
-                           None if state != "ERR" else "failed at post", native=native)
+                           None if state != XferState.ERR else "failed at post", native=native)
         h.tables = (local.id, remote.id)
         h.op = op
         self._next_id += 1
@@ -528,21 +529,24 @@ class TransferEngine(abc.ABC):
                                 else ""))
         return h
 
-    def _refresh(self, h: TransferHandle) -> str:
-        if h.state == "PROC":
+    def _refresh(self, h: TransferHandle) -> XferState:
+        if h.state == XferState.PROC:
             try:
                 st = self._t_state(h.native)
             except Exception as e:  # the transport reports some failures by raising
-                st, h.error = "ERR", f"{type(e).__name__}: {e}"
-            if st not in STATES:
-                st, h.error = "ERR", f"unknown transport state {st!r}"
-            if st == "ERR" and h.error is None:
+                st, h.error = XferState.ERR, f"{type(e).__name__}: {e}"
+            try:
+                st = XferState(st)
+            except ValueError:
+                st, h.error = XferState.ERR, f"unknown transport state {st!r}"
+            if st == XferState.ERR and h.error is None:
                 h.error = "transport reported ERR"
             h.state = st
         return h.state
 
-    def poll(self, h: TransferHandle) -> str:
-        """``"PROC"`` | ``"DONE"`` | ``"ERR"`` (ERR also when the transport raised; see
+    def poll(self, h: TransferHandle) -> XferState:
+        """PROC, DONE or ERR (:class:`~kvmem.transfer.records.XferState`, equal to those
+        strings; ERR also when the transport raised; see
         ``h.error``).  DONE: the bytes landed and the notification was sent.
 
         The initiator must keep polling its writes (``poll``, ``in_flight()`` or
@@ -557,7 +561,7 @@ class TransferEngine(abc.ABC):
         and whether its bytes landed is unknown (treat the target as written)."""
         self._check_open("release")
         self._own(h, "release")
-        if self._refresh(h) == "PROC" and not abort:
+        if self._refresh(h) == XferState.PROC and not abort:
             raise TransferInFlightError("release", 1, f" (handle {h.id} to {h.peer!r}); "
                                         "or release(h, abort=True) to cancel it")
         was = h.state
@@ -566,8 +570,8 @@ class TransferEngine(abc.ABC):
         except Exception as e:
             raise TransferError(f"release: the transport could not free handle {h.id} "
                                 f"({was}): {type(e).__name__}: {e}") from None
-        if was == "PROC":
-            h.state, h.error = "ERR", "aborted by release(abort=True)"
+        if was == XferState.PROC:
+            h.state, h.error = XferState.ERR, "aborted by release(abort=True)"
         h.released, h.native = True, None
         del self._handles[h.id]
 
@@ -575,7 +579,7 @@ class TransferEngine(abc.ABC):
         """Poll every open PROC handle (to ``peer`` when given) once; return those still
         PROC.  One call per step of an event loop keeps notifications flowing."""
         return [h for h in self._handles.values()
-                if (peer is None or h.peer == peer) and self._refresh(h) == "PROC"]
+                if (peer is None or h.peer == peer) and self._refresh(h) == XferState.PROC]
 
     def drain(self, timeout: float | None = None, peer: str | None = None) -> list[TransferHandle]:
         """Poll every open handle (to ``peer``) until none is PROC; return those that were
@@ -587,8 +591,8 @@ class TransferEngine(abc.ABC):
         process: drive the other one)."""
         self._check_open("drain")
         drained = [h for h in self._handles.values()
-                   if (peer is None or h.peer == peer) and h.state == "PROC"]
-        todo = [h for h in drained if self._refresh(h) == "PROC"]
+                   if (peer is None or h.peer == peer) and h.state == XferState.PROC]
+        todo = [h for h in drained if self._refresh(h) == XferState.PROC]
         deadline = None if timeout is None else time.monotonic() + timeout
         nap = 20e-6
         while todo:
@@ -597,7 +601,7 @@ class TransferEngine(abc.ABC):
                                             "" if peer is None else f" to {peer!r}")
             time.sleep(nap)   # leave the CPU to the transport's progress thread
             nap = min(nap * 2, 1e-3)
-            todo = [h for h in todo if self._refresh(h) == "PROC"]
+            todo = [h for h in todo if self._refresh(h) == XferState.PROC]
         return drained
 
     def open_handles(self) -> int:

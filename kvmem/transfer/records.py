@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import enum
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,6 +55,14 @@ class RemoteMemory:
         return f"epoch {self.epoch}{closed}, incarnation {self.incarnation}"
 
 
+class XferState(enum.StrEnum):
+    """A posted transfer's state, as NIXL names it (a ``str``: ``XferState.DONE == "DONE"``)."""
+
+    PROC = "PROC"  # posted, not finished
+    DONE = "DONE"  # the bytes landed and the notification was sent
+    ERR = "ERR"  # failed (``TransferHandle.error`` says why); its bytes may be partial
+
+
 @dataclass
 class TransferHandle:
     """A posted write.  ``state`` is the last state poll() saw; ``error`` says why ERR."""
@@ -63,7 +73,7 @@ class TransferHandle:
     local_keys: tuple
     nbytes: int
     notif: bytes
-    state: str = "PROC"
+    state: XferState = XferState.PROC
     error: str | None = None
     released: bool = False
     native: object = field(default=None, repr=False)

@@ -224,3 +224,16 @@ def test_another_thread_may_read_a_peers_notifications(fabric):
     got.extend(b.get_notifs().get("a", []))
     assert got == [b"%d" % i for i in range(200)]
     assert torch.equal(dst, src)
+
+
+def test_states_are_xferstate_and_an_unknown_transport_state_is_err(fabric):
+    """``poll`` gives an :class:`XferState` (equal to NIXL's strings); a state the
+    transport names that is not one of them ends the write ERR, saying which."""
+    from kvmem.transfer import XferState
+
+    a, b, src, dst, remote = pair(fabric, settle_polls=2)
+    h = write(a, src, remote, 0, 4096)
+    assert h.state is XferState.PROC and a.poll(h) is XferState.PROC
+    a._t_state = lambda native: "WEIRD"
+    assert a.poll(h) is XferState.ERR and h.error == "unknown transport state 'WEIRD'"
+    a.release(h)
