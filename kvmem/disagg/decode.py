@@ -92,7 +92,7 @@ from kvmem.disagg.common import (
     PeerTable, ProtocolError, Reason, check_caller_args, device_event, now, peer_names,
     sole_peer, tell, to_device,
 )
-from kvmem.disagg.decode_memory import DecodeMemory
+from kvmem.disagg.decode_memory import DecodeMemory, _Drain
 from kvmem.disagg.protocol import (
     Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs,
     dispatch, encode, encode_runs,
@@ -115,6 +115,20 @@ class DecodeFaults:
     def withhold_boot(self, rid: int) -> bool:
         """True: never answer this request's REQ (the prefill's bootstrap times out)."""
         return False
+
+
+@dataclass(frozen=True)
+class _Check:
+    """A check's verdict on its way to the host (:meth:`DecodeSide._apply_checks`):
+    ``nbytes`` of request ``rid``'s pages ``[first, last)``; ``bad``: what a mismatch
+    means (logged), or None."""
+
+    copy: HostCopy
+    nbytes: int
+    rid: int
+    first: int
+    last: int
+    bad: str | None
 
 
 @dataclass
@@ -188,12 +202,8 @@ class DecodeSide(DecodeMemory):
         self.faults = faults or DecodeFaults()
         self.done_event = done_event or device_event(pool.device)
         prepare_model(verifier, Verifier, pool.device, "DecodeSide")  # its set-up on our device
-        # verdicts of the checks, in order, on their way to the host: (HostCopy, nbytes,
-        # rid, first, last, what a mismatch means or None)
-        self._checks: list = []
-        # memory of ended requests that device work may still touch: (event, ledger
-        # owner, ledger reason, landing offset), freed once the event is done
-        self._draining: list = []
+        self._checks: list[_Check] = []  # verdicts on their way to the host, in order
+        self._draining: list[_Drain] = []  # freed once the device work on it is done
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("decode")
         self.chunk_modes: Counter = Counter()  # CHUNKs landed, "packed" / "direct"
@@ -435,23 +445,24 @@ class DecodeSide(DecodeMemory):
     def _verdict(self, ok, nbytes: int, rid: int, first: int, last: int, bad) -> None:
         """Queue a check's verdict (a 0-dim bool tensor) for the counters, in order; it
         counts at once when it is already on the host (the CPU: always)."""
-        self._checks.append((HostCopy(ok), nbytes, rid, first, last, bad))
+        self._checks.append(_Check(HostCopy(ok), nbytes, rid, first, last, bad))
         self._apply_checks()
 
     def _apply_checks(self) -> bool:
         """Count the verdicts that reached the host (in the order they were made; no wait);
         True when one did."""
         done = 0
-        for copy, nbytes, rid, first, last, bad in self._checks:
-            if not copy.ready():
+        for c in self._checks:
+            if not c.copy.ready():
                 break
             done += 1
-            if bool(copy.numpy()):
-                self.metrics.bytes_verified += nbytes
+            if bool(c.copy.numpy()):
+                self.metrics.bytes_verified += c.nbytes
             else:
-                self.metrics.bytes_corrupt += nbytes
-                if bad is not None:
-                    log.error("decode: request %d pages [%d, %d): %s", rid, first, last, bad)
+                self.metrics.bytes_corrupt += c.nbytes
+                if c.bad is not None:
+                    log.error("decode: request %d pages [%d, %d): %s", c.rid, c.first, c.last,
+                              c.bad)
         del self._checks[:done]
         return done > 0
 

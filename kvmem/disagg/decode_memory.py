@@ -22,6 +22,7 @@ are refused by the prefill's engine before they are posted.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvmem.disagg.common import SERVICE_UNAVAILABLE, ProtocolError, Reason, buffer_map
@@ -33,6 +34,18 @@ if TYPE_CHECKING:
 
 # the states that hold pages and a landing region (freed by this side's pause)
 _HOLDING = frozenset({DecodeState.BOOTING, DecodeState.BOOTED, DecodeState.QUARANTINED})
+
+
+@dataclass(frozen=True)
+class _Drain:
+    """Memory of an ended request that device work may still touch: the ledger's
+    ``owner`` (released with reason ``why``) and the landing offset ``off`` (-1: none),
+    given back once ``event`` is done (:meth:`DecodeMemory._drain_device`)."""
+
+    event: object
+    owner: object
+    why: str
+    off: int
 
 
 class DecodeMemory:
@@ -91,7 +104,7 @@ class DecodeMemory:
             if self.ledger.holds(req.rid):
                 self.ledger.rename(req.rid, owner)
                 self.ledger.quarantine(owner)
-            self._draining.append((busy, owner, why, req.landing_off))
+            self._draining.append(_Drain(busy, owner, why, req.landing_off))
         else:
             if self.ledger.holds(req.rid):
                 self.ledger.release(req.rid, why)
@@ -108,14 +121,14 @@ class DecodeMemory:
         """Give back the pages and landing regions of ended requests whose device work is
         done (polled, never waited on); True when some were."""
         keep = []
-        for ev, owner, why, off in self._draining:
-            if not ev.query():
-                keep.append((ev, owner, why, off))
+        for d in self._draining:
+            if not d.event.query():
+                keep.append(d)
                 continue
-            if self.ledger.holds(owner):
-                self.ledger.release(owner, why)
-            if off >= 0:
-                self.arena.free(off)
+            if self.ledger.holds(d.owner):
+                self.ledger.release(d.owner, d.why)
+            if d.off >= 0:
+                self.arena.free(d.off)
         moved = len(keep) < len(self._draining)
         self._draining = keep
         return moved

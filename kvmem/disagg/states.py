@@ -129,7 +129,7 @@ def set_phase(side: str, edges: frozenset, obj, to: PausePhase, log: logging.Log
     :class:`IllegalPhase`, ``obj`` unchanged, for any other."""
     if (obj.phase, to) not in edges:
         raise IllegalPhase(side, obj.phase, to)
-    log.debug("%s: pause phase %s -> %s", side, obj.phase.name, to.name)
+    log.debug("%s: pause phase %s, now %s", side, obj.phase.name, to.name)
     obj.phase = to
 
 
