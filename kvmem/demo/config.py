@@ -98,7 +98,7 @@ class DemoConfig:
 
     def landing_bytes(self) -> int:
         import kvmem
-        from kvmem.disagg.common import AUX_BYTES
+        from kvmem.disagg.protocol import AUX_BYTES
 
         per = kvmem.packed_nbytes(self.spec(), self.request_pages()) + AUX_BYTES
         return self.prefills * self.slots() * (per + LANDING_ALIGN)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from kvmem.disagg.common import KVPoll
+from kvmem.disagg.outcome import KVPoll
 from kvmem.disagg.decode import DecodeFaults
 from kvmem.disagg.prefill import Faults
 

@@ -14,7 +14,7 @@ request holds its tokens ``j * page_size ...``).
 On a CUDA pool the tape is copied to the device once (:meth:`Synth.prepare`, which the
 sides call at construction); ``fill`` and the checks then run on the device with no host
 sync, and a check's verdict is a 0-dim bool tensor on the device that the decode reads
-through a :class:`~kvmem.disagg.common.HostCopy`.
+through a :class:`~kvmem.disagg.device.HostCopy`.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ PIPE_EVERY = 0.002  # seconds between polls of the parent's pipe in the workload
 # value well under the 0.2 s progress period would do; a pause request waits this long.
 # A loop step that made no progress (nothing arrived, posted, ended or computed): after
 # NAP_SPINS such steps in a row the loop sleeps, doubling from NAP_FIRST to NAP_MOST, and
-# stops at the first step that progresses (kvmem.disagg.common.Backoff).  Why these
+# stops at the first step that progresses (kvmem.disagg.pacing.Backoff).  Why these
 # values: docs/demo.md, "Pacing".
 NAP_FIRST, NAP_MOST, NAP_SPINS = 5e-6, 200e-6, 1
 # Over TCP (--hosts netns) the kernel moves the bytes (socket copies, the veth's softirq)
@@ -144,7 +144,7 @@ class _Worker:
     def __init__(self, cfg, conn, names: dict, index: int = 0):
         """``names``: {"prefill": [agent names], "decode": [agent names]}, every worker's;
         ``index``: this worker's among its kind."""
-        from kvmem.disagg.common import Backoff
+        from kvmem.disagg.pacing import Backoff
         from kvmem.demo.faults import FaultPlan
         from kvmem.demo.synth import Synth
         from kvmem.transfer.nixl import NixlEngine

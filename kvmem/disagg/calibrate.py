@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 import kvmem
-from kvmem.disagg.common import RegionMap
+from kvmem.disagg.peers import RegionMap
 
 
 def _spread(n: int, r: int) -> np.ndarray:

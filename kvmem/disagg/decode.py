@@ -37,7 +37,7 @@ two)::
 
 Booting: the BOOT carries the request's page ids, which the allocator hands out on the
 pool's device; the request is BOOTING until their copy to the host is done (at once on
-the CPU, a step or so later on CUDA: :class:`~kvmem.disagg.common.HostCopy`, polled, never
+the CPU, a step or so later on CUDA: :class:`~kvmem.disagg.device.HostCopy`, polled, never
 waited on), then the BOOT goes out.
 
 A packed chunk lands in the request's *landing region* (a registered buffer, one region
@@ -87,11 +87,14 @@ import torch
 
 import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
-from kvmem.disagg.common import (
-    AUX_BYTES, CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, HostCopy, Ledger, Metrics,
-    PeerTable, ProtocolError, Reason, check_caller_args, device_event, now, peer_names,
-    sole_peer, tell, to_device,
+from kvmem.disagg.counters import Metrics, now
+from kvmem.disagg.device import HostCopy, device_event, to_device
+from kvmem.disagg.ledger import Ledger
+from kvmem.disagg.outcome import (
+    CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, ProtocolError, Reason, check_caller_args,
 )
+from kvmem.disagg.peers import PeerTable, peer_names, sole_peer, tell
+from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.decode_memory import DecodeMemory, _Drain
 from kvmem.disagg.protocol import (
     Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs,
@@ -184,7 +187,7 @@ class DecodeSide(DecodeMemory):
         ``done_event``: ``() -> object with query()``, called after the device work of
         each landed chunk, AUX or read (checks, unpack); a request's pages and landing
         region are reused only once its last one says True.  Default
-        :func:`~kvmem.disagg.common.device_event` of the pool's device (always True on
+        :func:`~kvmem.disagg.device.device_event` of the pool's device (always True on
         the CPU, where that work is done when it returns)."""
         if transfer_mode not in ("push", "pull"):
             raise ValueError(f"transfer_mode must be 'push' or 'pull', got {transfer_mode!r}")
@@ -245,7 +248,7 @@ class DecodeSide(DecodeMemory):
         side's reads ended, a waiting request was booted, a request timed out or left the
         quarantine, or the pause completed.  False: nothing changed, what is left waits
         for the prefill or the clock, and the caller may back off
-        (:class:`~kvmem.disagg.common.Backoff`)."""
+        (:class:`~kvmem.disagg.pacing.Backoff`)."""
         busy = self.inbox.drain() > 0
         busy = self._apply_checks() or busy
         busy = self._drain_device() or busy

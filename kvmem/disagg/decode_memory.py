@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvmem.disagg.common import SERVICE_UNAVAILABLE, ProtocolError, Reason, buffer_map
+from kvmem.disagg.outcome import SERVICE_UNAVAILABLE, ProtocolError, Reason
+from kvmem.disagg.peers import buffer_map
 from kvmem.disagg.protocol import PauseAck, encode, meta_message
 from kvmem.disagg.states import DecodeState, PausePhase
 

@@ -74,7 +74,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from kvmem.disagg.common import Outcome
+from kvmem.disagg.outcome import Outcome
 
 REGISTRY = CollectorRegistry()
 """kvmem's registry: :func:`register` uses it unless given another."""

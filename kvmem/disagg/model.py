@@ -17,7 +17,7 @@ first_page)]``: the K rows of every layer, then the V rows, each ``[tokens, head
 head_dim]`` (``kvmem.kernels.pack``).
 
 A verdict is a 0-dim bool tensor on the device of the bytes it looked at: on CUDA it is
-computed there and read later through a :class:`~kvmem.disagg.common.HostCopy`, so a
+computed there and read later through a :class:`~kvmem.disagg.device.HostCopy`, so a
 check must not synchronise the host.  A wrong size is a False verdict, not an error.
 """
 

@@ -60,7 +60,7 @@ two)::
 * No host sync in ``step`` on CUDA: alloc_extend with sglang's ``*_cpu`` hints and
   ``check=False``, lengths and the AUX bytes through pinned memory, each request's last
   slot kept on the device, pack with ``check=False``; the page ids a READY offer or a
-  direct write needs reach the host through a :class:`~kvmem.disagg.common.HostCopy` made
+  direct write needs reach the host through a :class:`~kvmem.disagg.device.HostCopy` made
   when they were allocated, and such a chunk is staged once it is there (a step or so
   later on CUDA, at once on the CPU).
 """
@@ -76,11 +76,14 @@ import torch
 
 import kvmem
 from kvmem.disagg.arena import Arena
-from kvmem.disagg.common import (
-    AUX_BYTES, CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, KVPoll,
-    Ledger, HostCopy, Metrics, PeerTable, ProtocolError, Reason, RegionMap, buffer_map,
-    check_caller_args, check_id, device_event, now, peer_names, tell, to_device,
+from kvmem.disagg.counters import Metrics, now
+from kvmem.disagg.device import HostCopy, device_event, to_device
+from kvmem.disagg.ledger import Ledger
+from kvmem.disagg.outcome import (
+    CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, KVPoll, ProtocolError, Reason, check_caller_args, check_id,
 )
+from kvmem.disagg.peers import PeerTable, RegionMap, buffer_map, peer_names, tell
+from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.model import Forward, prepare_model
 from kvmem.disagg.prefill_peers import PrefillPeers, _DecodePeer
 from kvmem.disagg.prefill_send import Offer, PrefillSending, _Staged
@@ -96,7 +99,7 @@ _FORWARDING = frozenset({PrefillState.WAITING_FOR_INPUT, PrefillState.TRANSFERRI
 
 # ``() -> object with query()``, called right after each pack into staging: on CUDA a
 # ``torch.cuda.Event`` recorded on the pool device's current stream (where pack ran); on
-# the CPU an object that is always ready (kvmem.disagg.common.device_event).
+# the CPU an object that is always ready (kvmem.disagg.device.device_event).
 default_ready_event = device_event
 
 
@@ -342,7 +345,7 @@ class PrefillSide(PrefillPeers, PrefillSending):
         handled, a write (or an offered read) ended, a request ended or timed out, the
         pause completed, a chunk was staged or posted, or a batch ran its forward.  False:
         nothing changed; what is left waits for the peer, a posted write, free memory or
-        the clock, and the caller may back off (:class:`~kvmem.disagg.common.Backoff`)."""
+        the clock, and the caller may back off (:class:`~kvmem.disagg.pacing.Backoff`)."""
         moved = self._handle_notifs()
         moved = self._poll_writes() or moved
         moved = self._check_timeouts() or moved

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import kvmem
-from kvmem.disagg.common import (
-    AUX_BYTES, OK, SERVICE_UNAVAILABLE, PeerTable, ProtocolError, Reason, RegionMap, sole_peer,
-)
+from kvmem.disagg.outcome import OK, SERVICE_UNAVAILABLE, ProtocolError, Reason
+from kvmem.disagg.peers import PeerTable, RegionMap, sole_peer
+from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.prefill_send import Offer
 from kvmem.disagg.protocol import (
     AbortReq, Boot, Meta, Pausing, Pulled, apply_metadata, decode_runs, dispatch, encode,

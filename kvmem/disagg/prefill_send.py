@@ -29,9 +29,9 @@ in flight at a time; ``PrefillSide`` owns the requests and their states.
   memory backend reports one region per physical allocation (the CUDA VMM backend: one
   per 2 GiB chunk).  The staging buffer is registered with its backend's regions, and a
   slot's bytes are posted as one local range per chunk they lie in
-  (:func:`~kvmem.disagg.common.buffer_map`); the landing region is addressed as an offset
+  (:func:`~kvmem.disagg.peers.buffer_map`); the landing region is addressed as an offset
   into the decode's ``landing`` registration, its regions concatenated in order
-  (:class:`~kvmem.disagg.common.RegionMap`), cut the same way.  A write that spans two
+  (:class:`~kvmem.disagg.peers.RegionMap`), cut the same way.  A write that spans two
   chunks on either side is one write of several ranges.
 """
 
@@ -47,7 +47,9 @@ import torch
 
 import kvmem
 from kvmem.disagg.arena import ArenaFullError
-from kvmem.disagg.common import AUX_BYTES, INTERNAL_ERROR, SERVICE_UNAVAILABLE, Reason, to_device
+from kvmem.disagg.device import to_device
+from kvmem.disagg.outcome import INTERNAL_ERROR, SERVICE_UNAVAILABLE, Reason
+from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.protocol import encode, encode_runs
 from kvmem.disagg.states import PrefillState
 from kvmem.transfer.errors import StaleEpochError, TransferError

@@ -1,6 +1,6 @@
 """The control messages of the PD lifecycle, and the one place where a peer's message is
 validated: :func:`parse` turns raw notification bytes into a typed message or raises
-:class:`~kvmem.disagg.common.ProtocolError`.  Both sides use it (through :class:`Inbox`);
+:class:`~kvmem.disagg.outcome.ProtocolError`.  Both sides use it (through :class:`Inbox`);
 the handlers then check only what depends on their state (is the request known, is the
 page range its own), before they change anything.
 
@@ -48,8 +48,13 @@ import logging
 import re
 from dataclasses import dataclass
 
-from kvmem.disagg.common import END_STATUSES, OK, ProtocolError, peer_names
+from kvmem.disagg.outcome import END_STATUSES, OK, ProtocolError
+from kvmem.disagg.peers import peer_names
 from kvmem.transfer.envelope import decode_metadata
+
+# The extra state written after a request's last KV chunk (first output token, lengths):
+# its size in the decode's landing region and in the prefill's staging buffer.
+AUX_BYTES = 64
 from kvmem.transfer.errors import MetadataError, StaleEpochError, TransferError
 
 MAX_MESSAGE_BYTES = 4 << 20  # a META with a NIXL blob is a few KiB; nothing else is near
@@ -202,7 +207,7 @@ def encode_runs(pages) -> str:
     """Page ids on the host (a sequence, a NumPy array or a CPU tensor, in request order)
     as runs of consecutive ids: ``"12:4,40:1"`` is pages 12, 13, 14, 15, 40.  (A CUDA
     tensor works too, but reading it waits for the device: the sides pass the host copies
-    of their ids, :class:`~kvmem.disagg.common.HostCopy`.)"""
+    of their ids, :class:`~kvmem.disagg.device.HostCopy`.)"""
     ids = [int(p) for p in (pages.tolist() if hasattr(pages, "tolist") else pages)]
     out, i = [], 0
     while i < len(ids):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 
-from kvmem.disagg.common import KVPoll
+from kvmem.disagg.outcome import KVPoll
 from kvmem.errors import KVMemError
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvmem.disagg.common import Backoff
+from kvmem.disagg.pacing import Backoff
 from tests.disagg.harness import Pair
 
 FIRST, MOST = 5e-6, 40e-6

@@ -109,7 +109,7 @@ def test_landed_chunks_record_events_that_are_only_polled(pair):
     pair.prefill.add_request(1, 130)  # 3 chunks
     pair.run_idle()
     assert len(pair.done_event.made) == 3 + 1  # three chunks, the AUX
-    from kvmem.disagg.common import device_event
+    from kvmem.disagg.device import device_event
 
     assert device_event("cpu")().query() is True
     assert pair.decode.metrics.bytes_verified == kvmem.packed_nbytes(SPEC, 9) + 64

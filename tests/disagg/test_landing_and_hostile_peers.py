@@ -15,7 +15,7 @@ import torch
 
 import kvmem
 from kvmem.disagg import KVPoll, ProtocolError
-from kvmem.disagg.common import RegionMap
+from kvmem.disagg.peers import RegionMap
 from kvmem.disagg.protocol import encode, meta_message, parse
 from kvmem.transfer.envelope import decode_metadata, encode_metadata
 from tests.disagg.harness import SPEC, Pair

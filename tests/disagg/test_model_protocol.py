@@ -15,7 +15,7 @@ import torch
 
 import kvmem
 from kvmem.disagg import DecodeSide, Forward, PrefillSide, Verifier
-from kvmem.disagg.common import AUX_BYTES
+from kvmem.disagg.protocol import AUX_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, page_size=16)

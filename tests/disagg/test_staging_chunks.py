@@ -83,7 +83,7 @@ def test_a_staging_buffer_whose_regions_do_not_tile_it_is_refused():
     hole, or start past the buffer's first byte, are refused at construction."""
     import torch
 
-    from kvmem.disagg.common import buffer_map
+    from kvmem.disagg.peers import buffer_map
 
     t = torch.zeros(8192, dtype=torch.uint8)
     base = t.data_ptr()

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import kvmem.disagg.decode as decode_mod
 import kvmem.disagg.prefill as prefill_mod
 from kvmem.disagg import KVPoll, ProtocolError
-from kvmem.disagg import common as C
+from kvmem.disagg import device as dev
 from kvmem.disagg.decode import DecodeRequest, DecodeSide
 from kvmem.disagg.prefill import PrefillRequest, PrefillSide
 from kvmem.disagg.protocol import DECODE_RECEIVES, PREFILL_RECEIVES, PauseAck, Pulled
@@ -212,14 +212,14 @@ def transitions():
 def host_copy_lag(lag: list):
     """Every HostCopy made while ``lag[0] > 0`` reaches the host after that many polls (as
     a CUDA copy does, a step or more later); ``lag[0] == 0``: at once, as on the CPU."""
-    real = C.HostCopy.__init__
+    real = dev.HostCopy.__init__
 
     def init(self, t):
         real(self, t)
         if lag[0]:
             self._event = _Lag(lag[0])
 
-    with unittest.mock.patch.object(C.HostCopy, "__init__", init):
+    with unittest.mock.patch.object(dev.HostCopy, "__init__", init):
         yield
 
 

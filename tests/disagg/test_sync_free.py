@@ -5,9 +5,10 @@ CUDA sync-debug mode for the same lifecycle.  Here there is no device, so the ch
 which tensors *are* device tensors on a GPU (the pools, the staging and landing buffers,
 what the allocators hand out, the stand-in's verdicts, and everything torch computes from
 them) and records every conversion of one made by the sides' own code
-(kvmem/disagg/prefill*.py, decode*.py, common.py, protocol.py, arena.py) while both sides run
+(kvmem/disagg/prefill*.py, decode*.py, device.py, ledger.py, peers.py, counters.py,
+outcome.py, protocol.py, arena.py) while both sides run
 whole lifecycles in every transfer mode.  The sanctioned way to the host is
-``common.HostCopy`` (a non-blocking copy and an event on CUDA, polled, never waited on);
+``device.HostCopy`` (a non-blocking copy and an event on CUDA, polled, never waited on);
 ``Ledger.audit`` runs in a pause only (which waits for the device by design)."""
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from torch.utils._pytree import tree_flatten
 
 import kvmem
 from kvmem.disagg import KVPoll
-from kvmem.disagg import common as C
+from kvmem.disagg import device as D
+from kvmem.disagg.ledger import Ledger
 from tests.disagg.harness import Pair
 
 _T = torch.Tensor
@@ -34,13 +36,14 @@ CONVERSIONS = {
     _T.nonzero, torch.nonzero, torch.unique, _T.unique, torch.masked_select,
     _T.masked_select, torch.allclose, _T.allclose,
 }
-DISAGG = os.path.dirname(os.path.abspath(C.__file__))
+DISAGG = os.path.dirname(os.path.abspath(D.__file__))
 SCOPE = {os.path.join(DISAGG, f) for f in ("prefill.py", "prefill_send.py", "prefill_peers.py",
-                                              "decode.py", "decode_memory.py", "common.py",
-                                              "protocol.py", "arena.py")}
+                                              "decode.py", "decode_memory.py", "device.py",
+                                              "ledger.py", "peers.py", "counters.py",
+                                              "outcome.py", "protocol.py", "arena.py")}
 # Where the sides may read device values: the asynchronous host copy, and the audit of a
 # pause (docs/disagg.md: a pause waits for the device anyway).
-ALLOWED = {C.HostCopy.__init__.__code__, C.HostCopy.numpy.__code__, C.Ledger.audit.__code__}
+ALLOWED = {D.HostCopy.__init__.__code__, D.HostCopy.numpy.__code__, Ledger.audit.__code__}
 TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
@@ -203,8 +206,8 @@ def test_the_check_sees_a_conversion_of_a_device_tensor():
         watch(pair, reads)
         with reads:
             pages = pair.decode.alloc.alloc(3)
-            C.Ledger(pair.decode.alloc).hold("x", pages + 0)  # computed: still marked
-            ids = C.HostCopy(pages).numpy()  # the sanctioned way
+            Ledger(pair.decode.alloc).hold("x", pages + 0)  # computed: still marked
+            ids = D.HostCopy(pages).numpy()  # the sanctioned way
             kvmem.disagg.protocol.encode_runs(ids)  # host ids: nothing to record
             assert reads.reads == []
             kvmem.disagg.protocol.encode_runs(pages[1:])  # a device tensor: .tolist()
@@ -230,13 +233,13 @@ class _Lag:
 
 @pytest.fixture
 def lagging_copies(monkeypatch):
-    real = C.HostCopy.__init__
+    real = D.HostCopy.__init__
 
     def init(self, t):
         real(self, t)
         self._event = _Lag(3)
 
-    monkeypatch.setattr(C.HostCopy, "__init__", init)
+    monkeypatch.setattr(D.HostCopy, "__init__", init)
 
 
 @pytest.mark.parametrize("mode", ["packed", "direct", "pull"])

@@ -35,7 +35,7 @@ except ImportError as e:
 
 import kvmem  # noqa: E402
 from kvmem.disagg import KVPoll  # noqa: E402
-from kvmem.disagg.common import HostCopy  # noqa: E402
+from kvmem.disagg.device import HostCopy
 from tests.disagg.harness import Pair  # noqa: E402
 from tests.disagg.test_sync_free import lifecycle  # noqa: E402
 from tests.util import no_host_sync  # noqa: E402
