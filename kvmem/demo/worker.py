@@ -52,7 +52,8 @@ in flight and none is left for after the last request.  The other workers keep s
 that decode, as soon as it is in the middle of receiving a request from every prefill
 (some pages landed, not all), reports those requests (``kill_me``) and stops (no more
 steps), and the parent kills it with SIGKILL.  The prefills are told (``peer_gone``) so
-their routers stop picking it; its requests end there as the lifecycle says (a failed
+their routers stop picking it and its requests end at once (``PrefillSide.peer_gone``:
+500); one that ended before the prefill heard ended as the lifecycle says (a failed
 write, 500, or a timeout, 504).
 """
 
@@ -383,6 +384,7 @@ class PrefillWorker(_Worker):
                     self.gone.add(payload)
                     self.gone_active[payload] = sorted(
                         r.rid for r in side.reqs.values() if r.peer == payload)
+                    side.peer_gone(payload)  # its requests end now (500)
                 elif (kind, pause_active, payload) != (
                         "decode_resumed", "decode",
                         mine[self.pauses_done] if self.pauses_done < len(mine) else None):

@@ -245,6 +245,8 @@ class PrefillSide(PrefillPeers, PrefillSending):
         self._no_slot = torch.full((1,), -1, dtype=torch.int64, device=allocator.device)
 
     def _tell(self, peer: str, msg: bytes) -> bool:
+        if self._peers[peer].gone:
+            return False  # peer_gone: the caller knows it is dead
         return tell(self.engine, peer, msg, self.metrics, log)
 
     @property
@@ -278,6 +280,9 @@ class PrefillSide(PrefillPeers, PrefillSending):
         elif peer not in self._peers:
             raise ValueError(f"add_request: request {rid}: {peer!r} is not a decode peer of "
                              f"this side ({list(self.decode_peers)})")
+        if self._peers[peer].gone:
+            raise ValueError(f"add_request: request {rid}: decode {peer!r} is gone "
+                             "(peer_gone)")
         room = rid if room is None else room
         check_id("add_request", f"request {rid}: room", room)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:

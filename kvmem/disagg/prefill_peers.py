@@ -12,7 +12,9 @@ handlers, the acknowledgement of a peer's pause.
   is refused.  A peer that vanishes (its process killed) is found out by the lifecycle
   itself: its requests end by the bootstrap or transfer timeout (504) or by a failed
   write (500); the memory a write in flight may read stays held until that write is
-  DONE or ERR.  ``META`` after a pause of this side goes to every peer.
+  DONE or ERR.  A caller that knows a peer is dead (its process exited, a health check)
+  says so (:meth:`PrefillPeers.peer_gone`): its requests end at once (500), their
+  transfers given up, instead of holding pages, and a pause, for the transfer timeout.  ``META`` after a pause of this side goes to every peer.
 * Peer messages arrive validated (:mod:`kvmem.disagg.protocol`); the handlers here check
   what depends on state (and that the sender is the request's peer), before they change
   anything.
@@ -27,12 +29,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import kvmem
-from kvmem.disagg.outcome import OK, SERVICE_UNAVAILABLE, ProtocolError, Reason
+from kvmem.disagg.outcome import INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, ProtocolError, Reason
 from kvmem.disagg.peers import PeerTable, RegionMap, sole_peer
-from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.prefill_send import Offer
 from kvmem.disagg.protocol import (
-    AbortReq, Boot, Meta, Pausing, Pulled, apply_metadata, decode_runs, dispatch, encode,
+    AUX_BYTES, AbortReq, Boot, Meta, Pausing, Pulled, apply_metadata, decode_runs, dispatch,
+    encode,
 )
 from kvmem.disagg.states import PrefillState
 
@@ -51,6 +53,7 @@ class _DecodePeer:
     paused: bool = False  # it announced a pause (PAUSING); cleared by its live META
     pause_epoch: int | None = None  # its PAUSE_ACK is due once no write into it is in flight
     held_boots: dict = field(default_factory=dict)  # rid -> BOOT waiting for its META
+    gone: bool = False  # the caller said it is dead (peer_gone): no request, no message
 
 
 class PrefillPeers:
@@ -167,6 +170,40 @@ class PrefillPeers:
         p = self._peers[peer]
         if landing is not None and landing.live and p.pause_epoch is None:
             p.paused = False
+
+    def peer_gone(self, peer: str) -> int:
+        """The caller knows decode ``peer`` is dead (its process exited): every request
+        bound to it ends now (500, "decode ... is gone"), nothing more is sent to it, and
+        :meth:`add_request` refuses it (ValueError).  Its offered reads are given up and
+        its posted writes cancelled (the engine's ``release(abort=True)``), so the pages
+        they read are freed in this call: safe because a dead peer reads nothing more,
+        and a cancelled write only reads this side's memory.  Returns the number of
+        requests it ended; a second call ends none.  ValueError for a name that is not a
+        decode peer of this side."""
+        p = self._peers.get(peer)
+        if p is None:
+            raise ValueError(f"peer_gone: {peer!r} is not a decode peer of this side "
+                             f"({list(self.decode_peers)})")
+        p.gone = True
+        p.held_boots.clear()
+        p.pause_epoch = None  # no PAUSE_ACK to send it
+        ended = 0
+        for req in [r for r in self.reqs.values() if r.peer == peer]:
+            for t in req.handles:
+                if isinstance(t.op, Offer):
+                    t.op.state, t.op.error = "ERR", f"decode {peer} is gone"
+                else:
+                    self.engine.release(t.op, abort=True)
+                    if t.staging_off is not None:
+                        self.arena.free(t.staging_off)
+            req.handles = []
+            if not req.state.ended:
+                ended += 1
+                self._end(req, Reason(INTERNAL_ERROR, (
+                    f"request {req.rid} (room {req.room}): decode {peer} is gone")))
+            else:
+                self._maybe_finish(req)
+        return ended
 
     def _maybe_ack_peer_pause(self) -> None:
         """Answer each pausing decode (PAUSE_ACK) once none of this side's writes into it

@@ -245,6 +245,37 @@ def test_prefill_pause_ends_a_request_without_a_transfer_at_once(pair):
     pair.assert_clean()
 
 
+def test_a_decode_the_caller_knows_is_gone_ends_its_requests_at_once(pair):
+    """``peer_gone``: every request bound to the dead decode ends 500 in that call, its
+    transfer in flight given up (a posted write cancelled, an offer dropped) and every
+    prefill page freed then, not at the transfer timeout; nothing more is sent to it, a
+    new request naming it is refused, and a pause no longer waits for it."""
+    pre = pair.prefill
+    pair.faults.stall_at[1] = 1  # first chunk in flight (pull: offered), then stalls
+    pair.faults.stall_at[2] = 0  # bootstrapped, waiting for its first chunk
+    pre.add_request(1, 200)
+    pre.add_request(2, 100)
+    pair.run_until(lambda: pre.state(1) == KVPoll.Transferring
+                   and pre.state(2) == KVPoll.WaitingForInput)
+    pre.step()  # the decode does not step: the transfer of request 1 stays in flight
+    sent = pre.metrics.send_errors
+    assert pre.peer_gone(pair.de.name) == 2
+    for rid in (1, 2):
+        assert pair.finished[rid].status == 500 and "is gone" in pair.finished[rid].message
+    assert not pre.reqs and pre.alloc.num_allocated == 0 and pre.arena.used_bytes == 0
+    assert pre.audit() == {"leaked": {}, "quarantined": {}, "unaccounted": []}
+    assert pre.engine.open_handles() == 0
+    assert pre.metrics.send_errors == sent  # no ABORT tried to the dead peer
+    with pytest.raises(ValueError, match="is gone"):
+        pre.add_request(3, 64)
+    assert pre.peer_gone(pair.de.name) == 0
+    with pytest.raises(ValueError, match="not a decode peer"):
+        pre.peer_gone("nobody")
+    pre.begin_pause()
+    pre.step()
+    assert pre.paused  # nothing of the dead peer's to drain
+
+
 def test_decode_pause_refuses_stale_writes_and_resumes(pair):
     pair.faults.stall_at[1] = 1
     pair.prefill.add_request(1, 200)
