@@ -122,9 +122,10 @@ def run_mode(mode: str, page_sizes, shape: Shape, repeats: int, *, one_process: 
     run).  ``forked``: those processes are forked from the fork server of their
     interpreter this process was told of (``testkit.zygote.ForkServer.of_parent``; the
     smoke run's, whose figures mean nothing), where there is one that takes them; else
-    each is a fresh interpreter, which is what a measurement needs.  Each result gets ``mode``, the machine's load meanwhile (``others_cpu_cores``:
-    busy CPU of other processes, in cores; ``loadavg``) and the ratios of each round to
-    the raw write just before it."""
+    each is a fresh interpreter, which is what a measurement needs.  Each result gets
+    ``mode``, the machine's load meanwhile (``others_cpu_cores``: busy CPU of other
+    processes, in cores; ``loadavg``) and the ratios of each round to the raw write just
+    before it."""
     import resource
 
     prefill_env, decode_env = MODES[mode]

@@ -871,6 +871,7 @@ class _Child:
         if not self._ended.wait(10):
             self.proc.kill()
             self._ended.wait(10)
+        self._listener.close()  # never accepted when the process did not connect
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -1071,4 +1072,3 @@ class Pair:
     def close(self) -> None:
         for c in self.ranks + self.decodes:
             c.close()
-

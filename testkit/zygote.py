@@ -95,6 +95,11 @@ _HEADER = 8  # bytes of a request's length, ahead of its JSON
 ZYGOTE_VAR = "TESTKIT_ZYGOTE"
 
 
+def _entry(python: str, sock: str) -> str:
+    """One server in :data:`ZYGOTE_VAR` (:meth:`ForkServer.of_parent` parses it)."""
+    return f"{python}{os.pathsep}{sock}"
+
+
 # -- the server ---------------------------------------------------------------------------
 
 def _reader() -> tuple[str, str]:
@@ -386,7 +391,7 @@ class _Server:
         for fd in (null, *fds):
             os.close(fd)
         env = dict(req["env"])
-        mine = f"{sys.executable}{os.pathsep}{self.sock}"  # first: of_parent finds it
+        mine = _entry(sys.executable, self.sock)  # first: of_parent finds it
         env[ZYGOTE_VAR] = ";".join([mine] + [e for e in env.get(ZYGOTE_VAR, "").split(";")
                                              if e and e != mine])
         for k, v in self.import_writes.items():  # what the preload's imports set
@@ -605,9 +610,10 @@ class ForkServer:
     process's); ``cwd``: its working directory; ``idle_s``: it ends after that long
     with no child running and none asked for (its memory given back), and starts again
     at the next :meth:`spawn`; ``python``: its interpreter (default: this one's; the
-    children it forks run that environment's).  ``forked``, ``refused`` (reason -> count), ``starts``
-    and ``start_s`` (seconds spent starting it) say what it did; ``info`` is what its
-    last start reported (preload seconds, modules, native threads, variables read)."""
+    children it forks run that environment's).  ``forked``, ``refused`` (reason ->
+    count), ``starts`` and ``start_s`` (seconds spent starting it) say what it did;
+    ``info`` is what its last start reported (preload seconds, modules, native threads,
+    variables read)."""
 
     def __init__(self, preload: list[str], *, forbid: list[str] = (), env: dict | None = None,
                  cwd: str | Path | None = None, idle_s: float | None = 600,
@@ -643,7 +649,7 @@ class ForkServer:
     def variable(*servers: "ForkServer") -> str:
         """The value of :data:`ZYGOTE_VAR` that tells a process of ``servers`` (started
         ones), so that it forks its children of their interpreters there."""
-        return ";".join(f"{s.python}{os.pathsep}{s.info['socket']}" for s in servers)
+        return ";".join(_entry(s.python, s.info["socket"]) for s in servers)
 
     def start(self) -> None:
         """Start the server unless it runs; returns once it imported the preload."""

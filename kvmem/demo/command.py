@@ -66,9 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "loaded decode that is neither paused nor gone (%(default)s)")
     h.add_argument("--kill-decode", action="store_true",
                    help="kill the last decode worker with SIGKILL in the middle of "
-                        "receiving requests, once a quarter of them have finished; the prefills are "
-                        "told and its requests end at once (500), the others go on (needs "
-                        "--decodes >= 2)")
+                        "receiving requests, once a quarter of them have finished; the "
+                        "prefills are told and its requests end at once (500), the others "
+                        "go on (needs --decodes >= 2)")
     h.add_argument("--hosts", default=d.hosts, choices=HOSTS,
                    help="one: every worker on this host (UCX moves KV by cross-memory "
                         "attach); netns: prefills and decodes in two network namespaces "

@@ -53,10 +53,11 @@ two)::
   (un-quarantine) the request's decode pages.
 * Pause (:meth:`begin_pause`): stop posting, end every request (503) at once, drain the
   posted writes of those ending, reset the allocator, deregister, release.  Resume:
-  resume, register, publish the new metadata (``META``).  When the decode side pauses (``PAUSING``), requests bound to
-  it are drained and aborted (503) and ``PAUSE_ACK`` tells it no write is in flight; its
-  ``META`` (new epoch) lets requests flow again, and the engine refuses writes built from
-  its older metadata (StaleEpochError), which end the request with 503.
+  resume, register, publish the new metadata (``META``).  When the decode side pauses
+  (``PAUSING``), requests bound to it are drained and aborted (503) and ``PAUSE_ACK``
+  tells it no write is in flight; its ``META`` (new epoch) lets requests flow again, and
+  the engine refuses writes built from its older metadata (StaleEpochError), which end
+  the request with 503.
 * No host sync in ``step`` on CUDA: alloc_extend with sglang's ``*_cpu`` hints and
   ``check=False``, lengths and the AUX bytes through pinned memory, each request's last
   slot kept on the device, pack with ``check=False``; the page ids a READY offer or a
@@ -80,7 +81,8 @@ from kvmem.disagg.counters import Metrics, now
 from kvmem.disagg.device import HostCopy, device_event, to_device
 from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
-    CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, KVPoll, ProtocolError, Reason, check_caller_args, check_id,
+    CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, KVPoll,
+    ProtocolError, Reason, check_caller_args, check_id,
 )
 from kvmem.disagg.peers import PeerTable, RegionMap, buffer_map, peer_names, tell
 from kvmem.disagg.protocol import AUX_BYTES

@@ -14,7 +14,8 @@ handlers, the acknowledgement of a peer's pause.
   write (500); the memory a write in flight may read stays held until that write is
   DONE or ERR.  A caller that knows a peer is dead (its process exited, a health check)
   says so (:meth:`PrefillPeers.peer_gone`): its requests end at once (500), their
-  transfers given up, instead of holding pages, and a pause, for the transfer timeout.  ``META`` after a pause of this side goes to every peer.
+  transfers given up, instead of holding pages, and a pause, for the transfer timeout.
+  ``META`` after a pause of this side goes to every peer.
 * Peer messages arrive validated (:mod:`kvmem.disagg.protocol`); the handlers here check
   what depends on state (and that the sender is the request's peer), before they change
   anything.
@@ -189,13 +190,9 @@ class PrefillPeers:
         p.pause_epoch = None  # no PAUSE_ACK to send it
         ended = 0
         for req in [r for r in self.reqs.values() if r.peer == peer]:
-            for t in req.handles:
-                if isinstance(t.op, Offer):
-                    t.op.state, t.op.error = "ERR", f"decode {peer} is gone"
-                else:
-                    self.engine.release(t.op, abort=True)
-                    if t.staging_off is not None:
-                        self.arena.free(t.staging_off)
+            for t in req.handles:  # an offer has nothing to give back: dropped with it
+                if not isinstance(t.op, Offer):
+                    self._release_write(t, abort=True)
             req.handles = []
             if not req.state.ended:
                 ended += 1

@@ -409,10 +409,15 @@ class PrefillSending:
         its staging slot is free again."""
         st = self.engine.poll(w.op)
         if st != "PROC":
-            self.engine.release(w.op)
-            if w.staging_off is not None:
-                self.arena.free(w.staging_off)
+            self._release_write(w)
         return st
+
+    def _release_write(self, w: InFlight, abort: bool = False) -> None:
+        """Give back write ``w``'s handle (``abort``: cancel it if still in flight) and
+        its staging slot."""
+        self.engine.release(w.op, abort=abort)
+        if w.staging_off is not None:
+            self.arena.free(w.staging_off)
 
     def _poll_offer(self, req: PrefillRequest, offer: Offer) -> str:
         """``offer``'s state: the decode's answer (PULLED), or ERR (logged) once it has

@@ -366,8 +366,8 @@ class TransferEngine(abc.ABC):
         native, state = self._t_post(lo, self._regs[local_keys[0]], ro, remote, bytes(notif))
         state = XferState(state)
         h = TransferHandle(self._next_id, remote.peer, remote.key, local_keys, int(lo[:, 1].sum()),
-                           bytes(notif), state, None if state != XferState.ERR else "failed at post",
-                           native=native)
+                           bytes(notif), state,
+                           None if state != XferState.ERR else "failed at post", native=native)
         self._next_id += 1
         self._handles[h.id] = h
         return h

@@ -443,10 +443,10 @@ def _write_recorded(path: Path, rec: dict, version: str) -> None:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["record"]:
-        import sglang
+        import importlib.metadata
 
         path = Path(__file__).with_name("manifest_recorded.py")
-        _write_recorded(path, record(), sglang.__version__)
+        _write_recorded(path, record(), importlib.metadata.version("sglang"))
         print(f"wrote {path}")
         return 0
     if argv[:1] == ["drift"] and len(argv) == 2:
