@@ -5,7 +5,7 @@ sglang with its full dependencies, sglang-router, NIXL and kvmem with its adapte
 installed.  The main suite (``.venv``) does not collect this directory
 (tests/conftest.py).
 
-Servers are shared by the whole session (``fleet.py``): starting one costs 35-70 s on two
+Servers are shared by the whole session (``fleet.py``): starting one costs 30-55 s on two
 cores, so every engine configuration runs once and serves every deployment kind that
 names it, and the tests are ordered (backend, then kind) so that each server serves one
 contiguous block of them.  Each test that can leave a server changed (a crash, a stopped

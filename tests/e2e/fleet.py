@@ -1,8 +1,9 @@
 """The tier's servers, shared: each engine configuration (role, backend, flags and
 variables, TP, schedule) runs once and serves every deployment that names it.
 
-Starting a server is most of the tier's time (each of its three processes imports torch
-and sglang: 35-70 s a server on two loaded cores, against seconds for most tests).  A
+Starting a server is most of the tier's time (its process and the fork server of its
+children each import torch and sglang, ``standins/sitecustomize.py`` item 6: 30-55 s a
+server on two loaded cores, against seconds for most tests).  A
 deployment kind of ``conftest.KINDS`` is a prefill configuration and a decode
 configuration behind a router (or one plain server), and kinds share engines: ``stock``,
 ``kvmem-prefill``, ``kvmem-decode`` and ``kvmem-both`` are four engines (a stock and a

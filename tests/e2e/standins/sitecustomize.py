@@ -46,6 +46,16 @@ flag alike (as the tier's one OpenMP thread per server is):
    once when a worker's file descriptor is ready; the delay only bounds its periodic
    wake-up.
 
+6. sglang's child processes (scheduler, detokenizer) come from a fork server
+   (:func:`_children_from_a_fork_server`): sglang starts them with "spawn"
+   (``srt/entrypoints/engine.py:1995``), and each fresh interpreter imported torch and
+   sglang again (about 22 s of a core each here, three times a server).  The fork
+   server, started by a server's first child, imports the children's modules once with
+   that moment's environment; each child then runs with the environment it would have
+   been spawned with.  A server starts about a quarter sooner (a PD pair: 72 s -> 54 s
+   here).  ``KVMEM_E2E_SPAWN=1`` turns it off.  The adapter's start line is then
+   written by the fork server rather than by each child.
+
 Besides those, ``faults.py`` (beside this file) lets a test make the real
 Mooncake engine refuse one registration or deregistration of a running server; it does
 nothing until a test arms it (its docstring).
@@ -167,3 +177,65 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _Finder())
+
+
+
+class _InEnv:
+    """A child's target run with ``env`` as its whole environment: what a spawned child
+    would have had, since a fork server's children inherit the server's instead."""
+
+    def __init__(self, target, env: dict):
+        self.target, self.env = target, env
+
+    def __call__(self, *args, **kwargs):
+        # only what differs: emptying the environment first leaves setproctitle no room
+        # for the title sglang gives the process (``sglang::scheduler``; the tests find
+        # the schedulers by it)
+        for k in [k for k in os.environ if k not in self.env]:
+            del os.environ[k]
+        for k, v in self.env.items():
+            if os.environ.get(k) != v:
+                os.environ[k] = v
+        return self.target(*args, **kwargs)
+
+
+# what the children's fork server imports once (the targets of sglang's scheduler and
+# detokenizer processes); the rest of sglang comes with them
+_PRELOAD = ["sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager"]
+# variables that act only when a process starts: a child whose own differ from the fork
+# server's is spawned
+_EXEC_TIME = ("LD_PRELOAD", "LD_LIBRARY_PATH")
+
+
+def _children_from_a_fork_server() -> None:
+    """Item 6 of the module docstring: ``multiprocessing.Process`` of the default
+    context, while its start method is sglang's "spawn", starts its child from a fork
+    server that imported :data:`_PRELOAD` once; a child that names another executable
+    (numactl) or other :data:`_EXEC_TIME` variables than the fork server had, or a
+    process of an explicit context, starts as before."""
+    import multiprocessing
+    import multiprocessing.context as mp_context
+    import multiprocessing.forkserver as forkserver
+    import multiprocessing.spawn as mp_spawn
+
+    default_popen = mp_context.Process._Popen
+    server = {}  # what the fork server started with: executable, exec-time variables
+
+    def _popen(process_obj):
+        if multiprocessing.get_start_method(allow_none=True) != "spawn":
+            return default_popen(process_obj)
+        now = (mp_spawn.get_executable(), *(os.environ.get(k) for k in _EXEC_TIME))
+        if not server:
+            forkserver.set_forkserver_preload(_PRELOAD)
+            server["start"] = now
+            _note("children-from-fork-server")
+        if now != server["start"]:
+            return default_popen(process_obj)
+        process_obj._target = _InEnv(process_obj._target, dict(os.environ))
+        return mp_context.ForkServerProcess._Popen(process_obj)
+
+    mp_context.Process._Popen = staticmethod(_popen)
+
+
+if os.environ.get("KVMEM_E2E_SPAWN") != "1":
+    _children_from_a_fork_server()
