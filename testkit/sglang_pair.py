@@ -636,7 +636,12 @@ def _decode_wait(dm, kv, shape: Shape, recv: dict, timeout: float, check,
 
 
 def _kvmem_pool(kv) -> bool:
-    return getattr(kv, "_kvmem_pool", None) is not None
+    """Whether the adapter put a kvmem pool under sglang's KV cache ``kv``."""
+    try:
+        from kvmem_sglang.state import POOL
+    except ImportError:  # no adapter in this environment: a stock cache
+        return False
+    return POOL.get(kv) is not None
 
 
 # -- one prefill rank's work (this process's rank 0, a child's other ranks) ------------------

@@ -183,12 +183,15 @@ def main() -> dict:
     # -- 11. release inside the settle window of a transfer that failed while moving ---------
     import collections
 
+    from kvmem_sglang import state
+
     h.mgr._staging_outstanding = collections.defaultdict(int)
-    h.mgr._kvmem_settle_until = time.monotonic() + SETTLE_S  # what kvmem_sglang.mooncake sets
+    state.SETTLE_UNTIL.set(h.mgr, time.monotonic() + SETTLE_S)  # what kvmem_sglang.mooncake sets
     t0 = time.monotonic()
     sw = {"release": _call(h.release), "release_s": time.monotonic() - t0,
           "resume": _call(h.resume)}
-    del h.mgr._kvmem_settle_until, h.mgr._staging_outstanding
+    state.SETTLE_UNTIL.pop(h.mgr)
+    del h.mgr._staging_outstanding
     out["settle_window"] = sw
 
     # -- 10. abort_all with nothing to abort -----------------------------------------------

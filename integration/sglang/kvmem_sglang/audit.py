@@ -19,8 +19,9 @@ Invariant checked (idle scheduler, page_size P, allocator of S token slots):
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass, field
+
+from kvmem_sglang import state
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -65,7 +66,6 @@ class AuditStats:
 
 
 STATS = AuditStats()
-_LIVE: "weakref.WeakSet" = weakref.WeakSet()  # requests seen entering the scheduler
 
 
 def prometheus_counter(name: str, doc: str, label: str):
@@ -88,7 +88,7 @@ _COUNTER = prometheus_counter("kvmem_sglang_prefill_leaked", "KV pages, request 
 
 
 def track(req) -> None:
-    _LIVE.add(req)
+    state.LIVE.set(req, True)
 
 
 def audit(scheduler) -> LeakReport:
@@ -109,7 +109,7 @@ def audit(scheduler) -> LeakReport:
                      metadata_slots=int(meta.size) - int(meta.available_size()))
     if rep.leaked:
         owned = 0
-        for req in list(_LIVE):
+        for req in state.LIVE.objects():
             kv = getattr(req, "kv", None)
             if kv is None:
                 continue

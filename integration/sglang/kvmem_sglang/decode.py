@@ -55,7 +55,7 @@ import time
 from http import HTTPStatus
 
 from kvmem_sglang import chase, options, roles
-from kvmem_sglang.reasons import decide, is_abort, status_of
+from kvmem_sglang.reasons import decide, is_abort, reason_of, status_of
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -141,7 +141,7 @@ def _refuse_released(queue, sched) -> None:
         refused = []
         for decode_req in queue.queue:
             req = decode_req.req
-            if getattr(req, "_kvmem_reason", None) is not None:
+            if reason_of(req) is not None:
                 continue
             if not getattr(decode_req.kv_receiver, "bootstrap_infos", None):
                 # not yet resolved where its prefill is: an abort now would reach no
@@ -152,8 +152,8 @@ def _refuse_released(queue, sched) -> None:
                 f"{roles.server(sched)} has released its {roles.what_released(sched)} "
                 f"(release_memory_occupation); request {req.rid} refused until "
                 "resume_memory_occupation", HTTPStatus.SERVICE_UNAVAILABLE))
-            sglang_prepare_abort(req, req._kvmem_reason.message,
-                                 status_code=req._kvmem_reason.status_code)
+            sglang_prepare_abort(req, reason_of(req).message,
+                                 status_code=reason_of(req).status_code)
             decode_req.kv_receiver.abort()
             chase.chase(decode_req.kv_receiver)  # the prefill may not know the room yet
             refused.append(req.rid)
@@ -254,8 +254,8 @@ def _drain(sched, what: str) -> list:
 
     def answer(req, where) -> None:
         decide(req, reason(req, where))
-        sglang_prepare_abort(req, req._kvmem_reason.message,
-                             status_code=req._kvmem_reason.status_code)
+        sglang_prepare_abort(req, reason_of(req).message,
+                             status_code=reason_of(req).status_code)
 
     answered = []
     _retract_paused(sched)

@@ -30,6 +30,7 @@ import weakref
 import torch
 
 import kvmem
+from kvmem_sglang import state
 from kvmem_sglang.options import AdapterError, Options
 
 logger = logging.getLogger("kvmem.sglang")
@@ -46,7 +47,7 @@ def live_pools() -> list[kvmem.KVPool]:
 
 def pool_of(kvcache) -> kvmem.KVPool | None:
     """The kvmem pool behind an sglang KV cache, or None when the cache is stock."""
-    return getattr(kvcache, "_kvmem_pool", None)
+    return state.POOL.get(kvcache)
 
 
 def _spec(kind: str, *, layers, heads, head_dim, v_head_dim, page_size, dtype) -> kvmem.KVSpec:
@@ -135,7 +136,7 @@ def create_mha_buffers(kvcache, options: Options) -> None:
     rows = kvcache.size + kvcache.page_size
     kvcache.k_buffer = _views(pool.k_buffer, rows, kvcache.store_dtype)
     kvcache.v_buffer = _views(pool.v_buffer, rows, kvcache.store_dtype)
-    kvcache._kvmem_pool = pool
+    state.POOL.set(kvcache, pool)
 
 
 def create_mla_buffers(kvcache, options: Options) -> None:
@@ -154,7 +155,7 @@ def create_mla_buffers(kvcache, options: Options) -> None:
     pool = _make_pool("MLA", kvcache, spec, options)
     kvcache.kv_buffer = _views(pool.k_buffer, kvcache.size + kvcache.page_size,
                                kvcache.store_dtype)
-    kvcache._kvmem_pool = pool
+    state.POOL.set(kvcache, pool)
 
 
 # -- release / resume ------------------------------------------------------------------

@@ -7,8 +7,9 @@ starts from.
   two AROUND hooks of one target nest, the later one outside.
 * :data:`PRIVATE`: sglang's private names (a leading underscore) the adapter calls,
   reads or writes other than through a hook.
-* :data:`WRITTEN`: the attributes the adapter sets on sglang's objects (its own
-  ``_kvmem_*`` names), and what they hold.
+* What the adapter keeps about sglang's objects: none of it is written onto them; it is
+  kept beside them, in the side tables :data:`kvmem_sglang.state.TABLES` declares (the
+  README's last table is generated from them).
 
 :func:`locate` finds a target in an sglang source tree without importing it (the
 class and function definitions, ``self.NAME =`` for an instance attribute, a class's
@@ -20,7 +21,9 @@ version the adapter pins; ``python -m kvmem_sglang.manifest record`` writes it a
 tree with it, and ``python -m kvmem_sglang.manifest table`` prints the table of the
 adapter's README.
 
-Imports nothing of sglang and nothing of the adapter's other modules.
+Imports nothing of sglang, and of the adapter's other modules only
+:mod:`kvmem_sglang.state` (standard library only) and, for :func:`hooks_for`, the
+modules of the hooks.
 """
 
 from __future__ import annotations
@@ -70,16 +73,6 @@ class Private:
     what: str
     use: str
     where: str
-
-
-@dataclass(frozen=True)
-class Written:
-    """An attribute the adapter sets on an sglang object of class ``owner``."""
-
-    owner: str
-    name: str
-    where: str
-    holds: str
 
 
 HOOKS: tuple[Hook, ...] = (
@@ -183,25 +176,6 @@ PRIVATE: tuple[Private, ...] = (
     Private(f"{_D}.DecodePreallocQueue._resolve_pending_reqs", "method",
             "call; replaced on the instance during a drain", "decode"),
 )
-
-WRITTEN: tuple[Written, ...] = (
-    Written("Req", "_kvmem_reason", "reasons, prefill, decode",
-            "the one status and reason the request ends with"),
-    Written("Req", "_kvmem_epoch", "prefill", "the registration epoch it was queued in"),
-    Written("Req", "_kvmem_inflight_since", "prefill", "when it entered the inflight queue"),
-    Written("CommonKVSender", "_kvmem_abort_why", "reasons, notify",
-            "the reason its decode is told"),
-    Written("Scheduler", "_kvmem_busy", "prefill", "it queued work since it was last idle"),
-    Written("MHATokenToKVPool, MLATokenToKVPool", "_kvmem_pool", "kvpool",
-            "the kvmem KVPool under it"),
-    Written("NixlKVManager, MooncakeKVManager", "_kvmem_deregistered", "nixl, mooncake",
-            "its pool's registrations were taken back at a release"),
-    Written("MooncakeKVManager", "_kvmem_settle_until", "mooncake, prefill",
-            "until when a release waits for its unsettled sends"),
-    Written("load_plugins (function)", "_kvmem_guarded", "startup",
-            "the start-up check wrapped it already"),
-)
-
 
 def hook_function(hook: Hook):
     """The adapter function ``hook.hook`` names (imports its module)."""
@@ -425,10 +399,13 @@ def table() -> str:
     for p in PRIVATE:
         short = ".".join(p.target.split(".")[-2:])
         lines.append(f"| `{short}` | {p.what} | {p.use} | {p.where} |")
-    lines += ["", "Attributes the adapter sets on sglang's objects:", "",
-              "| on | attribute | adapter | holds |", "|---|---|---|---|"]
-    for w in WRITTEN:
-        lines.append(f"| {w.owner} | `{w.name}` | {w.where} | {w.holds} |")
+    from kvmem_sglang.state import TABLES
+
+    lines += ["", "What the adapter keeps about sglang's objects, beside them (side tables "
+              "of `kvmem_sglang.state`; no attribute is set on an sglang object):", "",
+              "| about | table | adapter | holds |", "|---|---|---|---|"]
+    for name, t in TABLES.items():
+        lines.append(f"| {t.owner} | `{name}` | {t.users} | {t.holds} |")
     return "\n".join(lines)
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kvmem_sglang import kvpool, registrations
+from kvmem_sglang import kvpool, registrations, state
 from kvmem_sglang.options import AdapterError
 
 logger = logging.getLogger("kvmem.sglang")
@@ -86,14 +86,14 @@ def register_buffer_to_engine(original, manager, *args, **kwargs):
     if not ptrs:
         return None
     code = manager.engine.batch_register(ptrs, lens)
-    again = getattr(manager, "_kvmem_deregistered", None) is not None
+    again = manager in state.DEREGISTERED  # registered before
     if code != 0:
         raise RegistrationError(
             f"Mooncake batch_register of {len(ptrs)} region(s) ({sum(lens)} bytes) on "
             f"this {_role(manager)} returned {code}{' at the resume' if again else ''}",
             "check the Mooncake engine's log above; the KV cache must be registered "
             "before it can be served")
-    manager._kvmem_deregistered = False
+    state.DEREGISTERED.set(manager, False)
     logger.info("kvmem-sglang: Mooncake %s: %s %d region(s), %d bytes (batch_register "
                 "returned 0)", _role(manager), "registered again" if again else "registered",
                 len(ptrs), sum(lens))
@@ -127,7 +127,7 @@ def deregister_buffer_to_engine(original, manager, *args, **kwargs):
     if hasattr(manager, "connection_pool"):
         with manager.connection_lock:
             manager.connection_pool.clear()
-    manager._kvmem_deregistered = True
+    state.DEREGISTERED.set(manager, True)
     logger.info("kvmem-sglang: Mooncake %s: deregistered %d region(s), %d bytes "
                 "(batch_deregister returned 0)", _role(manager), len(ptrs), sum(lens))
     return None
@@ -149,7 +149,7 @@ def poison_unsettled_send(original, manager, room, *args, **kwargs):
     (``kvmem_sglang.prefill``): sglang's worker uncounts the room at once, and a
     registration made again at once lets the late slices land (module docstring)."""
     until = time.monotonic() + SETTLE_S
-    manager._kvmem_settle_until = max(getattr(manager, "_kvmem_settle_until", 0.0), until)
+    state.SETTLE_UNTIL.set(manager, max(state.SETTLE_UNTIL.get(manager, 0.0), until))
     logger.warning("kvmem-sglang: Mooncake write of room %s failed and may still move for "
                    "%.1f s; a release waits that long", room, SETTLE_S)
     return original(manager, room, *args, **kwargs)

@@ -58,7 +58,7 @@ import functools
 import logging
 import threading
 
-from kvmem_sglang import kvpool, options, registrations
+from kvmem_sglang import kvpool, options, registrations, state
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -71,10 +71,10 @@ def register_buffer_to_engine(original, manager, *args, **kwargs):
     if "deregister_buffer_to_engine" not in vars(manager):
         manager.deregister_buffer_to_engine = functools.partial(deregister, manager)
     with _lock(manager):
-        again = getattr(manager, "_kvmem_deregistered", False)
+        again = state.DEREGISTERED.get(manager, False)
         out = _register(original, manager, options.active().register_regions, *args,
                         **kwargs)
-        manager._kvmem_deregistered = False
+        state.DEREGISTERED.set(manager, False)
         if again:
             prepare_peers(manager)
     if again:
@@ -85,10 +85,7 @@ def register_buffer_to_engine(original, manager, *args, **kwargs):
 def _lock(manager) -> threading.RLock:
     """The manager's registration lock (made on first use; the first use is sglang's
     registration in the manager's constructor, before any other thread of it runs)."""
-    lock = manager.__dict__.get("_kvmem_reg_lock")
-    if lock is None:
-        lock = manager.__dict__.setdefault("_kvmem_reg_lock", threading.RLock())
-    return lock
+    return state.REG_LOCK.setdefault(manager, threading.RLock)
 
 
 def prepare_payload(original, manager, *args, **kwargs):
@@ -96,7 +93,7 @@ def prepare_payload(original, manager, *args, **kwargs):
     the registration lock; skipped while the manager's memory is deregistered (the resume
     prepares every known peer, :func:`prepare_peers`)."""
     with _lock(manager):
-        if getattr(manager, "_kvmem_deregistered", False):
+        if state.DEREGISTERED.get(manager, False):
             peer = args[0] if args else kwargs.get("peer_info")
             logger.info("kvmem-sglang: NIXL transfer lists of decode peer %s deferred to "
                         "the resume (the KV cache is released)",
@@ -147,7 +144,7 @@ def deregister(manager) -> None:
         manager.kv_descs = []
         manager.aux_descs = manager.state_descs = None
         if lists:
-            manager._kvmem_deregistered = True
+            state.DEREGISTERED.set(manager, True)
     logger.info("kvmem: NIXL KV, aux and state buffers deregistered (%d list(s); %d "
                 "prepared transfer list(s) released first)", len(lists), released)
 

@@ -66,6 +66,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvmem_sglang import state
 from kvmem_sglang.reasons import EARLY_ABORT, tag
 
 logger = logging.getLogger("kvmem.sglang")
@@ -93,7 +94,7 @@ def abort_notification(original, mgr, msg, *args, **kwargs):
         if _is_prefill(mgr) and msg and msg[0] == ABORT_TAG:
             note = AbortNotification.from_zmq(msg)
             if note is not None and note.room not in mgr.request_status:
-                early = mgr.__dict__.setdefault("_kvmem_early_aborts", {})
+                early = state.EARLY_ABORTS.setdefault(mgr, dict)
                 now = time.monotonic()
                 for old in [r for r, t in list(early.items()) if now - t > _EARLY_KEEP_S]:
                     early.pop(old, None)
@@ -128,7 +129,7 @@ def _remember(mgr, room: int, reason: str | None = None) -> None:
     reason to tell the decode, or None for the generic one))."""
     from sglang.srt.environ import envs
 
-    rooms = mgr.__dict__.setdefault("_kvmem_aborted_rooms", {})
+    rooms = state.ABORTED_ROOMS.setdefault(mgr, dict)
     now = time.monotonic()
     keep = (envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
             + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
@@ -165,7 +166,7 @@ def _tell(sender, mgr, room, before, concluded) -> None:
         return  # sglang declined the abort (a room it does not own)
     # the adapter's reason where it decided the abort (tagged: reasons.decide), else
     # sglang's own record ("Aborted by AbortReq.": a client's abort), marked as an abort
-    why = (getattr(sender, "_kvmem_abort_why", None)
+    why = (state.ABORT_WHY.get(sender)
            or tag(mgr.failure_records.get(room) or "Aborted", None))
     if before == KVPoll.Bootstrapping:
         _remember(mgr, room, f"Prefill aborted room {room} while bootstrapping ({why}); "
@@ -199,7 +200,7 @@ def refuse_room(mgr, room, reason: str) -> None:
         _remember(mgr, room, reason)
         targets = mgr._room_notify_targets(room)
         if targets:
-            rooms = mgr.__dict__.get("_kvmem_aborted_rooms", {})
+            rooms = state.ABORTED_ROOMS.get(mgr, {})
             rooms.pop(room, None)  # told now: later metadata of the room goes to sglang
             mgr.transfer_infos.pop(room, None)
             mgr.req_to_decode_prefix_len.pop(room, None)
@@ -220,7 +221,7 @@ def _waiting():
 
 
 def manager_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
-    early = mgr.__dict__.get("_kvmem_early_aborts")
+    early = state.EARLY_ABORTS.get(mgr)
     if early and bootstrap_room in early:
         from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -233,7 +234,7 @@ def manager_update_status(original, mgr, bootstrap_room, status, *args, **kwargs
             mgr.record_failure(bootstrap_room, EARLY_ABORT)
             original(mgr, bootstrap_room, KVPoll.Failed, *args, **kwargs)
             return out
-    rooms = mgr.__dict__.get("_kvmem_aborted_rooms")
+    rooms = state.ABORTED_ROOMS.get(mgr)
     if rooms and bootstrap_room in rooms:
         from sglang.srt.disaggregation.base.conn import KVPoll
 

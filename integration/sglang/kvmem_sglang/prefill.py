@@ -36,8 +36,8 @@ idle scheduler holding pages or slots       invariant checker (test mode)       
                                                                                 the owners (kvmem_sglang.audit)
 ==========================================  ==================================  ===========================
 
-The hooks decide a request's fate by setting ``req._kvmem_reason`` (a ``FINISH_ABORT``)
-and let sglang's own paths free it (``handle_inflight_transfer_failure``,
+The hooks decide a request's fate by giving it a reason (``reasons.decide``: a
+``FINISH_ABORT``) and let sglang's own paths free it (``handle_inflight_transfer_failure``,
 ``handle_bootstrap_failure``, ``release_aborted_prefill_waiting_req``); the one place
 every answer leaves the scheduler, ``SchedulerOutputStreamer.stream_output``, puts that
 reason on the answer.  Nothing here allocates or frees KV itself.
@@ -56,9 +56,10 @@ import time
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from kvmem_sglang import audit, decode, kvpool, notify, options, roles
+from kvmem_sglang import audit, decode, kvpool, notify, options, roles, state
 from kvmem_sglang.reasons import abort_reason as _abort_reason
 from kvmem_sglang.reasons import decide as _decide
+from kvmem_sglang.reasons import reason_of
 from kvmem_sglang.reasons import tag
 from kvmem_sglang.mooncake import RegistrationError
 from kvmem_sglang.options import TRANSFER_TIMEOUT_VAR
@@ -90,7 +91,6 @@ class PrefillStats:
 
 STATS = PrefillStats()
 _WARNED: set[str] = set()  # managers already warned about (once per class)
-_EPOCH: dict[int, int] = {}  # id(scheduler) -> registration epoch (+1 per kv release)
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -136,9 +136,9 @@ def add_request_to_queue(original, sched, req, *args, **kwargs):
         prepare_abort(req, msg, status_code=status)
         sched.output_streamer.stream_output([req], req.return_logprob)
         return None
-    req._kvmem_epoch = _EPOCH.get(id(sched), 0)
+    state.REQ_EPOCH.set(req, state.EPOCH.get(sched, 0))
     audit.track(req)
-    sched._kvmem_busy = True
+    state.BUSY.set(sched, True)
     return original(sched, req, *args, **kwargs)
 
 
@@ -158,7 +158,7 @@ def abort_request(original, sched, recv_req, *args, **kwargs):
                 if _decide(req, reason):
                     STATS.client_aborts += 1
         for req in inflight:  # its failure path then keeps the abort (and counts no
-            if getattr(req, "_kvmem_reason", None) is reason:  # transfer failure)
+            if reason_of(req) is reason:  # transfer failure)
                 req.finished_reason = reason
         others = list(sched.waiting_queue) + [r for r in sched.collect_inflight_reqs()
                                                if not r.finished()]
@@ -191,7 +191,7 @@ def _client_abort_reason(recv_req):
 
 def stream_output(streamer, reqs, *args, **kwargs):
     for req in reqs:
-        reason = getattr(req, "_kvmem_reason", None)
+        reason = reason_of(req)
         if reason is not None and req.finished() and req.finished_reason is not reason:
             req.finished_reason = reason
     return None
@@ -200,7 +200,7 @@ def stream_output(streamer, reqs, *args, **kwargs):
 # -- bootstrap failure: a timeout is 504 ---------------------------------------------------
 
 def handle_bootstrap_failure(sched, req, *args, **kwargs):
-    if getattr(req, "_kvmem_reason", None) is None:
+    if reason_of(req) is None:
         why = _bootstrap_timeout(req)
         if why is not None:
             _decide(req, _abort_reason(
@@ -236,8 +236,8 @@ def process_inflight_queue(original, sched, *args, **kwargs):
     if queue:
         _expire_transfers(sched, queue)
     done = original(sched, *args, **kwargs)
-    if getattr(sched, "_kvmem_busy", False) and sched.is_fully_idle():
-        sched._kvmem_busy = False
+    if state.BUSY.get(sched, False) and sched.is_fully_idle():
+        state.BUSY.set(sched, False)
         audit.audit(sched)
     return done
 
@@ -248,24 +248,24 @@ def _expire_transfers(sched, queue) -> None:
     now = time.monotonic()
     timeout = options.active().transfer_timeout
     for req in queue:
-        if req.pending_bootstrap or getattr(req, "_kvmem_reason", None) is not None:
+        if req.pending_bootstrap or reason_of(req) is not None:
             continue
-        since = getattr(req, "_kvmem_inflight_since", None)
+        since = state.INFLIGHT_SINCE.get(req)
         if since is None:  # first seen in flight: the clock starts
-            req._kvmem_inflight_since = now
+            state.INFLIGHT_SINCE.set(req, now)
             continue
         if now - since <= timeout:
             continue
-        state = req.disagg_kv_sender.poll()
-        if state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+        polled = req.disagg_kv_sender.poll()
+        if polled not in (KVPoll.WaitingForInput, KVPoll.Transferring):
             continue
-        name = "WaitingForInput" if state == KVPoll.WaitingForInput else "Transferring"
+        name = "WaitingForInput" if polled == KVPoll.WaitingForInput else "Transferring"
         msg = (f"Prefill KV transfer timed out (> {timeout:g}s in {name}, "
                f"{TRANSFER_TIMEOUT_VAR}) for request {req.rid} "
                f"bootstrap_room={req.bootstrap_room}; sender aborted, KV freed")
         logger.error("kvmem-sglang: %s", msg)
         if _decide(req, _abort_reason(msg, HTTPStatus.GATEWAY_TIMEOUT)):
-            req.finished_reason = req._kvmem_reason  # as prepare_abort: no 500 later
+            req.finished_reason = reason_of(req)  # as prepare_abort: no 500 later
         STATS.transfer_timeouts += 1
         req.disagg_kv_sender.abort()  # Failed: sglang's failure path frees it this step
 
@@ -273,8 +273,8 @@ def _expire_transfers(sched, queue) -> None:
 # -- chunk sends: refuse one built before a release ------------------------------------------
 
 def send_kv_chunk(original, sched, req, *args, **kwargs):
-    epoch = _EPOCH.get(id(sched), 0)
-    made = getattr(req, "_kvmem_epoch", epoch)
+    epoch = state.EPOCH.get(sched, 0)
+    made = state.REQ_EPOCH.get(req, epoch)
     if made != epoch:
         msg = (f"KV chunk of request {req.rid} refused before posting: its transfer was "
                f"set up before release_memory_occupation (registration epoch {made}, now "
@@ -347,7 +347,7 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
                      e, ",".join(tags))
         return ReleaseMemoryOccupationReqOutput()
     if GPU_MEMORY_TYPE_KV_CACHE in tags:
-        _EPOCH[id(sched)] = _EPOCH.get(id(sched), 0) + 1
+        state.EPOCH.set(sched, state.EPOCH.get(sched, 0) + 1)
     return out
 
 
@@ -499,8 +499,8 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
             _decide(req, reason(req, where))
             sched._release_aborted_request(req)
             sched.release_aborted_prefill_waiting_req(req)  # sender, metadata, KV
-            prepare_abort(req, req._kvmem_reason.message,
-                          status_code=req._kvmem_reason.status_code)
+            prepare_abort(req, reason_of(req).message,
+                          status_code=reason_of(req).status_code)
             answered.append(req)
     queue.queue = []
     if answered:
@@ -537,8 +537,8 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
         _decide(req, reason(req, "between the chunks of its prefill" if req is chunked
                             else "in a prefill batch"))
         req.to_finish = None
-        prepare_abort(req, req._kvmem_reason.message,
-                      status_code=req._kvmem_reason.status_code)
+        prepare_abort(req, reason_of(req).message,
+                      status_code=reason_of(req).status_code)
         sched.clear_pending_chunk_send(req)
         if req.disagg_kv_sender is not None:
             req.disagg_kv_sender.abort()
@@ -610,7 +610,7 @@ def _await_posted_writes(sched) -> None:
 
     # rooms an earlier release gave up on: that release went on under their writes, so
     # waiting for them again protects nothing (sglang keeps such a room counted for ever)
-    given_up = mgr.__dict__.setdefault("_kvmem_drain_given_up", set())
+    given_up = state.DRAIN_GIVEN_UP.setdefault(mgr, set)
     given_up &= {room for room, n in dict(counts).items() if n > 0}
 
     def busy() -> dict:
@@ -652,9 +652,9 @@ def _await_posted_writes(sched) -> None:
 def _await_settle_window(mgr, deadline: float) -> None:
     """Wait (until ``deadline`` at most) for the settle window a transfer backend opened
     after a write that failed while parts of it may still be moving
-    (``mgr._kvmem_settle_until``, monotonic seconds; set by ``kvmem_sglang.mooncake``):
+    (``state.SETTLE_UNTIL``, monotonic seconds; set by ``kvmem_sglang.mooncake``):
     sglang's worker uncounts such a room at once, so the counts above cannot show it."""
-    until = min(getattr(mgr, "_kvmem_settle_until", 0.0), deadline)
+    until = min(state.SETTLE_UNTIL.get(mgr, 0.0), deadline)
     wait = until - time.monotonic()
     if wait > 0:
         logger.warning("kvmem-sglang: release_memory_occupation(kv_cache) waits %.2f s for "
@@ -686,7 +686,7 @@ def queue_resume(original, queue, *args, **kwargs):
     mgr = queue.kv_manager
     if (getattr(mgr, "agent", None) is not None
             and hasattr(mgr, "deregister_buffer_to_engine")
-            and not getattr(mgr, "_kvmem_deregistered", False)):
+            and not state.DEREGISTERED.get(mgr, False)):
         STATS.registrations_skipped += 1
         logger.warning("kvmem-sglang: resume: the transfer engine still holds its "
                        "registrations; not registering them twice")

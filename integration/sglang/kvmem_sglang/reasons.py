@@ -1,8 +1,9 @@
 """A request's answer, decided once, and the status it carries to the decode side.
 
-The lifecycle hooks decide a request's fate by giving it ``req._kvmem_reason`` (a
-``FINISH_ABORT`` with the message and HTTP status) and let sglang's own paths free it;
-the output streamer's hook (``kvmem_sglang.prefill.stream_output``) puts that reason on
+The lifecycle hooks decide a request's fate by keeping a reason for it (:func:`decide`,
+:func:`reason_of`: a ``FINISH_ABORT`` with the message and HTTP status, in
+``kvmem_sglang.state.REASON``) and let sglang's own paths free it; the output streamer's
+hook (``kvmem_sglang.prefill.stream_output``) puts that reason on
 the one answer that leaves the scheduler.  When the request's KV sender is aborted, the
 same message and status go to its decode (:mod:`kvmem_sglang.notify`), tagged so that a
 decode with the flag on answers the status instead of its generic 500
@@ -19,6 +20,8 @@ send an aborted request again.
 from __future__ import annotations
 
 import re
+
+from kvmem_sglang import state
 
 _TAG = re.compile(r"\(kvmem-sglang HTTP (\d{3})\)")
 _ABORT_MARK = "(kvmem-sglang abort)"
@@ -42,14 +45,19 @@ def abort_reason(message: str, status):
     return FINISH_ABORT(message, status)
 
 
+def reason_of(req):
+    """The answer :func:`decide` gave ``req``, or None."""
+    return state.REASON.get(req)
+
+
 def decide(req, reason) -> bool:
     """Give ``req`` its answer unless it already has one; True if this one holds."""
-    if getattr(req, "_kvmem_reason", None) is not None:
+    if state.REASON.get(req) is not None:
         return False
-    req._kvmem_reason = reason
+    state.REASON.set(req, reason)
     sender = getattr(req, "disagg_kv_sender", None)
     if sender is not None:  # what notify.py tells the decode when the sender is aborted
-        sender._kvmem_abort_why = tag(reason.message, reason.status_code)
+        state.ABORT_WHY.set(sender, tag(reason.message, reason.status_code))
     return True
 
 

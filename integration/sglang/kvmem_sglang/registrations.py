@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 
+from kvmem_sglang import state
+
 logger = logging.getLogger("kvmem.sglang")
 
 
@@ -23,7 +25,7 @@ def register_kv_args(original, receiver, *args, **kwargs):
     for the first time): while the decode's KV is deregistered nothing is sent (the
     request is refused, :func:`kvmem_sglang.decode.pop_preallocated`), and the resume
     sends the registration (:func:`resend`); otherwise sglang's."""
-    if getattr(receiver.kv_mgr, "_kvmem_deregistered", False) and receiver.bootstrap_infos:
+    if state.DEREGISTERED.get(receiver.kv_mgr, False) and receiver.bootstrap_infos:
         logger.info("kvmem-sglang: registration with prefill rank(s) %s deferred to the "
                     "resume (this decode's KV cache is released)",
                     ", ".join(f"{i.get('rank_ip')}:{i.get('rank_port')}"

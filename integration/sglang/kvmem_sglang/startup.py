@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 
+from kvmem_sglang import state
+
 _TARGET = "sglang.srt.plugins"
 
 
@@ -36,7 +38,7 @@ def _why_not_loaded() -> str:
 
 def _guard(module) -> None:
     load = module.load_plugins
-    if getattr(load, "_kvmem_guarded", False):
+    if state.GUARDED.get(load, False):
         return
 
     def load_plugins(*args, **kwargs):
@@ -49,7 +51,7 @@ def _guard(module) -> None:
             raise SystemExit(PREFIX + _why_not_loaded())
         return out
 
-    load_plugins._kvmem_guarded = True
+    state.GUARDED.set(load_plugins, True)
     load_plugins.__wrapped__ = load
     module.load_plugins = load_plugins
 

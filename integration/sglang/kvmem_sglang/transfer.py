@@ -92,13 +92,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import numpy as np
 
-from kvmem_sglang import audit
+from kvmem_sglang import audit, state
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -269,16 +268,8 @@ class _State:
                     del self.ahead[key]
 
 
-_STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_STATES_LOCK = threading.Lock()
-
-
 def _state(mgr) -> _State:
-    with _STATES_LOCK:
-        st = _STATES.get(mgr)
-        if st is None:
-            st = _STATES[mgr] = _State()
-        return st
+    return state.TRANSFERS.setdefault(mgr, _State)
 
 
 # -- hooks ----------------------------------------------------------------------------------

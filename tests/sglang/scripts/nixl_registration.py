@@ -58,10 +58,12 @@ def main() -> dict:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
 
+    from kvmem_sglang.kvpool import pool_of
+
     kv = MHATokenToKVPool(size=PAGE_SIZE * PAGES, page_size=PAGE_SIZE, dtype=torch.bfloat16,
                           head_num=HEADS, head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
                           enable_memory_saver=False)
-    pool = getattr(kv, "_kvmem_pool", None)
+    pool = pool_of(kv)
 
     ptrs, lens, item_lens = get_kv_transfer_buf_infos(kv)
     kv_args = KVArgs()

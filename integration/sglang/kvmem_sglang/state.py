@@ -1,0 +1,161 @@
+"""Everything the adapter keeps about sglang's objects, in side tables beside them.
+
+The adapter writes no attribute onto an sglang object.  What it must remember about one
+(a request's decided answer, a scheduler's registration epoch, a KV manager's
+deregistered pool, ...) lives in a :class:`SideTable` declared here, one table per fact,
+so that this module is the whole list (:data:`TABLES`; the README's table of them is
+generated from it by :mod:`kvmem_sglang.manifest`).
+
+Standard library only: :mod:`kvmem_sglang.startup` uses it at interpreter start.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+V = TypeVar("V")
+
+
+@dataclass(eq=False)
+class SideTable(Generic[V]):
+    """One value per live object of an sglang class, kept beside it.
+
+    Keyed by identity (sglang's objects need not be hashable); an entry goes when its
+    object is collected (the table holds a weak reference to it, never the object), so a
+    table neither keeps an sglang object alive nor hands a new object the value of a
+    collected one with the same ``id``.  Every method is safe from any thread and costs
+    one dict operation under the table's lock.
+
+    ``owner`` names the sglang classes whose objects are keys, ``users`` the adapter
+    modules that read or write the table, ``holds`` what a value means.
+    """
+
+    owner: str
+    users: str
+    holds: str
+    _entries: dict[int, tuple[weakref.ref, Any]] = field(default_factory=dict, repr=False)
+    _dead: list[int] = field(default_factory=list, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def _purge(self) -> None:
+        # entries whose object was collected; the weak reference's callback only notes
+        # them (it may run inside any allocation, this table's own included)
+        while self._dead:
+            key = self._dead.pop()
+            entry = self._entries.get(key)
+            if entry is not None and entry[0]() is None:
+                del self._entries[key]
+
+    def _live(self, obj) -> tuple[weakref.ref, Any] | None:
+        entry = self._entries.get(id(obj))
+        return entry if entry is not None and entry[0]() is obj else None
+
+    def get(self, obj, default: V | None = None) -> V | None:
+        """The value kept for ``obj``, or ``default``."""
+        with self._lock:
+            self._purge()
+            entry = self._live(obj)
+            return default if entry is None else entry[1]
+
+    def set(self, obj, value: V) -> None:
+        """Keep ``value`` for ``obj`` (replacing any)."""
+        key = id(obj)
+        ref = weakref.ref(obj, lambda _ref, dead=self._dead, key=key: dead.append(key))
+        with self._lock:
+            self._purge()
+            self._entries[key] = (ref, value)
+
+    def setdefault(self, obj, make: Callable[[], V]) -> V:
+        """The value kept for ``obj``; ``make()`` kept and returned when there is none
+        (one value per object even when threads race)."""
+        with self._lock:
+            self._purge()
+            entry = self._live(obj)
+            if entry is not None:
+                return entry[1]
+        value = make()
+        key = id(obj)
+        ref = weakref.ref(obj, lambda _ref, dead=self._dead, key=key: dead.append(key))
+        with self._lock:
+            entry = self._live(obj)
+            if entry is not None:
+                return entry[1]
+            self._entries[key] = (ref, value)
+            return value
+
+    def pop(self, obj, default: V | None = None) -> V | None:
+        """Forget ``obj``; the value it had, or ``default``."""
+        with self._lock:
+            self._purge()
+            entry = self._live(obj)
+            if entry is None:
+                return default
+            del self._entries[id(obj)]
+            return entry[1]
+
+    def objects(self) -> list:
+        """The live objects the table keeps a value for (a snapshot, in no set order)."""
+        with self._lock:
+            self._purge()
+            return [o for o in (ref() for ref, _ in self._entries.values()) if o is not None]
+
+    def __contains__(self, obj) -> bool:
+        with self._lock:
+            self._purge()
+            return self._live(obj) is not None
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._purge()
+            return sum(1 for ref, _ in self._entries.values() if ref() is not None)
+
+
+# -- the tables ------------------------------------------------------------------------------
+
+REASON: SideTable = SideTable(
+    "Req", "reasons", "the one answer the request ends with (a FINISH_ABORT with its "
+    "message and HTTP status; the hooks use reasons.decide and reasons.reason_of)")
+REQ_EPOCH: SideTable[int] = SideTable(
+    "Req", "prefill", "the registration epoch it was queued in")
+INFLIGHT_SINCE: SideTable[float] = SideTable(
+    "Req", "prefill", "when it was first seen in the inflight queue (monotonic seconds)")
+LIVE: SideTable[bool] = SideTable(
+    "Req", "audit", "it entered the scheduler (the idle audit's requests)")
+ABORT_WHY: SideTable[str] = SideTable(
+    "CommonKVSender", "reasons, notify", "the reason its decode is told, tagged with the "
+    "status")
+BUSY: SideTable[bool] = SideTable(
+    "Scheduler", "prefill", "it queued work since it was last fully idle")
+EPOCH: SideTable[int] = SideTable(
+    "Scheduler", "prefill", "its registration epoch (+1 at each KV release)")
+POOL: SideTable = SideTable(
+    "MHATokenToKVPool, MLATokenToKVPool", "kvpool", "the kvmem KVPool under it")
+DEREGISTERED: SideTable[bool] = SideTable(
+    "NixlKVManager, MooncakeKVManager", "nixl, mooncake, prefill, registrations",
+    "its pool's registrations were taken back at a release (False once registered again)")
+REG_LOCK: SideTable = SideTable(
+    "NixlKVManager", "nixl", "the lock its registration and deregistration take")
+SETTLE_UNTIL: SideTable[float] = SideTable(
+    "MooncakeKVManager", "mooncake, prefill", "until when a release waits for its "
+    "unsettled sends (monotonic seconds)")
+DRAIN_GIVEN_UP: SideTable = SideTable(
+    "NixlKVManager, MooncakeKVManager", "prefill", "the rooms whose writes a release "
+    "stopped waiting for")
+EARLY_ABORTS: SideTable = SideTable(
+    "NixlKVManager, MooncakeKVManager", "notify", "rooms a decode aborted before their "
+    "request reached this prefill (room -> when)")
+ABORTED_ROOMS: SideTable = SideTable(
+    "NixlKVManager, MooncakeKVManager", "notify", "rooms aborted before their decode "
+    "metadata came (room -> (when, the reason to tell))")
+TRANSFERS: SideTable = SideTable(
+    "NixlKVManager", "transfer", "kvmem's send path state: writes sent ahead, by their "
+    "pages")
+GUARDED: SideTable[bool] = SideTable(
+    "load_plugins (function)", "startup", "the start-up check wrapped it already")
+
+TABLES: dict[str, SideTable] = {name: t for name, t in globals().items()
+                                if isinstance(t, SideTable)}
