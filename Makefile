@@ -102,10 +102,12 @@ test: $(VENV)/.test-ready $(TRITON36_VENV)/.ready $(E2E_VENV)/.adapter $(E2E_VEN
 # test_aot_sm90.py (the kernels compiled for sm_90 with both tritons).
 test-main: $(VENV)/.test-ready $(TRITON36_VENV)/.ready $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 	$(BIN)/ruff check -q .
+	$(BIN)/ruff format --check -q .
 	KVMEM_HYPOTHESIS=ci $(BIN)/python -m pytest -q tests
 
 check: $(VENV)/.test-ready
 	$(BIN)/ruff check -q .
+	$(BIN)/ruff format --check -q .
 	KVMEM_HYPOTHESIS=dev $(BIN)/python -m pytest -q -m "$(CHECK_MARKS)" tests
 
 test-interpret: $(VENV)/.test-ready

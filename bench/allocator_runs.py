@@ -102,9 +102,14 @@ class Sglang:
     def __init__(self, num_pages: int, need_sort: bool):
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
-        self.a = PagedTokenToKVPoolAllocator(size=(num_pages - 1) * PS, page_size=PS,
-                                             dtype=torch.bfloat16, device="cpu",
-                                             kvcache=None, need_sort=need_sort)
+        self.a = PagedTokenToKVPoolAllocator(
+            size=(num_pages - 1) * PS,
+            page_size=PS,
+            dtype=torch.bfloat16,
+            device="cpu",
+            kvcache=None,
+            need_sort=need_sort,
+        )
 
     def alloc(self, n: int) -> list[int]:
         return (self.a.alloc(n * PS)[::PS] // PS).tolist()
@@ -165,11 +170,15 @@ def stats(prefill: list[list[int]], decode: list[list[int]], skip: int) -> dict:
         return sum(v for k, v in run_hist.items() if lo <= k <= hi) / pages_total
 
     return dict(
-        pages_per_desc=pages_total / desc_one, desc_per_req=desc_one / reqs,
-        both_pages_per_desc=pages_total / desc_both, both_desc_per_req=desc_both / reqs,
+        pages_per_desc=pages_total / desc_one,
+        desc_per_req=desc_one / reqs,
+        both_pages_per_desc=pages_total / desc_both,
+        both_desc_per_req=desc_both / reqs,
         kib_per_desc=pages_total / desc_one * PAGE_LAYER_BYTES / 1024,
         both_kib_per_desc=pages_total / desc_both * PAGE_LAYER_BYTES / 1024,
-        run_1=share(1, 1), run_2_7=share(2, 7), run_8_63=share(8, 63),
+        run_1=share(1, 1),
+        run_2_7=share(2, 7),
+        run_8_63=share(8, 63),
         run_64=share(64, 1 << 30),
         median_run_page=_weighted_median(run_hist),
     )
@@ -234,7 +243,8 @@ def main() -> None:
             f"{s['kib_per_desc']:.0f} | {s['run_1']:.0%} / {s['run_2_7']:.0%} / "
             f"{s['run_8_63']:.0%} / {s['run_64']:.0%} | {s['median_run_page']} | "
             f"{s['both_pages_per_desc']:.1f} | {s['both_desc_per_req']:.1f} | "
-            f"{s['both_kib_per_desc']:.0f} |")
+            f"{s['both_kib_per_desc']:.0f} |"
+        )
     print_table(lines, a.md)
 
 

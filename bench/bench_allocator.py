@@ -39,14 +39,21 @@ def _sglang():
 
 def sglang_paged(ps):
     paged, _ = _sglang()
-    return paged(size=NUM_PAGES_TOKENS, page_size=ps, dtype=torch.bfloat16, device=str(DEV),
-                 kvcache=None, need_sort=True)
+    return paged(
+        size=NUM_PAGES_TOKENS,
+        page_size=ps,
+        dtype=torch.bfloat16,
+        device=str(DEV),
+        kvcache=None,
+        need_sort=True,
+    )
 
 
 def sglang_token():
     _, token = _sglang()
-    return token(size=NUM_PAGES_TOKENS, dtype=torch.bfloat16, device=str(DEV), kvcache=None,
-                 need_sort=True)
+    return token(
+        size=NUM_PAGES_TOKENS, dtype=torch.bfloat16, device=str(DEV), kvcache=None, need_sort=True
+    )
 
 
 def kvmem_alloc(ps):
@@ -68,14 +75,20 @@ def _measure(benchmark, fn, iterations=32):
 
     for _ in range(warmups(3)):  # warm-up: Triton compilation, allocator caches
         call()
-    benchmark.pedantic(call, rounds=ROUNDS, iterations=pick(iterations, 1),
-                       warmup_rounds=warmups(1))
+    benchmark.pedantic(
+        call, rounds=ROUNDS, iterations=pick(iterations, 1), warmup_rounds=warmups(1)
+    )
 
 
 def _add(report, group: str, name: str, benchmark) -> None:
     """A row of the allocator figure (bench/plot.py): kvmem rows against sglang's."""
-    report.add(group, name, benchmark, figure="allocator",
-               role="kvmem" if name.startswith("kvmem") else "baseline")
+    report.add(
+        group,
+        name,
+        benchmark,
+        figure="allocator",
+        role="kvmem" if name.startswith("kvmem") else "baseline",
+    )
 
 
 # -- alloc + free cycles -----------------------------------------------------------------
@@ -103,8 +116,12 @@ def test_cycle_sglang_paged(benchmark, report):
         a.free(a.alloc(CYCLE_PAGES * 16))
 
     _measure(benchmark, cycle)
-    _add(report, f"alloc+free of {CYCLE_PAGES} pages, P16",
-               "sglang PagedTokenToKVPoolAllocator", benchmark)
+    _add(
+        report,
+        f"alloc+free of {CYCLE_PAGES} pages, P16",
+        "sglang PagedTokenToKVPoolAllocator",
+        benchmark,
+    )
 
 
 def test_cycle_sglang_token(benchmark, report):
@@ -114,8 +131,9 @@ def test_cycle_sglang_token(benchmark, report):
         a.free(a.alloc(CYCLE_PAGES))
 
     _measure(benchmark, cycle)
-    _add(report, f"alloc+free of {CYCLE_PAGES} pages, P1", "sglang TokenToKVPoolAllocator",
-               benchmark)
+    _add(
+        report, f"alloc+free of {CYCLE_PAGES} pages, P1", "sglang TokenToKVPoolAllocator", benchmark
+    )
 
 
 # -- alloc_extend + free of a prefill batch ----------------------------------------------
@@ -134,9 +152,15 @@ def _batch(bs, ps, seed=0):
     for n in lens:
         first_slots += range(starts, starts + n, ps)
         starts += n
-    return dict(pre=pre_cpu.to(DEV), seq=seq_cpu.to(DEV), pre_cpu=pre_cpu, seq_cpu=seq_cpu,
-                last=torch.full((bs,), -1, dtype=torch.int64, device=DEV), total=sum(lens),
-                page_first=torch.tensor(first_slots, dtype=torch.int64, device=DEV))
+    return dict(
+        pre=pre_cpu.to(DEV),
+        seq=seq_cpu.to(DEV),
+        pre_cpu=pre_cpu,
+        seq_cpu=seq_cpu,
+        last=torch.full((bs,), -1, dtype=torch.int64, device=DEV),
+        total=sum(lens),
+        page_first=torch.tensor(first_slots, dtype=torch.int64, device=DEV),
+    )
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=CHECK_IDS)
@@ -146,15 +170,25 @@ def test_extend_kvmem(benchmark, report, ps, check):
     b = _batch(BATCH, ps)
 
     def cycle():
-        slots = a.alloc_extend(b["pre"], b["seq"], b["last"], prefix_lens_cpu=b["pre_cpu"],
-                               seq_lens_cpu=b["seq_cpu"], extend_num_tokens=b["total"],
-                               check=check)
+        slots = a.alloc_extend(
+            b["pre"],
+            b["seq"],
+            b["last"],
+            prefix_lens_cpu=b["pre_cpu"],
+            seq_lens_cpu=b["seq_cpu"],
+            extend_num_tokens=b["total"],
+            check=check,
+        )
         a.free(slots if ps == 1 else slots[b["page_first"]] // ps, check=check)
 
     _measure(benchmark, cycle, iterations=2)
     a.check_invariants()
-    _add(report, f"alloc_extend+free, {BATCH} requests x ~1000 tokens, P{ps}",
-               f"kvmem check={check}", benchmark)
+    _add(
+        report,
+        f"alloc_extend+free, {BATCH} requests x ~1000 tokens, P{ps}",
+        f"kvmem check={check}",
+        benchmark,
+    )
 
 
 def test_extend_sglang_paged(benchmark, report):
@@ -162,13 +196,18 @@ def test_extend_sglang_paged(benchmark, report):
     b = _batch(BATCH, 16)
 
     def cycle():
-        slots = a.alloc_extend(b["pre"], b["pre_cpu"], b["seq"], b["seq_cpu"], b["last"],
-                               b["total"])
+        slots = a.alloc_extend(
+            b["pre"], b["pre_cpu"], b["seq"], b["seq_cpu"], b["last"], b["total"]
+        )
         a.free(slots)
 
     _measure(benchmark, cycle, iterations=2)
-    _add(report, f"alloc_extend+free, {BATCH} requests x ~1000 tokens, P16",
-               "sglang PagedTokenToKVPoolAllocator", benchmark)
+    _add(
+        report,
+        f"alloc_extend+free, {BATCH} requests x ~1000 tokens, P16",
+        "sglang PagedTokenToKVPoolAllocator",
+        benchmark,
+    )
 
 
 def test_extend_sglang_token(benchmark, report):
@@ -179,8 +218,12 @@ def test_extend_sglang_token(benchmark, report):
         a.free(a.alloc(b["total"]))  # what sglang does for an extend at page_size 1
 
     _measure(benchmark, cycle, iterations=2)
-    _add(report, f"alloc_extend+free, {BATCH} requests x ~1000 tokens, P1",
-               "sglang TokenToKVPoolAllocator.alloc", benchmark)
+    _add(
+        report,
+        f"alloc_extend+free, {BATCH} requests x ~1000 tokens, P1",
+        "sglang TokenToKVPoolAllocator.alloc",
+        benchmark,
+    )
 
 
 # -- the GPU target: alloc_extend of 256 requests, check=False, no host sync --------------
@@ -202,9 +245,17 @@ def test_extend_256_nocheck_kvmem(benchmark, report):
         done()
 
     def extend():
-        held.append(a.alloc_extend(b["pre"], b["seq"], b["last"], prefix_lens_cpu=b["pre_cpu"],
-                                   seq_lens_cpu=b["seq_cpu"], extend_num_tokens=b["total"],
-                                   check=False))
+        held.append(
+            a.alloc_extend(
+                b["pre"],
+                b["seq"],
+                b["last"],
+                prefix_lens_cpu=b["pre_cpu"],
+                seq_lens_cpu=b["seq_cpu"],
+                extend_num_tokens=b["total"],
+                check=False,
+            )
+        )
         done()
 
     for _ in range(warmups(3)):
@@ -213,5 +264,9 @@ def test_extend_256_nocheck_kvmem(benchmark, report):
     benchmark.pedantic(extend, setup=setup, rounds=pick(ROUNDS * 2, 1), warmup_rounds=warmups(1))
     setup()
     a.check_invariants()
-    _add(report, "alloc_extend alone, 256 requests x ~125 tokens, P16, check=False",
-         "kvmem check=False", benchmark)
+    _add(
+        report,
+        "alloc_extend alone, 256 requests x ~125 tokens, P16, check=False",
+        "kvmem check=False",
+        benchmark,
+    )

@@ -43,8 +43,9 @@ RUNS = pick(int(os.environ.get("KVMEM_BENCH_DEMO_RUNS", "3")), 1)
 # measured constant: a quiet VM here shows well under 0.1 core of background work, and
 # at 0.25 of one of two cores the demo's two workers already wait for a core now and then.
 LOADED_CORES = 0.25
-SIZES = pick({}, dict(layers=2, max_tokens=256, chunk_tokens=128, concurrency=2, bw_mib=8,
-                      bw_rounds=1))
+SIZES = pick(
+    {}, dict(layers=2, max_tokens=256, chunk_tokens=128, concurrency=2, bw_mib=8, bw_rounds=1)
+)
 FAULTS = {
     "faults off": dict(abort_rate=0.0, timeout_rate=0.0, fail_rate=0.0, pauses=0),
     "faults on": pick({}, dict(pauses=1)),  # the demo's defaults: every family, 4 pauses
@@ -55,28 +56,37 @@ TRANSFERS = {
     "pull": dict(transfer_mode="pull"),
 }
 STAGES = {  # group name -> (side, stage names summed, the byte counter they handled)
-    "prefill: forward stand-in (Synth.chunk + unpack_pages into the pool)":
-        ("prefill", ("forward: synth KV into pool pages",), "bytes_sent"),
-    "prefill: pack_pages into staging":
-        ("prefill", ("pack_pages",), "bytes_packed"),
-    "prefill: post_write / post_blocks (UCX cma copies into the decode here)":
-        ("prefill", ("post_write (UCX copies here)", "post_blocks (direct; UCX copies here)"),
-         "bytes_sent"),
-    "decode: verify every landed chunk (landing region or pool pages in place)":
-        ("decode", ("verify (Synth.verify)", "verify in place (Synth.verify_pages)"),
-         "bytes_landed"),
-    "decode: unpack_pages into the pool":
-        ("decode", ("unpack_pages into pool",), "bytes_landed"),
-    "decode: post_blocks READ (pull; UCX cma copies from the prefill here)":
-        ("decode", ("post_blocks (pull; UCX reads here)",), "bytes_landed"),
+    "prefill: forward stand-in (Synth.chunk + unpack_pages into the pool)": (
+        "prefill",
+        ("forward: synth KV into pool pages",),
+        "bytes_sent",
+    ),
+    "prefill: pack_pages into staging": ("prefill", ("pack_pages",), "bytes_packed"),
+    "prefill: post_write / post_blocks (UCX cma copies into the decode here)": (
+        "prefill",
+        ("post_write (UCX copies here)", "post_blocks (direct; UCX copies here)"),
+        "bytes_sent",
+    ),
+    "decode: verify every landed chunk (landing region or pool pages in place)": (
+        "decode",
+        ("verify (Synth.verify)", "verify in place (Synth.verify_pages)"),
+        "bytes_landed",
+    ),
+    "decode: unpack_pages into the pool": ("decode", ("unpack_pages into pool",), "bytes_landed"),
+    "decode: post_blocks READ (pull; UCX cma copies from the prefill here)": (
+        "decode",
+        ("post_blocks (pull; UCX reads here)",),
+        "bytes_landed",
+    ),
 }
 
 
 def _row(report, group: str, name: str, seconds: float, nbytes: int, **extra) -> None:
     """A row of bench/conftest.py's report for a figure the demo measured itself (the
     report's ``add`` reads a pytest-benchmark timing)."""
-    report.groups[group].append(dict(name=name, median_s=seconds, nbytes=nbytes,
-                                     gb_per_s=nbytes / seconds / 1e9, **extra))
+    report.groups[group].append(
+        dict(name=name, median_s=seconds, nbytes=nbytes, gb_per_s=nbytes / seconds / 1e9, **extra)
+    )
 
 
 def _fig(role: str) -> dict:
@@ -127,29 +137,63 @@ def test_demo_vs_raw_nixl(benchmark, report, faults, transfer):
     raws = [r["raw_nixl_gbps"] for r in results]
     moved = int(statistics.median(r["bytes_verified"] for r in results))
     walls = [r["wall_seconds"] for r in results]
-    env = dict(others_cpu_cores=others, under_load=loaded, loadavg_1min=[load0, os.getloadavg()[0]],
-               runs=len(results))
-    per_run = [dict(ratio=r["throughput_vs_raw"], gbps=r["throughput_gbps"],
-                    raw_gbps=r["raw_nixl_gbps"], chunks=r["chunks"],
-                    direct_threshold=r["direct_threshold"],
-                    cpu_s_per_gb={k: v["seconds_per_gb"] for k, v in r["cpu"].items()},
-                    poll_share={k: v["poll_share"] for k, v in r["cpu"].items()},
-                    **{f"{k}_calls": {side: r[side]["stage_seconds"].get(name, {}).get("calls", 0)
-                                      for side in ("prefill", "decode")}
-                       for k, name in (("step", "step"), ("get_notifs", "get_notifs"),
-                                       ("nap", "nap"))})
-               for r in results]
+    env = dict(
+        others_cpu_cores=others,
+        under_load=loaded,
+        loadavg_1min=[load0, os.getloadavg()[0]],
+        runs=len(results),
+    )
+    per_run = [
+        dict(
+            ratio=r["throughput_vs_raw"],
+            gbps=r["throughput_gbps"],
+            raw_gbps=r["raw_nixl_gbps"],
+            chunks=r["chunks"],
+            direct_threshold=r["direct_threshold"],
+            cpu_s_per_gb={k: v["seconds_per_gb"] for k, v in r["cpu"].items()},
+            poll_share={k: v["poll_share"] for k, v in r["cpu"].items()},
+            **{
+                f"{k}_calls": {
+                    side: r[side]["stage_seconds"].get(name, {}).get("calls", 0)
+                    for side in ("prefill", "decode")
+                }
+                for k, name in (("step", "step"), ("get_notifs", "get_notifs"), ("nap", "nap"))
+            },
+        )
+        for r in results
+    ]
     flag = f" UNDER LOAD (others {others:.2f} cores)" if loaded else ""
     group = f"kvmem demo vs raw NIXL write between the same 2 processes, {faults}"
-    _row(report, group, f"kvmem demo, {transfer}: {REQUESTS} requests x {len(results)} "
-         f"runs, ratio {statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
-         + flag, statistics.median(walls), moved, ratio_to_raw=_spread(ratios),
-         raw_gbps=_spread(raws), per_run=per_run, **env, **_fig("kvmem"))
-    _row(report, group, f"raw NIXL write of the same bytes, same runs "
-         f"({results[0]['raw_nixl']['nbytes'] >> 20} MiB writes)" + flag,
-         moved / statistics.median(raws) / 1e9, moved, **env, **_fig("baseline"))
-    benchmark.extra_info.update(ratio=_spread(ratios), raw_gbps=_spread(raws), **env,
-                                cpu_s_per_gb=[p["cpu_s_per_gb"] for p in per_run])
+    _row(
+        report,
+        group,
+        f"kvmem demo, {transfer}: {REQUESTS} requests x {len(results)} "
+        f"runs, ratio {statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
+        + flag,
+        statistics.median(walls),
+        moved,
+        ratio_to_raw=_spread(ratios),
+        raw_gbps=_spread(raws),
+        per_run=per_run,
+        **env,
+        **_fig("kvmem"),
+    )
+    _row(
+        report,
+        group,
+        f"raw NIXL write of the same bytes, same runs "
+        f"({results[0]['raw_nixl']['nbytes'] >> 20} MiB writes)" + flag,
+        moved / statistics.median(raws) / 1e9,
+        moved,
+        **env,
+        **_fig("baseline"),
+    )
+    benchmark.extra_info.update(
+        ratio=_spread(ratios),
+        raw_gbps=_spread(raws),
+        **env,
+        cpu_s_per_gb=[p["cpu_s_per_gb"] for p in per_run],
+    )
     if faults != "faults off" or transfer == "push, chunks packed":
         return
     r = results[-1]
@@ -158,11 +202,20 @@ def test_demo_vs_raw_nixl(benchmark, report, faults, transfer):
         seconds = sum(st.get(n, {}).get("seconds", 0.0) for n in names)
         nbytes = r[side]["metrics"][counter]
         if seconds > 0 and nbytes:
-            _row(report, f"demo stage, {faults}, {transfer}: {stage}",
-                 f"{seconds / r['wall_seconds']:.0%} of the workload wall", seconds, nbytes)
+            _row(
+                report,
+                f"demo stage, {faults}, {transfer}: {stage}",
+                f"{seconds / r['wall_seconds']:.0%} of the workload wall",
+                seconds,
+                nbytes,
+            )
     for side in ("prefill", "decode"):
         rest = loop_breakdown(r[side]["stage_seconds"])["rest_of_step"]
         group = f"demo stage, {faults}, {transfer}: {side}: the rest of step() (Python)"
-        _row(report, group, f"{rest / r['wall_seconds']:.0%} of the workload wall",
-             max(rest, 1e-9),
-             r[side]["metrics"]["bytes_landed" if side == "decode" else "bytes_sent"])
+        _row(
+            report,
+            group,
+            f"{rest / r['wall_seconds']:.0%} of the workload wall",
+            max(rest, 1e-9),
+            r[side]["metrics"]["bytes_landed" if side == "decode" else "bytes_sent"],
+        )

@@ -53,9 +53,16 @@ FAULTS_OFF = dict(abort_rate=0.0, timeout_rate=0.0, fail_rate=0.0, pauses=0)
 def test_netns_demo_vs_raw_nixl_same_link(benchmark, report):
     why = netns_refusal()
     assert why is None, why
-    cfgs = {m: DemoConfig(requests=REQUESTS, hosts="netns", bootstrap_timeout=TIMEOUT_S,
-                          transfer_timeout=TIMEOUT_S, **{**SIZES, **FAULTS_OFF, **kw})
-            for m, kw in MODES.items()}
+    cfgs = {
+        m: DemoConfig(
+            requests=REQUESTS,
+            hosts="netns",
+            bootstrap_timeout=TIMEOUT_S,
+            transfer_timeout=TIMEOUT_S,
+            **{**SIZES, **FAULTS_OFF, **kw},
+        )
+        for m, kw in MODES.items()
+    }
     results = {m: [] for m in MODES}
     load0 = os.getloadavg()[0]
     busy0, own0, t0 = _busy_seconds(), _own_seconds(), time.monotonic()
@@ -68,13 +75,18 @@ def test_netns_demo_vs_raw_nixl_same_link(benchmark, report):
     wall = time.monotonic() - t0
     others = max(0.0, (_busy_seconds() - busy0) - (_own_seconds() - own0)) / wall
     loaded = others > LOADED_CORES
-    env = dict(others_cpu_cores=others, under_load=loaded,
-               loadavg_1min=[load0, os.getloadavg()[0]], runs=RUNS)
+    env = dict(
+        others_cpu_cores=others,
+        under_load=loaded,
+        loadavg_1min=[load0, os.getloadavg()[0]],
+        runs=RUNS,
+    )
     flag = f" UNDER LOAD (others {others:.2f} cores)" if loaded else ""
     group = "kvmem demo --hosts netns (TCP over a veth) vs raw NIXL write over the same link"
     # the median raw figure of each round (every mode's run of that round)
-    round_raw = [statistics.median(rs[i]["raw_nixl_gbps"] for rs in results.values())
-                 for i in range(RUNS)]
+    round_raw = [
+        statistics.median(rs[i]["raw_nixl_gbps"] for rs in results.values()) for i in range(RUNS)
+    ]
     best = {}
     for m, rs in results.items():
         for r in rs:
@@ -90,21 +102,44 @@ def test_netns_demo_vs_raw_nixl_same_link(benchmark, report):
         pooled = [r["throughput_gbps"] / raw for r, raw in zip(rs, round_raw)]
         raws = [r["raw_nixl_gbps"] for r in rs]
         moved = int(statistics.median(r["bytes_verified"] for r in rs))
-        per_run = [dict(ratio=r["throughput_vs_raw"], gbps=r["throughput_gbps"],
-                        raw_gbps=r["raw_nixl_gbps"], raw_best_gbps=r["raw_nixl"]["best_gbps"],
-                        chunks=r["chunks"], link_bytes=r["hosts"]["link_bytes"],
-                        cpu_s_per_gb={k: v["seconds_per_gb"] for k, v in r["cpu"].items()})
-                   for r in rs]
+        per_run = [
+            dict(
+                ratio=r["throughput_vs_raw"],
+                gbps=r["throughput_gbps"],
+                raw_gbps=r["raw_nixl_gbps"],
+                raw_best_gbps=r["raw_nixl"]["best_gbps"],
+                chunks=r["chunks"],
+                link_bytes=r["hosts"]["link_bytes"],
+                cpu_s_per_gb={k: v["seconds_per_gb"] for k, v in r["cpu"].items()},
+            )
+            for r in rs
+        ]
         best[m] = statistics.median(ratios)
-        _row(report, f"{group}: {m}", f"kvmem demo over netns, {m}: {REQUESTS} requests x {len(rs)} "
-             f"runs, ratio {best[m]:.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]" + flag,
-             statistics.median(r["wall_seconds"] for r in rs), moved,
-             ratio_to_raw=_spread(ratios), ratio_to_round_raw=_spread(pooled),
-             raw_gbps=_spread(raws), per_run=per_run, **env,
-             figure="netns", role="kvmem")
-        _row(report, f"{group}: {m}", f"raw NIXL write over the same veth, same runs as {m} "
-             f"({rs[0]['raw_nixl']['nbytes'] >> 20} MiB writes)" + flag,
-             moved / statistics.median(raws) / 1e9, moved, **env, figure="netns",
-             role="baseline")
+        _row(
+            report,
+            f"{group}: {m}",
+            f"kvmem demo over netns, {m}: {REQUESTS} requests x {len(rs)} "
+            f"runs, ratio {best[m]:.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]" + flag,
+            statistics.median(r["wall_seconds"] for r in rs),
+            moved,
+            ratio_to_raw=_spread(ratios),
+            ratio_to_round_raw=_spread(pooled),
+            raw_gbps=_spread(raws),
+            per_run=per_run,
+            **env,
+            figure="netns",
+            role="kvmem",
+        )
+        _row(
+            report,
+            f"{group}: {m}",
+            f"raw NIXL write over the same veth, same runs as {m} "
+            f"({rs[0]['raw_nixl']['nbytes'] >> 20} MiB writes)" + flag,
+            moved / statistics.median(raws) / 1e9,
+            moved,
+            **env,
+            figure="netns",
+            role="baseline",
+        )
     top = max(best, key=best.get)
     benchmark.extra_info.update(ratio_by_mode=best, best_mode=top, **env)

@@ -48,9 +48,14 @@ class Model:
     dtype: torch.dtype
 
     def spec(self, page_size: int) -> kvmem.KVSpec:
-        return kvmem.KVSpec(num_layers=self.layers, num_kv_heads=self.heads,
-                            head_dim=self.head_dim, v_head_dim=self.v_head_dim,
-                            page_size=page_size, dtype=self.dtype)
+        return kvmem.KVSpec(
+            num_layers=self.layers,
+            num_kv_heads=self.heads,
+            head_dim=self.head_dim,
+            v_head_dim=self.v_head_dim,
+            page_size=page_size,
+            dtype=self.dtype,
+        )
 
 
 GQA = Model("gqa-bf16", pick(32, 2), 8, 128, 128, torch.bfloat16)  # smoke: 2 layers
@@ -74,8 +79,10 @@ def cases(tokens: list[int], page_sizes=PAGE_SIZES) -> list[tuple[int, int]]:
     out = [(ps, t) for t in tokens for ps in page_sizes if t % ps == 0]
     empty = [ps for ps in page_sizes if not any(p == ps for p, _ in out)]
     if empty:
-        raise ValueError(f"page size(s) {empty} get no chunk from token counts {tokens}: "
-                         "give at least one multiple of each")
+        raise ValueError(
+            f"page size(s) {empty} get no chunk from token counts {tokens}: "
+            "give at least one multiple of each"
+        )
     return out
 
 
@@ -105,8 +112,17 @@ def make_case(model: Model, ps: int, tokens: int, device: torch.device, seed: in
     out = torch.empty(nbytes, dtype=torch.uint8, device=device)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256, generator=gen)
     token_idx = (ids[:, None] * ps + torch.arange(ps, device=device)).reshape(-1)
-    return dict(model=model, ps=ps, pool=pool, ids=ids, nbytes=nbytes, out=out, src=src,
-                token_idx=token_idx, tokens=tokens)
+    return dict(
+        model=model,
+        ps=ps,
+        pool=pool,
+        ids=ids,
+        nbytes=nbytes,
+        out=out,
+        src=src,
+        token_idx=token_idx,
+        tokens=tokens,
+    )
 
 
 def _id(case) -> str:
@@ -126,8 +142,18 @@ def _add(report, setup, op: str, name: str, role: str, benchmark) -> None:
     m = setup["model"]
     what = "" if m is GQA else "fp8 MLA "  # gqa-bf16 keeps the groups' old names
     group = f"{op} {what}P{setup['ps']}, {setup['nbytes'] / 2**20:.4g} MiB chunk"
-    report.add(group, name, benchmark, setup["nbytes"], figure="pack", op=op, model=m.name,
-               page_size=setup["ps"], tokens=setup["tokens"], role=role)
+    report.add(
+        group,
+        name,
+        benchmark,
+        setup["nbytes"],
+        figure="pack",
+        op=op,
+        model=m.name,
+        page_size=setup["ps"],
+        tokens=setup["tokens"],
+        role=role,
+    )
 
 
 def _run(benchmark, fn, dev):
@@ -181,7 +207,7 @@ def test_unpack_index_copy(benchmark, setup, report):
     pairs = []  # (the layer's token rows, its part of the chunk as rows of the same shape)
     for i, b in enumerate(layers):
         rows = _rows(setup, b)
-        part = buf[i * per_layer:(i + 1) * per_layer].view(b.dtype).view(-1, *rows.shape[1:])
+        part = buf[i * per_layer : (i + 1) * per_layer].view(b.dtype).view(-1, *rows.shape[1:])
         pairs.append((rows, part))
 
     def scatter():
@@ -197,5 +223,4 @@ def test_plain_copy(benchmark, setup, report, direction):
     """The ceiling, in each direction's group: a copy_ of the chunk's bytes."""
     out, src = setup["out"], setup["src"]
     _run(benchmark, lambda: out.copy_(src), DEV)
-    _add(report, setup, direction, "plain copy_ of the same bytes (ceiling)", "ceiling",
-         benchmark)
+    _add(report, setup, direction, "plain copy_ of the same bytes (ceiling)", "ceiling", benchmark)

@@ -20,14 +20,16 @@ from bench.conftest import bench_device, pick, rounds, sync
 
 DEV = bench_device()
 _DEFAULT_GIB = "1,16,64" if DEV.type == "cuda" else "0.5,1,2"
-SIZES_GIB = pick([float(x) for x in os.environ.get("KVMEM_BENCH_RELEASE_GIB",
-                                                   _DEFAULT_GIB).split(",")], [1 / 64])
+SIZES_GIB = pick(
+    [float(x) for x in os.environ.get("KVMEM_BENCH_RELEASE_GIB", _DEFAULT_GIB).split(",")], [1 / 64]
+)
 ROUNDS = rounds("KVMEM_BENCH_RELEASE_ROUNDS", 5)
 
 
 def _spec_for(gib: float) -> tuple[kvmem.KVSpec, int]:
-    spec = kvmem.KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16,
-                        dtype=torch.bfloat16)
+    spec = kvmem.KVSpec(
+        num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16
+    )
     return spec, int(gib * 2**30) // spec.page_bytes
 
 
@@ -49,20 +51,29 @@ def pool(request):
 
 def _add(report, op: str, pool, name: str, role: str, benchmark) -> None:
     """A row of the release/resume figure (bench/plot.py): time against pool bytes."""
-    report.add(f"{op} {pool.label}", name, benchmark, figure="release", op=op,
-               pool_bytes=pool.nbytes, role=role)
+    report.add(
+        f"{op} {pool.label}",
+        name,
+        benchmark,
+        figure="release",
+        op=op,
+        pool_bytes=pool.nbytes,
+        role=role,
+    )
 
 
 def test_release_kvmem(benchmark, pool, report):
-    benchmark.pedantic(pool.release, setup=lambda: pool.resume(prefault=True), rounds=ROUNDS,
-                       iterations=1)
+    benchmark.pedantic(
+        pool.release, setup=lambda: pool.resume(prefault=True), rounds=ROUNDS, iterations=1
+    )
     assert pool.released and pool.resident_bytes() <= 0.05 * pool.nbytes
     _add(report, "release", pool, "kvmem pool.release()", "kvmem", benchmark)
 
 
 def test_resume_kvmem(benchmark, pool, report):
-    benchmark.pedantic(lambda: pool.resume(prefault=True), setup=pool.release, rounds=ROUNDS,
-                       iterations=1)
+    benchmark.pedantic(
+        lambda: pool.resume(prefault=True), setup=pool.release, rounds=ROUNDS, iterations=1
+    )
     assert not pool.released and pool.resident_bytes() >= pool.nbytes
     _add(report, "resume", pool, "kvmem pool.resume(prefault=True)", "kvmem", benchmark)
     pool.release()  # leave the memory free for the baselines
@@ -71,7 +82,7 @@ def test_resume_kvmem(benchmark, pool, report):
 def _fresh(nbytes: int) -> torch.Tensor:
     t = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
     if DEV.type == "cpu":
-        t[:: 4096].zero_()  # touch every page, as a pre-faulted resume does
+        t[::4096].zero_()  # touch every page, as a pre-faulted resume does
     return t
 
 
@@ -105,5 +116,11 @@ def test_resume_baseline_allocate(benchmark, pool, report):
 
     benchmark.pedantic(allocate, setup=setup, rounds=ROUNDS, iterations=1)
     holder.clear()
-    _add(report, "resume", pool, "torch.empty of the same bytes, pages touched", "baseline",
-         benchmark)
+    _add(
+        report,
+        "resume",
+        pool,
+        "torch.empty of the same bytes, pages touched",
+        "baseline",
+        benchmark,
+    )

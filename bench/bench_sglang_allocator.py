@@ -35,9 +35,9 @@ from bench.conftest import bench_device, rounds, sync, warmups
 
 DEV = bench_device()
 BATCH = 32
-IN_FLIGHT = 2          # batches whose KV is still being sent when the next one is allocated
+IN_FLIGHT = 2  # batches whose KV is still being sent when the next one is allocated
 POOL_TOKENS = 1 << 18  # ~8 batches of 32 x ~1000 tokens
-STEPS_PER_ROUND = 8    # about one pass over the pool: each round holds one sglang merge+sort
+STEPS_PER_ROUND = 8  # about one pass over the pool: each round holds one sglang merge+sort
 ROUNDS = rounds("KVMEM_BENCH_ROUNDS_SGLANG", 16)
 PAGE_SIZES = [16, 1]
 
@@ -76,9 +76,15 @@ def _batch(seed: int):
     lens = [rng.randrange(900, 1100) for _ in range(BATCH)]
     seq_cpu = torch.tensor(lens, dtype=torch.int64)
     pre_cpu = torch.zeros(BATCH, dtype=torch.int64)
-    return dict(lens=lens, total=sum(lens), pre=pre_cpu.to(DEV), seq=seq_cpu.to(DEV),
-                pre_cpu=pre_cpu, seq_cpu=seq_cpu,
-                last=torch.full((BATCH,), -1, dtype=torch.int64, device=DEV))
+    return dict(
+        lens=lens,
+        total=sum(lens),
+        pre=pre_cpu.to(DEV),
+        seq=seq_cpu.to(DEV),
+        pre_cpu=pre_cpu,
+        seq_cpu=seq_cpu,
+        last=torch.full((BATCH,), -1, dtype=torch.int64, device=DEV),
+    )
 
 
 def prefill_step(a, ps: int, batches: list[dict], in_flight: collections.deque, k: list[int]):
@@ -89,8 +95,7 @@ def prefill_step(a, ps: int, batches: list[dict], in_flight: collections.deque, 
     if ps == 1:
         out = a.alloc(b["total"])
     else:
-        out = a.alloc_extend(b["pre"], b["pre_cpu"], b["seq"], b["seq_cpu"], b["last"],
-                             b["total"])
+        out = a.alloc_extend(b["pre"], b["pre_cpu"], b["seq"], b["seq_cpu"], b["last"], b["total"])
     in_flight.append(out.to(torch.int32).split(b["lens"]))  # req_to_token rows
     if len(in_flight) > IN_FLIGHT:
         for row in in_flight.popleft():
@@ -118,9 +123,14 @@ def _run(benchmark, report, ps: int, name: str, a):
     if hasattr(a, "page_allocator"):
         a.page_allocator.check_invariants()
     if benchmark.enabled:
-        report.add(f"PD prefill allocator calls, {STEPS_PER_ROUND} batches of {BATCH} x ~1000 "
-                   f"tokens, P{ps}", name, benchmark, figure="allocator",
-                   role="kvmem" if name.startswith("kvmem") else "baseline")
+        report.add(
+            f"PD prefill allocator calls, {STEPS_PER_ROUND} batches of {BATCH} x ~1000 "
+            f"tokens, P{ps}",
+            name,
+            benchmark,
+            figure="allocator",
+            role="kvmem" if name.startswith("kvmem") else "baseline",
+        )
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES, ids=lambda p: f"P{p}")
@@ -151,7 +161,7 @@ def _abort_run(benchmark, report, ps: int, tokens: int, name: str, a):
     def setup():
         slots = a.alloc(ABORT_ROWS * -(-tokens // ps) * ps).to(torch.int32)
         step = -(-tokens // ps) * ps
-        rows[:] = [slots[i * step:i * step + tokens] for i in range(ABORT_ROWS)]
+        rows[:] = [slots[i * step : i * step + tokens] for i in range(ABORT_ROWS)]
         done()
 
     def free_rows():
@@ -162,13 +172,18 @@ def _abort_run(benchmark, report, ps: int, tokens: int, name: str, a):
     for _ in range(warmups(3)):
         setup()
         free_rows()
-    benchmark.pedantic(free_rows, setup=setup, rounds=ROUNDS * 4, iterations=1,
-                       warmup_rounds=warmups(1))
+    benchmark.pedantic(
+        free_rows, setup=setup, rounds=ROUNDS * 4, iterations=1, warmup_rounds=warmups(1)
+    )
     assert a.available_size() == POOL_TOKENS
     if benchmark.enabled:
-        report.add(f"free of an aborted request's row ({ABORT_ROWS} rows of {tokens} tokens), "
-                   f"P{ps}", name, benchmark, figure="allocator",
-                   role="kvmem" if name.startswith("kvmem") else "baseline")
+        report.add(
+            f"free of an aborted request's row ({ABORT_ROWS} rows of {tokens} tokens), P{ps}",
+            name,
+            benchmark,
+            figure="allocator",
+            role="kvmem" if name.startswith("kvmem") else "baseline",
+        )
 
 
 @pytest.mark.parametrize("ps,tokens", ABORT_CASES, ids=lambda v: str(v))

@@ -50,18 +50,27 @@ from testkit.sglang_pair import Shape
 
 # Others' CPU from which a figure is flagged (cores): a guess, as in bench_demo.py.
 LOADED_CORES = 0.25
-SHAPE = pick(Shape(requests=int(os.environ.get("KVMEM_BENCH_SGL_REQUESTS", "32")),
-                   tokens=int(os.environ.get("KVMEM_BENCH_SGL_TOKENS", "1024"))),
-             Shape(layers=2, requests=4, tokens=64, page_size=4))
-PAGES = [int(p) for p in os.environ.get("KVMEM_BENCH_SGL_PAGES",
-                                         pick("1,16,64", "16")).split(",")]
+SHAPE = pick(
+    Shape(
+        requests=int(os.environ.get("KVMEM_BENCH_SGL_REQUESTS", "32")),
+        tokens=int(os.environ.get("KVMEM_BENCH_SGL_TOKENS", "1024")),
+    ),
+    Shape(layers=2, requests=4, tokens=64, page_size=4),
+)
+PAGES = [int(p) for p in os.environ.get("KVMEM_BENCH_SGL_PAGES", pick("1,16,64", "16")).split(",")]
 REPEATS = pick(int(os.environ.get("KVMEM_BENCH_SGL_REPEATS", "5")), 1)
 _MODES = os.environ.get("KVMEM_BENCH_SGL_MODES")
 MOONCAKE_MODES = ["stock", "kvmem", "kvmem prefill + stock decode"]
 BACKENDS = os.environ.get("KVMEM_BENCH_SGL_BACKENDS", "nixl,mooncake").split(",")
-RUNS = [(b, m) for b in BACKENDS for m in
-        ([m for m in _MODES.split(",") if m] if _MODES else
-         pick(list(MODES) if b == "nixl" else MOONCAKE_MODES, ["kvmem"]))]
+RUNS = [
+    (b, m)
+    for b in BACKENDS
+    for m in (
+        [m for m in _MODES.split(",") if m]
+        if _MODES
+        else pick(list(MODES) if b == "nixl" else MOONCAKE_MODES, ["kvmem"])
+    )
+]
 _RESULTS: list[dict] = []
 
 
@@ -73,32 +82,57 @@ def _row(report, r: dict) -> None:
     loaded = r["others_cpu_cores"] > LOADED_CORES
     flag = f" UNDER LOAD (others {r['others_cpu_cores']:.2f} cores)" if loaded else ""
     over = "" if r["backend"] == "nixl" else f" over {r['backend']}"
-    group = (f"sglang PD transfer{over}, page {ps}: {r['shape']['requests']} requests x "
-             f"{r['shape']['tokens']} tokens, {r['shape']['layers']} layers")
+    group = (
+        f"sglang PD transfer{over}, page {ps}: {r['shape']['requests']} requests x "
+        f"{r['shape']['tokens']} tokens, {r['shape']['layers']} layers"
+    )
     ratio = statistics.median(r["ratio_to_raw"])
     desc = statistics.median(x["kv_descriptors_per_request"] for x in r["sglang"])
-    name = ("stock sglang" if r["mode"] == "stock" else r["mode"])
-    extra = dict(mode=r["mode"], backend=r["backend"], page_size=ps, ratio_to_raw=ratio,
-                 ratio_spread=[min(r["ratio_to_raw"]), max(r["ratio_to_raw"])],
-                 gbps_spread=[min(sg), max(sg)], kv_descriptors_per_request=desc,
-                 engine_writes_per_round=statistics.median(x["engine_writes"]
-                                                           for x in r["sglang"]),
-                 registrations=r["registrations"], first_gbps=r["first"]["gbps"],
-                 pool_create_s=r["pool_create_s"], fill_s=r["fill_s"],
-                 decode_pool_create_s=r["decode_pool_create_s"], kvmem_pool=r["kvmem_pool"],
-                 kvmem_transfer=r.get("kvmem_transfer"),
-                 others_cpu_cores=r["others_cpu_cores"], under_load=loaded,
-                 loadavg=r["loadavg"])
-    report.groups[group].append(dict(
-        name=f"{name}: {med:.2f} GB/s, {ratio:.2f}x raw, {desc:.0f} descriptors/request"
-             + flag, median_s=nbytes / med / 1e9, nbytes=nbytes, gb_per_s=med, **extra))
-    raw = statistics.median(x["gbps"] for x in r["raw"])
-    report.groups[group].append(dict(
-        name=f"raw {'NIXL' if r['backend'] == 'nixl' else 'Mooncake'} write, same processes "
-             f"({r['mode']}): {raw:.2f} GB/s" + flag,
-        median_s=nbytes / raw / 1e9, nbytes=nbytes, gb_per_s=raw, mode=r["mode"],
+    name = "stock sglang" if r["mode"] == "stock" else r["mode"]
+    extra = dict(
+        mode=r["mode"],
         backend=r["backend"],
-        page_size=ps, role="raw", others_cpu_cores=r["others_cpu_cores"]))
+        page_size=ps,
+        ratio_to_raw=ratio,
+        ratio_spread=[min(r["ratio_to_raw"]), max(r["ratio_to_raw"])],
+        gbps_spread=[min(sg), max(sg)],
+        kv_descriptors_per_request=desc,
+        engine_writes_per_round=statistics.median(x["engine_writes"] for x in r["sglang"]),
+        registrations=r["registrations"],
+        first_gbps=r["first"]["gbps"],
+        pool_create_s=r["pool_create_s"],
+        fill_s=r["fill_s"],
+        decode_pool_create_s=r["decode_pool_create_s"],
+        kvmem_pool=r["kvmem_pool"],
+        kvmem_transfer=r.get("kvmem_transfer"),
+        others_cpu_cores=r["others_cpu_cores"],
+        under_load=loaded,
+        loadavg=r["loadavg"],
+    )
+    report.groups[group].append(
+        dict(
+            name=f"{name}: {med:.2f} GB/s, {ratio:.2f}x raw, {desc:.0f} descriptors/request" + flag,
+            median_s=nbytes / med / 1e9,
+            nbytes=nbytes,
+            gb_per_s=med,
+            **extra,
+        )
+    )
+    raw = statistics.median(x["gbps"] for x in r["raw"])
+    report.groups[group].append(
+        dict(
+            name=f"raw {'NIXL' if r['backend'] == 'nixl' else 'Mooncake'} write, same processes "
+            f"({r['mode']}): {raw:.2f} GB/s" + flag,
+            median_s=nbytes / raw / 1e9,
+            nbytes=nbytes,
+            gb_per_s=raw,
+            mode=r["mode"],
+            backend=r["backend"],
+            page_size=ps,
+            role="raw",
+            others_cpu_cores=r["others_cpu_cores"],
+        )
+    )
 
 
 @pytest.mark.parametrize("backend,mode", RUNS, ids=[f"{b}-{m}" for b, m in RUNS])
@@ -106,16 +140,18 @@ def test_sglang_transfer(benchmark, report, backend, mode):
     results = []
 
     def one():
-        results.extend(run_mode(mode, PAGES, SHAPE, REPEATS, one_process=SMOKE,
-                                backend=backend, forked=SMOKE))
+        results.extend(
+            run_mode(mode, PAGES, SHAPE, REPEATS, one_process=SMOKE, backend=backend, forked=SMOKE)
+        )
 
     benchmark.pedantic(one, rounds=1, iterations=1)
     assert [r["shape"]["page_size"] for r in results] == PAGES
     for r in results:
         rounds = [r["first"]] + r["sglang"]
         assert all(x["bad_rows"] == 0 for x in rounds), [x["bad_rows"] for x in rounds]
-        assert all(set(x["prefill_states"]) == {4} and set(x["decode_states"]) == {4}
-                   for x in rounds), "a room did not end Success"
+        assert all(
+            set(x["prefill_states"]) == {4} and set(x["decode_states"]) == {4} for x in rounds
+        ), "a room did not end Success"
         assert r["kvmem_pool"]["prefill"] == (MODES[mode][0]["SGLANG_KVMEM"] == "1")
         assert r["kvmem_pool"]["decode"] == (MODES[mode][1]["SGLANG_KVMEM"] == "1")
         _row(report, r)
@@ -128,5 +164,6 @@ def test_sglang_transfer_table(report):
     if not _RESULTS:
         pytest.fail("no sglang transfer results (the mode tests did not run)")
     lines = table(_RESULTS)
-    report.groups["sglang PD transfer: table"].append(dict(
-        name="\n      " + "\n      ".join(lines), median_s=1.0, nbytes=None))
+    report.groups["sglang PD transfer: table"].append(
+        dict(name="\n      " + "\n      ".join(lines), median_s=1.0, nbytes=None)
+    )

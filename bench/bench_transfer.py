@@ -81,11 +81,14 @@ def _run(benchmark, fn) -> None:
 def _engines(role: str, mode: str) -> tuple[NixlEngine, NixlEngine]:
     tag = f"{os.getpid()}-{time.time_ns()}"
     pt = MODES[mode]
-    return (NixlEngine(f"bench-{role}-src-{tag}", progress_thread=pt),
-            NixlEngine(f"bench-{role}-dst-{tag}", progress_thread=pt))
+    return (
+        NixlEngine(f"bench-{role}-src-{tag}", progress_thread=pt),
+        NixlEngine(f"bench-{role}-dst-{tag}", progress_thread=pt),
+    )
 
 
 # --- one large buffer -------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module", params=list(MODES))
 def pair(request):
@@ -98,13 +101,22 @@ def pair(request):
     remote = a.add_peer(b.local_metadata())["dst"]
     local, rranges = [(src.data_ptr(), NBYTES)], [(dst.data_ptr(), NBYTES)]
     t = time.perf_counter()
-    _write(a, b, local, remote, rranges)   # the first write: connection set-up included
+    _write(a, b, local, remote, rranges)  # the first write: connection set-up included
     sync(DEV)()
     first_s = time.perf_counter() - t
     assert torch.equal(dst, src)
-    yield dict(mode=mode, a=a, b=b, src=src, dst=dst, remote=remote, local=local,
-               rranges=rranges, first_s=first_s,
-               group=f"nixl write {NBYTES >> 20} MiB, 1 process, {mode}")
+    yield dict(
+        mode=mode,
+        a=a,
+        b=b,
+        src=src,
+        dst=dst,
+        remote=remote,
+        local=local,
+        rranges=rranges,
+        first_s=first_s,
+        group=f"nixl write {NBYTES >> 20} MiB, 1 process, {mode}",
+    )
     a.close()
     b.close()
 
@@ -115,9 +127,16 @@ def test_nixl_write_kvmem(benchmark, pair, report):
     _run(benchmark, lambda: _write(p["a"], p["b"], p["local"], p["remote"], p["rranges"]))
     assert torch.equal(p["dst"], p["src"])
     first = p["first_s"]
-    report.add(p["group"], f"kvmem NixlEngine.post_write (first: {first * 1e3:.0f} ms)",
-               benchmark, NBYTES, first_s=first, first_gb_per_s=NBYTES / first / 1e9,
-               figure="transfer", role="kvmem")
+    report.add(
+        p["group"],
+        f"kvmem NixlEngine.post_write (first: {first * 1e3:.0f} ms)",
+        benchmark,
+        NBYTES,
+        first_s=first,
+        first_gb_per_s=NBYTES / first / 1e9,
+        figure="transfer",
+        role="kvmem",
+    )
 
 
 def test_nixl_write_raw(benchmark, pair, report):
@@ -137,26 +156,40 @@ def test_nixl_write_raw(benchmark, pair, report):
         assert state == "DONE"
 
     _run(benchmark, raw)
-    report.add(p["group"], "raw nixl initialize_xfer+transfer+poll", benchmark, NBYTES,
-               figure="transfer", role="baseline")
+    report.add(
+        p["group"],
+        "raw nixl initialize_xfer+transfer+poll",
+        benchmark,
+        NBYTES,
+        figure="transfer",
+        role="baseline",
+    )
 
 
 def test_plain_copy(benchmark, pair, report):
     p = pair
     _run(benchmark, lambda: p["dst"].copy_(p["src"]))
-    report.add(p["group"], "plain copy_ of the same bytes (memcpy)", benchmark, NBYTES,
-               figure="transfer", role="ceiling")
+    report.add(
+        p["group"],
+        "plain copy_ of the same bytes (memcpy)",
+        benchmark,
+        NBYTES,
+        figure="transfer",
+        role="ceiling",
+    )
 
 
 # --- a packed chunk into pool pages ---------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def pools():
     """Polled mode.  pytest groups the tests by ``pair``'s params and tears the
     ``thread`` pair down when it sets up the ``polled`` one, so no spinning progress
     thread is alive while these run (``-v`` shows the order)."""
-    spec = kvmem.KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16,
-                        dtype=torch.bfloat16)
+    spec = kvmem.KVSpec(
+        num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16
+    )
     a, b = _engines("chunk", "polled")
     src = kvmem.KVPool(spec, CHUNK_PAGES + 1, device=DEV)
     dst = kvmem.KVPool(spec, 2 * CHUNK_PAGES + 1, device=DEV)
@@ -171,8 +204,9 @@ def pools():
     mems = a.add_peer(b.local_metadata())
     # every other page of the destination: no two pages merge into one descriptor
     dst_ids = list(range(2, 2 * CHUNK_PAGES + 1, 2))
-    page_ranges = [(buf[p].data_ptr(), buf[p].nbytes) for buf in dst.k_buffer + dst.v_buffer
-                   for p in dst_ids]
+    page_ranges = [
+        (buf[p].data_ptr(), buf[p].nbytes) for buf in dst.k_buffer + dst.v_buffer for p in dst_ids
+    ]
     _write(a, b, [(staging.data_ptr(), staging.numel())], mems["kv"], page_ranges)
     assert torch.equal(kvmem.pack_pages(dst, torch.tensor(dst_ids, device=DEV)), staging)
     yield dict(a=a, b=b, staging=staging, flat=flat, mems=mems, page_ranges=page_ranges)
@@ -185,8 +219,14 @@ def test_chunk_to_pages_kvmem(benchmark, pools, report):
     local = [(p["staging"].data_ptr(), p["staging"].numel())]
     _run(benchmark, lambda: _write(p["a"], p["b"], local, p["mems"]["kv"], p["page_ranges"]))
     n = len(p["page_ranges"])
-    report.add("chunk -> pool pages, polled", f"kvmem post_write into {n} page ranges",
-               benchmark, p["staging"].numel(), figure="transfer", role="kvmem")
+    report.add(
+        "chunk -> pool pages, polled",
+        f"kvmem post_write into {n} page ranges",
+        benchmark,
+        p["staging"].numel(),
+        figure="transfer",
+        role="kvmem",
+    )
 
 
 def test_chunk_contiguous(benchmark, pools, report):
@@ -195,5 +235,11 @@ def test_chunk_contiguous(benchmark, pools, report):
     local, remote = [(p["staging"].data_ptr(), n)], [(p["flat"].data_ptr(), n)]
     _run(benchmark, lambda: _write(p["a"], p["b"], local, p["mems"]["flat"], remote))
     assert torch.equal(p["flat"], p["staging"])
-    report.add("chunk -> pool pages, polled", "kvmem post_write, same bytes contiguous",
-               benchmark, n, figure="transfer", role="ceiling")
+    report.add(
+        "chunk -> pool pages, polled",
+        "kvmem post_write, same bytes contiguous",
+        benchmark,
+        n,
+        figure="transfer",
+        role="ceiling",
+    )

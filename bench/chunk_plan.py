@@ -39,8 +39,14 @@ def shapes():
     for name, heads, dim, vdim in (("MHA 8x128", 8, 128, None), ("MLA 576", 1, 576, 0)):
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
             for ps in (1, 16, 64):
-                spec = kvmem.KVSpec(num_layers=80, num_kv_heads=heads, head_dim=dim,
-                                    page_size=ps, dtype=dtype, v_head_dim=vdim)
+                spec = kvmem.KVSpec(
+                    num_layers=80,
+                    num_kv_heads=heads,
+                    head_dim=dim,
+                    page_size=ps,
+                    dtype=dtype,
+                    v_head_dim=vdim,
+                )
                 yield name, spec
 
 
@@ -51,8 +57,13 @@ def driver_calls(spec, pages: int, layout: str) -> tuple[int, int, int]:
     from tests.memory.test_cuda_vmm_fake_driver import FakeDriver
 
     drv = FakeDriver(capacity=1 << 62, address_space=1 << 62, granularity=GRAN)
-    pool = kvmem.KVPool(spec, pages, "cpu", layout=layout,
-                        backend=CudaVmmBackend.factory(driver=drv, chunk_bytes=CHUNK_BYTES))
+    pool = kvmem.KVPool(
+        spec,
+        pages,
+        "cpu",
+        layout=layout,
+        backend=CudaVmmBackend.factory(driver=drv, chunk_bytes=CHUNK_BYTES),
+    )
     before = dict(drv.calls)
     pool.release()
     mid = dict(drv.calls)
@@ -73,8 +84,9 @@ def old_cuts(spec, pages: int, layout: str) -> tuple[int, int]:
     prepared at all (item 2)."""
     plan = plan_pool(spec, pages, layout, 1, None)
     k, v = spec.k_layer_bytes(pages), spec.v_layer_bytes(pages)
-    planes = ([(o, k, spec.k_page_bytes) for o in plan.k_offsets]
-              + [(o, v, spec.v_page_bytes) for o in plan.v_offsets])
+    planes = [(o, k, spec.k_page_bytes) for o in plan.k_offsets] + [
+        (o, v, spec.v_page_bytes) for o in plan.v_offsets
+    ]
     cut_planes = cut_pages = 0
     for c in range(CHUNK_BYTES, plan.nbytes, CHUNK_BYTES):
         for o, n, page in planes:
@@ -85,11 +97,13 @@ def old_cuts(spec, pages: int, layout: str) -> tuple[int, int]:
 
 
 def plan_rows(gib: int) -> list[str]:
-    rows = ["| shape | dtype | page_size | layout | pages | plane (MiB) | chunks | planes / "
-            "chunk | padding (bytes) | padding (% of pool) | release: driver calls | "
-            "resume: driver calls | host twin: madvise per release | old cut: planes / pages split | "
-            "blocks (pages x planes) | strided rows prepared | one row per block (MB) |",
-            "|" + "---|" * 17]
+    rows = [
+        "| shape | dtype | page_size | layout | pages | plane (MiB) | chunks | planes / "
+        "chunk | padding (bytes) | padding (% of pool) | release: driver calls | "
+        "resume: driver calls | host twin: madvise per release | old cut: planes / pages split | "
+        "blocks (pages x planes) | strided rows prepared | one row per block (MB) |",
+        "|" + "---|" * 17,
+    ]
     for name, spec in shapes():
         pages = (gib << 30) // spec.page_bytes
         for layout in ("kvmem", "sglang"):
@@ -98,16 +112,19 @@ def plan_rows(gib: int) -> list[str]:
             assert chunks == len(plan.chunks)
             planes = len(plan.k_offsets) + len(plan.v_offsets)
             units = spec.num_layers if layout == "sglang" else planes
-            plane = (spec.k_layer_bytes(pages) + (spec.v_layer_bytes(pages)
-                                                   if layout == "sglang" else 0))
+            plane = spec.k_layer_bytes(pages) + (
+                spec.v_layer_bytes(pages) if layout == "sglang" else 0
+            )
             blocks = planes * pages
             dtype = "bf16" if spec.dtype == torch.bfloat16 else "fp8"
             rows.append(
                 f"| {name} | {dtype} | {spec.page_size} | {layout} | {pages} | "
                 f"{plane / 2**20:.1f} | {chunks} | {units / chunks:.1f} | {plan.padding} | "
                 f"{100 * plan.padding / plan.size:.4f} | {rel} | {res} | {chunks} | "
-                "{} / {} | ".format(*old_cuts(spec, pages, layout)) + f"{blocks} | {planes} | "
-                f"{blocks * 24 / 1e6:.0f} |")
+                "{} / {} | ".format(*old_cuts(spec, pages, layout))
+                + f"{blocks} | {planes} | "
+                f"{blocks * 24 / 1e6:.0f} |"
+            )
     return rows
 
 
@@ -115,9 +132,11 @@ def nixl_rows(gib: int) -> list[str]:
     from kvmem.transfer import NixlEngine
     from tests.util import vm_rss
 
-    rows = ["| shape | dtype | page_size | layout | chunks | blocks | register_pool x2 (ms) | "
-            "add_peer (ms) | prep_local + prep_remote (ms) | RSS growth (MiB) |",
-            "|" + "---|" * 10]
+    rows = [
+        "| shape | dtype | page_size | layout | chunks | blocks | register_pool x2 (ms) | "
+        "add_peer (ms) | prep_local + prep_remote (ms) | RSS growth (MiB) |",
+        "|" + "---|" * 10,
+    ]
     for name, spec in shapes():
         if spec.page_size == 16:
             continue
@@ -139,9 +158,11 @@ def nixl_rows(gib: int) -> list[str]:
             t3 = time.perf_counter()
             grew = vm_rss() - rss
             dtype = "bf16" if spec.dtype == torch.bfloat16 else "fp8"
-            rows.append(f"| {name} | {dtype} | {spec.page_size} | {layout} | "
-                        f"{len(pa.regions())} | {lt.layout.blocks} | {(t1 - t0) * 1e3:.1f} | "
-                        f"{(t2 - t1) * 1e3:.1f} | {(t3 - t2) * 1e3:.2f} | {grew / 2**20:.1f} |")
+            rows.append(
+                f"| {name} | {dtype} | {spec.page_size} | {layout} | "
+                f"{len(pa.regions())} | {lt.layout.blocks} | {(t1 - t0) * 1e3:.1f} | "
+                f"{(t2 - t1) * 1e3:.1f} | {(t3 - t2) * 1e3:.2f} | {grew / 2**20:.1f} |"
+            )
             a.release_table(rt)
             a.close()
             b.close()
@@ -156,13 +177,19 @@ def main() -> None:
     ap.add_argument("--md", default=None, help="append the tables to this Markdown file")
     ap.add_argument("--nixl", action="store_true", help="also time NIXL registration/prep")
     args = ap.parse_args()
-    head = [f"{args.gib} GiB pools, 80 layers, granularity 2 MiB, chunk target "
-            f"{CHUNK_BYTES >> 30} GiB (driver calls counted on the real cuda_vmm backend "
-            "against a counting driver)", ""]
+    head = [
+        f"{args.gib} GiB pools, 80 layers, granularity 2 MiB, chunk target "
+        f"{CHUNK_BYTES >> 30} GiB (driver calls counted on the real cuda_vmm backend "
+        "against a counting driver)",
+        "",
+    ]
     print_table(head + plan_rows(args.gib), args.md)
     if args.nixl:
-        print_table([f"NIXL (nixl-cu12, UCX, DRAM) on two {args.gib} GiB host pools "
-                     "(nothing touched)", ""] + nixl_rows(args.gib), args.md)
+        print_table(
+            [f"NIXL (nixl-cu12, UCX, DRAM) on two {args.gib} GiB host pools (nothing touched)", ""]
+            + nixl_rows(args.gib),
+            args.md,
+        )
 
 
 if __name__ == "__main__":

@@ -86,8 +86,13 @@ class Report:
             for r in rows:
                 bw = f"{r['gb_per_s']:8.2f} GB/s" if r.get("gb_per_s") else " " * 13
                 ratio = r["median_s"] / ref["median_s"]
-                rel = "" if r is ref else f"  kvmem is {ratio:6.2f}x faster" if ratio >= 1 \
+                rel = (
+                    ""
+                    if r is ref
+                    else f"  kvmem is {ratio:6.2f}x faster"
+                    if ratio >= 1
                     else f"  kvmem takes {1 / ratio:6.2f}x the time"
+                )
                 out.append(f"   {r['name']:<44} {r['median_s'] * 1e6:12.1f} us {bw}{rel}")
         return out
 
@@ -135,10 +140,19 @@ def pytest_terminal_summary(terminalreporter):
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"bench-{dev.type}.json")
     with open(path, "w") as f:
-        json.dump(dict(device=device_name(dev), device_type=dev.type, torch=torch.__version__,
-                       time=time.strftime("%Y-%m-%dT%H:%M:%S"), smoke=SMOKE,
-                       note=os.environ.get("KVMEM_BENCH_NOTE", ""), groups=_REPORT.groups),
-                  f, indent=1)
+        json.dump(
+            dict(
+                device=device_name(dev),
+                device_type=dev.type,
+                torch=torch.__version__,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                smoke=SMOKE,
+                note=os.environ.get("KVMEM_BENCH_NOTE", ""),
+                groups=_REPORT.groups,
+            ),
+            f,
+            indent=1,
+        )
     terminalreporter.write_line(f"written: {path}")
     try:
         from bench import plot

@@ -49,12 +49,18 @@ FLAG = {"SGLANG_KVMEM": "1"}
 KINDS = {
     "stock": ({}, {}),
     "flag": (FLAG, FLAG),
-    "flag-xfer-sglang": ({**FLAG, "SGLANG_KVMEM_TRANSFER": "sglang"},
-                         {**FLAG, "SGLANG_KVMEM_TRANSFER": "sglang"}),
-    "flag-prefault0": ({**FLAG, "SGLANG_KVMEM_PREFAULT": "0"},
-                       {**FLAG, "SGLANG_KVMEM_PREFAULT": "0"}),
-    "flag-register-layers": ({**FLAG, "SGLANG_KVMEM_REGISTER": "layers"},
-                             {**FLAG, "SGLANG_KVMEM_REGISTER": "layers"}),
+    "flag-xfer-sglang": (
+        {**FLAG, "SGLANG_KVMEM_TRANSFER": "sglang"},
+        {**FLAG, "SGLANG_KVMEM_TRANSFER": "sglang"},
+    ),
+    "flag-prefault0": (
+        {**FLAG, "SGLANG_KVMEM_PREFAULT": "0"},
+        {**FLAG, "SGLANG_KVMEM_PREFAULT": "0"},
+    ),
+    "flag-register-layers": (
+        {**FLAG, "SGLANG_KVMEM_REGISTER": "layers"},
+        {**FLAG, "SGLANG_KVMEM_REGISTER": "layers"},
+    ),
     "flag-prefill-only": (FLAG, {}),
     "flag-decode-only": ({}, FLAG),
 }
@@ -74,31 +80,57 @@ def _stats(log: Path) -> dict:
     return out
 
 
-def one(kind: str, model: Path, out: Path, bursts: int, gap: float,
-        sequential: int = 0, server_args: list[str] = (),
-        server_env: dict[str, str] | None = None) -> dict:
+def one(
+    kind: str,
+    model: Path,
+    out: Path,
+    bursts: int,
+    gap: float,
+    sequential: int = 0,
+    server_args: list[str] = (),
+    server_env: dict[str, str] | None = None,
+) -> dict:
     prefill_env, decode_env = KINDS[kind]
     env = server_env or {}
-    d = Deployment(model, out / "logs", prefill_env={**env, **prefill_env},
-                   decode_env={**env, **decode_env},
-                   extra_args=["--enable-request-time-stats-logging", *server_args])
+    d = Deployment(
+        model,
+        out / "logs",
+        prefill_env={**env, **prefill_env},
+        decode_env={**env, **decode_env},
+        extra_args=["--enable-request-time-stats-logging", *server_args],
+    )
     load = os.getloadavg()[0]
     d.start()
     rows, single = [], []
     try:
         for i in range(sequential):  # one streamed request at a time: latency, no contention
-            o = scenario._request(d.router.url, prompt(5000 + i, 8 + i % 24), 16, None, True,
-                                  False, "plain")
+            o = scenario._request(
+                d.router.url, prompt(5000 + i, 8 + i % 24), 16, None, True, False, "plain"
+            )
             single.append(round(1e3 * o.ttft) if o.ttft is not None else None)
         with ThreadPoolExecutor(64) as pool:
             for b in range(bursts):
-                fs = [pool.submit(scenario._request, d.router.url, prompt(i, 8 + i % 24), 16,
-                                  None, k % 3 == 0, False, "plain")
-                      for k, i in enumerate(range(100 * b, 100 * b + 40))]
+                fs = [
+                    pool.submit(
+                        scenario._request,
+                        d.router.url,
+                        prompt(i, 8 + i % 24),
+                        16,
+                        None,
+                        k % 3 == 0,
+                        False,
+                        "plain",
+                    )
+                    for k, i in enumerate(range(100 * b, 100 * b + 40))
+                ]
                 outs = [f.result() for f in fs]
                 t = sorted(o.ttft for o in outs if o.ttft is not None)
-                rows.append({"ttft_ms": [round(1e3 * x) for x in t],
-                             "statuses": sorted({str(o.status) for o in outs})})
+                rows.append(
+                    {
+                        "ttft_ms": [round(1e3 * x) for x in t],
+                        "statuses": sorted({str(o.status) for o in outs}),
+                    }
+                )
                 time.sleep(gap)
     finally:
         d.stop()
@@ -112,10 +144,15 @@ def one(kind: str, model: Path, out: Path, bursts: int, gap: float,
             for st in stages:
                 xs = [sides[s][k][st] for k in rooms if st in sides[s].get(k, {})]
                 row[f"{s}_{st}_ms"] = round(statistics.median(xs)) if xs else None
-    return {"kind": kind, "server_args": list(server_args), "server_env": env,
-            "loadavg_start": load,
-            "loadavg_end": os.getloadavg()[0],
-            "sequential_ttft_ms": single, "bursts": rows}
+    return {
+        "kind": kind,
+        "server_args": list(server_args),
+        "server_env": env,
+        "loadavg_start": load,
+        "loadavg_end": os.getloadavg()[0],
+        "sequential_ttft_ms": single,
+        "bursts": rows,
+    }
 
 
 def main(argv=None) -> int:
@@ -124,23 +161,47 @@ def main(argv=None) -> int:
     ap.add_argument("--bursts", type=int, default=2)
     ap.add_argument("--gap", type=float, default=3.0, help="seconds between bursts")
     ap.add_argument("--out", type=Path, help="logs and results.json here")
-    ap.add_argument("--summarize", type=Path, metavar="RESULTS_JSON",
-                    help="run nothing: print the summary of an earlier run's results.json "
-                         "(with the --kinds and --bursts it ran with)")
-    ap.add_argument("--sequential", type=int, default=0,
-                    help="before the bursts, this many streamed requests one at a time")
-    ap.add_argument("--kinds", default="stock,flag",
-                    help="comma-separated, run in this order each round, of: " + ", ".join(KINDS))
-    ap.add_argument("--alternate", action="store_true",
-                    help="run the kinds in reverse order in odd rounds (no kind always first)")
-    ap.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                    help="one more argument for both servers of every kind (repeat it), e.g. "
-                         "--server-arg=--sleep-on-idle: sglang's schedulers then wait on their "
-                         "sockets while fully idle instead of polling a core each")
-    ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
-                    help="one more environment variable for both servers of every kind "
-                         "(repeat it), e.g. the scenario's --server-env="
-                         "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=8")
+    ap.add_argument(
+        "--summarize",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="run nothing: print the summary of an earlier run's results.json "
+        "(with the --kinds and --bursts it ran with)",
+    )
+    ap.add_argument(
+        "--sequential",
+        type=int,
+        default=0,
+        help="before the bursts, this many streamed requests one at a time",
+    )
+    ap.add_argument(
+        "--kinds",
+        default="stock,flag",
+        help="comma-separated, run in this order each round, of: " + ", ".join(KINDS),
+    )
+    ap.add_argument(
+        "--alternate",
+        action="store_true",
+        help="run the kinds in reverse order in odd rounds (no kind always first)",
+    )
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for both servers of every kind (repeat it), e.g. "
+        "--server-arg=--sleep-on-idle: sglang's schedulers then wait on their "
+        "sockets while fully idle instead of polling a core each",
+    )
+    ap.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="one more environment variable for both servers of every kind "
+        "(repeat it), e.g. the scenario's --server-env="
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=8",
+    )
     a = ap.parse_args(argv)
     bad = [e for e in a.server_env if "=" not in e]
     if bad:
@@ -161,21 +222,37 @@ def main(argv=None) -> int:
     model = make_tiny_model(a.out / "model")
     results = []
     for r in range(a.rounds):
-        for kind in (kinds[::-1] if a.alternate and r % 2 else kinds):
-            res = one(kind, model, a.out / f"{kind}-{r}", a.bursts, a.gap, a.sequential,
-                      a.server_arg, server_env)
+        for kind in kinds[::-1] if a.alternate and r % 2 else kinds:
+            res = one(
+                kind,
+                model,
+                a.out / f"{kind}-{r}",
+                a.bursts,
+                a.gap,
+                a.sequential,
+                a.server_arg,
+                server_env,
+            )
             res["round"] = r
             results.append(res)
             if res["sequential_ttft_ms"]:
-                print(f"round {r} {kind:20s} one at a time: TTFT {res['sequential_ttft_ms']} ms",
-                      flush=True)
+                print(
+                    f"round {r} {kind:20s} one at a time: TTFT {res['sequential_ttft_ms']} ms",
+                    flush=True,
+                )
             for b, row in enumerate(res["bursts"]):
                 t = row["ttft_ms"]
-                print(f"round {r} {kind:20s} burst {b}: TTFT median {statistics.median(t)} "
-                      f"max {max(t)} ms; " + ", ".join(f"{k[:-3]} {v}" for k, v in row.items()
-                                                     if k.endswith("_ms") and k != "ttft_ms")
-                      + f"; load {res['loadavg_start']:.1f}-{res['loadavg_end']:.1f}",
-                      flush=True)
+                print(
+                    f"round {r} {kind:20s} burst {b}: TTFT median {statistics.median(t)} "
+                    f"max {max(t)} ms; "
+                    + ", ".join(
+                        f"{k[:-3]} {v}"
+                        for k, v in row.items()
+                        if k.endswith("_ms") and k != "ttft_ms"
+                    )
+                    + f"; load {res['loadavg_start']:.1f}-{res['loadavg_end']:.1f}",
+                    flush=True,
+                )
             (a.out / "results.json").write_text(json.dumps(results, indent=1))
     _summary(results, kinds, a.bursts)
     return 0
@@ -187,21 +264,29 @@ def _summary(results: list[dict], kinds: list[str], bursts: int) -> None:
     for kind in kinds:
         runs = [r for r in results if r["kind"] == kind]
         for b in range(bursts):
-            meds = [statistics.median(r["bursts"][b]["ttft_ms"]) for r in runs
-                    if len(r["bursts"]) > b and r["bursts"][b]["ttft_ms"]]
-            pooled = sorted(x for r in runs if len(r["bursts"]) > b
-                            for x in r["bursts"][b]["ttft_ms"])
+            meds = [
+                statistics.median(r["bursts"][b]["ttft_ms"])
+                for r in runs
+                if len(r["bursts"]) > b and r["bursts"][b]["ttft_ms"]
+            ]
+            pooled = sorted(
+                x for r in runs if len(r["bursts"]) > b for x in r["bursts"][b]["ttft_ms"]
+            )
             if meds:
-                print(f"{kind:20s} burst {b}: median over {len(meds)} rounds "
-                      f"{statistics.median(meds)} ms (rounds {min(meds)}-{max(meds)}); "
-                      f"all rounds' requests together: median {statistics.median(pooled)} ms, "
-                      f"p99 {scenario.nearest_rank(pooled, 0.99)} ms (n={len(pooled)})")
+                print(
+                    f"{kind:20s} burst {b}: median over {len(meds)} rounds "
+                    f"{statistics.median(meds)} ms (rounds {min(meds)}-{max(meds)}); "
+                    f"all rounds' requests together: median {statistics.median(pooled)} ms, "
+                    f"p99 {scenario.nearest_rank(pooled, 0.99)} ms (n={len(pooled)})"
+                )
         if kind != kinds[0]:
             _against(results, kinds[0], kind, bursts)
         single = sorted(x for r in runs for x in r["sequential_ttft_ms"] if x is not None)
         if single:
-            print(f"{kind:20s} one at a time: median {statistics.median(single)} ms, p90 "
-                  f"{single[int(0.9 * (len(single) - 1))]} ms (n={len(single)})")
+            print(
+                f"{kind:20s} one at a time: median {statistics.median(single)} ms, p90 "
+                f"{single[int(0.9 * (len(single) - 1))]} ms (n={len(single)})"
+            )
 
 
 def _against(results: list[dict], base: str, kind: str, bursts: int) -> None:
@@ -225,11 +310,13 @@ def _against(results: list[dict], base: str, kind: str, bursts: int) -> None:
             continue
         a, s = sorted(pooled[kind]), sorted(pooled[base])
         lower = sum(x < y for x, y in pairs)
-        print(f"{kind:20s} burst {b} against {base}: median over rounds "
-              f"{statistics.median(x for x, _ in pairs) / statistics.median(y for _, y in pairs):.2f}x, "
-              f"pooled median {statistics.median(a) / statistics.median(s):.2f}x, pooled p99 "
-              f"{scenario.nearest_rank(a, 0.99) / scenario.nearest_rank(s, 0.99):.2f}x; lower "
-              f"in {lower} of {len(pairs)} rounds")
+        print(
+            f"{kind:20s} burst {b} against {base}: median over rounds "
+            f"{statistics.median(x for x, _ in pairs) / statistics.median(y for _, y in pairs):.2f}x, "
+            f"pooled median {statistics.median(a) / statistics.median(s):.2f}x, pooled p99 "
+            f"{scenario.nearest_rank(a, 0.99) / scenario.nearest_rank(s, 0.99):.2f}x; lower "
+            f"in {lower} of {len(pairs)} rounds"
+        )
 
 
 if __name__ == "__main__":

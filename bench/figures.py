@@ -72,10 +72,12 @@ def _kernels_pack(d: dict) -> str:
     p16, c16, g16 = _pack(d, "pack", 16)
     unpack = [_pack(d, "unpack", p)[0] for p in (1, 16, 64)]
     p1, _, g1 = _pack(d, "pack", 1)
-    return (f"pack {_gbs(p16)} at page_size 16, {_x(c16)} a plain copy of the same bytes "
-            f"and {_x(g16)} `index_select` + `cat`; unpack {min(unpack):.1f}-"
-            f"{_gbs(max(unpack))} over page sizes 1, 16 and 64; at page_size 1, pack "
-            f"{_gbs(p1)}, {_x(g1)} the `index_select` baseline")
+    return (
+        f"pack {_gbs(p16)} at page_size 16, {_x(c16)} a plain copy of the same bytes "
+        f"and {_x(g16)} `index_select` + `cat`; unpack {min(unpack):.1f}-"
+        f"{_gbs(max(unpack))} over page sizes 1, 16 and 64; at page_size 1, pack "
+        f"{_gbs(p1)}, {_x(g1)} the `index_select` baseline"
+    )
 
 
 def _first_ms(row: dict) -> float:
@@ -90,13 +92,16 @@ def _transfer_write(d: dict) -> str:
     k, raw = _row(d, g, "kvmem"), _row(d, g, "baseline")
     ranges = "chunk -> pool pages, polled"
     scattered, contiguous = _row(d, ranges, "kvmem"), _row(d, ranges, "ceiling")
-    firsts = [_first_ms(_row(d, g2, "kvmem")) for g2 in
-              (g, "nixl write 256 MiB, 1 process, thread")]
-    return (f"kvmem's `post_write` {_gbs(k['gb_per_s'])} against raw NIXL "
-            f"{_gbs(raw['gb_per_s'])}; a packed chunk written into 4096 page ranges "
-            f"{_gbs(scattered['gb_per_s'])} against {_gbs(contiguous['gb_per_s'])} "
-            f"contiguous; the first write after `add_peer` {min(firsts):.0f}-"
-            f"{max(firsts):.0f} ms, spent setting up the connection")
+    firsts = [
+        _first_ms(_row(d, g2, "kvmem")) for g2 in (g, "nixl write 256 MiB, 1 process, thread")
+    ]
+    return (
+        f"kvmem's `post_write` {_gbs(k['gb_per_s'])} against raw NIXL "
+        f"{_gbs(raw['gb_per_s'])}; a packed chunk written into 4096 page ranges "
+        f"{_gbs(scattered['gb_per_s'])} against {_gbs(contiguous['gb_per_s'])} "
+        f"contiguous; the first write after `add_peer` {min(firsts):.0f}-"
+        f"{max(firsts):.0f} ms, spent setting up the connection"
+    )
 
 
 DEMO_MODES = ("push, chunks packed", "push, chunks auto", "pull")
@@ -123,21 +128,28 @@ def _demo_expect(d: dict) -> str:
         parts.append(f"with faults {faults} {ratios}")
     pull, raw = _demo_row(d, "off", "pull")
     runs = len(pull["per_run"])
-    return (f"{runs} runs of 200 requests per mode, medians of the per-run ratio to raw "
-            f"NIXL: {'; '.join(parts)} (pull with faults off: {_gbs(pull['gb_per_s'])} of "
-            f"verified KV against {_gbs(raw['gb_per_s'])} of raw NIXL)")
+    return (
+        f"{runs} runs of 200 requests per mode, medians of the per-run ratio to raw "
+        f"NIXL: {'; '.join(parts)} (pull with faults off: {_gbs(pull['gb_per_s'])} of "
+        f"verified KV against {_gbs(raw['gb_per_s'])} of raw NIXL)"
+    )
 
 
 STAGES = (  # (the stage's group suffix, how the page names it)
-    ("prefill: forward stand-in (Synth.chunk + unpack_pages into the pool)",
-     "the forward stand-in"),
+    (
+        "prefill: forward stand-in (Synth.chunk + unpack_pages into the pool)",
+        "the forward stand-in",
+    ),
     ("prefill: the rest of step() (Python)", "the rest of its step (Python)"),
-    ("prefill: post_write / post_blocks (UCX cma copies into the decode here)",
-     "its posts"),
-    ("decode: post_blocks READ (pull; UCX cma copies from the prefill here)",
-     "the decode's READs (UCX's copy of the bytes)"),
-    ("decode: verify every landed chunk (landing region or pool pages in place)",
-     "the decode's verification of every page"),
+    ("prefill: post_write / post_blocks (UCX cma copies into the decode here)", "its posts"),
+    (
+        "decode: post_blocks READ (pull; UCX cma copies from the prefill here)",
+        "the decode's READs (UCX's copy of the bytes)",
+    ),
+    (
+        "decode: verify every landed chunk (landing region or pool pages in place)",
+        "the decode's verification of every page",
+    ),
     ("decode: the rest of step() (Python)", "the rest of the decode's step"),
 )
 
@@ -156,25 +168,45 @@ def _readme_table(d: dict) -> str:
     pd = "PD prefill allocator calls, 8 batches of 32 x ~1000 tokens, P16"
     kp, bp = _row(d, pd, "kvmem"), _row(d, pd, "baseline")
     p16, c16, g16 = _pack(d, "pack", 16)
-    rel = [(_row(d, f"{op} 2 GiB", "kvmem"), _row(d, f"{op} 2 GiB", "baseline"))
-           for op in ("release", "resume")]
+    rel = [
+        (_row(d, f"{op} 2 GiB", "kvmem"), _row(d, f"{op} 2 GiB", "baseline"))
+        for op in ("release", "resume")
+    ]
     k, raw = _demo_row(d, "off", "pull")
     pull = k["ratio_to_raw"]["median"]
     rows = [
-        ("pack a request's pages (P16, 128 MiB chunk)", _gbs(p16),
-         f"{_x(c16)} a plain copy, {_x(g16)} per-layer `index_select` + `cat`"),
-        ("`alloc_extend` + free, 32 requests x ~1000 tokens, P16", _us(ka["median_s"]),
-         f"{ba['median_s'] / ka['median_s']:.2f}x faster than sglang's "
-         "`PagedTokenToKVPoolAllocator`"),
-        ("the adapter's allocator under a PD prefill, 8 batches, P16", _us(kp["median_s"]),
-         f"{bp['median_s'] / kp['median_s']:.2f}x faster than stock sglang"),
-        ("`pool.release()`, 2 GiB", _us(rel[0][0]["median_s"]),
-         f"{rel[0][1]['median_s'] / rel[0][0]['median_s']:.0f}x faster than freeing a tensor"),
-        ("`pool.resume()`, 2 GiB, every page touched", _us(rel[1][0]["median_s"]),
-         f"{rel[1][1]['median_s'] / rel[1][0]['median_s']:.1f}x faster than allocating and "
-         "touching one"),
-        ("`kvmem demo`, pull, faults off", _gbs(k["gb_per_s"]),
-         f"{_x(pull)} raw NIXL between the same processes ({_gbs(raw['gb_per_s'])})"),
+        (
+            "pack a request's pages (P16, 128 MiB chunk)",
+            _gbs(p16),
+            f"{_x(c16)} a plain copy, {_x(g16)} per-layer `index_select` + `cat`",
+        ),
+        (
+            "`alloc_extend` + free, 32 requests x ~1000 tokens, P16",
+            _us(ka["median_s"]),
+            f"{ba['median_s'] / ka['median_s']:.2f}x faster than sglang's "
+            "`PagedTokenToKVPoolAllocator`",
+        ),
+        (
+            "the adapter's allocator under a PD prefill, 8 batches, P16",
+            _us(kp["median_s"]),
+            f"{bp['median_s'] / kp['median_s']:.2f}x faster than stock sglang",
+        ),
+        (
+            "`pool.release()`, 2 GiB",
+            _us(rel[0][0]["median_s"]),
+            f"{rel[0][1]['median_s'] / rel[0][0]['median_s']:.0f}x faster than freeing a tensor",
+        ),
+        (
+            "`pool.resume()`, 2 GiB, every page touched",
+            _us(rel[1][0]["median_s"]),
+            f"{rel[1][1]['median_s'] / rel[1][0]['median_s']:.1f}x faster than allocating and "
+            "touching one",
+        ),
+        (
+            "`kvmem demo`, pull, faults off",
+            _gbs(k["gb_per_s"]),
+            f"{_x(pull)} raw NIXL between the same processes ({_gbs(raw['gb_per_s'])})",
+        ),
     ]
     lines = ["", "| what | kvmem | against its baseline, same run |", "|---|---|---|"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
@@ -213,8 +245,9 @@ def spans(text: str) -> list[tuple[str, str]]:
 
 def rewrite(text: str, cache: dict | None = None) -> str:
     cache = {} if cache is None else cache
-    return SPAN.sub(lambda m: f"<!-- fig:{m.group(1)} -->{render(m.group(1), cache)}"
-                              "<!-- /fig -->", text)
+    return SPAN.sub(
+        lambda m: f"<!-- fig:{m.group(1)} -->{render(m.group(1), cache)}<!-- /fig -->", text
+    )
 
 
 def stale() -> list[str]:
@@ -224,8 +257,10 @@ def stale() -> list[str]:
         for name, text in spans(page.read_text()):
             want = render(name, cache)
             if text != want:
-                out.append(f"{page.relative_to(ROOT)}: fig:{name} says {text!r}, "
-                           f"{FIGURES[name].source} gives {want!r}")
+                out.append(
+                    f"{page.relative_to(ROOT)}: fig:{name} says {text!r}, "
+                    f"{FIGURES[name].source} gives {want!r}"
+                )
     return out
 
 

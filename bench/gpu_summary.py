@@ -54,10 +54,11 @@ def _report(folder: str) -> dict | None:
 
 
 def _cut(line: str) -> str:
-    return line if len(line) <= WIDTH else line[:WIDTH - 3] + "..."
+    return line if len(line) <= WIDTH else line[: WIDTH - 3] + "..."
 
 
 # -- the rows ------------------------------------------------------------------------------
+
 
 def _pack_ratios(report: dict, model: str, op: str) -> list[dict]:
     """One entry per pack group of ``model`` and ``op``: page size, bytes, kvmem GB/s, and
@@ -73,9 +74,15 @@ def _pack_ratios(report: dict, model: str, op: str) -> list[dict]:
         if k is None:
             continue
         ceil, base = by_role.get("ceiling"), by_role.get("baseline")
-        out.append(dict(ps=k["page_size"], nbytes=k["nbytes"], gbs=k["gb_per_s"],
-                        of_copy=k["gb_per_s"] / ceil["gb_per_s"] if ceil else None,
-                        of_base=k["gb_per_s"] / base["gb_per_s"] if base else None))
+        out.append(
+            dict(
+                ps=k["page_size"],
+                nbytes=k["nbytes"],
+                gbs=k["gb_per_s"],
+                of_copy=k["gb_per_s"] / ceil["gb_per_s"] if ceil else None,
+                of_base=k["gb_per_s"] / base["gb_per_s"] if base else None,
+            )
+        )
     return sorted(out, key=lambda e: (e["ps"], e["nbytes"]))
 
 
@@ -106,17 +113,22 @@ def _ms(s: float) -> str:
 
 # -- targets ------------------------------------------------------------------------------
 
+
 def _verdict(ok: bool | None) -> str:
     return {True: "PASS", False: "FAIL", None: "n/a "}[ok]
 
 
-def _ratio_target(report, model: str, floor: float, sizes, min_bytes: int, what: str,
-                  aside=None) -> list[str]:
+def _ratio_target(
+    report, model: str, floor: float, sizes, min_bytes: int, what: str, aside=None
+) -> list[str]:
     """Lines for 'kvmem >= floor x the plain copy' per op, worst chunk per page size."""
     lines = []
     for op in ("pack", "unpack"):
-        entries = [e for e in _pack_ratios(report, model, op)
-                   if e["nbytes"] >= min_bytes and e["of_copy"] is not None]
+        entries = [
+            e
+            for e in _pack_ratios(report, model, op)
+            if e["nbytes"] >= min_bytes and e["of_copy"] is not None
+        ]
         parts, ok = [], None
         for ps in sizes:
             w = _worst([e for e in entries if e["ps"] == ps], "of_copy")
@@ -134,8 +146,7 @@ def _ratio_target(report, model: str, floor: float, sizes, min_bytes: int, what:
     return lines
 
 
-def _time_target(report, group: str, limit_s: float, speedup: float | None,
-                 what: str) -> str:
+def _time_target(report, group: str, limit_s: float, speedup: float | None, what: str) -> str:
     k, base = _row(report, group, "kvmem"), _row(report, group, "baseline")
     if k is None:
         return f"n/a   {what}: no row '{group}'"
@@ -156,14 +167,21 @@ def _time_target(report, group: str, limit_s: float, speedup: float | None,
 def targets(report: dict) -> list[str]:
     """One line per target (module docstring) against ``report``."""
     if report.get("device_type") == "cuda":
-        lines = _ratio_target(report, "gqa-bf16", 0.85, (1, 16, 64), MiB,
-                              "gqa-bf16, chunks >= 1 MiB,")
+        lines = _ratio_target(
+            report, "gqa-bf16", 0.85, (1, 16, 64), MiB, "gqa-bf16, chunks >= 1 MiB,"
+        )
         lines += _ratio_target(report, "mla-fp8", 0.90, (16, 64), 0, "fp8 MLA,", aside=1)
         lines.append(_time_target(report, "release 64 GiB", 0.050, 5, "release 64 GiB"))
         lines.append(_time_target(report, "resume 64 GiB", 0.300, 5, "resume 64 GiB"))
-        lines.append(_time_target(
-            report, "alloc_extend alone, 256 requests x ~125 tokens, P16, check=False",
-            30e-6, None, "alloc_extend of 256 requests, check=False"))
+        lines.append(
+            _time_target(
+                report,
+                "alloc_extend alone, 256 requests x ~125 tokens, P16, check=False",
+                30e-6,
+                None,
+                "alloc_extend of 256 requests, check=False",
+            )
+        )
         return lines
     lines = _ratio_target(report, "gqa-bf16", 0.5, (16, 64), 0, "gqa-bf16, page size >= 16,")
     entries = _pack_ratios(report, "gqa-bf16", "pack")
@@ -178,19 +196,29 @@ def targets(report: dict) -> list[str]:
 
 # -- figures ------------------------------------------------------------------------------
 
+
 def figures(report: dict) -> list[str]:
     """The numbers behind each plot, compactly: GB/s and share of the copy per chunk for
     pack/unpack; medians and ratios for the others."""
     lines = []
-    models = list(dict.fromkeys(r.get("model", "gqa-bf16") for rows in report["groups"].values()
-                                for r in rows if r.get("figure") == "pack"))
+    models = list(
+        dict.fromkeys(
+            r.get("model", "gqa-bf16")
+            for rows in report["groups"].values()
+            for r in rows
+            if r.get("figure") == "pack"
+        )
+    )
     for model in models:
         for op in ("pack", "unpack"):
             entries = _pack_ratios(report, model, op)
             for ps in sorted({e["ps"] for e in entries}):
-                cells = [f"{_size(e['nbytes'])} {e['gbs']:.3g} GB/s"
-                         + (f" {_pct(e['of_copy'])}" if e["of_copy"] is not None else "")
-                         for e in entries if e["ps"] == ps]
+                cells = [
+                    f"{_size(e['nbytes'])} {e['gbs']:.3g} GB/s"
+                    + (f" {_pct(e['of_copy'])}" if e["of_copy"] is not None else "")
+                    for e in entries
+                    if e["ps"] == ps
+                ]
                 lines.append(_cut(f"{op} {model} P{ps}: " + " | ".join(cells)))
     for group, rows in report["groups"].items():
         fig = rows[0].get("figure") if rows else None
@@ -209,6 +237,7 @@ def figures(report: dict) -> list[str]:
 
 
 # -- the screen -----------------------------------------------------------------------------
+
 
 def screen(folder: str) -> list[str]:
     out = []

@@ -38,22 +38,33 @@ def _cases():
 
     out = []
     for layers in (32, 80):
-        spec = kvmem.KVSpec(num_layers=layers, num_kv_heads=8, head_dim=128, page_size=16,
-                            dtype=torch.bfloat16)
+        spec = kvmem.KVSpec(
+            num_layers=layers, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16
+        )
         pool = kvmem.KVPool(spec, num_pages=65)
         ids = torch.arange(1, 17)
         chunk = torch.empty(kvmem.packed_nbytes(spec, 16), dtype=torch.uint8)
-        out.append((f"pack_pages, KVPool of {layers} layers, 16 pages",
-                    lambda pool=pool, ids=ids, chunk=chunk:
-                    kvmem.pack_pages(pool, ids, out=chunk, check=False)))
-    spec = kvmem.KVSpec(num_layers=80, num_kv_heads=8, head_dim=128, page_size=16,
-                        dtype=torch.bfloat16)
+        out.append(
+            (
+                f"pack_pages, KVPool of {layers} layers, 16 pages",
+                lambda pool=pool, ids=ids, chunk=chunk: kvmem.pack_pages(
+                    pool, ids, out=chunk, check=False
+                ),
+            )
+        )
+    spec = kvmem.KVSpec(
+        num_layers=80, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16
+    )
     pool = kvmem.KVPool(spec, num_pages=65)
     ks, vs = list(pool.k_buffer), list(pool.v_buffer)  # 80 + 80 separate tensors
     ids = torch.arange(1, 17)
     chunk = torch.empty(kvmem.packed_nbytes(spec, 16), dtype=torch.uint8)
-    out.append(("pack_buffers, 80 K + 80 V tensors, 16 pages",
-                lambda: kvmem.pack_buffers(ks, vs, ids, out=chunk, check=False)))
+    out.append(
+        (
+            "pack_buffers, 80 K + 80 V tensors, 16 pages",
+            lambda: kvmem.pack_buffers(ks, vs, ids, out=chunk, check=False),
+        )
+    )
     return out
 
 

@@ -41,12 +41,14 @@ LAYERS, HEADS, DIM = 32, 8, 128
 
 def _cases(tokens: int):
     for ps in (1, 16, 64):
-        spec = kvmem.KVSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, page_size=ps,
-                            dtype=torch.bfloat16)
+        spec = kvmem.KVSpec(
+            num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM, page_size=ps, dtype=torch.bfloat16
+        )
         pool = kvmem.KVPool(spec, num_pages=4 * tokens // ps + 1)
         gen = torch.Generator().manual_seed(ps)
-        pool._mem.tensor.copy_(torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8,
-                                             generator=gen))
+        pool._mem.tensor.copy_(
+            torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8, generator=gen)
+        )
         n = tokens // ps
         ids = torch.randperm(pool.num_pages - 1, generator=gen)[:n] + 1
         out = torch.empty(kvmem.packed_nbytes(spec, n), dtype=torch.uint8)
@@ -109,8 +111,11 @@ def main() -> None:
             for op, fn in fns.items():
                 q, l = _time(fn, a.rounds, busy)
                 res[(ps, op)] = (statistics.median(q), max(q), statistics.median(l), max(l))
-                print(f"   P{ps:<3} {op:<20} quiet {res[(ps, op)][0] * 1e3:8.1f} ms  loaded "
-                      f"{res[(ps, op)][2] * 1e3:8.1f} ms", flush=True)
+                print(
+                    f"   P{ps:<3} {op:<20} quiet {res[(ps, op)][0] * 1e3:8.1f} ms  loaded "
+                    f"{res[(ps, op)][2] * 1e3:8.1f} ms",
+                    flush=True,
+                )
     finally:
         busy.kill()
         busy.wait()
@@ -127,8 +132,10 @@ def main() -> None:
         "|---|---|---|---|---|",
     ]
     for key, (qm, qw, lm, lw) in res.items():
-        lines.append(f"| {key[0]} | {key[1]} | {qm * 1e3:.1f} ({qw * 1e3:.0f}) | "
-                     f"{lm * 1e3:.1f} ({lw * 1e3:.0f}) | {lm / qm:.2f} |")
+        lines.append(
+            f"| {key[0]} | {key[1]} | {qm * 1e3:.1f} ({qw * 1e3:.0f}) | "
+            f"{lm * 1e3:.1f} ({lw * 1e3:.0f}) | {lm / qm:.2f} |"
+        )
     print_table(lines, a.md)
 
 

@@ -57,14 +57,21 @@ def _rows(report: dict, figure: str) -> dict[str, list[dict]]:
 
 
 def _title(fig, report: dict, what: str) -> None:
-    lines = [what, f"{report['device']}, torch {report.get('torch', '?')}, "
-                   f"{report.get('time', '?')}"]
+    lines = [
+        what,
+        f"{report['device']}, torch {report.get('torch', '?')}, {report.get('time', '?')}",
+    ]
     if report.get("note"):
         lines.append(report["note"])
     fig.suptitle("\n".join(lines), fontsize=10)
     if report.get("smoke"):
-        fig.text(0.01, 0.01, "SMOKE RUN (make test): tiny sizes, one round; the figures "
-                 "mean nothing", color="red", fontsize=9)
+        fig.text(
+            0.01,
+            0.01,
+            "SMOKE RUN (make test): tiny sizes, one round; the figures mean nothing",
+            color="red",
+            fontsize=9,
+        )
 
 
 def _us(v: float) -> str:
@@ -83,14 +90,19 @@ def _save(fig, out_dir: str, report: dict, figure: str) -> str:
 
 # -- pack / unpack -----------------------------------------------------------------------
 
+
 def plot_pack(report: dict, out_dir: str) -> str | None:
     rows = [r for g in _rows(report, "pack").values() for r in g]
     if not rows:
         return None
     # one row of panels per (model, op); rows from before the model field are gqa-bf16
     models = list(dict.fromkeys(r.get("model", "gqa-bf16") for r in rows))
-    panels = [(m, op) for m in models for op in ("pack", "unpack")
-              if any(r["op"] == op and r.get("model", "gqa-bf16") == m for r in rows)]
+    panels = [
+        (m, op)
+        for m in models
+        for op in ("pack", "unpack")
+        if any(r["op"] == op and r.get("model", "gqa-bf16") == m for r in rows)
+    ]
     fig, axes = plt.subplots(len(panels), 2, figsize=(12, 5.4 * len(panels)), squeeze=False)
     for i, (model, op) in enumerate(panels):
         mine = [r for r in rows if r["op"] == op and r.get("model", "gqa-bf16") == model]
@@ -102,20 +114,29 @@ def plot_pack(report: dict, out_dir: str) -> str | None:
         for k, ps in enumerate(sizes):
             color = PAGE_COLORS[k % len(PAGE_COLORS)]
             for role, style, what in (("kvmem", "-o", "kvmem"), ("baseline", ":x", None)):
-                pts = sorted((r["nbytes"], r["gb_per_s"], r["name"]) for r in mine
-                             if r["page_size"] == ps and r["role"] == role)
+                pts = sorted(
+                    (r["nbytes"], r["gb_per_s"], r["name"])
+                    for r in mine
+                    if r["page_size"] == ps and r["role"] == role
+                )
                 if pts:
                     label = f"{what or pts[0][2]}, page {ps}"
-                    ax.plot([p[0] / 2**20 for p in pts], [p[1] for p in pts], style,
-                            color=color, label=label)
+                    ax.plot(
+                        [p[0] / 2**20 for p in pts],
+                        [p[1] for p in pts],
+                        style,
+                        color=color,
+                        label=label,
+                    )
         ceiling = []
         for c in chunks:  # the copy is measured in every page size's group: their median
             bws = sorted(r["gb_per_s"] for r in mine if r["nbytes"] == c and r["role"] == "ceiling")
             if bws:
                 ceiling.append((c / 2**20, bws[len(bws) // 2]))
         if ceiling:
-            ax.plot(*zip(*ceiling), "--s", color="black", markersize=4,
-                    label="plain copy_ (ceiling)")
+            ax.plot(
+                *zip(*ceiling), "--s", color="black", markersize=4, label="plain copy_ (ceiling)"
+            )
         ax.set_xscale("log", base=2)
         ax.set_xticks([c / 2**20 for c in chunks], [f"{c / 2**20:.4g}" for c in chunks])
         ax.minorticks_off()
@@ -130,14 +151,19 @@ def plot_pack(report: dict, out_dir: str) -> str | None:
         big = chunks[-1]
         width = 0.27
         for j, role in enumerate(("kvmem", "baseline", "ceiling")):
-            pts = [(k, r) for k, ps in enumerate(sizes) for r in mine
-                   if r["page_size"] == ps and r["nbytes"] == big and r["role"] == role]
+            pts = [
+                (k, r)
+                for k, ps in enumerate(sizes)
+                for r in mine
+                if r["page_size"] == ps and r["nbytes"] == big and r["role"] == role
+            ]
             if not pts:
                 continue
             xs = [k + (j - 1) * width for k, _ in pts]
             label = "kvmem" if role == "kvmem" else pts[0][1]["name"]
-            bars = ax.bar(xs, [r["gb_per_s"] for _, r in pts], width, color=COLORS[role],
-                          label=label)
+            bars = ax.bar(
+                xs, [r["gb_per_s"] for _, r in pts], width, color=COLORS[role], label=label
+            )
             ax.bar_label(bars, fmt="%.1f", fontsize=7)
         ax.set_xticks(range(len(sizes)), [f"page {ps}" for ps in sizes])
         ax.set_ylabel("GB/s")
@@ -151,6 +177,7 @@ def plot_pack(report: dict, out_dir: str) -> str | None:
 
 # -- release / resume --------------------------------------------------------------------
 
+
 def plot_release(report: dict, out_dir: str) -> str | None:
     rows = [r for g in _rows(report, "release").values() for r in g]
     if not rows:
@@ -158,15 +185,28 @@ def plot_release(report: dict, out_dir: str) -> str | None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, op in zip(axes, ("release", "resume")):
         for role in ("kvmem", "baseline"):
-            pts = sorted((r["pool_bytes"], r["median_s"], r["name"]) for r in rows
-                         if r["op"] == op and r["role"] == role)
+            pts = sorted(
+                (r["pool_bytes"], r["median_s"], r["name"])
+                for r in rows
+                if r["op"] == op and r["role"] == role
+            )
             if not pts:
                 continue
-            ax.plot([p[0] / 2**30 for p in pts], [p[1] * 1e3 for p in pts], "-o",
-                    color=COLORS[role], label=pts[0][2])
+            ax.plot(
+                [p[0] / 2**30 for p in pts],
+                [p[1] * 1e3 for p in pts],
+                "-o",
+                color=COLORS[role],
+                label=pts[0][2],
+            )
             for x, y, _ in pts:
-                ax.annotate(_us(y * 1e6), (x / 2**30, y * 1e3), fontsize=7,
-                            textcoords="offset points", xytext=(4, 4))
+                ax.annotate(
+                    _us(y * 1e6),
+                    (x / 2**30, y * 1e3),
+                    fontsize=7,
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                )
         ax.set_xscale("log", base=2)
         sizes = sorted({r["pool_bytes"] / 2**30 for r in rows})
         ax.set_xticks(sizes, [f"{x:g}" for x in sizes])
@@ -177,13 +217,15 @@ def plot_release(report: dict, out_dir: str) -> str | None:
         ax.set_title(f"{op} against pool size")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    _title(fig, report, "pool.release() / pool.resume() against freeing and allocating the "
-           "same bytes")
+    _title(
+        fig, report, "pool.release() / pool.resume() against freeing and allocating the same bytes"
+    )
     fig.tight_layout(rect=(0, 0.03, 1, 1))  # tight_layout makes room for the suptitle
     return _save(fig, out_dir, report, "release")
 
 
 # -- bar charts: allocator, demo, transfer ------------------------------------------------
+
 
 def _ref_row(rows: list, row: dict) -> dict:
     """The kvmem row that ``row`` is compared with (``row`` itself for a kvmem row)."""
@@ -206,8 +248,9 @@ def _bars(report: dict, out_dir: str, figure: str, what: str, rate: bool) -> str
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.42 * n + 0.45 * len(groups)))
     y, ticks, labels = 0.0, [], []
     for group, rows in groups.items():
-        ax.text(0, y - 0.75, group, fontsize=8, fontweight="bold",
-                transform=ax.get_yaxis_transform())
+        ax.text(
+            0, y - 0.75, group, fontsize=8, fontweight="bold", transform=ax.get_yaxis_transform()
+        )
         for r in rows:
             # A baseline or ceiling row is compared with the kvmem row it belongs to: the
             # nearest kvmem row above it (a group of several kvmem modes lists each one's
@@ -219,9 +262,11 @@ def _bars(report: dict, out_dir: str, figure: str, what: str, rate: bool) -> str
             if r is not ref and rate:
                 note += f"  (kvmem at {ref['gb_per_s'] / v:.2f}x this)"
             elif r is not ref:
-                note += f"  (kvmem: {r['median_s'] / ref['median_s']:.2f}x faster)" \
-                    if r["median_s"] >= ref["median_s"] else \
-                    f"  (kvmem takes {ref['median_s'] / r['median_s']:.2f}x the time)"
+                note += (
+                    f"  (kvmem: {r['median_s'] / ref['median_s']:.2f}x faster)"
+                    if r["median_s"] >= ref["median_s"]
+                    else f"  (kvmem takes {ref['median_s'] / r['median_s']:.2f}x the time)"
+                )
             ax.text(v, y, note, va="center", fontsize=7)
             ticks.append(y)
             labels.append(r["name"])
@@ -230,8 +275,7 @@ def _bars(report: dict, out_dir: str, figure: str, what: str, rate: bool) -> str
     ax.set_yticks(ticks, labels, fontsize=7)
     ax.set_ylim(-1.3, y - 1.2 + 0.5)  # room above the first group's title
     ax.invert_yaxis()
-    ax.set_xlabel("GB/s (longer is better)" if rate else
-                  "median time, us (log; shorter is better)")
+    ax.set_xlabel("GB/s (longer is better)" if rate else "median time, us (log; shorter is better)")
     if not rate:
         ax.set_xscale("log")
     ax.set_xlim(right=ax.get_xlim()[1] * (1.6 if rate else 8))
@@ -242,23 +286,46 @@ def _bars(report: dict, out_dir: str, figure: str, what: str, rate: bool) -> str
 
 
 def plot_allocator(report, out_dir):
-    return _bars(report, out_dir, "allocator", "PageAllocator (and the sglang adapter) against "
-                 "sglang's own allocators, same device, same run", rate=False)
+    return _bars(
+        report,
+        out_dir,
+        "allocator",
+        "PageAllocator (and the sglang adapter) against "
+        "sglang's own allocators, same device, same run",
+        rate=False,
+    )
 
 
 def plot_demo(report, out_dir):
-    return _bars(report, out_dir, "demo", "kvmem demo throughput (verified KV) against raw "
-                 "NIXL writes between the same two processes", rate=True)
+    return _bars(
+        report,
+        out_dir,
+        "demo",
+        "kvmem demo throughput (verified KV) against raw "
+        "NIXL writes between the same two processes",
+        rate=True,
+    )
 
 
 def plot_transfer(report, out_dir):
-    return _bars(report, out_dir, "transfer", "NixlEngine writes against raw NIXL calls and "
-                 "a plain copy", rate=True)
+    return _bars(
+        report,
+        out_dir,
+        "transfer",
+        "NixlEngine writes against raw NIXL calls and a plain copy",
+        rate=True,
+    )
 
 
 def plot_netns(report, out_dir):
-    return _bars(report, out_dir, "netns", "kvmem demo between two network namespaces (UCX "
-                 "over TCP on a veth) against raw NIXL writes over the same link", rate=True)
+    return _bars(
+        report,
+        out_dir,
+        "netns",
+        "kvmem demo between two network namespaces (UCX "
+        "over TCP on a veth) against raw NIXL writes over the same link",
+        rate=True,
+    )
 
 
 FIGURES = (plot_pack, plot_allocator, plot_release, plot_demo, plot_transfer, plot_netns)

@@ -52,11 +52,22 @@ class Timer:
         self.extra_info: dict = {}
         self.stats: _Metadata | None = None
 
-    def pedantic(self, target, args=(), kwargs=None, setup=None, teardown=None, rounds=1,
-                 warmup_rounds=0, iterations=1):
+    def pedantic(
+        self,
+        target,
+        args=(),
+        kwargs=None,
+        setup=None,
+        teardown=None,
+        rounds=1,
+        warmup_rounds=0,
+        iterations=1,
+    ):
         if rounds < 1 or iterations < 1 or warmup_rounds < 0:
-            raise ValueError(f"rounds and iterations must be >= 1 and warmup_rounds >= 0, "
-                             f"got {rounds}, {iterations}, {warmup_rounds}")
+            raise ValueError(
+                f"rounds and iterations must be >= 1 and warmup_rounds >= 0, "
+                f"got {rounds}, {iterations}, {warmup_rounds}"
+            )
         if self.stats is not None:
             raise RuntimeError("benchmark.pedantic may run once per test (as pytest-benchmark's)")
         if setup is not None and iterations != 1:

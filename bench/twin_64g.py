@@ -32,6 +32,7 @@ from testkit.twin import GiB, SHAPES, Twin, spec_of
 
 # --- the full run ---------------------------------------------------------------------------
 
+
 def run_direct_or_pull(t: Twin, mode: str) -> int:
     moved = 0
     for plane in range(len(t.planes)):
@@ -75,29 +76,41 @@ def main() -> None:
     ap.add_argument("--modes", nargs="*", default=["direct", "pull", "packed"])
     ap.add_argument("--md", default=None)
     args = ap.parse_args()
-    rows = ["| shape | layout | pages | chunks | blocks | descriptors inside one chunk | "
-            "mode | bytes moved and verified | seconds (under load) | GB/s |",
-            "|" + "---|" * 10]
+    rows = [
+        "| shape | layout | pages | chunks | blocks | descriptors inside one chunk | "
+        "mode | bytes moved and verified | seconds (under load) | GB/s |",
+        "|" + "---|" * 10,
+    ]
     for name in args.shapes:
         spec = spec_of(name)
         pages = (args.gib * GiB) // spec.page_bytes
-        t = Twin(spec, args.layout, args.gib,
-                 batch_bytes=kvmem.packed_nbytes(spec, pages, layers=[0]))
+        t = Twin(
+            spec, args.layout, args.gib, batch_bytes=kvmem.packed_nbytes(spec, pages, layers=[0])
+        )
         try:
             inside = t.descriptors_inside_chunks()
             for mode in args.modes:
                 t0 = time.perf_counter()
                 moved = run_packed(t) if mode == "packed" else run_direct_or_pull(t, mode)
                 dt = time.perf_counter() - t0
-                rows.append(f"| {name} | {args.layout} | {t.pages} | {len(t.pa.regions())} | "
-                            f"{t.lt.layout.blocks} | {inside} | {mode} | {moved} | "
-                            f"{dt:.1f} | {moved / dt / 1e9:.2f} |")
+                rows.append(
+                    f"| {name} | {args.layout} | {t.pages} | {len(t.pa.regions())} | "
+                    f"{t.lt.layout.blocks} | {inside} | {mode} | {moved} | "
+                    f"{dt:.1f} | {moved / dt / 1e9:.2f} |"
+                )
                 print(rows[-1], flush=True)
         finally:
             t.close()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-    print_table([f"Every page of {args.gib} GiB host-twin pools moved and compared "
-                 f"(peak RSS {peak / GiB:.1f} GiB)", ""] + rows, args.md)
+    print_table(
+        [
+            f"Every page of {args.gib} GiB host-twin pools moved and compared "
+            f"(peak RSS {peak / GiB:.1f} GiB)",
+            "",
+        ]
+        + rows,
+        args.md,
+    )
 
 
 if __name__ == "__main__":

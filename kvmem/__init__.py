@@ -8,17 +8,33 @@ memory, and a prefill/decode-disaggregation lifecycle that frees every page exac
 
 from kvmem.allocator import PageAllocator
 from kvmem.errors import (
-    ClosedPoolError, CudaDriverError, DoubleFreeError, KVMemError, OutOfPagesError,
-    PoolMemoryError, ReleasedPoolError,
+    ClosedPoolError,
+    CudaDriverError,
+    DoubleFreeError,
+    KVMemError,
+    OutOfPagesError,
+    PoolMemoryError,
+    ReleasedPoolError,
 )
 from kvmem.kernels.pack import pack_buffers, unpack_buffers
 from kvmem.pool import KVPool, pack_pages, packed_nbytes, unpack_pages
 from kvmem.spec import KVSpec
 
 __all__ = [
-    "KVSpec", "KVPool", "PageAllocator", "pack_pages", "unpack_pages", "packed_nbytes",
-    "pack_buffers", "unpack_buffers",
-    "KVMemError", "OutOfPagesError", "DoubleFreeError", "ReleasedPoolError",
-    "ClosedPoolError", "PoolMemoryError", "CudaDriverError",
+    "KVSpec",
+    "KVPool",
+    "PageAllocator",
+    "pack_pages",
+    "unpack_pages",
+    "packed_nbytes",
+    "pack_buffers",
+    "unpack_buffers",
+    "KVMemError",
+    "OutOfPagesError",
+    "DoubleFreeError",
+    "ReleasedPoolError",
+    "ClosedPoolError",
+    "PoolMemoryError",
+    "CudaDriverError",
 ]
 __version__ = "0.1.0"

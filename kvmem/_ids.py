@@ -45,8 +45,14 @@ _NP_KEPT = (np.dtype(np.int32), np.dtype(np.int64))
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
-def as_page_ids(page_ids, device: torch.device, *, what: str = "page_ids",
-                where: str = "the KV buffers", int64: bool = False) -> torch.Tensor:
+def as_page_ids(
+    page_ids,
+    device: torch.device,
+    *,
+    what: str = "page_ids",
+    where: str = "the KV buffers",
+    int64: bool = False,
+) -> torch.Tensor:
     """Coerce ``page_ids`` to ``int32 | int64 [n]`` (``int64 [n]`` with ``int64=True``),
     contiguous, on ``device`` (module docstring: what is accepted, which copies happen).
 
@@ -57,8 +63,12 @@ def as_page_ids(page_ids, device: torch.device, *, what: str = "page_ids",
         device = torch.device(device)
     if isinstance(page_ids, torch.Tensor):
         ids = page_ids
-        if ids.dtype is torch.int64 and ids.dim() == 1 and ids.device == device \
-                and ids.is_contiguous():
+        if (
+            ids.dtype is torch.int64
+            and ids.dim() == 1
+            and ids.device == device
+            and ids.is_contiguous()
+        ):
             return ids  # the common case, checked in one line
         return _from_tensor(ids, device, what, where, int64)
     if isinstance(page_ids, np.ndarray):
@@ -67,17 +77,21 @@ def as_page_ids(page_ids, device: torch.device, *, what: str = "page_ids",
         try:
             ids = torch.from_dlpack(page_ids)  # CuPy and others, zero-copy
         except (TypeError, ValueError, RuntimeError, BufferError) as e:
-            raise ValueError(f"{what}: cannot take a {type(page_ids).__name__} through "
-                             f"DLPack ({e})") from None
+            raise ValueError(
+                f"{what}: cannot take a {type(page_ids).__name__} through DLPack ({e})"
+            ) from None
         return _from_tensor(ids, device, what, where, int64)
     if isinstance(page_ids, Sequence) and not isinstance(page_ids, (str, bytes)):
         return _from_sequence(page_ids, device, what)
-    raise ValueError(f"{what} must be a 1-D tensor, array or sequence of integer page ids, "
-                     f"got {type(page_ids).__name__} {page_ids!r:.80}")
+    raise ValueError(
+        f"{what} must be a 1-D tensor, array or sequence of integer page ids, "
+        f"got {type(page_ids).__name__} {page_ids!r:.80}"
+    )
 
 
-def _from_tensor(ids: torch.Tensor, device: torch.device, what: str, where: str,
-                 int64: bool) -> torch.Tensor:
+def _from_tensor(
+    ids: torch.Tensor, device: torch.device, what: str, where: str, int64: bool
+) -> torch.Tensor:
     if ids.dtype is torch.bool or ids.is_floating_point() or ids.is_complex():
         raise ValueError(f"{what} must be an integer tensor, int32 or int64, got {ids.dtype}")
     if ids.dim() != 1:
@@ -91,8 +105,10 @@ def _from_tensor(ids: torch.Tensor, device: torch.device, what: str, where: str,
 
 def _from_numpy(arr: np.ndarray, device: torch.device, what: str, int64: bool) -> torch.Tensor:
     if arr.dtype.kind not in "iu":
-        raise ValueError(f"{what} must be an integer array, got dtype {arr.dtype}"
-                         + (f" {arr.tolist()!r:.80}" if arr.dtype.kind in "bf" else ""))
+        raise ValueError(
+            f"{what} must be an integer array, got dtype {arr.dtype}"
+            + (f" {arr.tolist()!r:.80}" if arr.dtype.kind in "bf" else "")
+        )
     if arr.ndim != 1:
         raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > _INT64_MAX:
@@ -126,11 +142,12 @@ def _from_sequence(seq, device: torch.device, what: str) -> torch.Tensor:
 
 def _one_id(x, what: str) -> int:
     """A page id that is not a plain int: anything with __index__ but a bool."""
-    if isinstance(x, (bool, np.bool_)) or (isinstance(x, torch.Tensor) and (
-            x.dtype is torch.bool or x.is_floating_point() or x.is_complex())):
+    if isinstance(x, (bool, np.bool_)) or (
+        isinstance(x, torch.Tensor)
+        and (x.dtype is torch.bool or x.is_floating_point() or x.is_complex())
+    ):
         raise ValueError(f"{what} must be integers, got {x!r} (a {type(x).__name__})")
     try:
         return operator.index(x)
     except TypeError:
-        raise ValueError(f"{what} must be integers, got {x!r:.80} "
-                         f"(a {type(x).__name__})") from None
+        raise ValueError(f"{what} must be integers, got {x!r:.80} (a {type(x).__name__})") from None

@@ -20,8 +20,15 @@ from kvmem.errors import OutOfPagesError, alloc_error
 from kvmem.kernels import alloc as K
 from kvmem.kernels._dispatch import force_triton, is_async_device
 from kvmem.kernels.alloc.checks import (
-    agree, check_batch, check_hints, decode_count_host, decode_problems,
-    decode_problems_np, extend_counts_host, extend_problems, extend_problems_np,
+    agree,
+    check_batch,
+    check_hints,
+    decode_count_host,
+    decode_problems,
+    decode_problems_np,
+    extend_counts_host,
+    extend_problems,
+    extend_problems_np,
 )
 
 
@@ -43,8 +50,7 @@ def _on_own_stream(method):
                     if isinstance(a, torch.Tensor) and a.device.type == "cuda":
                         a.record_stream(self._stream)
             out = method(self, *args, **kwargs)
-        if caller != self._stream and isinstance(out, torch.Tensor) \
-                and out.device.type == "cuda":
+        if caller != self._stream and isinstance(out, torch.Tensor) and out.device.type == "cuda":
             out.record_stream(caller)
         return out
 
@@ -56,8 +62,10 @@ def _own_stream(device: torch.device, stream) -> torch.cuda.Stream | None:
     current stream at construction; None on CPU (where ``stream`` must be None)."""
     if device.type != "cuda":
         if stream is not None:
-            raise ValueError(f"stream= is for an allocator on a CUDA device; this one is on "
-                             f"{device}, got stream={stream!r}")
+            raise ValueError(
+                f"stream= is for an allocator on a CUDA device; this one is on "
+                f"{device}, got stream={stream!r}"
+            )
         return None
     if stream is None:
         return torch.cuda.current_stream(device)
@@ -124,8 +132,14 @@ class PageAllocator:
     docs/allocator.md.
     """
 
-    def __init__(self, num_pages: int, page_size: int, device: str | torch.device = "cpu",
-                 *, stream: torch.cuda.Stream | None = None):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        device: str | torch.device = "cpu",
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ):
         num_pages = _as_int("num_pages", num_pages)
         page_size = _as_int("page_size", page_size)
         if num_pages < 2:
@@ -188,8 +202,10 @@ class PageAllocator:
         return self._stream
 
     def __repr__(self) -> str:
-        return (f"PageAllocator(num_pages={self.num_pages}, page_size={self.page_size}, "
-                f"device={str(self.device)!r}, num_free={self._count})")
+        return (
+            f"PageAllocator(num_pages={self.num_pages}, page_size={self.page_size}, "
+            f"device={str(self.device)!r}, num_free={self._count})"
+        )
 
     # -- whole-state operations -----------------------------------------------------
 
@@ -229,8 +245,7 @@ class PageAllocator:
         assert 0 <= self._count <= cap, f"num_free {self._count} outside [0, {cap}]"
         assert 0 <= self._head < cap, f"ring head {self._head} outside [0, {cap})"
         assert self._count + self._allocated == cap, (
-            f"num_free + num_allocated = {self._count} + {self._allocated} != "
-            f"num_pages - 1 = {cap}"
+            f"num_free + num_allocated = {self._count} + {self._allocated} != num_pages - 1 = {cap}"
         )
         owned = self._owned.cpu()
         ring = self._ring.cpu()
@@ -251,10 +266,12 @@ class PageAllocator:
         # cap - num_allocated == _count unowned pages: they are exactly the free ones.
         assert int(self._owned_ext[-1]) == 0, "the ownership map's end marker is not 0"
         assert 0 <= self._sorted <= self._count, (
-            f"sorted part {self._sorted} outside [0, num_free = {self._count}]")
-        head = live[:self._sorted]
-        assert bool((head[1:] > head[:-1]).all()), "the sorted part of the free list is " \
-            "not ascending"
+            f"sorted part {self._sorted} outside [0, num_free = {self._count}]"
+        )
+        head = live[: self._sorted]
+        assert bool((head[1:] > head[:-1]).all()), (
+            "the sorted part of the free list is not ascending"
+        )
 
     @_on_own_stream
     def allocated_pages(self) -> torch.Tensor:
@@ -286,17 +303,23 @@ class PageAllocator:
         at its outermost exit.  DoubleFreeError, with nothing freed, if one is out of
         range, page 0, not allocated, or listed twice; ValueError, with nothing freed,
         for ids that are not integers (bool and float included)."""
-        if type(pages) is list and 0 < len(pages) <= K.PY_FREE_MAX \
-                and self._owned_mv is not None and self._group is None:
+        if (
+            type(pages) is list
+            and 0 < len(pages) <= K.PY_FREE_MAX
+            and self._owned_mv is not None
+            and self._group is None
+        ):
             # a few pages on the CPU: plain Python (kvmem.kernels.alloc.free_pages_list);
             # anything it does not take goes the general way, which reports it
-            if K.free_pages_list(pages, self._ring_mv, self._owned_mv,
-                                 (self._head + self._count) % self._cap):
+            if K.free_pages_list(
+                pages, self._ring_mv, self._owned_mv, (self._head + self._count) % self._cap
+            ):
                 self._count += len(pages)
                 self._allocated -= len(pages)
                 return
-        p = as_page_ids(pages, self.device, what="free: pages", where="the allocator",
-                        int64=not self._on_cuda)
+        p = as_page_ids(
+            pages, self.device, what="free: pages", where="the allocator", int64=not self._on_cuda
+        )
         if self._group is not None:
             if p.numel():
                 # a copy, unless p is a tensor of our own making (from a Python sequence):
@@ -323,17 +346,27 @@ class PageAllocator:
                 group, self._group = self._group, None
                 if group:
                     with self._on_stream():
-                        pages = group[0][0] if len(group) == 1 else torch.cat(
-                            [g[0].to(torch.int64) for g in group])
+                        pages = (
+                            group[0][0]
+                            if len(group) == 1
+                            else torch.cat([g[0].to(torch.int64) for g in group])
+                        )
                         self._free_now(pages, any(g[1] for g in group))
 
     # -- token slots (sglang semantics) ---------------------------------------------
 
     @_on_own_stream
-    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
-                     last_loc: torch.Tensor, *, prefix_lens_cpu: torch.Tensor | None = None,
-                     seq_lens_cpu: torch.Tensor | None = None,
-                     extend_num_tokens: int | None = None, check: bool = True) -> torch.Tensor:
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        last_loc: torch.Tensor,
+        *,
+        prefix_lens_cpu: torch.Tensor | None = None,
+        seq_lens_cpu: torch.Tensor | None = None,
+        extend_num_tokens: int | None = None,
+        check: bool = True,
+    ) -> torch.Tensor:
         """Token slots (page * page_size + offset) for extending each request from
         ``prefix_lens[i]`` to ``seq_lens[i]`` tokens, sglang 0.5.23's
         PagedTokenToKVPoolAllocator.alloc_extend: first the rest of the request's
@@ -347,17 +380,24 @@ class PageAllocator:
         nothing changed.  With check=False on CUDA the count of new pages comes from
         the hints (no sync) and the inputs are checked on the device (class
         docstring)."""
-        bs = check_batch("alloc_extend", self.device, prefix_lens=prefix_lens,
-                          seq_lens=seq_lens, last_loc=last_loc)
-        hints = check_hints("alloc_extend", bs, prefix_lens_cpu=prefix_lens_cpu,
-                             seq_lens_cpu=seq_lens_cpu)
+        bs = check_batch(
+            "alloc_extend",
+            self.device,
+            prefix_lens=prefix_lens,
+            seq_lens=seq_lens,
+            last_loc=last_loc,
+        )
+        hints = check_hints(
+            "alloc_extend", bs, prefix_lens_cpu=prefix_lens_cpu, seq_lens_cpu=seq_lens_cpu
+        )
         if extend_num_tokens is not None:
             extend_num_tokens = _as_int("extend_num_tokens", extend_num_tokens)
         flag = self._flag(check)
         ps = self.page_size
         if not flag:
-            num_new, total = self._checked_extend_counts(prefix_lens, seq_lens, last_loc,
-                                                         hints, extend_num_tokens, check)
+            num_new, total = self._checked_extend_counts(
+                prefix_lens, seq_lens, last_loc, hints, extend_num_tokens, check
+            )
         elif hints is not None:  # no sync
             num_new, total = extend_counts_host(hints[0], hints[1], ps)
             if extend_num_tokens is not None:
@@ -365,8 +405,10 @@ class PageAllocator:
         else:  # one sync
             num_new, total = torch.stack(K.extend_counts(prefix_lens, seq_lens, ps)).tolist()
         if num_new < 0 or total < 0:
-            raise ValueError(f"alloc_extend: the lengths ask for {num_new} new pages and "
-                             f"{total} tokens; prefix_len > seq_len somewhere")
+            raise ValueError(
+                f"alloc_extend: the lengths ask for {num_new} new pages and "
+                f"{total} tokens; prefix_len > seq_len somewhere"
+            )
         if num_new > self._count:
             raise OutOfPagesError(num_new, self._count, "alloc_extend")
         new_pages = self._take(num_new, flag, total // ps + bs + 1)
@@ -374,13 +416,19 @@ class PageAllocator:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         if ps == 1 and not flag:  # checked inputs: every token is a new page, in order
             return new_pages
-        return K.extend_slots(prefix_lens, seq_lens, last_loc, new_pages, ps, total,
-                              self._err, flag=flag)
+        return K.extend_slots(
+            prefix_lens, seq_lens, last_loc, new_pages, ps, total, self._err, flag=flag
+        )
 
     @_on_own_stream
-    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor, *,
-                     seq_lens_cpu: torch.Tensor | None = None,
-                     check: bool = True) -> torch.Tensor:
+    def alloc_decode(
+        self,
+        seq_lens: torch.Tensor,
+        last_loc: torch.Tensor,
+        *,
+        seq_lens_cpu: torch.Tensor | None = None,
+        check: bool = True,
+    ) -> torch.Tensor:
         """One token slot per request, whose length becomes ``seq_lens[i]`` (sglang
         0.5.23 alloc_decode): a new page when ``(seq_len - 1) % page_size == 0``, else
         ``last_loc[i] + 1``.  int64 [bs].  ValueError / OutOfPagesError, nothing
@@ -406,34 +454,44 @@ class PageAllocator:
 
     # -- internals ------------------------------------------------------------------
 
-    def _checked_extend_counts(self, prefix_lens, seq_lens, last_loc, hints,
-                               extend_num_tokens, check) -> tuple[int, int]:
+    def _checked_extend_counts(
+        self, prefix_lens, seq_lens, last_loc, hints, extend_num_tokens, check
+    ) -> tuple[int, int]:
         """(new pages, tokens) of a checked alloc_extend; ValueError for bad inputs.
         CUDA: torch checks on the device and one sync; CPU: numpy."""
         ps = self.page_size
         if is_async_device(seq_lens):
             problems = extend_problems(prefix_lens, seq_lens, last_loc, self._owned, ps)
             if hints is not None:
-                problems = torch.cat((problems, agree(prefix_lens, hints[0]),
-                                      agree(seq_lens, hints[1])))
-            first, code, num_new, total, *agreed = self._read_device(problems,
-                                                                     raise_pending=check)
+                problems = torch.cat(
+                    (problems, agree(prefix_lens, hints[0]), agree(seq_lens, hints[1]))
+                )
+            first, code, num_new, total, *agreed = self._read_device(problems, raise_pending=check)
         else:
             if check and self._pending:
                 self._read_device(None)
             first, code, num_new, total = extend_problems_np(
-                prefix_lens.numpy(), seq_lens.numpy(), last_loc.numpy(), self._owned_np, ps)
-            agreed = [] if hints is None else [
-                np.array_equal(prefix_lens.numpy(), hints[0].numpy()),
-                np.array_equal(seq_lens.numpy(), hints[1].numpy())]
+                prefix_lens.numpy(), seq_lens.numpy(), last_loc.numpy(), self._owned_np, ps
+            )
+            agreed = (
+                []
+                if hints is None
+                else [
+                    np.array_equal(prefix_lens.numpy(), hints[0].numpy()),
+                    np.array_equal(seq_lens.numpy(), hints[1].numpy()),
+                ]
+            )
         if first >= 0:
             raise alloc_error(code, first, self.num_pages, call="alloc_extend")
         if not all(agreed):
-            raise ValueError("alloc_extend: prefix_lens_cpu / seq_lens_cpu disagree with "
-                             "prefix_lens / seq_lens")
+            raise ValueError(
+                "alloc_extend: prefix_lens_cpu / seq_lens_cpu disagree with prefix_lens / seq_lens"
+            )
         if extend_num_tokens is not None and extend_num_tokens != total:
-            raise ValueError(f"alloc_extend: extend_num_tokens={extend_num_tokens} but "
-                             f"sum(seq_lens - prefix_lens) = {total}")
+            raise ValueError(
+                f"alloc_extend: extend_num_tokens={extend_num_tokens} but "
+                f"sum(seq_lens - prefix_lens) = {total}"
+            )
         return num_new, total
 
     def _checked_decode_count(self, seq_lens, last_loc, hints, check) -> int:
@@ -447,16 +505,15 @@ class PageAllocator:
         else:
             if check and self._pending:
                 self._read_device(None)
-            first, code, num_new = decode_problems_np(seq_lens.numpy(), last_loc.numpy(),
-                                                       self._owned_np, ps)
-            agreed = [] if hints is None else [np.array_equal(seq_lens.numpy(),
-                                                              hints[0].numpy())]
+            first, code, num_new = decode_problems_np(
+                seq_lens.numpy(), last_loc.numpy(), self._owned_np, ps
+            )
+            agreed = [] if hints is None else [np.array_equal(seq_lens.numpy(), hints[0].numpy())]
         if first >= 0:
             raise alloc_error(code, first, self.num_pages, call="alloc_decode")
         if not all(agreed):
             raise ValueError("alloc_decode: seq_lens_cpu disagrees with seq_lens")
         return num_new
-
 
     def _triton(self) -> bool:
         """kvmem.kernels._dispatch.use_triton for the allocator's device (every tensor a
@@ -482,8 +539,9 @@ class PageAllocator:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         self._sorted -= n
         if self._triton():
-            pages = K.take_pages_triton(self._ring, self._owned, self._err, self._head, n,
-                                        flag=flag)
+            pages = K.take_pages_triton(
+                self._ring, self._owned, self._err, self._head, n, flag=flag
+            )
         else:
             pages = K.take_pages_cpu(self._ring_np, self._owned_np, self._head, n)
         self._head = (self._head + n) % self._cap
@@ -506,17 +564,19 @@ class PageAllocator:
             ring = self._ring_np
             # 1/6, where the map scan overtakes np.sort (docs/kernels.md, "Measured on the CPU")
             if count * 6 >= self.num_pages:
-                free = np.flatnonzero(self._owned_np[1:self.num_pages] == 0)
+                free = np.flatnonzero(self._owned_np[1 : self.num_pages] == 0)
                 assert free.shape[0] == count, "the free list and the map disagree"
                 np.add(free, 1, out=ring[:count])
             else:
-                live = ring[head:end] if end <= cap else np.concatenate((ring[head:],
-                                                                         ring[:end - cap]))
+                live = (
+                    ring[head:end]
+                    if end <= cap
+                    else np.concatenate((ring[head:], ring[: end - cap]))
+                )
                 ring[:count] = np.sort(live)
         else:
             ring = self._ring
-            live = ring[head:end] if end <= cap else torch.cat((ring[head:],
-                                                                ring[:end - cap]))
+            live = ring[head:end] if end <= cap else torch.cat((ring[head:], ring[: end - cap]))
             ring[:count] = torch.sort(live).values
         self._head = 0
         self._sorted = count
@@ -532,8 +592,9 @@ class PageAllocator:
         if not check and triton and self._count + n <= self._cap:
             # checked on the device; an error is raised at the next synchronising call
             self._pending = True
-            K.free_pages_triton(p, self._ring, self._owned, self._err, tail, self._parity,
-                                flag=True)
+            K.free_pages_triton(
+                p, self._ring, self._owned, self._err, tail, self._parity, flag=True
+            )
             self._parity ^= 1
         else:
             if triton:
@@ -541,8 +602,7 @@ class PageAllocator:
             else:
                 if n > self._marks.shape[0] and n <= self._cap:
                     self._marks = K.free_marks(min(self._cap, 2 * n))
-                bad = K.free_pages_cpu(p.numpy(), self._ring_np, self._owned_np, tail,
-                                       self._marks)
+                bad = K.free_pages_cpu(p.numpy(), self._ring_np, self._owned_np, tail, self._marks)
             if bad is not None:
                 first, code = bad
                 raise alloc_error(code, int(p[first]), self.num_pages)
@@ -562,8 +622,7 @@ class PageAllocator:
             bad = K.free_errors_cpu(p.numpy(), self._owned.numpy())
             if bad is not None:
                 return bad
-        K.free_pages_triton(p, self._ring, self._owned, self._err, tail, self._parity,
-                            flag=False)
+        K.free_pages_triton(p, self._ring, self._owned, self._err, tail, self._parity, flag=False)
         return None
 
     def _reset_err(self) -> None:
@@ -625,8 +684,10 @@ class PageAllocator:
 
     def _raise_device_error(self, code: int, value: int):
         n_free = self._rebuild_from_owned()
-        rebuilt = (f"found on the device after a check=False call; the free list was "
-                   f"rebuilt from the ownership map ({n_free} pages free)")
+        rebuilt = (
+            f"found on the device after a check=False call; the free list was "
+            f"rebuilt from the ownership map ({n_free} pages free)"
+        )
         raise alloc_error(code, value, self.num_pages, rebuilt=rebuilt)
 
 

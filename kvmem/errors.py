@@ -45,7 +45,14 @@ class ClosedPoolError(ReleasedPoolError):
 
 
 def _human_bytes(n: int) -> str:
-    for unit, shift in (("EiB", 60), ("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    for unit, shift in (
+        ("EiB", 60),
+        ("PiB", 50),
+        ("TiB", 40),
+        ("GiB", 30),
+        ("MiB", 20),
+        ("KiB", 10),
+    ):
         if n >= 1 << shift:
             return f"{n / (1 << shift):.1f} {unit}"
     return f"{n} B"
@@ -64,8 +71,16 @@ class PoolMemoryError(KVMemError, MemoryError):
     reserved nothing, a failed resume left the pool released (and retryable).
     """
 
-    def __init__(self, nbytes: int, backend: str, device, reason: str, *,
-                 what: str = "allocate", purpose: str = ""):
+    def __init__(
+        self,
+        nbytes: int,
+        backend: str,
+        device,
+        reason: str,
+        *,
+        what: str = "allocate",
+        purpose: str = "",
+    ):
         self.nbytes = nbytes
         self.backend = backend
         self.device = str(device)
@@ -118,43 +133,102 @@ class AllocCode(enum.IntEnum):
 
     # name = code, raises, names, message
     FREE_OUT_OF_RANGE = 1, DoubleFreeError, "page", "is out of range"
-    FREE_PAGE_ZERO = 2, DoubleFreeError, "page", (
-        "is page 0, the padding page, which is never allocated")
-    FREE_NOT_ALLOCATED = 3, DoubleFreeError, "page", (
-        "is not allocated (freed already or never handed out)")
+    FREE_PAGE_ZERO = (
+        2,
+        DoubleFreeError,
+        "page",
+        ("is page 0, the padding page, which is never allocated"),
+    )
+    FREE_NOT_ALLOCATED = (
+        3,
+        DoubleFreeError,
+        "page",
+        ("is not allocated (freed already or never handed out)"),
+    )
     FREE_LISTED_TWICE = 4, DoubleFreeError, "page", "is listed twice in this free"
-    ERR_FREE_NOT_ALLOCATED_OR_TWICE = 5, DoubleFreeError, "page", (  # can't tell which
-        "is not allocated (freed already, never handed out, or listed twice in one free)")
-    ERR_TAKE_OWNED = 6, KVMemError, "page", (
-        "alloc(check=False) took a page off the free list that was allocated already (or "
-        "not a page id)")
-    ERR_EXTEND_LENGTHS = 7, ValueError, "request", (
-        "alloc_extend(check=False): prefix_len < 0 or prefix_len > seq_len")
-    ERR_EXTEND_LAST_LOC = 8, ValueError, "request", (
-        "alloc_extend(check=False): (last_loc + 1) % page_size != prefix_len % page_size "
-        "for a request with a partial last page")
-    ERR_EXTEND_COUNTS = 9, ValueError, "request", (
-        "alloc_extend(check=False): prefix_lens_cpu / seq_lens_cpu / extend_num_tokens "
-        "disagree with the device lengths")
+    ERR_FREE_NOT_ALLOCATED_OR_TWICE = (
+        5,
+        DoubleFreeError,
+        "page",
+        (  # can't tell which
+            "is not allocated (freed already, never handed out, or listed twice in one free)"
+        ),
+    )
+    ERR_TAKE_OWNED = (
+        6,
+        KVMemError,
+        "page",
+        (
+            "alloc(check=False) took a page off the free list that was allocated already (or "
+            "not a page id)"
+        ),
+    )
+    ERR_EXTEND_LENGTHS = (
+        7,
+        ValueError,
+        "request",
+        ("alloc_extend(check=False): prefix_len < 0 or prefix_len > seq_len"),
+    )
+    ERR_EXTEND_LAST_LOC = (
+        8,
+        ValueError,
+        "request",
+        (
+            "alloc_extend(check=False): (last_loc + 1) % page_size != prefix_len % page_size "
+            "for a request with a partial last page"
+        ),
+    )
+    ERR_EXTEND_COUNTS = (
+        9,
+        ValueError,
+        "request",
+        (
+            "alloc_extend(check=False): prefix_lens_cpu / seq_lens_cpu / extend_num_tokens "
+            "disagree with the device lengths"
+        ),
+    )
     ERR_DECODE_SEQ = 10, ValueError, "request", "alloc_decode(check=False): seq_len < 1"
-    ERR_DECODE_LAST_LOC = 11, ValueError, "request", (
-        "alloc_decode(check=False): (last_loc + 1) % page_size != (seq_len - 1) % "
-        "page_size for a request that does not start a page")
-    ERR_DECODE_COUNTS = 12, ValueError, "request", (
-        "alloc_decode(check=False): seq_lens_cpu disagrees with seq_lens")
+    ERR_DECODE_LAST_LOC = (
+        11,
+        ValueError,
+        "request",
+        (
+            "alloc_decode(check=False): (last_loc + 1) % page_size != (seq_len - 1) % "
+            "page_size for a request that does not start a page"
+        ),
+    )
+    ERR_DECODE_COUNTS = (
+        12,
+        ValueError,
+        "request",
+        ("alloc_decode(check=False): seq_lens_cpu disagrees with seq_lens"),
+    )
     LEN_NEGATIVE_PREFIX = 13, ValueError, "request", "prefix_len < 0"
     LEN_PREFIX_OVER_SEQ = 14, ValueError, "request", "prefix_len > seq_len"
-    LEN_LAST_LOC_OFFSET = 15, ValueError, "request", (
-        "last_loc is inconsistent with the length: (last_loc + 1) % page_size must equal "
-        "the number of tokens on the request's partial last page")
-    LEN_LAST_PAGE_FREE = 16, ValueError, "request", (
-        "last_loc is not in an allocated page (the request's partial last page must be "
-        "allocated)")
+    LEN_LAST_LOC_OFFSET = (
+        15,
+        ValueError,
+        "request",
+        (
+            "last_loc is inconsistent with the length: (last_loc + 1) % page_size must equal "
+            "the number of tokens on the request's partial last page"
+        ),
+    )
+    LEN_LAST_PAGE_FREE = (
+        16,
+        ValueError,
+        "request",
+        (
+            "last_loc is not in an allocated page (the request's partial last page must be "
+            "allocated)"
+        ),
+    )
     LEN_SEQ_BELOW_ONE = 17, ValueError, "request", "seq_len < 1"
 
 
-def alloc_error(code: int, value: int, num_pages: int, *, call: str = "",
-                rebuilt: str = "") -> Exception:
+def alloc_error(
+    code: int, value: int, num_pages: int, *, call: str = "", rebuilt: str = ""
+) -> Exception:
     """The exception for ``code`` (an :class:`AllocCode`) found at ``value`` (the page, or
     the request's index, that its ``names`` says) in an allocator of ``num_pages`` pages.
     ``call`` names the call whose host checks refused a batch (LEN_*); ``rebuilt``, given

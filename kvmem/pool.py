@@ -86,12 +86,22 @@ class KVPool:
         ValueError: a bad ``num_pages``, ``layout``, ``chunk_bytes`` or backend kind.
     """
 
-    def __init__(self, spec: KVSpec, num_pages: int, device="cpu", *, backend=None,
-                 layout: str = "kvmem", chunk_bytes: int | None = None):
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_pages: int,
+        device="cpu",
+        *,
+        backend=None,
+        layout: str = "kvmem",
+        chunk_bytes: int | None = None,
+    ):
         if not isinstance(spec, KVSpec):
             raise TypeError(f"spec must be a KVSpec, got {type(spec).__name__}")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
-            raise ValueError(f"num_pages must be an int >= 2 (page 0 is padding), got {num_pages!r}")
+            raise ValueError(
+                f"num_pages must be an int >= 2 (page 0 is padding), got {num_pages!r}"
+            )
         self.spec = spec
         self.num_pages = num_pages
         self.device = torch.device(device)
@@ -105,9 +115,13 @@ class KVPool:
             return plan_pool(spec, num_pages, layout, granularity, target)
 
         self._mem: MemoryBackend = make_backend(
-            planner(1, None).nbytes, self.device, backend,
+            planner(1, None).nbytes,
+            self.device,
+            backend,
             purpose=f"a KV pool of {num_pages} pages ({spec.page_bytes} bytes each)",
-            planner=planner, chunk_bytes=chunk_bytes)
+            planner=planner,
+            chunk_bytes=chunk_bytes,
+        )
         self.plan: ChunkPlan = self._mem.plan
         self._k_offsets, self._v_offsets = self.plan.k_offsets, self.plan.v_offsets
         self.epoch = 0
@@ -116,11 +130,11 @@ class KVPool:
         raw = self._mem.tensor
         dt = spec.storage_dtype
         self._k_buffer = [
-            raw[o:o + spec.k_layer_bytes(num_pages)].view(dt).view(spec.k_shape(num_pages))
+            raw[o : o + spec.k_layer_bytes(num_pages)].view(dt).view(spec.k_shape(num_pages))
             for o in self._k_offsets
         ]
         self._v_buffer = [
-            raw[o:o + spec.v_layer_bytes(num_pages)].view(dt).view(spec.v_shape(num_pages))
+            raw[o : o + spec.v_layer_bytes(num_pages)].view(dt).view(spec.v_shape(num_pages))
             for o in self._v_offsets
         ]
         self._plans: dict = {}
@@ -146,8 +160,10 @@ class KVPool:
         [num_pages * page_size, num_kv_heads, head_dim]`` (``k_buffer[l].flatten(0, 1)``),
         ``v_list`` likewise (empty for a K-only cache).  Same memory, refused while released."""
         self.check_live("pool.token_buffers")
-        return ([b.flatten(0, 1) for b in self._k_buffer],
-                [b.flatten(0, 1) for b in self._v_buffer])
+        return (
+            [b.flatten(0, 1) for b in self._k_buffer],
+            [b.flatten(0, 1) for b in self._v_buffer],
+        )
 
     def as_cupy(self):
         """The same K/V buffers as CuPy arrays (zero-copy; CUDA pools only):
@@ -160,6 +176,7 @@ class KVPool:
             import cupy
         except ImportError as e:
             raise ImportError("as_cupy needs CuPy (pip install cupy-cuda12x / cupy-cuda13x)") from e
+
         def view(b):
             return cupy.asarray(b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
 
@@ -290,8 +307,10 @@ class KVPool:
             plan = self._plans.get(None)
             if plan is not None:
                 return plan
-        key = (_pack._check_layers(layers, self.spec.num_layers),
-               _pack._check_heads(heads, self.spec.num_kv_heads))
+        key = (
+            _pack._check_layers(layers, self.spec.num_layers),
+            _pack._check_heads(heads, self.spec.num_kv_heads),
+        )
         plan = self._plans.get(key)
         if plan is None:
             plan = _pack.make_plan(self._k_buffer, self._v_buffer, None, *key)
@@ -302,22 +321,32 @@ class KVPool:
 
     def pack(self, page_ids, layers=None, heads=None, out=None, check=True) -> torch.Tensor:
         self.check_live("pack_pages")
-        return _pack.run_pack(self._plan(layers, heads), self._k_buffer, self._v_buffer,
-                              page_ids, out=out, check=check)
+        return _pack.run_pack(
+            self._plan(layers, heads),
+            self._k_buffer,
+            self._v_buffer,
+            page_ids,
+            out=out,
+            check=check,
+        )
 
     def unpack(self, buf, page_ids, layers=None, heads=None, check=True) -> None:
         self.check_live("unpack_pages")
-        _pack.run_unpack(self._plan(layers, heads), buf, self._k_buffer, self._v_buffer,
-                         page_ids, check=check)
+        _pack.run_unpack(
+            self._plan(layers, heads), buf, self._k_buffer, self._v_buffer, page_ids, check=check
+        )
 
     def __repr__(self) -> str:
         s = self.spec
-        return (f"KVPool(layers={s.num_layers}, kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, "
-                f"v_head_dim={s.v_head_dim}, page_size={s.page_size}, dtype={s.dtype}, "
-                f"num_pages={self.num_pages}, device={self.device}, backend={self.backend}, "
-                f"layout={self.layout}, "
-                f"nbytes={self.nbytes}, epoch={self.epoch}, released={self._released}"
-                + (", closed" if self._closed else "") + ")")
+        return (
+            f"KVPool(layers={s.num_layers}, kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, "
+            f"v_head_dim={s.v_head_dim}, page_size={s.page_size}, dtype={s.dtype}, "
+            f"num_pages={self.num_pages}, device={self.device}, backend={self.backend}, "
+            f"layout={self.layout}, "
+            f"nbytes={self.nbytes}, epoch={self.epoch}, released={self._released}"
+            + (", closed" if self._closed else "")
+            + ")"
+        )
 
 
 def packed_nbytes(spec: KVSpec, n: int, layers=None, heads=None) -> int:
@@ -330,7 +359,9 @@ def packed_nbytes(spec: KVSpec, n: int, layers=None, heads=None) -> int:
     return n * len(sel) * spec.page_size * per_token
 
 
-def pack_pages(pool: KVPool, page_ids, layers=None, heads=None, out=None, check=True) -> torch.Tensor:
+def pack_pages(
+    pool: KVPool, page_ids, layers=None, heads=None, out=None, check=True
+) -> torch.Tensor:
     """Pack pages of ``pool`` into one chunk: see :mod:`kvmem.kernels.pack` for the layout.
 
     Args:

@@ -39,8 +39,9 @@ def last_json(stdout: str):
                 return json.loads(line)
             except ValueError:
                 continue
-    raise ValueError("no JSON line in the child's output; its last lines:\n"
-                     + "\n".join(lines[-5:]))
+    raise ValueError(
+        "no JSON line in the child's output; its last lines:\n" + "\n".join(lines[-5:])
+    )
 
 
 def emit(obj) -> None:
@@ -63,16 +64,17 @@ def script_main(main) -> None:
     os._exit(0)
 
 
-def child_env(env: dict | None = None, *, drop: tuple[str, ...] = (),
-              paths: tuple = ()) -> dict:
+def child_env(env: dict | None = None, *, drop: tuple[str, ...] = (), paths: tuple = ()) -> dict:
     """This process's environment less the variables whose names start with one of
     ``drop``, with ``env`` over it, and the repository root (then ``paths``) ahead of
     its PYTHONPATH: what a child needs to import ``tests``, ``bench`` and ``testkit``."""
     full = {k: v for k, v in os.environ.items() if not (drop and k.startswith(drop))}
     full.update(env or {})
     full["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT)] + [str(p) for p in paths]
-        + [q for q in full.get("PYTHONPATH", "").split(os.pathsep) if q])
+        [str(ROOT)]
+        + [str(p) for p in paths]
+        + [q for q in full.get("PYTHONPATH", "").split(os.pathsep) if q]
+    )
     return full
 
 
@@ -96,8 +98,9 @@ class Child:
     def __post_init__(self):
         if sum(x is not None for x in (self.code, self.script, self.module)) != 1:
             raise ValueError("a Child runs exactly one of code, script or module")
-        if (self.fork is not None
-                and str(self.python or sys.executable) != getattr(self.fork, "python", None)):
+        if self.fork is not None and str(self.python or sys.executable) != getattr(
+            self.fork, "python", None
+        ):
             raise ValueError("a Child is forked only from a fork server of its interpreter")
 
     def argv(self) -> list[str]:
@@ -122,9 +125,15 @@ def start(child: Child):
         proc = child.fork.spawn(child)
         if proc is not None:
             return proc
-    return subprocess.Popen([child.python or sys.executable, *child.argv()], cwd=child.cwd,
-                            env=child.environment(), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [child.python or sys.executable, *child.argv()],
+        cwd=child.cwd,
+        env=child.environment(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def run(child: Child, timeout: float) -> subprocess.CompletedProcess:
@@ -176,11 +185,12 @@ def run_children(children: dict, timeout: float) -> dict:
             try:
                 out, err = proc.communicate(timeout=max(0.0, end - time.monotonic()))
             except subprocess.TimeoutExpired as e:
-                tail = (e.stderr or b"")
+                tail = e.stderr or b""
                 tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-                raise AssertionError(f"{key} ({_name(children[key])}): still running after "
-                                     f"{timeout:.0f} s; its stderr so far:\n{tail[-4000:]}"
-                                     ) from None
+                raise AssertionError(
+                    f"{key} ({_name(children[key])}): still running after "
+                    f"{timeout:.0f} s; its stderr so far:\n{tail[-4000:]}"
+                ) from None
             done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
             replies[key] = Reply(json_of(done, f"{key} ({_name(children[key])})"), out, err)
     finally:

@@ -68,8 +68,10 @@ from testkit.zygote import ForkServer
 
 # sglang's PD transfer backends this pair runs: the module and class-name prefix of
 # each one's manager, sender, receiver and bootstrap server.
-BACKENDS = {"nixl": ("sglang.srt.disaggregation.nixl.conn", "Nixl"),
-            "mooncake": ("sglang.srt.disaggregation.mooncake.conn", "Mooncake")}
+BACKENDS = {
+    "nixl": ("sglang.srt.disaggregation.nixl.conn", "Nixl"),
+    "mooncake": ("sglang.srt.disaggregation.mooncake.conn", "Mooncake"),
+}
 # What Mooncake needs in a pair's processes here (set where unset): TCP, as no RDMA
 # device exists, and room in its TCP transport's per-peer queues (1,024 transfers by
 # default; 4,096 is the most it accepts): sglang's four transfer workers each post one
@@ -79,16 +81,18 @@ BACKENDS = {"nixl": ("sglang.srt.disaggregation.nixl.conn", "Nixl"),
 # non-cuda 0.3.13.post1, stock and the flag alike).  Its engine.so also needs
 # libibverbs.so.1 on the loader's path, which must be in LD_LIBRARY_PATH when the
 # process starts (``.venv-e2e/ibverbs.path``).
-MOONCAKE_ENV = {"MOONCAKE_PROTOCOL": "tcp", "SGLANG_HOST_IP": "127.0.0.1",
-                "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "4096",
-                "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "4096"}
+MOONCAKE_ENV = {
+    "MOONCAKE_PROTOCOL": "tcp",
+    "SGLANG_HOST_IP": "127.0.0.1",
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "4096",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "4096",
+}
 # The environment that has Mooncake's engine (the main one has none: `make venv-e2e`),
 # and the file where `make venv-e2e` wrote the directories of libibverbs.so.1 (empty:
 # the system has it).
 REPO = Path(__file__).resolve().parents[1]
 E2E_PYTHON = REPO / ".venv-e2e" / "bin" / "python"
-IBVERBS_PATH = Path(os.environ.get("KVMEM_E2E_IBVERBS_PATH")
-                    or REPO / ".venv-e2e" / "ibverbs.path")
+IBVERBS_PATH = Path(os.environ.get("KVMEM_E2E_IBVERBS_PATH") or REPO / ".venv-e2e" / "ibverbs.path")
 
 
 def with_ibverbs(env: dict) -> dict:
@@ -98,13 +102,18 @@ def with_ibverbs(env: dict) -> dict:
     try:
         dirs = IBVERBS_PATH.read_text().strip()
     except OSError:
-        raise FileNotFoundError(f"{IBVERBS_PATH} is missing: Mooncake's engine needs "
-                                "libibverbs1 (make venv-e2e fetches it)") from None
+        raise FileNotFoundError(
+            f"{IBVERBS_PATH} is missing: Mooncake's engine needs "
+            "libibverbs1 (make venv-e2e fetches it)"
+        ) from None
     out = dict(env)
     if dirs:
         out["LD_LIBRARY_PATH"] = os.pathsep.join(
-            [dirs] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
+            [dirs] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]
+        )
     return out
+
+
 POLL_S = 0.0005  # the drivers' poll period while they wait (they must not spin a core)
 # How long a decode process may take to start (import sglang, build its pool and manager):
 # about 30 s on the 2-core machine here, several minutes when other runs share it.
@@ -131,13 +140,20 @@ class Shape:
     def __post_init__(self):
         if self.spread < 1:
             raise ValueError(f"{self}: spread must be at least 1")
-        if (min(self.prefill_tp, self.decode_tp) < 1 or self.heads % self.prefill_tp
-                or self.heads % self.decode_tp or self.prefill_tp % self.decode_tp):
-            raise ValueError(f"{self}: each TP must divide the KV heads, and the decode's "
-                             "the prefill's")
+        if (
+            min(self.prefill_tp, self.decode_tp) < 1
+            or self.heads % self.prefill_tp
+            or self.heads % self.decode_tp
+            or self.prefill_tp % self.decode_tp
+        ):
+            raise ValueError(
+                f"{self}: each TP must divide the KV heads, and the decode's the prefill's"
+            )
         if self.requests < 2 or self.tokens % self.page_size:
-            raise ValueError(f"{self}: need requests >= 2 and tokens a multiple of the page "
-                             "size (pages of a request are made non-adjacent by interleaving)")
+            raise ValueError(
+                f"{self}: need requests >= 2 and tokens a multiple of the page "
+                "size (pages of a request are made non-adjacent by interleaving)"
+            )
 
     @property
     def pages_per_request(self) -> int:
@@ -194,6 +210,7 @@ def merged_runs(src: np.ndarray, dst: np.ndarray) -> int:
 
 # -- one side's sglang parts ---------------------------------------------------------------
 
+
 def nixl_as_sglang_imports_it() -> None:
     """sglang imports ``nixl._api``; the wheel installed here is ``nixl_cu12``.  Its
     agents nap between progress polls and take "VRAM" for DRAM (``testkit.nixl_nap``:
@@ -241,19 +258,33 @@ def publish(role: str, page_size: int, backend: str = "nixl", tp: int = 1, rank:
     from sglang.srt.runtime_context import publish as _publish
     from sglang.srt.server_args import ServerArgs
 
-    sa = ServerArgs(model_path="dummy", device="cpu", page_size=page_size, tp_size=tp,
-                    disaggregation_mode=role, disaggregation_transfer_backend=backend)
+    sa = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        page_size=page_size,
+        tp_size=tp,
+        disaggregation_mode=role,
+        disaggregation_transfer_backend=backend,
+    )
     _publish(sa, role="test")
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
     # one rank, as a launcher's rank bundle would say; pp_size 1 (the group is never used)
-    get_parallel().override_permanently(tp_rank=rank, pp_rank=0, attn_tp_rank=rank,
-                                        attn_cp_rank=0, attn_dp_rank=0, moe_ep_rank=0,
-                                        dp_rank=None, pp_group=None)
+    get_parallel().override_permanently(
+        tp_rank=rank,
+        pp_rank=0,
+        attn_tp_rank=rank,
+        attn_cp_rank=0,
+        attn_dp_rank=0,
+        moe_ep_rank=0,
+        dp_rank=None,
+        pp_group=None,
+    )
     if backend == "mooncake":
         from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
-            init_mooncake_transfer_engine)
+            init_mooncake_transfer_engine,
+        )
 
         init_mooncake_transfer_engine("127.0.0.1", gpu_id=0)
     _PUBLISHED[role] = sa
@@ -267,9 +298,16 @@ def build_pool(shape: Shape, tp: int = 1):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     t0 = time.perf_counter()
-    kv = MHATokenToKVPool(shape.pool_tokens, page_size=shape.page_size, dtype=torch.bfloat16,
-                          head_num=shape.heads // tp, head_dim=shape.head_dim,
-                          layer_num=shape.layers, device="cpu", enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        shape.pool_tokens,
+        page_size=shape.page_size,
+        dtype=torch.bfloat16,
+        head_num=shape.heads // tp,
+        head_dim=shape.head_dim,
+        layer_num=shape.layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     return kv, time.perf_counter() - t0
 
 
@@ -299,7 +337,8 @@ def memory_counters() -> dict:
 
 def counter_delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before.get(k, 0) for k in after if k != "anon_huge_bytes"} | (
-        {"anon_huge_bytes": after["anon_huge_bytes"]} if "anon_huge_bytes" in after else {})
+        {"anon_huge_bytes": after["anon_huge_bytes"]} if "anon_huge_bytes" in after else {}
+    )
 
 
 def planes_of(kv) -> list:
@@ -320,8 +359,11 @@ def fill_pattern(kv, tp: int = 1, rank: int = 0) -> float:
     t0 = time.perf_counter()
     for k, buf in enumerate(planes_of(kv)):
         w = words(buf)
-        torch.add(_row_words(w.shape[0], w.shape[1], k, tp, rank),
-                  torch.arange(w.shape[1], dtype=torch.int64), out=w)
+        torch.add(
+            _row_words(w.shape[0], w.shape[1], k, tp, rank),
+            torch.arange(w.shape[1], dtype=torch.int64),
+            out=w,
+        )
     return time.perf_counter() - t0
 
 
@@ -336,14 +378,15 @@ def _row_words(rows, per_rank: int, k: int, tp: int, rank: int):
     return (k << 40) + rows[:, None] * (per_rank * tp) + rank * per_rank
 
 
-def check_rows(kv, shape: Shape, pages: np.ndarray, plane_ids, tp: int = 1,
-               rank: int = 0) -> int:
+def check_rows(kv, shape: Shape, pages: np.ndarray, plane_ids, tp: int = 1, rank: int = 0) -> int:
     """Rows of ``pages`` in the planes ``plane_ids`` that differ from the prefill's
     pattern (0: every byte landed); ``kv`` is rank ``rank``'s pool at TP ``tp``."""
     import torch
 
-    rows = (torch.from_numpy(pages.astype(np.int64))[:, None] * shape.page_size
-            + torch.arange(shape.page_size)).reshape(-1)
+    rows = (
+        torch.from_numpy(pages.astype(np.int64))[:, None] * shape.page_size
+        + torch.arange(shape.page_size)
+    ).reshape(-1)
     bad = 0
     for k in plane_ids:
         w = words(planes_of(kv)[k])
@@ -356,8 +399,10 @@ def check_rows(kv, shape: Shape, pages: np.ndarray, plane_ids, tp: int = 1,
 def clear_rows(kv, shape: Shape, pages: np.ndarray, plane_ids) -> None:
     import torch
 
-    rows = (torch.from_numpy(pages.astype(np.int64))[:, None] * shape.page_size
-            + torch.arange(shape.page_size)).reshape(-1)
+    rows = (
+        torch.from_numpy(pages.astype(np.int64))[:, None] * shape.page_size
+        + torch.arange(shape.page_size)
+    ).reshape(-1)
     for k in plane_ids:
         words(planes_of(kv)[k])[rows] = 0
 
@@ -366,8 +411,9 @@ def metadata_buffers(n: int):
     import torch
     from sglang.srt.disaggregation.utils import MetadataBuffers
 
-    return MetadataBuffers(n, hidden_size=64, hidden_states_dtype=torch.bfloat16,
-                           max_sampling_mask_tokens=0)
+    return MetadataBuffers(
+        n, hidden_size=64, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
+    )
 
 
 def kv_args(kv, meta, rank: int = 0, kind: str = "DRAM", tp: int = 1):
@@ -398,13 +444,22 @@ def kv_args(kv, meta, rank: int = 0, kind: str = "DRAM", tp: int = 1):
     return a
 
 
-def manager(kv, meta, role: str, server_args, backend: str = "nixl", rank: int = 0,
-            kind: str = "DRAM", tp: int = 1):
+def manager(
+    kv,
+    meta,
+    role: str,
+    server_args,
+    backend: str = "nixl",
+    rank: int = 0,
+    kind: str = "DRAM",
+    tp: int = 1,
+):
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
-    return conn_class(backend, "Manager")(kv_args(kv, meta, rank, kind, tp), mode, server_args,
-                                          False)
+    return conn_class(backend, "Manager")(
+        kv_args(kv, meta, rank, kind, tp), mode, server_args, False
+    )
 
 
 class DescriptorCount:
@@ -476,10 +531,15 @@ def registered(mgr) -> dict:
     (its ``kv_descs``: one per layer and K/V stock, one per pool region, i.e. physical
     chunk, with the adapter's ``SGLANG_KVMEM_REGISTER=regions``) and ``other`` (aux and
     state buffers)."""
-    other = [d for d in (getattr(mgr, "aux_descs", None), getattr(mgr, "state_descs", None))
-             if d is not None]
-    return dict(kv=[r for descs in mgr.kv_descs for r in _ranges_of(descs)],
-                other=[r for descs in other for r in _ranges_of(descs)])
+    other = [
+        d
+        for d in (getattr(mgr, "aux_descs", None), getattr(mgr, "state_descs", None))
+        if d is not None
+    ]
+    return dict(
+        kv=[r for descs in mgr.kv_descs for r in _ranges_of(descs)],
+        other=[r for descs in other for r in _ranges_of(descs)],
+    )
 
 
 def outside_one_region(ranges, regions) -> int:
@@ -503,6 +563,7 @@ def _wait(pred, timeout: float, what: str):
 
 
 # -- the decode process ----------------------------------------------------------------------
+
 
 def record_abort_acks(manager) -> dict:
     """Wrap ``manager._send_abort_ack`` (on that instance): the returned dict fills with
@@ -542,8 +603,9 @@ def _serve(conn, env: dict, start) -> None:
         os._exit(0)
 
 
-def _decode_main(conn, shape_d: dict, addr: str, env: dict, backend: str = "nixl",
-                 rank: int = 0) -> None:
+def _decode_main(
+    conn, shape_d: dict, addr: str, env: dict, backend: str = "nixl", rank: int = 0
+) -> None:
     """The decode side (rank ``rank`` of its TP): commands from the prefill over
     ``conn``, one reply each (:func:`_serve`)."""
     _serve(conn, env, lambda: _decode_start(Shape(**shape_d), addr, backend, rank))
@@ -560,8 +622,9 @@ def _decode_start(shape: Shape, addr: str, backend: str, rank: int):
     end = time.monotonic() + START_S
     while not dm.try_ensure_parallel_info(addr):
         if time.monotonic() > end:
-            raise TimeoutError(f"the prefill's bootstrap server {addr} did not answer "
-                               f"in {START_S} s")
+            raise TimeoutError(
+                f"the prefill's bootstrap server {addr} did not answer in {START_S} s"
+            )
         time.sleep(0.2)
     recv = {}
 
@@ -584,9 +647,14 @@ def _decode_start(shape: Shape, addr: str, backend: str, rank: int):
             timeout, check = arg
             return _decode_wait(dm, kv, shape, recv, timeout, check, rank)
         if cmd == "info":
-            return dict(dst_kv_ptrs=list(dm.kv_args.kv_data_ptrs),
-                        **(dict(agent=dm.agent.name, registered=registered(dm))
-                           if backend == "nixl" else {}))
+            return dict(
+                dst_kv_ptrs=list(dm.kv_args.kv_data_ptrs),
+                **(
+                    dict(agent=dm.agent.name, registered=registered(dm))
+                    if backend == "nixl"
+                    else {}
+                ),
+            )
         return f"unknown command {cmd!r}"
 
     # what the engine has registered (the pool, the metadata buffers) must outlive the
@@ -595,8 +663,7 @@ def _decode_start(shape: Shape, addr: str, backend: str, rank: int):
     return dict(pool_create_s=created_s, kvmem_pool=_kvmem_pool(kv), memory=memory), handle
 
 
-def _decode_wait(dm, kv, shape: Shape, recv: dict, timeout: float, check,
-                 rank: int = 0) -> dict:
+def _decode_wait(dm, kv, shape: Shape, recv: dict, timeout: float, check, rank: int = 0) -> dict:
     """Poll every receiver as the decode's transfer queue does until each room is
     Success, or Failed with its release safe: a Failed room's ABORT goes to the prefill
     (``ensure_abort_notified(force_arm=True)``, decode.py:2899-2906) and its pages count as
@@ -627,12 +694,23 @@ def _decode_wait(dm, kv, shape: Shape, recv: dict, timeout: float, check,
             break
         time.sleep(POLL_S)
     done_at = time.monotonic()
-    bad = sum(check_rows(kv, shape, request_pages(shape, r), check, shape.decode_tp, rank)
-              for r, room in enumerate(rooms) if room in ok_at) if check else 0
-    return dict(done_at=done_at, states=[state.get(room) for room in rooms],
-                ok_at={str(k): v for k, v in ok_at.items()},
-                failed_at={str(k): v for k, v in failed_at.items()},
-                safe_at={str(k): v for k, v in safe_at.items()}, bad_rows=bad)
+    bad = (
+        sum(
+            check_rows(kv, shape, request_pages(shape, r), check, shape.decode_tp, rank)
+            for r, room in enumerate(rooms)
+            if room in ok_at
+        )
+        if check
+        else 0
+    )
+    return dict(
+        done_at=done_at,
+        states=[state.get(room) for room in rooms],
+        ok_at={str(k): v for k, v in ok_at.items()},
+        failed_at={str(k): v for k, v in failed_at.items()},
+        safe_at={str(k): v for k, v in safe_at.items()},
+        bad_rows=bad,
+    )
 
 
 def _kvmem_pool(kv) -> bool:
@@ -645,6 +723,7 @@ def _kvmem_pool(kv) -> bool:
 
 
 # -- one prefill rank's work (this process's rank 0, a child's other ranks) ------------------
+
 
 def _make_senders(pm, backend: str, addr: str, shape: Shape, rooms) -> list:
     """A sender per room (request ``r`` the ``r``-th), initialized as the bootstrap queue
@@ -661,16 +740,22 @@ def _make_senders(pm, backend: str, addr: str, shape: Shape, rooms) -> list:
 def _wait_waiting(senders, timeout: float) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    _wait(lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders), timeout,
-          "every sender WaitingForInput")
+    _wait(
+        lambda: all(s.poll() == KVPoll.WaitingForInput for s in senders),
+        timeout,
+        "every sender WaitingForInput",
+    )
 
 
 def _wait_concluded(senders, timeout: float) -> float:
     """Wait until every room is Success or Failed on this rank; when (monotonic)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    _wait(lambda: all(s.poll() in (KVPoll.Success, KVPoll.Failed) for s in senders),
-          timeout, "every room concluded on the prefill")
+    _wait(
+        lambda: all(s.poll() in (KVPoll.Success, KVPoll.Failed) for s in senders),
+        timeout,
+        "every room concluded on the prefill",
+    )
     return time.monotonic()
 
 
@@ -684,8 +769,10 @@ def _raw_offsets(shape: Shape, rank: int) -> tuple[int, list[int], list[int]]:
     dst_row = shape.row_bytes // shape.decode_tp
     span, slot = shape.tokens * src_row, rank % (shape.prefill_tp // shape.decode_tp)
     src = [shape.page_size * src_row + r * span for r in range(shape.requests)]
-    dst = [shape.page_size * dst_row + r * shape.tokens * dst_row + slot * span
-           for r in range(shape.requests)]
+    dst = [
+        shape.page_size * dst_row + r * shape.tokens * dst_row + slot * span
+        for r in range(shape.requests)
+    ]
     return span, src, dst
 
 
@@ -733,17 +820,21 @@ def _raw_write(pm, shape: Shape, count, backend: str, rank: int, timeout: float)
         for h in handles:
             agent.release_xfer_handle(h)
     counted = count.take()
-    return dict(t0=t0, done_at=done, nbytes=span * len(src) * shape.requests,
-                descriptors=counted["descriptors"])
+    return dict(
+        t0=t0,
+        done_at=done,
+        nbytes=span * len(src) * shape.requests,
+        descriptors=counted["descriptors"],
+    )
 
 
 def _counter(pm, backend: str, record: bool = False):
-    return (DescriptorCount(pm.agent, record) if backend == "nixl" else
-            SliceCount(pm.engine, record))
+    return DescriptorCount(pm.agent, record) if backend == "nixl" else SliceCount(pm.engine, record)
 
 
-def _prefill_main(conn, shape_d: dict, port: int, env: dict, backend: str, rank: int,
-                  timeout: float) -> None:
+def _prefill_main(
+    conn, shape_d: dict, port: int, env: dict, backend: str, rank: int, timeout: float
+) -> None:
     """Prefill rank ``rank`` (not 0) of the pair's TP: its pool (its heads, the pattern),
     manager (registered with the bootstrap server on ``port`` of this host) and senders;
     commands from the pair over ``conn``, one reply each (:func:`_serve`)."""
@@ -776,9 +867,13 @@ def _prefill_start(shape: Shape, port: int, backend: str, rank: int, timeout: fl
                 s.send(request_pages(shape, r))
             done_at = _wait_concluded(senders, timeout)
             counted = count.take()
-            return dict(done_at=done_at, states=[int(s.poll()) for s in senders],
-                        calls=counted["calls"], descriptors=counted["descriptors"],
-                        aux=len(pm.kv_args.aux_data_ptrs))
+            return dict(
+                done_at=done_at,
+                states=[int(s.poll()) for s in senders],
+                calls=counted["calls"],
+                descriptors=counted["descriptors"],
+                aux=len(pm.kv_args.aux_data_ptrs),
+            )
         if cmd == "clear":
             for s in senders:
                 s.clear()
@@ -813,8 +908,9 @@ class _Child:
         self._job = (target.__name__, args)
         self._conn = None
         code = f"from testkit.sglang_pair import _rank_main; _rank_main({path!r})"
-        self.proc = child.start(child.Child(code=code, env=env, cwd=REPO,
-                                            fork=ForkServer.of_parent()))
+        self.proc = child.start(
+            child.Child(code=code, env=env, cwd=REPO, fork=ForkServer.of_parent())
+        )
         self._ended = threading.Event()
         threading.Thread(target=self._copy_output, daemon=True).start()
 
@@ -837,12 +933,15 @@ class _Child:
                     sock, _ = self._listener.accept()
                 except socket.timeout:
                     if self._ended.is_set():
-                        raise RuntimeError(f"a rank's process ended (status "
-                                           f"{self.proc.returncode}) before it connected; "
-                                           "its output is above") from None
+                        raise RuntimeError(
+                            f"a rank's process ended (status "
+                            f"{self.proc.returncode}) before it connected; "
+                            "its output is above"
+                        ) from None
                     if time.monotonic() > end:
-                        raise TimeoutError(f"a rank's process did not connect in "
-                                           f"{timeout} s") from None
+                        raise TimeoutError(
+                            f"a rank's process did not connect in {timeout} s"
+                        ) from None
                     continue
                 sock.setblocking(True)
                 self._conn = Connection(sock.detach())
@@ -898,6 +997,7 @@ def _all(children, cmd: str, arg=None, timeout: float | None = None) -> list:
 
 # -- the pair (the prefill's rank 0 is this process) -----------------------------------------
 
+
 class Pair:
     """The prefill side in this process and the decode side in a child; see the module
     docstring.  At TP (``shape.prefill_tp`` / ``decode_tp`` above 1) this process is the
@@ -910,8 +1010,15 @@ class Pair:
     (``DescriptorCount``) for :meth:`regions_check` (NIXL, TP 1).  ``backend``: ``nixl``
     or ``mooncake`` (:data:`BACKENDS`)."""
 
-    def __init__(self, shape: Shape, decode_env: dict | None = None, timeout: float = 300,
-                 wait: bool = True, record: bool = False, backend: str = "nixl"):
+    def __init__(
+        self,
+        shape: Shape,
+        decode_env: dict | None = None,
+        timeout: float = 300,
+        wait: bool = True,
+        record: bool = False,
+        backend: str = "nixl",
+    ):
         self.shape, self.timeout, self.backend = shape, timeout, backend
         sa = publish("prefill", shape.page_size, backend, shape.prefill_tp, 0)
         from sglang.srt.runtime_context import get_disagg
@@ -925,18 +1032,26 @@ class Pair:
         self.fill_s = fill_pattern(self.kv, shape.prefill_tp, 0)
         self.memory = counter_delta(m0, memory_counters())  # the pool made and filled
         self.meta = metadata_buffers(shape.requests)
-        self.pm = manager(self.kv, self.meta, "prefill", sa, backend, 0, shape.mem_kind,
-                          shape.prefill_tp)
+        self.pm = manager(
+            self.kv, self.meta, "prefill", sa, backend, 0, shape.mem_kind, shape.prefill_tp
+        )
         self.count = _counter(self.pm, backend, record)
         env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_KVMEM")}
         mine = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_KVMEM")}
-        self.ranks = [_Child(_prefill_main, (asdict(shape), port, {**env, **mine}, backend,
-                                             rank, timeout), {**env, **mine}, timeout)
-                      for rank in range(1, shape.prefill_tp)]
+        self.ranks = [
+            _Child(
+                _prefill_main,
+                (asdict(shape), port, {**env, **mine}, backend, rank, timeout),
+                {**env, **mine},
+                timeout,
+            )
+            for rank in range(1, shape.prefill_tp)
+        ]
         denv = {**env, **(decode_env if decode_env is not None else mine)}
-        self.decodes = [_Child(_decode_main, (asdict(shape), self.addr, denv, backend, rank),
-                               denv, timeout)
-                        for rank in range(shape.decode_tp)]
+        self.decodes = [
+            _Child(_decode_main, (asdict(shape), self.addr, denv, backend, rank), denv, timeout)
+            for rank in range(shape.decode_tp)
+        ]
         self.decode_info = None
         self.next_room = 1000
         self.rounds = 0
@@ -964,8 +1079,9 @@ class Pair:
         self.next_room += n
         out = _make_senders(self.pm, self.backend, self.addr, self.shape, rooms)
         assert _all(self.ranks, "senders", rooms) == ["made"] * len(self.ranks)
-        assert (_all(self.decodes, "publish", (rooms, list(check), clear))
-                == ["published"] * len(self.decodes))
+        assert _all(self.decodes, "publish", (rooms, list(check), clear)) == ["published"] * len(
+            self.decodes
+        )
         for c in self.ranks:
             c.post("waiting")
         _wait_waiting(out, self.timeout)
@@ -973,9 +1089,15 @@ class Pair:
             c.reply()
         return out
 
-    def sglang_round(self, check=(0,), on_sent=None, at_once: bool = False,
-                     decode_timeout: float | None = None, clear: bool = True,
-                     send=None) -> dict:
+    def sglang_round(
+        self,
+        check=(0,),
+        on_sent=None,
+        at_once: bool = False,
+        decode_timeout: float | None = None,
+        clear: bool = True,
+        send=None,
+    ) -> dict:
         """One timed round of sglang's transfer of every request; see the module
         docstring.  ``check``: planes the decode clears before and checks after (in the
         rooms that end Success).  ``on_sent(senders)``: called once every chunk is
@@ -1030,16 +1152,22 @@ class Pair:
         aux = len(self.pm.kv_args.aux_data_ptrs) + sum(x["aux"] for x in ranks)
         calls = counted["calls"] + sum(x["calls"] for x in ranks)
         descs = counted["descriptors"] + sum(x["descriptors"] for x in ranks)
-        return dict(seconds=wall, gbps=nbytes / wall / 1e9, nbytes=nbytes, t0=t0,
-                    rooms=[s.bootstrap_room for s in senders],
-                    prefill_states=states, decode_states=ds[0]["states"],
-                    rank_states=[x["states"] for x in ranks],
-                    decode_rank_states=[d["states"] for d in ds[1:]],
-                    bad_rows=sum(d["bad_rows"] for d in ds), decode=ds[0],
-                    engine_writes=calls - shape.requests * shape.prefill_tp,
-                    kv_descriptors_per_request=descs / shape.requests - aux,
-                    **({"regions": self.regions_check(counted["ranges"])}
-                       if self.count.record else {}))
+        return dict(
+            seconds=wall,
+            gbps=nbytes / wall / 1e9,
+            nbytes=nbytes,
+            t0=t0,
+            rooms=[s.bootstrap_room for s in senders],
+            prefill_states=states,
+            decode_states=ds[0]["states"],
+            rank_states=[x["states"] for x in ranks],
+            decode_rank_states=[d["states"] for d in ds[1:]],
+            bad_rows=sum(d["bad_rows"] for d in ds),
+            decode=ds[0],
+            engine_writes=calls - shape.requests * shape.prefill_tp,
+            kv_descriptors_per_request=descs / shape.requests - aux,
+            **({"regions": self.regions_check(counted["ranges"])} if self.count.record else {}),
+        )
 
     def regions_check(self, ranges) -> dict:
         """Of the descriptors ``ranges`` recorded in a round: how many lie inside no
@@ -1049,10 +1177,13 @@ class Pair:
         theirs = self.ask("info")["registered"]
         local = [r for lo, _ in ranges for r in lo]
         remote = [r for _, ro in ranges for r in ro]
-        return dict(descriptors=len(local), kv_regions=len(mine["kv"]),
-                    decode_kv_regions=len(theirs["kv"]),
-                    local_outside=outside_one_region(local, mine["kv"] + mine["other"]),
-                    remote_outside=outside_one_region(remote, theirs["kv"] + theirs["other"]))
+        return dict(
+            descriptors=len(local),
+            kv_regions=len(mine["kv"]),
+            decode_kv_regions=len(theirs["kv"]),
+            local_outside=outside_one_region(local, mine["kv"] + mine["other"]),
+            remote_outside=outside_one_region(remote, theirs["kv"] + theirs["other"]),
+        )
 
     def registrations(self) -> int:
         """The prefill's registrations with its engine: NIXL's KV descriptors; on
@@ -1070,9 +1201,12 @@ class Pair:
         every = [mine] + [c.reply() for c in self.ranks]
         wall = max(x["done_at"] for x in every) - min(x["t0"] for x in every)
         nbytes = sum(x["nbytes"] for x in every)
-        return dict(seconds=wall, gbps=nbytes / wall / 1e9, nbytes=nbytes,
-                    kv_descriptors_per_request=sum(x["descriptors"] for x in every)
-                    / self.shape.requests)
+        return dict(
+            seconds=wall,
+            gbps=nbytes / wall / 1e9,
+            nbytes=nbytes,
+            kv_descriptors_per_request=sum(x["descriptors"] for x in every) / self.shape.requests,
+        )
 
     def close(self) -> None:
         for c in self.ranks + self.decodes:

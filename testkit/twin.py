@@ -25,8 +25,9 @@ SHAPES = {  # issue 15: 80 layers, page_size 1, 16 and 64, MLA 576
     "MHA8x128-bf16-P1": dict(num_kv_heads=8, head_dim=128, page_size=1),
     "MHA8x128-bf16-P16": dict(num_kv_heads=8, head_dim=128, page_size=16),
     "MHA8x128-bf16-P64": dict(num_kv_heads=8, head_dim=128, page_size=64),
-    "MLA576-fp8-P1": dict(num_kv_heads=1, head_dim=576, page_size=1, v_head_dim=0,
-                          dtype=torch.float8_e4m3fn),
+    "MLA576-fp8-P1": dict(
+        num_kv_heads=1, head_dim=576, page_size=1, v_head_dim=0, dtype=torch.float8_e4m3fn
+    ),
 }
 _ids = itertools.count()
 
@@ -40,8 +41,14 @@ class Twin:
     chunks, engines, prepared tables, a staging buffer on ``a`` and a landing buffer on
     ``b`` of ``batch_bytes`` each (both registered one region per chunk)."""
 
-    def __init__(self, spec: kvmem.KVSpec, layout: str = "kvmem", gib: int = 64,
-                 batch_bytes: int = 256 << 20, huge_pages: bool = True):
+    def __init__(
+        self,
+        spec: kvmem.KVSpec,
+        layout: str = "kvmem",
+        gib: int = 64,
+        batch_bytes: int = 256 << 20,
+        huge_pages: bool = True,
+    ):
         self.spec = spec
         self.pages = (gib * GiB) // spec.page_bytes
         self.pa = kvmem.KVPool(spec, self.pages, layout=layout, chunk_bytes=CHUNK_BYTES)
@@ -71,9 +78,14 @@ class Twin:
     def descriptors_inside_chunks(self) -> bool:
         """Every block of both prepared tables lies inside one chunk (each plane's whole
         span inside one region), and the tables use every chunk."""
-        for lay, regions in ((self.lt.layout, self.pa.regions()), (self.rt.layout, self.pb.regions())):
-            hits = [[i for i, (r, m) in enumerate(regions) if r <= s and s + n <= r + m]
-                    for s, n in lay.spans()]
+        for lay, regions in (
+            (self.lt.layout, self.pa.regions()),
+            (self.rt.layout, self.pb.regions()),
+        ):
+            hits = [
+                [i for i, (r, m) in enumerate(regions) if r <= s and s + n <= r + m]
+                for s, n in lay.spans()
+            ]
             if any(len(h) != 1 for h in hits) or {h[0] for h in hits} != set(range(len(regions))):
                 return False
         return True
@@ -148,7 +160,10 @@ class Twin:
 def _cut(rng: tuple[int, int], regions) -> list[tuple[int, int]]:
     """The byte stream ``rng`` as ranges cut at the regions it crosses."""
     a, n = rng
-    out = [(max(a, r), min(a + n, r + m) - max(a, r)) for r, m in regions
-           if max(a, r) < min(a + n, r + m)]
+    out = [
+        (max(a, r), min(a + n, r + m) - max(a, r))
+        for r, m in regions
+        if max(a, r) < min(a + n, r + m)
+    ]
     assert sum(x for _, x in out) == n
     return out

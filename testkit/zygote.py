@@ -69,9 +69,26 @@ from pathlib import Path
 
 # Variable name prefixes read when the interpreter or a native library starts, before
 # (or outside) anything the server can record.
-STARTUP = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "LANG", "LC_", "TZ", "OMP_", "GOMP_", "KMP_",
-           "MKL_", "OPENBLAS_", "THP_MEM_ALLOC_ENABLE", "TORCH_", "PYTORCH_", "CUDA_",
-           "NVIDIA_", "TRITON_")
+STARTUP = (
+    "PYTHON",
+    "LD_",
+    "MALLOC_",
+    "GLIBC_",
+    "LANG",
+    "LC_",
+    "TZ",
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "THP_MEM_ALLOC_ENABLE",
+    "TORCH_",
+    "PYTORCH_",
+    "CUDA_",
+    "NVIDIA_",
+    "TRITON_",
+)
 
 # (module path suffix, function) -> the variable name prefixes that function looks for
 # when it reads the whole environment at import: tqdm's envwrap (TQDM_*), sglang's
@@ -102,23 +119,26 @@ def _entry(python: str, sock: str) -> str:
 
 # -- the server ---------------------------------------------------------------------------
 
+
 def _reader() -> tuple[str, str]:
     """(file, function) of the code that reads ``os.environ``: the first frame outside
     os.py, the mapping ABCs and comprehensions."""
     f = sys._getframe(2)
     while f is not None:
         code = f.f_code
-        if not (code.co_filename.startswith("<frozen") or code.co_filename == __file__
-                or code.co_filename.endswith(("/os.py", "_collections_abc.py"))
-                or code.co_name in ("<genexpr>", "<dictcomp>", "<listcomp>", "<setcomp>")):
+        if not (
+            code.co_filename.startswith("<frozen")
+            or code.co_filename == __file__
+            or code.co_filename.endswith(("/os.py", "_collections_abc.py"))
+            or code.co_name in ("<genexpr>", "<dictcomp>", "<listcomp>", "<setcomp>")
+        ):
             return code.co_filename.replace(os.sep, "/"), code.co_name
         f = f.f_back
     return "?", "?"
 
 
 def _scan_of(site: tuple[str, str]):
-    return next((key for key in SCANS if site[1] == key[1] and site[0].endswith(key[0])),
-                None)
+    return next((key for key in SCANS if site[1] == key[1] and site[0].endswith(key[0])), None)
 
 
 class _Reads(os._Environ):
@@ -155,8 +175,9 @@ def _pth_variables() -> set[str]:
         for name in os.listdir(d):
             if name.endswith(".pth"):
                 with open(os.path.join(d, name), errors="replace") as f:
-                    names |= set(re.findall(r"environ(?:\.get\(|\[)\s*[\"']([A-Za-z0-9_]+)",
-                                            f.read()))
+                    names |= set(
+                        re.findall(r"environ(?:\.get\(|\[)\s*[\"']([A-Za-z0-9_]+)", f.read())
+                    )
     return names
 
 
@@ -177,8 +198,11 @@ class _Server:
         self.sock = ""  # its listening socket (main)
         self.env0 = dict(os.environ)
         cwd = os.getcwd()
-        self.pythonpath = [os.path.abspath(os.path.join(cwd, p))
-                           for p in self.env0.get("PYTHONPATH", "").split(os.pathsep) if p]
+        self.pythonpath = [
+            os.path.abspath(os.path.join(cwd, p))
+            for p in self.env0.get("PYTHONPATH", "").split(os.pathsep)
+            if p
+        ]
         self.base_path = [p for p in sys.path[1:] if p not in self.pythonpath]
         self.startup_names = _pth_variables()
         t0 = time.monotonic()
@@ -202,8 +226,9 @@ class _Server:
                 self.scan_prefixes += SCANS[key]
         env1 = dict(os.environ)
         # what the imports set or removed: set so in every child too
-        self.import_writes = {k: env1.get(k) for k in set(env1) | set(self.env0)
-                              if env1.get(k) != self.env0.get(k)}
+        self.import_writes = {
+            k: env1.get(k) for k in set(env1) | set(self.env0) if env1.get(k) != self.env0.get(k)
+        }
         problems = [m for m in sys.modules for f in forbid if m == f or m.startswith(f + ".")]
         if problems:
             raise SystemExit(f"the preload imported modules it must not: {sorted(problems)}")
@@ -218,10 +243,17 @@ class _Server:
         self.running: dict[int, socket.socket | None] = {}
 
     def info(self, sock: str) -> dict:
-        return dict(socket=sock, pid=os.getpid(), preload_s=round(self.preload_s, 2),
-                    modules=len(sys.modules), native_threads=self.threads,
-                    reads=sorted(self.reads), scans=list(self.scan_prefixes),
-                    unknown_scans=self.unknown_scans, import_writes=self.import_writes)
+        return dict(
+            socket=sock,
+            pid=os.getpid(),
+            preload_s=round(self.preload_s, 2),
+            modules=len(sys.modules),
+            native_threads=self.threads,
+            reads=sorted(self.reads),
+            scans=list(self.scan_prefixes),
+            unknown_scans=self.unknown_scans,
+            import_writes=self.import_writes,
+        )
 
     def refusal(self, req: dict) -> str | None:
         """Why a fresh interpreter would run this child differently; None if it would
@@ -229,21 +261,34 @@ class _Server:
         import threading
 
         if self.unknown_scans:
-            return ("a module of the preload read the whole environment at import from "
-                    f"{self.unknown_scans} (not in testkit.zygote.SCANS)")
+            return (
+                "a module of the preload read the whole environment at import from "
+                f"{self.unknown_scans} (not in testkit.zygote.SCANS)"
+            )
         env = req["env"]
         # A variable the preload's imports set (sglang's cache directories, with
         # setdefault) is the same when the child has the value they set: a caller that
         # imported sglang itself passes them on.
-        differ = sorted(k for k in set(env) | set(self.env0)
-                        if k != "PYTHONPATH" and env.get(k) != self.env0.get(k)
-                        and not (k in self.import_writes and env.get(k) == self.import_writes[k]))
-        read_early = [k for k in differ
-                      if k in self.reads or k in self.startup_names
-                      or k.startswith(STARTUP) or k.startswith(self.scan_prefixes)]
+        differ = sorted(
+            k
+            for k in set(env) | set(self.env0)
+            if k != "PYTHONPATH"
+            and env.get(k) != self.env0.get(k)
+            and not (k in self.import_writes and env.get(k) == self.import_writes[k])
+        )
+        read_early = [
+            k
+            for k in differ
+            if k in self.reads
+            or k in self.startup_names
+            or k.startswith(STARTUP)
+            or k.startswith(self.scan_prefixes)
+        ]
         if read_early:
-            return (f"{', '.join(read_early)} differ from the fork server's and are read "
-                    "at interpreter start or while the preload imports")
+            return (
+                f"{', '.join(read_early)} differ from the fork server's and are read "
+                "at interpreter start or while the preload imports"
+            )
         if threading.enumerate() != [threading.main_thread()]:
             return f"the fork server runs Python threads: {threading.enumerate()}"
         if len(_native_threads()) > len(self.threads):
@@ -354,8 +399,9 @@ class _Server:
             if conn is None:
                 continue
             try:
-                conn.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode()
-                             + b"\n")
+                conn.sendall(
+                    json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n"
+                )
             except OSError:
                 pass
             self.sel.unregister(conn)
@@ -392,8 +438,9 @@ class _Server:
             os.close(fd)
         env = dict(req["env"])
         mine = _entry(sys.executable, self.sock)  # first: of_parent finds it
-        env[ZYGOTE_VAR] = ";".join([mine] + [e for e in env.get(ZYGOTE_VAR, "").split(";")
-                                             if e and e != mine])
+        env[ZYGOTE_VAR] = ";".join(
+            [mine] + [e for e in env.get(ZYGOTE_VAR, "").split(";") if e and e != mine]
+        )
         for k, v in self.import_writes.items():  # what the preload's imports set
             if v is None:
                 env.pop(k, None)
@@ -404,10 +451,14 @@ class _Server:
         cwd = req["cwd"]
         os.chdir(cwd)
         kind, target = req["kind"], req["target"]
-        path0 = {"code": "", "module": cwd,
-                 "script": os.path.dirname(os.path.realpath(target))}[kind]
-        extra = [os.path.abspath(os.path.join(cwd, p))
-                 for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        path0 = {"code": "", "module": cwd, "script": os.path.dirname(os.path.realpath(target))}[
+            kind
+        ]
+        extra = [
+            os.path.abspath(os.path.join(cwd, p))
+            for p in env.get("PYTHONPATH", "").split(os.pathsep)
+            if p
+        ]
         rest = []
         for p in extra + self.base_path:
             if p not in rest:
@@ -505,10 +556,10 @@ def main(argv: list[str]) -> None:
 
 # -- the caller's side --------------------------------------------------------------------
 
+
 def _text(data: bytes) -> str:
     """As ``subprocess`` decodes a text-mode pipe."""
-    return (data.decode(locale.getpreferredencoding(False))
-            .replace("\r\n", "\n").replace("\r", "\n"))
+    return data.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
 
 
 class Forked:
@@ -516,8 +567,15 @@ class Forked:
     use: ``pid``, ``args``, ``returncode``, ``poll``, ``wait``, ``communicate`` (text),
     ``kill`` (its whole process group, SIGKILL)."""
 
-    def __init__(self, args: list[str], pid: int, conn: socket.socket, out_r: int, err_r: int,
-                 reply: bytes = b""):
+    def __init__(
+        self,
+        args: list[str],
+        pid: int,
+        conn: socket.socket,
+        out_r: int,
+        err_r: int,
+        reply: bytes = b"",
+    ):
         self.args, self.pid, self.returncode = args, pid, None
         self._conn, self._reply = conn, b""
         self._out, self._err = out_r, err_r
@@ -550,8 +608,9 @@ class Forked:
                     if not chunk:
                         self._sel.unregister(self._conn)
                         if self.returncode is None:
-                            raise RuntimeError(f"the fork server went away while its child "
-                                               f"{self.pid} ran")
+                            raise RuntimeError(
+                                f"the fork server went away while its child {self.pid} ran"
+                            )
                         continue
                     self._answer(chunk)
                 else:
@@ -568,8 +627,12 @@ class Forked:
         if input is not None:
             raise ValueError("a forked child's stdin is /dev/null")
         if not self._pump(timeout, pipes=True):
-            raise subprocess.TimeoutExpired(self.args, timeout, output=bytes(self._data[self._out]),
-                                            stderr=bytes(self._data[self._err]))
+            raise subprocess.TimeoutExpired(
+                self.args,
+                timeout,
+                output=bytes(self._data[self._out]),
+                stderr=bytes(self._data[self._err]),
+            )
         return _text(bytes(self._data[self._out])), _text(bytes(self._data[self._err]))
 
     def poll(self):
@@ -615,9 +678,17 @@ class ForkServer:
     ``info`` is what its last start reported (preload seconds, modules, native threads,
     variables read)."""
 
-    def __init__(self, preload: list[str], *, forbid: list[str] = (), env: dict | None = None,
-                 cwd: str | Path | None = None, idle_s: float | None = 600,
-                 start_timeout: float = 900, python: str | None = None):
+    def __init__(
+        self,
+        preload: list[str],
+        *,
+        forbid: list[str] = (),
+        env: dict | None = None,
+        cwd: str | Path | None = None,
+        idle_s: float | None = 600,
+        start_timeout: float = 900,
+        python: str | None = None,
+    ):
         self.python = str(python or sys.executable)
         self.preload, self.forbid = list(preload), list(forbid)
         self.env, self.cwd, self.idle_s = env, cwd, idle_s
@@ -663,10 +734,23 @@ class ForkServer:
         idle = [] if self.idle_s is None else ["--idle", str(self.idle_s)]
         with open(self._log, "wb") as log:
             self.proc = subprocess.Popen(
-                [self.python, "-m", "testkit.zygote", "--socket", sock,
-                 "--forbid", ",".join(self.forbid), *idle, *self.preload],
-                cwd=self.cwd, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=log)
+                [
+                    self.python,
+                    "-m",
+                    "testkit.zygote",
+                    "--socket",
+                    sock,
+                    "--forbid",
+                    ",".join(self.forbid),
+                    *idle,
+                    *self.preload,
+                ],
+                cwd=self.cwd,
+                env=self.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+            )
         if self.starts == 0:
             atexit.register(self.close)
         self.starts += 1
@@ -678,8 +762,9 @@ class ForkServer:
         if not line:
             tail = Path(self._log).read_text(errors="replace")[-4000:]
             self.close()
-            raise RuntimeError(f"the fork server did not start (in {self.start_timeout:.0f} s "
-                               f"at most):\n{tail}")
+            raise RuntimeError(
+                f"the fork server did not start (in {self.start_timeout:.0f} s at most):\n{tail}"
+            )
         self.info = json.loads(line)
         self.start_s += time.monotonic() - t0
 
@@ -692,8 +777,13 @@ class ForkServer:
             kind, target = "script", str(child.script)
         else:
             kind, target = "module", child.module
-        req = dict(kind=kind, target=target, args=[str(a) for a in child.args],
-                   env=child.environment(), cwd=os.path.abspath(child.cwd))
+        req = dict(
+            kind=kind,
+            target=target,
+            args=[str(a) for a in child.args],
+            env=child.environment(),
+            cwd=os.path.abspath(child.cwd),
+        )
         data = json.dumps(req).encode()
         data = len(data).to_bytes(_HEADER, "big") + data
         for attempt in (1, 2):
@@ -704,8 +794,9 @@ class ForkServer:
                 if self.attached:
                     return None  # not ours to start again: a fresh interpreter runs it
                 if attempt == 2:
-                    raise RuntimeError("the fork server ended twice while asked for a child; "
-                                       f"its log: {self._log}") from None
+                    raise RuntimeError(
+                        f"the fork server ended twice while asked for a child; its log: {self._log}"
+                    ) from None
 
     def _spawn(self, data: bytes, args: list[str]) -> Forked | None:
         out_r, out_w = os.pipe()
@@ -734,8 +825,9 @@ class ForkServer:
                 try:  # unanswered: the server ended on its idle time as we asked
                     self.proc.wait(30)
                 except subprocess.TimeoutExpired:
-                    raise RuntimeError("the fork server closed a request without an answer; "
-                                       f"its log: {self._log}") from None
+                    raise RuntimeError(
+                        f"the fork server closed a request without an answer; its log: {self._log}"
+                    ) from None
                 raise _Gone()
             line, rest = reply.split(b"\n", 1)  # the exit status may follow already
             answer = json.loads(line)

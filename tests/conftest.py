@@ -104,7 +104,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{name} fork server: started {server.starts}x in {server.start_s:.1f} s (its "
             f"imports {info['preload_s']} s, {info['modules']} modules), {server.forked} "
-            f"children forked, {sum(server.refused.values())} refused")
+            f"children forked, {sum(server.refused.values())} refused"
+        )
         for why, n in server.refused.items():
             terminalreporter.write_line(f"  refused {n}x: {why}")
 

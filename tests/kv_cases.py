@@ -31,13 +31,20 @@ class Case:
     @property
     def id(self) -> str:
         v = "" if self.v_head_dim is None else f"-V{self.v_head_dim}"
-        return (f"P{self.page_size}-D{self.head_dim}{v}-{self.dtype}-"
-                f"{'strided' if self.strided else 'contig'}")
+        return (
+            f"P{self.page_size}-D{self.head_dim}{v}-{self.dtype}-"
+            f"{'strided' if self.strided else 'contig'}"
+        )
 
     def spec(self) -> kvmem.KVSpec:
-        return kvmem.KVSpec(num_layers=self.num_layers, num_kv_heads=self.num_heads,
-                            head_dim=self.head_dim, page_size=self.page_size,
-                            dtype=DTYPES[self.dtype], v_head_dim=self.v_head_dim)
+        return kvmem.KVSpec(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            dtype=DTYPES[self.dtype],
+            v_head_dim=self.v_head_dim,
+        )
 
 
 def fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
@@ -46,8 +53,12 @@ def fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
     raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8).to(t.device))
 
 
-def make_buffers(case: Case, gen: torch.Generator, sentinel: int | None = None,
-                 device: str | torch.device = "cpu"):
+def make_buffers(
+    case: Case,
+    gen: torch.Generator,
+    sentinel: int | None = None,
+    device: str | torch.device = "cpu",
+):
     """Per-layer K and V lists, ``[num_pages, page_size, H, D]``; strided ones are views
     into wider tensors (padded heads, head_dim and tokens)."""
     spec = case.spec()
@@ -58,9 +69,15 @@ def make_buffers(case: Case, gen: torch.Generator, sentinel: int | None = None,
             return None
         shape = (case.num_pages, case.page_size, case.num_heads, d)
         if case.strided:
-            big = torch.empty(case.num_pages, case.page_size + 1, case.num_heads + 1, d + 16,
-                              dtype=dt, device=device)
-            t = big[:, 1:, 1:, 8:8 + d]
+            big = torch.empty(
+                case.num_pages,
+                case.page_size + 1,
+                case.num_heads + 1,
+                d + 16,
+                dtype=dt,
+                device=device,
+            )
+            t = big[:, 1:, 1:, 8 : 8 + d]
         else:
             t = torch.empty(shape, dtype=dt, device=device)
         assert t.shape == shape

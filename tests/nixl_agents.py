@@ -33,10 +33,10 @@ class AgentPool:
 
     def __init__(self):
         self._idle: list = []
-        self._lent: dict[int, object] = {}   # id(engine) -> agent
+        self._lent: dict[int, object] = {}  # id(engine) -> agent
         self._ids = itertools.count()
-        self.made = 0      # agents created
-        self.dropped = 0   # messages that arrived after their test, dropped
+        self.made = 0  # agents created
+        self.dropped = 0  # messages that arrived after their test, dropped
 
     def engine(self) -> NixlEngine:
         """A new engine over an idle agent (one is made when none is idle)."""
@@ -52,8 +52,7 @@ class AgentPool:
         self._lent[id(eng)] = agent
         return eng
 
-    def give_back(self, *engines: NixlEngine, quiet_s: float = 0.02,
-                  limit_s: float = 2.0) -> None:
+    def give_back(self, *engines: NixlEngine, quiet_s: float = 0.02, limit_s: float = 2.0) -> None:
         """Close ``engines`` (those still open) and take their agents back, after driving
         them until none received anything for ``quiet_s`` (at most ``limit_s``): what was
         still on the wire between them is dropped here, not read by a later test.  An

@@ -18,8 +18,14 @@ import torch
 
 
 def _record(what: str) -> None:
-    where = next((f"{f.filename}:{f.lineno}" for f in reversed(traceback.extract_stack()[:-2])
-                  if "/bench/" in f.filename), "?")
+    where = next(
+        (
+            f"{f.filename}:{f.lineno}"
+            for f in reversed(traceback.extract_stack()[:-2])
+            if "/bench/" in f.filename
+        ),
+        "?",
+    )
     with open(os.environ["KVMEM_FILL_SPY"], "a") as f:
         f.write(f"{what} at {where}\n")
 

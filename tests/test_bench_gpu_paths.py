@@ -18,6 +18,7 @@ pytestmark = pytest.mark.subprocess  # starts other interpreters
 
 # -- bench_pack.py at the GPU run's chunk sizes -------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def pack_run(tmp_path_factory):
     """bench_pack.py on the CPU with the GPU default's smallest chunk (8 tokens, 1 MiB of
@@ -27,12 +28,30 @@ def pack_run(tmp_path_factory):
     spy = out / "spy.txt"
     spy.write_text("")
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-         "tests.random_draw_spy", "bench/bench_pack.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env=_env(KVMEM_BENCH_DEVICE="cpu", KVMEM_BENCH_TOKENS="8,64",
-                 KVMEM_BENCH_TOKENS_MLA="64", KVMEM_BENCH_ROUNDS="1",
-                 KVMEM_BENCH_OUT=str(out), KVMEM_FILL_SPY=str(spy)))
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.random_draw_spy",
+            "bench/bench_pack.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(
+            KVMEM_BENCH_DEVICE="cpu",
+            KVMEM_BENCH_TOKENS="8,64",
+            KVMEM_BENCH_TOKENS_MLA="64",
+            KVMEM_BENCH_ROUNDS="1",
+            KVMEM_BENCH_OUT=str(out),
+            KVMEM_FILL_SPY=str(spy),
+        ),
+    )
     return dict(p=p, out=out, spy=spy)
 
 
@@ -42,13 +61,20 @@ def test_pack_bench_at_gpu_chunk_sizes_reports_and_plots(pack_run):
     hook: exit 1, no PNG)."""
     p, out = pack_run["p"], pack_run["out"]
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
-    rows = [r for g in json.loads((out / "bench-cpu.json").read_text())["groups"].values()
-            for r in g]
+    rows = [
+        r for g in json.loads((out / "bench-cpu.json").read_text())["groups"].values() for r in g
+    ]
     assert rows and all(r["nbytes"] > 0 and r["gb_per_s"] > 0 for r in rows)
     got = {(r.get("model", "gqa-bf16"), r["page_size"], r["tokens"]) for r in rows}
-    assert got == {("gqa-bf16", 1, 8), ("gqa-bf16", 1, 64), ("gqa-bf16", 16, 64),
-                   ("gqa-bf16", 64, 64), ("mla-fp8", 1, 64), ("mla-fp8", 16, 64),
-                   ("mla-fp8", 64, 64)}
+    assert got == {
+        ("gqa-bf16", 1, 8),
+        ("gqa-bf16", 1, 64),
+        ("gqa-bf16", 16, 64),
+        ("gqa-bf16", 64, 64),
+        ("mla-fp8", 1, 64),
+        ("mla-fp8", 16, 64),
+        ("mla-fp8", 64, 64),
+    }
     png = (out / "cpu-pack.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
@@ -91,6 +117,7 @@ def test_report_refuses_a_row_that_moved_nothing():
 
 # -- bench/timer.py -----------------------------------------------------------------------
 
+
 def test_timer_rounds_setup_and_warmups():
     from bench.timer import Timer
 
@@ -101,8 +128,9 @@ def test_timer_rounds_setup_and_warmups():
         return (len(setups),), {"k": "v"}
 
     t = Timer()
-    result = t.pedantic(lambda i, k: calls.append((i, k)) or i, setup=setup, rounds=3,
-                        warmup_rounds=2)
+    result = t.pedantic(
+        lambda i, k: calls.append((i, k)) or i, setup=setup, rounds=3, warmup_rounds=2
+    )
     assert calls == [(i, "v") for i in range(1, 6)] and setups == [0, 1, 2, 3, 4]
     assert result == 5 and t.stats.stats.rounds == 3  # warm-up rounds are not timed
     s = t.stats.stats
@@ -119,10 +147,23 @@ def test_timer_rounds_setup_and_warmups():
 def test_benchmarks_run_without_pytest_benchmark(tmp_path):
     """``-p no:benchmark``: the fixture is bench/timer.py's; the report comes out."""
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark",
-         "bench/bench_release.py"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env=_env(KVMEM_BENCH_SMOKE="1", KVMEM_BENCH_OUT=str(tmp_path)))
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:benchmark",
+            "bench/bench_release.py",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(KVMEM_BENCH_SMOKE="1", KVMEM_BENCH_OUT=str(tmp_path)),
+    )
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]  # no "fixture not found"
     report = json.loads((tmp_path / "bench-cpu.json").read_text())
     assert {r["role"] for g in report["groups"].values() for r in g} == {"kvmem", "baseline"}

@@ -73,11 +73,22 @@ def smoke(tmp_path_factory):
     zygotes = _fork_servers()
     t = time.monotonic()
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench",
-         f"--junitxml={junit}"],
-        cwd=ROOT, env=_env(KVMEM_BENCH_SMOKE="1", KVMEM_BENCH_OUT=str(out),
-                           TESTKIT_ZYGOTE=zygotes),
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "bench",
+            f"--junitxml={junit}",
+        ],
+        cwd=ROOT,
+        env=_env(KVMEM_BENCH_SMOKE="1", KVMEM_BENCH_OUT=str(out), TESTKIT_ZYGOTE=zygotes),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return dict(p=p, out=out, junit=junit, seconds=time.monotonic() - t)
 
 
@@ -122,14 +133,22 @@ def test_plot_cli_redraws_from_json(smoke, tmp_path):
     report.update(device="NVIDIA H200", device_type="cuda")
     src = tmp_path / "bench-cuda.json"
     src.write_text(json.dumps(report))
-    p = subprocess.run([sys.executable, "-m", "bench.plot", str(src), str(tmp_path)],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.plot", str(src), str(tmp_path)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     assert sorted(os.listdir(tmp_path)) == sorted(
-        ["bench-cuda.json"] + [f"nvidia-h200-{f}.png" for f in FIGURES])
+        ["bench-cuda.json"] + [f"nvidia-h200-{f}.png" for f in FIGURES]
+    )
 
 
 # -- bench/gpu_check.sh --------------------------------------------------------------------
+
 
 def _pytest_paths(script: str) -> list[str]:
     """Every repository path on gpu_check.sh's pytest lines (its --ignore'd ones too);
@@ -152,7 +171,9 @@ def test_gpu_check_paths_exist():
     assert "bench" in paths, paths
     missing = [x for x in paths if not os.path.exists(os.path.join(ROOT, x))]
     assert not missing
-    files = {os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "gpu", "test_*.py"))}
+    files = {
+        os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "gpu", "test_*.py"))
+    }
     assert files and files <= set(paths), sorted(files - set(paths))  # none left out
 
 
@@ -161,9 +182,24 @@ def test_gpu_check_cuda_tests_collect_on_cpu():
     each file is imported here: it collects, or skips itself at module level."""
     gpu = sorted({x for x in _pytest_paths(open(GPU_CHECK).read()) if x.startswith("tests/gpu")})
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-rs", "-p", "no:cacheprovider",
-         "--noconftest", *gpu],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "--noconftest",
+            *gpu,
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
     assert "error" not in p.stdout.lower().split("short test summary")[-1], p.stdout[-3000:]
     files = glob.glob(os.path.join(ROOT, "tests", "gpu", "test_*.py"))
@@ -173,8 +209,14 @@ def test_gpu_check_cuda_tests_collect_on_cpu():
 
 
 def _gpu_check(*args, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", GPU_CHECK, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=_env(KVMEM_PYTHON=sys.executable, **env))
+    return subprocess.run(
+        ["bash", GPU_CHECK, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(KVMEM_PYTHON=sys.executable, **env),
+    )
 
 
 def _plan(**env) -> tuple[dict[str, str], dict[str, int], str]:
@@ -198,8 +240,15 @@ def test_gpu_check_plan_for_a_bare_h200_fits_its_time():
     steps = list(would)
     assert steps[:2] == ["smoke", "bench"], steps
     assert "small kernel grid first" in out.splitlines()[0]
-    assert set(steps) == {"smoke", "bench", "gpu-paths", "disagg", "pack-grid",
-                          "sglang-staging", "sglang-memory-saver"}, steps
+    assert set(steps) == {
+        "smoke",
+        "bench",
+        "gpu-paths",
+        "disagg",
+        "pack-grid",
+        "sglang-staging",
+        "sglang-memory-saver",
+    }, steps
     assert would["disagg"].startswith("skip: NIXL is not importable")
     assert would["sglang-staging"].startswith("skip: sglang is not importable")
     assert would["sglang-memory-saver"].startswith("skip: sglang or torch_memory_saver")
@@ -229,8 +278,11 @@ def _archive(outdir) -> dict[str, bytes]:
     names = sorted(os.listdir(outdir))
     assert names == ["kvmem-gpu-check.tar.gz", "summary.txt"], names
     with tarfile.open(os.path.join(outdir, "kvmem-gpu-check.tar.gz")) as tar:
-        return {os.path.normpath(m.name): tar.extractfile(m).read()
-                for m in tar.getmembers() if m.isfile()}
+        return {
+            os.path.normpath(m.name): tar.extractfile(m).read()
+            for m in tar.getmembers()
+            if m.isfile()
+        }
 
 
 def test_gpu_check_step_runner(tmp_path):
@@ -248,13 +300,21 @@ def test_gpu_check_step_runner(tmp_path):
     assert run[2].startswith("[slow] ") and "TIMEOUT (ran past its 2s budget)" in run[2]
     assert run[3].startswith("[stubborn] ") and "TIMEOUT (ran past its 2s budget)" in run[3]
     assert run[4].startswith("[sharded] ran: 1 passed in 0.01s;1 passed in 0.01s")
-    assert run[5] == "[missing] skipped: a package is not importable here | a step that cannot run here"
+    assert (
+        run[5]
+        == "[missing] skipped: a package is not importable here | a step that cannot run here"
+    )
     assert run[-1].startswith("gpu_check: 2 ran ok, 3 failed, 1 skipped")
     rows = [r.split("\t") for r in files["steps.tsv"].decode().splitlines()]
     assert rows[0][:4] == ["step", "status", "seconds", "budget"]
-    assert [r[:2] for r in rows[1:]] == [["pass", "ok"], ["fail", "FAILED"], ["slow", "TIMEOUT"],
-                                        ["stubborn", "TIMEOUT"], ["sharded", "ok"],
-                                        ["missing", "skipped"]]
+    assert [r[:2] for r in rows[1:]] == [
+        ["pass", "ok"],
+        ["fail", "FAILED"],
+        ["slow", "TIMEOUT"],
+        ["stubborn", "TIMEOUT"],
+        ["sharded", "ok"],
+        ["missing", "skipped"],
+    ]
     log = files["sharded.log"].decode()
     assert "shard 0/2" in log and "shard 1/2" in log
     screen = (tmp_path / "summary.txt").read_text()
@@ -267,27 +327,50 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     pytest-benchmark): the probes, the CUDA test steps collected, the benchmarks at smoke
     sizes on the CPU with bench/timer.py, the end screen with every target, one archive.
     Budgets and the limit are raised: this is about what runs, not how fast this VM is."""
-    p = _gpu_check("--dry-run", str(tmp_path), KVMEM_GPU_CORES="4",
-                   KVMEM_GPU_WITHOUT="nixl sglang pytest-benchmark",
-                   KVMEM_GPU_BASE_S="240", KVMEM_GPU_CHECK_SECONDS="6000")
+    p = _gpu_check(
+        "--dry-run",
+        str(tmp_path),
+        KVMEM_GPU_CORES="4",
+        KVMEM_GPU_WITHOUT="nixl sglang pytest-benchmark",
+        KVMEM_GPU_BASE_S="240",
+        KVMEM_GPU_CHECK_SECONDS="6000",
+    )
     assert p.returncode == 0, p.stdout[-8000:] + p.stderr[-3000:]
     files = _archive(tmp_path)
     tsv = [r.split("\t") for r in files["steps.tsv"].decode().splitlines()[1:]]
     status = {r[0]: r[1] for r in tsv}
-    assert status == {"smoke": "ok", "bench": "ok", "gpu-paths": "ok", "disagg": "skipped",
-                      "pack-grid": "ok", "sglang-staging": "skipped",
-                      "sglang-memory-saver": "skipped"}, tsv
+    assert status == {
+        "smoke": "ok",
+        "bench": "ok",
+        "gpu-paths": "ok",
+        "disagg": "skipped",
+        "pack-grid": "ok",
+        "sglang-staging": "skipped",
+        "sglang-memory-saver": "skipped",
+    }, tsv
     assert re.match(r"6/\d+ tests collected", next(r[7] for r in tsv if r[0] == "smoke"))
     report = json.loads(files["bench-cpu.json"])
     assert report["smoke"] is True
-    assert {"cpu-pack.png", "cpu-allocator.png", "cpu-release.png", "env.txt", "run.txt",
-            "bench.log", "summary.txt"} <= set(files), sorted(files)
+    assert {
+        "cpu-pack.png",
+        "cpu-allocator.png",
+        "cpu-release.png",
+        "env.txt",
+        "run.txt",
+        "bench.log",
+        "summary.txt",
+    } <= set(files), sorted(files)
     screen = (tmp_path / "summary.txt").read_text().splitlines()
     assert len(screen) <= 60, len(screen)  # one screen
     text = "\n".join(screen)
     assert "SMOKE RUN" in text and "targets:" in text and "figures" in text
-    for target in ("pack gqa-bf16, page size >= 16", "unpack gqa-bf16, page size >= 16",
-                   "pack P1 >= 3x faster", "release 2 GiB", "resume 2 GiB"):
+    for target in (
+        "pack gqa-bf16, page size >= 16",
+        "unpack gqa-bf16, page size >= 16",
+        "pack P1 >= 3x faster",
+        "release 2 GiB",
+        "resume 2 GiB",
+    ):
         assert target in text, (target, text)
     assert "\n".join(screen) in p.stdout  # printed at the end
 
@@ -306,10 +389,25 @@ def test_gpu_grid_parts_partition_the_pack_grid():
     parts = small + [x for s in shards for x in s]
     assert len(small) == 6 and sorted(parts) == sorted(full) and len(set(parts)) == len(full) == 75
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-         "--noconftest", "tests/gpu/test_cuda_pack_pool.py", "-k", "kernel_matches_ref"],
-        cwd=ROOT, env=_env(KVMEM_GPU_GRID="rest", KVMEM_GPU_SHARD="1/3"),
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--noconftest",
+            "tests/gpu/test_cuda_pack_pool.py",
+            "-k",
+            "kernel_matches_ref",
+        ],
+        cwd=ROOT,
+        env=_env(KVMEM_GPU_GRID="rest", KVMEM_GPU_SHARD="1/3"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     collected = [x.split("[", 1)[1].rstrip("]") for x in p.stdout.splitlines() if "::" in x]
     assert collected == shards[1]

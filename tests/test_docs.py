@@ -48,12 +48,15 @@ def blocks(page: Path) -> list[tuple[int, str, set[str]]]:
             j += 1
         if j == len(lines):
             raise AssertionError(f"{_name(page)}:{i + 1}: code fence never closed")
-        if lang.lower() in ("py", "python3", "pycon") or (lang.lower() == "python" and
-                                                            set(rest.split()) - MARKERS):
-            raise AssertionError(f"{_name(page)}:{i + 1}: fence '{lines[i]}': write "
-                                 f"```python, optionally followed by one of {sorted(MARKERS)}")
+        if lang.lower() in ("py", "python3", "pycon") or (
+            lang.lower() == "python" and set(rest.split()) - MARKERS
+        ):
+            raise AssertionError(
+                f"{_name(page)}:{i + 1}: fence '{lines[i]}': write "
+                f"```python, optionally followed by one of {sorted(MARKERS)}"
+            )
         if lang == "python":
-            out.append((i + 2, "\n".join(lines[i + 1:j]) + "\n", set(rest.split())))
+            out.append((i + 2, "\n".join(lines[i + 1 : j]) + "\n", set(rest.split())))
         i = j + 1
     return out
 
@@ -65,9 +68,16 @@ def _code(page: Path, line: int, code: str):
 
 def _example_params() -> list:
     """Every page; marked ``nixl`` where a runnable example makes a NixlEngine."""
-    return [pytest.param(page, id=_name(page), marks=[pytest.mark.nixl] if any(
-        "NixlEngine(" in code for _, code, m in blocks(page) if "no-run" not in m) else [])
-        for page in PAGES]
+    return [
+        pytest.param(
+            page,
+            id=_name(page),
+            marks=[pytest.mark.nixl]
+            if any("NixlEngine(" in code for _, code, m in blocks(page) if "no-run" not in m)
+            else [],
+        )
+        for page in PAGES
+    ]
 
 
 @pytest.mark.parametrize("page", _example_params())
@@ -85,8 +95,10 @@ def test_every_page_counted():
     counts = {}
     for page in PAGES:
         bs = blocks(page)
-        counts[_name(page)] = (sum("no-run" not in m for _, _, m in bs),
-                               sum("no-run" in m for _, _, m in bs))
+        counts[_name(page)] = (
+            sum("no-run" not in m for _, _, m in bs),
+            sum("no-run" in m for _, _, m in bs),
+        )
         assert page.read_text().startswith("# "), f"{_name(page)}: no title line"
     run = sum(r for r, _ in counts.values())
     skipped = sum(s for _, s in counts.values())
@@ -116,8 +128,13 @@ def test_nothing_points_outside():
     bad = []
     for top, dirs, files in os.walk(ROOT):
         # hidden directories (.git, .venv*, caches) and build output are not the repository
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in
-                   ("build", "dist", "__pycache__") and not d.endswith(".egg-info")]
+        dirs[:] = [
+            d
+            for d in dirs
+            if not d.startswith(".")
+            and d not in ("build", "dist", "__pycache__")
+            and not d.endswith(".egg-info")
+        ]
         for f in files:
             path = Path(top, f)
             if path.suffix not in suffixes:
@@ -163,8 +180,9 @@ def test_every_measured_figure_is_traced_to_a_results_file():
     for page in figures.pages():
         for para in _prose_paragraphs(page.read_text()):
             if MEASURED.search(para) and "bench/results/" not in para:
-                untraced.append(f"{page.relative_to(ROOT)}: {MEASURED.findall(para)} in "
-                                f"{para.strip()[:160]!r}")
+                untraced.append(
+                    f"{page.relative_to(ROOT)}: {MEASURED.findall(para)} in {para.strip()[:160]!r}"
+                )
     assert untraced == [], "\n".join(untraced)
 
 

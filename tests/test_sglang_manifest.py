@@ -35,8 +35,9 @@ def test_the_plugin_builds_its_hooks_from_the_manifest_alone():
     fields = ("staging", "transfer", "register_regions")
     for values in itertools.product((False, True), repeat=len(fields)):
         opts = dataclasses.replace(base, enabled=True, **dict(zip(fields, values)))
-        want = [(h.target, h.kind) for h in manifest.HOOKS
-                if h.when is None or getattr(opts, h.when)]
+        want = [
+            (h.target, h.kind) for h in manifest.HOOKS if h.when is None or getattr(opts, h.when)
+        ]
         got = plugin._hooks(opts)
         # two AROUND hooks of one target are nested into one, in the manifest's order
         dedup = list(dict.fromkeys(want))
@@ -65,20 +66,22 @@ def _tree(root: Path, files: dict[str, str]) -> None:
 def test_drift_tells_moved_changed_inherited_and_missing(tmp_path):
     common = "sglang.srt.disaggregation.common.conn"
     utils = "sglang.srt.disaggregation.utils.prepare_abort"
-    _tree(tmp_path, {
-        "sglang/srt/disaggregation/utils.py": '''
+    _tree(
+        tmp_path,
+        {
+            "sglang/srt/disaggregation/utils.py": """
             import os
 
 
             def prepare_abort(req, error_message, status_code=None):
                 return req
-            ''',
-        "sglang/srt/disaggregation/base/conn.py": '''
+            """,
+            "sglang/srt/disaggregation/base/conn.py": """
             class BaseKVReceiver:
                 def failure_exception(self):
                     raise RuntimeError("x")
-            ''',
-        "sglang/srt/disaggregation/common/conn.py": '''
+            """,
+            "sglang/srt/disaggregation/common/conn.py": """
             from sglang.srt.disaggregation.base.conn import BaseKVReceiver
 
 
@@ -92,15 +95,24 @@ def test_drift_tells_moved_changed_inherited_and_missing(tmp_path):
 
             class CommonKVReceiver(BaseKVReceiver):
                 pass
-            ''',
-    })
-    here = {t: manifest.locate(t, w, root=tmp_path)
-            for t, w in manifest.surface().items()
-            if t in (utils, f"{common}.CommonKVReceiver.failure_exception",
-                     f"{common}.CommonKVManager._staging_outstanding",
-                     f"{common}.CommonKVManager._room_notify_targets")}
-    assert here[f"{common}.CommonKVReceiver.failure_exception"].where == \
-        "sglang/srt/disaggregation/base/conn.py:3"  # through the base class's import
+            """,
+        },
+    )
+    here = {
+        t: manifest.locate(t, w, root=tmp_path)
+        for t, w in manifest.surface().items()
+        if t
+        in (
+            utils,
+            f"{common}.CommonKVReceiver.failure_exception",
+            f"{common}.CommonKVManager._staging_outstanding",
+            f"{common}.CommonKVManager._room_notify_targets",
+        )
+    }
+    assert (
+        here[f"{common}.CommonKVReceiver.failure_exception"].where
+        == "sglang/srt/disaggregation/base/conn.py:3"
+    )  # through the base class's import
     assert here[f"{common}.CommonKVManager._staging_outstanding"].signature == "attribute"
     recorded = {t: (f.where, f.signature, f.digest) for t, f in here.items()}
     moved = dict(recorded)

@@ -89,8 +89,7 @@ def test_a_table_never_keeps_its_object_alive():
 
 
 def test_every_table_is_listed_and_described():
-    assert set(state.TABLES) == {n for n, v in vars(state).items()
-                                 if isinstance(v, SideTable)}
+    assert set(state.TABLES) == {n for n, v in vars(state).items() if isinstance(v, SideTable)}
     for name, t in state.TABLES.items():
         assert t.owner and t.holds, name
         for user in (u.strip() for u in t.users.split(",")):
@@ -110,8 +109,11 @@ def _writes_on_other_objects(tree: ast.AST) -> list[str]:
             for t in targets:
                 if isinstance(t, ast.Attribute) and t.attr.startswith("_kvmem"):
                     out.append(t.attr)
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) \
-                and node.value.startswith("_kvmem"):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith("_kvmem")
+        ):
             out.append(node.value)
     return out
 
@@ -122,7 +124,13 @@ def test_no_adapter_module_writes_its_attributes_onto_sglang_objects(path):
 
 
 def test_the_source_check_finds_each_way_of_writing_one():
-    src = ("x._kvmem_a = 1\nsetattr(x, '_kvmem_b', 2)\nx.__dict__.setdefault('_kvmem_c', {})\n"
-           "x._kvmem_d += 1\n")
+    src = (
+        "x._kvmem_a = 1\nsetattr(x, '_kvmem_b', 2)\nx.__dict__.setdefault('_kvmem_c', {})\n"
+        "x._kvmem_d += 1\n"
+    )
     assert sorted(_writes_on_other_objects(ast.parse(src))) == [
-        "_kvmem_a", "_kvmem_b", "_kvmem_c", "_kvmem_d"]
+        "_kvmem_a",
+        "_kvmem_b",
+        "_kvmem_c",
+        "_kvmem_d",
+    ]

@@ -33,10 +33,13 @@ os.environ.setdefault("KZ_SET", "w")  # as sglang sets its cache directories
 def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("zygote")
     (d / "kz_pre.py").write_text(PRELOAD)
-    (d / "kz_mod.py").write_text("import sys, json\nprint(json.dumps([__name__, sys.argv[1:], "
-                                 "sys.argv[0].endswith('kz_mod.py')]))\n")
-    fs = ForkServer(["kz_pre"], forbid=["kz_never"],
-                    env=child_env({"KZ_SERVER_ONLY": "1"}, paths=[d]), cwd=d)
+    (d / "kz_mod.py").write_text(
+        "import sys, json\nprint(json.dumps([__name__, sys.argv[1:], "
+        "sys.argv[0].endswith('kz_mod.py')]))\n"
+    )
+    fs = ForkServer(
+        ["kz_pre"], forbid=["kz_never"], env=child_env({"KZ_SERVER_ONLY": "1"}, paths=[d]), cwd=d
+    )
     fs.start()
     fs.dir = d
     yield fs
@@ -54,22 +57,32 @@ def both(server, **kw):
 
 
 def same(forked, fresh):
-    assert (forked.returncode, forked.stdout, forked.stderr) == \
-        (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (
+        fresh.returncode,
+        fresh.stdout,
+        fresh.stderr,
+    )
 
 
-@pytest.mark.parametrize("code, status", [
-    ("import sys; print('out'); print('err', file=sys.stderr)", 0),
-    ("import sys; sys.exit('bye')", 1),
-    ("import sys; sys.exit(3)", 3),
-    ("raise ValueError('boom')", 1),
-    ("import os; os.write(1, b'raw\\n'); os._exit(5)", 5),
-    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -9),
-    ("import atexit, threading, time\n"
-     "atexit.register(print, 'atexit')\n"
-     "threading.Thread(target=lambda: (time.sleep(0.3), print('thread'))).start()\n"
-     "print('main')", 0),
-], ids=["print", "exit-text", "exit-3", "raise", "os-exit", "killed", "atexit-thread"])
+@pytest.mark.parametrize(
+    "code, status",
+    [
+        ("import sys; print('out'); print('err', file=sys.stderr)", 0),
+        ("import sys; sys.exit('bye')", 1),
+        ("import sys; sys.exit(3)", 3),
+        ("raise ValueError('boom')", 1),
+        ("import os; os.write(1, b'raw\\n'); os._exit(5)", 5),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", -9),
+        (
+            "import atexit, threading, time\n"
+            "atexit.register(print, 'atexit')\n"
+            "threading.Thread(target=lambda: (time.sleep(0.3), print('thread'))).start()\n"
+            "print('main')",
+            0,
+        ),
+    ],
+    ids=["print", "exit-text", "exit-3", "raise", "os-exit", "killed", "atexit-thread"],
+)
 def test_forked_child_ends_as_a_fresh_interpreter(server, code, status):
     forked, fresh = both(server, code=code)
     same(forked, fresh)
@@ -95,25 +108,38 @@ def test_forked_child_sees_its_environment_cwd_argv_and_path(server, tmp_path):
     forked, fresh = both(server, code=SEES, args=("a", "b"), env=env, cwd=tmp_path)
     same(forked, fresh)
     got = json.loads(forked.stdout)
-    assert got == {"v": "1", "server_only": None, "cwd": str(tmp_path),
-                   "argv": ["-c", "a", "b"], "path0": "", "extra_first": True,
-                   "name": "__main__"}
+    assert got == {
+        "v": "1",
+        "server_only": None,
+        "cwd": str(tmp_path),
+        "argv": ["-c", "a", "b"],
+        "path0": "",
+        "extra_first": True,
+        "name": "__main__",
+    }
 
 
 def test_forked_script_and_module_run_as_main(server, tmp_path):
     script = tmp_path / "s.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import json, os, sys
         def f():
             return 1
         print(json.dumps([__name__, __file__, sys.argv, sys.path[0], f.__module__]))
         if __name__ == "__main__":
             print("main")
-    """))
+    """)
+    )
     forked, fresh = both(server, script=script, args=("x",), cwd=tmp_path)
     same(forked, fresh)
     assert json.loads(forked.stdout.splitlines()[0]) == [
-        "__main__", str(script), [str(script), "x"], str(tmp_path), "__main__"]
+        "__main__",
+        str(script),
+        [str(script), "x"],
+        str(tmp_path),
+        "__main__",
+    ]
     forked, fresh = both(server, module="kz_mod", args=("y",), cwd=server.dir)
     same(forked, fresh)
     assert json.loads(forked.stdout) == ["__main__", ["y"], True]
@@ -151,9 +177,11 @@ def test_what_the_preload_set_is_set_in_every_child(server):
 
 def test_child_past_its_time_is_killed_with_its_process_group(server, tmp_path):
     pid_file = tmp_path / "grandchild"
-    code = ("import subprocess, sys, time\n"
-            f"p = subprocess.Popen(['sleep', '300'])\nopen({str(pid_file)!r}, 'w').write(str(p.pid))\n"
-            "print('started', flush=True)\ntime.sleep(300)")
+    code = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen(['sleep', '300'])\nopen({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "print('started', flush=True)\ntime.sleep(300)"
+    )
     child = Child(code=code, env=child_env(paths=[server.dir]), fork=server)
     with pytest.raises(subprocess.TimeoutExpired) as e:
         run(child, timeout=10)
@@ -174,12 +202,23 @@ def test_child_past_its_time_is_killed_with_its_process_group(server, tmp_path):
 
 def test_children_json_at_once_and_a_failing_one_named(server):
     env = child_env(paths=[server.dir])
-    ok = {k: Child(code=f"import json; print('noise'); print(json.dumps({{'k': {k!r}}})); "
-                        "print('[UCX after it')", env=env, fork=server) for k in "abc"}
+    ok = {
+        k: Child(
+            code=f"import json; print('noise'); print(json.dumps({{'k': {k!r}}})); "
+            "print('[UCX after it')",
+            env=env,
+            fork=server,
+        )
+        for k in "abc"
+    }
     replies = run_children(ok, timeout=60)
     assert {k: r.value for k, r in replies.items()} == {k: {"k": k} for k in "abc"}
-    bad = dict(ok, b=Child(code="import sys; print('why', file=sys.stderr); sys.exit(2)",
-                           env=env, fork=server))
+    bad = dict(
+        ok,
+        b=Child(
+            code="import sys; print('why', file=sys.stderr); sys.exit(2)", env=env, fork=server
+        ),
+    )
     with pytest.raises(AssertionError, match=r"(?s)b \(python -c\) failed with 2:.*why"):
         run_children(bad, timeout=60)
     with pytest.raises(AssertionError, match="no JSON line"):

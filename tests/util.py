@@ -33,11 +33,17 @@ def assert_closed_pool_refuses(pool, ids, chunk, **more) -> None:
     from kvmem.errors import ClosedPoolError
 
     calls = {
-        "k_buffer": lambda: pool.k_buffer, "v_buffer": lambda: pool.v_buffer,
-        "token_buffers": pool.token_buffers, "pack": lambda: kvmem.pack_pages(pool, ids),
-        "unpack": lambda: kvmem.unpack_pages(chunk, pool, ids), "release": pool.release,
-        "resume": pool.resume, "regions": pool.regions, "resident_bytes": pool.resident_bytes,
-        "prefault": pool.prefault, **more,
+        "k_buffer": lambda: pool.k_buffer,
+        "v_buffer": lambda: pool.v_buffer,
+        "token_buffers": pool.token_buffers,
+        "pack": lambda: kvmem.pack_pages(pool, ids),
+        "unpack": lambda: kvmem.unpack_pages(chunk, pool, ids),
+        "release": pool.release,
+        "resume": pool.resume,
+        "regions": pool.regions,
+        "resident_bytes": pool.resident_bytes,
+        "prefault": pool.prefault,
+        **more,
     }
     for name, call in calls.items():
         with pytest.raises(ClosedPoolError, match=r"the KV pool is closed; create a new pool"):
@@ -83,6 +89,7 @@ def pythonpath_env(*dirs, **extra) -> dict:
     import os
 
     env = dict(os.environ, **extra)
-    env["PYTHONPATH"] = os.pathsep.join([str(d) for d in dirs] + [
-        q for q in env.get("PYTHONPATH", "").split(os.pathsep) if q])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(d) for d in dirs] + [q for q in env.get("PYTHONPATH", "").split(os.pathsep) if q]
+    )
     return env

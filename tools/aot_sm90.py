@@ -49,8 +49,13 @@ def _is_jit(node: ast.FunctionDef) -> bool:
 
 # What the pack launcher passes: the buffers as 4/2/1-byte units, int64 layer offsets,
 # int64 page ids (kvmem._ids), int64 error flag; n and num_pages are int32.
-_PACK_PTRS = {"base": "*unit", "layer_offs": "*i64", "page_ids": "*i64", "chunk": "*unit",
-              "err": "*i64"}
+_PACK_PTRS = {
+    "base": "*unit",
+    "layer_offs": "*i64",
+    "page_ids": "*i64",
+    "chunk": "*unit",
+    "err": "*i64",
+}
 _PACK_SCALARS = {"n": "i32", "num_pages": "i32"}
 _UNIT_TYPES = {4: "i32", 2: "i16", 1: "u8"}
 
@@ -67,66 +72,127 @@ def make_cases() -> list[dict]:
         ("P16-H8-D128-bf16", dict(page_size=16, num_kv_heads=8, head_dim=128), None),
         ("P1-H8-D128-bf16", dict(page_size=1, num_kv_heads=8, head_dim=128), None),
         ("P64-H8-D128-bf16-heads2-6", dict(page_size=64, num_kv_heads=8, head_dim=128), (2, 6)),
-        ("P16-H1-D576-bf16-konly", dict(page_size=16, num_kv_heads=1, head_dim=576,
-                                        v_head_dim=0), None),
-        ("P1-H3-D5-fp8", dict(page_size=1, num_kv_heads=3, head_dim=5,
-                              dtype=torch.float8_e4m3fn), None),
+        (
+            "P16-H1-D576-bf16-konly",
+            dict(page_size=16, num_kv_heads=1, head_dim=576, v_head_dim=0),
+            None,
+        ),
+        (
+            "P1-H3-D5-fp8",
+            dict(page_size=1, num_kv_heads=3, head_dim=5, dtype=torch.float8_e4m3fn),
+            None,
+        ),
     ]
     fn = P._copy_pages_kernel
     for lid, kw, heads in layouts:
         spec = kvmem.KVSpec(num_layers=3, **{"dtype": torch.bfloat16, **kw})
         plan = kvmem.KVPool(spec, num_pages=4)._plan(None, heads)
         unit = _UNIT_TYPES[plan.unit_bytes]
-        sig = {a: (_PACK_PTRS.get(a) or _PACK_SCALARS[a]).replace("unit", unit)
-               for a in fn.arg_names if a in _PACK_PTRS or a in _PACK_SCALARS}
+        sig = {
+            a: (_PACK_PTRS.get(a) or _PACK_SCALARS[a]).replace("unit", unit)
+            for a in fn.arg_names
+            if a in _PACK_PTRS or a in _PACK_SCALARS
+        }
         for pack in (True, False):
-            cases.append(dict(
-                id=f"pack.{fn.__name__}.{'pack' if pack else 'unpack'}.{lid}",
-                file=KERNEL_FILES[0], kernel=fn.__name__, signature=sig,
-                constexprs=P.kernel_params(plan, pack), num_warps=P._NUM_WARPS,
-                unit_bytes=plan.unit_bytes))
+            cases.append(
+                dict(
+                    id=f"pack.{fn.__name__}.{'pack' if pack else 'unpack'}.{lid}",
+                    file=KERNEL_FILES[0],
+                    kernel=fn.__name__,
+                    signature=sig,
+                    constexprs=P.kernel_params(plan, pack),
+                    num_warps=P._NUM_WARPS,
+                    unit_bytes=plan.unit_bytes,
+                )
+            )
 
     # The allocator kernels as their launchers call them: pages and rings int64, the
     # ownership map int32, lengths int64 (sglang's) or int32, scalars int32.
-    free_sig = {"pages_ptr": "*i64", "ring_ptr": "*i64", "owned_ptr": "*i32", "err_ptr": "*i64",
-                "n": "i32", "pages_stride": "i32", "tail": "i32", "cap": "i32",
-                "num_pages": "i32", "parity": "i32"}
+    free_sig = {
+        "pages_ptr": "*i64",
+        "ring_ptr": "*i64",
+        "owned_ptr": "*i32",
+        "err_ptr": "*i64",
+        "n": "i32",
+        "pages_stride": "i32",
+        "tail": "i32",
+        "cap": "i32",
+        "num_pages": "i32",
+        "parity": "i32",
+    }
 
     def lens_sig(t):
-        return {"prefix_ptr": f"*{t}", "seq_ptr": f"*{t}", "last_loc_ptr": "*i64",
-                "new_pages_ptr": "*i64", "out_ptr": "*i64", "err_ptr": "*i64", "bs": "i32",
-                "num_new": "i32", "total": "i32"}
+        return {
+            "prefix_ptr": f"*{t}",
+            "seq_ptr": f"*{t}",
+            "last_loc_ptr": "*i64",
+            "new_pages_ptr": "*i64",
+            "out_ptr": "*i64",
+            "err_ptr": "*i64",
+            "bs": "i32",
+            "num_new": "i32",
+            "total": "i32",
+        }
 
     alloc = [
-        ("_take_pages_kernel", {"ring_ptr": "*i64", "owned_ptr": "*i32", "out_ptr": "*i64",
-                                "err_ptr": "*i64", "head": "i32", "n": "i32", "cap": "i32",
-                                "num_pages": "i32"},
-         [dict(BLOCK=A.TAKE_BLOCK, FLAG=f) for f in (True, False)]),
+        (
+            "_take_pages_kernel",
+            {
+                "ring_ptr": "*i64",
+                "owned_ptr": "*i32",
+                "out_ptr": "*i64",
+                "err_ptr": "*i64",
+                "head": "i32",
+                "n": "i32",
+                "cap": "i32",
+                "num_pages": "i32",
+            },
+            [dict(BLOCK=A.TAKE_BLOCK, FLAG=f) for f in (True, False)],
+        ),
         ("_free_apply_kernel", free_sig, [dict(BLOCK=A.TAKE_BLOCK, FLAG=f) for f in (True, False)]),
         ("_free_commit_kernel", free_sig, [dict(BLOCK=A.TAKE_BLOCK)]),
-        ("_extend_slots_kernel", lens_sig("i64"),
-         [dict(PAGE_SIZE=ps, REQ_BLOCK=A.REQ_BLOCK, TOKEN_BLOCK=A.TOKEN_BLOCK, FLAG=f)
-          for ps, f in ((16, True), (16, False), (1, True))]),
-        ("_extend_slots_kernel", lens_sig("i32"),
-         [dict(PAGE_SIZE=64, REQ_BLOCK=A.REQ_BLOCK, TOKEN_BLOCK=A.TOKEN_BLOCK, FLAG=False)]),
-        ("_decode_slots_kernel", {k: v for k, v in lens_sig("i64").items()
-                                  if k not in ("prefix_ptr", "total")},
-         [dict(PAGE_SIZE=ps, BLOCK=A.DECODE_BLOCK, FLAG=f)
-          for ps, f in ((16, True), (16, False), (1, True))]),
+        (
+            "_extend_slots_kernel",
+            lens_sig("i64"),
+            [
+                dict(PAGE_SIZE=ps, REQ_BLOCK=A.REQ_BLOCK, TOKEN_BLOCK=A.TOKEN_BLOCK, FLAG=f)
+                for ps, f in ((16, True), (16, False), (1, True))
+            ],
+        ),
+        (
+            "_extend_slots_kernel",
+            lens_sig("i32"),
+            [dict(PAGE_SIZE=64, REQ_BLOCK=A.REQ_BLOCK, TOKEN_BLOCK=A.TOKEN_BLOCK, FLAG=False)],
+        ),
+        (
+            "_decode_slots_kernel",
+            {k: v for k, v in lens_sig("i64").items() if k not in ("prefix_ptr", "total")},
+            [
+                dict(PAGE_SIZE=ps, BLOCK=A.DECODE_BLOCK, FLAG=f)
+                for ps, f in ((16, True), (16, False), (1, True))
+            ],
+        ),
     ]
     for name, sig, variants in alloc:
         fn = getattr(A, name)
         for consts in variants:
             vid = "-".join(f"{k}{int(v)}" for k, v in consts.items() if k in ("PAGE_SIZE", "FLAG"))
             lens = sig.get("seq_ptr", "").lstrip("*")
-            cases.append(dict(id=".".join(x for x in ("alloc", name, vid, lens) if x),
-                              file=KERNEL_FILES[1], kernel=name,
-                              signature={a: sig[a] for a in fn.arg_names if a in sig},
-                              constexprs=consts, num_warps=4))
+            cases.append(
+                dict(
+                    id=".".join(x for x in ("alloc", name, vid, lens) if x),
+                    file=KERNEL_FILES[1],
+                    kernel=name,
+                    signature={a: sig[a] for a in fn.arg_names if a in sig},
+                    constexprs=consts,
+                    num_warps=4,
+                )
+            )
     return cases
 
 
 # -- step 2: compile (triton only) --------------------------------------------------------
+
 
 def load_kernels(relpath: str, workdir: str):
     """The ``@triton.jit`` functions of a kvmem kernel file and the module constants they
@@ -137,8 +203,12 @@ def load_kernels(relpath: str, workdir: str):
     src = open(os.path.join(ROOT, relpath)).read()
     tree = ast.parse(src)
     ns = {"triton": triton, "tl": tl}
-    kept = ["from __future__ import annotations", "import triton",
-            "import triton.language as tl", ""]
+    kept = [
+        "from __future__ import annotations",
+        "import triton",
+        "import triton.language as tl",
+        "",
+    ]
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvmem."):
             dep = _stdlib_only_module(node.module)
@@ -146,11 +216,10 @@ def load_kernels(relpath: str, workdir: str):
                 continue
             names = [(a.name, a.asname or a.name) for a in node.names]
             ns.update({alias: getattr(dep, name) for name, alias in names})
-            kept.append(f"from {dep.__name__} import "
-                        + ", ".join(f"{n} as {a}" for n, a in names))
+            kept.append(f"from {dep.__name__} import " + ", ".join(f"{n} as {a}" for n, a in names))
         elif isinstance(node, ast.FunctionDef) and _is_jit(node):
             start = node.decorator_list[0].lineno
-            kept.append("\n".join(src.splitlines()[start - 1:node.end_lineno]) + "\n")
+            kept.append("\n".join(src.splitlines()[start - 1 : node.end_lineno]) + "\n")
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             code = ast.get_source_segment(src, node)
             try:  # constants in plain Python or tl.constexpr; torch dtypes etc. fail: dropped
@@ -177,8 +246,13 @@ def _stdlib_only_module(module: str):
     path = base + ".py" if os.path.exists(base + ".py") else os.path.join(base, "__init__.py")
     tree = ast.parse(open(path).read())
     for n in ast.walk(tree):
-        mods = ([a.name for a in n.names] if isinstance(n, ast.Import)
-                else [n.module or ""] if isinstance(n, ast.ImportFrom) else [])
+        mods = (
+            [a.name for a in n.names]
+            if isinstance(n, ast.Import)
+            else [n.module or ""]
+            if isinstance(n, ast.ImportFrom)
+            else []
+        )
         if any(m.split(".")[0] not in sys.stdlib_module_names for m in mods):
             return None
     name = "kvmem_aot_dep_" + module.replace(".", "_")
@@ -206,8 +280,11 @@ def compile_case(fn, case: dict) -> dict:
         raise ValueError(f"no type or constexpr value for {missing}")
     constexprs = {(names.index(k),): v for k, v in case["constexprs"].items()}
     # Triton's launcher specialises 16-byte-aligned pointers so at run time; say it here.
-    attrs = {(names.index(a),): [["tt.divisibility", 16]]
-             for a, t in case["signature"].items() if t.startswith("*")}
+    attrs = {
+        (names.index(a),): [["tt.divisibility", 16]]
+        for a, t in case["signature"].items()
+        if t.startswith("*")
+    }
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget(*TARGET), options={"num_warps": case["num_warps"]})
     return dict(ptx=k.asm["ptx"], cubin_bytes=len(k.asm.get("cubin", b"")))
@@ -226,8 +303,9 @@ def compile_all(cases_path: str, out_dir: str) -> int:
             try:
                 out = compile_case(getattr(mods[case["file"]], case["kernel"]), case)
             except Exception as e:  # noqa: BLE001 -- every failure is reported, then exit 1
-                r.update(ok=False, error=f"{type(e).__name__}: {e}",
-                         traceback=traceback.format_exc())
+                r.update(
+                    ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()
+                )
                 continue
             with open(os.path.join(out_dir, case["id"] + ".ptx"), "w") as f:
                 f.write(out["ptx"])
@@ -235,8 +313,9 @@ def compile_all(cases_path: str, out_dir: str) -> int:
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     bad = [i for i, r in results["cases"].items() if not r["ok"]]
-    print(f"triton {results['triton']}: {len(cases) - len(bad)}/{len(cases)} cases compiled "
-          f"for sm_90")
+    print(
+        f"triton {results['triton']}: {len(cases) - len(bad)}/{len(cases)} cases compiled for sm_90"
+    )
     for i in bad:
         print(f"FAILED {i}: {results['cases'][i]['error']}")
     return 1 if bad else 0

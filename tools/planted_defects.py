@@ -47,21 +47,33 @@ class Defect:
 
 
 DEFECTS = [
-    Defect("allocator", "a batched free (free_group) puts back only its first batch: "
-           "the pages of every later free in the group leak",
-           "kvmem/allocator.py",
-           "pages = group[0][0] if len(group) == 1 else torch.cat(",
-           "pages = group[0][0] if len(group) >= 1 else torch.cat(", "check"),
-    Defect("lifecycle", "an abort of a request inside the running prefill batch is dropped "
-           "(the seed's case): the request is never ended and its pages never freed",
-           "kvmem/disagg/prefill.py",
-           "            if req.abort_pending is None:\n                req.abort_pending = reason",
-           "            if False:\n                req.abort_pending = reason", "check"),
-    Defect("adapter", "the prefill's failure message loses the HTTP status it answered, so "
-           "the decode answers sglang's generic 500 instead of the 503/504",
-           "integration/sglang/kvmem_sglang/reasons.py",
-           '        return f"{message} (kvmem-sglang HTTP {int(status)})"',
-           "        return message", "test"),
+    Defect(
+        "allocator",
+        "a batched free (free_group) puts back only its first batch: "
+        "the pages of every later free in the group leak",
+        "kvmem/allocator.py",
+        "pages = group[0][0] if len(group) == 1 else torch.cat(",
+        "pages = group[0][0] if len(group) >= 1 else torch.cat(",
+        "check",
+    ),
+    Defect(
+        "lifecycle",
+        "an abort of a request inside the running prefill batch is dropped "
+        "(the seed's case): the request is never ended and its pages never freed",
+        "kvmem/disagg/prefill.py",
+        "            if req.abort_pending is None:\n                req.abort_pending = reason",
+        "            if False:\n                req.abort_pending = reason",
+        "check",
+    ),
+    Defect(
+        "adapter",
+        "the prefill's failure message loses the HTTP status it answered, so "
+        "the decode answers sglang's generic 500 instead of the 503/504",
+        "integration/sglang/kvmem_sglang/reasons.py",
+        '        return f"{message} (kvmem-sglang HTTP {int(status)})"',
+        "        return message",
+        "test",
+    ),
 ]
 
 
@@ -70,12 +82,15 @@ def _run(d: Defect, copy: str) -> tuple[bool, str, float]:
     with open(path) as f:
         text = f.read()
     if text.count(d.old) != 1:
-        raise SystemExit(f"{d.name}: {d.path} holds the text to change "
-                         f"{text.count(d.old)} times, not once: update DEFECTS")
+        raise SystemExit(
+            f"{d.name}: {d.path} holds the text to change "
+            f"{text.count(d.old)} times, not once: update DEFECTS"
+        )
     with open(path, "w") as f:
         f.write(text.replace(d.old, d.new))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [copy, os.path.join(copy, "integration", "sglang")]))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([copy, os.path.join(copy, "integration", "sglang")])
+    )
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
     if d.tier == "check":
         env["KVMEM_HYPOTHESIS"] = "dev"
@@ -83,8 +98,14 @@ def _run(d: Defect, copy: str) -> tuple[bool, str, float]:
     else:
         env["KVMEM_HYPOTHESIS"] = "ci"
         cmd += ["tests/sglang"]
-    where = subprocess.run([sys.executable, "-c", "import kvmem; print(kvmem.__file__)"],
-                           cwd=copy, env=env, capture_output=True, text=True, check=True)
+    where = subprocess.run(
+        [sys.executable, "-c", "import kvmem; print(kvmem.__file__)"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     if not where.stdout.startswith(copy):
         raise SystemExit(f"{d.name}: kvmem imported from {where.stdout.strip()}, not the copy")
     t = time.monotonic()
@@ -103,13 +124,13 @@ def main(argv: list[str]) -> int:
     missed = 0
     for d in chosen:
         copy = tempfile.mkdtemp(prefix=f"kvmem-plant-{d.name}-")
-        subprocess.run(["git", "worktree", "add", "-q", "--detach", copy, "HEAD"],
-                       cwd=ROOT, check=True)
+        subprocess.run(
+            ["git", "worktree", "add", "-q", "--detach", copy, "HEAD"], cwd=ROOT, check=True
+        )
         try:
             print(f"== {d.name} ({d.path}): {d.what}; tier: make {d.tier}", flush=True)
             caught, detail, secs = _run(d, copy)
-            print(("caught" if caught else "MISSED") + f" in {secs:.0f} s\n{detail}\n",
-                  flush=True)
+            print(("caught" if caught else "MISSED") + f" in {secs:.0f} s\n{detail}\n", flush=True)
             missed += not caught
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", copy], cwd=ROOT)

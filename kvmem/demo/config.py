@@ -58,10 +58,19 @@ class DemoConfig:
 
         import kvmem
 
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-              "fp8": torch.float8_e4m3fn}[self.dtype]
-        return kvmem.KVSpec(num_layers=self.layers, num_kv_heads=self.heads,
-                            head_dim=self.head_dim, page_size=self.page_size, dtype=dt)
+        dt = {
+            "bf16": torch.bfloat16,
+            "fp16": torch.float16,
+            "fp32": torch.float32,
+            "fp8": torch.float8_e4m3fn,
+        }[self.dtype]
+        return kvmem.KVSpec(
+            num_layers=self.layers,
+            num_kv_heads=self.heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            dtype=dt,
+        )
 
     def calibrates(self) -> bool:
         """Whether the start-up measures the packed/direct threshold (push, --chunks auto)."""
@@ -110,43 +119,66 @@ class DemoConfig:
         """About what the workers allocate (pools, staging, landing, bandwidth buffers)."""
         page = self.spec().page_bytes
         staging = 8 * (self.chunk_tokens // self.page_size) * page  # PrefillSide's default
-        return (self.prefills * (self.prefill_pages() * page + staging)
-                + self.decodes * (self.decode_pages() * page + self.landing_bytes())
-                + 2 * (self.bw_mib << 20))
+        return (
+            self.prefills * (self.prefill_pages() * page + staging)
+            + self.decodes * (self.decode_pages() * page + self.landing_bytes())
+            + 2 * (self.bw_mib << 20)
+        )
 
     def validate(self) -> None:
         """ValueError naming the option, for anything the run would trip on later."""
+
         def positive(name):
             v = getattr(self, name)
             if v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
 
-        for name in ("requests", "page_size", "layers", "heads", "head_dim", "chunk_tokens",
-                     "max_tokens", "concurrency", "prefills", "decodes"):
+        for name in (
+            "requests",
+            "page_size",
+            "layers",
+            "heads",
+            "head_dim",
+            "chunk_tokens",
+            "max_tokens",
+            "concurrency",
+            "prefills",
+            "decodes",
+        ):
             positive(name)
         if self.hosts not in HOSTS:
             raise ValueError(f"--hosts must be one of {', '.join(HOSTS)}, got {self.hosts!r}")
         if self.requests < self.prefills:
-            raise ValueError(f"--requests {self.requests} is fewer than --prefills "
-                             f"{self.prefills}: every prefill runs at least one request")
+            raise ValueError(
+                f"--requests {self.requests} is fewer than --prefills "
+                f"{self.prefills}: every prefill runs at least one request"
+            )
         if self.kill_decode and self.decodes < 2:
-            raise ValueError(f"--kill-decode needs --decodes >= 2 (a decode that survives "
-                             f"serves the rest), got --decodes {self.decodes}")
+            raise ValueError(
+                f"--kill-decode needs --decodes >= 2 (a decode that survives "
+                f"serves the rest), got --decodes {self.decodes}"
+            )
         for name in ("abort_rate", "timeout_rate", "fail_rate"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1], got {v}")
         if self.abort_rate + self.timeout_rate + self.fail_rate > 1.0:
-            raise ValueError(f"--abort-rate + --timeout-rate + --fail-rate must be <= 1, got "
-                             f"{self.abort_rate} + {self.timeout_rate} + {self.fail_rate}")
+            raise ValueError(
+                f"--abort-rate + --timeout-rate + --fail-rate must be <= 1, got "
+                f"{self.abort_rate} + {self.timeout_rate} + {self.fail_rate}"
+            )
         if self.pauses < 0:
             raise ValueError(f"--pauses must be >= 0, got {self.pauses}")
         if self.pauses > self.requests:
-            raise ValueError(f"--pauses {self.pauses} is more than --requests {self.requests}: "
-                             "pauses happen between requests")
+            raise ValueError(
+                f"--pauses {self.pauses} is more than --requests {self.requests}: "
+                "pauses happen between requests"
+            )
         if self.chunk_tokens % self.page_size:
-            raise ValueError(f"--chunk-tokens must be a multiple of --page-size "
-                             f"{self.page_size}, got {self.chunk_tokens}")
+            raise ValueError(
+                f"--chunk-tokens must be a multiple of --page-size "
+                f"{self.page_size}, got {self.chunk_tokens}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.seed < 0:
@@ -154,14 +186,19 @@ class DemoConfig:
         if self.bw_mib < 0:
             raise ValueError(f"--bw-mib must be >= 0, got {self.bw_mib}")
         if self.transfer_mode not in TRANSFER_MODES:
-            raise ValueError(f"--transfer-mode must be one of {', '.join(TRANSFER_MODES)}, "
-                             f"got {self.transfer_mode!r}")
+            raise ValueError(
+                f"--transfer-mode must be one of {', '.join(TRANSFER_MODES)}, "
+                f"got {self.transfer_mode!r}"
+            )
         if self.chunks not in CHUNK_MODES:
-            raise ValueError(f"--chunks must be one of {', '.join(CHUNK_MODES)}, got "
-                             f"{self.chunks!r}")
+            raise ValueError(
+                f"--chunks must be one of {', '.join(CHUNK_MODES)}, got {self.chunks!r}"
+            )
         if self.transfer_mode == "pull" and self.chunks != "auto":
-            raise ValueError(f"--chunks {self.chunks} contradicts --transfer-mode pull (the "
-                             "decode reads pool pages; --chunks chooses how a push writes)")
+            raise ValueError(
+                f"--chunks {self.chunks} contradicts --transfer-mode pull (the "
+                "decode reads pool pages; --chunks chooses how a push writes)"
+            )
         for t in (self.bootstrap_timeout, self.transfer_timeout):
             if not (math.isfinite(t) and t > 0):
                 raise ValueError(f"--timeout must be a number of seconds > 0, got {t}")
@@ -173,13 +210,15 @@ class DemoConfig:
                 f"--bw-mib {self.bw_mib}: the raw-bandwidth buffers (one in each worker) need "
                 f"{bw / 2**30:.1f} GiB, about {need / 2**30:.1f} GiB with the workload, more "
                 f"than 3/4 of this machine's {have / 2**30:.1f} GiB: lower --bw-mib (0 skips "
-                "that phase)")
+                "that phase)"
+            )
         if need > 0.75 * have:
             raise ValueError(
                 f"this model and workload need about {need / 2**30:.1f} GiB of memory for the "
                 f"{self.prefills + self.decodes} workers, more than 3/4 of this machine's "
                 f"{have / 2**30:.1f} GiB: lower --max-tokens, --concurrency, the model size "
-                "or the worker counts")
+                "or the worker counts"
+            )
         if self.hosts == "netns":
             why = netns_refusal()
             if why:

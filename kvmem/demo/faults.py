@@ -131,9 +131,11 @@ class FaultPlan(Faults, DecodeFaults):
         it there has run: a process held off the CPU between the step that moved the
         request into the state and this call must not let the timeout, checked after this
         call, come first (it would end an abort case as a timeout case)."""
-        target = {"abort_bootstrapping": KVPoll.Bootstrapping,
-                  "abort_waiting": KVPoll.WaitingForInput,
-                  "abort_transferring": KVPoll.Transferring}
+        target = {
+            "abort_bootstrapping": KVPoll.Bootstrapping,
+            "abort_waiting": KVPoll.WaitingForInput,
+            "abort_transferring": KVPoll.Transferring,
+        }
         for rid in list(side.reqs):
             want = target.get(self.kind(rid))
             if want is None or side.state(rid) != want:

@@ -61,11 +61,15 @@ class HostsError(RuntimeError):
 def netns_refusal() -> str | None:
     """Why ``--hosts netns`` cannot run here (not root, no ``ip``), or None."""
     if os.geteuid() != 0:
-        return (f"--hosts netns needs root (it makes two network namespaces and a veth pair "
-                f"with `ip`); this is uid {os.geteuid()}")
+        return (
+            f"--hosts netns needs root (it makes two network namespaces and a veth pair "
+            f"with `ip`); this is uid {os.geteuid()}"
+        )
     if shutil.which("ip") is None:
-        return ("--hosts netns needs the `ip` command (iproute2) to make the network "
-                "namespaces; it is not on PATH")
+        return (
+            "--hosts netns needs the `ip` command (iproute2) to make the network "
+            "namespaces; it is not on PATH"
+        )
     return None
 
 
@@ -75,8 +79,10 @@ def _ip(*args: str) -> str:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise HostsError(f"`ip {' '.join(args)}`: {e}") from None
     if p.returncode:
-        raise HostsError(f"`ip {' '.join(args)}` failed (status {p.returncode}): "
-                         f"{p.stderr.strip() or p.stdout.strip()}")
+        raise HostsError(
+            f"`ip {' '.join(args)}` failed (status {p.returncode}): "
+            f"{p.stderr.strip() or p.stdout.strip()}"
+        )
     return p.stdout
 
 
@@ -134,8 +140,20 @@ class NetnsHosts:
                 _ip("netns", "add", self.namespaces[side])
                 self.made.append(self.namespaces[side])
             p, d = self.namespaces["prefill"], self.namespaces["decode"]
-            _ip("link", "add", self.devices["prefill"], "netns", p, "type", "veth", "peer",
-                "name", self.devices["decode"], "netns", d)
+            _ip(
+                "link",
+                "add",
+                self.devices["prefill"],
+                "netns",
+                p,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                self.devices["decode"],
+                "netns",
+                d,
+            )
             for side in ("prefill", "decode"):
                 ns, dev = self.namespaces[side], self.devices[side]
                 _ip("-n", ns, "addr", "add", f"{ADDRESS[side]}/30", "dev", dev)
@@ -153,8 +171,11 @@ class NetnsHosts:
         self.close()
 
     def place(self, side: str) -> dict:
-        return {"netns": self.namespaces[side], "device": self.devices[side],
-                "address": ADDRESS[side]}
+        return {
+            "netns": self.namespaces[side],
+            "device": self.devices[side],
+            "address": ADDRESS[side],
+        }
 
     def link_bytes(self) -> dict | None:
         """Bytes sent and received on each end of the veth so far (``ip -s -j link``):
@@ -162,19 +183,36 @@ class NetnsHosts:
         out = {}
         for side in ("prefill", "decode"):
             try:
-                info = json.loads(_ip("-n", self.namespaces[side], "-s", "-j", "link", "show",
-                                      "dev", self.devices[side]))
+                info = json.loads(
+                    _ip(
+                        "-n",
+                        self.namespaces[side],
+                        "-s",
+                        "-j",
+                        "link",
+                        "show",
+                        "dev",
+                        self.devices[side],
+                    )
+                )
             except (HostsError, ValueError):
                 return None
             st = info[0].get("stats64", {})
-            out[side] = {"tx": int(st.get("tx", {}).get("bytes", 0)),
-                         "rx": int(st.get("rx", {}).get("bytes", 0))}
+            out[side] = {
+                "tx": int(st.get("tx", {}).get("bytes", 0)),
+                "rx": int(st.get("rx", {}).get("bytes", 0)),
+            }
         return out
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "namespaces": dict(self.namespaces),
-                "devices": dict(self.devices), "addresses": dict(ADDRESS), "ucx_tls": UCX_TLS,
-                "stale_removed": list(self.stale_removed)}
+        return {
+            "kind": self.kind,
+            "namespaces": dict(self.namespaces),
+            "devices": dict(self.devices),
+            "addresses": dict(ADDRESS),
+            "ucx_tls": UCX_TLS,
+            "stale_removed": list(self.stale_removed),
+        }
 
     def close(self) -> None:
         """Remove both namespaces (their veth ends go with them).  Retried for a few
@@ -224,7 +262,6 @@ def enter(place: dict | None) -> None:
     check(libc.umount2(b"/sys", _MNT_DETACH), "umount /sys")
     check(libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None), "mount sysfs /sys")
     if not os.path.exists(f"/sys/class/net/{place['device']}"):
-        raise HostsError(f"entering {place['netns']}: /sys/class/net shows no "
-                         f"{place['device']}")
+        raise HostsError(f"entering {place['netns']}: /sys/class/net shows no {place['device']}")
     os.environ["UCX_TLS"] = UCX_TLS
     os.environ["UCX_NET_DEVICES"] = place["device"]

@@ -18,14 +18,16 @@ from kvmem.demo.hosts import NetnsHosts
 from kvmem.demo.progress import Progress
 from kvmem.demo.result import build_result, exit_how
 
+
 class WorkerFailed(RuntimeError):
     """A worker raised, died or stopped answering; the message names it."""
 
 
-STARTUP_S = 180.0    # spawn, import torch, pools pre-faulted, NIXL agent
-PHASE_S = 120.0      # each hand-shake step after that
-SILENT_S = 30.0      # a worker sends progress ~5 times a second
-STALL_S = 120.0      # no request finished for this long (timeouts are a few seconds)
+STARTUP_S = 180.0  # spawn, import torch, pools pre-faulted, NIXL agent
+PHASE_S = 120.0  # each hand-shake step after that
+SILENT_S = 30.0  # a worker sends progress ~5 times a second
+STALL_S = 120.0  # no request finished for this long (timeouts are a few seconds)
+
 
 def worker_keys(cfg) -> list[tuple[str, int, str]]:
     """``(role, index, key)`` of every worker, prefills first.  ``key`` names the worker
@@ -61,8 +63,12 @@ class Workers:
             for role, index, key in keys:
                 here, there = ctx.Pipe()
                 place = None if hosts is None else hosts.place(role)
-                proc = ctx.Process(target=worker_main, name=f"kvmem-demo-{key}",
-                                   args=(role, cfg, there, names, index, place), daemon=True)
+                proc = ctx.Process(
+                    target=worker_main,
+                    name=f"kvmem-demo-{key}",
+                    args=(role, cfg, there, names, index, place),
+                    daemon=True,
+                )
                 self.conns[key] = here
                 proc.start()
                 self.procs[key] = proc
@@ -144,7 +150,7 @@ class Workers:
             msgs = self.poll(min(1.0, max(end - time.monotonic(), 0.0)))
             for i, (k, kd, payload) in enumerate(msgs):
                 if (k, kd) == (key, kind):
-                    self.inbox = msgs[:i] + msgs[i + 1:] + self.inbox
+                    self.inbox = msgs[:i] + msgs[i + 1 :] + self.inbox
                     return payload
             self.inbox = msgs + self.inbox
             if time.monotonic() >= end:
@@ -152,9 +158,11 @@ class Workers:
 
     def status(self) -> str:
         """How each worker ended, e.g. 'decode worker (pid 12): killed by signal 9 (SIGKILL)'."""
-        return "; ".join(f"{key} worker (pid {proc.pid}): {exit_how(proc.exitcode)}"
-                         + (" (killed by the demo)" if key in self.killed else "")
-                         for key, proc in self.procs.items())
+        return "; ".join(
+            f"{key} worker (pid {proc.pid}): {exit_how(proc.exitcode)}"
+            + (" (killed by the demo)" if key in self.killed else "")
+            for key, proc in self.procs.items()
+        )
 
     def close(self, failed: bool = False) -> None:
         """Join every worker.  After a failure the pipes are closed first (a worker exits
@@ -247,14 +255,17 @@ class _Orchestra:
             self.pausing[target] = (driver, i)
             w.send(target, "pause", i)
         finished = sum(last[p].get("finished", 0) for p in self.prefills)
-        if (self.target is not None and self.kill is None and not self.armed
-                and finished >= cfg.requests // 4):
+        if (
+            self.target is not None
+            and self.kill is None
+            and not self.armed
+            and finished >= cfg.requests // 4
+        ):
             self.armed = True
             w.send(self.target, "arm_kill")
         if self.target is not None and self.kill is None and all(p in done for p in self.prefills):
             self._kill({"mid_transfer": {}, "armed_s": None}, last)  # never got the chance
-        if (not self.expect_sent and cfg.decodes > 1
-                and all(p in done for p in self.prefills)):
+        if not self.expect_sent and cfg.decodes > 1 and all(p in done for p in self.prefills):
             self.expect_sent = True
             for d in self.live:
                 agent = w.agent[d]
@@ -266,11 +277,17 @@ class _Orchestra:
         code = w.kill(key)
         self.live.remove(key)
         by_agent = {w.agent[k]: k for k in w.keys}
-        self.kill = dict(worker=key, agent=w.agent[key], exit_code=code,
-                         finished_before=finished, armed_seconds=payload.get("armed_s"),
-                         mid_transfer={by_agent.get(a, a): sorted(r)
-                                       for a, r in payload.get("mid_transfer", {}).items()},
-                         last_progress=last.get(key, {}))
+        self.kill = dict(
+            worker=key,
+            agent=w.agent[key],
+            exit_code=code,
+            finished_before=finished,
+            armed_seconds=payload.get("armed_s"),
+            mid_transfer={
+                by_agent.get(a, a): sorted(r) for a, r in payload.get("mid_transfer", {}).items()
+            },
+            last_progress=last.get(key, {}),
+        )
         for p in self.prefills:
             w.send(p, "peer_gone", w.agent[key])
 
@@ -341,13 +358,16 @@ def _run(cfg: DemoConfig, progress: bool, hosts) -> dict:
                 orch.on_message(key, kind, payload, last, done)
             orch.tick(last, done)
             t = time.monotonic()
-            n = (sum(last[k].get("finished", 0) for k in pre)
-                 + sum(last[k].get("completed", 0) for k in dec))
+            n = sum(last[k].get("finished", 0) for k in pre) + sum(
+                last[k].get("completed", 0) for k in dec
+            )
             if n != finished:
                 finished, t_finished = n, t
             elif t - t_finished > STALL_S:
-                raise WorkerFailed(f"no request finished for {STALL_S:.0f} s: "
-                                   + "; ".join(f"{k} {last[k]}" for k in w.keys))
+                raise WorkerFailed(
+                    f"no request finished for {STALL_S:.0f} s: "
+                    + "; ".join(f"{k} {last[k]}" for k in w.keys)
+                )
             if bar:
                 bar.update(_sides(last, pre, dec), t - t0)
         wall = max(d["seconds"] for d in done.values())
@@ -379,9 +399,20 @@ def _run(cfg: DemoConfig, progress: bool, hosts) -> dict:
         w.close(failed=not clean)
     codes = {k: p.exitcode for k, p in w.procs.items()}
     phases["shutdown"] = time.monotonic() - t_begin - sum(phases.values())
-    res = build_result(cfg, final, raw, wall, time.monotonic() - t_begin, codes,
-                       keys=w.keys, roles=w.role, agents=w.agent, kill=orch.kill,
-                       confirmed=orch.confirmed, last=last)
+    res = build_result(
+        cfg,
+        final,
+        raw,
+        wall,
+        time.monotonic() - t_begin,
+        codes,
+        keys=w.keys,
+        roles=w.role,
+        agents=w.agent,
+        kill=orch.kill,
+        confirmed=orch.confirmed,
+        last=last,
+    )
     res["phase_seconds"] = phases
     res["setup_seconds"] = {k: ready[k]["setup"] for k in ready}
     if hosts is not None:
@@ -392,5 +423,7 @@ def _run(cfg: DemoConfig, progress: bool, hosts) -> dict:
 
 
 def _sides(last: dict, pre: list, dec: list) -> dict:
-    return {"prefill": _sum_progress([last[k] for k in pre]),
-            "decode": _sum_progress([last[k] for k in dec])}
+    return {
+        "prefill": _sum_progress([last[k] for k in pre]),
+        "decode": _sum_progress([last[k] for k in dec]),
+    }

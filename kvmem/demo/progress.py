@@ -23,9 +23,16 @@ class Progress:
 
         self.cfg = cfg
         self.t = -math.inf  # the last draw
-        self.bar = tqdm(total=cfg.requests, desc="kvmem demo", unit="req", leave=True,
-                        file=sys.stderr if file is None else file, disable=None,
-                        dynamic_ncols=True, bar_format=self.NOTE)
+        self.bar = tqdm(
+            total=cfg.requests,
+            desc="kvmem demo",
+            unit="req",
+            leave=True,
+            file=sys.stderr if file is None else file,
+            disable=None,
+            dynamic_ncols=True,
+            bar_format=self.NOTE,
+        )
 
     @property
     def shown(self) -> bool:
@@ -55,7 +62,9 @@ class Progress:
         self.bar.set_postfix_str(
             f"ok {o.get('succeeded', 0)} abort {o.get('aborted', 0)} timeout "
             f"{o.get('timed_out', 0)} fail {o.get('failed', 0)}, pauses "
-            f"{p.get('pauses', 0)}/{self.cfg.pauses}, {gbps:.2f} GB/s", refresh=False)
+            f"{p.get('pauses', 0)}/{self.cfg.pauses}, {gbps:.2f} GB/s",
+            refresh=False,
+        )
         self.bar.refresh()
 
     def close(self) -> None:

@@ -63,7 +63,7 @@ class Synth:
         self.tape_on(device)
 
     def _base(self, rid: int, layer: int, kv: int) -> int:
-        x = (rid * 0x9E3779B97F4A7C15 + layer * 0xBF58476D1CE4E5B9 + kv * 0x94D049BB133111EB)
+        x = rid * 0x9E3779B97F4A7C15 + layer * 0xBF58476D1CE4E5B9 + kv * 0x94D049BB133111EB
         x &= (1 << 64) - 1
         x ^= x >> 31
         return (x % _PERIOD) & ~63  # 64-byte aligned slices
@@ -72,13 +72,15 @@ class Synth:
         ps = self.spec.page_size
         tape = self.tape if device is None else self.tape_on(device)
         if not 0 <= first_page <= last_page or last_page * ps > -(-self.max_tokens // ps) * ps:
-            raise ValueError(f"synth: page range [{first_page}, {last_page}) outside a "
-                             f"{self.max_tokens}-token request")
+            raise ValueError(
+                f"synth: page range [{first_page}, {last_page}) outside a "
+                f"{self.max_tokens}-token request"
+            )
         t0, t1 = first_page * ps, last_page * ps
         for kv, row in enumerate(self.rows):
             for l in range(self.spec.num_layers):
                 b = self._base(rid, l, kv)
-                yield tape[b + t0 * row: b + t1 * row]
+                yield tape[b + t0 * row : b + t1 * row]
 
     def chunk(self, rid: int, first_page: int, last_page: int, out=None) -> torch.Tensor:
         """uint8 ``[packed_nbytes(spec, last - first)]``: pages ``[first, last)`` of ``rid``
@@ -102,8 +104,7 @@ class Synth:
             else:  # device ids, the device tape: no host sync
                 rows.index_copy_(0, idx, src)
 
-    def verify(self, rid: int, first_page: int, last_page: int,
-               data: torch.Tensor) -> torch.Tensor:
+    def verify(self, rid: int, first_page: int, last_page: int, data: torch.Tensor) -> torch.Tensor:
         """Whether ``data`` (uint8 ``[nbytes]``, packed) is exactly what :meth:`chunk`
         gives: a 0-dim bool tensor on ``data``'s device (on CUDA computed there, no host
         sync; ``bool()`` of it waits)."""
@@ -112,13 +113,11 @@ class Synth:
             return _verdict(data, False)
         verdicts, off = [], 0
         for s in slices:
-            verdicts.append(_equal(data[off:off + s.numel()], s))
+            verdicts.append(_equal(data[off : off + s.numel()], s))
             off += s.numel()
         return _all(data, verdicts)
 
-
-    def verify_pages(self, pool, rid: int, first_page: int, last_page: int,
-                     pages) -> torch.Tensor:
+    def verify_pages(self, pool, rid: int, first_page: int, last_page: int, pages) -> torch.Tensor:
         """Whether ``pool``'s ``pages`` (int64 [last - first] on the host, the pages
         holding the request's pages ``[first, last)``) hold exactly what :meth:`fill`
         writes there: the check of a chunk written straight into the pool, in place.  One
@@ -142,7 +141,7 @@ class Synth:
             rows = buf.view(buf.shape[0], -1).view(torch.uint8)  # [num_pages, page bytes]
             pb = rows.shape[1]
             for i, p, k in runs:
-                verdicts.append(_equal(rows[p:p + k].reshape(-1), piece[i * pb:(i + k) * pb]))
+                verdicts.append(_equal(rows[p : p + k].reshape(-1), piece[i * pb : (i + k) * pb]))
         return _all(probe, verdicts)
 
 
@@ -151,7 +150,12 @@ def _equal(a: torch.Tensor, b: torch.Tensor):
     memcmp (9.3 GB/s vs 6.1 GB/s for torch.equal of int64 views, 1 MiB ranges out of
     cache, 2-core CPU); elsewhere a 0-dim bool tensor computed on the device (no host
     sync), comparing int64 words when aligned (several times faster than byte-wise)."""
-    if a.device.type == "cpu" and b.device.type == "cpu" and a.is_contiguous() and b.is_contiguous():
+    if (
+        a.device.type == "cpu"
+        and b.device.type == "cpu"
+        and a.is_contiguous()
+        and b.is_contiguous()
+    ):
         return a.nbytes == b.nbytes and _libc.memcmp(a.data_ptr(), b.data_ptr(), a.nbytes) == 0
     if a.numel() != b.numel():
         return False

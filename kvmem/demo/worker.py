@@ -158,8 +158,14 @@ class _Worker:
         self.engine = NixlEngine(self.name, progress_thread=False)
         self.setup["nixl agent"] = time.monotonic() - t
         self.synth = Synth(self.spec, cfg.max_tokens, cfg.seed)
-        self.plan = FaultPlan(seed=cfg.seed, rates=cfg.rates(), chunk_tokens=cfg.chunk_tokens,
-                              max_tokens=cfg.max_tokens, min_tokens=1, wait=cfg.abort_wait)
+        self.plan = FaultPlan(
+            seed=cfg.seed,
+            rates=cfg.rates(),
+            chunk_tokens=cfg.chunk_tokens,
+            max_tokens=cfg.max_tokens,
+            min_tokens=1,
+            wait=cfg.abort_wait,
+        )
         self.clock = StageClock()
         self.bw_buf = None
         self.t_progress = 0.0
@@ -183,14 +189,16 @@ class _Worker:
             if self.conn.poll(wait):
                 kind, payload = self.conn.recv()
                 if kind != want:
-                    raise RuntimeError(f"{self.role} worker: expected {want!r} from the "
-                                       f"parent, got {kind!r}")
+                    raise RuntimeError(
+                        f"{self.role} worker: expected {want!r} from the parent, got {kind!r}"
+                    )
                 return payload
             if self.polling:
                 self.engine.get_notifs()
             if time.monotonic() > end:
-                raise TimeoutError(f"{self.role} worker: no {want!r} from the parent in "
-                                   f"{timeout:.0f} s")
+                raise TimeoutError(
+                    f"{self.role} worker: no {want!r} from the parent in {timeout:.0f} s"
+                )
 
     # --- start-up ---------------------------------------------------------------------------
     def populate(self) -> None:
@@ -206,8 +214,11 @@ class _Worker:
         first = self.index == 0  # the raw bandwidth runs between prefill 0 and decode 0
         n = self.cfg.bw_mib << 20 if first else 0
         if n:
-            self.bw_buf = (_pattern(n, self.cfg.seed) if self.role == "prefill"
-                           else torch.zeros(n, dtype=torch.uint8))
+            self.bw_buf = (
+                _pattern(n, self.cfg.seed)
+                if self.role == "prefill"
+                else torch.zeros(n, dtype=torch.uint8)
+            )
             self.engine.register("bw", [(self.bw_buf.data_ptr(), n)], 0)
         self.send("ready", {"metadata": self.engine.local_metadata(), "setup": self.setup})
         for blob in self.recv("peer"):
@@ -233,12 +244,16 @@ class _Worker:
     def final(self) -> dict:
         side, alloc = self.side, self.side.alloc
         audit = side.audit()
-        held = {str(o): len(p) for o, p in list(audit["leaked"].items())
-                + list(audit["quarantined"].items())}
+        held = {
+            str(o): len(p)
+            for o, p in list(audit["leaked"].items()) + list(audit["quarantined"].items())
+        }
         out = dict(
-            audit={"leaked": {str(k): v for k, v in audit["leaked"].items()},
-                   "quarantined": {str(k): v for k, v in audit["quarantined"].items()},
-                   "unaccounted": audit["unaccounted"]},
+            audit={
+                "leaked": {str(k): v for k, v in audit["leaked"].items()},
+                "quarantined": {str(k): v for k, v in audit["quarantined"].items()},
+                "unaccounted": audit["unaccounted"],
+            },
             leaked_pages=sum(held.values()) + len(audit["unaccounted"]),
             leaked_owners=held,
             allocator_allocated=int(alloc.num_allocated),
@@ -289,21 +304,31 @@ class PrefillWorker(_Worker):
         self.routed: Counter = Counter()  # decode agent -> requests bound to it
         self.gone_active: dict = {}  # decode agent -> rids active here when it died
         self.side = PrefillSide(
-            pool, alloc, self.engine, self.synth, decode_peers=self.decodes,
-            chunk_tokens=cfg.chunk_tokens, max_batch_tokens=cfg.batch_tokens(),
-            bootstrap_timeout=cfg.bootstrap_timeout, transfer_timeout=cfg.transfer_timeout,
-            faults=self.plan, direct_threshold=0 if cfg.chunks == "direct" else None,
-            transfer_mode=cfg.transfer_mode)
+            pool,
+            alloc,
+            self.engine,
+            self.synth,
+            decode_peers=self.decodes,
+            chunk_tokens=cfg.chunk_tokens,
+            max_batch_tokens=cfg.batch_tokens(),
+            bootstrap_timeout=cfg.bootstrap_timeout,
+            transfer_timeout=cfg.transfer_timeout,
+            faults=self.plan,
+            direct_threshold=0 if cfg.chunks == "direct" else None,
+            transfer_mode=cfg.transfer_mode,
+        )
         self.setup["side"] = time.monotonic() - t
         self.populate()
 
-    TIMED = (("model", "fill", "forward: synth KV into pool pages"),
-             ("pool", "pack", "pack_pages"),
-             ("engine", "post_write", "post_write (UCX copies here)"),
-             ("engine", "post_blocks", "post_blocks (direct; UCX copies here)"),
-             ("engine", "poll", "poll writes"),
-             ("engine", "get_notifs", "get_notifs"),
-             ("engine", "send_notif", "send_notif"))
+    TIMED = (
+        ("model", "fill", "forward: synth KV into pool pages"),
+        ("pool", "pack", "pack_pages"),
+        ("engine", "post_write", "post_write (UCX copies here)"),
+        ("engine", "post_blocks", "post_blocks (direct; UCX copies here)"),
+        ("engine", "poll", "poll writes"),
+        ("engine", "get_notifs", "get_notifs"),
+        ("engine", "send_notif", "send_notif"),
+    )
 
     def bandwidth(self) -> None:
         """Raw NIXL write bandwidth to the decode process: one registered buffer written
@@ -315,8 +340,9 @@ class PrefillWorker(_Worker):
         if self.cfg.calibrates():
             from kvmem.disagg.calibrate import calibrate_direct
 
-            cal = calibrate_direct(self.side, self.cfg.chunk_tokens // self.spec.page_size,
-                                   peer=self.decodes[0])
+            cal = calibrate_direct(
+                self.side, self.cfg.chunk_tokens // self.spec.page_size, peer=self.decodes[0]
+            )
             self.side.set_direct_threshold(cal["threshold"])
             out["calibration"] = cal
         self.send("bw_result", out)
@@ -341,8 +367,12 @@ class PrefillWorker(_Worker):
 
     def snapshot(self) -> dict:
         s = self.side
-        return dict(finished=len(s.finished), outcomes=dict(s.metrics.requests),
-                    bytes_sent=s.metrics.bytes_sent, pauses=self.pauses_done)
+        return dict(
+            finished=len(s.finished),
+            outcomes=dict(s.metrics.requests),
+            bytes_sent=s.metrics.bytes_sent,
+            pauses=self.pauses_done,
+        )
 
     def route(self, rid: int) -> str:
         """The decode for a new request: of the decodes that are not gone, the one with the
@@ -383,19 +413,25 @@ class PrefillWorker(_Worker):
                 if kind == "peer_gone":
                     self.gone.add(payload)
                     self.gone_active[payload] = sorted(
-                        r.rid for r in side.reqs.values() if r.peer == payload)
+                        r.rid for r in side.reqs.values() if r.peer == payload
+                    )
                     side.peer_gone(payload)  # its requests end now (500)
                 elif (kind, pause_active, payload) != (
-                        "decode_resumed", "decode",
-                        mine[self.pauses_done] if self.pauses_done < len(mine) else None):
+                    "decode_resumed",
+                    "decode",
+                    mine[self.pauses_done] if self.pauses_done < len(mine) else None,
+                ):
                     raise RuntimeError(f"prefill worker: unexpected {kind!r} {payload!r}")
                 else:
                     self.pauses_done += 1
                     pause_active = None
             # progress besides step(): a pipe message, a pause begun or ended, a request added
             moved = msg is not None
-            if (pause_active is None and self.pauses_done < len(mine)
-                    and len(side.finished) >= thresholds[self.pauses_done]):
+            if (
+                pause_active is None
+                and self.pauses_done < len(mine)
+                and len(side.finished) >= thresholds[self.pauses_done]
+            ):
                 moved = True
                 if mine[self.pauses_done] % 2 == 0:
                     side.begin_pause()
@@ -410,8 +446,7 @@ class PrefillWorker(_Worker):
                 pause_active = None
             nxt = self.pauses_done + 1
             gate = thresholds[nxt] + cap if nxt < len(mine) else n
-            while (next_i < min(n, gate) and len(side.reqs) < cap
-                   and pause_active != "prefill"):
+            while next_i < min(n, gate) and len(side.reqs) < cap and pause_active != "prefill":
                 moved = True
                 rid = rids[next_i]
                 peer = self.route(rid)
@@ -425,8 +460,13 @@ class PrefillWorker(_Worker):
             moved = side.step() or moved
             self.backoff.pace(moved or (side.writes_in_flight and not self.nap_moving))
             self.progress()
-            if (not done_sent and len(side.finished) == n and side.idle
-                    and self.pauses_done == len(mine) and pause_active is None):
+            if (
+                not done_sent
+                and len(side.finished) == n
+                and side.idle
+                and self.pauses_done == len(mine)
+                and pause_active is None
+            ):
                 self.progress(force=True)
                 self.send("done", dict(seconds=time.monotonic() - t0, routed=dict(self.routed)))
                 done_sent = True
@@ -441,18 +481,29 @@ class PrefillWorker(_Worker):
         by_peer: dict = {}
         for rid, why in side.finished.items():
             by_peer.setdefault(side.finished_peer[rid], Counter())[why.status] += 1
-        out.update(succeeded_rids=ok, faults_planned=dict(kinds),
-                   outcomes_by_fault={k: dict(v) for k, v in by_kind.items()},
-                   outcomes_by_status=dict(Counter(r.status for r in side.finished.values())),
-                   succeeded_by_peer={d: sorted(r for r in ok if side.finished_peer[r] == d)
-                                      for d in self.decodes},
-                   status_by_peer={d: dict(c) for d, c in by_peer.items()},
-                   routed=dict(self.routed),
-                   gone={d: {"active": rids_, "status": {r: side.finished[r].status
-                                                         for r in rids_},
-                             "bound": {r: why.status for r, why in side.finished.items()
-                                       if side.finished_peer[r] == d}}
-                         for d, rids_ in self.gone_active.items()})
+        out.update(
+            succeeded_rids=ok,
+            faults_planned=dict(kinds),
+            outcomes_by_fault={k: dict(v) for k, v in by_kind.items()},
+            outcomes_by_status=dict(Counter(r.status for r in side.finished.values())),
+            succeeded_by_peer={
+                d: sorted(r for r in ok if side.finished_peer[r] == d) for d in self.decodes
+            },
+            status_by_peer={d: dict(c) for d, c in by_peer.items()},
+            routed=dict(self.routed),
+            gone={
+                d: {
+                    "active": rids_,
+                    "status": {r: side.finished[r].status for r in rids_},
+                    "bound": {
+                        r: why.status
+                        for r, why in side.finished.items()
+                        if side.finished_peer[r] == d
+                    },
+                }
+                for d, rids_ in self.gone_active.items()
+            },
+        )
         self.send("final", out)
 
 
@@ -470,18 +521,27 @@ class DecodeWorker(_Worker):
         alloc = kvmem.PageAllocator(cfg.decode_pages(), spec.page_size)
         self.ok_sent = 0  # succeeded rids reported in progress so far (several decodes)
         self.side = DecodeSide(
-            pool, alloc, self.engine, self.synth, prefill_peers=list(names["prefill"]),
-            landing_bytes=cfg.landing_bytes(), timeout=cfg.decode_timeout, faults=self.plan,
-            transfer_mode=cfg.transfer_mode)
+            pool,
+            alloc,
+            self.engine,
+            self.synth,
+            prefill_peers=list(names["prefill"]),
+            landing_bytes=cfg.landing_bytes(),
+            timeout=cfg.decode_timeout,
+            faults=self.plan,
+            transfer_mode=cfg.transfer_mode,
+        )
         self.setup["side"] = time.monotonic() - t
         self.populate()
 
-    TIMED = (("verifier", "verify", "verify (Synth.verify)"),
-             ("verifier", "verify_pages", "verify in place (Synth.verify_pages)"),
-             ("engine", "post_blocks", "post_blocks (pull; UCX reads here)"),
-             ("pool", "unpack", "unpack_pages into pool"),
-             ("engine", "get_notifs", "get_notifs"),
-             ("engine", "send_notif", "send_notif"))
+    TIMED = (
+        ("verifier", "verify", "verify (Synth.verify)"),
+        ("verifier", "verify_pages", "verify in place (Synth.verify_pages)"),
+        ("engine", "post_blocks", "post_blocks (pull; UCX reads here)"),
+        ("pool", "unpack", "unpack_pages into pool"),
+        ("engine", "get_notifs", "get_notifs"),
+        ("engine", "send_notif", "send_notif"),
+    )
 
     def bandwidth(self) -> None:
         self.recv("bw_listen")
@@ -491,17 +551,22 @@ class DecodeWorker(_Worker):
             self.recv("bw_end")
         finally:
             self.polling = False
-        ok = (self.bw_buf is None
-              or torch.equal(self.bw_buf, _pattern(self.bw_buf.numel(), self.cfg.seed)))
+        ok = self.bw_buf is None or torch.equal(
+            self.bw_buf, _pattern(self.bw_buf.numel(), self.cfg.seed)
+        )
         self.send("bw_checked", dict(verified=bool(ok)))
 
     def snapshot(self) -> dict:
         m = self.side.metrics
-        out = dict(completed=len(self.side.completed), bytes_landed=m.bytes_landed,
-                   bytes_verified=m.bytes_verified, bytes_corrupt=m.bytes_corrupt)
+        out = dict(
+            completed=len(self.side.completed),
+            bytes_landed=m.bytes_landed,
+            bytes_verified=m.bytes_verified,
+            bytes_corrupt=m.bytes_corrupt,
+        )
         if self.cfg.decodes > 1:  # what this decode confirmed so far, should it die
             ok = [r for r, why in self.side.completed.items() if why.status == 200]
-            out["ok_rids"], self.ok_sent = ok[self.ok_sent:], len(ok)
+            out["ok_rids"], self.ok_sent = ok[self.ok_sent :], len(ok)
             out["active"] = len(self.side.reqs)
         return out
 
@@ -559,8 +624,13 @@ class DecodeWorker(_Worker):
             # over TCP then too (NAP_WHILE_MOVING)
             self.backoff.pace(moved or (side.reads_in_flight and not self.nap_moving))
             self.progress()
-            if (not done_sent and n is not None and len(side.completed) == n and side.idle
-                    and pausing is None):
+            if (
+                not done_sent
+                and n is not None
+                and len(side.completed) == n
+                and side.idle
+                and pausing is None
+            ):
                 self.progress(force=True)
                 self.send("done", dict(seconds=time.monotonic() - t0))
                 done_sent = True
@@ -589,8 +659,9 @@ def worker_main(role: str, cfg, conn, names: dict, index: int = 0, place=None) -
     # This process hosts a PD side: its kvmem.* records (WARNING and up, the root's
     # level) go to stderr, named after the worker.  NIXL's logger keeps its own handler.
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(
-        f"kvmem demo {role} worker: %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        logging.Formatter(f"kvmem demo {role} worker: %(levelname)s %(name)s: %(message)s")
+    )
     logging.getLogger("kvmem").addHandler(handler)
     try:
         enter(place)  # before the NIXL agent: its UCX context reads the network devices

@@ -17,15 +17,36 @@ the prefill's pool pages).  The lifecycle table holds in both.
 from kvmem.disagg.counters import Metrics
 from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
-    CLIENT_CLOSED, GATEWAY_TIMEOUT, INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, KVPoll, Outcome,
-    ProtocolError, Reason,
+    CLIENT_CLOSED,
+    GATEWAY_TIMEOUT,
+    INTERNAL_ERROR,
+    OK,
+    SERVICE_UNAVAILABLE,
+    KVPoll,
+    Outcome,
+    ProtocolError,
+    Reason,
 )
 from kvmem.disagg.decode import DecodeFaults, DecodeSide
 from kvmem.disagg.model import Forward, Verifier
 from kvmem.disagg.prefill import Faults, PrefillSide
 
 __all__ = [
-    "KVPoll", "Outcome", "Reason", "ProtocolError", "Ledger", "Metrics",
-    "PrefillSide", "DecodeSide", "Faults", "DecodeFaults", "Forward", "Verifier",
-    "OK", "CLIENT_CLOSED", "INTERNAL_ERROR", "SERVICE_UNAVAILABLE", "GATEWAY_TIMEOUT",
+    "KVPoll",
+    "Outcome",
+    "Reason",
+    "ProtocolError",
+    "Ledger",
+    "Metrics",
+    "PrefillSide",
+    "DecodeSide",
+    "Faults",
+    "DecodeFaults",
+    "Forward",
+    "Verifier",
+    "OK",
+    "CLIENT_CLOSED",
+    "INTERNAL_ERROR",
+    "SERVICE_UNAVAILABLE",
+    "GATEWAY_TIMEOUT",
 ]

@@ -21,7 +21,9 @@ class ArenaFullError(Exception):
 class Arena:
     def __init__(self, size: int, align: int = 256):
         if size <= 0 or align <= 0 or align & (align - 1):
-            raise ValueError(f"Arena: size must be > 0 and align a power of two, got {size}, {align}")
+            raise ValueError(
+                f"Arena: size must be > 0 and align a power of two, got {size}, {align}"
+            )
         self.size = size - size % align
         self.align = align
         self._starts = [0]  # free ranges, sorted by start
@@ -53,8 +55,10 @@ class Arena:
                 self._used[s] = need
                 return s
         largest = max((e - s for s, e in zip(self._starts, self._ends)), default=0)
-        raise ArenaFullError(f"arena: {nbytes} bytes asked, largest free range is {largest} "
-                             f"of {self.free_bytes} free")
+        raise ArenaFullError(
+            f"arena: {nbytes} bytes asked, largest free range is {largest} "
+            f"of {self.free_bytes} free"
+        )
 
     def free(self, offset: int) -> None:
         need = self._used.pop(offset, None)
@@ -73,11 +77,15 @@ class Arena:
         self._ends.insert(i, e)
 
     def check_invariants(self) -> None:
-        spans = sorted([(s, e, "free") for s, e in zip(self._starts, self._ends)]
-                       + [(s, s + n, "used") for s, n in self._used.items()])
+        spans = sorted(
+            [(s, e, "free") for s, e in zip(self._starts, self._ends)]
+            + [(s, s + n, "used") for s, n in self._used.items()]
+        )
         pos = 0
         for s, e, _ in spans:
-            assert s == pos and e > s, f"arena ranges do not tile [0, {self.size}) at {pos}: {spans}"
+            assert s == pos and e > s, (
+                f"arena ranges do not tile [0, {self.size}) at {pos}: {spans}"
+            )
             pos = e
         assert pos == self.size, f"arena ranges end at {pos}, size {self.size}"
         for a, b in zip(self._ends, self._starts[1:]):

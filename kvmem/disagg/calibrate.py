@@ -56,8 +56,9 @@ def _wait(engine, h) -> None:
         raise RuntimeError(f"calibration write ended {state}: {err}")
 
 
-def calibrate_direct(side, chunk_pages: int, rounds: int = 5, runs=None,
-                     peer: str | None = None) -> dict:
+def calibrate_direct(
+    side, chunk_pages: int, rounds: int = 5, runs=None, peer: str | None = None
+) -> dict:
     """Measure packed against direct for one chunk of ``chunk_pages`` pages of ``side``
     (a :class:`~kvmem.disagg.prefill.PrefillSide` whose peer's metadata is loaded), moved
     to decode peer ``peer`` (may be left out when the side has one), at several run
@@ -79,21 +80,28 @@ def calibrate_direct(side, chunk_pages: int, rounds: int = 5, runs=None,
             r *= 2
     most = max(int(_spread(chunk_pages, r)[-1]) for r in runs)
     if most >= min(lt.layout.count, rt.layout.count) or nbytes > side.arena.size:
-        raise ValueError(f"calibrate_direct: {chunk_pages} pages spread in runs need pool "
-                         f"pages up to {most} and {nbytes} bytes of staging")
+        raise ValueError(
+            f"calibrate_direct: {chunk_pages} pages spread in runs need pool "
+            f"pages up to {most} and {nbytes} bytes of staging"
+        )
     staging = side.staging[:nbytes]
     landing_map = RegionMap(landing.regions)
     if nbytes > landing_map.size:
-        raise ValueError(f"calibrate_direct: the decode's landing buffer ({landing_map.size} "
-                         f"bytes) is smaller than one chunk ({nbytes} bytes)")
+        raise ValueError(
+            f"calibrate_direct: the decode's landing buffer ({landing_map.size} "
+            f"bytes) is smaller than one chunk ({nbytes} bytes)"
+        )
     # both cut at their physical chunks' boundaries, as the side's own writes are
     local = side._staging_map.ranges(0, nbytes)
     remote = landing_map.ranges(0, nbytes)
     planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
     # a timed pack ends when the device is done (CUDA runs it asynchronously): this is a
     # measurement at start-up, not the hot path
-    done = ((lambda: torch.cuda.synchronize(pool.device)) if pool.device.type == "cuda"
-            else (lambda: None))
+    done = (
+        (lambda: torch.cuda.synchronize(pool.device))
+        if pool.device.type == "cuda"
+        else (lambda: None)
+    )
     rows = []
     try:
         for r in runs:
@@ -114,11 +122,20 @@ def calibrate_direct(side, chunk_pages: int, rounds: int = 5, runs=None,
                     d.append(t1 - t0)
                     k.append(t2 - t1)
                     p.append(t3 - t1 + (t2 - t1))
-            rows.append(dict(run_pages=r, descriptor_bytes=r * plane,
-                             descriptors=int(li.size // r), direct_s=min(d), packed_s=min(p),
-                             pack_s=min(k), direct_median_s=statistics.median(d),
-                             packed_median_s=statistics.median(p),
-                             direct_spread_s=[min(d), max(d)], packed_spread_s=[min(p), max(p)]))
+            rows.append(
+                dict(
+                    run_pages=r,
+                    descriptor_bytes=r * plane,
+                    descriptors=int(li.size // r),
+                    direct_s=min(d),
+                    packed_s=min(p),
+                    pack_s=min(k),
+                    direct_median_s=statistics.median(d),
+                    packed_median_s=statistics.median(p),
+                    direct_spread_s=[min(d), max(d)],
+                    packed_spread_s=[min(p), max(p)],
+                )
+            )
     finally:
         if own:
             eng.release_table(rt)
@@ -127,8 +144,12 @@ def calibrate_direct(side, chunk_pages: int, rounds: int = 5, runs=None,
     y = np.array([row["direct_s"] for row in rows], dtype=np.float64)
     # Theil-Sen: the median of the slopes between every two rows, so that one move slowed
     # by another process (a 5x outlier was seen at load 4) does not tilt the line
-    slopes = [(y[j] - y[i]) / (x[j] - x[i]) for i in range(len(x)) for j in range(i + 1, len(x))
-              if x[j] != x[i]]
+    slopes = [
+        (y[j] - y[i]) / (x[j] - x[i])
+        for i in range(len(x))
+        for j in range(i + 1, len(x))
+        if x[j] != x[i]
+    ]
     per_desc = float(np.median(slopes)) if slopes else 0.0
     rest = float(np.median(y - per_desc * x))
     packed = statistics.median(row["packed_s"] for row in rows)
@@ -142,11 +163,16 @@ def calibrate_direct(side, chunk_pages: int, rounds: int = 5, runs=None,
     else:
         r_star = most * per_desc / (packed - rest)  # pages of a layer per descriptor
         threshold = int(np.ceil(r_star)) * plane
-    return dict(threshold=threshold, chunk_pages=chunk_pages, chunk_bytes=nbytes,
-                page_plane_bytes=plane, rounds=rounds, rows=rows,
-                fit=dict(direct_per_descriptor_s=per_desc, direct_rest_s=rest,
-                         packed_s=packed),
-                how="fastest of the timed moves of one chunk, pages in runs of run_pages on "
-                    "both sides; packed = pack + contiguous write + the pack time again for "
-                    "the decode's unpack (estimated); direct fitted (Theil-Sen) as rest + "
-                    "per_descriptor * descriptors; threshold where it meets the packed median")
+    return dict(
+        threshold=threshold,
+        chunk_pages=chunk_pages,
+        chunk_bytes=nbytes,
+        page_plane_bytes=plane,
+        rounds=rounds,
+        rows=rows,
+        fit=dict(direct_per_descriptor_s=per_desc, direct_rest_s=rest, packed_s=packed),
+        how="fastest of the timed moves of one chunk, pages in runs of run_pages on "
+        "both sides; packed = pack + contiguous write + the pack time again for "
+        "the decode's unpack (estimated); direct fitted (Theil-Sen) as rest + "
+        "per_descriptor * descriptors; threshold where it meets the packed median",
+    )

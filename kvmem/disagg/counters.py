@@ -24,8 +24,11 @@ class PeerCounts:
     send_errors: int = 0
 
     def as_dict(self) -> dict:
-        return {"requests": dict(self.requests), "bytes": self.bytes,
-                "send_errors": self.send_errors}
+        return {
+            "requests": dict(self.requests),
+            "bytes": self.bytes,
+            "send_errors": self.send_errors,
+        }
 
 
 @dataclass
@@ -37,10 +40,10 @@ class Metrics:
     side: str
     requests: Counter = field(default_factory=Counter)  # by outcome
     bytes_packed: int = 0
-    bytes_sent: int = 0          # prefill: bytes of writes that completed DONE
-    bytes_landed: int = 0        # decode: bytes of chunks whose notification arrived
-    bytes_verified: int = 0      # decode: landed bytes equal to what was sent
-    bytes_corrupt: int = 0       # decode: landed bytes that differ
+    bytes_sent: int = 0  # prefill: bytes of writes that completed DONE
+    bytes_landed: int = 0  # decode: bytes of chunks whose notification arrived
+    bytes_verified: int = 0  # decode: landed bytes equal to what was sent
+    bytes_corrupt: int = 0  # decode: landed bytes that differ
     pauses: int = 0
     pause_seconds: float = 0.0
     protocol_errors: int = 0
@@ -65,12 +68,14 @@ class Metrics:
     def log_line(self, freed_by_reason: Counter) -> str:
         req = " ".join(f"{o.value}={self.requests[o.value]}" for o in Outcome)
         freed = " ".join(f"{r}={n}" for r, n in sorted(freed_by_reason.items()))
-        return (f"kvmem {self.side}: requests {req}; pages freed {freed or '-'}; "
-                f"bytes packed={self.bytes_packed} sent={self.bytes_sent} "
-                f"landed={self.bytes_landed} verified={self.bytes_verified} "
-                f"corrupt={self.bytes_corrupt}; pauses={self.pauses} "
-                f"({self.pause_seconds:.3f} s); protocol errors={self.protocol_errors} "
-                f"send errors={self.send_errors}")
+        return (
+            f"kvmem {self.side}: requests {req}; pages freed {freed or '-'}; "
+            f"bytes packed={self.bytes_packed} sent={self.bytes_sent} "
+            f"landed={self.bytes_landed} verified={self.bytes_verified} "
+            f"corrupt={self.bytes_corrupt}; pauses={self.pauses} "
+            f"({self.pause_seconds:.3f} s); protocol errors={self.protocol_errors} "
+            f"send errors={self.send_errors}"
+        )
 
 
 def now() -> float:

@@ -91,17 +91,40 @@ from kvmem.disagg.counters import Metrics, now
 from kvmem.disagg.device import HostCopy, device_event, to_device
 from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
-    CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, ProtocolError, Reason, check_caller_args,
+    CLIENT_CLOSED,
+    DEFAULT_TIMEOUT,
+    GATEWAY_TIMEOUT,
+    OK,
+    ProtocolError,
+    Reason,
+    check_caller_args,
 )
 from kvmem.disagg.peers import PeerTable, peer_names, sole_peer, tell
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.decode_memory import DecodeMemory, _Drain
 from kvmem.disagg.protocol import (
-    Abort, Aux, Chunk, Inbox, Meta, PauseAck, Ready, Req, apply_metadata, decode_runs,
-    dispatch, encode, encode_runs,
+    Abort,
+    Aux,
+    Chunk,
+    Inbox,
+    Meta,
+    PauseAck,
+    Ready,
+    Req,
+    apply_metadata,
+    decode_runs,
+    dispatch,
+    encode,
+    encode_runs,
 )
-from kvmem.disagg.states import (DECODE_EDGES, DECODE_PAUSE_EDGES, DecodeState, PausePhase,
-                                 set_phase, transition)
+from kvmem.disagg.states import (
+    DECODE_EDGES,
+    DECODE_PAUSE_EDGES,
+    DecodeState,
+    PausePhase,
+    set_phase,
+    transition,
+)
 from kvmem.transfer.errors import StaleEpochError, TransferError
 from kvmem.disagg.model import Verifier, prepare_model
 from kvmem.memory import make_backend
@@ -176,11 +199,23 @@ class DecodeSide(DecodeMemory):
     Its memory (registration, freeing in device order, pause and resume) is handled by the
     methods of its base :class:`~kvmem.disagg.decode_memory.DecodeMemory`."""
 
-    def __init__(self, pool, allocator, engine, verifier: Verifier, *, prefill_peer: str | None = None,
-                 prefill_peers=None, landing_bytes: int, timeout: float = DEFAULT_TIMEOUT,
-                 quarantine_timeout: float | None = None, clock=now,
-                 faults: DecodeFaults | None = None, transfer_mode: str = "push",
-                 done_event=None):
+    def __init__(
+        self,
+        pool,
+        allocator,
+        engine,
+        verifier: Verifier,
+        *,
+        prefill_peer: str | None = None,
+        prefill_peers=None,
+        landing_bytes: int,
+        timeout: float = DEFAULT_TIMEOUT,
+        quarantine_timeout: float | None = None,
+        clock=now,
+        faults: DecodeFaults | None = None,
+        transfer_mode: str = "push",
+        done_event=None,
+    ):
         """``verifier``: what the landed KV is checked against
         (:class:`~kvmem.disagg.model.Verifier`).
 
@@ -217,8 +252,14 @@ class DecodeSide(DecodeMemory):
         self._rooms: dict[int, int] = {}  # room -> rid
         self.completed: dict[int, Reason] = {}
         self.phase = PausePhase.SERVING  # DECODE_PAUSE_EDGES
-        self.inbox = Inbox(engine, peers=self.prefill_peers, receiver="decode",
-                           handle=self.handle_message, metrics=self.metrics, log=log)
+        self.inbox = Inbox(
+            engine,
+            peers=self.prefill_peers,
+            receiver="decode",
+            handle=self.handle_message,
+            metrics=self.metrics,
+            log=log,
+        )
         self._register()
 
     def _tell(self, peer: str, msg: bytes) -> bool:
@@ -270,16 +311,30 @@ class DecodeSide(DecodeMemory):
 
     # The one dispatch table: message kind -> the handler of what a prefill sends
     # (protocol.DECODE_RECEIVES); each handler takes (msg, peer).
-    HANDLERS = {Req: "_on_req", Chunk: "_on_chunk", Aux: "_on_aux", Abort: "_on_abort",
-                PauseAck: "_on_pause_ack", Meta: "_on_meta", Ready: "_on_ready"}
+    HANDLERS = {
+        Req: "_on_req",
+        Chunk: "_on_chunk",
+        Aux: "_on_aux",
+        Abort: "_on_abort",
+        PauseAck: "_on_pause_ack",
+        Meta: "_on_meta",
+        Ready: "_on_ready",
+    }
 
     def handle_message(self, msg, peer: str | None = None) -> None:
         """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from prefill
         peer ``peer`` (may be left out when the side has one) with its handler of
         :attr:`HANDLERS`; ProtocolError, before anything changed, when it does not fit
         the state here."""
-        dispatch(self, self.HANDLERS, msg, self.prefill_peer if peer is None else peer,
-                 "decode", peers=self._tables, sender="prefill")
+        dispatch(
+            self,
+            self.HANDLERS,
+            msg,
+            self.prefill_peer if peer is None else peer,
+            "decode",
+            peers=self._tables,
+            sender="prefill",
+        )
 
     def _on_meta(self, msg: Meta, peer: str) -> None:
         apply_metadata(self.engine, msg)
@@ -295,11 +350,14 @@ class DecodeSide(DecodeMemory):
             # for again: the prefill re-sends REQ when this side paused under its BOOT.)
             raise ProtocolError(f"REQ for request {rid}: delivered already")
         if room in self._rooms:
-            raise ProtocolError(f"REQ for request {rid}: bootstrap room {room} is in use by "
-                                f"request {self._rooms[room]}")
+            raise ProtocolError(
+                f"REQ for request {rid}: bootstrap room {room} is in use by "
+                f"request {self._rooms[room]}"
+            )
         if tokens <= 0 or tokens > self.verifier.max_tokens:
-            raise ProtocolError(f"REQ for request {rid}: {tokens} tokens outside "
-                                f"[1, {self.verifier.max_tokens}]")
+            raise ProtocolError(
+                f"REQ for request {rid}: {tokens} tokens outside [1, {self.verifier.max_tokens}]"
+            )
         req = DecodeRequest(rid, room, tokens, peer, t_seen=self.clock())
         withheld = self.faults.withhold_boot(rid)
         self._transition(req, DecodeState.WITHHELD if withheld else DecodeState.WAITING)
@@ -338,9 +396,18 @@ class DecodeSide(DecodeMemory):
         req.host_pages, req.ids = req.ids.numpy(), None
         self._transition(req, DecodeState.BOOTED)
         req.t_seen = self.clock()
-        self._tell(req.peer, encode(
-            "BOOT", rid=req.rid, room=req.room, off=req.landing_off, nbytes=req.landing_nbytes,
-            epoch=self.pool.epoch, pages=encode_runs(req.host_pages)))
+        self._tell(
+            req.peer,
+            encode(
+                "BOOT",
+                rid=req.rid,
+                room=req.room,
+                off=req.landing_off,
+                nbytes=req.landing_nbytes,
+                epoch=self.pool.epoch,
+                pages=encode_runs(req.host_pages),
+            ),
+        )
         return True
 
     def _known(self, msg, peer: str) -> DecodeRequest:
@@ -348,8 +415,9 @@ class DecodeSide(DecodeMemory):
         if req is None:
             raise ProtocolError(f"{msg.t} for unknown request {msg.rid}")
         if req.peer != peer:
-            raise ProtocolError(f"{msg.t} for request {msg.rid} from {peer!r}: the request is "
-                                f"{req.peer!r}'s")
+            raise ProtocolError(
+                f"{msg.t} for request {msg.rid} from {peer!r}: the request is {req.peer!r}'s"
+            )
         if req.state not in _RECEIVING:
             raise ProtocolError(f"{msg.t} for request {req.rid} in state {req.state}")
         return req
@@ -360,8 +428,10 @@ class DecodeSide(DecodeMemory):
         n_pages = -(-req.tokens // self.spec.page_size)
         first, last = msg.first, msg.last
         if not 0 <= first < last <= n_pages:
-            raise ProtocolError(f"{msg.t} for request {req.rid}: pages [{first}, {last}) "
-                                f"outside its {n_pages} pages")
+            raise ProtocolError(
+                f"{msg.t} for request {req.rid}: pages [{first}, {last}) "
+                f"outside its {n_pages} pages"
+            )
         return first, last
 
     def _on_chunk(self, msg: Chunk, peer: str) -> None:
@@ -369,29 +439,34 @@ class DecodeSide(DecodeMemory):
         first, last = self._page_range(req, msg)
         nbytes = kvmem.packed_nbytes(self.spec, last - first)
         if msg.nbytes != nbytes:
-            raise ProtocolError(f"CHUNK for request {req.rid}: {msg.nbytes} bytes, pages "
-                                f"[{first}, {last}) pack to {nbytes}")
+            raise ProtocolError(
+                f"CHUNK for request {req.rid}: {msg.nbytes} bytes, pages "
+                f"[{first}, {last}) pack to {nbytes}"
+            )
         if msg.off != kvmem.packed_nbytes(self.spec, first):
-            raise ProtocolError(f"CHUNK for request {req.rid}: offset {msg.off} is not where "
-                                f"pages from {first} land")
+            raise ProtocolError(
+                f"CHUNK for request {req.rid}: offset {msg.off} is not where "
+                f"pages from {first} land"
+            )
         if first != req.pages_done:
-            raise ProtocolError(f"CHUNK for request {req.rid}: pages from {first}, expected "
-                                f"from {req.pages_done}")
+            raise ProtocolError(
+                f"CHUNK for request {req.rid}: pages from {first}, expected from {req.pages_done}"
+            )
         self.metrics.bytes_landed += nbytes
         self.metrics.peer(peer).bytes += nbytes
         if msg.direct:  # written straight into the request's pool pages: check them there
             self.chunk_modes["direct"] += 1
-            ok = self.verifier.verify_pages(self.pool, req.rid, first, last,
-                                            req.host_pages[first:last])
+            ok = self.verifier.verify_pages(
+                self.pool, req.rid, first, last, req.host_pages[first:last]
+            )
         else:
             self.chunk_modes["packed"] += 1
             start = req.landing_off + msg.off
-            data = self.landing[start:start + nbytes]
+            data = self.landing[start : start + nbytes]
             ok = self.verifier.verify(req.rid, first, last, data)
         self._landed(req, first, last, nbytes, ok, "landed bytes differ from what was sent")
         if req.state is DecodeState.BOOTED and not msg.direct:  # own ids: unchecked, no sync
-            kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last],
-                               check=False)
+            kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last], check=False)
         req.busy = self.done_event()  # the check and the unpack read the region, write pages
 
     # --- pull mode --------------------------------------------------------------------------
@@ -404,36 +479,50 @@ class DecodeSide(DecodeMemory):
         req = self._known(msg, peer)
         first, last = self._page_range(req, msg)
         if first != req.pages_done or req.reads:
-            raise ProtocolError(f"READY for request {req.rid}: pages from {first}, expected "
-                                f"from {req.pages_done}" + (" (a read is in flight)" if req.reads
-                                                             else ""))
+            raise ProtocolError(
+                f"READY for request {req.rid}: pages from {first}, expected "
+                f"from {req.pages_done}" + (" (a read is in flight)" if req.reads else "")
+            )
         src = np.array(decode_runs(msg.pages, last - first), dtype=np.int64)
         if src.size != last - first:
-            raise ProtocolError(f"READY for request {req.rid}: {src.size} pages for "
-                                f"[{first}, {last})")
+            raise ProtocolError(
+                f"READY for request {req.rid}: {src.size} pages for [{first}, {last})"
+            )
         ok = False
         try:
             if req.state is DecodeState.QUARANTINED:  # aborted here: nothing more is read
                 raise TransferError(f"request {req.rid} is aborted on the decode side")
             rt = self._tables[peer].get()
             if rt is None or rt.epoch != msg.epoch:
-                raise StaleEpochError(peer, "kv", f"epoch {msg.epoch}",
-                                      "closed" if rt is None else f"epoch {rt.epoch}", "READY")
+                raise StaleEpochError(
+                    peer,
+                    "kv",
+                    f"epoch {msg.epoch}",
+                    "closed" if rt is None else f"epoch {rt.epoch}",
+                    "READY",
+                )
             if src.min() < 1 or src.max() >= rt.layout.count:
-                raise ProtocolError(f"READY for request {req.rid}: prefill pages outside "
-                                    f"[1, {rt.layout.count})")
+                raise ProtocolError(
+                    f"READY for request {req.rid}: prefill pages outside [1, {rt.layout.count})"
+                )
             lt = self._local_table
             dst = req.host_pages[first:last]
             planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
-            h = self.engine.post_blocks(lt, (planes * lt.layout.count + dst).reshape(-1), rt,
-                                        (planes * rt.layout.count + src).reshape(-1), b"",
-                                        op="READ")
+            h = self.engine.post_blocks(
+                lt,
+                (planes * lt.layout.count + dst).reshape(-1),
+                rt,
+                (planes * rt.layout.count + src).reshape(-1),
+                b"",
+                op="READ",
+            )
             req.reads.append((h, first, last))
             req.t_seen = self.clock()
             ok = True
         except (StaleEpochError, TransferError) as e:
-            log.warning("decode: request %d: read of pages [%d, %d) refused: %s", req.rid,
-                        first, last, e)
+            log.warning(
+                "decode: request %d: read of pages [%d, %d) refused: %s", req.rid, first, last, e
+            )
         if not ok:
             self._tell(peer, encode("PULLED", rid=req.rid, first=first, last=last, ok=False))
 
@@ -464,8 +553,9 @@ class DecodeSide(DecodeMemory):
             else:
                 self.metrics.bytes_corrupt += c.nbytes
                 if c.bad is not None:
-                    log.error("decode: request %d pages [%d, %d): %s", c.rid, c.first, c.last,
-                              c.bad)
+                    log.error(
+                        "decode: request %d pages [%d, %d): %s", c.rid, c.first, c.last, c.bad
+                    )
         del self._checks[:done]
         return done > 0
 
@@ -489,13 +579,21 @@ class DecodeSide(DecodeMemory):
                     self.chunk_modes["pulled"] += 1
                     self.metrics.bytes_landed += nbytes
                     self.metrics.peer(req.peer).bytes += nbytes
-                    ok = self.verifier.verify_pages(self.pool, req.rid, first, last,
-                                                    req.host_pages[first:last])
+                    ok = self.verifier.verify_pages(
+                        self.pool, req.rid, first, last, req.host_pages[first:last]
+                    )
                     req.busy = self.done_event()  # the check reads the pages
-                    self._landed(req, first, last, nbytes, ok,
-                                 "read bytes differ from what the prefill computed")
-                self._tell(req.peer, encode("PULLED", rid=req.rid, first=first, last=last,
-                                            ok=st == "DONE"))
+                    self._landed(
+                        req,
+                        first,
+                        last,
+                        nbytes,
+                        ok,
+                        "read bytes differ from what the prefill computed",
+                    )
+                self._tell(
+                    req.peer, encode("PULLED", rid=req.rid, first=first, last=last, ok=st == "DONE")
+                )
             req.reads = keep
             if not keep and req.free_after_reads is not None:
                 self._free(req, *req.free_after_reads)
@@ -505,16 +603,19 @@ class DecodeSide(DecodeMemory):
         req = self._known(msg, peer)
         n_pages = -(-req.tokens // self.spec.page_size)
         if msg.off != kvmem.packed_nbytes(self.spec, n_pages) or msg.nbytes != AUX_BYTES:
-            raise ProtocolError(f"AUX for request {req.rid}: [{msg.off}, +{msg.nbytes}) "
-                                f"is not its extra-state slot")
+            raise ProtocolError(
+                f"AUX for request {req.rid}: [{msg.off}, +{msg.nbytes}) is not its extra-state slot"
+            )
         if req.pages_done != n_pages:
-            raise ProtocolError(f"AUX for request {req.rid} before its last chunk "
-                                f"({req.pages_done} of {n_pages} pages)")
+            raise ProtocolError(
+                f"AUX for request {req.rid} before its last chunk "
+                f"({req.pages_done} of {n_pages} pages)"
+            )
         # The slot follows the packed KV, so it is 8-byte aligned only when the packed size
         # is (odd head dims, fp8, small pages): compare bytes, never view them as int64 there.
         start = req.landing_off + msg.off
         want = torch.tensor([req.rid, req.tokens], dtype=torch.int64).view(torch.uint8)
-        got = self.landing[start:start + want.numel()]
+        got = self.landing[start : start + want.numel()]
         self.metrics.bytes_landed += AUX_BYTES
         self.metrics.peer(peer).bytes += AUX_BYTES
         ok = (got == to_device(want, got.device)).all()  # on the device: no host sync
@@ -533,11 +634,14 @@ class DecodeSide(DecodeMemory):
                 return  # both sides finished it already
             raise ProtocolError(f"ABORT for unknown request {msg.rid}")
         if req.peer != peer:
-            raise ProtocolError(f"ABORT for request {msg.rid} from {peer!r}: the request is "
-                                f"{req.peer!r}'s")
+            raise ProtocolError(
+                f"ABORT for request {msg.rid} from {peer!r}: the request is {req.peer!r}'s"
+            )
         if msg.status == OK and req.state is not DecodeState.QUARANTINED:
-            raise ProtocolError(f"ABORT for request {req.rid} with status 200: this side did "
-                                "not ask for it (200 only answers an ABORT_REQ)")
+            raise ProtocolError(
+                f"ABORT for request {req.rid} with status 200: this side did "
+                "not ask for it (200 only answers an ABORT_REQ)"
+            )
         reason = req.reason or Reason(msg.status, msg.reason)
         if req.reads:  # (the prefill gave up waiting for our PULLED) our read targets the
             req.free_after_reads = (f"abort:{msg.status}", reason)  # pages: after it ends
@@ -558,8 +662,7 @@ class DecodeSide(DecodeMemory):
         if req.state is DecodeState.QUARANTINED:
             return
         req.reason = Reason(status, message or f"request {rid} aborted on the decode side")
-        self._tell(req.peer, encode(
-            "ABORT_REQ", rid=rid, status=status, reason=req.reason.message))
+        self._tell(req.peer, encode("ABORT_REQ", rid=rid, status=status, reason=req.reason.message))
         self._transition(req, DecodeState.QUARANTINED)
         req.t_quarantined = self.clock()
         self.ledger.quarantine(rid)
@@ -581,15 +684,23 @@ class DecodeSide(DecodeMemory):
                     continue  # our own read still targets its pages: wait for DONE/ERR
                 if t - req.t_quarantined > self.quarantine_timeout:
                     moved = True
-                    log.error("decode: request %d: no answer from the prefill for %.1f s after "
-                              "its abort; freeing its quarantined pages", req.rid,
-                              self.quarantine_timeout)
+                    log.error(
+                        "decode: request %d: no answer from the prefill for %.1f s after "
+                        "its abort; freeing its quarantined pages",
+                        req.rid,
+                        self.quarantine_timeout,
+                    )
                     self._free(req, "quarantine-expired", req.reason)
             elif t - req.t_seen > self.timeout:
                 moved = True
-                self.abort(req.rid, GATEWAY_TIMEOUT, (
-                    f"decode timeout (> {self.timeout:g} s without news from the prefill) "
-                    f"for request {req.rid} (room {req.room})"))
+                self.abort(
+                    req.rid,
+                    GATEWAY_TIMEOUT,
+                    (
+                        f"decode timeout (> {self.timeout:g} s without news from the prefill) "
+                        f"for request {req.rid} (room {req.room})"
+                    ),
+                )
         return moved
 
     @property

@@ -77,11 +77,13 @@ class DecodeMemory:
         if not self.pausing:
             raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this side is not pausing")
         if msg.epoch != self.pool.epoch:
-            raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this pause is epoch "
-                                f"{self.pool.epoch}")
+            raise ProtocolError(
+                f"PAUSE_ACK epoch {msg.epoch}: this pause is epoch {self.pool.epoch}"
+            )
         if peer not in self._acks_due:
-            raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch} from {peer!r}: it answered "
-                                "this pause already")
+            raise ProtocolError(
+                f"PAUSE_ACK epoch {msg.epoch} from {peer!r}: it answered this pause already"
+            )
         self._acks_due.discard(peer)
         self._maybe_finish_pause()
 
@@ -153,9 +155,18 @@ class DecodeMemory:
         when some is still queued)."""
         for req in list(self.reqs.values()):
             if req.state in _HOLDING:
-                self._free(req, "abort:503", req.reason or Reason(SERVICE_UNAVAILABLE, (
-                    f"request {req.rid} (room {req.room}) aborted: decode paused to release "
-                    "its KV memory")))
+                self._free(
+                    req,
+                    "abort:503",
+                    req.reason
+                    or Reason(
+                        SERVICE_UNAVAILABLE,
+                        (
+                            f"request {req.rid} (room {req.room}) aborted: decode paused to release "
+                            "its KV memory"
+                        ),
+                    ),
+                )
         self._drain_device()
         if self._draining:
             self._phase(PausePhase.FREEING)  # step() completes it

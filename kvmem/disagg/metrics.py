@@ -69,7 +69,9 @@ import weakref
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
-    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
 )
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -84,12 +86,34 @@ STAGES = ("packed", "sent", "landed", "verified", "corrupt")  # Metrics.bytes_<s
 SIDES = ("prefill", "decode")  # Metrics.side
 # The Metrics fields the collector reads: every one but ``side`` (tests/disagg/test_metrics.py
 # fails when Metrics gains a field that is not here).
-FIELDS = frozenset({"requests", *(f"bytes_{s}" for s in STAGES), "pauses", "pause_seconds",
-                    "protocol_errors", "send_errors", "time_to_free", "peers"})
+FIELDS = frozenset(
+    {
+        "requests",
+        *(f"bytes_{s}" for s in STAGES),
+        "pauses",
+        "pause_seconds",
+        "protocol_errors",
+        "send_errors",
+        "time_to_free",
+        "peers",
+    }
+)
 # Seconds from an abort inside the running batch to its pages being free, 0.1 ms to 1 s
 # around what the demo measured (docs/logging.md, "Metrics").
-ABORT_FREE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                      0.25, 1.0)
+ABORT_FREE_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
 
 
 class DisaggCollector(Collector):
@@ -103,23 +127,28 @@ class DisaggCollector(Collector):
     def add(self, side) -> None:
         kind = side.metrics.side
         if kind not in SIDES:
-            raise ValueError(f"kvmem.disagg.metrics: side.metrics.side must be one of "
-                             f"{sorted(SIDES)}, got {kind!r}")
+            raise ValueError(
+                f"kvmem.disagg.metrics: side.metrics.side must be one of "
+                f"{sorted(SIDES)}, got {kind!r}"
+            )
         with self._lock:
             if kind in self._sides:
                 which = "this same side" if self._sides[kind] is side else "another one"
                 raise ValueError(
                     f"kvmem.disagg.metrics: a {kind} side is already registered in this registry "
                     f"({which}); unregister it first, or give each instance a registry of "
-                    "its own")
+                    "its own"
+                )
             self._sides[kind] = side
 
     def remove(self, side) -> None:
         kind = side.metrics.side
         with self._lock:
             if self._sides.get(kind) is not side:
-                raise ValueError(f"kvmem.disagg.metrics: this {kind} side is not registered in "
-                                 f"this registry (registered: {sorted(self._sides) or 'none'})")
+                raise ValueError(
+                    f"kvmem.disagg.metrics: this {kind} side is not registered in "
+                    f"this registry (registered: {sorted(self._sides) or 'none'})"
+                )
             del self._sides[kind]
 
     def __len__(self) -> int:
@@ -133,8 +162,20 @@ class DisaggCollector(Collector):
         with self._lock:
             sides = sorted(self._sides.items())
         fams = self._families()
-        (requests, freed, moved, pauses, paused, refused, unsent, ttf, pages, peer_requests,
-         peer_bytes, peer_unsent) = fams
+        (
+            requests,
+            freed,
+            moved,
+            pauses,
+            paused,
+            refused,
+            unsent,
+            ttf,
+            pages,
+            peer_requests,
+            peer_bytes,
+            peer_unsent,
+        ) = fams
         for kind, side in sides:
             m = side.metrics
             by_outcome = dict(m.requests)
@@ -170,38 +211,64 @@ class DisaggCollector(Collector):
     @staticmethod
     def _families():
         return [
-            CounterMetricFamily("kvmem_requests", "Requests ended, by outcome",
-                                labels=["side", "outcome"]),
-            CounterMetricFamily("kvmem_pages_freed", "KV pages freed through the page "
-                                "ledger, by reason", labels=["side", "reason"]),
-            CounterMetricFamily("kvmem_transfer_bytes", "Bytes of KV at each stage of the "
-                                "transfer path (packed, sent; landed, verified, corrupt); "
-                                "stages are points on one path, not parts",
-                                labels=["side", "stage"]),
-            CounterMetricFamily("kvmem_pauses", "Pauses begun (pool memory released)",
-                                labels=["side"]),
-            CounterMetricFamily("kvmem_pause_seconds", "Seconds paused, over the pauses "
-                                "that ended", labels=["side"]),
-            CounterMetricFamily("kvmem_protocol_errors", "Peer control messages refused",
-                                labels=["side"]),
-            CounterMetricFamily("kvmem_send_errors", "Control messages the peer could not "
-                                "be sent", labels=["side"]),
-            HistogramMetricFamily("kvmem_abort_free_seconds", "Seconds from an abort in the "
-                                  "running batch to its pages being free", labels=["side"]),
-            GaugeMetricFamily("kvmem_pages", "KV pages of the side's allocator, free or "
-                              "allocated", labels=["side", "state"]),
-            CounterMetricFamily("kvmem_peer_requests", "Requests ended, by the peer they "
-                                "were bound to and outcome",
-                                labels=["side", "peer", "outcome"]),
-            CounterMetricFamily("kvmem_peer_bytes", "Bytes moved with each peer (prefill: "
-                                "sent, decode: landed)", labels=["side", "peer"]),
-            CounterMetricFamily("kvmem_peer_send_errors", "Control messages each peer could "
-                                "not be sent", labels=["side", "peer"]),
+            CounterMetricFamily(
+                "kvmem_requests", "Requests ended, by outcome", labels=["side", "outcome"]
+            ),
+            CounterMetricFamily(
+                "kvmem_pages_freed",
+                "KV pages freed through the page ledger, by reason",
+                labels=["side", "reason"],
+            ),
+            CounterMetricFamily(
+                "kvmem_transfer_bytes",
+                "Bytes of KV at each stage of the "
+                "transfer path (packed, sent; landed, verified, corrupt); "
+                "stages are points on one path, not parts",
+                labels=["side", "stage"],
+            ),
+            CounterMetricFamily(
+                "kvmem_pauses", "Pauses begun (pool memory released)", labels=["side"]
+            ),
+            CounterMetricFamily(
+                "kvmem_pause_seconds", "Seconds paused, over the pauses that ended", labels=["side"]
+            ),
+            CounterMetricFamily(
+                "kvmem_protocol_errors", "Peer control messages refused", labels=["side"]
+            ),
+            CounterMetricFamily(
+                "kvmem_send_errors", "Control messages the peer could not be sent", labels=["side"]
+            ),
+            HistogramMetricFamily(
+                "kvmem_abort_free_seconds",
+                "Seconds from an abort in the running batch to its pages being free",
+                labels=["side"],
+            ),
+            GaugeMetricFamily(
+                "kvmem_pages",
+                "KV pages of the side's allocator, free or allocated",
+                labels=["side", "state"],
+            ),
+            CounterMetricFamily(
+                "kvmem_peer_requests",
+                "Requests ended, by the peer they were bound to and outcome",
+                labels=["side", "peer", "outcome"],
+            ),
+            CounterMetricFamily(
+                "kvmem_peer_bytes",
+                "Bytes moved with each peer (prefill: sent, decode: landed)",
+                labels=["side", "peer"],
+            ),
+            CounterMetricFamily(
+                "kvmem_peer_send_errors",
+                "Control messages each peer could not be sent",
+                labels=["side", "peer"],
+            ),
         ]
 
 
 _COLLECTORS: "weakref.WeakKeyDictionary[CollectorRegistry, DisaggCollector]" = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 _COLLECTORS_LOCK = threading.Lock()
 
 
@@ -234,8 +301,10 @@ def unregister(side, registry: CollectorRegistry | None = None) -> None:
     with _COLLECTORS_LOCK:
         col = _COLLECTORS.get(registry)
         if col is None:
-            raise ValueError(f"kvmem.disagg.metrics: no kvmem side is registered in this "
-                             f"registry (this {side.metrics.side} side is not)")
+            raise ValueError(
+                f"kvmem.disagg.metrics: no kvmem side is registered in this "
+                f"registry (this {side.metrics.side} side is not)"
+            )
         col.remove(side)
         if not len(col):
             registry.unregister(col)

@@ -42,8 +42,7 @@ class Forward(Protocol):
         other call: set-up that must not fall inside a step (a copy to the device).  May
         do nothing."""
 
-    def fill(self, pool, rid: int, first_page: int, last_page: int,
-             pages: torch.Tensor) -> None:
+    def fill(self, pool, rid: int, first_page: int, last_page: int, pages: torch.Tensor) -> None:
         """Write the KV of request ``rid``'s pages ``[first_page, last_page)`` into
         ``pool``'s pages ``pages`` (int64 ``[last_page - first_page]``, on the pool's
         device), every layer, K and V.  Called inside ``step()``; on CUDA the work is
@@ -63,14 +62,12 @@ class Verifier(Protocol):
     def prepare(self, device: torch.device) -> None:
         """As :meth:`Forward.prepare`."""
 
-    def verify(self, rid: int, first_page: int, last_page: int,
-               data: torch.Tensor) -> torch.Tensor:
+    def verify(self, rid: int, first_page: int, last_page: int, data: torch.Tensor) -> torch.Tensor:
         """Whether ``data`` (uint8 ``[nbytes]``, a packed chunk in the decode's landing
         buffer) is exactly request ``rid``'s pages ``[first_page, last_page)``: a 0-dim
         bool tensor on ``data``'s device."""
 
-    def verify_pages(self, pool, rid: int, first_page: int, last_page: int,
-                     pages) -> torch.Tensor:
+    def verify_pages(self, pool, rid: int, first_page: int, last_page: int, pages) -> torch.Tensor:
         """Whether ``pool``'s pages ``pages`` (int64 ``[last_page - first_page]`` on the
         host: a NumPy array) hold exactly request ``rid``'s pages ``[first_page,
         last_page)``: the check of a chunk written (push, direct) or read (pull) straight
@@ -79,8 +76,10 @@ class Verifier(Protocol):
 
 # Each protocol's members, in the order an error names the missing ones (typing has no
 # public list of them before Python 3.13).
-_MEMBERS = {Forward: ("max_tokens", "prepare", "fill"),
-            Verifier: ("max_tokens", "prepare", "verify", "verify_pages")}
+_MEMBERS = {
+    Forward: ("max_tokens", "prepare", "fill"),
+    Verifier: ("max_tokens", "prepare", "verify", "verify_pages"),
+}
 
 
 def prepare_model(model, protocol: type, device, who: str) -> None:
@@ -91,8 +90,9 @@ def prepare_model(model, protocol: type, device, who: str) -> None:
     name = f"kvmem.disagg.{protocol.__name__}"
     missing = [m for m in _MEMBERS[protocol] if not hasattr(model, m)]
     if missing:
-        raise TypeError(f"{who}: {type(model).__name__} is not a {name}: it has no "
-                        f"{', '.join(missing)}")
+        raise TypeError(
+            f"{who}: {type(model).__name__} is not a {name}: it has no {', '.join(missing)}"
+        )
     n = model.max_tokens
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"{who}: {name}.max_tokens must be an int, got {n!r}")

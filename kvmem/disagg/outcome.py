@@ -24,9 +24,9 @@ class Outcome(str, enum.Enum):
     """How a request ended; the four partition the requests."""
 
     SUCCEEDED = "succeeded"
-    ABORTED = "aborted"      # client or decode-side abort, or a pause (503)
+    ABORTED = "aborted"  # client or decode-side abort, or a pause (503)
     TIMED_OUT = "timed_out"  # 504
-    FAILED = "failed"        # 500: a send failed
+    FAILED = "failed"  # 500: a send failed
 
 
 # HTTP-like status codes carried by abort reasons.
@@ -37,8 +37,11 @@ SERVICE_UNAVAILABLE = 503
 GATEWAY_TIMEOUT = 504
 
 _OUTCOME_OF_STATUS = {
-    OK: Outcome.SUCCEEDED, CLIENT_CLOSED: Outcome.ABORTED, SERVICE_UNAVAILABLE: Outcome.ABORTED,
-    GATEWAY_TIMEOUT: Outcome.TIMED_OUT, INTERNAL_ERROR: Outcome.FAILED,
+    OK: Outcome.SUCCEEDED,
+    CLIENT_CLOSED: Outcome.ABORTED,
+    SERVICE_UNAVAILABLE: Outcome.ABORTED,
+    GATEWAY_TIMEOUT: Outcome.TIMED_OUT,
+    INTERNAL_ERROR: Outcome.FAILED,
 }
 
 
@@ -83,9 +86,12 @@ def check_caller_args(what: str, rid, status=None, message=None) -> None:
     abort is no success), ``message`` a str or None.  ValueError naming the value."""
     check_id(what, "rid", rid)
     if isinstance(status, bool) or not isinstance(status, int) or status not in END_STATUSES:
-        raise ValueError(f"{what}: request {rid}: status must be one of "
-                         f"{sorted(END_STATUSES)} (an early end in the lifecycle table), "
-                         f"got {status!r}")
+        raise ValueError(
+            f"{what}: request {rid}: status must be one of "
+            f"{sorted(END_STATUSES)} (an early end in the lifecycle table), "
+            f"got {status!r}"
+        )
     if message is not None and not isinstance(message, str):
-        raise ValueError(f"{what}: request {rid}: message must be a str or None, got "
-                         f"{type(message).__name__}")
+        raise ValueError(
+            f"{what}: request {rid}: message must be a str or None, got {type(message).__name__}"
+        )

@@ -21,8 +21,7 @@ class Backoff:
     def __init__(self, first: float, most: float, spins: int = 0, sleep=time.sleep):
         for name, v in (("first", first), ("most", most)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"Backoff: {name} must be a finite number of seconds, "
-                                 f"got {v!r}")
+                raise ValueError(f"Backoff: {name} must be a finite number of seconds, got {v!r}")
         if not 0 < first <= most:
             raise ValueError(f"Backoff: need 0 < first <= most, got {first!r}, {most!r}")
         if isinstance(spins, bool) or not isinstance(spins, int) or spins < 0:

@@ -36,8 +36,10 @@ class RegionMap:
     def ranges(self, off: int, nbytes: int) -> list[tuple[int, int]]:
         """``[(addr, n), ...]`` of bytes ``[off, off + nbytes)``; ValueError outside."""
         if off < 0 or nbytes <= 0 or off + nbytes > self.size:
-            raise ValueError(f"RegionMap: bytes [{off}, +{nbytes}) outside the "
-                             f"{self.size} bytes of {len(self.regions)} region(s)")
+            raise ValueError(
+                f"RegionMap: bytes [{off}, +{nbytes}) outside the "
+                f"{self.size} bytes of {len(self.regions)} region(s)"
+            )
         i = bisect.bisect_right(self._starts, off) - 1
         out = []
         while nbytes:
@@ -65,8 +67,10 @@ def buffer_map(tensor: torch.Tensor, regions) -> RegionMap:
         if m.size == tensor.numel():
             return m
     shown = ", ".join(f"[{a:#x}, +{n})" for a, n in m.regions[:4])
-    raise ValueError(f"regions {shown}{' ...' if len(m.regions) > 4 else ''} do not tile the "
-                     f"{tensor.numel()}-byte buffer at {tensor.data_ptr():#x} in order")
+    raise ValueError(
+        f"regions {shown}{' ...' if len(m.regions) > 4 else ''} do not tile the "
+        f"{tensor.numel()}-byte buffer at {tensor.data_ptr():#x} in order"
+    )
 
 
 # Their format, the parser every received message goes through, and the inbox that counts
@@ -77,8 +81,9 @@ def sole_peer(kind: str, peers, hint: str = "") -> str:
     """The one peer of ``kind`` ("prefill" or "decode") a side has; ValueError naming
     them when it has several (``hint`` ends the message)."""
     if len(peers) != 1:
-        raise ValueError(f"{kind}_peer: this side has {len(peers)} {kind} peers "
-                         f"{list(peers)}{hint}")
+        raise ValueError(
+            f"{kind}_peer: this side has {len(peers)} {kind} peers {list(peers)}{hint}"
+        )
     return peers[0]
 
 
@@ -102,12 +107,16 @@ def peer_names(what: str, one, many) -> tuple[str, ...]:
     or its ``*_peers`` argument (``many``: a sequence of names): exactly one of the two
     given, every name a non-empty str, no name twice.  ValueError naming the values."""
     if (one is None) == (many is None):
-        raise ValueError(f"{what}_peer or {what}_peers: give exactly one, got "
-                         f"{what}_peer={one!r}, {what}_peers={many!r}")
+        raise ValueError(
+            f"{what}_peer or {what}_peers: give exactly one, got "
+            f"{what}_peer={one!r}, {what}_peers={many!r}"
+        )
     names = (one,) if one is not None else tuple(many) if not isinstance(many, str) else None
     if not names or any(not isinstance(n, str) or not n for n in names):
-        raise ValueError(f"{what}_peers must be non-empty names (a sequence of str), got "
-                         f"{one if one is not None else many!r}")
+        raise ValueError(
+            f"{what}_peers must be non-empty names (a sequence of str), got "
+            f"{one if one is not None else many!r}"
+        )
     if len(set(names)) != len(names):
         raise ValueError(f"{what}_peers names a peer twice: {list(names)}")
     return names

@@ -81,16 +81,30 @@ from kvmem.disagg.counters import Metrics, now
 from kvmem.disagg.device import HostCopy, device_event, to_device
 from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
-    CLIENT_CLOSED, DEFAULT_TIMEOUT, GATEWAY_TIMEOUT, OK, SERVICE_UNAVAILABLE, KVPoll,
-    ProtocolError, Reason, check_caller_args, check_id,
+    CLIENT_CLOSED,
+    DEFAULT_TIMEOUT,
+    GATEWAY_TIMEOUT,
+    OK,
+    SERVICE_UNAVAILABLE,
+    KVPoll,
+    ProtocolError,
+    Reason,
+    check_caller_args,
+    check_id,
 )
 from kvmem.disagg.peers import PeerTable, RegionMap, buffer_map, peer_names, tell
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.model import Forward, prepare_model
 from kvmem.disagg.prefill_peers import PrefillPeers, _DecodePeer
 from kvmem.disagg.prefill_send import Offer, PrefillSending, _Staged
-from kvmem.disagg.states import (PREFILL_EDGES, PREFILL_PAUSE_EDGES, PausePhase, PrefillState,
-                                 set_phase, transition)
+from kvmem.disagg.states import (
+    PREFILL_EDGES,
+    PREFILL_PAUSE_EDGES,
+    PausePhase,
+    PrefillState,
+    set_phase,
+    transition,
+)
 from kvmem.disagg.protocol import Inbox, encode, meta_message
 from kvmem.memory import make_backend
 
@@ -178,18 +192,34 @@ class PrefillSide(PrefillPeers, PrefillSending):
     :class:`~kvmem.disagg.prefill_send.PrefillSending`; the decode peers and their messages
     in :class:`~kvmem.disagg.prefill_peers.PrefillPeers`."""
 
-    def __init__(self, pool, allocator, engine, model: Forward, *, decode_peer: str | None = None,
-                 decode_peers=None, chunk_tokens: int = 256, max_batch_tokens: int = 2048,
-                 staging_bytes: int | None = None,
-                 bootstrap_timeout: float = DEFAULT_TIMEOUT,
-                 transfer_timeout: float = DEFAULT_TIMEOUT, clock=now,
-                 faults: Faults | None = None, on_finish=None, ready_event=None,
-                 direct_threshold: int | None = None, transfer_mode: str = "push",
-                 quarantine_timeout: float | None = None):
+    def __init__(
+        self,
+        pool,
+        allocator,
+        engine,
+        model: Forward,
+        *,
+        decode_peer: str | None = None,
+        decode_peers=None,
+        chunk_tokens: int = 256,
+        max_batch_tokens: int = 2048,
+        staging_bytes: int | None = None,
+        bootstrap_timeout: float = DEFAULT_TIMEOUT,
+        transfer_timeout: float = DEFAULT_TIMEOUT,
+        clock=now,
+        faults: Faults | None = None,
+        on_finish=None,
+        ready_event=None,
+        direct_threshold: int | None = None,
+        transfer_mode: str = "push",
+        quarantine_timeout: float | None = None,
+    ):
         spec = pool.spec
         if chunk_tokens <= 0 or chunk_tokens % spec.page_size:
-            raise ValueError(f"chunk_tokens must be a positive multiple of page_size "
-                             f"{spec.page_size}, got {chunk_tokens}")
+            raise ValueError(
+                f"chunk_tokens must be a positive multiple of page_size "
+                f"{spec.page_size}, got {chunk_tokens}"
+            )
         if transfer_mode not in ("push", "pull"):
             raise ValueError(f"transfer_mode must be 'push' or 'pull', got {transfer_mode!r}")
         self.pool, self.alloc, self.engine, self.model = pool, allocator, engine, model
@@ -199,8 +229,9 @@ class PrefillSide(PrefillPeers, PrefillSending):
         # (READY) and the decode reads them, pool to pool; the AUX is written in both
         self.transfer_mode = transfer_mode
         # pull: how long pages offered to a decode read stay held without its PULLED
-        self.quarantine_timeout = (transfer_timeout if quarantine_timeout is None
-                                   else quarantine_timeout)
+        self.quarantine_timeout = (
+            transfer_timeout if quarantine_timeout is None else quarantine_timeout
+        )
         self.chunk_tokens = chunk_tokens
         self.max_batch_tokens = max(max_batch_tokens, chunk_tokens)
         self.bootstrap_timeout = bootstrap_timeout
@@ -212,13 +243,21 @@ class PrefillSide(PrefillPeers, PrefillSending):
         prepare_model(model, Forward, pool.device, "PrefillSide")  # its set-up on our device
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("prefill")
-        self.inbox = Inbox(engine, peers=self.decode_peers, receiver="prefill",
-                           handle=self.handle_message, metrics=self.metrics, log=log)
+        self.inbox = Inbox(
+            engine,
+            peers=self.decode_peers,
+            receiver="prefill",
+            handle=self.handle_message,
+            metrics=self.metrics,
+            log=log,
+        )
         chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
         self.arena = Arena(staging_bytes)
         if self.arena.size < chunk_max + AUX_BYTES:
-            raise ValueError(f"staging_bytes {staging_bytes} cannot hold one chunk ({chunk_max} bytes)")
+            raise ValueError(
+                f"staging_bytes {staging_bytes} cannot hold one chunk ({chunk_max} bytes)"
+            )
         self._staging_mem = make_backend(staging_bytes, pool.device)
         self.staging = self._staging_mem.tensor
         # One region per physical chunk of the staging memory (NIXL refuses a descriptor
@@ -265,8 +304,9 @@ class PrefillSide(PrefillPeers, PrefillSending):
         set_phase("prefill", PREFILL_PAUSE_EDGES, self, to, log)
 
     # --- the caller's API ------------------------------------------------------------------
-    def add_request(self, rid: int, tokens: int, room: int | None = None,
-                    peer: str | None = None) -> None:
+    def add_request(
+        self, rid: int, tokens: int, room: int | None = None, peer: str | None = None
+    ) -> None:
         """A new request of ``tokens`` prompt tokens, bound to decode peer ``peer`` (may be
         left out when the side has one); tells that decode (``REQ``).  ValueError for a bad
         value (named), ProtocolError for an id or room in use; nothing changed either
@@ -276,28 +316,41 @@ class PrefillSide(PrefillPeers, PrefillSending):
         check_id("add_request", "rid", rid)
         if peer is None:
             if len(self.decode_peers) != 1:
-                raise ValueError(f"add_request: request {rid}: name its decode peer, one of "
-                                 f"{list(self.decode_peers)}")
+                raise ValueError(
+                    f"add_request: request {rid}: name its decode peer, one of "
+                    f"{list(self.decode_peers)}"
+                )
             peer = self.decode_peers[0]
         elif peer not in self._peers:
-            raise ValueError(f"add_request: request {rid}: {peer!r} is not a decode peer of "
-                             f"this side ({list(self.decode_peers)})")
+            raise ValueError(
+                f"add_request: request {rid}: {peer!r} is not a decode peer of "
+                f"this side ({list(self.decode_peers)})"
+            )
         if self._peers[peer].gone:
-            raise ValueError(f"add_request: request {rid}: decode {peer!r} is gone "
-                             "(peer_gone)")
+            raise ValueError(f"add_request: request {rid}: decode {peer!r} is gone (peer_gone)")
         room = rid if room is None else room
         check_id("add_request", f"request {rid}: room", room)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-            raise ValueError(f"add_request: request {rid}: tokens must be an int > 0, got {tokens!r}")
+            raise ValueError(
+                f"add_request: request {rid}: tokens must be an int > 0, got {tokens!r}"
+            )
         if tokens > self.model.max_tokens:
-            raise ValueError(f"add_request: request {rid}: {tokens} tokens > the "
-                             f"{self.model.max_tokens}-token maximum")
+            raise ValueError(
+                f"add_request: request {rid}: {tokens} tokens > the "
+                f"{self.model.max_tokens}-token maximum"
+            )
         if rid in self.reqs or rid in self.finished:
             raise ProtocolError(f"add_request: request id {rid} is in use")
         if room in self._rooms:
             raise ProtocolError(f"add_request: request {rid}: bootstrap room {room} is in use")
-        req = PrefillRequest(rid, room, tokens, peer, t_created=self.clock(),
-                             host_pages=np.zeros(-(-tokens // self.spec.page_size), np.int64))
+        req = PrefillRequest(
+            rid,
+            room,
+            tokens,
+            peer,
+            t_created=self.clock(),
+            host_pages=np.zeros(-(-tokens // self.spec.page_size), np.int64),
+        )
         self._transition(req, PrefillState.BOOTSTRAPPING)
         self.reqs[rid] = req
         self._rooms.add(room)
@@ -343,8 +396,7 @@ class PrefillSide(PrefillPeers, PrefillSending):
         not seen DONE or ERR yet.  Such a write completes, and sends its notification, only
         when this side polls it (no progress thread: see kvmem/transfer/nixl.py), so a
         loop should not nap then; an offered read (pull) is the decode's to finish."""
-        return any(not isinstance(t.op, Offer)
-                   for req in self.reqs.values() for t in req.handles)
+        return any(not isinstance(t.op, Offer) for req in self.reqs.values() for t in req.handles)
 
     # --- one scheduler iteration -------------------------------------------------------------
     def step(self) -> bool:
@@ -378,9 +430,13 @@ class PrefillSide(PrefillPeers, PrefillSending):
         picked, budget, need_pages = [], self.max_batch_tokens, 0
         for rid in self._order:
             req = self.reqs.get(rid)
-            if (req is None or req.state not in _FORWARDING
-                    or req.done_tokens >= req.tokens or req.pending
-                    or self._peers[req.peer].paused):
+            if (
+                req is None
+                or req.state not in _FORWARDING
+                or req.done_tokens >= req.tokens
+                or req.pending
+                or self._peers[req.peer].paused
+            ):
                 continue
             if self.faults.stall(rid, req.seq):
                 continue
@@ -404,15 +460,21 @@ class PrefillSide(PrefillPeers, PrefillSending):
         seq = pre + torch.tensor([n for _, n in picked], dtype=torch.int64)
         dev = self.alloc.device
         last = torch.cat([self._no_slot if r.last_loc is None else r.last_loc for r, _ in picked])
-        slots = self.alloc.alloc_extend(to_device(pre, dev), to_device(seq, dev), last,
-                                        prefix_lens_cpu=pre, seq_lens_cpu=seq,
-                                        extend_num_tokens=int((seq - pre).sum()), check=False)
+        slots = self.alloc.alloc_extend(
+            to_device(pre, dev),
+            to_device(seq, dev),
+            last,
+            prefix_lens_cpu=pre,
+            seq_lens_cpu=seq,
+            extend_num_tokens=int((seq - pre).sum()),
+            check=False,
+        )
         batch, off = [], 0
         for req, n in picked:
-            s = slots[off:off + n]
+            s = slots[off : off + n]
             off += n
             first = req.done_tokens // ps
-            new = s[(ps - req.done_tokens % ps) % ps::ps] // ps  # pages that start here
+            new = s[(ps - req.done_tokens % ps) % ps :: ps] // ps  # pages that start here
             self.ledger.hold(req.rid, new)
             req.done_tokens += n
             req.last_loc = s[-1:]
@@ -452,15 +514,17 @@ class PrefillSide(PrefillPeers, PrefillSending):
             return
         st = req.state
         if st in (PrefillState.KV_POSTED, PrefillState.ENDING) and self.ledger.holds(req.rid):
-            self.ledger.release(req.rid, "sent" if st is PrefillState.KV_POSTED
-                                else f"ended:{req.reason.status}")
+            self.ledger.release(
+                req.rid, "sent" if st is PrefillState.KV_POSTED else f"ended:{req.reason.status}"
+            )
         if st is PrefillState.ENDING:
             self._finish(req, PrefillState.FAILED, req.reason)
         elif st is PrefillState.KV_POSTED:  # the last chunk is DONE: its extra state follows
             self._send_aux(req)
         elif st is PrefillState.AUX_POSTED:
-            self._finish(req, PrefillState.SUCCEEDED,
-                         Reason(OK, f"request {req.rid}: KV delivered"))
+            self._finish(
+                req, PrefillState.SUCCEEDED, Reason(OK, f"request {req.rid}: KV delivered")
+            )
 
     # --- ending -------------------------------------------------------------------------------
     def _transition(self, req: PrefillRequest, to: PrefillState) -> None:
@@ -493,8 +557,9 @@ class PrefillSide(PrefillPeers, PrefillSending):
         self._transition(req, to)
         req.reason = reason
         if to is PrefillState.FAILED:
-            self._tell(req.peer, encode(
-                "ABORT", rid=req.rid, status=reason.status, reason=reason.message))
+            self._tell(
+                req.peer, encode("ABORT", rid=req.rid, status=reason.status, reason=reason.message)
+            )
         del self.reqs[req.rid]
         if req.rid in self._order:
             self._order.remove(req.rid)
@@ -514,15 +579,31 @@ class PrefillSide(PrefillPeers, PrefillSending):
             poll = req.state.poll
             if poll == KVPoll.Bootstrapping and t - req.t_created > self.bootstrap_timeout:
                 ended = True
-                self._end(req, Reason(GATEWAY_TIMEOUT, (
-                    f"prefill bootstrap timeout (> {self.bootstrap_timeout:g} s) for request "
-                    f"{req.rid} (room {req.room})")))
-            elif (poll in (KVPoll.WaitingForInput, KVPoll.Transferring)
-                  and t - req.t_bootstrapped > self.transfer_timeout):
+                self._end(
+                    req,
+                    Reason(
+                        GATEWAY_TIMEOUT,
+                        (
+                            f"prefill bootstrap timeout (> {self.bootstrap_timeout:g} s) for request "
+                            f"{req.rid} (room {req.room})"
+                        ),
+                    ),
+                )
+            elif (
+                poll in (KVPoll.WaitingForInput, KVPoll.Transferring)
+                and t - req.t_bootstrapped > self.transfer_timeout
+            ):
                 ended = True
-                self._end(req, Reason(GATEWAY_TIMEOUT, (
-                    f"prefill transfer timeout (> {self.transfer_timeout:g} s) in "
-                    f"{poll.name} for request {req.rid} (room {req.room})")))
+                self._end(
+                    req,
+                    Reason(
+                        GATEWAY_TIMEOUT,
+                        (
+                            f"prefill transfer timeout (> {self.transfer_timeout:g} s) in "
+                            f"{poll.name} for request {req.rid} (room {req.room})"
+                        ),
+                    ),
+                )
         return ended
 
     # --- pause / resume -----------------------------------------------------------------------
@@ -543,15 +624,23 @@ class PrefillSide(PrefillPeers, PrefillSending):
         dead decode lasts the transfer timeout) and end 504 here and on its decode.  A
         request with a transfer in flight stays ENDING until it is DONE or ERR."""
         for req in list(self.reqs.values()):
-            self._end(req, Reason(SERVICE_UNAVAILABLE, (
-                f"request {req.rid} (room {req.room}) aborted: prefill paused to release "
-                "its KV memory")))
+            self._end(
+                req,
+                Reason(
+                    SERVICE_UNAVAILABLE,
+                    (
+                        f"request {req.rid} (room {req.room}) aborted: prefill paused to release "
+                        "its KV memory"
+                    ),
+                ),
+            )
         if self.reqs:
             return False  # step() polls their transfers to DONE/ERR
         audit = self.ledger.audit()
         if audit["leaked"] or audit["unaccounted"]:
-            raise AssertionError(f"prefill pause: pages still held after aborting every "
-                                 f"request: {audit}")
+            raise AssertionError(
+                f"prefill pause: pages still held after aborting every request: {audit}"
+            )
         self.alloc.reset()
         self.engine.deregister("kv")
         if self.transfer_mode == "pull":  # the decodes refuse reads from the old pool now

@@ -34,7 +34,15 @@ from kvmem.disagg.outcome import INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, Protoc
 from kvmem.disagg.peers import PeerTable, RegionMap, sole_peer
 from kvmem.disagg.prefill_send import Offer
 from kvmem.disagg.protocol import (
-    AUX_BYTES, AbortReq, Boot, Meta, Pausing, Pulled, apply_metadata, decode_runs, dispatch,
+    AUX_BYTES,
+    AbortReq,
+    Boot,
+    Meta,
+    Pausing,
+    Pulled,
+    apply_metadata,
+    decode_runs,
+    dispatch,
     encode,
 )
 from kvmem.disagg.states import PrefillState
@@ -79,8 +87,9 @@ class PrefillPeers:
         try:
             return self._peers[name]
         except KeyError:
-            raise ValueError(f"{name!r} is not a decode peer of this side (peers: "
-                             f"{list(self.decode_peers)})") from None
+            raise ValueError(
+                f"{name!r} is not a decode peer of this side (peers: {list(self.decode_peers)})"
+            ) from None
 
     def requests_of(self, peer: str) -> int:
         """Active requests bound to decode peer ``peer``."""
@@ -108,16 +117,28 @@ class PrefillPeers:
 
     # The one dispatch table: message kind -> the handler of what a decode sends
     # (protocol.PREFILL_RECEIVES); each handler takes (msg, peer).
-    HANDLERS = {Boot: "_on_boot", AbortReq: "_on_abort_req", Pausing: "_on_pausing",
-                Meta: "_on_meta", Pulled: "_on_pulled"}
+    HANDLERS = {
+        Boot: "_on_boot",
+        AbortReq: "_on_abort_req",
+        Pausing: "_on_pausing",
+        Meta: "_on_meta",
+        Pulled: "_on_pulled",
+    }
 
     def handle_message(self, msg, peer: str | None = None) -> None:
         """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from decode
         peer ``peer`` (may be left out when the side has one) with its handler of
         :attr:`HANDLERS`; ProtocolError, before anything changed, when it does not fit
         the state here."""
-        dispatch(self, self.HANDLERS, msg, self.decode_peer if peer is None else peer,
-                 "prefill", peers=self._peers, sender="decode")
+        dispatch(
+            self,
+            self.HANDLERS,
+            msg,
+            self.decode_peer if peer is None else peer,
+            "prefill",
+            peers=self._peers,
+            sender="decode",
+        )
 
     def _bound(self, msg, peer: str) -> PrefillRequest | None:
         """The active request ``msg`` names (None when it finished here), after checking
@@ -128,8 +149,9 @@ class PrefillPeers:
         if bound is None:
             raise ProtocolError(f"{msg.t} for unknown request {msg.rid}")
         if bound != peer:
-            raise ProtocolError(f"{msg.t} for request {msg.rid} from {peer!r}: the request is "
-                                f"bound to {bound!r}")
+            raise ProtocolError(
+                f"{msg.t} for request {msg.rid} from {peer!r}: the request is bound to {bound!r}"
+            )
         return req
 
     def _on_abort_req(self, msg: AbortReq, peer: str) -> None:
@@ -137,8 +159,7 @@ class PrefillPeers:
         if req is None:
             # finished here already: nothing in flight; say so, so decode can free
             fin = self.finished[msg.rid]
-            self._tell(peer, encode("ABORT", rid=msg.rid, status=fin.status,
-                                    reason=fin.message))
+            self._tell(peer, encode("ABORT", rid=msg.rid, status=fin.status, reason=fin.message))
             return
         self.abort(req.rid, msg.status, f"decode side: {msg.reason}")
 
@@ -146,20 +167,30 @@ class PrefillPeers:
         try:
             landing = self.engine.remote(peer, "landing")
         except KeyError:
-            raise ProtocolError(f"PAUSING epoch {msg.epoch} from {peer!r}: its landing buffer "
-                                "is not known here") from None
+            raise ProtocolError(
+                f"PAUSING epoch {msg.epoch} from {peer!r}: its landing buffer is not known here"
+            ) from None
         if msg.epoch != landing.epoch:
-            raise ProtocolError(f"PAUSING epoch {msg.epoch} from {peer!r}: its landing buffer "
-                                f"is at epoch {landing.epoch}")
+            raise ProtocolError(
+                f"PAUSING epoch {msg.epoch} from {peer!r}: its landing buffer "
+                f"is at epoch {landing.epoch}"
+            )
         p = self._peers[peer]
         p.paused = True
         p.pause_epoch = msg.epoch
         for req in list(self.reqs.values()):
             # a BOOTSTRAPPING request's BOOT waits for the decode's META (held_boots)
             if req.peer == peer and req.state is not PrefillState.BOOTSTRAPPING:
-                self._end(req, Reason(SERVICE_UNAVAILABLE, (
-                    f"request {req.rid} aborted: the decode side is pausing to release "
-                    "its KV memory")))
+                self._end(
+                    req,
+                    Reason(
+                        SERVICE_UNAVAILABLE,
+                        (
+                            f"request {req.rid} aborted: the decode side is pausing to release "
+                            "its KV memory"
+                        ),
+                    ),
+                )
         self._maybe_ack_peer_pause()
 
     def _on_meta(self, msg: Meta, peer: str) -> None:
@@ -183,8 +214,9 @@ class PrefillPeers:
         decode peer of this side."""
         p = self._peers.get(peer)
         if p is None:
-            raise ValueError(f"peer_gone: {peer!r} is not a decode peer of this side "
-                             f"({list(self.decode_peers)})")
+            raise ValueError(
+                f"peer_gone: {peer!r} is not a decode peer of this side ({list(self.decode_peers)})"
+            )
         p.gone = True
         p.held_boots.clear()
         p.pause_epoch = None  # no PAUSE_ACK to send it
@@ -196,8 +228,13 @@ class PrefillPeers:
             req.handles = []
             if not req.state.ended:
                 ended += 1
-                self._end(req, Reason(INTERNAL_ERROR, (
-                    f"request {req.rid} (room {req.room}): decode {peer} is gone")))
+                self._end(
+                    req,
+                    Reason(
+                        INTERNAL_ERROR,
+                        (f"request {req.rid} (room {req.room}): decode {peer} is gone"),
+                    ),
+                )
             else:
                 self._maybe_finish(req)
         return ended
@@ -221,14 +258,16 @@ class PrefillPeers:
                 # Ended here, nothing in flight: say so (again), or the decode holds the
                 # pages it booted with until its own timeout (a replayed REQ, a BOOT that
                 # crossed our ABORT: then this second ABORT is ignored there).
-                self._tell(peer, encode("ABORT", rid=msg.rid, status=fin.status,
-                                        reason=fin.message))
+                self._tell(
+                    peer, encode("ABORT", rid=msg.rid, status=fin.status, reason=fin.message)
+                )
             return
         if msg.room != req.room:
             raise ProtocolError(f"BOOT for request {req.rid}: room {msg.room} != {req.room}")
         if req.state is not PrefillState.BOOTSTRAPPING:
-            raise ProtocolError(f"BOOT for request {req.rid} in state {req.state.poll.name} "
-                                f"({req.state.name})")
+            raise ProtocolError(
+                f"BOOT for request {req.rid} in state {req.state.poll.name} ({req.state.name})"
+            )
         p = self._peers[peer]
         if p.paused:
             p.held_boots[req.rid] = msg
@@ -236,14 +275,16 @@ class PrefillPeers:
         try:
             remote = self.engine.remote(peer, "landing")
         except KeyError:
-            raise ProtocolError(f"BOOT for request {req.rid}: the decode's landing buffer "
-                                "is not known here") from None
+            raise ProtocolError(
+                f"BOOT for request {req.rid}: the decode's landing buffer is not known here"
+            ) from None
         if remote.epoch < msg.epoch:
             p.held_boots[req.rid] = msg  # its META is on the way
             return
         if not remote.live:
-            raise ProtocolError(f"BOOT for request {req.rid}: the decode's landing buffer is "
-                                "closed (it is pausing)")
+            raise ProtocolError(
+                f"BOOT for request {req.rid}: the decode's landing buffer is closed (it is pausing)"
+            )
         if remote.epoch > msg.epoch:
             # Booted before the decode paused (which freed that region): ask again.
             self._tell(peer, encode("REQ", rid=req.rid, room=req.room, tokens=req.tokens))
@@ -251,22 +292,29 @@ class PrefillPeers:
         need = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size)) + AUX_BYTES
         landing_map = RegionMap(remote.regions)
         if msg.nbytes < need or msg.off + msg.nbytes > landing_map.size:
-            raise ProtocolError(f"BOOT for request {req.rid}: landing region [{msg.off}, "
-                                f"+{msg.nbytes}) does not hold {need} bytes within "
-                                f"{landing_map.size}")
+            raise ProtocolError(
+                f"BOOT for request {req.rid}: landing region [{msg.off}, "
+                f"+{msg.nbytes}) does not hold {need} bytes within "
+                f"{landing_map.size}"
+            )
         n_pages = -(-req.tokens // self.spec.page_size)
         dpages = np.array(decode_runs(msg.pages, n_pages), dtype=np.int64)
         if dpages.size != n_pages:
-            raise ProtocolError(f"BOOT for request {req.rid}: {dpages.size} decode pages for "
-                                f"its {n_pages} pages")
+            raise ProtocolError(
+                f"BOOT for request {req.rid}: {dpages.size} decode pages for its {n_pages} pages"
+            )
         try:
             kv = self.engine.remote(peer, "kv")
         except KeyError:
             kv = None
-        if kv is not None and kv.layout is not None and (
-                dpages.min() < 1 or dpages.max() >= kv.layout.count):
-            raise ProtocolError(f"BOOT for request {req.rid}: decode pages outside "
-                                f"[1, {kv.layout.count})")
+        if (
+            kv is not None
+            and kv.layout is not None
+            and (dpages.min() < 1 or dpages.max() >= kv.layout.count)
+        ):
+            raise ProtocolError(
+                f"BOOT for request {req.rid}: decode pages outside [1, {kv.layout.count})"
+            )
         req.dpages = dpages
         # The page ids are the decode's pool pages at this BOOT's epoch: direct writes
         # target that registration only (None: it is not known here at that epoch, so
@@ -280,12 +328,25 @@ class PrefillPeers:
 
     def _on_pulled(self, msg: Pulled, peer: str) -> None:
         req = self._bound(msg, peer)
-        offer = None if req is None else next(
-            (t.op for t in req.handles if isinstance(t.op, Offer) and t.op.state == "PROC"
-             and (t.op.first, t.op.last) == (msg.first, msg.last)), None)
+        offer = (
+            None
+            if req is None
+            else next(
+                (
+                    t.op
+                    for t in req.handles
+                    if isinstance(t.op, Offer)
+                    and t.op.state == "PROC"
+                    and (t.op.first, t.op.last) == (msg.first, msg.last)
+                ),
+                None,
+            )
+        )
         if offer is None:
-            raise ProtocolError(f"PULLED for request {msg.rid} pages [{msg.first}, {msg.last}):"
-                                " no such read offered")
+            raise ProtocolError(
+                f"PULLED for request {msg.rid} pages [{msg.first}, {msg.last}):"
+                " no such read offered"
+            )
         offer.state = "DONE" if msg.ok else "ERR"
         if not msg.ok:
             offer.error = "the decode's read failed or was refused"

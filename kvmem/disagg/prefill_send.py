@@ -135,8 +135,12 @@ class PrefillSending:
         moved = False
         for rid in list(self._order):
             req = self.reqs.get(rid)
-            while (req is not None and not req.state.ended
-                   and not self._peers[req.peer].paused and not req.handles):
+            while (
+                req is not None
+                and not req.state.ended
+                and not self._peers[req.peer].paused
+                and not req.handles
+            ):
                 if req.staged is not None:
                     if not self._post_staged(req):
                         break  # its pack is still running: next step
@@ -168,8 +172,14 @@ class PrefillSending:
                 return "wait"
         if self.transfer_mode == "pull":  # offered once the forward's writes are done
             self.chunk_modes["pulled"] += 1
-            req.staged = _Staged(_Send.OFFER, nbytes, kvmem.packed_nbytes(spec, first),
-                                 final, self.ready_event(), pages=(first, last))
+            req.staged = _Staged(
+                _Send.OFFER,
+                nbytes,
+                kvmem.packed_nbytes(spec, first),
+                final,
+                self.ready_event(),
+                pages=(first, last),
+            )
             # final: the decode reads the pages; freed once its read is DONE or ERR, in
             # KV_POSTED (_maybe_finish)
             return "staged"
@@ -177,11 +187,25 @@ class PrefillSending:
         if direct is not None:
             ready = self.ready_event()  # the forward's writes to these pages are done
             self.chunk_modes["direct"] += 1
-            notif = encode("CHUNK", rid=req.rid, first=first, last=last,
-                           off=kvmem.packed_nbytes(spec, first), nbytes=nbytes, final=final,
-                           direct=True)
-            req.staged = _Staged(_Send.DIRECT, nbytes, kvmem.packed_nbytes(spec, first), final,
-                                 ready, notif, blocks=direct)
+            notif = encode(
+                "CHUNK",
+                rid=req.rid,
+                first=first,
+                last=last,
+                off=kvmem.packed_nbytes(spec, first),
+                nbytes=nbytes,
+                final=final,
+                direct=True,
+            )
+            req.staged = _Staged(
+                _Send.DIRECT,
+                nbytes,
+                kvmem.packed_nbytes(spec, first),
+                final,
+                ready,
+                notif,
+                blocks=direct,
+            )
             # final: the write reads the pages; freed once it is DONE or ERR, in KV_POSTED
             return "staged"
         try:
@@ -190,16 +214,28 @@ class PrefillSending:
             return "full"
         self.chunk_modes["packed"] += 1
         # the ids came from this side's allocator: unchecked, no host sync on CUDA
-        kvmem.pack_pages(self.pool, self.ledger.pages(req.rid)[first:last],
-                         out=self.staging[off:off + nbytes], check=False)
+        kvmem.pack_pages(
+            self.pool,
+            self.ledger.pages(req.rid)[first:last],
+            out=self.staging[off : off + nbytes],
+            check=False,
+        )
         ready = self.ready_event()  # right after the pack, on the stream it ran on
         self.metrics.bytes_packed += nbytes
         if final:  # the packed copies are what is sent: the pages are free to go (a later
             # writer of these pages is ordered after the pack on the same stream)
             self.ledger.release(req.rid, "sent")
         chunk_off = kvmem.packed_nbytes(spec, first)
-        notif = encode("CHUNK", rid=req.rid, first=first, last=last, off=chunk_off,
-                       nbytes=nbytes, final=final, direct=False)
+        notif = encode(
+            "CHUNK",
+            rid=req.rid,
+            first=first,
+            last=last,
+            off=chunk_off,
+            nbytes=nbytes,
+            final=final,
+            direct=False,
+        )
         req.staged = _Staged(_Send.PACKED, nbytes, chunk_off, final, ready, notif, off=off)
         return "staged"
 
@@ -218,12 +254,14 @@ class PrefillSending:
         try:
             off = self.arena.alloc(AUX_BYTES)
         except ArenaFullError:  # never: sized with room for AUX slots; fail loudly
-            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: no staging for its extra state"))
+            self._end(
+                req, Reason(INTERNAL_ERROR, f"request {req.rid}: no staging for its extra state")
+            )
             return
         aux = torch.zeros(AUX_BYTES, dtype=torch.uint8)
         aux[:16].view(torch.int64).copy_(torch.tensor([req.rid, req.tokens]))
         # through pinned memory on CUDA: asynchronous, ordered before ``ready`` below
-        self.staging[off:off + AUX_BYTES].copy_(to_device(aux, self.staging.device))
+        self.staging[off : off + AUX_BYTES].copy_(to_device(aux, self.staging.device))
         ready = self.ready_event()
         aux_off = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size))
         notif = encode("AUX", rid=req.rid, off=aux_off, nbytes=AUX_BYTES)
@@ -267,8 +305,14 @@ class PrefillSending:
             h = self.engine.post_write(local, req.remote, remote, notif)
         except StaleEpochError as e:
             self.arena.free(staging_off)
-            self._end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: the decode side "
-                                  f"released its KV memory (epoch moved on): {e}"))
+            self._end(
+                req,
+                Reason(
+                    SERVICE_UNAVAILABLE,
+                    f"request {req.rid}: the decode side "
+                    f"released its KV memory (epoch moved on): {e}",
+                ),
+            )
             return False
         except TransferError as e:
             self.arena.free(staging_off)
@@ -283,15 +327,33 @@ class PrefillSending:
         seq = req.seq
         req.seq += 1
         if self.faults.fail_send(req.rid, seq, False):
-            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} "
-                                  "(a READY offer, pull) failed: injected send failure"))
+            self._end(
+                req,
+                Reason(
+                    INTERNAL_ERROR,
+                    f"request {req.rid}: send of chunk {seq} "
+                    "(a READY offer, pull) failed: injected send failure",
+                ),
+            )
             return False
         pages = req.host_pages[first:last]  # known on the host: _stage_chunk waited for them
-        msg = encode("READY", rid=req.rid, first=first, last=last, pages=encode_runs(pages),
-                     epoch=self.pool.epoch, final=st.final)
+        msg = encode(
+            "READY",
+            rid=req.rid,
+            first=first,
+            last=last,
+            pages=encode_runs(pages),
+            epoch=self.pool.epoch,
+            final=st.final,
+        )
         if not self._tell(req.peer, msg):
-            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: the decode cannot be "
-                                  f"reached to read chunk {seq}"))
+            self._end(
+                req,
+                Reason(
+                    INTERNAL_ERROR,
+                    f"request {req.rid}: the decode cannot be reached to read chunk {seq}",
+                ),
+            )
             return False
         req.handles.append(InFlight(Offer(first, last, st.nbytes, self.clock()), None))
         return True
@@ -307,18 +369,32 @@ class PrefillSending:
             rt = self._peers[req.peer].table.get()
             if rt is None or rt.remote != req.kv:
                 # the decode's kv moved on since the BOOT that gave these page ids
-                raise StaleEpochError(req.peer, "kv", req.kv.describe(),
-                                      "closed" if rt is None else rt.remote.describe(),
-                                      "post_blocks (the BOOT's kv)")
+                raise StaleEpochError(
+                    req.peer,
+                    "kv",
+                    req.kv.describe(),
+                    "closed" if rt is None else rt.remote.describe(),
+                    "post_blocks (the BOOT's kv)",
+                )
             li, ri = st.blocks
             h = self.engine.post_blocks(self._local_table, li, rt, ri, st.notif)
         except StaleEpochError as e:
-            self._end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: the decode side "
-                                  f"released its KV memory (epoch moved on): {e}"))
+            self._end(
+                req,
+                Reason(
+                    SERVICE_UNAVAILABLE,
+                    f"request {req.rid}: the decode side "
+                    f"released its KV memory (epoch moved on): {e}",
+                ),
+            )
             return False
         except TransferError as e:
-            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} "
-                                  f"(direct) failed: {e}"))
+            self._end(
+                req,
+                Reason(
+                    INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} (direct) failed: {e}"
+                ),
+            )
             return False
         req.handles.append(InFlight(h, None))
         return True
@@ -328,8 +404,9 @@ class PrefillSending:
         """Chunks whose merged page runs average at least ``threshold`` bytes per
         descriptor go direct from now on (None: all packed); e.g. a calibrated value
         (:func:`kvmem.disagg.calibrate.calibrate_direct`)."""
-        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int)
-                                      or threshold < 0):
+        if threshold is not None and (
+            isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0
+        ):
             raise ValueError(f"direct_threshold must be None or an int >= 0, got {threshold!r}")
         self.direct_threshold = threshold
         if self._local_table is None and not self.paused:
@@ -343,9 +420,14 @@ class PrefillSending:
     def _may_go_direct(self, req: PrefillRequest) -> bool:
         """Whether a chunk of ``req`` could be written direct now (push, a threshold, the
         BOOT's page ids and kv known, the local list prepared, the decode not pausing)."""
-        return not (self.transfer_mode != "push" or self.direct_threshold is None
-                    or req.dpages is None or req.kv is None or self._local_table is None
-                    or self._peers[req.peer].paused)
+        return not (
+            self.transfer_mode != "push"
+            or self.direct_threshold is None
+            or req.dpages is None
+            or req.kv is None
+            or self._local_table is None
+            or self._peers[req.peer].paused
+        )
 
     def _direct_indices(self, req: PrefillRequest, first: int, last: int, src: np.ndarray):
         """``(local, remote)`` block indices when pages ``[first, last)`` go direct, else
@@ -367,7 +449,11 @@ class PrefillSending:
         except TransferError as e:  # NIXL refused to prepare the decode's list: pack
             log.warning("prefill: direct writes unavailable, packing: %s", e)
             return None
-        if rt is None or rt.nbytes.size != lt.nbytes.size or not np.array_equal(rt.nbytes, lt.nbytes):
+        if (
+            rt is None
+            or rt.nbytes.size != lt.nbytes.size
+            or not np.array_equal(rt.nbytes, lt.nbytes)
+        ):
             return None
         planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
         li = (planes * lt.layout.count + src).reshape(-1)
@@ -397,8 +483,13 @@ class PrefillSending:
                     failed = t.op
             req.handles = keep
             if failed is not None and not req.state.ended:
-                self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: write of "
-                                                      f"{failed.nbytes} bytes failed: {failed.error}"))
+                self._end(
+                    req,
+                    Reason(
+                        INTERNAL_ERROR,
+                        f"request {req.rid}: write of {failed.nbytes} bytes failed: {failed.error}",
+                    ),
+                )
             else:
                 self._maybe_finish(req)
         self._maybe_ack_peer_pause()
@@ -423,8 +514,13 @@ class PrefillSending:
         """``offer``'s state: the decode's answer (PULLED), or ERR (logged) once it has
         gone unanswered for ``quarantine_timeout``."""
         if offer.state == "PROC" and self.clock() - offer.t_sent > self.quarantine_timeout:
-            log.error("prefill: request %d: no PULLED from the decode %.1f s after offering "
-                      "pages [%d, %d); freeing them", req.rid, self.quarantine_timeout,
-                      offer.first, offer.last)
+            log.error(
+                "prefill: request %d: no PULLED from the decode %.1f s after offering "
+                "pages [%d, %d); freeing them",
+                req.rid,
+                self.quarantine_timeout,
+                offer.first,
+                offer.last,
+            )
             offer.state, offer.error = "ERR", "no PULLED within the quarantine timeout"
         return offer.state

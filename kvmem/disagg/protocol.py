@@ -172,18 +172,46 @@ class Meta:
 # (a str of "page:count" runs, see encode_runs).
 _TYPES = {
     "REQ": (Req, {"rid": "int", "room": "int", "tokens": "pos"}),
-    "BOOT": (Boot, {"rid": "int", "room": "int", "off": "int", "nbytes": "pos", "epoch": "int",
-                    "pages": "runs"}),
-    "CHUNK": (Chunk, {"rid": "int", "first": "int", "last": "pos", "off": "int",
-                      "nbytes": "pos", "final": "bool", "direct": "bool"}),
+    "BOOT": (
+        Boot,
+        {
+            "rid": "int",
+            "room": "int",
+            "off": "int",
+            "nbytes": "pos",
+            "epoch": "int",
+            "pages": "runs",
+        },
+    ),
+    "CHUNK": (
+        Chunk,
+        {
+            "rid": "int",
+            "first": "int",
+            "last": "pos",
+            "off": "int",
+            "nbytes": "pos",
+            "final": "bool",
+            "direct": "bool",
+        },
+    ),
     "AUX": (Aux, {"rid": "int", "off": "int", "nbytes": "pos"}),
     "ABORT": (Abort, {"rid": "int", "status": "int", "reason": "reason"}),
     "ABORT_REQ": (AbortReq, {"rid": "int", "status": "int", "reason": "reason"}),
     "PAUSING": (Pausing, {"epoch": "int"}),
     "PAUSE_ACK": (PauseAck, {"epoch": "int"}),
     "META": (Meta, {"md": "b64"}),
-    "READY": (Ready, {"rid": "int", "first": "int", "last": "pos", "pages": "runs",
-                      "epoch": "int", "final": "bool"}),
+    "READY": (
+        Ready,
+        {
+            "rid": "int",
+            "first": "int",
+            "last": "pos",
+            "pages": "runs",
+            "epoch": "int",
+            "final": "bool",
+        },
+    ),
     "PULLED": (Pulled, {"rid": "int", "first": "int", "last": "pos", "ok": "bool"}),
 }
 TYPES = tuple(_TYPES)
@@ -227,8 +255,7 @@ def decode_runs(text: str, limit: int) -> list[int]:
         a, n = part.split(":")
         a, n = int(a), int(n)
         if n < 1 or len(ids) + n > limit:
-            raise ProtocolError(f"page runs {text[:60]!r}: a count of 0 or more than "
-                                f"{limit} pages")
+            raise ProtocolError(f"page runs {text[:60]!r}: a count of 0 or more than {limit} pages")
         ids.extend(range(a, a + n))
     return ids
 
@@ -276,8 +303,9 @@ def parse(raw, *, sender: str, receiver: str) -> object:
     if isinstance(raw, (bytes, bytearray, memoryview)):
         raw = bytes(raw)
         if len(raw) > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"control message of {len(raw)} bytes, more than "
-                                f"{MAX_MESSAGE_BYTES}")
+            raise ProtocolError(
+                f"control message of {len(raw)} bytes, more than {MAX_MESSAGE_BYTES}"
+            )
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -287,8 +315,9 @@ def parse(raw, *, sender: str, receiver: str) -> object:
         try:
             msg = json.loads(text, parse_constant=_refuse_constant)
         except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-            raise ProtocolError(f"control message is not JSON: {raw[:80]!r} "
-                                f"({type(e).__name__}: {str(e)[:200]})") from None
+            raise ProtocolError(
+                f"control message is not JSON: {raw[:80]!r} ({type(e).__name__}: {str(e)[:200]})"
+            ) from None
     else:
         msg = raw
     if not isinstance(msg, dict):
@@ -311,11 +340,13 @@ def parse(raw, *, sender: str, receiver: str) -> object:
     if t in ("CHUNK", "READY", "PULLED") and values["first"] >= values["last"]:
         raise ProtocolError(f"{t}: pages [{values['first']}, {values['last']}) are empty")
     if t == "ABORT" and values["status"] not in ABORT_STATUSES:
-        raise ProtocolError(f"ABORT: status {values['status']} is not one of "
-                            f"{sorted(ABORT_STATUSES)}")
+        raise ProtocolError(
+            f"ABORT: status {values['status']} is not one of {sorted(ABORT_STATUSES)}"
+        )
     if t == "ABORT_REQ" and values["status"] not in END_STATUSES:
-        raise ProtocolError(f"ABORT_REQ: status {values['status']} is not one of "
-                            f"{sorted(END_STATUSES)}")
+        raise ProtocolError(
+            f"ABORT_REQ: status {values['status']} is not one of {sorted(END_STATUSES)}"
+        )
     if t == "META":
         return _meta(values["md"], sender)
     return cls(**values)
@@ -325,19 +356,24 @@ def _field(t: str, name: str, kind: str, v):
     if kind in ("int", "pos"):
         lo = 1 if kind == "pos" else 0
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= INT_MAX:
-            raise ProtocolError(f"{t}: field {name!r} must be an int in [{lo}, 2**63), got "
-                                f"{_show(v)}")
+            raise ProtocolError(
+                f"{t}: field {name!r} must be an int in [{lo}, 2**63), got {_show(v)}"
+            )
     elif kind == "bool":
         if not isinstance(v, bool):
             raise ProtocolError(f"{t}: field {name!r} must be a bool, got {_show(v)}")
     elif kind == "reason":
         if not isinstance(v, str) or len(v) > MAX_REASON:
-            raise ProtocolError(f"{t}: field {name!r} must be a str of at most {MAX_REASON} "
-                                f"characters, got {_show(v)}")
+            raise ProtocolError(
+                f"{t}: field {name!r} must be a str of at most {MAX_REASON} "
+                f"characters, got {_show(v)}"
+            )
     elif kind == "runs":
         if not isinstance(v, str) or len(v) > MAX_RUNS_CHARS or not _RUNS.fullmatch(v):
-            raise ProtocolError(f"{t}: field {name!r} must be runs 'page:count,...' (at most "
-                                f"{MAX_RUNS_CHARS} characters), got {_show(v)}")
+            raise ProtocolError(
+                f"{t}: field {name!r} must be runs 'page:count,...' (at most "
+                f"{MAX_RUNS_CHARS} characters), got {_show(v)}"
+            )
     elif kind == "b64":
         if not isinstance(v, str):
             raise ProtocolError(f"{t}: field {name!r} must be a base64 str, got {_show(v)}")
@@ -374,8 +410,7 @@ def apply_metadata(engine, msg: Meta) -> None:
 
 
 # --- receiving ------------------------------------------------------------------------------
-def dispatch(side, handlers: dict, msg, peer: str, receiver: str, *, peers,
-             sender: str) -> None:
+def dispatch(side, handlers: dict, msg, peer: str, receiver: str, *, peers, sender: str) -> None:
     """Apply ``msg`` from ``peer`` with the handler ``handlers`` names for its kind (a
     side's dispatch table: message class -> the name of its method taking ``(msg,
     peer)``); ProtocolError, nothing changed, when ``peer`` is not one of the side's
@@ -398,8 +433,17 @@ class Inbox:
     anything else (a bug), the messages after it stay queued for the next :meth:`drain`
     and the exception propagates: none is lost."""
 
-    def __init__(self, engine, *, peer: str | None = None, peers=None, receiver: str, handle,
-                 metrics, log: logging.Logger):
+    def __init__(
+        self,
+        engine,
+        *,
+        peer: str | None = None,
+        peers=None,
+        receiver: str,
+        handle,
+        metrics,
+        log: logging.Logger,
+    ):
         self.engine, self.receiver = engine, receiver
         self.peers = frozenset(peer_names("inbox: sender", peer, peers))
         self.handle, self.metrics, self.log = handle, metrics, log

@@ -57,20 +57,31 @@ _POLL = {
 _PREFILL_ENDED = frozenset({PrefillState.ENDING, PrefillState.SUCCEEDED, PrefillState.FAILED})
 
 _P = PrefillState
-PREFILL_EDGES: frozenset = frozenset({
-    (None, _P.BOOTSTRAPPING),
-    (_P.BOOTSTRAPPING, _P.WAITING_FOR_INPUT),
-    (_P.WAITING_FOR_INPUT, _P.TRANSFERRING),
-    (_P.TRANSFERRING, _P.TRANSFERRING),
-    (_P.WAITING_FOR_INPUT, _P.KV_POSTED),
-    (_P.TRANSFERRING, _P.KV_POSTED),
-    (_P.KV_POSTED, _P.AUX_STAGED),
-    (_P.AUX_STAGED, _P.AUX_POSTED),
-    (_P.AUX_POSTED, _P.SUCCEEDED),
-    *((s, _P.ENDING) for s in (_P.BOOTSTRAPPING, _P.WAITING_FOR_INPUT, _P.TRANSFERRING,
-                               _P.KV_POSTED, _P.AUX_STAGED, _P.AUX_POSTED)),
-    (_P.ENDING, _P.FAILED),
-})
+PREFILL_EDGES: frozenset = frozenset(
+    {
+        (None, _P.BOOTSTRAPPING),
+        (_P.BOOTSTRAPPING, _P.WAITING_FOR_INPUT),
+        (_P.WAITING_FOR_INPUT, _P.TRANSFERRING),
+        (_P.TRANSFERRING, _P.TRANSFERRING),
+        (_P.WAITING_FOR_INPUT, _P.KV_POSTED),
+        (_P.TRANSFERRING, _P.KV_POSTED),
+        (_P.KV_POSTED, _P.AUX_STAGED),
+        (_P.AUX_STAGED, _P.AUX_POSTED),
+        (_P.AUX_POSTED, _P.SUCCEEDED),
+        *(
+            (s, _P.ENDING)
+            for s in (
+                _P.BOOTSTRAPPING,
+                _P.WAITING_FOR_INPUT,
+                _P.TRANSFERRING,
+                _P.KV_POSTED,
+                _P.AUX_STAGED,
+                _P.AUX_POSTED,
+            )
+        ),
+        (_P.ENDING, _P.FAILED),
+    }
+)
 
 
 class DecodeState(enum.StrEnum):
@@ -85,14 +96,16 @@ class DecodeState(enum.StrEnum):
 
 
 _D = DecodeState
-DECODE_EDGES: frozenset = frozenset({
-    (None, _D.WAITING),
-    (None, _D.WITHHELD),
-    (_D.WAITING, _D.BOOTING),
-    (_D.BOOTING, _D.BOOTED),
-    *((s, _D.QUARANTINED) for s in (_D.WAITING, _D.WITHHELD, _D.BOOTING, _D.BOOTED)),
-    *((s, _D.FREED) for s in (_D.WAITING, _D.WITHHELD, _D.BOOTING, _D.BOOTED, _D.QUARANTINED)),
-})
+DECODE_EDGES: frozenset = frozenset(
+    {
+        (None, _D.WAITING),
+        (None, _D.WITHHELD),
+        (_D.WAITING, _D.BOOTING),
+        (_D.BOOTING, _D.BOOTED),
+        *((s, _D.QUARANTINED) for s in (_D.WAITING, _D.WITHHELD, _D.BOOTING, _D.BOOTED)),
+        *((s, _D.FREED) for s in (_D.WAITING, _D.WITHHELD, _D.BOOTING, _D.BOOTED, _D.QUARANTINED)),
+    }
+)
 
 
 class PausePhase(enum.StrEnum):
@@ -107,12 +120,21 @@ class PausePhase(enum.StrEnum):
 
 
 _S = PausePhase
-PREFILL_PAUSE_EDGES: frozenset = frozenset({
-    (_S.SERVING, _S.DRAINING), (_S.DRAINING, _S.PAUSED), (_S.PAUSED, _S.SERVING)})
-DECODE_PAUSE_EDGES: frozenset = frozenset({
-    (_S.SERVING, _S.DRAINING), (_S.DRAINING, _S.READS), (_S.DRAINING, _S.FREEING),
-    (_S.DRAINING, _S.PAUSED), (_S.READS, _S.FREEING), (_S.READS, _S.PAUSED),
-    (_S.FREEING, _S.PAUSED), (_S.PAUSED, _S.SERVING)})
+PREFILL_PAUSE_EDGES: frozenset = frozenset(
+    {(_S.SERVING, _S.DRAINING), (_S.DRAINING, _S.PAUSED), (_S.PAUSED, _S.SERVING)}
+)
+DECODE_PAUSE_EDGES: frozenset = frozenset(
+    {
+        (_S.SERVING, _S.DRAINING),
+        (_S.DRAINING, _S.READS),
+        (_S.DRAINING, _S.FREEING),
+        (_S.DRAINING, _S.PAUSED),
+        (_S.READS, _S.FREEING),
+        (_S.READS, _S.PAUSED),
+        (_S.FREEING, _S.PAUSED),
+        (_S.PAUSED, _S.SERVING),
+    }
+)
 
 
 class IllegalPhase(KVMemError, RuntimeError):
@@ -142,8 +164,9 @@ class IllegalTransition(KVMemError, RuntimeError):
     def __init__(self, side: str, rid: int, src, dst):
         self.side, self.rid, self.src, self.dst = side, rid, src, dst
         name = "(new)" if src is None else src.name
-        super().__init__(f"{side}: request {rid}: no edge {name} -> {dst.name} in the "
-                         f"{side}'s state table")
+        super().__init__(
+            f"{side}: request {rid}: no edge {name} -> {dst.name} in the {side}'s state table"
+        )
 
 
 def check_edge(side: str, edges: frozenset, rid: int, src, dst) -> None:
@@ -158,6 +181,11 @@ def transition(side: str, edges: frozenset, req, to, log: logging.Logger) -> Non
     (``prefill: request 3: TRANSFERRING -> KV_POSTED``); :class:`IllegalTransition`, ``req``
     unchanged, for any other."""
     check_edge(side, edges, req.rid, req.state, to)
-    log.debug("%s: request %d: %s -> %s", side, req.rid,
-              "(new)" if req.state is None else req.state.name, to.name)
+    log.debug(
+        "%s: request %d: %s -> %s",
+        side,
+        req.rid,
+        "(new)" if req.state is None else req.state.name,
+        to.name,
+    )
     req.state = to

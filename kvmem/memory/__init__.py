@@ -62,9 +62,15 @@ class MemoryBackend:
         ``exportable``, ``handle_type`` (the handle kind chunks can be exported as, or
         None)."""
         p = self.plan
-        return dict(backend=self.name, chunks=len(p.chunks), granularity=p.granularity,
-                    target=p.target, padding=p.padding, exportable=self.exportable,
-                    handle_type=None)
+        return dict(
+            backend=self.name,
+            chunks=len(p.chunks),
+            granularity=p.granularity,
+            target=p.target,
+            padding=p.padding,
+            exportable=self.exportable,
+            handle_type=None,
+        )
 
     def release(self) -> None:
         raise NotImplementedError(f"the {self.name} memory backend cannot release its memory")
@@ -127,7 +133,7 @@ class PlainBackend(MemoryBackend):
         super().__init__(nbytes, device, plan)
         raw = torch.empty(nbytes + self.ALIGN, dtype=torch.uint8, device=device)
         skip = -raw.data_ptr() % self.ALIGN
-        self.tensor = raw[skip:skip + nbytes]
+        self.tensor = raw[skip : skip + nbytes]
 
     def close(self) -> None:
         """Drop the allocation: torch frees it once no view of it is left."""
@@ -140,10 +146,15 @@ BACKENDS = ("host", "cuda_vmm", "plain")
 Planner = Callable[[int, "int | None"], ChunkPlan]
 
 
-def make_backend(nbytes: int, device: torch.device,
-                 kind: str | Callable[[int, torch.device], MemoryBackend] | None = None, *,
-                 purpose: str = "", planner: Planner | None = None,
-                 chunk_bytes: int | None = None) -> MemoryBackend:
+def make_backend(
+    nbytes: int,
+    device: torch.device,
+    kind: str | Callable[[int, torch.device], MemoryBackend] | None = None,
+    *,
+    purpose: str = "",
+    planner: Planner | None = None,
+    chunk_bytes: int | None = None,
+) -> MemoryBackend:
     """The backend for a device: ``host`` on CPU, ``cuda_vmm`` on CUDA; ``kind`` forces one
     (``"plain"``: an ordinary allocation that cannot be released), or is a callable
     ``(nbytes, device) -> MemoryBackend`` that builds one.
@@ -190,9 +201,13 @@ def make_backend(nbytes: int, device: torch.device,
     else:
         raise ValueError(f"unknown memory backend {kind!r} (known: {', '.join(BACKENDS)})")
     if nbytes > MAX_BYTES:
-        raise PoolMemoryError(nbytes, name, device,
-                              f"more than the {MAX_BYTES} bytes one range can address",
-                              purpose=purpose)
+        raise PoolMemoryError(
+            nbytes,
+            name,
+            device,
+            f"more than the {MAX_BYTES} bytes one range can address",
+            purpose=purpose,
+        )
     try:
         if chunked:
             return factory(nbytes, device, planner=planner, chunk_bytes=chunk_bytes)
@@ -205,8 +220,9 @@ def make_backend(nbytes: int, device: torch.device,
     except PoolMemoryError as e:
         if e.purpose or not purpose:
             raise
-        raise PoolMemoryError(e.nbytes, e.backend, e.device, e.reason, what=e.what,
-                              purpose=purpose) from e
+        raise PoolMemoryError(
+            e.nbytes, e.backend, e.device, e.reason, what=e.what, purpose=purpose
+        ) from e
     except (MemoryError, OverflowError) as e:
         raise PoolMemoryError(nbytes, name, device, _first_line(e), purpose=purpose) from e
     except OSError as e:

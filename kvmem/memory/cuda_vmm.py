@@ -147,12 +147,14 @@ def _raise(st: _State, i: int) -> None:
         st.handles[i] = _call(drv, "cuMemCreate", size, st.prop, 0, what=f"{size} bytes")
         st.states[i] = HELD
     if st.states[i] == HELD:
-        _call(drv, "cuMemMap", st.ptr + off, size, 0, st.handles[i], 0,
-              what=f"chunk at offset {off}")
+        _call(
+            drv, "cuMemMap", st.ptr + off, size, 0, st.handles[i], 0, what=f"chunk at offset {off}"
+        )
         st.states[i] = MAPPED
     if st.states[i] == MAPPED:
-        _call(drv, "cuMemSetAccess", st.ptr + off, size, [st.access], 1,
-              what=f"chunk at offset {off}")
+        _call(
+            drv, "cuMemSetAccess", st.ptr + off, size, [st.access], 1, what=f"chunk at offset {off}"
+        )
         st.states[i] = READY
 
 
@@ -209,8 +211,9 @@ class VmmRange:
             st.ptr = int(_call(drv, "cuMemAddressReserve", size, alignment, 0, 0))
         except CudaDriverError as e:
             if e.code == _OOM:
-                raise PoolMemoryError(size, "cuda_vmm", _device_of(access), str(e),
-                                      what="reserve") from e
+                raise PoolMemoryError(
+                    size, "cuda_vmm", _device_of(access), str(e), what="reserve"
+                ) from e
             raise
         self._st = st
         # Called by the GC, the errors _free returns go nowhere: nobody is left to tell.
@@ -273,14 +276,20 @@ class VmmRange:
             except CudaDriverError as e:
                 failed = done[-1]
                 undo = _undo(st, reversed(done), before, up=False)
-                where = (f"chunk {failed + 1} of {len(st.chunks)} "
-                         f"({st.chunks[failed][1]} bytes at offset {st.chunks[failed][0]})")
+                where = (
+                    f"chunk {failed + 1} of {len(st.chunks)} "
+                    f"({st.chunks[failed][1]} bytes at offset {st.chunks[failed][0]})"
+                )
                 note = f"at {where}; {undo}"
                 if e.code == _OOM:
                     need = sum(st.chunks[i][1] for i in todo)
-                    raise PoolMemoryError(need, "cuda_vmm", _device_of(st.access),
-                                          f"{e}, {note}; free device memory and retry",
-                                          what="map") from e
+                    raise PoolMemoryError(
+                        need,
+                        "cuda_vmm",
+                        _device_of(st.access),
+                        f"{e}, {note}; free device memory and retry",
+                        what="map",
+                    ) from e
                 raise CudaDriverError(e.call, e.code, f"{e.detail}; {note}") from e
 
     def unmap_all(self) -> None:
@@ -310,8 +319,8 @@ class VmmRange:
                 failed = done[-1]  # its unmap failed: still recorded as mapped
                 undo = _undo(st, reversed(done[:-1]), before, up=True)
                 raise CudaDriverError(
-                    e.call, e.code,
-                    f"{e.detail}; at chunk {failed + 1} of {len(st.chunks)}; {undo}") from e
+                    e.call, e.code, f"{e.detail}; at chunk {failed + 1} of {len(st.chunks)}; {undo}"
+                ) from e
             errors = []
             for i, s in enumerate(st.states):
                 if s == HELD:
@@ -322,10 +331,12 @@ class VmmRange:
             if errors:
                 i, e = errors[0]
                 raise CudaDriverError(
-                    e.call, e.code,
+                    e.call,
+                    e.code,
                     f"{e.detail}; {len(errors)} chunk handle(s) (first: chunk {i + 1}) could "
                     "not be released; the range is unmapped, and they are reused by the next "
-                    "resume or freed by close") from e
+                    "resume or freed by close",
+                ) from e
 
     def close(self) -> None:
         """Unmap, release and unreserve everything now (waits for the device first).
@@ -359,9 +370,11 @@ def _undo(st: _State, chunks, before: list[int], *, up: bool) -> str:
     text = f"the {n} chunk(s) this call had changed were {verb}"
     if failures:
         mapped = sum(s >= MAPPED for s in st.states)
-        text += (f"; undoing failed for {len(failures)} ({'; '.join(failures)}): {mapped} of "
-                 f"{len(st.chunks)} chunks are mapped now, and the next release/resume "
-                 "continues from there")
+        text += (
+            f"; undoing failed for {len(failures)} ({'; '.join(failures)}): {mapped} of "
+            f"{len(st.chunks)} chunks are mapped now, and the next release/resume "
+            "continues from there"
+        )
     return text
 
 
@@ -400,16 +413,29 @@ class CudaVmmBackend(MemoryBackend):
         (``chunked``: :func:`kvmem.memory.make_backend` passes it the pool's planner)."""
         own = chunk_bytes
 
-        def make(nbytes: int, device: torch.device, *, planner=None,
-                 chunk_bytes: int | None = None) -> CudaVmmBackend:
-            return cls(nbytes, device, own if chunk_bytes is None else chunk_bytes,
-                       driver=driver, planner=planner)
+        def make(
+            nbytes: int, device: torch.device, *, planner=None, chunk_bytes: int | None = None
+        ) -> CudaVmmBackend:
+            return cls(
+                nbytes,
+                device,
+                own if chunk_bytes is None else chunk_bytes,
+                driver=driver,
+                planner=planner,
+            )
 
         make.name, make.chunked = cls.name, True
         return make
 
-    def __init__(self, nbytes: int, device: torch.device, chunk_bytes: int | None = None, *,
-                 driver=None, planner=None):
+    def __init__(
+        self,
+        nbytes: int,
+        device: torch.device,
+        chunk_bytes: int | None = None,
+        *,
+        driver=None,
+        planner=None,
+    ):
         target = chunk_target(chunk_bytes)
         drv = default_driver() if driver is None else driver
         self._drv = drv
@@ -426,17 +452,29 @@ class CudaVmmBackend(MemoryBackend):
         _call(drv, "cuInit", 0)
         dev = _call(drv, "cuDeviceGet", index)
         attr = drv.CUdevice_attribute
-        vmm = _call(drv, "cuDeviceGetAttribute",
-                    attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-                    dev, what="VMM supported")
+        vmm = _call(
+            drv,
+            "cuDeviceGetAttribute",
+            attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+            dev,
+            what="VMM supported",
+        )
         if not vmm:
             raise RuntimeError(f"{device} does not support CUDA virtual memory management")
-        rdma = _call(drv, "cuDeviceGetAttribute",
-                     attr.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
-                     dev, what="RDMA with VMM")
-        fd_ok = _call(drv, "cuDeviceGetAttribute",
-                      attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-                      dev, what="POSIX fd handles")
+        rdma = _call(
+            drv,
+            "cuDeviceGetAttribute",
+            attr.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+            dev,
+            what="RDMA with VMM",
+        )
+        fd_ok = _call(
+            drv,
+            "cuDeviceGetAttribute",
+            attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            dev,
+            what="POSIX fd handles",
+        )
         prop = drv.CUmemAllocationProp()
         prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -444,8 +482,9 @@ class CudaVmmBackend(MemoryBackend):
         if rdma:
             prop.allocFlags.gpuDirectRDMACapable = 1
         self.rdma_capable = bool(rdma)
-        self.exportable, self._not_exportable = self._request_fd_handles(drv, prop, bool(fd_ok),
-                                                                         device)
+        self.exportable, self._not_exportable = self._request_fd_handles(
+            drv, prop, bool(fd_ok), device
+        )
         gran = _granularity(drv, prop)
         plan = planner(gran, target) if planner is not None else plan_range(nbytes, gran, target)
         super().__init__(plan.nbytes, device, plan)
@@ -474,8 +513,14 @@ class CudaVmmBackend(MemoryBackend):
             types = drv.CUmemAllocationHandleType
             prop.requestedHandleTypes = types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
             try:
-                probe = _call(drv, "cuMemCreate", _granularity(drv, prop), prop, 0,
-                              what="probe for POSIX fd handles")
+                probe = _call(
+                    drv,
+                    "cuMemCreate",
+                    _granularity(drv, prop),
+                    prop,
+                    0,
+                    what="probe for POSIX fd handles",
+                )
                 _call(drv, "cuMemRelease", probe, what="probe for POSIX fd handles")
             except CudaDriverError as e:
                 if e.code == _OOM:  # no memory to spare: not a question of handle support
@@ -484,16 +529,22 @@ class CudaVmmBackend(MemoryBackend):
                 why = f"a chunk with POSIX file-descriptor handles was refused ({e})"
         if why is None:
             return True, None
-        log.warning("cuda_vmm on %s: chunks are not exportable (%s); UCX's cuda_ipc cannot "
-                    "map them into a peer process, so transfers between processes on this "
-                    "node go through the NIC or host memory", device, why)
+        log.warning(
+            "cuda_vmm on %s: chunks are not exportable (%s); UCX's cuda_ipc cannot "
+            "map them into a peer process, so transfers between processes on this "
+            "node go through the NIC or host memory",
+            device,
+            why,
+        )
         return False, why
 
     def info(self) -> dict:
         out = super().info()
-        out.update(rdma=self.rdma_capable,
-                   handle_type="posix_fd" if self.exportable else None,
-                   not_exportable_because=self._not_exportable)
+        out.update(
+            rdma=self.rdma_capable,
+            handle_type="posix_fd" if self.exportable else None,
+            not_exportable_because=self._not_exportable,
+        )
         return out
 
     # --- MemoryBackend -----------------------------------------------------------------------
@@ -527,8 +578,14 @@ class CudaVmmBackend(MemoryBackend):
 
 
 def _granularity(drv, prop) -> int:
-    return int(_call(drv, "cuMemGetAllocationGranularity", prop,
-                     drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+    return int(
+        _call(
+            drv,
+            "cuMemGetAllocationGranularity",
+            prop,
+            drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+        )
+    )
 
 
 def _device_sync(index: int):

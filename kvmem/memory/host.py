@@ -83,8 +83,14 @@ _libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _libc.mincore.restype = ctypes.c_int
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int
-_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long)
+_libc.mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.munmap.restype = ctypes.c_int
@@ -122,7 +128,11 @@ def _munmap(addr: int, length: int) -> None:
 
 def _mlock(addr: int, length: int) -> int:
     """``mlock(2)``: 0 or the errno."""
-    return 0 if _libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(length)) == 0 else ctypes.get_errno()
+    return (
+        0
+        if _libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(length)) == 0
+        else ctypes.get_errno()
+    )
 
 
 def _munlock(addr: int, length: int) -> None:
@@ -177,17 +187,23 @@ class HostBackend(MemoryBackend):
     name = "host"
     can_release = True
 
-    def __init__(self, nbytes: int, device: torch.device, *, planner=None,
-                 chunk_bytes: int | None = None):
+    def __init__(
+        self, nbytes: int, device: torch.device, *, planner=None, chunk_bytes: int | None = None
+    ):
         target = chunk_target(chunk_bytes)
-        plan = (planner(GRANULARITY, target) if planner is not None
-                else plan_range(nbytes, GRANULARITY, target))
+        plan = (
+            planner(GRANULARITY, target)
+            if planner is not None
+            else plan_range(nbytes, GRANULARITY, target)
+        )
         super().__init__(plan.nbytes, device, plan)
         last = len(plan.chunks) - 1
         # (offset, bytes mapped) of each chunk: its allocation, the last one only up to
         # its used bytes (nothing after the range needs memory)
-        self._spans = [(c.offset, c.size if i < last else max(PAGE, -(-c.nbytes // PAGE) * PAGE))
-                       for i, c in enumerate(plan.chunks)]
+        self._spans = [
+            (c.offset, c.size if i < last else max(PAGE, -(-c.nbytes // PAGE) * PAGE))
+            for i, c in enumerate(plan.chunks)
+        ]
         total = self._spans[-1][0] + self._spans[-1][1]
         self._range = _HostRange(total, self._spans)
         self._addr = self._range.addr
@@ -248,8 +264,9 @@ class HostBackend(MemoryBackend):
         self._check_open("prefault")
         mapped = sum(n for _, n in self._spans)
         step = -(-mapped // _PREFAULT_THREADS // _HUGE) * _HUGE
-        pieces = [(o, min(step, off + n - o)) for off, n in self._spans
-                  for o in range(off, off + n, step)]
+        pieces = [
+            (o, min(step, off + n - o)) for off, n in self._spans for o in range(off, off + n, step)
+        ]
         nthreads = min(_PREFAULT_THREADS, len(pieces))
         errors: list[OSError] = []
         lock_bytes = _lock_slice_bytes(nthreads)
@@ -267,8 +284,10 @@ class HostBackend(MemoryBackend):
             except OSError as e:
                 errors.append(e)
 
-        threads = [threading.Thread(target=populate, args=(pieces[t::nthreads],))
-                   for t in range(1, nthreads)]
+        threads = [
+            threading.Thread(target=populate, args=(pieces[t::nthreads],))
+            for t in range(1, nthreads)
+        ]
         for t in threads:
             t.start()
         populate(pieces[0::nthreads])
@@ -305,5 +324,5 @@ class HostBackend(MemoryBackend):
             if _libc.mincore(ctypes.c_void_p(self._addr + off), ctypes.c_size_t(n), self._vec) != 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"mincore over the pool's mapping failed: errno {err}")
-            total += int((flags[:n // PAGE] & 1).sum()) * PAGE
+            total += int((flags[: n // PAGE] & 1).sum()) * PAGE
         return total

@@ -146,27 +146,35 @@ class ChunkPlan:
         """
         i = bisect.bisect_right([c.offset for c in self.chunks], offset) - 1
         if i < 0 or offset >= self.chunks[i].offset + self.chunks[i].nbytes:
-            raise ValueError(f"offset {offset} is not inside a chunk's items (chunks "
-                             f"{[(c.offset, c.nbytes) for c in self.chunks][:4]}...)")
+            raise ValueError(
+                f"offset {offset} is not inside a chunk's items (chunks "
+                f"{[(c.offset, c.nbytes) for c in self.chunks][:4]}...)"
+            )
         return i
 
 
 def _check_granularity(granularity) -> int:
-    if (isinstance(granularity, bool) or not isinstance(granularity, int) or granularity <= 0
-            or granularity & (granularity - 1)):
+    if (
+        isinstance(granularity, bool)
+        or not isinstance(granularity, int)
+        or granularity <= 0
+        or granularity & (granularity - 1)
+    ):
         raise ValueError(f"granularity must be a power of two > 0, got {granularity!r}")
     return max(granularity, LAYER_ALIGN)
 
 
 def _check_target(target) -> int | None:
-    if target is not None and (isinstance(target, bool) or not isinstance(target, int)
-                               or target <= 0):
+    if target is not None and (
+        isinstance(target, bool) or not isinstance(target, int) or target <= 0
+    ):
         raise ValueError(f"target must be None or an int > 0, got {target!r}")
     return target
 
 
-def plan_pool(spec: KVSpec, num_pages: int, layout: str, granularity: int,
-              target: int | None) -> ChunkPlan:
+def plan_pool(
+    spec: KVSpec, num_pages: int, layout: str, granularity: int, target: int | None
+) -> ChunkPlan:
     """The chunk plan of a pool (see the module docstring).
 
     Args:
@@ -186,8 +194,10 @@ def plan_pool(spec: KVSpec, num_pages: int, layout: str, granularity: int,
     n = spec.num_layers
     # items: (bytes, [(buffer kind, layer, offset inside the item)])
     if layout == "sglang":
-        items = [(k_bytes + v_bytes, [("k", l, 0)] + ([("v", l, k_bytes)] if spec.has_v else []))
-                 for l in range(n)]
+        items = [
+            (k_bytes + v_bytes, [("k", l, 0)] + ([("v", l, k_bytes)] if spec.has_v else []))
+            for l in range(n)
+        ]
     else:
         items = [(k_bytes, [("k", l, 0)]) for l in range(n)]
         if spec.has_v:
@@ -208,8 +218,9 @@ def plan_pool(spec: KVSpec, num_pages: int, layout: str, granularity: int,
         used = _round_up(at + nbytes, LAYER_ALIGN)
     chunks.append(Chunk(start, used, _round_up(used, align)))
     content = spec.pool_bytes(num_pages)
-    return ChunkPlan(granularity, target, tuple(chunks), tuple(k_off), tuple(v_off),
-                     start + used, content)
+    return ChunkPlan(
+        granularity, target, tuple(chunks), tuple(k_off), tuple(v_off), start + used, content
+    )
 
 
 def plan_range(nbytes: int, granularity: int, target: int | None) -> ChunkPlan:
@@ -225,8 +236,12 @@ def plan_range(nbytes: int, granularity: int, target: int | None) -> ChunkPlan:
         raise ValueError(f"nbytes must be an int > 0, got {nbytes!r}")
     step = nbytes if target is None else max(align, _round_up(target, align))
     if -(-nbytes // step) > MAX_CHUNKS:
-        raise OverflowError(f"a range of {nbytes} bytes in chunks of {step} would be "
-                            f"{-(-nbytes // step)} chunks, more than {MAX_CHUNKS}")
-    chunks = tuple(Chunk(off, min(step, nbytes - off), _round_up(min(step, nbytes - off), align))
-                   for off in range(0, nbytes, step))
+        raise OverflowError(
+            f"a range of {nbytes} bytes in chunks of {step} would be "
+            f"{-(-nbytes // step)} chunks, more than {MAX_CHUNKS}"
+        )
+    chunks = tuple(
+        Chunk(off, min(step, nbytes - off), _round_up(min(step, nbytes - off), align))
+        for off in range(0, nbytes, step)
+    )
     return ChunkPlan(granularity, target, chunks, (), (), nbytes, nbytes)

@@ -13,17 +13,31 @@ docs/transfer.md.
 
 from kvmem.transfer.engine import TransferEngine
 from kvmem.transfer.errors import (
-    EngineClosedError, MetadataError, StaleEpochError, TransferError, TransferInFlightError,
+    EngineClosedError,
+    MetadataError,
+    StaleEpochError,
+    TransferError,
+    TransferInFlightError,
 )
 from kvmem.transfer.layout import BlockLayout
-from kvmem.transfer.records import (BlockTable, Registration, RemoteMemory, TransferHandle,
-                                   XferState)
+from kvmem.transfer.records import BlockTable, Registration, RemoteMemory, TransferHandle, XferState
 from kvmem.transfer.loopback import LoopbackEngine, LoopbackFabric
 from kvmem.transfer.nixl import NixlEngine
 
 __all__ = [
-    "TransferEngine", "NixlEngine", "LoopbackEngine", "LoopbackFabric", "Registration",
-    "RemoteMemory", "TransferHandle", "XferState",
-    "StaleEpochError", "TransferInFlightError", "MetadataError", "TransferError",
-    "EngineClosedError", "BlockLayout", "BlockTable",
+    "TransferEngine",
+    "NixlEngine",
+    "LoopbackEngine",
+    "LoopbackFabric",
+    "Registration",
+    "RemoteMemory",
+    "TransferHandle",
+    "XferState",
+    "StaleEpochError",
+    "TransferInFlightError",
+    "MetadataError",
+    "TransferError",
+    "EngineClosedError",
+    "BlockLayout",
+    "BlockTable",
 ]

@@ -27,12 +27,22 @@ import numpy as np
 from kvmem.errors import ReleasedPoolError
 from kvmem.transfer.envelope import decode_metadata, encode_metadata, parse_layout
 from kvmem.transfer.errors import (
-    EngineClosedError, MetadataError, StaleEpochError, TransferError, TransferInFlightError,
+    EngineClosedError,
+    MetadataError,
+    StaleEpochError,
+    TransferError,
+    TransferInFlightError,
 )
 from kvmem.transfer.layout import MAX_TABLE_BLOCKS, BlockLayout, pool_layout
 from kvmem.transfer.ranges import RegionIndex, as_ranges, locate, pair_few, pair_ranges
-from kvmem.transfer.records import (BlockTable, Registration, RemoteMemory, TransferHandle,
-                                   XferState, mem_of)
+from kvmem.transfer.records import (
+    BlockTable,
+    Registration,
+    RemoteMemory,
+    TransferHandle,
+    XferState,
+    mem_of,
+)
 
 
 @dataclass
@@ -44,8 +54,8 @@ class _Peer:
     index: dict = field(default_factory=dict)  # key -> RegionIndex of its live regions
 
 
-
 # --- the engine ---------------------------------------------------------------------------
+
 
 class TransferEngine(abc.ABC):
     """Registrations, peers and one-sided writes, with the epoch guard (docs/transfer.md).
@@ -97,8 +107,14 @@ class TransferEngine(abc.ABC):
     def _t_unload_peer(self, name: str) -> None: ...
 
     @abc.abstractmethod
-    def _t_post(self, local: np.ndarray, lreg: Registration, remote: np.ndarray,
-                rmem: RemoteMemory, notif: bytes) -> tuple[object, str]:
+    def _t_post(
+        self,
+        local: np.ndarray,
+        lreg: Registration,
+        remote: np.ndarray,
+        rmem: RemoteMemory,
+        notif: bytes,
+    ) -> tuple[object, str]:
         """Post one write of paired ranges; return (native handle, initial state)."""
 
     @abc.abstractmethod
@@ -129,8 +145,16 @@ class TransferEngine(abc.ABC):
     def _t_unprep(self, native) -> None:
         pass
 
-    def _t_post_blocks(self, op: str, local: object, lidx: np.ndarray, remote: object,
-                       ridx: np.ndarray, peer: str, notif: bytes) -> tuple[object, str]:
+    def _t_post_blocks(
+        self,
+        op: str,
+        local: object,
+        lidx: np.ndarray,
+        remote: object,
+        ridx: np.ndarray,
+        peer: str,
+        notif: bytes,
+    ) -> tuple[object, str]:
         raise TransferError(f"{type(self).__name__} has no prepared descriptor lists")
 
     # --- registrations ----------------------------------------------------------------
@@ -138,8 +162,9 @@ class TransferEngine(abc.ABC):
         if self._closed:
             raise EngineClosedError(f"{what}: transfer engine {self.name!r} is closed")
 
-    def register(self, key: str, regions, epoch: int, device="cpu",
-                 layout: BlockLayout | None = None) -> Registration:
+    def register(
+        self, key: str, regions, epoch: int, device="cpu", layout: BlockLayout | None = None
+    ) -> Registration:
         """Register ``regions`` (``(addr, nbytes)`` pairs, disjoint from every live
         registration) under ``key`` at ``epoch``, in one transport call.
 
@@ -153,33 +178,43 @@ class TransferEngine(abc.ABC):
         if not isinstance(key, str) or not key:
             raise ValueError(f"register: key must be a non-empty str, got {key!r}")
         if key in self._regs:
-            raise ValueError(f"register: {key!r} is registered already (epoch "
-                             f"{self._regs[key].epoch}); deregister it first")
+            raise ValueError(
+                f"register: {key!r} is registered already (epoch "
+                f"{self._regs[key].epoch}); deregister it first"
+            )
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"register: epoch must be an int >= 0, got {epoch!r}")
         old = self._tombstones.get(key)
         if old is not None and epoch <= old.epoch:
-            raise ValueError(f"register: {key!r} was registered at epoch {old.epoch}; a new "
-                             f"registration needs a newer epoch, got {epoch} (epochs of a key "
-                             "only grow, or stale peer metadata would become valid again)")
+            raise ValueError(
+                f"register: {key!r} was registered at epoch {old.epoch}; a new "
+                f"registration needs a newer epoch, got {epoch} (epochs of a key "
+                "only grow, or stale peer metadata would become valid again)"
+            )
         arr = as_ranges(regions, f"register {key!r}")
         mem, dev = mem_of(device)
-        allr = np.concatenate([arr] + [np.asarray(r.regions, dtype=np.int64).reshape(-1, 2)
-                                       for r in self._regs.values()])
+        allr = np.concatenate(
+            [arr]
+            + [np.asarray(r.regions, dtype=np.int64).reshape(-1, 2) for r in self._regs.values()]
+        )
         order = np.argsort(allr[:, 0], kind="stable")
         s, e = allr[order, 0], allr[order, 0] + allr[order, 1]
         clash = np.flatnonzero(e[:-1] > s[1:])
         if clash.size:
             i = int(clash[0])
-            raise ValueError(f"register {key!r}: regions overlap: [{int(s[i]):#x}, {int(e[i]):#x}) "
-                             f"and [{int(s[i + 1]):#x}, {int(e[i + 1]):#x})")
+            raise ValueError(
+                f"register {key!r}: regions overlap: [{int(s[i]):#x}, {int(e[i]):#x}) "
+                f"and [{int(s[i + 1]):#x}, {int(e[i + 1]):#x})"
+            )
         reg = Registration(key, epoch, tuple((int(a), int(n)) for a, n in arr), mem, dev, layout)
         if layout is not None:
             idx = RegionIndex(reg.regions)
             for a, n in layout.spans():
                 if idx.find(a, n) < 0:
-                    raise ValueError(f"register {key!r}: layout plane [{a:#x}, +{n}) is not "
-                                     "inside one of its regions")
+                    raise ValueError(
+                        f"register {key!r}: layout plane [{a:#x}, +{n}) is not "
+                        "inside one of its regions"
+                    )
         self._native_regs[key] = self._t_register(reg)
         self._regs[key] = reg
         self._tombstones.pop(key, None)
@@ -191,8 +226,9 @@ class TransferEngine(abc.ABC):
         """``register(key, pool.regions(), pool.epoch, pool.device, pool_layout(pool))``;
         refuses a released pool."""
         if getattr(pool, "released", False):
-            raise ReleasedPoolError(f"register_pool {key!r}: the pool is released (epoch "
-                                    f"{pool.epoch}); resume it first")
+            raise ReleasedPoolError(
+                f"register_pool {key!r}: the pool is released (epoch {pool.epoch}); resume it first"
+            )
         return self.register(key, pool.regions(), pool.epoch, pool.device, pool_layout(pool))
 
     def deregister(self, key: str) -> None:
@@ -204,16 +240,24 @@ class TransferEngine(abc.ABC):
         Deregistration does not revoke peers' access."""
         self._check_open("deregister")
         if key not in self._regs:
-            state = f"closed at epoch {self._tombstones[key].epoch}" if key in self._tombstones \
+            state = (
+                f"closed at epoch {self._tombstones[key].epoch}"
+                if key in self._tombstones
                 else "unknown"
-            raise ValueError(f"deregister: {key!r} is not registered ({state}; live: "
-                             f"{sorted(self._regs)})")
-        busy = [h for h in self._handles.values()
-                if key in h.local_keys and self._refresh(h) == XferState.PROC]
+            )
+            raise ValueError(
+                f"deregister: {key!r} is not registered ({state}; live: {sorted(self._regs)})"
+            )
+        busy = [
+            h
+            for h in self._handles.values()
+            if key in h.local_keys and self._refresh(h) == XferState.PROC
+        ]
         if busy:
             ids = [h.id for h in busy][:8]
-            raise TransferInFlightError(f"deregister {key!r}", len(busy),
-                                        f" (reading from it, handle ids {ids})")
+            raise TransferInFlightError(
+                f"deregister {key!r}", len(busy), f" (reading from it, handle ids {ids})"
+            )
         for t in [t for t in self._tables.values() if t.remote is None and t.key == key]:
             self._drop_table(t)
         self._t_deregister(self._native_regs[key])
@@ -238,12 +282,22 @@ class TransferEngine(abc.ABC):
         for k, r in self._tombstones.items():
             regs[k] = dict(epoch=r.epoch, live=False, mem=r.mem, dev=r.device_id, regions=[])
         for k, r in self._regs.items():
-            regs[k] = dict(epoch=r.epoch, live=True, mem=r.mem, dev=r.device_id,
-                           regions=[list(x) for x in r.regions])
+            regs[k] = dict(
+                epoch=r.epoch,
+                live=True,
+                mem=r.mem,
+                dev=r.device_id,
+                regions=[list(x) for x in r.regions],
+            )
             if r.layout is not None:
                 regs[k]["layout"] = r.layout.as_json()
-        header = dict(engine=self.kind, agent=self.name, incarnation=self.incarnation,
-                      version=self._version, regs=regs)
+        header = dict(
+            engine=self.kind,
+            agent=self.name,
+            incarnation=self.incarnation,
+            version=self._version,
+            regs=regs,
+        )
         return encode_metadata(header, self._t_blob())
 
     def add_peer(self, metadata) -> dict[str, RemoteMemory]:
@@ -257,30 +311,47 @@ class TransferEngine(abc.ABC):
         self._check_open("add_peer")
         header, blob = decode_metadata(metadata)
         if header["engine"] != self.kind:
-            raise MetadataError(f"add_peer: metadata of a {header['engine']!r} engine, this is "
-                                f"a {self.kind!r} engine")
+            raise MetadataError(
+                f"add_peer: metadata of a {header['engine']!r} engine, this is "
+                f"a {self.kind!r} engine"
+            )
         name = header["agent"]
         if name == self.name:
             raise MetadataError(f"add_peer: metadata is this engine's own ({name!r})")
         inc, ver = header["incarnation"], header["version"]
-        mems = {k: RemoteMemory(name, k, r["epoch"], tuple((a, n) for a, n in r["regions"]),
-                                r["mem"], r["dev"], inc, r["live"],
-                                parse_layout(r["layout"], k, r["regions"]) if "layout" in r
-                                else None)
-                for k, r in header["regs"].items()}
+        mems = {
+            k: RemoteMemory(
+                name,
+                k,
+                r["epoch"],
+                tuple((a, n) for a, n in r["regions"]),
+                r["mem"],
+                r["dev"],
+                inc,
+                r["live"],
+                parse_layout(r["layout"], k, r["regions"]) if "layout" in r else None,
+            )
+            for k, r in header["regs"].items()
+        }
         old = self._peers.get(name)
         if old is not None:
             if (inc, ver) < (old.incarnation, old.version):
-                raise StaleEpochError(name, None, f"incarnation {inc} version {ver}",
-                                      f"incarnation {old.incarnation} version {old.version}",
-                                      "add_peer")
+                raise StaleEpochError(
+                    name,
+                    None,
+                    f"incarnation {inc} version {ver}",
+                    f"incarnation {old.incarnation} version {old.version}",
+                    "add_peer",
+                )
             if (inc, ver) == (old.incarnation, old.version):
                 return dict(old.mems)
             if inc == old.incarnation:
                 for k, m in old.mems.items():
                     if k not in mems or mems[k].order < m.order:
-                        raise MetadataError(f"add_peer: {name!r} version {ver} lost or rewound "
-                                            f"registration {k!r} ({m.describe()} before)")
+                        raise MetadataError(
+                            f"add_peer: {name!r} version {ver} lost or rewound "
+                            f"registration {k!r} ({m.describe()} before)"
+                        )
         if old is not None and inc != old.incarnation:
             # A restarted peer: NIXL refuses to load it otherwise.  Should the transport
             # then refuse the new blob, the peer stays forgotten (its old process is gone).
@@ -290,8 +361,9 @@ class TransferEngine(abc.ABC):
         if loaded != name:
             if old is None:
                 self._t_unload_peer(loaded)
-            raise MetadataError(f"add_peer: header names agent {name!r}, transport metadata "
-                                f"names {loaded!r}")
+            raise MetadataError(
+                f"add_peer: header names agent {name!r}, transport metadata names {loaded!r}"
+            )
         index = {k: RegionIndex(m.regions) for k, m in mems.items() if m.live}
         self._peers[name] = _Peer(name, inc, ver, mems, index)
         return dict(mems)
@@ -303,8 +375,10 @@ class TransferEngine(abc.ABC):
         """The newest RemoteMemory this engine knows for ``(peer, key)``."""
         p = self._peers.get(peer)
         if p is None or key not in p.mems:
-            raise KeyError(f"remote: no registration {key!r} known for peer {peer!r} "
-                           f"(peers: {sorted(self._peers)})")
+            raise KeyError(
+                f"remote: no registration {key!r} known for peer {peer!r} "
+                f"(peers: {sorted(self._peers)})"
+            )
         return p.mems[key]
 
     def check_fresh(self, remote: RemoteMemory, what: str = "post_write") -> None:
@@ -315,20 +389,31 @@ class TransferEngine(abc.ABC):
             raise TypeError(f"{what}: remote must be a RemoteMemory, got {type(remote).__name__}")
         p = self._peers.get(remote.peer)
         if p is None:
-            raise ValueError(f"{what}: peer {remote.peer!r} is not known to engine "
-                             f"{self.name!r}; add_peer(its metadata) first")
+            raise ValueError(
+                f"{what}: peer {remote.peer!r} is not known to engine "
+                f"{self.name!r}; add_peer(its metadata) first"
+            )
         newest = p.mems.get(remote.key)
         if newest is None or p.incarnation != remote.incarnation:
-            raise StaleEpochError(remote.peer, remote.key, remote.describe(),
-                                  newest.describe() if newest else
-                                  f"incarnation {p.incarnation} without {remote.key!r}", what)
+            raise StaleEpochError(
+                remote.peer,
+                remote.key,
+                remote.describe(),
+                newest.describe()
+                if newest
+                else f"incarnation {p.incarnation} without {remote.key!r}",
+                what,
+            )
         if remote.order < newest.order or not newest.live:
-            raise StaleEpochError(remote.peer, remote.key, remote.describe(), newest.describe(),
-                                  what)
+            raise StaleEpochError(
+                remote.peer, remote.key, remote.describe(), newest.describe(), what
+            )
         if remote != newest:
-            raise ValueError(f"{what}: {remote!r} is not the metadata engine {self.name!r} "
-                             f"loaded for {remote.peer!r} ({newest.describe()}); add_peer the "
-                             "bytes it came from")
+            raise ValueError(
+                f"{what}: {remote!r} is not the metadata engine {self.name!r} "
+                f"loaded for {remote.peer!r} ({newest.describe()}); add_peer the "
+                "bytes it came from"
+            )
 
     # --- writes -----------------------------------------------------------------------
     def _local_index(self) -> RegionIndex:
@@ -337,8 +422,9 @@ class TransferEngine(abc.ABC):
             self._index = RegionIndex([(a, n) for a, n, _ in regs], [k for _, _, k in regs])
         return self._index
 
-    def post_write(self, local_ranges, remote: RemoteMemory, remote_ranges,
-                   notif: bytes = b"") -> TransferHandle:
+    def post_write(
+        self, local_ranges, remote: RemoteMemory, remote_ranges, notif: bytes = b""
+    ) -> TransferHandle:
         """Write the bytes of ``local_ranges`` (in this engine's live registrations) to
         ``remote_ranges`` (in ``remote.regions``), one byte stream, and deliver ``notif``
         to the peer once they landed (sent when a poll of this engine sees the write done).
@@ -365,25 +451,39 @@ class TransferEngine(abc.ABC):
             lo, ro, local_keys = self._many(local_ranges, remote, remote_ranges, lindex, rindex)
         native, state = self._t_post(lo, self._regs[local_keys[0]], ro, remote, bytes(notif))
         state = XferState(state)
-        h = TransferHandle(self._next_id, remote.peer, remote.key, local_keys, int(lo[:, 1].sum()),
-                           bytes(notif), state,
-                           None if state != XferState.ERR else "failed at post", native=native)
+        h = TransferHandle(
+            self._next_id,
+            remote.peer,
+            remote.key,
+            local_keys,
+            int(lo[:, 1].sum()),
+            bytes(notif),
+            state,
+            None if state != XferState.ERR else "failed at post",
+            native=native,
+        )
         self._next_id += 1
         self._handles[h.id] = h
         return h
 
-    def _many(self, local_ranges, remote, remote_ranges, lindex: RegionIndex,
-              rindex: RegionIndex):
+    def _many(self, local_ranges, remote, remote_ranges, lindex: RegionIndex, rindex: RegionIndex):
         loc = as_ranges(local_ranges, "post_write local")
         rem = as_ranges(remote_ranges, "post_write remote")
         li = locate(loc, lindex.starts, lindex.ends, "post_write local", f"engine {self.name!r}")
         local_keys = tuple(sorted({lindex.keys[i] for i in np.unique(li)}))
         kinds = {(self._regs[k].mem, self._regs[k].device_id) for k in local_keys}
         if len(kinds) != 1:
-            raise ValueError(f"post_write: local ranges span memory kinds {sorted(kinds)} "
-                             f"(keys {local_keys}); one write reads one kind")
-        locate(rem, rindex.starts, rindex.ends, "post_write remote",
-               f"peer {remote.peer!r} key {remote.key!r} ({remote.describe()})")
+            raise ValueError(
+                f"post_write: local ranges span memory kinds {sorted(kinds)} "
+                f"(keys {local_keys}); one write reads one kind"
+            )
+        locate(
+            rem,
+            rindex.starts,
+            rindex.ends,
+            "post_write remote",
+            f"peer {remote.peer!r} key {remote.key!r} ({remote.describe()})",
+        )
         lo, ro = pair_ranges(loc, rem, "post_write")
         return lo, ro, local_keys
 
@@ -398,20 +498,27 @@ class TransferEngine(abc.ABC):
         than :data:`MAX_TABLE_BLOCKS` blocks (the transport's indices are int32), or a
         limit of the transport (:meth:`_t_prep_refusal`)."""
         if layout is None:
-            return ("no block layout: a page of a layer is not one contiguous range, so "
-                    "pages cannot be addressed as blocks")
+            return (
+                "no block layout: a page of a layer is not one contiguous range, so "
+                "pages cannot be addressed as blocks"
+            )
         if layout.blocks > MAX_TABLE_BLOCKS:
-            return (f"{layout.blocks} blocks ({len(layout.planes)} planes x {layout.count} "
-                    f"pages) is more than the {MAX_TABLE_BLOCKS} a prepared table can index "
-                    "(NIXL reads block indices as int32)")
+            return (
+                f"{layout.blocks} blocks ({len(layout.planes)} planes x {layout.count} "
+                f"pages) is more than the {MAX_TABLE_BLOCKS} a prepared table can index "
+                "(NIXL reads block indices as int32)"
+            )
         return self._t_prep_refusal(layout)
 
-    def _prep_table(self, what: str, layout: BlockLayout | None, mem: str, device_id: int,
-                    peer: str | None):
+    def _prep_table(
+        self, what: str, layout: BlockLayout | None, mem: str, device_id: int, peer: str | None
+    ):
         why = self.direct_refusal(layout)
         if why is not None:
-            raise TransferError(f"{what}: cannot prepare a block table: {why}; only packed "
-                                "transfers can move these pages")
+            raise TransferError(
+                f"{what}: cannot prepare a block table: {why}; only packed "
+                "transfers can move these pages"
+            )
         return self._t_prep(layout, mem, device_id, peer)
 
     def prep_local(self, key: str) -> BlockTable:
@@ -427,10 +534,11 @@ class TransferEngine(abc.ABC):
         self._check_open("prep_local")
         reg = self._regs.get(key)
         if reg is None or reg.layout is None:
-            raise ValueError(f"prep_local: {key!r} is not a live registration with a layout "
-                             f"(live: {sorted(self._regs)})")
-        native = self._prep_table(f"prep_local {key!r}", reg.layout, reg.mem, reg.device_id,
-                                  None)
+            raise ValueError(
+                f"prep_local: {key!r} is not a live registration with a layout "
+                f"(live: {sorted(self._regs)})"
+            )
+        native = self._prep_table(f"prep_local {key!r}", reg.layout, reg.mem, reg.device_id, None)
         return self._new_table(key, reg.epoch, reg.layout, None, native)
 
     def prep_remote(self, remote: RemoteMemory) -> BlockTable:
@@ -441,13 +549,25 @@ class TransferEngine(abc.ABC):
         self.check_fresh(remote, "prep_remote")
         if remote.layout is None:
             raise ValueError(f"prep_remote: {remote.peer!r} key {remote.key!r} carries no layout")
-        native = self._prep_table(f"prep_remote {remote.peer!r} {remote.key!r}", remote.layout,
-                                  remote.mem, remote.device_id, remote.peer)
+        native = self._prep_table(
+            f"prep_remote {remote.peer!r} {remote.key!r}",
+            remote.layout,
+            remote.mem,
+            remote.device_id,
+            remote.peer,
+        )
         return self._new_table(remote.key, remote.epoch, remote.layout, remote, native)
 
     def _new_table(self, key, epoch, layout, remote, native) -> BlockTable:
-        t = BlockTable(self._next_id, key, epoch, layout, remote,
-                       np.array([n for _, _, n in layout.planes], dtype=np.int64), native)
+        t = BlockTable(
+            self._next_id,
+            key,
+            epoch,
+            layout,
+            remote,
+            np.array([n for _, _, n in layout.planes], dtype=np.int64),
+            native,
+        )
         self._next_id += 1
         self._tables[t.id] = t
         return t
@@ -460,14 +580,24 @@ class TransferEngine(abc.ABC):
 
     def release_table(self, t: BlockTable) -> None:
         """Free a prepared table (refused while a write posted from it is in flight)."""
-        busy = [h for h in self._handles.values()
-                if t.id in h.tables and self._refresh(h) == XferState.PROC]
+        busy = [
+            h
+            for h in self._handles.values()
+            if t.id in h.tables and self._refresh(h) == XferState.PROC
+        ]
         if busy:
             raise TransferInFlightError("release_table", len(busy))
         self._drop_table(t)
 
-    def post_blocks(self, local: BlockTable, local_idx, remote: BlockTable, remote_idx,
-                    notif: bytes = b"", op: str = "WRITE") -> TransferHandle:
+    def post_blocks(
+        self,
+        local: BlockTable,
+        local_idx,
+        remote: BlockTable,
+        remote_idx,
+        notif: bytes = b"",
+        op: str = "WRITE",
+    ) -> TransferHandle:
         """Move blocks ``local_idx`` of ``local`` to (``"WRITE"``) or from (``"READ"``)
         blocks ``remote_idx`` of ``remote`` (int64 arrays of equal length, i-th to i-th);
         ``notif`` delivered to the peer once done.  Adjacent blocks that are adjacent on
@@ -485,37 +615,55 @@ class TransferEngine(abc.ABC):
             raise ValueError(f"post_blocks: op must be 'WRITE' or 'READ', got {op!r}")
         for t, side in ((local, "local"), (remote, "remote")):
             if not isinstance(t, BlockTable) or self._tables.get(t.id) is not t:
-                raise ValueError(f"post_blocks: {side} table {t!r} is not an open table of "
-                                 f"engine {self.name!r}")
+                raise ValueError(
+                    f"post_blocks: {side} table {t!r} is not an open table of engine {self.name!r}"
+                )
         if local.remote is not None or remote.remote is None:
-            raise ValueError("post_blocks: needs a local table (prep_local) and a remote one "
-                             "(prep_remote)")
+            raise ValueError(
+                "post_blocks: needs a local table (prep_local) and a remote one (prep_remote)"
+            )
         self.check_fresh(remote.remote, "post_blocks")
         reg = self._regs.get(local.key)
         if reg is None or reg.epoch != local.epoch:
-            raise StaleEpochError(self.name, local.key, f"epoch {local.epoch}",
-                                  "closed" if reg is None else f"epoch {reg.epoch}",
-                                  "post_blocks (local table)")
+            raise StaleEpochError(
+                self.name,
+                local.key,
+                f"epoch {local.epoch}",
+                "closed" if reg is None else f"epoch {reg.epoch}",
+                "post_blocks (local table)",
+            )
         if not isinstance(notif, (bytes, bytearray)):
             raise ValueError(f"post_blocks: notif must be bytes, got {type(notif).__name__}")
         li = np.ascontiguousarray(local_idx, dtype=np.int64).reshape(-1)
         ri = np.ascontiguousarray(remote_idx, dtype=np.int64).reshape(-1)
         if li.size == 0 or li.size != ri.size:
-            raise ValueError(f"post_blocks: {li.size} local and {ri.size} remote indices; "
-                             "they must be equal in number and > 0")
+            raise ValueError(
+                f"post_blocks: {li.size} local and {ri.size} remote indices; "
+                "they must be equal in number and > 0"
+            )
         ln, rn = local.nbytes.size * local.layout.count, remote.nbytes.size * remote.layout.count
         if li.min() < 0 or li.max() >= ln or ri.min() < 0 or ri.max() >= rn:
-            raise ValueError(f"post_blocks: an index outside the tables ({ln} local blocks, "
-                             f"{rn} remote)")
+            raise ValueError(
+                f"post_blocks: an index outside the tables ({ln} local blocks, {rn} remote)"
+            )
         lb = local.nbytes[li // local.layout.count]
         if not np.array_equal(lb, remote.nbytes[ri // remote.layout.count]):
             raise ValueError("post_blocks: paired blocks differ in size")
-        native, state = self._t_post_blocks(op, local.native, li, remote.native, ri,
-                                            remote.remote.peer, bytes(notif))
+        native, state = self._t_post_blocks(
+            op, local.native, li, remote.native, ri, remote.remote.peer, bytes(notif)
+        )
         state = XferState(state)
-        h = TransferHandle(self._next_id, remote.remote.peer, remote.key, (local.key,),
-                           int(lb.sum()), bytes(notif), state,
-                           None if state != XferState.ERR else "failed at post", native=native)
+        h = TransferHandle(
+            self._next_id,
+            remote.remote.peer,
+            remote.key,
+            (local.key,),
+            int(lb.sum()),
+            bytes(notif),
+            state,
+            None if state != XferState.ERR else "failed at post",
+            native=native,
+        )
         h.tables = (local.id, remote.id)
         h.op = op
         self._next_id += 1
@@ -524,9 +672,10 @@ class TransferEngine(abc.ABC):
 
     def _own(self, h: TransferHandle, what: str) -> TransferHandle:
         if not isinstance(h, TransferHandle) or self._handles.get(h.id) is not h:
-            raise ValueError(f"{what}: {h!r} is not an open handle of engine {self.name!r}"
-                             + (" (released)" if isinstance(h, TransferHandle) and h.released
-                                else ""))
+            raise ValueError(
+                f"{what}: {h!r} is not an open handle of engine {self.name!r}"
+                + (" (released)" if isinstance(h, TransferHandle) and h.released else "")
+            )
         return h
 
     def _refresh(self, h: TransferHandle) -> XferState:
@@ -562,14 +711,19 @@ class TransferEngine(abc.ABC):
         self._check_open("release")
         self._own(h, "release")
         if self._refresh(h) == XferState.PROC and not abort:
-            raise TransferInFlightError("release", 1, f" (handle {h.id} to {h.peer!r}); "
-                                        "or release(h, abort=True) to cancel it")
+            raise TransferInFlightError(
+                "release",
+                1,
+                f" (handle {h.id} to {h.peer!r}); or release(h, abort=True) to cancel it",
+            )
         was = h.state
         try:
             self._t_release(h.native)
         except Exception as e:
-            raise TransferError(f"release: the transport could not free handle {h.id} "
-                                f"({was}): {type(e).__name__}: {e}") from None
+            raise TransferError(
+                f"release: the transport could not free handle {h.id} "
+                f"({was}): {type(e).__name__}: {e}"
+            ) from None
         if was == XferState.PROC:
             h.state, h.error = XferState.ERR, "aborted by release(abort=True)"
         h.released, h.native = True, None
@@ -578,8 +732,11 @@ class TransferEngine(abc.ABC):
     def in_flight(self, peer: str | None = None) -> list[TransferHandle]:
         """Poll every open PROC handle (to ``peer`` when given) once; return those still
         PROC.  One call per step of an event loop keeps notifications flowing."""
-        return [h for h in self._handles.values()
-                if (peer is None or h.peer == peer) and self._refresh(h) == XferState.PROC]
+        return [
+            h
+            for h in self._handles.values()
+            if (peer is None or h.peer == peer) and self._refresh(h) == XferState.PROC
+        ]
 
     def drain(self, timeout: float | None = None, peer: str | None = None) -> list[TransferHandle]:
         """Poll every open handle (to ``peer``) until none is PROC; return those that were
@@ -590,16 +747,20 @@ class TransferEngine(abc.ABC):
         be progressing meanwhile (they are, in their own processes; two engines in one
         process: drive the other one)."""
         self._check_open("drain")
-        drained = [h for h in self._handles.values()
-                   if (peer is None or h.peer == peer) and h.state == XferState.PROC]
+        drained = [
+            h
+            for h in self._handles.values()
+            if (peer is None or h.peer == peer) and h.state == XferState.PROC
+        ]
         todo = [h for h in drained if self._refresh(h) == XferState.PROC]
         deadline = None if timeout is None else time.monotonic() + timeout
         nap = 20e-6
         while todo:
             if deadline is not None and time.monotonic() >= deadline:
-                raise TransferInFlightError(f"drain({timeout})", len(todo),
-                                            "" if peer is None else f" to {peer!r}")
-            time.sleep(nap)   # leave the CPU to the transport's progress thread
+                raise TransferInFlightError(
+                    f"drain({timeout})", len(todo), "" if peer is None else f" to {peer!r}"
+                )
+            time.sleep(nap)  # leave the CPU to the transport's progress thread
             nap = min(nap * 2, 1e-3)
             todo = [h for h in todo if self._refresh(h) == XferState.PROC]
         return drained
@@ -613,8 +774,10 @@ class TransferEngine(abc.ABC):
         metadata to reach it)."""
         self._check_open("send_notif")
         if peer not in self._peers:
-            raise ValueError(f"send_notif: peer {peer!r} is not known to engine {self.name!r}; "
-                             "add_peer(its metadata) first")
+            raise ValueError(
+                f"send_notif: peer {peer!r} is not known to engine {self.name!r}; "
+                "add_peer(its metadata) first"
+            )
         if not isinstance(msg, (bytes, bytearray)):
             raise ValueError(f"send_notif: msg must be bytes, got {type(msg).__name__}")
         try:
@@ -658,6 +821,8 @@ class TransferEngine(abc.ABC):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.name!r}, regs={sorted(self._regs)}, "
-                f"peers={sorted(self._peers)}, open_handles={len(self._handles)}, "
-                f"closed={self._closed})")
+        return (
+            f"{type(self).__name__}({self.name!r}, regs={sorted(self._regs)}, "
+            f"peers={sorted(self._peers)}, open_handles={len(self._handles)}, "
+            f"closed={self._closed})"
+        )

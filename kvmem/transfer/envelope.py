@@ -37,8 +37,9 @@ def encode_metadata(header: dict, blob: bytes) -> bytes:
 
 def _int(x, what: str, lo: int = 0) -> int:
     if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= INT64_MAX:
-        raise MetadataError(f"add_peer: metadata field {what} must be an int in [{lo}, "
-                            f"2**63 - 1], got {x!r}")
+        raise MetadataError(
+            f"add_peer: metadata field {what} must be an int in [{lo}, 2**63 - 1], got {x!r}"
+        )
     return x
 
 
@@ -48,20 +49,27 @@ def decode_metadata(data) -> tuple[dict, bytes]:
         raise MetadataError(f"add_peer: metadata must be bytes, got {type(data).__name__}")
     data = bytes(data)
     if len(data) < _HEAD.size:
-        raise MetadataError(f"add_peer: metadata is {len(data)} bytes, shorter than the "
-                            f"{_HEAD.size}-byte kvmem envelope header")
+        raise MetadataError(
+            f"add_peer: metadata is {len(data)} bytes, shorter than the "
+            f"{_HEAD.size}-byte kvmem envelope header"
+        )
     magic, hlen, blen, digest = _HEAD.unpack_from(data)
     if magic != MAGIC:
-        raise MetadataError(f"add_peer: not kvmem transfer metadata (magic {magic!r}, "
-                            f"expected {MAGIC!r}); pass engine.local_metadata() bytes")
+        raise MetadataError(
+            f"add_peer: not kvmem transfer metadata (magic {magic!r}, "
+            f"expected {MAGIC!r}); pass engine.local_metadata() bytes"
+        )
     if hlen > _MAX_HEADER or _HEAD.size + hlen + blen != len(data):
-        raise MetadataError(f"add_peer: metadata length mismatch: envelope says "
-                            f"{_HEAD.size}+{hlen}+{blen} bytes, got {len(data)} (truncated?)")
-    hb = data[_HEAD.size:_HEAD.size + hlen]
-    blob = data[_HEAD.size + hlen:]
+        raise MetadataError(
+            f"add_peer: metadata length mismatch: envelope says "
+            f"{_HEAD.size}+{hlen}+{blen} bytes, got {len(data)} (truncated?)"
+        )
+    hb = data[_HEAD.size : _HEAD.size + hlen]
+    blob = data[_HEAD.size + hlen :]
     if _digest(hb, blob) != digest:
-        raise MetadataError("add_peer: metadata digest mismatch (damaged bytes); "
-                            "nothing was loaded")
+        raise MetadataError(
+            "add_peer: metadata digest mismatch (damaged bytes); nothing was loaded"
+        )
     try:
         header = json.loads(hb)
     except ValueError as e:
@@ -83,8 +91,10 @@ def decode_metadata(data) -> tuple[dict, bytes]:
         _int(r.get("epoch"), f"regs[{key!r}].epoch")
         _int(r.get("dev"), f"regs[{key!r}].dev")
         if r.get("mem") not in ("DRAM", "VRAM") or not isinstance(r.get("live"), bool):
-            raise MetadataError(f"add_peer: registration {key!r}: bad mem/live "
-                                f"({r.get('mem')!r}, {r.get('live')!r})")
+            raise MetadataError(
+                f"add_peer: registration {key!r}: bad mem/live "
+                f"({r.get('mem')!r}, {r.get('live')!r})"
+            )
         regions = r.get("regions")
         if not isinstance(regions, list) or (r["live"] and not regions):
             raise MetadataError(f"add_peer: registration {key!r}: bad regions {regions!r}")
@@ -115,13 +125,18 @@ def parse_layout(obj, key: str, regions) -> BlockLayout:
     for pl in planes:
         if not (isinstance(pl, list) and len(pl) == 3):
             raise MetadataError(f"add_peer: registration {key!r}: bad layout plane {pl!r}")
-        b, st, n = (_int(pl[0], "layout base", 1), _int(pl[1], "layout stride", 1),
-                    _int(pl[2], "layout nbytes", 1))
+        b, st, n = (
+            _int(pl[0], "layout base", 1),
+            _int(pl[1], "layout stride", 1),
+            _int(pl[2], "layout nbytes", 1),
+        )
         out.append((b, st, n))
     lay = BlockLayout(tuple(out), count)
     idx = RegionIndex([tuple(r) for r in regions])
     for a, n in lay.spans():
         if a > INT64_MAX - n or idx.find(a, n) < 0:
-            raise MetadataError(f"add_peer: registration {key!r}: layout plane [{a:#x}, +{n}) "
-                                "is not inside one of its regions")
+            raise MetadataError(
+                f"add_peer: registration {key!r}: layout plane [{a:#x}, +{n}) "
+                "is not inside one of its regions"
+            )
     return lay

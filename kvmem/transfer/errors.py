@@ -17,7 +17,8 @@ class StaleEpochError(KVMemError):
         where = f"{peer!r}" + (f" key {key!r}" if key is not None else "")
         super().__init__(
             f"{what}: stale metadata of {where}: built from {have}, newest known is {newest}; "
-            "nothing was posted (ask the peer for its current metadata)")
+            "nothing was posted (ask the peer for its current metadata)"
+        )
 
 
 class TransferInFlightError(KVMemError):
@@ -27,7 +28,8 @@ class TransferInFlightError(KVMemError):
         self.count = count
         super().__init__(
             f"{what}: {count} posted write(s) still in flight{detail}; "
-            "poll them to DONE/ERR (engine.drain(timeout)) first")
+            "poll them to DONE/ERR (engine.drain(timeout)) first"
+        )
 
 
 class MetadataError(KVMemError, ValueError):

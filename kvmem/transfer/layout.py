@@ -27,8 +27,8 @@ class BlockLayout:
         index(plane j, page p) = j * num_pages + p      j < L: K of layer j; else V of j - L
     """
 
-    planes: tuple   # ((base, stride, nbytes), ...)
-    count: int      # blocks per plane (a pool's num_pages)
+    planes: tuple  # ((base, stride, nbytes), ...)
+    count: int  # blocks per plane (a pool's num_pages)
 
     @property
     def blocks(self) -> int:

@@ -93,6 +93,7 @@ _IOV_MAX = 1024  # iovecs per process_vm_* call (Linux IOV_MAX)
 
 # --- copying ---------------------------------------------------------------------------------
 
+
 class _Copier:
     """Copies paired ranges of this process: ``process_vm_writev``/``readv`` on its own pid
     (a failure is an error string, never a crash), or ``memmove`` where the system calls
@@ -108,25 +109,35 @@ class _Copier:
             return
         for f in fns:
             f.restype = ctypes.c_ssize_t
-            f.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
-                          ctypes.c_ulong, ctypes.c_ulong)
+            f.argtypes = (
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_ulong,
+                ctypes.c_void_p,
+                ctypes.c_ulong,
+                ctypes.c_ulong,
+            )
         self._writev, self._readv = fns
         src, dst = np.arange(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
-        if self._vm(self._writev, np.array([[src.ctypes.data, 8]], dtype=np.uint64),
-                    np.array([[dst.ctypes.data, 8]], dtype=np.uint64)) is None \
-                and np.array_equal(src, dst):
+        if self._vm(
+            self._writev,
+            np.array([[src.ctypes.data, 8]], dtype=np.uint64),
+            np.array([[dst.ctypes.data, 8]], dtype=np.uint64),
+        ) is None and np.array_equal(src, dst):
             self.kind = "process_vm"
 
     def _vm(self, fn, local: np.ndarray, remote: np.ndarray) -> str | None:
         for i in range(0, local.shape[0], _IOV_MAX):
-            lv = np.ascontiguousarray(local[i:i + _IOV_MAX])
-            rv = np.ascontiguousarray(remote[i:i + _IOV_MAX])
+            lv = np.ascontiguousarray(local[i : i + _IOV_MAX])
+            rv = np.ascontiguousarray(remote[i : i + _IOV_MAX])
             want = int(lv[:, 1].sum())
             got = fn(self._pid, lv.ctypes.data, lv.shape[0], rv.ctypes.data, rv.shape[0], 0)
             if got != want:
                 err = ctypes.get_errno()
-                return (f"{os.strerror(err) if got < 0 else 'partial copy'} ({got} of {want} "
-                        f"bytes of ranges {i}..{i + lv.shape[0] - 1})")
+                return (
+                    f"{os.strerror(err) if got < 0 else 'partial copy'} ({got} of {want} "
+                    f"bytes of ranges {i}..{i + lv.shape[0] - 1})"
+                )
         return None
 
     def copy(self, op: str, local: np.ndarray, remote: np.ndarray) -> str | None:
@@ -144,15 +155,16 @@ class _Copier:
 
 # --- the fabric --------------------------------------------------------------------------------
 
+
 @dataclass(eq=False)
 class _Agent:
     name: str
     number: int
     frozen: bool = False
     closed: bool = False
-    live: dict = field(default_factory=dict)      # native registration id -> ((addr, n), ...)
-    ever: set = field(default_factory=set)        # every (addr, n) it registered
-    inbox: list = field(default_factory=list)     # (sender name, msg), arrival order
+    live: dict = field(default_factory=dict)  # native registration id -> ((addr, n), ...)
+    ever: set = field(default_factory=set)  # every (addr, n) it registered
+    inbox: list = field(default_factory=list)  # (sender name, msg), arrival order
 
 
 class LoopbackFabric:
@@ -183,8 +195,10 @@ class LoopbackFabric:
     def _open(self, name: str) -> _Agent:
         with self.lock:
             if name in self._agents:
-                raise TransferError(f"LoopbackEngine {name!r}: an open loopback agent of that "
-                                    "name exists in this fabric; close it first")
+                raise TransferError(
+                    f"LoopbackEngine {name!r}: an open loopback agent of that "
+                    "name exists in this fabric; close it first"
+                )
             a = _Agent(name, next(self._numbers))
             self._agents[name] = a
             return a
@@ -216,6 +230,7 @@ def default_fabric() -> LoopbackFabric:
 
 # --- what the engine hands the base class as native objects -----------------------------------
 
+
 @dataclass(eq=False)
 class _Sections:
     """What this engine loaded of one peer: its agent and every region any of its blobs
@@ -246,7 +261,7 @@ def _inside(ranges: np.ndarray, starts: np.ndarray, reach: np.ndarray) -> np.nda
 
 @dataclass(eq=False)
 class _Table:
-    planes: np.ndarray   # [planes, 3] int64: base, stride, nbytes
+    planes: np.ndarray  # [planes, 3] int64: base, stride, nbytes
     count: int
     peer: str | None
 
@@ -260,13 +275,14 @@ class _Write:
     remote: np.ndarray
     notif: bytes
     polls_left: int
-    fail: str | None          # injected: the error it reads when it settles
+    fail: str | None  # injected: the error it reads when it settles
     landed: bool
     state: str = "PROC"
     cancelled: bool = False
 
 
 # --- the engine ----------------------------------------------------------------------------------
+
 
 class LoopbackEngine(TransferEngine):
     """A TransferEngine whose peers are loopback agents of the same process (module
@@ -282,12 +298,19 @@ class LoopbackEngine(TransferEngine):
 
     kind = "loopback"
 
-    def __init__(self, name: str, *, fabric: LoopbackFabric | None = None,
-                 settle_polls: int = 1, landing: str = "post"):
+    def __init__(
+        self,
+        name: str,
+        *,
+        fabric: LoopbackFabric | None = None,
+        settle_polls: int = 1,
+        landing: str = "post",
+    ):
         super().__init__(name)
         if isinstance(settle_polls, bool) or not isinstance(settle_polls, int) or settle_polls < 1:
-            raise ValueError(f"LoopbackEngine: settle_polls must be an int >= 1, got "
-                             f"{settle_polls!r}")
+            raise ValueError(
+                f"LoopbackEngine: settle_polls must be an int >= 1, got {settle_polls!r}"
+            )
         if landing not in ("post", "settle"):
             raise ValueError(f"LoopbackEngine: landing must be 'post' or 'settle', got {landing!r}")
         self.fabric = fabric if fabric is not None else default_fabric()
@@ -297,8 +320,8 @@ class LoopbackEngine(TransferEngine):
         self._reg_ids = itertools.count(1)
         self._local_starts = np.zeros(0, dtype=np.int64)
         self._local_reach = np.zeros(0, dtype=np.int64)
-        self._faults: list[tuple[str, str]] = []   # (at, reason) of the next posts
-        self._writes: set = set()                  # natives not released
+        self._faults: list[tuple[str, str]] = []  # (at, reason) of the next posts
+        self._writes: set = set()  # natives not released
 
     # --- faults --------------------------------------------------------------------------
     @property
@@ -319,8 +342,9 @@ class LoopbackEngine(TransferEngine):
         with self.fabric.lock:
             self._agent.frozen = False
 
-    def fail_next(self, count: int = 1, *, at: str = "poll",
-                  reason: str = "injected failure") -> None:
+    def fail_next(
+        self, count: int = 1, *, at: str = "poll", reason: str = "injected failure"
+    ) -> None:
         """This engine's next ``count`` posts (``post_write`` or ``post_blocks`` that the
         engine's and the transport's own checks let through; a post they refuse uses no
         injected failure) fail: ``at="post"``: refused with :class:`TransferError`
@@ -342,13 +366,14 @@ class LoopbackEngine(TransferEngine):
         regs = sorted(r for rs in self._agent.live.values() for r in rs)
         arr = np.array(regs, dtype=np.int64).reshape(-1, 2)
         self._local_starts = arr[:, 0]
-        self._local_reach = (np.maximum.accumulate(arr[:, 0] + arr[:, 1]) if len(arr)
-                             else arr[:, 0])
+        self._local_reach = np.maximum.accumulate(arr[:, 0] + arr[:, 1]) if len(arr) else arr[:, 0]
 
     def _t_register(self, reg: Registration):
         if reg.mem != "DRAM":
-            raise TransferError(f"register {reg.key!r}: the loopback engine moves host memory "
-                                f"only, not {reg.mem} (use NixlEngine on a GPU)")
+            raise TransferError(
+                f"register {reg.key!r}: the loopback engine moves host memory "
+                f"only, not {reg.mem} (use NixlEngine on a GPU)"
+            )
         with self.fabric.lock:
             rid = next(self._reg_ids)
             self._agent.live[rid] = tuple(reg.regions)
@@ -367,10 +392,17 @@ class LoopbackEngine(TransferEngine):
     def _t_blob(self) -> bytes:
         with self.fabric.lock:
             regions = sorted(r for rs in self._agent.live.values() for r in rs)
-        return json.dumps(dict(loopback=1, fabric=self.fabric.id, pid=self.fabric.pid,
-                               agent=self.name, number=self._agent.number,
-                               regions=[list(r) for r in regions]),
-                          separators=(",", ":")).encode()
+        return json.dumps(
+            dict(
+                loopback=1,
+                fabric=self.fabric.id,
+                pid=self.fabric.pid,
+                agent=self.name,
+                number=self._agent.number,
+                regions=[list(r) for r in regions],
+            ),
+            separators=(",", ":"),
+        ).encode()
 
     def _t_load_peer(self, blob: bytes) -> str:
         try:
@@ -379,30 +411,39 @@ class LoopbackEngine(TransferEngine):
             regions = {(int(a), int(n)) for a, n in d["regions"]}
             ok = d["loopback"] == 1 and isinstance(name, str) and type(number) is int
         except (ValueError, TypeError, KeyError) as e:
-            raise MetadataError(f"add_peer: not loopback transport metadata: "
-                                f"{type(e).__name__}: {e}") from None
+            raise MetadataError(
+                f"add_peer: not loopback transport metadata: {type(e).__name__}: {e}"
+            ) from None
         if not ok:
             raise MetadataError("add_peer: not loopback transport metadata")
         if d["fabric"] != self.fabric.id or d["pid"] != os.getpid():
-            raise MetadataError(f"add_peer: loopback metadata of {name!r} comes from another "
-                                "process or fabric; loopback agents talk within one fabric")
+            raise MetadataError(
+                f"add_peer: loopback metadata of {name!r} comes from another "
+                "process or fabric; loopback agents talk within one fabric"
+            )
         with self.fabric.lock:
             agent = self.fabric._find(name, number)
             if agent is None:
-                raise MetadataError(f"add_peer: loopback agent {name!r} (number {number}) is "
-                                    "not open in this fabric")
+                raise MetadataError(
+                    f"add_peer: loopback agent {name!r} (number {number}) is "
+                    "not open in this fabric"
+                )
             foreign = regions - agent.ever
             if foreign:
                 a, n = min(foreign)
-                raise MetadataError(f"add_peer: loopback metadata of {name!r} names memory it "
-                                    f"never registered: [{a:#x}, +{n})")
+                raise MetadataError(
+                    f"add_peer: loopback metadata of {name!r} names memory it "
+                    f"never registered: [{a:#x}, +{n})"
+                )
             have = self._loaded.get(name)
             if have is not None and have.agent is not agent:
-                raise MetadataError(f"add_peer: another loopback agent named {name!r} is loaded "
-                                    "(a restarted peer): unload it first")
+                raise MetadataError(
+                    f"add_peer: another loopback agent named {name!r} is loaded "
+                    "(a restarted peer): unload it first"
+                )
             if have is None:
                 have = self._loaded[name] = _Sections(agent, set())
-            have.regions |= regions   # merged, as NIXL merges a peer's newer metadata
+            have.regions |= regions  # merged, as NIXL merges a peer's newer metadata
             have.index()
         return name
 
@@ -417,24 +458,31 @@ class LoopbackEngine(TransferEngine):
         """The transport's own checks of a post (under the fabric lock): the fabric is this
         process's, the peer loaded and open, every range inside one region."""
         if self.fabric.pid != os.getpid():
-            raise TransferError(f"{what}: the loopback fabric belongs to process "
-                                f"{self.fabric.pid}, this is {os.getpid()}")
+            raise TransferError(
+                f"{what}: the loopback fabric belongs to process "
+                f"{self.fabric.pid}, this is {os.getpid()}"
+            )
         sec = self._loaded.get(peer)
         if sec is None:
             raise TransferError(f"{what}: peer {peer!r} is not loaded ({NOT_FOUND})")
         if sec.agent.closed:
             raise TransferError(f"{what}: peer {peer!r} closed ({DISCONNECT})")
-        for side, rng, starts, reach in (("local", local, self._local_starts, self._local_reach),
-                                         ("remote", remote, sec.starts, sec.reach)):
+        for side, rng, starts, reach in (
+            ("local", local, self._local_starts, self._local_reach),
+            ("remote", remote, sec.starts, sec.reach),
+        ):
             bad = np.flatnonzero(~_inside(rng, starts, reach))
             if bad.size:
                 a, n = (int(x) for x in rng[bad[0]])
-                raise TransferError(f"{what}: {side} descriptor {int(bad[0])} [{a:#x}, +{n}) is "
-                                    f"not inside one registered region ({NOT_FOUND})")
+                raise TransferError(
+                    f"{what}: {side} descriptor {int(bad[0])} [{a:#x}, +{n}) is "
+                    f"not inside one registered region ({NOT_FOUND})"
+                )
         return sec.agent
 
-    def _post(self, op: str, what: str, peer: str, local: np.ndarray, remote: np.ndarray,
-              notif: bytes):
+    def _post(
+        self, op: str, what: str, peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes
+    ):
         with self.fabric.lock:
             target = self._check_post(what, peer, local, remote)
             fail = None
@@ -444,8 +492,9 @@ class LoopbackEngine(TransferEngine):
                     self._faults.pop(0)
                     raise TransferError(f"{what}: {reason} (injected at post)")
                 fail = self._faults.pop(0)[1]
-            w = _Write(op, target, peer, local, remote, bytes(notif), self.settle_polls, fail,
-                       landed=False)
+            w = _Write(
+                op, target, peer, local, remote, bytes(notif), self.settle_polls, fail, landed=False
+            )
             if fail is None and self.landing == "post":
                 err = self.fabric._copier.copy(op, local, remote)
                 w.landed = True
@@ -454,10 +503,15 @@ class LoopbackEngine(TransferEngine):
             self._writes.add(w)
             return w, "PROC"
 
-    def _t_post(self, local: np.ndarray, lreg: Registration, remote: np.ndarray,
-                rmem: RemoteMemory, notif: bytes):
-        return self._post("WRITE", f"post_write to {rmem.peer!r}", rmem.peer, local, remote,
-                          notif)
+    def _t_post(
+        self,
+        local: np.ndarray,
+        lreg: Registration,
+        remote: np.ndarray,
+        rmem: RemoteMemory,
+        notif: bytes,
+    ):
+        return self._post("WRITE", f"post_write to {rmem.peer!r}", rmem.peer, local, remote, notif)
 
     # --- prepared tables -----------------------------------------------------------------
     def _t_prep(self, layout: BlockLayout, mem: str, device_id: int, peer: str | None):
@@ -474,8 +528,9 @@ class LoopbackEngine(TransferEngine):
                 starts, reach, of = sec.starts, sec.reach, f" of {peer!r}"
             bad = np.flatnonzero(~_inside(spans, starts, reach))
         if bad.size:
-            raise TransferError(f"prep: plane {int(bad[0])}{of} is not inside one registered "
-                                f"region ({NOT_FOUND})")
+            raise TransferError(
+                f"prep: plane {int(bad[0])}{of} is not inside one registered region ({NOT_FOUND})"
+            )
         return _Table(np.array(layout.planes, dtype=np.int64).reshape(-1, 3), layout.count, peer)
 
     def _t_prep_refusal(self, layout: BlockLayout) -> str | None:
@@ -489,8 +544,14 @@ class LoopbackEngine(TransferEngine):
             out[:, 1] = p[:, 2]
             return out
 
-        return self._post(op, f"post_blocks {op} with {peer!r}", peer, ranges(local, lidx),
-                          ranges(remote, ridx), notif)
+        return self._post(
+            op,
+            f"post_blocks {op} with {peer!r}",
+            peer,
+            ranges(local, lidx),
+            ranges(remote, ridx),
+            notif,
+        )
 
     # --- states --------------------------------------------------------------------------
     def _t_state(self, native: _Write) -> str:
@@ -502,8 +563,9 @@ class LoopbackEngine(TransferEngine):
             if w.target.closed or sec is None or sec.agent is not w.target:
                 w.state = "ERR"
                 gone = "closed" if w.target.closed else "was unloaded"
-                raise TransferError(f"peer {w.peer!r} {gone} while the {w.op} was in flight "
-                                    f"({DISCONNECT})")
+                raise TransferError(
+                    f"peer {w.peer!r} {gone} while the {w.op} was in flight ({DISCONNECT})"
+                )
             if self._agent.frozen or w.target.frozen:
                 return "PROC"
             w.polls_left -= 1

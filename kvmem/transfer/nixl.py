@@ -51,8 +51,10 @@ def import_nixl():
             return mod
         except (ImportError, AttributeError) as e:
             errors.append(f"{name}: {e}")
-    raise ImportError("NIXL is not installed (pip install 'kvmem[nixl]', nixl-cu12 here, "
-                      "nixl-cu13 on CUDA 13): " + "; ".join(errors))
+    raise ImportError(
+        "NIXL is not installed (pip install 'kvmem[nixl]', nixl-cu12 here, "
+        "nixl-cu13 on CUDA 13): " + "; ".join(errors)
+    )
 
 
 class NixlEngine(TransferEngine):
@@ -77,25 +79,37 @@ class NixlEngine(TransferEngine):
 
     kind = "nixl"
 
-    def __init__(self, name: str, backends=("UCX",), *, progress_thread: bool = True,
-                 num_threads: int = 0, agent=None):
+    def __init__(
+        self,
+        name: str,
+        backends=("UCX",),
+        *,
+        progress_thread: bool = True,
+        num_threads: int = 0,
+        agent=None,
+    ):
         super().__init__(name)
         if agent is None:
             nixl = import_nixl()
-            conf = nixl.nixl_agent_config(enable_prog_thread=progress_thread,
-                                          num_threads=num_threads, backends=list(backends))
+            conf = nixl.nixl_agent_config(
+                enable_prog_thread=progress_thread, num_threads=num_threads, backends=list(backends)
+            )
             try:
                 agent = nixl.nixl_agent(name, conf)
             except Exception as e:
-                raise TransferError(f"NixlEngine {name!r}: NIXL agent creation failed: "
-                                    f"{type(e).__name__}: {e}") from None
+                raise TransferError(
+                    f"NixlEngine {name!r}: NIXL agent creation failed: {type(e).__name__}: {e}"
+                ) from None
         elif getattr(agent, "name", None) != name:
-            raise ValueError(f"NixlEngine {name!r}: the agent given is named "
-                             f"{getattr(agent, 'name', None)!r}")
+            raise ValueError(
+                f"NixlEngine {name!r}: the agent given is named {getattr(agent, 'name', None)!r}"
+            )
         missing = [b for b in backends if b not in agent.backends]
-        if missing:   # NIXL only logs a warning for a missing plugin
-            raise TransferError(f"NixlEngine {name!r}: NIXL backend(s) {missing} not available "
-                                f"(plugins: {agent.get_plugin_list()})")
+        if missing:  # NIXL only logs a warning for a missing plugin
+            raise TransferError(
+                f"NixlEngine {name!r}: NIXL backend(s) {missing} not available "
+                f"(plugins: {agent.get_plugin_list()})"
+            )
         self.agent = agent
         self.backends = tuple(backends)
         self._strided: bool | None = None  # NIXL takes strided lists (None: not tried yet)
@@ -109,8 +123,10 @@ class NixlEngine(TransferEngine):
         try:
             return self.agent.register_memory(descs, reg.mem)
         except Exception as e:
-            raise TransferError(f"register {reg.key!r}: NIXL refused {len(descs)} {reg.mem} "
-                                f"region(s): {type(e).__name__}: {e}") from None
+            raise TransferError(
+                f"register {reg.key!r}: NIXL refused {len(descs)} {reg.mem} "
+                f"region(s): {type(e).__name__}: {e}"
+            ) from None
 
     def _t_deregister(self, native) -> None:
         try:
@@ -125,19 +141,27 @@ class NixlEngine(TransferEngine):
         try:
             name = self.agent.add_remote_agent(blob)
         except Exception as e:
-            raise MetadataError(f"add_peer: NIXL refused the agent metadata: "
-                                f"{type(e).__name__}: {e}") from None
+            raise MetadataError(
+                f"add_peer: NIXL refused the agent metadata: {type(e).__name__}: {e}"
+            ) from None
         return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
 
     def _t_unload_peer(self, name: str) -> None:
         try:
             self.agent.remove_remote_agent(name)
         except Exception as e:
-            raise TransferError(f"NIXL could not remove peer {name!r}: "
-                                f"{type(e).__name__}: {e}") from None
+            raise TransferError(
+                f"NIXL could not remove peer {name!r}: {type(e).__name__}: {e}"
+            ) from None
 
-    def _t_post(self, local: np.ndarray, lreg: Registration, remote: np.ndarray,
-                rmem: RemoteMemory, notif: bytes):
+    def _t_post(
+        self,
+        local: np.ndarray,
+        lreg: Registration,
+        remote: np.ndarray,
+        rmem: RemoteMemory,
+        notif: bytes,
+    ):
         # Nx3 (addr, len, device id) arrays: one descriptor per paired range.
         # GPU-CHECK: VRAM on either side (device ids from the registrations).
         ld = np.empty((local.shape[0], 3), dtype=np.uint64)
@@ -146,11 +170,18 @@ class NixlEngine(TransferEngine):
         rd[:, :2], rd[:, 2] = remote, rmem.device_id
         a = self.agent
         try:
-            h = a.initialize_xfer("WRITE", a.get_xfer_descs(ld, lreg.mem),
-                                  a.get_xfer_descs(rd, rmem.mem), rmem.peer, notif)
+            h = a.initialize_xfer(
+                "WRITE",
+                a.get_xfer_descs(ld, lreg.mem),
+                a.get_xfer_descs(rd, rmem.mem),
+                rmem.peer,
+                notif,
+            )
         except Exception as e:
-            raise TransferError(f"post_write to {rmem.peer!r}: NIXL refused the request "
-                                f"({ld.shape[0]} descriptor(s)): {type(e).__name__}: {e}") from None
+            raise TransferError(
+                f"post_write to {rmem.peer!r}: NIXL refused the request "
+                f"({ld.shape[0]} descriptor(s)): {type(e).__name__}: {e}"
+            ) from None
         return self._post(h, f"post_write to {rmem.peer!r}")
 
     def _t_prep(self, layout: BlockLayout, mem: str, device_id: int, peer: str | None):
@@ -166,10 +197,11 @@ class NixlEngine(TransferEngine):
         # one descriptor by make_prepped_xfer (its skip_desc_merge=False): a run of k pages
         # of a layer, adjacent on both sides, goes as one cma write.
         where = "NIXL_INIT_AGENT" if peer is None else peer
-        of = '' if peer is None else ' of ' + repr(peer)
+        of = "" if peer is None else " of " + repr(peer)
         if self._strided is not False:
-            rows = np.array([(b, n, device_id, st, layout.count) for b, st, n in layout.planes],
-                            dtype=np.uint64)
+            rows = np.array(
+                [(b, n, device_id, st, layout.count) for b, st, n in layout.planes], dtype=np.uint64
+            )
             try:
                 native = self.agent.prep_xfer_dlist(where, rows, mem)
                 self._strided = True
@@ -177,9 +209,11 @@ class NixlEngine(TransferEngine):
             except TypeError:  # a NIXL without strided lists: its get_xfer_descs refused Nx5
                 self._strided = False
             except Exception as e:
-                raise TransferError(f"prep: NIXL refused {rows.shape[0]} strided {mem} "
-                                    f"descriptor(s) ({layout.blocks} blocks){of}: "
-                                    f"{type(e).__name__}: {e}") from None
+                raise TransferError(
+                    f"prep: NIXL refused {rows.shape[0]} strided {mem} "
+                    f"descriptor(s) ({layout.blocks} blocks){of}: "
+                    f"{type(e).__name__}: {e}"
+                ) from None
         why = self._t_prep_refusal(layout)
         if why is not None:
             raise TransferError(f"prep: {why}")
@@ -188,36 +222,45 @@ class NixlEngine(TransferEngine):
         try:
             return self.agent.prep_xfer_dlist(where, d, mem)
         except Exception as e:
-            raise TransferError(f"prep: NIXL refused {d.shape[0]} {mem} descriptor(s){of}: "
-                                f"{type(e).__name__}: {e}") from None
+            raise TransferError(
+                f"prep: NIXL refused {d.shape[0]} {mem} descriptor(s){of}: {type(e).__name__}: {e}"
+            ) from None
 
     def _t_prep_refusal(self, layout: BlockLayout) -> str | None:
         if self._strided is False and layout.blocks > EXPANDED_MAX_BLOCKS:
-            return (f"this NIXL has no strided descriptor lists, and {layout.blocks} blocks "
-                    f"one by one would be more than {EXPANDED_MAX_BLOCKS} descriptors")
+            return (
+                f"this NIXL has no strided descriptor lists, and {layout.blocks} blocks "
+                f"one by one would be more than {EXPANDED_MAX_BLOCKS} descriptors"
+            )
         return None
 
     def _t_unprep(self, native) -> None:
         try:
             self.agent.release_dlist_handle(native)
         except Exception as e:
-            raise TransferError(f"NIXL could not release a prepared list: "
-                                f"{type(e).__name__}: {e}") from None
+            raise TransferError(
+                f"NIXL could not release a prepared list: {type(e).__name__}: {e}"
+            ) from None
 
     def _t_post_blocks(self, op, local, lidx, remote, ridx, peer, notif):
         # NIXL reads the indices as int32 (base.MAX_TABLE_BLOCKS): prepared tables hold
         # fewer blocks, so the indices, checked against them, fit; refuse rather than wrap.
         top = max(int(lidx.max()), int(ridx.max()))
         if top > MAX_TABLE_BLOCKS or min(int(lidx.min()), int(ridx.min())) < 0:
-            raise TransferError(f"post_blocks {op} with {peer!r}: block index {top} does not "
-                                "fit NIXL's int32 indices")
+            raise TransferError(
+                f"post_blocks {op} with {peer!r}: block index {top} does not "
+                "fit NIXL's int32 indices"
+            )
         a = self.agent
         try:
-            h = a.make_prepped_xfer(op, local, lidx.astype(np.int32), remote,
-                                    ridx.astype(np.int32), notif)
+            h = a.make_prepped_xfer(
+                op, local, lidx.astype(np.int32), remote, ridx.astype(np.int32), notif
+            )
         except Exception as e:
-            raise TransferError(f"post_blocks {op} with {peer!r}: NIXL refused the request "
-                                f"({lidx.size} block(s)): {type(e).__name__}: {e}") from None
+            raise TransferError(
+                f"post_blocks {op} with {peer!r}: NIXL refused the request "
+                f"({lidx.size} block(s)): {type(e).__name__}: {e}"
+            ) from None
         return self._post(h, f"post_blocks {op} with {peer!r}")
 
     def _post(self, h, what: str):

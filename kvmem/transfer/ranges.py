@@ -59,13 +59,16 @@ def check_regions(regions, what: str, error=ValueError) -> None:
     that is not > 0, whose end passes 2**63 - 1, or that overlaps another."""
     for a, n in regions:
         if a <= 0 or n <= 0 or a > INT64_MAX - n:
-            raise error(f"{what}: region (addr {a:#x}, nbytes {n}) must have addr > 0, "
-                        f"nbytes > 0 and addr + nbytes <= 2**63 - 1")
+            raise error(
+                f"{what}: region (addr {a:#x}, nbytes {n}) must have addr > 0, "
+                f"nbytes > 0 and addr + nbytes <= 2**63 - 1"
+            )
     spans = sorted(regions)
     for (a0, n0), (a1, n1) in zip(spans, spans[1:]):
         if a0 + n0 > a1:
-            raise error(f"{what}: regions overlap: [{a0:#x}, {a0 + n0:#x}) and "
-                        f"[{a1:#x}, {a1 + n1:#x})")
+            raise error(
+                f"{what}: regions overlap: [{a0:#x}, {a0 + n0:#x}) and [{a1:#x}, {a1 + n1:#x})"
+            )
 
 
 def as_ranges(ranges, what: str) -> np.ndarray:
@@ -86,18 +89,23 @@ def as_ranges(ranges, what: str) -> np.ndarray:
     bad = np.flatnonzero((arr[:, 0] <= 0) | (arr[:, 1] <= 0))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"{what}: range {i} = (addr {int(arr[i, 0])}, nbytes {int(arr[i, 1])}): "
-                         "address and nbytes must be > 0")
+        raise ValueError(
+            f"{what}: range {i} = (addr {int(arr[i, 0])}, nbytes {int(arr[i, 1])}): "
+            "address and nbytes must be > 0"
+        )
     over = np.flatnonzero(arr[:, 0] > INT64_MAX - arr[:, 1])
     if over.size:
         i = int(over[0])
-        raise ValueError(f"{what}: range {i} = (addr {int(arr[i, 0]):#x}, nbytes "
-                         f"{int(arr[i, 1])}): addr + nbytes passes 2**63 - 1")
+        raise ValueError(
+            f"{what}: range {i} = (addr {int(arr[i, 0]):#x}, nbytes "
+            f"{int(arr[i, 1])}): addr + nbytes passes 2**63 - 1"
+        )
     return arr
 
 
-def locate(ranges: np.ndarray, starts: np.ndarray, ends: np.ndarray, what: str,
-           where: str) -> np.ndarray:
+def locate(
+    ranges: np.ndarray, starts: np.ndarray, ends: np.ndarray, what: str, where: str
+) -> np.ndarray:
     """Index of the region (sorted, disjoint ``[starts, ends)``) holding each range whole;
     ValueError naming the first range that no single region holds."""
     idx = np.searchsorted(starts, ranges[:, 0], side="right") - 1
@@ -108,8 +116,10 @@ def locate(ranges: np.ndarray, starts: np.ndarray, ends: np.ndarray, what: str,
         a, n = int(ranges[i, 0]), int(ranges[i, 1])
         shown = ", ".join(f"[{int(s):#x}, {int(e):#x})" for s, e in zip(starts[:4], ends[:4]))
         more = "" if starts.size <= 4 else f", ... ({starts.size} regions)"
-        raise ValueError(f"{what}: range {i} [{a:#x}, {a + n:#x}) is not inside one "
-                         f"registered region of {where} ({shown or 'none'}{more})")
+        raise ValueError(
+            f"{what}: range {i} [{a:#x}, {a + n:#x}) is not inside one "
+            f"registered region of {where} ({shown or 'none'}{more})"
+        )
     return idx
 
 
@@ -118,8 +128,9 @@ def pair_ranges(local: np.ndarray, remote: np.ndarray, what: str) -> tuple[np.nd
     arrays whose i-th rows have equal sizes.  O(n log n) in numpy."""
     lt, rt = int(local[:, 1].sum()), int(remote[:, 1].sum())
     if lt != rt:
-        raise ValueError(f"{what}: local ranges total {lt} bytes, remote ranges {rt} bytes; "
-                         "they must be equal")
+        raise ValueError(
+            f"{what}: local ranges total {lt} bytes, remote ranges {rt} bytes; they must be equal"
+        )
     lc = np.concatenate(([0], np.cumsum(local[:, 1])))
     rc = np.concatenate(([0], np.cumsum(remote[:, 1])))
     cuts = np.union1d(lc, rc)

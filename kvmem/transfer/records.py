@@ -22,8 +22,8 @@ class Registration:
     key: str
     epoch: int
     regions: tuple
-    mem: str          # "DRAM" | "VRAM"
-    device_id: int    # 0 for DRAM, the CUDA index for VRAM
+    mem: str  # "DRAM" | "VRAM"
+    device_id: int  # 0 for DRAM, the CUDA index for VRAM
     layout: BlockLayout | None = None  # the blocks inside (a pool's pages), if given
 
 
@@ -77,7 +77,7 @@ class TransferHandle:
     error: str | None = None
     released: bool = False
     native: object = field(default=None, repr=False)
-    tables: tuple = ()   # ids of the prepared tables a post_blocks handle uses
+    tables: tuple = ()  # ids of the prepared tables a post_blocks handle uses
     op: str = "WRITE"
 
 

@@ -112,12 +112,19 @@ class AllocatorMachine(RuleBasedStateMachine):
     def spoil(self, data, pages):
         """A copy of ``pages`` with one entry that may not be freed."""
         unowned = [p for p in range(1, self.N) if p not in self.owned]
-        bad = data.draw(st.sampled_from(
-            ["zero", "out_of_range"] + (["twice"] if pages else [])
-            + (["not_allocated"] if unowned else [])))
-        extra = {"zero": 0, "out_of_range": self.N,
-                 "twice": pages[0] if pages else 0,
-                 "not_allocated": unowned[0] if unowned else 0}[bad]
+        bad = data.draw(
+            st.sampled_from(
+                ["zero", "out_of_range"]
+                + (["twice"] if pages else [])
+                + (["not_allocated"] if unowned else [])
+            )
+        )
+        extra = {
+            "zero": 0,
+            "out_of_range": self.N,
+            "twice": pages[0] if pages else 0,
+            "not_allocated": unowned[0] if unowned else 0,
+        }[bad]
         pos = data.draw(st.integers(0, len(pages)))
         return pages[:pos] + [extra] + pages[pos:]
 
@@ -135,8 +142,10 @@ class AllocatorMachine(RuleBasedStateMachine):
                 pass
             self.chunks.append(pages)  # still owned; free it later
             return
-        self.a.free(torch.tensor(pages, dtype=torch.int64) if data.draw(st.booleans()) else pages,
-                    check=check)
+        self.a.free(
+            torch.tensor(pages, dtype=torch.int64) if data.draw(st.booleans()) else pages,
+            check=check,
+        )
         self.owned.difference_update(pages)
         self.staged += pages
 
@@ -167,12 +176,14 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     # -- requests --------------------------------------------------------------------
 
-    @rule(data=st.data(), n_fresh=st.integers(0, 3), check=st.booleans(),
-          hints=st.booleans())
+    @rule(data=st.data(), n_fresh=st.integers(0, 3), check=st.booleans(), hints=st.booleans())
     def extend(self, data, n_fresh, check, hints):
         ps = self.ps
-        old = data.draw(st.lists(st.sampled_from(range(len(self.reqs))), unique=True,
-                                 max_size=3)) if self.reqs else []
+        old = (
+            data.draw(st.lists(st.sampled_from(range(len(self.reqs))), unique=True, max_size=3))
+            if self.reqs
+            else []
+        )
         batch = [self.reqs[i] for i in old] + [Req() for _ in range(n_fresh)]
         pre = [r.len for r in batch]
         seq = [p + data.draw(st.integers(0, 2 * ps + 1)) for p in pre]
@@ -205,7 +216,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             r.len = s
         assert len(new_pages) == need
         self.take_new(new_pages, (sum(seq) - sum(pre)) // ps + len(batch) + 1)
-        self.reqs += batch[len(old):]
+        self.reqs += batch[len(old) :]
 
     @rule(data=st.data(), check=st.booleans(), hints=st.booleans())
     def decode(self, data, check, hints):
@@ -213,8 +224,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         live = [r for r in self.reqs if r.len > 0]
         if not live:
             return
-        batch = data.draw(st.lists(st.sampled_from(live), unique_by=id, min_size=1,
-                                   max_size=4))
+        batch = data.draw(st.lists(st.sampled_from(live), unique_by=id, min_size=1, max_size=4))
         seq = torch.tensor([r.len + 1 for r in batch])
         last = torch.tensor([r.last_loc(ps) for r in batch])
         need = sum(1 for r in batch if r.len % ps == 0)
@@ -252,7 +262,10 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = settings(
-    max_examples=examples(300), stateful_step_count=40, deadline=None, derandomize=True,
+    max_examples=examples(300),
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     database=None,
 )
@@ -268,8 +281,13 @@ def test_machine_finds_a_planted_bug(monkeypatch):
         return torch.from_numpy(ring[idx].copy())
 
     monkeypatch.setattr(K, "take_pages_cpu", broken_take)
-    quick = settings(max_examples=20, stateful_step_count=10, deadline=None,
-                     derandomize=True, database=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+    quick = settings(
+        max_examples=20,
+        stateful_step_count=10,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     with pytest.raises(AssertionError):
         run_state_machine_as_test(AllocatorMachine, settings=quick)

@@ -19,14 +19,20 @@ from kvmem.kernels import alloc as K
 
 def sglang_paged(num_pages: int, ps: int) -> PagedTokenToKVPoolAllocator:
     # kvmem's num_pages counts the padding page: sglang's size is (num_pages - 1) * ps
-    return PagedTokenToKVPoolAllocator(size=(num_pages - 1) * ps, page_size=ps,
-                                       dtype=torch.bfloat16, device="cpu", kvcache=None,
-                                       need_sort=True)
+    return PagedTokenToKVPoolAllocator(
+        size=(num_pages - 1) * ps,
+        page_size=ps,
+        dtype=torch.bfloat16,
+        device="cpu",
+        kvcache=None,
+        need_sort=True,
+    )
 
 
 def sglang_token(num_pages: int) -> TokenToKVPoolAllocator:
-    return TokenToKVPoolAllocator(size=num_pages - 1, dtype=torch.bfloat16, device="cpu",
-                                  kvcache=None, need_sort=True)
+    return TokenToKVPoolAllocator(
+        size=num_pages - 1, dtype=torch.bfloat16, device="cpu", kvcache=None, need_sort=True
+    )
 
 
 def as_slots(pages: torch.Tensor, ps: int) -> torch.Tensor:
@@ -109,7 +115,7 @@ class Requests:
     def record_extend(self, who, pre, seq, out):
         k = 0
         for i, p, s in zip(who, pre.tolist(), seq.tolist()):
-            self.slots[i] += out[k:k + s - p].tolist()
+            self.slots[i] += out[k : k + s - p].tolist()
             self.lens[i] = s
             k += s - p
 
@@ -144,7 +150,7 @@ def test_extend_and_decode_match_sglang(ps, seed):
                 got = ours.alloc_decode(seq, last, seq_lens_cpu=seq, check=step % 2 == 0)
                 if token is not None:
                     want = token.alloc(len(who))
-                    theirs.free_pages = theirs.free_pages[len(who):]  # keep it in step
+                    theirs.free_pages = theirs.free_pages[len(who) :]  # keep it in step
                 else:
                     want = theirs.alloc_decode(seq, seq, last)
                 assert torch.equal(got, want)
@@ -153,8 +159,9 @@ def test_extend_and_decode_match_sglang(ps, seed):
                 who, pre, seq, last = reqs.extend_batch(rng.randrange(1, 5), 3, 3 * ps + 5)
                 total = int((seq - pre).sum())
                 hints = dict(prefix_lens_cpu=pre, seq_lens_cpu=seq) if step % 2 else {}
-                got = ours.alloc_extend(pre, seq, last, extend_num_tokens=total, **hints,
-                                        check=step % 4 != 1)
+                got = ours.alloc_extend(
+                    pre, seq, last, extend_num_tokens=total, **hints, check=step % 4 != 1
+                )
                 want = theirs.alloc_extend(pre, pre, seq, seq, last, total)
                 if token is not None:
                     assert torch.equal(token.alloc(total), want)
@@ -189,8 +196,7 @@ def test_extend_slots_match_alloc_extend_naive(ps):
         alloc_extend_naive(pre_t, seq_t, last_t, free_pages, want, ps, "cpu")
         got = K.extend_slots_torch(pre_t, seq_t, last_t, free_pages[:num_new], ps, total)
         assert torch.equal(got, want), (pre, seq)
-        assert torch.equal(K.extend_slots_ref(pre_t, seq_t, last_t, free_pages[:num_new], ps),
-                           want)
+        assert torch.equal(K.extend_slots_ref(pre_t, seq_t, last_t, free_pages[:num_new], ps), want)
 
 
 @pytest.mark.parametrize("ps", [4, 16, 64])

@@ -21,8 +21,17 @@ from kvmem.kernels.alloc import triton as alloc_triton
 
 
 def snapshot(a: PageAllocator):
-    return (a._ring.clone(), a._owned.clone(), a._err.clone(), a._head, a._count,
-            a._sorted, a._allocated, a.num_free, a.num_allocated)
+    return (
+        a._ring.clone(),
+        a._owned.clone(),
+        a._err.clone(),
+        a._head,
+        a._count,
+        a._sorted,
+        a._allocated,
+        a.num_free,
+        a.num_allocated,
+    )
 
 
 def assert_same(a: PageAllocator, snap):
@@ -42,11 +51,16 @@ def i64(*xs):
 # -- construction, alloc ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_pages=1, page_size=4),
-                                    dict(num_pages=0, page_size=4),
-                                    dict(num_pages=9, page_size=0),
-                                    dict(num_pages=9.0, page_size=4),
-                                    dict(num_pages=9, page_size=True)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_pages=1, page_size=4),
+        dict(num_pages=0, page_size=4),
+        dict(num_pages=9, page_size=0),
+        dict(num_pages=9.0, page_size=4),
+        dict(num_pages=9, page_size=True),
+    ],
+)
 def test_bad_construction(kwargs):
     with pytest.raises(ValueError):
         PageAllocator(**kwargs)
@@ -154,22 +168,24 @@ def test_runs_after_frees():
     assert a.alloc(7).tolist() == [2, 3, 4, 5, 6, 7, 8]
 
 
-@pytest.mark.parametrize("pages,first,reason", [
-    ([3, 0], 0, "page 0"),
-    ([3, 9], 9, "out of range"),
-    ([3, -1, 9], -1, "out of range"),
-    ([3, 5, 6], 5, "not allocated"),
-    ([3, 2, 3], 3, "listed twice"),
-    ([3, 6, 6, 0], 6, "not allocated"),  # first offending entry in list order
-    ([2, 3, 4, 4], 4, "listed twice"),
-])
+@pytest.mark.parametrize(
+    "pages,first,reason",
+    [
+        ([3, 0], 0, "page 0"),
+        ([3, 9], 9, "out of range"),
+        ([3, -1, 9], -1, "out of range"),
+        ([3, 5, 6], 5, "not allocated"),
+        ([3, 2, 3], 3, "listed twice"),
+        ([3, 6, 6, 0], 6, "not allocated"),  # first offending entry in list order
+        ([2, 3, 4, 4], 4, "listed twice"),
+    ],
+)
 def test_free_refused_frees_nothing(pages, first, reason):
     a = PageAllocator(num_pages=9, page_size=4)
     a.alloc(4)
     a.free([1])
     snap = snapshot(a)
-    for form in (pages, i64(*pages), torch.tensor(pages, dtype=torch.int32),
-                 np.array(pages)):
+    for form in (pages, i64(*pages), torch.tensor(pages, dtype=torch.int32), np.array(pages)):
         with pytest.raises(DoubleFreeError) as e:
             a.free(form)
         assert e.value.page == first and reason in e.value.reason
@@ -188,12 +204,23 @@ def test_double_free_across_calls():
     assert_same(a, snap)
 
 
-@pytest.mark.parametrize("bad", [torch.zeros(2, 2, dtype=torch.int64),
-                                 torch.tensor([1.0]), torch.tensor([True]),
-                                 torch.tensor([1], device="meta"), "12", 3, [1.5],
-                                 np.array([[1]]),
-                                 # short lists: the Python path hands them on, refused there
-                                 [True], [1, False], [np.int64(1), 2.0]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.zeros(2, 2, dtype=torch.int64),
+        torch.tensor([1.0]),
+        torch.tensor([True]),
+        torch.tensor([1], device="meta"),
+        "12",
+        3,
+        [1.5],
+        np.array([[1]]),
+        # short lists: the Python path hands them on, refused there
+        [True],
+        [1, False],
+        [np.int64(1), 2.0],
+    ],
+)
 def test_free_bad_input_is_valueerror(bad):
     a = PageAllocator(num_pages=5, page_size=2)
     a.alloc(2)
@@ -301,19 +328,21 @@ def test_reset_restores_fresh_order():
     a.check_invariants()
 
 
-@pytest.mark.parametrize("corrupt,message", [
-    (lambda a: a._owned.__setitem__(0, 1), "page 0 is owned"),
-    (lambda a: a._owned.__setitem__(7, 1), "pages owned but num_allocated"),
-    (lambda a: a._owned.__setitem__(2, 2), "not 0/1"),
-    (lambda a: a._owned.__setitem__(2, 0), "pages owned but num_allocated"),
-    (lambda a: a._ring.__setitem__(5, 7), "twice"),
-    (lambda a: a._ring.__setitem__(5, 0), "not a page id"),
-    (lambda a: (a._owned.__setitem__(7, 1), a._owned.__setitem__(2, 0)),
-     "both free and owned"),
-    (lambda a: setattr(a, "_allocated", 2), r"num_free \+ num_allocated"),
-    (lambda a: (a._ring.__setitem__(4, 6), a._ring.__setitem__(5, 5)), "not ascending"),
-    (lambda a: setattr(a, "_sorted", 6), "sorted part 6 outside"),
-])
+@pytest.mark.parametrize(
+    "corrupt,message",
+    [
+        (lambda a: a._owned.__setitem__(0, 1), "page 0 is owned"),
+        (lambda a: a._owned.__setitem__(7, 1), "pages owned but num_allocated"),
+        (lambda a: a._owned.__setitem__(2, 2), "not 0/1"),
+        (lambda a: a._owned.__setitem__(2, 0), "pages owned but num_allocated"),
+        (lambda a: a._ring.__setitem__(5, 7), "twice"),
+        (lambda a: a._ring.__setitem__(5, 0), "not a page id"),
+        (lambda a: (a._owned.__setitem__(7, 1), a._owned.__setitem__(2, 0)), "both free and owned"),
+        (lambda a: setattr(a, "_allocated", 2), r"num_free \+ num_allocated"),
+        (lambda a: (a._ring.__setitem__(4, 6), a._ring.__setitem__(5, 5)), "not ascending"),
+        (lambda a: setattr(a, "_sorted", 6), "sorted part 6 outside"),
+    ],
+)
 def test_check_invariants_catches(corrupt, message):
     a = PageAllocator(num_pages=9, page_size=4)
     a.alloc(3)  # ring live entries: slots 3..7 = pages 4..8
@@ -334,9 +363,14 @@ def test_extend_and_decode_worked_example():
     assert a.num_allocated == 4
     # chunked prefill: request 0 goes 5 -> 11 (rest of page 2, then page 5), request 2
     # goes 3 -> 4 (fills its page 4), request 1 gains nothing
-    slots = a.alloc_extend(i64(5, 4, 3), i64(11, 4, 4), i64(8, 15, 18),
-                           prefix_lens_cpu=i64(5, 4, 3), seq_lens_cpu=i64(11, 4, 4),
-                           extend_num_tokens=7)
+    slots = a.alloc_extend(
+        i64(5, 4, 3),
+        i64(11, 4, 4),
+        i64(8, 15, 18),
+        prefix_lens_cpu=i64(5, 4, 3),
+        seq_lens_cpu=i64(11, 4, 4),
+        extend_num_tokens=7,
+    )
     assert slots.tolist() == [9, 10, 11, 20, 21, 22, 19]
     # decode: request 0 -> 12 (page 5), request 1 -> 5 (new page 6), request 2 -> 5 (page 7)
     slots = a.alloc_decode(i64(12, 5, 5), i64(22, 15, 19), seq_lens_cpu=i64(12, 5, 5))
@@ -360,8 +394,12 @@ def test_empty_batches():
     e = torch.empty(0, dtype=torch.int64)
     assert a.alloc_extend(e, e, e).numel() == 0
     assert a.alloc_decode(e, e).numel() == 0
-    assert a.alloc_extend(e, e, e, prefix_lens_cpu=e, seq_lens_cpu=e, extend_num_tokens=0,
-                          check=False).numel() == 0
+    assert (
+        a.alloc_extend(
+            e, e, e, prefix_lens_cpu=e, seq_lens_cpu=e, extend_num_tokens=0, check=False
+        ).numel()
+        == 0
+    )
     # extends of zero tokens
     assert a.alloc_extend(i64(0, 4), i64(0, 4), i64(-1, 7)).numel() == 0
     assert a.num_allocated == 0
@@ -371,32 +409,57 @@ def _prepared(ps=4):
     """An allocator with request A = 6 tokens in pages 1-2 (last_loc 9) and
     request B = 4 tokens in page 3 (last_loc 15)."""
     a = PageAllocator(num_pages=7, page_size=ps)
-    assert a.alloc_extend(i64(0, 0), i64(6, 4), i64(-1, -1)).tolist() == \
-        [4, 5, 6, 7, 8, 9, 12, 13, 14, 15]
+    assert a.alloc_extend(i64(0, 0), i64(6, 4), i64(-1, -1)).tolist() == [
+        4,
+        5,
+        6,
+        7,
+        8,
+        9,
+        12,
+        13,
+        14,
+        15,
+    ]
     return a
 
 
-@pytest.mark.parametrize("args,kwargs,match", [
-    ((i64(-1, 4), i64(6, 4), i64(9, 15)), {}, "request 0: prefix_len < 0"),
-    ((i64(6, 5), i64(7, 4), i64(9, 15)), {}, "request 1: prefix_len > seq_len"),
-    ((i64(6, 4), i64(7, 5), i64(8, 15)), {}, "request 0: last_loc is inconsistent"),
-    ((i64(6, 4), i64(7, 5), i64(21, 15)), {}, "request 0: last_loc is not in an allocated"),
-    ((i64(6, 4), i64(7, 5), i64(9, 15)), dict(extend_num_tokens=3), "extend_num_tokens=3"),
-    ((i64(6, 4), i64(7, 5), i64(9, 15)),
-     dict(prefix_lens_cpu=i64(6, 4), seq_lens_cpu=i64(7, 9)), "disagree"),
-    ((i64(6, 4), i64(7, 5), i64(9, 15)),
-     dict(prefix_lens_cpu=i64(4, 6), seq_lens_cpu=i64(5, 7)), "disagree"),  # same sums
-    ((i64(6, 4), i64(7, 5), i64(9, 15)), dict(seq_lens_cpu=i64(7, 5)), "hints or none"),
-    ((i64(6, 4), i64(7, 5), i64(9, 15)),
-     dict(prefix_lens_cpu=i64(6), seq_lens_cpu=i64(7)), "shape"),
-    ((i64(6, 4), i64(7, 5), i64(9, 15)),
-     dict(prefix_lens_cpu=i64(6, 4).float(), seq_lens_cpu=i64(7, 5)), "int32 or int64"),
-    ((i64(6, 4), i64(7, 5), i64(9)), {}, "differ in length"),
-    ((i64(6, 4), i64(7, 5).float(), i64(9, 15)), {}, "int32 or int64"),
-    ((i64(6, 4), i64(7, 5), i64(9, 15).reshape(1, 2)), {}, "1-D"),
-    ((i64(6, 4), i64(7, 5), torch.tensor([9, 15], device="meta")), {}, "is on meta"),
-    (([6, 4], i64(7, 5), i64(9, 15)), {}, "must be a tensor"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((i64(-1, 4), i64(6, 4), i64(9, 15)), {}, "request 0: prefix_len < 0"),
+        ((i64(6, 5), i64(7, 4), i64(9, 15)), {}, "request 1: prefix_len > seq_len"),
+        ((i64(6, 4), i64(7, 5), i64(8, 15)), {}, "request 0: last_loc is inconsistent"),
+        ((i64(6, 4), i64(7, 5), i64(21, 15)), {}, "request 0: last_loc is not in an allocated"),
+        ((i64(6, 4), i64(7, 5), i64(9, 15)), dict(extend_num_tokens=3), "extend_num_tokens=3"),
+        (
+            (i64(6, 4), i64(7, 5), i64(9, 15)),
+            dict(prefix_lens_cpu=i64(6, 4), seq_lens_cpu=i64(7, 9)),
+            "disagree",
+        ),
+        (
+            (i64(6, 4), i64(7, 5), i64(9, 15)),
+            dict(prefix_lens_cpu=i64(4, 6), seq_lens_cpu=i64(5, 7)),
+            "disagree",
+        ),  # same sums
+        ((i64(6, 4), i64(7, 5), i64(9, 15)), dict(seq_lens_cpu=i64(7, 5)), "hints or none"),
+        (
+            (i64(6, 4), i64(7, 5), i64(9, 15)),
+            dict(prefix_lens_cpu=i64(6), seq_lens_cpu=i64(7)),
+            "shape",
+        ),
+        (
+            (i64(6, 4), i64(7, 5), i64(9, 15)),
+            dict(prefix_lens_cpu=i64(6, 4).float(), seq_lens_cpu=i64(7, 5)),
+            "int32 or int64",
+        ),
+        ((i64(6, 4), i64(7, 5), i64(9)), {}, "differ in length"),
+        ((i64(6, 4), i64(7, 5).float(), i64(9, 15)), {}, "int32 or int64"),
+        ((i64(6, 4), i64(7, 5), i64(9, 15).reshape(1, 2)), {}, "1-D"),
+        ((i64(6, 4), i64(7, 5), torch.tensor([9, 15], device="meta")), {}, "is on meta"),
+        (([6, 4], i64(7, 5), i64(9, 15)), {}, "must be a tensor"),
+    ],
+)
 @pytest.mark.parametrize("check", [True, False])
 def test_extend_bad_inputs_change_nothing(args, kwargs, match, check):
     a = _prepared()
@@ -408,15 +471,18 @@ def test_extend_bad_inputs_change_nothing(args, kwargs, match, check):
     assert a.alloc_extend(i64(6, 4), i64(7, 5), i64(9, 15)).tolist() == [10, 16]
 
 
-@pytest.mark.parametrize("args,kwargs,match", [
-    ((i64(0, 5), i64(9, 15)), {}, "request 0: seq_len < 1"),
-    ((i64(7, 5), i64(8, 15)), {}, "request 0: last_loc is inconsistent"),
-    ((i64(7, 5), i64(21, 15)), {}, "request 0: last_loc is not in an allocated"),
-    ((i64(7, 5), i64(9, 15)), dict(seq_lens_cpu=i64(9, 5)), "disagrees"),
-    ((i64(7, 5), i64(9, 15)), dict(seq_lens_cpu=i64(5, 7)), "disagrees"),  # same count
-    ((i64(7, 5), i64(9, 15, 1)), {}, "differ in length"),
-    ((i64(7, 5), i64(9, 15)), dict(seq_lens_cpu=[7, 5]), "CPU tensor"),
-])
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((i64(0, 5), i64(9, 15)), {}, "request 0: seq_len < 1"),
+        ((i64(7, 5), i64(8, 15)), {}, "request 0: last_loc is inconsistent"),
+        ((i64(7, 5), i64(21, 15)), {}, "request 0: last_loc is not in an allocated"),
+        ((i64(7, 5), i64(9, 15)), dict(seq_lens_cpu=i64(9, 5)), "disagrees"),
+        ((i64(7, 5), i64(9, 15)), dict(seq_lens_cpu=i64(5, 7)), "disagrees"),  # same count
+        ((i64(7, 5), i64(9, 15, 1)), {}, "differ in length"),
+        ((i64(7, 5), i64(9, 15)), dict(seq_lens_cpu=[7, 5]), "CPU tensor"),
+    ],
+)
 @pytest.mark.parametrize("check", [True, False])
 def test_decode_bad_inputs_change_nothing(args, kwargs, match, check):
     a = _prepared()
@@ -446,8 +512,15 @@ def test_extend_and_decode_out_of_pages_change_nothing():
 def test_extend_int32_inputs_and_hints():
     a = _prepared()
     i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    got = a.alloc_extend(i32(6, 4), i32(9, 5), i32(9, 15), prefix_lens_cpu=i32(6, 4),
-                         seq_lens_cpu=i32(9, 5), extend_num_tokens=4, check=False)
+    got = a.alloc_extend(
+        i32(6, 4),
+        i32(9, 5),
+        i32(9, 15),
+        prefix_lens_cpu=i32(6, 4),
+        seq_lens_cpu=i32(9, 5),
+        extend_num_tokens=4,
+        check=False,
+    )
     assert got.dtype == torch.int64 and got.tolist() == [10, 11, 16, 20]
     got = a.alloc_decode(i32(10, 6), i32(16, 20), seq_lens_cpu=i32(10, 6))
     assert got.tolist() == [17, 21]
@@ -462,19 +535,41 @@ def test_device_checked_calls_with_hints(monkeypatch):
     import kvmem.allocator as allocator_module
 
     host = _prepared()
-    want = (host.alloc_extend(i64(6, 4), i64(9, 5), i64(9, 15), prefix_lens_cpu=i64(6, 4),
-                              seq_lens_cpu=i64(9, 5), check=True),
-            host.alloc_decode(i64(10, 6), i64(16, 20), seq_lens_cpu=i64(10, 6), check=True))
+    want = (
+        host.alloc_extend(
+            i64(6, 4),
+            i64(9, 5),
+            i64(9, 15),
+            prefix_lens_cpu=i64(6, 4),
+            seq_lens_cpu=i64(9, 5),
+            check=True,
+        ),
+        host.alloc_decode(i64(10, 6), i64(16, 20), seq_lens_cpu=i64(10, 6), check=True),
+    )
     monkeypatch.setattr(allocator_module, "is_async_device", lambda t: True)
     dev = _prepared()
-    got = (dev.alloc_extend(i64(6, 4), i64(9, 5), i64(9, 15), prefix_lens_cpu=i64(6, 4),
-                            seq_lens_cpu=i64(9, 5), check=True),
-           dev.alloc_decode(i64(10, 6), i64(16, 20), seq_lens_cpu=i64(10, 6), check=True))
+    got = (
+        dev.alloc_extend(
+            i64(6, 4),
+            i64(9, 5),
+            i64(9, 15),
+            prefix_lens_cpu=i64(6, 4),
+            seq_lens_cpu=i64(9, 5),
+            check=True,
+        ),
+        dev.alloc_decode(i64(10, 6), i64(16, 20), seq_lens_cpu=i64(10, 6), check=True),
+    )
     assert [t.tolist() for t in got] == [t.tolist() for t in want]
     snap = snapshot(dev)
     with pytest.raises(ValueError, match="disagree"):
-        dev.alloc_extend(i64(6, 4), i64(9, 5), i64(9, 15), prefix_lens_cpu=i64(6, 3),
-                         seq_lens_cpu=i64(9, 5), check=True)
+        dev.alloc_extend(
+            i64(6, 4),
+            i64(9, 5),
+            i64(9, 15),
+            prefix_lens_cpu=i64(6, 3),
+            seq_lens_cpu=i64(9, 5),
+            check=True,
+        )
     with pytest.raises(ValueError, match="disagrees"):
         dev.alloc_decode(i64(10, 6), i64(16, 20), seq_lens_cpu=i64(10, 7), check=True)
     assert_same(dev, snap)
@@ -555,8 +650,19 @@ def test_take_pages_cpu_matches_ref(head, n):
     assert torch.equal(got, want_pages) and torch.equal(owned, want_owned)
 
 
-FREE_CASES = [[], [3], [3, 5, 1], [5, 3, 5], [0], [9], [-2, 3], [2], [4, 6, 6, 2],
-              [1, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 1]]
+FREE_CASES = [
+    [],
+    [3],
+    [3, 5, 1],
+    [5, 3, 5],
+    [0],
+    [9],
+    [-2, 3],
+    [2],
+    [4, 6, 6, 2],
+    [1, 3, 4, 5, 6, 7, 8],
+    [8, 7, 6, 5, 4, 3, 1],
+]
 
 
 @pytest.mark.parametrize("tail", [0, 5, 7])
@@ -583,8 +689,7 @@ def test_free_impls_match_ref(pages, tail):
         assert torch.equal(r, want[0]) and torch.equal(o, want[1])
     # the short-list path: the same result, or nothing changed and False when refused
     r, o = ring.clone(), owned.clone()
-    took = K.free_pages_list(list(pages), memoryview(r.numpy()), memoryview(o.numpy()),
-                             tail)
+    took = K.free_pages_list(list(pages), memoryview(r.numpy()), memoryview(o.numpy()), tail)
     if want_err is not None or not pages:
         assert took is (not pages)
         assert torch.equal(r, ring) and torch.equal(o, owned)
@@ -606,7 +711,7 @@ def test_free_short_list_path_and_long_lists_agree():
         order = pages[3:][::-1] + [pages[0]]
         if split:  # short lists
             for i in range(0, len(order), 5):
-                a.free(order[i:i + 5])
+                a.free(order[i : i + 5])
         else:  # one list longer than PY_FREE_MAX
             a.free(order)
         a.check_invariants()
@@ -643,30 +748,78 @@ def test_free_errors_impls_agree_on_random_lists():
 # not match the pointer's type), so compile every kernel variant here, on the CPU.
 
 _SIG = {
-    "_take_pages_kernel": dict(ring_ptr="*i64", owned_ptr="*i32", out_ptr="*i64",
-                               err_ptr="*i64", head="i64", n="i32", cap="i32",
-                               num_pages="i32"),
-    "_free_apply_kernel": dict(pages_ptr="*i32", ring_ptr="*i64", owned_ptr="*i32",
-                               err_ptr="*i64", n="i32", pages_stride="i32", tail="i32",
-                               cap="i32", num_pages="i32", parity="i32"),
-    "_free_commit_kernel": dict(pages_ptr="*i64", ring_ptr="*i64", owned_ptr="*i32",
-                                err_ptr="*i64", n="i32", pages_stride="i32", tail="i64",
-                                cap="i32", num_pages="i32", parity="i32"),
-    "_extend_slots_kernel": dict(prefix_ptr="*i32", seq_ptr="*i64", last_loc_ptr="*i64",
-                                 new_pages_ptr="*i64", out_ptr="*i64", err_ptr="*i64",
-                                 bs="i32", num_new="i32", total="i32"),
-    "_decode_slots_kernel": dict(seq_ptr="*i64", last_loc_ptr="*i32", new_pages_ptr="*i64",
-                                 out_ptr="*i64", err_ptr="*i64", bs="i32", num_new="i32"),
+    "_take_pages_kernel": dict(
+        ring_ptr="*i64",
+        owned_ptr="*i32",
+        out_ptr="*i64",
+        err_ptr="*i64",
+        head="i64",
+        n="i32",
+        cap="i32",
+        num_pages="i32",
+    ),
+    "_free_apply_kernel": dict(
+        pages_ptr="*i32",
+        ring_ptr="*i64",
+        owned_ptr="*i32",
+        err_ptr="*i64",
+        n="i32",
+        pages_stride="i32",
+        tail="i32",
+        cap="i32",
+        num_pages="i32",
+        parity="i32",
+    ),
+    "_free_commit_kernel": dict(
+        pages_ptr="*i64",
+        ring_ptr="*i64",
+        owned_ptr="*i32",
+        err_ptr="*i64",
+        n="i32",
+        pages_stride="i32",
+        tail="i64",
+        cap="i32",
+        num_pages="i32",
+        parity="i32",
+    ),
+    "_extend_slots_kernel": dict(
+        prefix_ptr="*i32",
+        seq_ptr="*i64",
+        last_loc_ptr="*i64",
+        new_pages_ptr="*i64",
+        out_ptr="*i64",
+        err_ptr="*i64",
+        bs="i32",
+        num_new="i32",
+        total="i32",
+    ),
+    "_decode_slots_kernel": dict(
+        seq_ptr="*i64",
+        last_loc_ptr="*i32",
+        new_pages_ptr="*i64",
+        out_ptr="*i64",
+        err_ptr="*i64",
+        bs="i32",
+        num_new="i32",
+    ),
 }
 _CONST = {
     "_take_pages_kernel": [dict(BLOCK=alloc_triton.TAKE_BLOCK, FLAG=f) for f in (False, True)],
     "_free_apply_kernel": [dict(BLOCK=alloc_triton.TAKE_BLOCK, FLAG=f) for f in (False, True)],
     "_free_commit_kernel": [dict(BLOCK=alloc_triton.TAKE_BLOCK)],
-    "_extend_slots_kernel": [dict(PAGE_SIZE=ps, REQ_BLOCK=alloc_triton.REQ_BLOCK,
-                                  TOKEN_BLOCK=alloc_triton.TOKEN_BLOCK, FLAG=f)
-                             for ps, f in itertools.product((1, 16), (False, True))],
-    "_decode_slots_kernel": [dict(PAGE_SIZE=ps, BLOCK=alloc_triton.DECODE_BLOCK, FLAG=f)
-                             for ps, f in itertools.product((1, 64), (False, True))],
+    "_extend_slots_kernel": [
+        dict(
+            PAGE_SIZE=ps,
+            REQ_BLOCK=alloc_triton.REQ_BLOCK,
+            TOKEN_BLOCK=alloc_triton.TOKEN_BLOCK,
+            FLAG=f,
+        )
+        for ps, f in itertools.product((1, 16), (False, True))
+    ],
+    "_decode_slots_kernel": [
+        dict(PAGE_SIZE=ps, BLOCK=alloc_triton.DECODE_BLOCK, FLAG=f)
+        for ps, f in itertools.product((1, 64), (False, True))
+    ],
 }
 
 
@@ -679,8 +832,9 @@ def test_kernels_compile_for_sm90(name):
     fn = getattr(alloc_triton, name)
     for consts in _CONST[name]:
         sig = dict(_SIG[name], **{k: "constexpr" for k in consts})
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
-                                  target=GPUTarget("cuda", 90, 32))
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32)
+        )
         ptx = compiled.asm["ptx"]
         assert ".target sm_90" in ptx
         if consts.get("FLAG") or name == "_free_commit_kernel":
@@ -692,8 +846,9 @@ def test_every_refusal_code_raises_its_rows_exception_and_message(code):
     """kvmem.errors.AllocCode is the one table of refusals: whatever a host check returns
     or a kernel records becomes that row's exception, with its message and the value."""
     found_on_device = code.name.startswith("ERR_")
-    e = alloc_error(code, 7, 11, call="alloc_extend",
-                    rebuilt="rebuilt from the map" if found_on_device else "")
+    e = alloc_error(
+        code, 7, 11, call="alloc_extend", rebuilt="rebuilt from the map" if found_on_device else ""
+    )
     assert type(e) is code.raises
     assert code.message in str(e) and "7" in str(e)
     assert ("rebuilt from the map" in str(e)) == found_on_device
@@ -704,8 +859,12 @@ def test_every_refusal_code_raises_its_rows_exception_and_message(code):
 
 @pytest.mark.parametrize("ps", [1, 4, 16])
 def test_batch_checks_numpy_and_torch_agree(ps):
-    from kvmem.kernels.alloc.checks import (decode_problems, decode_problems_np,
-                                            extend_problems, extend_problems_np)
+    from kvmem.kernels.alloc.checks import (
+        decode_problems,
+        decode_problems_np,
+        extend_problems,
+        extend_problems_np,
+    )
 
     rng = random.Random(ps)
     num_pages = 12
@@ -718,8 +877,9 @@ def test_batch_checks_numpy_and_torch_agree(ps):
         pre = [rng.randrange(-2, 3 * ps + 2) for _ in range(bs)]
         seq = [p + rng.randrange(-2, 2 * ps) for p in pre]
         # last_loc: mostly consistent, in an allocated page; sometimes not
-        last = [rng.randrange(-1, num_pages + 2) * ps + (p - 1) % ps
-                + (rng.random() < 0.2) for p in pre]
+        last = [
+            rng.randrange(-1, num_pages + 2) * ps + (p - 1) % ps + (rng.random() < 0.2) for p in pre
+        ]
         t = [torch.tensor(x, dtype=torch.int64) for x in (pre, seq, last)]
         want = extend_problems(*t, owned, ps).tolist()
         got = extend_problems_np(*(x.numpy() for x in t), owned_ext.numpy(), ps)
@@ -729,8 +889,12 @@ def test_batch_checks_numpy_and_torch_agree(ps):
         got = decode_problems_np(t[1].numpy(), t[2].numpy(), owned_ext.numpy(), ps)
         assert got == want, (seq, last)
         seen_codes.add(got[1])
-    every = {0, AllocCode.LEN_NEGATIVE_PREFIX, AllocCode.LEN_PREFIX_OVER_SEQ,
-             AllocCode.LEN_SEQ_BELOW_ONE}
+    every = {
+        0,
+        AllocCode.LEN_NEGATIVE_PREFIX,
+        AllocCode.LEN_PREFIX_OVER_SEQ,
+        AllocCode.LEN_SEQ_BELOW_ONE,
+    }
     if ps > 1:  # at page_size 1 no request has a partial last page
         every |= {AllocCode.LEN_LAST_LOC_OFFSET, AllocCode.LEN_LAST_PAGE_FREE}
     assert seen_codes >= every

@@ -13,22 +13,26 @@ from kvmem._ids import as_page_ids
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("ids", [
-    [3, 1, 2],
-    (3, 1, 2),
-    [np.int64(3), np.int32(1), 2],
-    [torch.tensor(3), 1, 2],  # 0-d integer tensors have __index__
-    np.array([3, 1, 2]),
-    np.array([3, 1, 2], dtype=np.int32),
-    np.array([3, 1, 2], dtype=np.uint8),
-    np.array([3, 1, 2], dtype=">i8"),  # big-endian
-    np.array([3, 9, 1, 9, 2])[::2],  # strided
-    torch.tensor([3, 1, 2]),
-    torch.tensor([3, 1, 2], dtype=torch.int32),
-    torch.tensor([3, 1, 2], dtype=torch.int16),
-    torch.tensor([3, 1, 2], dtype=torch.uint8),
-    torch.tensor([3, 9, 1, 9, 2])[::2],  # strided
-], ids=lambda x: f"{type(x).__name__}")
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [3, 1, 2],
+        (3, 1, 2),
+        [np.int64(3), np.int32(1), 2],
+        [torch.tensor(3), 1, 2],  # 0-d integer tensors have __index__
+        np.array([3, 1, 2]),
+        np.array([3, 1, 2], dtype=np.int32),
+        np.array([3, 1, 2], dtype=np.uint8),
+        np.array([3, 1, 2], dtype=">i8"),  # big-endian
+        np.array([3, 9, 1, 9, 2])[::2],  # strided
+        torch.tensor([3, 1, 2]),
+        torch.tensor([3, 1, 2], dtype=torch.int32),
+        torch.tensor([3, 1, 2], dtype=torch.int16),
+        torch.tensor([3, 1, 2], dtype=torch.uint8),
+        torch.tensor([3, 9, 1, 9, 2])[::2],  # strided
+    ],
+    ids=lambda x: f"{type(x).__name__}",
+)
 def test_accepted_forms_give_the_same_ids(ids):
     got = as_page_ids(ids, CPU)
     assert got.dtype in (torch.int32, torch.int64) and got.dim() == 1
@@ -70,45 +74,51 @@ def test_numpy_on_cpu_is_zero_copy_when_it_can_be():
     assert as_page_ids(ro, CPU).tolist() == [4, 5]  # copied, no warning, no error
 
 
-@pytest.mark.parametrize("ids, named", [
-    ([True], "True"),
-    ([1, False], "False"),
-    ([1.7], "1.7"),
-    ([2.0], "2.0"),
-    ([np.bool_(True)], "True"),
-    ([np.float32(3)], "3.0"),
-    ([torch.tensor(True)], "True"),
-    ([torch.tensor(2.0)], "2."),
-    (["3"], "'3'"),
-    ([[1, 2]], r"\[1, 2\]"),
-    ([None], "None"),
-    ([2**64], str(2**64)),
-    ([-2**63 - 1], str(-2**63 - 1)),
-])
+@pytest.mark.parametrize(
+    "ids, named",
+    [
+        ([True], "True"),
+        ([1, False], "False"),
+        ([1.7], "1.7"),
+        ([2.0], "2.0"),
+        ([np.bool_(True)], "True"),
+        ([np.float32(3)], "3.0"),
+        ([torch.tensor(True)], "True"),
+        ([torch.tensor(2.0)], "2."),
+        (["3"], "'3'"),
+        ([[1, 2]], r"\[1, 2\]"),
+        ([None], "None"),
+        ([2**64], str(2**64)),
+        ([-(2**63) - 1], str(-(2**63) - 1)),
+    ],
+)
 def test_bad_python_ids_are_refused_by_value(ids, named):
     with pytest.raises(ValueError, match=named):
         as_page_ids(ids, CPU)
 
 
-@pytest.mark.parametrize("ids, msg", [
-    (torch.tensor([True, False]), "torch.bool"),
-    (torch.tensor([1.0]), "torch.float32"),
-    (torch.tensor([1.0], dtype=torch.float64), "torch.float64"),
-    (torch.tensor([1 + 0j]), "complex"),
-    (np.array([True, False]), r"bool \[True, False\]"),
-    (np.array([1.5]), r"float64 \[1.5\]"),
-    (np.array(["1"]), "dtype <U1"),
-    (np.array([2**63], dtype=np.uint64), f"page id {2**63} does not fit in int64"),
-    (torch.tensor([[1, 2]]), "must be 1-D"),
-    (torch.tensor(3), "must be 1-D"),
-    (np.array([[1]]), "must be 1-D"),
-    (torch.tensor([1], device="meta"), "are on meta, the KV buffers on cpu"),
-    ("12", "got str"),
-    (b"12", "got bytes"),
-    (3, "got int 3"),
-    (None, "got NoneType"),
-    ({1, 2}, "got set"),
-])
+@pytest.mark.parametrize(
+    "ids, msg",
+    [
+        (torch.tensor([True, False]), "torch.bool"),
+        (torch.tensor([1.0]), "torch.float32"),
+        (torch.tensor([1.0], dtype=torch.float64), "torch.float64"),
+        (torch.tensor([1 + 0j]), "complex"),
+        (np.array([True, False]), r"bool \[True, False\]"),
+        (np.array([1.5]), r"float64 \[1.5\]"),
+        (np.array(["1"]), "dtype <U1"),
+        (np.array([2**63], dtype=np.uint64), f"page id {2**63} does not fit in int64"),
+        (torch.tensor([[1, 2]]), "must be 1-D"),
+        (torch.tensor(3), "must be 1-D"),
+        (np.array([[1]]), "must be 1-D"),
+        (torch.tensor([1], device="meta"), "are on meta, the KV buffers on cpu"),
+        ("12", "got str"),
+        (b"12", "got bytes"),
+        (3, "got int 3"),
+        (None, "got NoneType"),
+        ({1, 2}, "got set"),
+    ],
+)
 def test_bad_containers_are_refused(ids, msg):
     with pytest.raises(ValueError, match=msg):
         as_page_ids(ids, CPU)
@@ -118,5 +128,6 @@ def test_messages_name_the_argument_and_owner():
     with pytest.raises(ValueError, match=r"^free: pages must be integers, got True"):
         as_page_ids([True], CPU, what="free: pages", where="the allocator")
     with pytest.raises(ValueError, match="free: pages are on meta, the allocator on cpu"):
-        as_page_ids(torch.tensor([1], device="meta"), CPU, what="free: pages",
-                    where="the allocator")
+        as_page_ids(
+            torch.tensor([1], device="meta"), CPU, what="free: pages", where="the allocator"
+        )

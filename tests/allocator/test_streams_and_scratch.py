@@ -19,15 +19,26 @@ from kvmem.kernels import alloc as K
 
 # -- the stream rule ----------------------------------------------------------------------
 
-DEVICE_METHODS = ["reset", "synchronize", "check_invariants", "allocated_pages", "alloc",
-                  "free", "alloc_extend", "alloc_decode"]
+DEVICE_METHODS = [
+    "reset",
+    "synchronize",
+    "check_invariants",
+    "allocated_pages",
+    "alloc",
+    "free",
+    "alloc_extend",
+    "alloc_decode",
+]
 
 
 def test_cpu_allocator_has_no_stream_and_refuses_one():
     a = PageAllocator(5, 1)
     assert a.stream is None
-    with pytest.raises(ValueError, match=r"stream= is for an allocator on a CUDA device; "
-                                         r"this one is on cpu, got stream='s0'"):
+    with pytest.raises(
+        ValueError,
+        match=r"stream= is for an allocator on a CUDA device; "
+        r"this one is on cpu, got stream='s0'",
+    ):
         PageAllocator(5, 1, stream="s0")
 
 
@@ -78,8 +89,14 @@ def test_a_call_from_another_stream_is_ordered_both_ways(monkeypatch):
     log = _fake_cuda(monkeypatch, a, current="caller")
     pages = a.alloc(3)
     assert pages.tolist() == [1, 2, 3]
-    assert log == ["enter device cpu", "enter stream own", "own waits for caller",
-                   "caller waits for own", "exit stream own", "exit device cpu"]
+    assert log == [
+        "enter device cpu",
+        "enter stream own",
+        "own waits for caller",
+        "caller waits for own",
+        "exit stream own",
+        "exit device cpu",
+    ]
     log.clear()
     a.free(pages)
     assert log[2] == "own waits for caller" and log[-3] == "caller waits for own"
@@ -115,10 +132,8 @@ def test_state_is_allocated_on_the_allocators_stream(monkeypatch):
     (the allocator dropped with work queued); allocated on the allocator's stream, it
     cannot."""
     log, current = [], ["caller"]
-    monkeypatch.setattr(kvmem.allocator, "_own_stream",
-                        lambda device, stream: _Stream("own", log))
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda device=None: _Stream(current[-1], log))
+    monkeypatch.setattr(kvmem.allocator, "_own_stream", lambda device, stream: _Stream("own", log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(current[-1], log))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
     @contextlib.contextmanager
@@ -151,8 +166,7 @@ def test_reset_makes_no_host_tensor(monkeypatch):
     a.alloc(3)
 
     def refuse(*args, **kwargs):
-        raise AssertionError("reset() built a tensor from host data: a blocking copy on "
-                             "CUDA")
+        raise AssertionError("reset() built a tensor from host data: a blocking copy on CUDA")
 
     monkeypatch.setattr(torch, "tensor", refuse)
     a.reset()

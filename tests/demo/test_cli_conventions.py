@@ -20,8 +20,19 @@ pytestmark = pytest.mark.subprocess  # starts other interpreters
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "kvmem"
 CONSOLE = Path(sys.executable).with_name("kvmem")  # the console script beside python
-SELFCHECK = ["selfcheck", "--layers", "2", "--heads", "2", "--head-dim", "64", "--pages", "129",
-             "--requests", "4"]
+SELFCHECK = [
+    "selfcheck",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--head-dim",
+    "64",
+    "--pages",
+    "129",
+    "--requests",
+    "4",
+]
 
 
 def _run(argv, timeout=120):
@@ -30,8 +41,10 @@ def _run(argv, timeout=120):
 
 def _run_all(argvs, timeout=120) -> list[subprocess.CompletedProcess]:
     """:func:`_run` of each of ``argvs``, all started at once (each imports torch)."""
-    procs = [subprocess.Popen(a, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for a in argvs]
+    procs = [
+        subprocess.Popen(a, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for a in argvs
+    ]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -39,8 +52,10 @@ def _run_all(argvs, timeout=120) -> list[subprocess.CompletedProcess]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return [subprocess.CompletedProcess(a, p.returncode, o, e)
-            for a, p, (o, e) in zip(argvs, procs, outs)]
+    return [
+        subprocess.CompletedProcess(a, p.returncode, o, e)
+        for a, p, (o, e) in zip(argvs, procs, outs)
+    ]
 
 
 def test_version(capsys):
@@ -56,9 +71,14 @@ def test_python_m_kvmem_is_the_kvmem_command():
     # pyproject.toml's [project.scripts]: the install (make test) puts it beside python
     assert CONSOLE.exists(), f"no kvmem console script at {CONSOLE}: kvmem is not installed"
     cases = (["--version"], ["--help"], SELFCHECK)
-    runs = _run_all([argv for args in cases for argv in
-                     ([sys.executable, "-m", "kvmem", *args], [str(CONSOLE), *args])]
-                    + [[sys.executable, "-m", "kvmem", "selfcheck", "--pages", "1"]])
+    runs = _run_all(
+        [
+            argv
+            for args in cases
+            for argv in ([sys.executable, "-m", "kvmem", *args], [str(CONSOLE), *args])
+        ]
+        + [[sys.executable, "-m", "kvmem", "selfcheck", "--pages", "1"]]
+    )
     for by_module, by_script in zip(runs[0:-1:2], runs[1:-1:2]):
         assert by_module.returncode == by_script.returncode == 0, by_module.stderr
         # the same output but for selfcheck's own timing line
@@ -76,9 +96,33 @@ def test_python_m_kvmem_runs_the_demo():
     in each of them: they must run their work, not the command.  Timeouts of 20 s: this
     checks the start, not the timing (with the default 2 s a loaded machine timed out
     reads here)."""
-    p = _run([sys.executable, "-m", "kvmem", "demo", "--requests", "6", "--no-faults",
-              "--timeout", "20", "--bw-mib", "0", "--layers", "1", "--heads", "1", "--head-dim", "64",
-              "--max-tokens", "64", "--chunk-tokens", "32", "--quiet"], timeout=180)
+    p = _run(
+        [
+            sys.executable,
+            "-m",
+            "kvmem",
+            "demo",
+            "--requests",
+            "6",
+            "--no-faults",
+            "--timeout",
+            "20",
+            "--bw-mib",
+            "0",
+            "--layers",
+            "1",
+            "--heads",
+            "1",
+            "--head-dim",
+            "64",
+            "--max-tokens",
+            "64",
+            "--chunk-tokens",
+            "32",
+            "--quiet",
+        ],
+        timeout=180,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.startswith("kvmem demo: 6 requests: succeeded 6")
     assert p.stdout.rstrip().endswith(": OK")
@@ -87,9 +131,11 @@ def test_python_m_kvmem_runs_the_demo():
 def test_the_demo_is_imported_only_for_its_subcommand():
     """The library's command line loads the demo app (kvmem.demo) for ``kvmem demo``
     alone: not for selfcheck, --version or the top-level help."""
-    code = ("import sys\nfrom kvmem.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[:2] == ['kvmem', 'demo']))")
+    code = (
+        "import sys\nfrom kvmem.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[:2] == ['kvmem', 'demo']))"
+    )
     cases = (SELFCHECK, ["--version"], ["--help"], ["demo", "--help"])
     runs = _run_all([[sys.executable, "-c", code, *args] for args in cases])
     for args, p in zip(cases[:-1], runs):
@@ -109,10 +155,12 @@ def test_no_hand_written_prometheus_text_or_progress_bar_in_kvmem():
     found = []
     for path in _sources():
         text = path.read_text()
-        for needle, what in (("# TYPE", "Prometheus exposition text"),
-                             ("# HELP", "Prometheus exposition text"),
-                             ("\\r", "a carriage return: a line redrawn by hand"),
-                             ("\r", "a carriage return: a line redrawn by hand")):
+        for needle, what in (
+            ("# TYPE", "Prometheus exposition text"),
+            ("# HELP", "Prometheus exposition text"),
+            ("\\r", "a carriage return: a line redrawn by hand"),
+            ("\r", "a carriage return: a line redrawn by hand"),
+        ):
             if needle in text:
                 found.append(f"{path.relative_to(ROOT)}: {needle!r} ({what})")
         for ch in re.findall(r"[\u2580-\u259f]", text):  # block elements: drawn bars
@@ -124,19 +172,26 @@ def test_only_the_command_line_prints():
     """Library modules log (kvmem.* loggers); the command line (kvmem/cli.py and the demo's
     command, kvmem/demo/command.py) prints its report and its errors."""
     cli = {PKG / "cli.py", PKG / "demo" / "command.py"}
-    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
-             for p in _sources() if p not in cli
-             for i, line in enumerate(p.read_text().splitlines(), 1)
-             if re.search(r"(?<![\w.])print\(|sys\.std(err|out)\.write", line)]
+    found = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in _sources()
+        if p not in cli
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"(?<![\w.])print\(|sys\.std(err|out)\.write", line)
+    ]
     assert not found, "\n".join(found)
 
 
 def test_version_from_any_directory(tmp_path):
     # not the repository's root: the installed package answers, not a kvmem/ folder nearby
-    p = subprocess.run([sys.executable, "-m", "kvmem", "--version"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120,
-                       env={k: v for k, v in __import__("os").environ.items()
-                            if k != "PYTHONPATH"})
+    p = subprocess.run(
+        [sys.executable, "-m", "kvmem", "--version"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"},
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout == f"kvmem {kvmem.__version__}\n"
 
@@ -147,15 +202,17 @@ def test_selfcheck_help_describes_every_option(capsys):
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal
     assert "compares byte for byte" in out and "Exit status" in out
-    for opt, words in (("--device DEVICE", "cpu or cuda[:N] (default: cpu)"),
-                       ("--layers LAYERS", "layers of the model (default: 8)"),
-                       ("--heads HEADS", "KV heads per layer"),
-                       ("--head-dim HEAD_DIM", "elements per head"),
-                       ("--page-size PAGE_SIZE", "tokens per page (default: 16)"),
-                       ("--dtype {bf16,fp16,fp32,fp8}", "KV element type (default: bf16)"),
-                       ("--pages PAGES", "pages in each of the two pools (page 0 is padding) (default: 1025)"),
-                       ("--requests REQUESTS", "prompts in the batch"),
-                       ("--seed SEED", "seed of the prompt lengths")):
+    for opt, words in (
+        ("--device DEVICE", "cpu or cuda[:N] (default: cpu)"),
+        ("--layers LAYERS", "layers of the model (default: 8)"),
+        ("--heads HEADS", "KV heads per layer"),
+        ("--head-dim HEAD_DIM", "elements per head"),
+        ("--page-size PAGE_SIZE", "tokens per page (default: 16)"),
+        ("--dtype {bf16,fp16,fp32,fp8}", "KV element type (default: bf16)"),
+        ("--pages PAGES", "pages in each of the two pools (page 0 is padding) (default: 1025)"),
+        ("--requests REQUESTS", "prompts in the batch"),
+        ("--seed SEED", "seed of the prompt lengths"),
+    ):
         assert f"{opt} {words}" in out, (opt, out)
 
 

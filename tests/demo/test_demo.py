@@ -73,8 +73,13 @@ def _popen(args, tty: bool, **kw):
     """The demo in a process of its own, stdout piped, stderr on a terminal or piped;
     ``(process, terminal or None)``."""
     term = _Terminal() if tty else None
-    proc = subprocess.Popen(DEMO + args, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=term.slave if tty else subprocess.PIPE, **kw)
+    proc = subprocess.Popen(
+        DEMO + args,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=term.slave if tty else subprocess.PIPE,
+        **kw,
+    )
     if term:
         term.started()
     return proc, term
@@ -129,8 +134,16 @@ def test_demo_end_to_end_every_fault(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(out.read_text())
 
-    for key in ("requests", "succeeded", "aborted", "timed_out", "failed", "pauses",
-                "bytes_transferred", "bytes_verified"):
+    for key in (
+        "requests",
+        "succeeded",
+        "aborted",
+        "timed_out",
+        "failed",
+        "pauses",
+        "bytes_transferred",
+        "bytes_verified",
+    ):
         assert _is_int(r[key]), (key, r[key])
     assert set(r["leaked_pages"]) == {"prefill", "decode"}
     assert all(_is_int(v) for v in r["leaked_pages"].values())
@@ -181,24 +194,35 @@ def _refused(capsys, command: str, *args: str) -> str:
     return err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--requests", "0"], "--requests must be >= 1, got 0"),
-    (["--requests", "ten"], "argument --requests: invalid int value: 'ten'"),
-    (["--fail-rate", "-0.1"], "--fail-rate must be in [0, 1], got -0.1"),
-    (["--chunk-tokens", "100"], "--chunk-tokens must be a multiple of --page-size 16, got 100"),
-    (["--no-faults", "--pauses", "2"], "--no-faults contradicts --pauses 2"),
-    (["--chunks", "direct"], "--chunks direct contradicts --transfer-mode pull"),
-    (["--transfer-mode", "pull", "--chunks", "packed"],
-     "--chunks packed contradicts --transfer-mode pull"),
-    (["--pauses", "9", "--requests", "5"], "--pauses 9 is more than --requests 5"),
-    (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
-    (["--timeout", "nan"], "--timeout must be a number of seconds > 0, got nan"),
-    (["--layers", "4000", "--max-tokens", "100000"], "GiB of memory"),
-    (["--json", "/nonexistent-dir/x.json"], "directory /nonexistent-dir does not exist"),
-    (["--json", "/proc/kvmem-demo.json"], "--json /proc/kvmem-demo.json: cannot create a file in /proc"),
-    (["--json", "/dev/null"], "--json /dev/null: exists and is not a regular file"),
-    (["--bw-mib", "100000"], "--bw-mib 100000: the raw-bandwidth buffers (one in each worker) need"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--requests", "0"], "--requests must be >= 1, got 0"),
+        (["--requests", "ten"], "argument --requests: invalid int value: 'ten'"),
+        (["--fail-rate", "-0.1"], "--fail-rate must be in [0, 1], got -0.1"),
+        (["--chunk-tokens", "100"], "--chunk-tokens must be a multiple of --page-size 16, got 100"),
+        (["--no-faults", "--pauses", "2"], "--no-faults contradicts --pauses 2"),
+        (["--chunks", "direct"], "--chunks direct contradicts --transfer-mode pull"),
+        (
+            ["--transfer-mode", "pull", "--chunks", "packed"],
+            "--chunks packed contradicts --transfer-mode pull",
+        ),
+        (["--pauses", "9", "--requests", "5"], "--pauses 9 is more than --requests 5"),
+        (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
+        (["--timeout", "nan"], "--timeout must be a number of seconds > 0, got nan"),
+        (["--layers", "4000", "--max-tokens", "100000"], "GiB of memory"),
+        (["--json", "/nonexistent-dir/x.json"], "directory /nonexistent-dir does not exist"),
+        (
+            ["--json", "/proc/kvmem-demo.json"],
+            "--json /proc/kvmem-demo.json: cannot create a file in /proc",
+        ),
+        (["--json", "/dev/null"], "--json /dev/null: exists and is not a regular file"),
+        (
+            ["--bw-mib", "100000"],
+            "--bw-mib 100000: the raw-bandwidth buffers (one in each worker) need",
+        ),
+    ],
+)
 def test_bad_options(args, message, capsys):
     assert message in _refused(capsys, "demo", *args)
 
@@ -223,7 +247,8 @@ def test_json_in_a_read_only_directory_exits_2(tmp_path, capsys):
     try:
         assert not os.access(ro, os.W_OK) or immutable
         assert f"--json {ro / 'r.json'}: cannot create a file in {ro}" in _refused(
-            capsys, "demo", "--json", str(ro / "r.json"))
+            capsys, "demo", "--json", str(ro / "r.json")
+        )
         assert list(ro.iterdir()) == []
     finally:
         if immutable:
@@ -242,14 +267,17 @@ def test_write_json_leaves_no_temporary_file_on_failure(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--requests", "1000", "--pages", "10"], "--requests 1000 take"),
-    (["--pages", "1"], "--pages must be >= 2"),
-    (["--layers", "0"], "--layers must be >= 1, got 0"),
-    (["--device", "tpu"], "--device 'tpu'"),
-    (["--device", "cuda:7"], "--device cuda:7"),
-    (["--pages", str(2**40)], "--pages 1099511627776: two pools"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--requests", "1000", "--pages", "10"], "--requests 1000 take"),
+        (["--pages", "1"], "--pages must be >= 2"),
+        (["--layers", "0"], "--layers must be >= 1, got 0"),
+        (["--device", "tpu"], "--device 'tpu'"),
+        (["--device", "cuda:7"], "--device cuda:7"),
+        (["--pages", str(2**40)], "--pages 1099511627776: two pools"),
+    ],
+)
 def test_selfcheck_bad_options_exit_2(args, message, capsys):
     assert message in _refused(capsys, "selfcheck", *args)
 
@@ -260,23 +288,46 @@ def test_selfcheck_cuda_without_cuda_exits_2(capsys, monkeypatch):
     # a host without CUDA (on a CUDA host, as torch would answer there)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "--device cuda: CUDA is not available here" in _refused(
-        capsys, "selfcheck", "--device", "cuda")
+        capsys, "selfcheck", "--device", "cuda"
+    )
 
 
 @pytest.mark.nixl
 def test_tiny_model_with_an_unaligned_extra_state_slot():
     """4 bytes of KV a page, so the AUX slot after a request's KV is not
     8-byte aligned for most lengths; the decode used to crash reading it as int64."""
-    p = _run(["--head-dim", "1", "--heads", "1", "--layers", "1", "--page-size", "1",
-              "--chunk-tokens", "1", "--max-tokens", "3", "--requests", "100", "--bw-mib", "0",
-              "--quiet"], timeout=120)
+    p = _run(
+        [
+            "--head-dim",
+            "1",
+            "--heads",
+            "1",
+            "--layers",
+            "1",
+            "--page-size",
+            "1",
+            "--chunk-tokens",
+            "1",
+            "--max-tokens",
+            "3",
+            "--requests",
+            "100",
+            "--bw-mib",
+            "0",
+            "--quiet",
+        ],
+        timeout=120,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.rstrip().endswith(": OK")
 
 
 def _workers_of(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return [
+        int(c)
+        for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()
+    ]
 
 
 def _workload_running(proc, term) -> list[int]:
@@ -294,8 +345,11 @@ def _workload_running(proc, term) -> list[int]:
 @pytest.mark.nixl
 @pytest.mark.parametrize("group", [False, True], ids=["parent", "process-group"])
 def test_sigterm_stops_the_demo_cleanly(group):
-    proc, term = _popen(["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
-                         "--chunk-tokens", "64"], tty=True, start_new_session=True)
+    proc, term = _popen(
+        ["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256", "--chunk-tokens", "64"],
+        tty=True,
+        start_new_session=True,
+    )
     try:
         workers = _workload_running(proc, term)
         if group:
@@ -321,8 +375,11 @@ def test_sigterm_stops_the_demo_cleanly(group):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV], ids=["SIGKILL", "SIGSEGV"])
 def test_a_worker_that_dies_does_not_hang_the_parent(sig):
     """Killed during the workload, before its final report: the run fails (status 3)."""
-    proc, term = _popen(["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256",
-                         "--chunk-tokens", "64"], tty=True, preexec_fn=no_core_dumps)
+    proc, term = _popen(
+        ["--requests", "100000", "--bw-mib", "0", "--max-tokens", "256", "--chunk-tokens", "64"],
+        tty=True,
+        preexec_fn=no_core_dumps,
+    )
     try:
         workers = _workload_running(proc, term)
         victim = max(workers)  # the decode worker, started second
@@ -350,16 +407,33 @@ def test_a_worker_that_dies_after_its_final_report_leaves_the_results_valid(tmp_
     prefill worker carries a C-level exit handler that aborts: its status 0 shows that a
     worker leaves without running those (kvmem.transfer.nixl_exit)."""
     out = tmp_path / "demo.json"
-    env = pythonpath_env(PROBE, ROOT,
-                         KVMEM_EXIT_PROBE="abort@kvmem-demo-prefill,segv@kvmem-demo-decode")
-    p = _run(["--requests", "30", "--bw-mib", "0", "--max-tokens", "256", "--chunk-tokens",
-              "64", "--json", str(out)], env=env, preexec_fn=no_core_dumps)
+    env = pythonpath_env(
+        PROBE, ROOT, KVMEM_EXIT_PROBE="abort@kvmem-demo-prefill,segv@kvmem-demo-decode"
+    )
+    p = _run(
+        [
+            "--requests",
+            "30",
+            "--bw-mib",
+            "0",
+            "--max-tokens",
+            "256",
+            "--chunk-tokens",
+            "64",
+            "--json",
+            str(out),
+        ],
+        env=env,
+        preexec_fn=no_core_dumps,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(out.read_text())
     assert r["ok"] is True and r["errors"] == []
     assert (r["prefill"]["exit_code"], r["decode"]["exit_code"]) == (0, -signal.SIGSEGV)
-    want = ("the decode worker was killed by signal 11 (SIGSEGV) after its final report "
-            "(its results are complete)")
+    want = (
+        "the decode worker was killed by signal 11 (SIGSEGV) after its final report "
+        "(its results are complete)"
+    )
     assert r["warnings"] == [want]
     assert f"warning: {want}" in p.stdout and p.stdout.rstrip().endswith("OK")
     assert r["leaked_pages"] == {"prefill": 0, "decode": 0}
@@ -370,8 +444,25 @@ def test_a_worker_that_dies_after_its_final_report_leaves_the_results_valid(tmp_
 @pytest.mark.nixl
 def test_no_progress_line_when_stderr_is_not_a_terminal():
     """Piped (a log file, CI): the report on stdout, no progress line on stderr."""
-    p = _run(["--requests", "6", "--no-faults", "--bw-mib", "0", "--layers", "1", "--heads",
-              "1", "--head-dim", "64", "--max-tokens", "64", "--chunk-tokens", "32"])
+    p = _run(
+        [
+            "--requests",
+            "6",
+            "--no-faults",
+            "--bw-mib",
+            "0",
+            "--layers",
+            "1",
+            "--heads",
+            "1",
+            "--head-dim",
+            "64",
+            "--max-tokens",
+            "64",
+            "--chunk-tokens",
+            "32",
+        ]
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "requests by outcome" in p.stdout and p.stdout.rstrip().endswith("OK")
     assert "kvmem demo" not in p.stderr and "\r" not in p.stderr and "%|" not in p.stderr
@@ -383,9 +474,14 @@ class _FakeTerminal(io.StringIO):
 
 
 def _progress_messages(finished: int) -> dict:
-    return {"prefill": {"finished": finished, "pauses": 1,
-                        "outcomes": {"succeeded": finished - 1, "aborted": 1}},
-            "decode": {"bytes_verified": 3 * 10**9}}
+    return {
+        "prefill": {
+            "finished": finished,
+            "pauses": 1,
+            "outcomes": {"succeeded": finished - 1, "aborted": 1},
+        },
+        "decode": {"bytes_verified": 3 * 10**9},
+    }
 
 
 def test_progress_redraws_one_line_on_a_terminal():
@@ -406,10 +502,13 @@ def test_progress_redraws_one_line_on_a_terminal():
     text = out.getvalue()
     assert text.count("\n") == 1 and text.endswith("\n")  # one line, redrawn with \r
     draws = text.rstrip("\n").split("\r")[1:]
-    assert any(d.startswith("kvmem demo: starting the prefill and decode workers")
-               for d in draws)
-    assert any(d.startswith("kvmem demo:  30%") and "3/10 [" in d and
-               "ok 2 abort 1 timeout 0 fail 0, pauses 1/2, 1.50 GB/s" in d for d in draws)
+    assert any(d.startswith("kvmem demo: starting the prefill and decode workers") for d in draws)
+    assert any(
+        d.startswith("kvmem demo:  30%")
+        and "3/10 [" in d
+        and "ok 2 abort 1 timeout 0 fail 0, pauses 1/2, 1.50 GB/s" in d
+        for d in draws
+    )
     assert not any("4/10" in d for d in draws)
     assert draws[-1].startswith("kvmem demo:  50%") and "5/10 [" in draws[-1]
 

@@ -19,11 +19,16 @@ TIMEOUT = 1.0
 def planned(kind: str, state: KVPoll, wait: float):
     """A pair whose faults are a plan of aborts only, with one request of ``kind`` added
     and stepped until it is in ``state``: ``(pair, plan, rid)``; checked clean at the end."""
-    pair = Pair(num_pages=97, chunk_tokens=64, max_tokens=256, bootstrap_timeout=TIMEOUT,
-                transfer_timeout=TIMEOUT, decode_timeout=5 * TIMEOUT)
+    pair = Pair(
+        num_pages=97,
+        chunk_tokens=64,
+        max_tokens=256,
+        bootstrap_timeout=TIMEOUT,
+        transfer_timeout=TIMEOUT,
+        decode_timeout=5 * TIMEOUT,
+    )
     try:
-        plan = FaultPlan(seed=7, rates={"abort": 1.0}, chunk_tokens=64, max_tokens=256,
-                         wait=wait)
+        plan = FaultPlan(seed=7, rates={"abort": 1.0}, chunk_tokens=64, max_tokens=256, wait=wait)
         pair.faults = pair.prefill.faults = pair.decode.faults = plan
         rid = next(r for r in range(10_000) if plan.kind(r) == kind)
         pair.prefill.add_request(rid, plan.tokens(rid))
@@ -43,8 +48,10 @@ def drive_and_step(pair, plan) -> None:
     pair.step()
 
 
-@pytest.mark.parametrize("kind,state", [("abort_waiting", KVPoll.WaitingForInput),
-                                        ("abort_bootstrapping", KVPoll.Bootstrapping)])
+@pytest.mark.parametrize(
+    "kind,state",
+    [("abort_waiting", KVPoll.WaitingForInput), ("abort_bootstrapping", KVPoll.Bootstrapping)],
+)
 def test_abort_wins_over_a_stall_longer_than_the_timeout(kind, state):
     with planned(kind, state, wait=0.05) as (pair, plan, rid):
         # the process is held off the CPU for longer than the timeout right after the step

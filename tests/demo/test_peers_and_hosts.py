@@ -47,8 +47,9 @@ def _namespaces() -> set[str]:
 
 
 def _ip(*args) -> str:
-    return subprocess.run(["ip", *args], check=True, capture_output=True, text=True,
-                          timeout=20).stdout
+    return subprocess.run(
+        ["ip", *args], check=True, capture_output=True, text=True, timeout=20
+    ).stdout
 
 
 @pytest.fixture
@@ -61,12 +62,15 @@ def netns_demo():
     pids = []
 
     def run(args, timeout=180):
-        proc = subprocess.Popen(DEMO + ["--hosts", "netns"] + args, cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            DEMO + ["--hosts", "netns"] + args,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         pids.append(proc.pid)
         out, err = communicate(proc, timeout)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(),
-                                           err.decode())
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
 
     yield run
     left = sorted(n for n in _namespaces() for p in pids if n.startswith(f"{PREFIX}{p}-"))
@@ -92,22 +96,45 @@ def test_two_hosts_are_apart_joined_by_tcp_and_removed():
         # TCP from one to the other over the veth: a listener in the decode's namespace,
         # a client in the prefill's
         server = subprocess.Popen(
-            ["ip", "netns", "exec", d, sys.executable, "-c", textwrap.dedent(f"""
+            [
+                "ip",
+                "netns",
+                "exec",
+                d,
+                sys.executable,
+                "-c",
+                textwrap.dedent(f"""
                 import socket
-                s = socket.create_server(("{ADDRESS['decode']}", 7700))
+                s = socket.create_server(("{ADDRESS["decode"]}", 7700))
                 print("listening", flush=True)
                 c, _ = s.accept()
                 c.sendall(c.recv(5)[::-1])
-            """)], stdout=subprocess.PIPE, text=True)
+            """),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert server.stdout.readline().strip() == "listening"
             got = subprocess.run(
-                ["ip", "netns", "exec", p, sys.executable, "-c", textwrap.dedent(f"""
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    p,
+                    sys.executable,
+                    "-c",
+                    textwrap.dedent(f"""
                     import socket
-                    c = socket.create_connection(("{ADDRESS['decode']}", 7700), timeout=10)
+                    c = socket.create_connection(("{ADDRESS["decode"]}", 7700), timeout=10)
                     c.sendall(b"hello")
                     print(c.recv(5).decode())
-                """)], capture_output=True, text=True, timeout=30)
+                """),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert got.stdout.strip() == "olleh", got.stderr
             assert server.wait(10) == 0
         finally:
@@ -166,10 +193,37 @@ def test_two_prefills_two_decodes_one_paused_one_killed(tmp_path):
     2026-12-05, load average 5-7 on two cores)."""
     out = tmp_path / "demo.json"
     proc = subprocess.Popen(
-        DEMO + SMALL + ["--chunk-tokens", "32", "--prefills", "2", "--decodes", "2", "--kill-decode", "--requests",
-                        "80", "--abort-rate", "0", "--timeout-rate", "0", "--fail-rate", "0",
-                        "--pauses", "2", "--bw-mib", "0", "--timeout", "30", "--json", str(out)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        DEMO
+        + SMALL
+        + [
+            "--chunk-tokens",
+            "32",
+            "--prefills",
+            "2",
+            "--decodes",
+            "2",
+            "--kill-decode",
+            "--requests",
+            "80",
+            "--abort-rate",
+            "0",
+            "--timeout-rate",
+            "0",
+            "--fail-rate",
+            "0",
+            "--pauses",
+            "2",
+            "--bw-mib",
+            "0",
+            "--timeout",
+            "30",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     o, e = communicate(proc, 240)
     assert proc.returncode == 0, o.decode() + e.decode()
     r = json.loads(out.read_text())

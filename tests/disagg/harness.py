@@ -105,8 +105,10 @@ def make_engines(engine: str | None = None, device="cpu", tag: str = "pair"):
     # settle_polls=2: a transfer outlives the poll in the step that posted it (a side
     # polls what it posted before its step ends), as NIXL's do here; with 1, a pull read
     # would never be in flight between two steps.
-    return (LoopbackEngine(f"{tag}-prefill-{uid}", settle_polls=2),
-            LoopbackEngine(f"{tag}-decode-{uid}", settle_polls=2))
+    return (
+        LoopbackEngine(f"{tag}-prefill-{uid}", settle_polls=2),
+        LoopbackEngine(f"{tag}-decode-{uid}", settle_polls=2),
+    )
 
 
 def close_engines(*engines) -> None:
@@ -138,8 +140,14 @@ class ChunkedLanding:
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long)
+_libc.mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _libc.munmap.restype = ctypes.c_int
@@ -166,21 +174,29 @@ class SideBySideMappings(MemoryBackend):
         if chunk <= 0 or chunk % mmap.PAGESIZE:
             raise ValueError(f"chunk must be a positive multiple of {mmap.PAGESIZE}, got {chunk}")
         total = -(-nbytes // chunk) * chunk
-        base = _libc.mmap(None, total, _PROT_NONE,
-                          mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        base = _libc.mmap(
+            None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0
+        )
         if base in (None, _MAP_FAILED):
             raise OSError(ctypes.get_errno(), f"reserving {total} bytes failed")
         self._base, self._total = base, total
         self._chunks = [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
         for off in range(0, total, chunk):
-            got = _libc.mmap(base + off, chunk, mmap.PROT_READ | mmap.PROT_WRITE,
-                             mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+            got = _libc.mmap(
+                base + off,
+                chunk,
+                mmap.PROT_READ | mmap.PROT_WRITE,
+                mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED,
+                -1,
+                0,
+            )
             if got != base + off:
                 err = ctypes.get_errno()
                 _libc.munmap(base, total)
                 raise OSError(err, f"mapping chunk {off // chunk} at {base + off:#x} failed")
-        self.tensor = torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(base),
-                                       dtype=torch.uint8)
+        self.tensor = torch.frombuffer(
+            (ctypes.c_ubyte * nbytes).from_address(base), dtype=torch.uint8
+        )
 
     def regions(self) -> list[tuple[int, int]]:
         return [(self._base + off, n) for off, n in self._chunks]
@@ -206,19 +222,34 @@ def _landing_backend(chunk: int | None):
 
     if chunk is None:
         return make_backend
-    return lambda nbytes, device, kind=None: ChunkedLanding(make_backend(nbytes, device, kind), chunk)
+    return lambda nbytes, device, kind=None: ChunkedLanding(
+        make_backend(nbytes, device, kind), chunk
+    )
 
 
 class Pair:
     """Both sides, wired: metadata exchanged, ready to step."""
 
-    def __init__(self, *, num_pages: int = 97, chunk_tokens: int = 64, max_tokens: int = 512,
-                 bootstrap_timeout: float = 30.0, transfer_timeout: float = 30.0,
-                 decode_timeout: float = 60.0, staging_chunks: int = 8, spec=SPEC,
-                 ready_event=None, landing_chunk: int | None = None,
-                 direct_threshold: int | None = None, transfer_mode: str = "push",
-                 staging_chunk: int | None = None, done_event=None, device="cpu",
-                 engine: str | None = None):
+    def __init__(
+        self,
+        *,
+        num_pages: int = 97,
+        chunk_tokens: int = 64,
+        max_tokens: int = 512,
+        bootstrap_timeout: float = 30.0,
+        transfer_timeout: float = 30.0,
+        decode_timeout: float = 60.0,
+        staging_chunks: int = 8,
+        spec=SPEC,
+        ready_event=None,
+        landing_chunk: int | None = None,
+        direct_threshold: int | None = None,
+        transfer_mode: str = "push",
+        staging_chunk: int | None = None,
+        done_event=None,
+        device="cpu",
+        engine: str | None = None,
+    ):
         """``ready_event``: the prefill's (see PrefillSide); ``landing_chunk``: register
         the decode's landing buffer as regions of that many bytes (ChunkedLanding);
         ``staging_chunk``: the prefill's staging buffer made of separate mappings of that
@@ -239,26 +270,46 @@ class Pair:
         self.pe, self.de = make_engines(self.engine, device)
         self.finished: dict[int, kvmem.disagg.Reason] = {}
         landing_bytes = kvmem.packed_nbytes(spec, num_pages) + 64 * 1024
-        with unittest.mock.patch("kvmem.disagg.decode.make_backend", _landing_backend(landing_chunk)):
+        with unittest.mock.patch(
+            "kvmem.disagg.decode.make_backend", _landing_backend(landing_chunk)
+        ):
             self.decode = DecodeSide(
                 kvmem.KVPool(spec, num_pages, device),
                 kvmem.PageAllocator(num_pages, spec.page_size, device),
-                self.de, self.synth, prefill_peer=self.pe.name, landing_bytes=landing_bytes,
-                timeout=decode_timeout, clock=self.clock, faults=self.faults,
-                transfer_mode=transfer_mode, done_event=done_event)
+                self.de,
+                self.synth,
+                prefill_peer=self.pe.name,
+                landing_bytes=landing_bytes,
+                timeout=decode_timeout,
+                clock=self.clock,
+                faults=self.faults,
+                transfer_mode=transfer_mode,
+                done_event=done_event,
+            )
         chunk_bytes = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
-        staging = (unittest.mock.patch("kvmem.disagg.prefill.make_backend", side_by_side(staging_chunk))
-                   if staging_chunk else contextlib.nullcontext())
+        staging = (
+            unittest.mock.patch("kvmem.disagg.prefill.make_backend", side_by_side(staging_chunk))
+            if staging_chunk
+            else contextlib.nullcontext()
+        )
         with staging:
             self.prefill = PrefillSide(
                 kvmem.KVPool(spec, num_pages, device),
                 kvmem.PageAllocator(num_pages, spec.page_size, device),
-                self.pe, self.synth, decode_peer=self.de.name, chunk_tokens=chunk_tokens,
+                self.pe,
+                self.synth,
+                decode_peer=self.de.name,
+                chunk_tokens=chunk_tokens,
                 staging_bytes=staging_chunks * chunk_bytes + 64 * 64,
-                bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
-                clock=self.clock, faults=self.faults, ready_event=ready_event,
-                direct_threshold=direct_threshold, transfer_mode=transfer_mode,
-                on_finish=lambda rid, reason: self.finished.__setitem__(rid, reason))
+                bootstrap_timeout=bootstrap_timeout,
+                transfer_timeout=transfer_timeout,
+                clock=self.clock,
+                faults=self.faults,
+                ready_event=ready_event,
+                direct_threshold=direct_threshold,
+                transfer_mode=transfer_mode,
+                on_finish=lambda rid, reason: self.finished.__setitem__(rid, reason),
+            )
         self.pe.add_peer(self.de.local_metadata())
         self.de.add_peer(self.pe.local_metadata())
 
@@ -272,8 +323,10 @@ class Pair:
             if cond():
                 return
             self.step()
-        raise AssertionError(f"condition not reached in {max_steps} steps: "
-                             f"prefill {self.prefill.reqs.keys()} decode {self.decode.reqs.keys()}")
+        raise AssertionError(
+            f"condition not reached in {max_steps} steps: "
+            f"prefill {self.prefill.reqs.keys()} decode {self.decode.reqs.keys()}"
+        )
 
     def run_idle(self, max_steps: int = 500) -> None:
         self.run_until(lambda: self.prefill.idle and self.decode.idle, max_steps)

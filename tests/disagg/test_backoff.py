@@ -56,16 +56,23 @@ def test_backoff_spins_then_doubles_to_the_cap_and_resets_on_progress():
     assert [b.pace(False) for _ in range(3)] == [0.0, 0.0, 5e-6]
     assert b.napped == pytest.approx(sum(slept)) and len(slept) == 6
     assert Backoff(FIRST, MOST).pace(False) == FIRST  # spins=0: the first idle step naps
-    for bad in (dict(first=0.0, most=1.0), dict(first=2.0, most=1.0),
-                dict(first=1e-6, most=1e-5, spins=-1), dict(first=1e-6, most=1e-5, spins=True)):
+    for bad in (
+        dict(first=0.0, most=1.0),
+        dict(first=2.0, most=1.0),
+        dict(first=1e-6, most=1e-5, spins=-1),
+        dict(first=1e-6, most=1e-5, spins=True),
+    ):
         with pytest.raises(ValueError):
             Backoff(**bad)
     # naps that are not finite numbers of seconds: named in the message
-    for bad, name in ((dict(first=True, most=1.0), "first"), (dict(first=1e-6, most=True), "most"),
-                      (dict(first=float("nan"), most=1.0), "first"),
-                      (dict(first=1e-6, most=float("nan")), "most"),
-                      (dict(first=1e-6, most=float("inf")), "most"),
-                      (dict(first="1e-6", most=1.0), "first")):
+    for bad, name in (
+        (dict(first=True, most=1.0), "first"),
+        (dict(first=1e-6, most=True), "most"),
+        (dict(first=float("nan"), most=1.0), "first"),
+        (dict(first=1e-6, most=float("nan")), "most"),
+        (dict(first=1e-6, most=float("inf")), "most"),
+        (dict(first="1e-6", most=1.0), "first"),
+    ):
         with pytest.raises(ValueError, match=f"Backoff: {name} must be a finite number"):
             Backoff(**bad)
 
@@ -75,13 +82,24 @@ def _state(side) -> tuple:
     m = side.metrics.as_dict()
     m["time_to_free"] = len(m["time_to_free"])
     if hasattr(side, "finished"):  # prefill
-        reqs = tuple((r.rid, r.state, r.reason, len(r.handles), r.staged is not None,
-                      len(r.pending), r.done_tokens, r.seq)
-                     for r in side.reqs.values())
+        reqs = tuple(
+            (
+                r.rid,
+                r.state,
+                r.reason,
+                len(r.handles),
+                r.staged is not None,
+                len(r.pending),
+                r.done_tokens,
+                r.seq,
+            )
+            for r in side.reqs.values()
+        )
         done = tuple(side.finished)
     else:
-        reqs = tuple((r.rid, r.state, r.pages_done, len(r.reads), r.reason)
-                     for r in side.reqs.values())
+        reqs = tuple(
+            (r.rid, r.state, r.pages_done, len(r.reads), r.reason) for r in side.reqs.values()
+        )
         done = tuple(side.completed)
     return reqs, done, m, tuple(side.ledger.owners().items()), side.paused
 
@@ -93,7 +111,12 @@ def test_steps_nap_only_without_progress_and_never_after_progress(pair):
     # Bootstrapping, the decode has not stepped: nothing to do here; after the one spin,
     # naps doubling to the cap
     assert [pre.step(pair.prefill) for _ in range(5)] == [
-        (False, 0.0), (False, 5e-6), (False, 10e-6), (False, 20e-6), (False, 40e-6)]
+        (False, 0.0),
+        (False, 5e-6),
+        (False, 10e-6),
+        (False, 20e-6),
+        (False, 40e-6),
+    ]
     # both loops to the end: a step that progressed never naps; one that did not changed
     # nothing, and naps after the spin
     seen = {"prefill": [], "decode": []}

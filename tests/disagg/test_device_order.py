@@ -27,8 +27,10 @@ def pages_of(tokens: int) -> int:
 
 # the shared pair fixture (tests/disagg/conftest.py) in every transfer mode, its decode's
 # device work a Gate the test opens by hand (pair.done_event)
-PAIR_PARAMS = {mode: (lambda kw=kw: dict(num_pages=NUM_PAGES, done_event=Gate(), **kw))
-               for mode, kw in MODES.items()}
+PAIR_PARAMS = {
+    mode: (lambda kw=kw: dict(num_pages=NUM_PAGES, done_event=Gate(), **kw))
+    for mode, kw in MODES.items()
+}
 
 
 def test_memory_of_a_delivered_request_waits_for_its_device_work(pair):
@@ -93,8 +95,7 @@ def test_a_decode_pause_releases_memory_only_after_the_device_work(pair):
     assert dec.pausing and not dec.paused and not dec.pool.released
     pair.done_event.open_all(auto=True)
     pair.run_until(lambda: dec.paused)
-    assert dec.pool.released and dec.audit() == {"leaked": {}, "quarantined": {},
-                                                 "unaccounted": []}
+    assert dec.pool.released and dec.audit() == {"leaked": {}, "quarantined": {}, "unaccounted": []}
     dec.resume()
     pair.prefill.add_request(2, 64)
     pair.run_idle()

@@ -14,7 +14,9 @@ from kvmem.disagg import KVPoll
 from kvmem.transfer.errors import StaleEpochError
 from tests.disagg.harness import SPEC, Pair
 
-PLANE_PAGE = SPEC.page_size * SPEC.num_kv_heads * SPEC.head_dim * 2  # bytes of one page of a layer's K
+PLANE_PAGE = (
+    SPEC.page_size * SPEC.num_kv_heads * SPEC.head_dim * 2
+)  # bytes of one page of a layer's K
 
 
 PAIR = dict(direct_threshold=0)  # the shared pair fixture (tests/disagg/conftest.py)
@@ -128,7 +130,9 @@ def test_direct_write_from_older_decode_metadata_is_refused_before_posting(pair)
     assert pair.pe.open_handles() == opened
     pair.prefill.add_request(2, 64)
     pair.run_idle()
-    assert pair.finished[2].status == 200 and pair.prefill._peers[pair.de.name].table.table.epoch == 1
+    assert (
+        pair.finished[2].status == 200 and pair.prefill._peers[pair.de.name].table.table.epoch == 1
+    )
     assert pair.prefill.chunk_modes["direct"] == 2
     pair.assert_clean()
 

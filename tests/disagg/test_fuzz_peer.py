@@ -39,8 +39,14 @@ from hypothesis import strategies as st
 
 from kvmem.disagg import ProtocolError
 from kvmem.disagg.protocol import (
-    ABORT_STATUSES, DECODE_RECEIVES, END_STATUSES, FIELDS, PREFILL_RECEIVES, TYPES,
-    meta_message, parse,
+    ABORT_STATUSES,
+    DECODE_RECEIVES,
+    END_STATUSES,
+    FIELDS,
+    PREFILL_RECEIVES,
+    TYPES,
+    meta_message,
+    parse,
 )
 from kvmem.transfer.envelope import decode_metadata, encode_metadata
 from tests.disagg.harness import Pair
@@ -55,18 +61,32 @@ TALLY: Counter = Counter()
 
 
 def _settings(n: int):
-    return settings(max_examples=n, deadline=None, database=None, derandomize=not LONG,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        derandomize=not LONG,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 # --- message generation -----------------------------------------------------------------------
 
-GOOD_INTS = st.one_of(st.integers(0, 8), st.integers(0, 600),
-                      st.sampled_from([0, 1, 13, 64, 256, 4096, 16384, 65536, 2**31, 2**63 - 1]))
+GOOD_INTS = st.one_of(
+    st.integers(0, 8),
+    st.integers(0, 600),
+    st.sampled_from([0, 1, 13, 64, 256, 4096, 16384, 65536, 2**31, 2**63 - 1]),
+)
 BAD_VALUES = st.one_of(
-    st.integers(-(2**70), -1), st.integers(2**63, 2**70), st.booleans(),
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=4), st.none(),
-    st.lists(st.integers(0, 3), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=1))
+    st.integers(-(2**70), -1),
+    st.integers(2**63, 2**70),
+    st.booleans(),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=4),
+    st.none(),
+    st.lists(st.integers(0, 3), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+)
 
 
 @st.composite
@@ -127,10 +147,11 @@ def raw_junk(draw):
     if kind == 0:
         return draw(st.binary(max_size=48)), True
     if kind == 1:
-        return draw(st.sampled_from([b"[", b"{\"t\":"])) * draw(st.integers(5, 50_000)), True
+        return draw(st.sampled_from([b"[", b'{"t":'])) * draw(st.integers(5, 50_000)), True
     if kind == 2:
-        return json.dumps(draw(st.one_of(st.integers(), st.text(max_size=8),
-                                         st.lists(st.integers(), max_size=3)))).encode(), True
+        return json.dumps(
+            draw(st.one_of(st.integers(), st.text(max_size=8), st.lists(st.integers(), max_size=3)))
+        ).encode(), True
     if kind == 3:
         return b'{"t":"REQ","rid":1,"room":1,"tokens":NaN}', True
     if kind == 4:
@@ -161,6 +182,7 @@ def metas_for(pair: Pair, sender: str) -> dict:
 
 
 # --- the parser alone -----------------------------------------------------------------------------
+
 
 @st.composite
 def any_input(draw):
@@ -205,14 +227,30 @@ def test_fuzz_parser_returns_a_typed_message_or_refuses():
 
 # --- live sides --------------------------------------------------------------------------------------
 
+
 @st.composite
 def actions(draw):
     """A list of actions; messages are drawn later (they need the pair's metadata)."""
     out = []
     for _ in range(draw(st.integers(4, 28))):
-        kind = draw(st.sampled_from(
-            ["add", "step", "step", "step", "hostile", "hostile", "hostile", "replay",
-             "advance", "caller", "pause", "resume"]))
+        kind = draw(
+            st.sampled_from(
+                [
+                    "add",
+                    "step",
+                    "step",
+                    "step",
+                    "hostile",
+                    "hostile",
+                    "hostile",
+                    "replay",
+                    "advance",
+                    "caller",
+                    "pause",
+                    "resume",
+                ]
+            )
+        )
         if kind == "add":
             out.append(("add", draw(st.integers(1, 300))))
         elif kind == "step":
@@ -220,16 +258,22 @@ def actions(draw):
         elif kind == "advance":
             out.append(("advance", draw(st.sampled_from([0.5, 5.0, 31.0, 61.0]))))
         elif kind == "caller":
-            out.append(("caller", draw(st.sampled_from(["prefill", "decode"])),
-                        draw(st.integers(0, 7)),
-                        draw(st.sampled_from([499, 500, 503, 504, 200, 123, True, 499.0]))))
+            out.append(
+                (
+                    "caller",
+                    draw(st.sampled_from(["prefill", "decode"])),
+                    draw(st.integers(0, 7)),
+                    draw(st.sampled_from([499, 500, 503, 504, 200, 123, True, 499.0])),
+                )
+            )
         elif kind == "replay":
             out.append(("replay", draw(st.integers(0, 10_000)), draw(st.integers(1, 3))))
         elif kind in ("pause", "resume"):
             out.append((kind, draw(st.sampled_from(["prefill", "decode"]))))
         else:
-            out.append(("hostile", draw(st.sampled_from(["prefill", "decode"])),
-                        draw(st.integers(1, 4))))
+            out.append(
+                ("hostile", draw(st.sampled_from(["prefill", "decode"])), draw(st.integers(1, 4)))
+            )
     return out
 
 
@@ -246,8 +290,7 @@ class Live:
             buf = torch.zeros(4096, dtype=torch.uint8)
             self._bufs.append(buf)
             eng.register("fuzz", [(buf.data_ptr(), buf.numel())], 0)
-            side._tell(pair.de.name if side is pair.prefill else pair.pe.name,
-                       meta_message(eng))
+            side._tell(pair.de.name if side is pair.prefill else pair.pe.name, meta_message(eng))
         pair.old_md = self.old_md
         for side in (pair.prefill, pair.decode):
             for b in side.pool.k_buffer + side.pool.v_buffer:
@@ -296,12 +339,12 @@ class Live:
     def step(self) -> None:
         before = {}
         for name, side in self.sides():
-            free = sorted(set(range(1, side.alloc.num_pages))
-                          - set(side.alloc.allocated_pages().tolist()))
+            free = sorted(
+                set(range(1, side.alloc.num_pages)) - set(side.alloc.allocated_pages().tolist())
+            )
             idx = torch.tensor(free, dtype=torch.int64)
             released = side.pool.released
-            before[name] = (idx, None if released else _page_rows(side.pool, idx),
-                            side.pool.epoch)
+            before[name] = (idx, None if released else _page_rows(side.pool, idx), side.pool.epoch)
             self.held_during[name] = set()
         self.pair.step()
         TALLY["steps"] += 1
@@ -351,7 +394,11 @@ class Live:
         for name, side in self.sides():
             # Notifications may take a step or two to arrive: counted by the end.
             assert side.metrics.protocol_errors >= self.must_refuse[name], (
-                name, side.metrics.protocol_errors, self.must_refuse[name], side.inbox.refused)
+                name,
+                side.metrics.protocol_errors,
+                self.must_refuse[name],
+                side.inbox.refused,
+            )
             assert side.idle, (name, list(side.reqs))
             assert side.audit() == {"leaked": {}, "quarantined": {}, "unaccounted": []}
             assert side.alloc.num_allocated == 0 and side.arena.used_bytes == 0, name
@@ -367,8 +414,10 @@ def _pausing(side) -> bool:
 
 def _page_rows(pool, idx: torch.Tensor) -> list:
     """Copies of pages ``idx`` of every layer's K and V: uint8 [len(idx), page bytes] each."""
-    return [b.view(torch.uint8).reshape(pool.num_pages, -1).view(torch.int64).index_select(0, idx)
-            for b in pool.k_buffer + pool.v_buffer]
+    return [
+        b.view(torch.uint8).reshape(pool.num_pages, -1).view(torch.int64).index_select(0, idx)
+        for b in pool.k_buffer + pool.v_buffer
+    ]
 
 
 @pytest.mark.slow  # 10-15 s here (live sides through the engine): make test
@@ -422,17 +471,24 @@ def test_fuzz_live_sides_survive_hostile_peers():
                 else:
                     _, receiver, n = act
                     for _ in range(n):
-                        raw, bad = data.draw(st.one_of(
-                            json_message(receiver, live.metas[
-                                "decode" if receiver == "prefill" else "prefill"]),
-                            raw_junk()))
+                        raw, bad = data.draw(
+                            st.one_of(
+                                json_message(
+                                    receiver,
+                                    live.metas["decode" if receiver == "prefill" else "prefill"],
+                                ),
+                                raw_junk(),
+                            )
+                        )
                         live.send(receiver, raw, bad)
             live.drain()
         finally:
             live.close()
 
     run()
-    print(f"\nfuzz live sides: {TALLY['runs']} runs, {TALLY['steps']} steps, "
-          f"{TALLY['messages']} hostile or replayed messages ({TALLY['malformed']} malformed, "
-          f"{TALLY['replays']} replays), {TALLY['caller calls']} caller aborts, "
-          f"{TALLY['pauses']} pauses")
+    print(
+        f"\nfuzz live sides: {TALLY['runs']} runs, {TALLY['steps']} steps, "
+        f"{TALLY['messages']} hostile or replayed messages ({TALLY['malformed']} malformed, "
+        f"{TALLY['replays']} replays), {TALLY['caller calls']} caller aborts, "
+        f"{TALLY['pauses']} pauses"
+    )

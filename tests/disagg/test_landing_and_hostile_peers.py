@@ -73,6 +73,7 @@ def step_until(side, cond, sender, steps: int = 200) -> None:
 
 # --- 3: a landing buffer of several regions ------------------------------------------------
 
+
 def test_region_map_cuts_ranges_at_region_boundaries():
     m = RegionMap([(1000, 10), (5000, 6), (9000, 100)])
     assert m.size == 116
@@ -105,9 +106,11 @@ def test_landing_buffer_of_many_regions_writes_split_at_region_boundaries():
 
 # --- 4: the AUX slot unaligned ---------------------------------------------------------------
 
+
 def test_aux_slot_not_8_byte_aligned_is_read_as_bytes():
-    tiny = kvmem.KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, page_size=1,
-                        dtype=torch.bfloat16)  # 4 bytes a page: AUX at 4 * tokens
+    tiny = kvmem.KVSpec(
+        num_layers=1, num_kv_heads=1, head_dim=1, page_size=1, dtype=torch.bfloat16
+    )  # 4 bytes a page: AUX at 4 * tokens
     pair = Pair(spec=tiny, chunk_tokens=1, max_tokens=3)
     try:
         for rid, n in ((1, 3), (2, 1), (3, 2)):
@@ -123,6 +126,7 @@ def test_aux_slot_not_8_byte_aligned_is_read_as_bytes():
 
 
 # --- 5: hostile messages, one batch ------------------------------------------------------------
+
 
 def forged_meta(engine, agent: str) -> bytes:
     header, blob = decode_metadata(engine.local_metadata())
@@ -152,8 +156,17 @@ def test_hostile_messages_in_one_batch_are_counted_and_the_rest_applied(pair):
         b"[" * 100_000 + b"]" * 100_000,
         json.dumps({"t": "ABORT", "rid": 1, "status": 123, "reason": "x"}).encode(),
         json.dumps({"t": "ABORT", "rid": 1, "status": 499}).encode(),
-        json.dumps({"t": "CHUNK", "rid": 2, "first": True, "last": 2, "off": 0,
-                    "nbytes": 1, "final": False}).encode(),
+        json.dumps(
+            {
+                "t": "CHUNK",
+                "rid": 2,
+                "first": True,
+                "last": 2,
+                "off": 0,
+                "nbytes": 1,
+                "final": False,
+            }
+        ).encode(),
         b'{"t":"REQ","rid":9,"room":9,"tokens":NaN}',
         b'{"t":"REQ","rid":9,"room":9,"tokens":' + b"9" * 5000 + b"}",
         b"\xff\xfe",
@@ -210,9 +223,14 @@ def test_abort_req_with_status_200_is_refused_not_a_success(pair):
     pair.faults.stall_at[1] = 1
     pair.prefill.add_request(1, 200)
     pair.run_until(lambda: pair.prefill.state(1) == KVPoll.Transferring)
-    with pytest.raises(ProtocolError, match=r"ABORT_REQ: status 200 is not one of \[499, 500, 503, 504\]"):
-        parse(encode("ABORT_REQ", rid=1, status=200, reason="x"), sender=pair.de.name,
-              receiver="prefill")
+    with pytest.raises(
+        ProtocolError, match=r"ABORT_REQ: status 200 is not one of \[499, 500, 503, 504\]"
+    ):
+        parse(
+            encode("ABORT_REQ", rid=1, status=200, reason="x"),
+            sender=pair.de.name,
+            receiver="prefill",
+        )
     pair.de.send_notif(pair.pe.name, encode("ABORT_REQ", rid=1, status=200, reason="x"))
     step_until(pair.prefill, lambda: pair.prefill.metrics.protocol_errors == 1, pair.decode)
     assert 1 not in pair.finished and pair.prefill.state(1) == KVPoll.Transferring
@@ -243,6 +261,7 @@ def test_a_message_from_another_agent_is_refused(pair):
 
 # --- 6: a PAUSE_ACK of another pause ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("epoch", [999, 1])
 def test_pause_ack_of_another_epoch_frees_nothing(pair, epoch):
     pre, dec = pair.prefill, pair.decode
@@ -272,12 +291,20 @@ def test_pause_ack_of_another_epoch_frees_nothing(pair, epoch):
 
 # --- 8: the caller's values -----------------------------------------------------------------------
 
+
 def snapshot(pair: Pair):
     pre, dec = pair.prefill, pair.decode
-    return (sorted(pre.reqs), {r: q.state for r, q in pre.reqs.items()}, dict(pre.ledger.owners()),
-            dict(pre.ledger.freed_by_reason), sorted(dec.reqs), dict(dec.ledger.owners()),
-            {r: q.state for r, q in dec.reqs.items()}, pre.metrics.as_dict(),
-            dec.metrics.as_dict())
+    return (
+        sorted(pre.reqs),
+        {r: q.state for r, q in pre.reqs.items()},
+        dict(pre.ledger.owners()),
+        dict(pre.ledger.freed_by_reason),
+        sorted(dec.reqs),
+        dict(dec.ledger.owners()),
+        {r: q.state for r, q in dec.reqs.items()},
+        pre.metrics.as_dict(),
+        dec.metrics.as_dict(),
+    )
 
 
 @pytest.mark.parametrize("status", [123, 200, True, 499.0, "499", None])
@@ -333,6 +360,7 @@ def test_decode_abort_with_a_valid_status_still_works(pair):
 
 
 # --- 15: pack before post, on the device too ------------------------------------------------------
+
 
 class Gate:
     """Ready objects the test opens by hand: what a CUDA event is to the prefill."""
@@ -422,6 +450,7 @@ def test_default_ready_event_on_cpu_is_ready_at_once(pair):
 
 # --- found by tests/disagg/test_fuzz_peer.py ---------------------------------------------------------------
 
+
 def test_replayed_req_of_a_delivered_request_is_refused(pair):
     """A REQ replayed after its request was delivered re-opened it on the decode side,
     which then held pages and landing bytes until its own timeout (600 s by default)."""
@@ -476,8 +505,14 @@ def test_inbox_keeps_the_rest_of_a_batch_when_a_handler_fails():
         seen.append(msg.epoch)
 
     metrics = Metrics("decode")
-    inbox = Inbox(Engine(), peer="p", receiver="decode", handle=handle, metrics=metrics,
-                  log=logging.getLogger("test"))
+    inbox = Inbox(
+        Engine(),
+        peer="p",
+        receiver="decode",
+        handle=handle,
+        metrics=metrics,
+        log=logging.getLogger("test"),
+    )
     with pytest.raises(RuntimeError, match="a bug"):
         inbox.drain()
     assert seen == [0, 1]

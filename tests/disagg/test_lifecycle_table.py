@@ -144,7 +144,9 @@ def test_transfer_timeout(pair, stall_at, state):
     pair.assert_clean()
 
 
-@pytest.mark.parametrize("fail_at", [0, 1, 3, "aux"], ids=["first", "middle", "last", "extra-state"])
+@pytest.mark.parametrize(
+    "fail_at", [0, 1, 3, "aux"], ids=["first", "middle", "last", "extra-state"]
+)
 def test_send_failure(pair, fail_at):
     pair.faults.fail_at[1] = fail_at
     pair.prefill.add_request(1, 256)  # 4 chunks of 64 tokens, then the extra state
@@ -188,7 +190,8 @@ def test_quarantine_holds_decode_pages_while_a_write_is_posted(pair):
     got = pair.decode.alloc.alloc(free_before)
     assert not set(got.tolist()) & set(held.tolist())
     pair.decode.alloc.free(got)
-    pair.decode.step(); pair.decode.step()
+    pair.decode.step()
+    pair.decode.step()
     assert 1 in pair.decode.reqs  # still quarantined until the prefill answers
     pair.run_idle()
     assert pair.finished[1].status == 499 and "decode side" in pair.finished[1].message
@@ -201,8 +204,11 @@ def test_prefill_pause_aborts_everything_503_and_resume_serves_again(pair):
     pair.faults.stall_at[2] = 1
     for rid, n in ((1, 64), (2, 200), (3, 128)):
         pair.prefill.add_request(rid, n)
-    pair.run_until(lambda: pair.prefill.reqs.get(2) is not None
-                   and pair.prefill.state(2) == KVPoll.Transferring)
+    pair.run_until(
+        lambda: (
+            pair.prefill.reqs.get(2) is not None and pair.prefill.state(2) == KVPoll.Transferring
+        )
+    )
     epoch = pair.prefill.pool.epoch
     pair.prefill.begin_pause()
     pair.run_until(lambda: pair.prefill.paused)
@@ -229,8 +235,12 @@ def test_prefill_pause_ends_a_request_without_a_transfer_at_once(pair):
     pair.faults.stall_at[2] = 0  # bootstrapped, its forward never scheduled
     pair.prefill.add_request(1, 200)
     pair.prefill.add_request(2, 100)
-    pair.run_until(lambda: pair.prefill.state(1) == KVPoll.Transferring
-                   and pair.prefill.state(2) == KVPoll.WaitingForInput)
+    pair.run_until(
+        lambda: (
+            pair.prefill.state(1) == KVPoll.Transferring
+            and pair.prefill.state(2) == KVPoll.WaitingForInput
+        )
+    )
     pair.prefill.begin_pause()
     pair.prefill.step()  # the decode does not step: an offered read stays in flight
     assert pair.finished[2].status == 503 and "paused" in pair.finished[2].message
@@ -255,8 +265,9 @@ def test_a_decode_the_caller_knows_is_gone_ends_its_requests_at_once(pair):
     pair.faults.stall_at[2] = 0  # bootstrapped, waiting for its first chunk
     pre.add_request(1, 200)
     pre.add_request(2, 100)
-    pair.run_until(lambda: pre.state(1) == KVPoll.Transferring
-                   and pre.state(2) == KVPoll.WaitingForInput)
+    pair.run_until(
+        lambda: pre.state(1) == KVPoll.Transferring and pre.state(2) == KVPoll.WaitingForInput
+    )
     pre.step()  # the decode does not step: the transfer of request 1 stays in flight
     sent = pre.metrics.send_errors
     assert pre.peer_gone(pair.de.name) == 2
@@ -326,19 +337,61 @@ def test_bad_inputs_from_the_peer_change_nothing(pair):
     before = (dict(dec.ledger.owners()), dec.reqs[1].pages_done, dec.arena.used_bytes)
     pages = pages_of(200)
     bad = [
-        (dict(t="CHUNK", rid=77, first=0, last=1, off=0, nbytes=1, final=False, direct=False), "unknown request 77"),
-        (dict(t="CHUNK", rid=1, first=4, last=pages + 1, off=kvmem.packed_nbytes(SPEC, 4),
-              nbytes=kvmem.packed_nbytes(SPEC, pages - 3), final=True, direct=False), "outside its 13 pages"),
-        (dict(t="CHUNK", rid=1, first=4, last=6, off=kvmem.packed_nbytes(SPEC, 4), nbytes=123,
-              final=False, direct=False), "123 bytes, pages \\[4, 6\\) pack to"),
-        (dict(t="CHUNK", rid=1, first=4, last=6, off=0, nbytes=kvmem.packed_nbytes(SPEC, 2),
-              final=False, direct=False), "offset 0 is not where pages from 4 land"),
+        (
+            dict(t="CHUNK", rid=77, first=0, last=1, off=0, nbytes=1, final=False, direct=False),
+            "unknown request 77",
+        ),
+        (
+            dict(
+                t="CHUNK",
+                rid=1,
+                first=4,
+                last=pages + 1,
+                off=kvmem.packed_nbytes(SPEC, 4),
+                nbytes=kvmem.packed_nbytes(SPEC, pages - 3),
+                final=True,
+                direct=False,
+            ),
+            "outside its 13 pages",
+        ),
+        (
+            dict(
+                t="CHUNK",
+                rid=1,
+                first=4,
+                last=6,
+                off=kvmem.packed_nbytes(SPEC, 4),
+                nbytes=123,
+                final=False,
+                direct=False,
+            ),
+            "123 bytes, pages \\[4, 6\\) pack to",
+        ),
+        (
+            dict(
+                t="CHUNK",
+                rid=1,
+                first=4,
+                last=6,
+                off=0,
+                nbytes=kvmem.packed_nbytes(SPEC, 2),
+                final=False,
+                direct=False,
+            ),
+            "offset 0 is not where pages from 4 land",
+        ),
         (dict(t="AUX", rid=1, off=0, nbytes=64), "is not its extra-state slot"),
         (dict(t="REQ", rid=1, room=9, tokens=10), "request id 1 is in use"),
         (dict(t="REQ", rid=5, room=1, tokens=10), "bootstrap room 1 is in use"),
-        (dict(t="REQ", rid=5, room=5, tokens=-1), "field 'tokens' must be an int in \\[1, 2\\*\\*63\\)"),
+        (
+            dict(t="REQ", rid=5, room=5, tokens=-1),
+            "field 'tokens' must be an int in \\[1, 2\\*\\*63\\)",
+        ),
         (dict(t="REQ", rid=5, room=5, tokens=513), "tokens outside"),
-        (dict(t="BOOT", rid=1, room=1, off=0, nbytes=1, epoch=0, pages="1:1"), "unexpected message BOOT"),
+        (
+            dict(t="BOOT", rid=1, room=1, off=0, nbytes=1, epoch=0, pages="1:1"),
+            "unexpected message BOOT",
+        ),
     ]
     for msg, match in bad:
         with pytest.raises(ProtocolError, match=match):
@@ -349,10 +402,19 @@ def test_bad_inputs_from_the_peer_change_nothing(pair):
     assert dec.metrics.protocol_errors == errors + 1 and 1 in dec.reqs
     # the prefill side likewise
     for msg, match in [
-        (dict(t="BOOT", rid=42, room=42, off=0, nbytes=10, epoch=0, pages="1:1"), "unknown request 42"),
-        (dict(t="BOOT", rid=1, room=1, off=0, nbytes=10, epoch=0, pages="1:13"), "in state Transferring"),
+        (
+            dict(t="BOOT", rid=42, room=42, off=0, nbytes=10, epoch=0, pages="1:1"),
+            "unknown request 42",
+        ),
+        (
+            dict(t="BOOT", rid=1, room=1, off=0, nbytes=10, epoch=0, pages="1:13"),
+            "in state Transferring",
+        ),
         (dict(t="ABORT_REQ", rid=42, status=499, reason="x"), "unknown request 42"),
-        (dict(t="CHUNK", rid=1, first=0, last=1, off=0, nbytes=1, final=False, direct=False), "unexpected message CHUNK"),
+        (
+            dict(t="CHUNK", rid=1, first=0, last=1, off=0, nbytes=1, final=False, direct=False),
+            "unexpected message CHUNK",
+        ),
     ]:
         with pytest.raises(ProtocolError, match=match):
             handle(pre, pair.de.name, msg)
@@ -372,8 +434,20 @@ def test_chunk_for_an_aborted_request_is_refused_once_freed(pair):
     pair.prefill.abort(1)
     pair.run_idle()
     with pytest.raises(ProtocolError, match="unknown request 1"):
-        handle(pair.decode, pair.pe.name, dict(t="CHUNK", rid=1, first=0, last=1, off=0,
-                                               nbytes=kvmem.packed_nbytes(SPEC, 1), final=True, direct=False))
+        handle(
+            pair.decode,
+            pair.pe.name,
+            dict(
+                t="CHUNK",
+                rid=1,
+                first=0,
+                last=1,
+                off=0,
+                nbytes=kvmem.packed_nbytes(SPEC, 1),
+                final=True,
+                direct=False,
+            ),
+        )
     pair.assert_clean()
 
 
@@ -411,8 +485,10 @@ def test_vanished_decode_is_counted_not_fatal(pair):
     # push: the engine reports the write's remote disconnect; pull: the decode's read was
     # cancelled with it and the offered pages' quarantine timed out (logged)
     assert pair.finished[1].status == 500 and (
-        "DISCONNECT" in pair.finished[1].message if pair.prefill.transfer_mode == "push"
-        else "no PULLED" in pair.finished[1].message)
+        "DISCONNECT" in pair.finished[1].message
+        if pair.prefill.transfer_mode == "push"
+        else "no PULLED" in pair.finished[1].message
+    )
     assert pair.finished[2].status == 504
     assert pair.prefill.metrics.send_errors >= 1
     assert pair.prefill.audit() == {"leaked": {}, "quarantined": {}, "unaccounted": []}

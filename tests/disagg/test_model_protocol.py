@@ -55,8 +55,13 @@ class Ramp:
                 rows[p] = self.page(rid, first_page + i, b)
 
     def verify(self, rid, first_page, last_page, data) -> torch.Tensor:
-        want = torch.cat([self.page(rid, j, b) for b in range(len(self.row_bytes))
-                          for j in range(first_page, last_page)])
+        want = torch.cat(
+            [
+                self.page(rid, j, b)
+                for b in range(len(self.row_bytes))
+                for j in range(first_page, last_page)
+            ]
+        )
         ok = want.numel() == data.numel() and torch.equal(want, data.cpu())
         return torch.tensor(ok, device=data.device)
 
@@ -64,21 +69,36 @@ class Ramp:
         ids = [int(p) for p in pages]
         ok = len(ids) == last_page - first_page and all(
             torch.equal(self.rows(pool, b)[p], self.page(rid, first_page + i, b))
-            for b in range(len(self.row_bytes)) for i, p in enumerate(ids))
+            for b in range(len(self.row_bytes))
+            for i, p in enumerate(ids)
+        )
         return torch.tensor(ok, device=pool.device)
 
 
 def _pair(engine_pair, model, verifier, mode: str):
     pe, de = engine_pair
     pull = "pull" if mode == "pull" else "push"
-    decode = DecodeSide(kvmem.KVPool(SPEC, PAGES), kvmem.PageAllocator(PAGES, 16), de,
-                        verifier, prefill_peer=pe.name, transfer_mode=pull,
-                        landing_bytes=kvmem.packed_nbytes(SPEC, PAGES - 1) + 65536)
+    decode = DecodeSide(
+        kvmem.KVPool(SPEC, PAGES),
+        kvmem.PageAllocator(PAGES, 16),
+        de,
+        verifier,
+        prefill_peer=pe.name,
+        transfer_mode=pull,
+        landing_bytes=kvmem.packed_nbytes(SPEC, PAGES - 1) + 65536,
+    )
     finished = {}
-    prefill = PrefillSide(kvmem.KVPool(SPEC, PAGES), kvmem.PageAllocator(PAGES, 16), pe,
-                          model, decode_peer=de.name, chunk_tokens=64, transfer_mode=pull,
-                          direct_threshold=0 if mode == "direct" else None,
-                          on_finish=lambda rid, reason: finished.__setitem__(rid, reason))
+    prefill = PrefillSide(
+        kvmem.KVPool(SPEC, PAGES),
+        kvmem.PageAllocator(PAGES, 16),
+        pe,
+        model,
+        decode_peer=de.name,
+        chunk_tokens=64,
+        transfer_mode=pull,
+        direct_threshold=0 if mode == "direct" else None,
+        on_finish=lambda rid, reason: finished.__setitem__(rid, reason),
+    )
     pe.add_peer(de.local_metadata())
     de.add_peer(pe.local_metadata())
     return prefill, decode, finished
@@ -97,10 +117,13 @@ def _run(prefill, decode, finished, lengths) -> None:
 
 @pytest.mark.subprocess  # a fresh interpreter: what importing kvmem loads
 def test_import_kvmem_and_kvmem_disagg_load_nothing_of_the_demo():
-    code = ("import sys, kvmem, kvmem.disagg, kvmem.disagg.metrics, kvmem.disagg.calibrate\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[:2] == ['kvmem', 'demo']))")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    code = (
+        "import sys, kvmem, kvmem.disagg, kvmem.disagg.metrics, kvmem.disagg.calibrate\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[:2] == ['kvmem', 'demo']))"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
 
@@ -149,26 +172,57 @@ class _NoFill:
         raise AssertionError("a refused model is not prepared")
 
 
-@pytest.mark.parametrize("model, error, message", [
-    (object(), TypeError, "PrefillSide: object is not a kvmem.disagg.Forward: it has no "
-                          "max_tokens, prepare, fill"),
-    (_NoFill(), TypeError, "PrefillSide: _NoFill is not a kvmem.disagg.Forward: it has no fill"),
-    (Ramp(SPEC, 0), ValueError, "PrefillSide: kvmem.disagg.Forward.max_tokens must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "model, error, message",
+    [
+        (
+            object(),
+            TypeError,
+            "PrefillSide: object is not a kvmem.disagg.Forward: it has no "
+            "max_tokens, prepare, fill",
+        ),
+        (
+            _NoFill(),
+            TypeError,
+            "PrefillSide: _NoFill is not a kvmem.disagg.Forward: it has no fill",
+        ),
+        (
+            Ramp(SPEC, 0),
+            ValueError,
+            "PrefillSide: kvmem.disagg.Forward.max_tokens must be >= 1, got 0",
+        ),
+    ],
+)
 def test_a_model_without_the_contract_is_refused_before_anything_is_registered(
-        engine_pair, model, error, message):
+    engine_pair, model, error, message
+):
     pe, de = engine_pair
     with pytest.raises(error) as e:
-        PrefillSide(kvmem.KVPool(SPEC, PAGES), kvmem.PageAllocator(PAGES, 16), pe, model,
-                    decode_peer=de.name, chunk_tokens=64)
+        PrefillSide(
+            kvmem.KVPool(SPEC, PAGES),
+            kvmem.PageAllocator(PAGES, 16),
+            pe,
+            model,
+            decode_peer=de.name,
+            chunk_tokens=64,
+        )
     assert str(e.value) == message
     assert pe.registrations() == {}
 
 
 def test_a_verifier_without_the_contract_is_refused(engine_pair):
     pe, de = engine_pair
-    with pytest.raises(TypeError, match=r"^DecodeSide: _NoFill is not a kvmem.disagg.Verifier: "
-                                        r"it has no verify, verify_pages$"):
-        DecodeSide(kvmem.KVPool(SPEC, PAGES), kvmem.PageAllocator(PAGES, 16), de, _NoFill(),
-                   prefill_peer=pe.name, landing_bytes=1 << 20)
+    with pytest.raises(
+        TypeError,
+        match=r"^DecodeSide: _NoFill is not a kvmem.disagg.Verifier: "
+        r"it has no verify, verify_pages$",
+    ):
+        DecodeSide(
+            kvmem.KVPool(SPEC, PAGES),
+            kvmem.PageAllocator(PAGES, 16),
+            de,
+            _NoFill(),
+            prefill_peer=pe.name,
+            landing_bytes=1 << 20,
+        )
     assert de.registrations() == {}

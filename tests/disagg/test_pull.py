@@ -98,8 +98,9 @@ def test_a_read_built_from_the_prefills_older_metadata_is_refused_before_posting
     pair.prefill.add_request(2, 128)
     pair.run_until(lambda: 2 in pair.decode.reqs and pair.decode.reqs[2].state == "booted")
     opened = pair.de.open_handles()
-    pair.pe.send_notif(pair.de.name, encode("READY", rid=2, first=0, last=4, pages="1:4",
-                                            epoch=0, final=False))
+    pair.pe.send_notif(
+        pair.de.name, encode("READY", rid=2, first=0, last=4, pages="1:4", epoch=0, final=False)
+    )
     # refused by the decode (no read posted), its PULLED(ok=False) names no offer of the
     # prefill's: refused there
     end = time.monotonic() + 5

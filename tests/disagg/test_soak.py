@@ -24,11 +24,24 @@ def test_soak_every_fault_and_pauses(chunks):
     chunks whose pages are scattered on either side pack, the others go direct); or pull
     (the decode reads the prefill's pool pages)."""
     threshold = {"packed": None, "direct": 0, "mixed": 2 * 16 * 2 * 64 * 2, "pull": None}[chunks]
-    pair = Pair(num_pages=193, chunk_tokens=64, max_tokens=256, bootstrap_timeout=1.0,
-                transfer_timeout=1.0, decode_timeout=5.0, staging_chunks=16,
-                direct_threshold=threshold, transfer_mode="pull" if chunks == "pull" else "push")
-    plan = FaultPlan(seed=1234, rates={"abort": 0.15, "timeout": 0.06, "fail": 0.09},
-                     chunk_tokens=64, max_tokens=256, wait=0.02)
+    pair = Pair(
+        num_pages=193,
+        chunk_tokens=64,
+        max_tokens=256,
+        bootstrap_timeout=1.0,
+        transfer_timeout=1.0,
+        decode_timeout=5.0,
+        staging_chunks=16,
+        direct_threshold=threshold,
+        transfer_mode="pull" if chunks == "pull" else "push",
+    )
+    plan = FaultPlan(
+        seed=1234,
+        rates={"abort": 0.15, "timeout": 0.06, "fail": 0.09},
+        chunk_tokens=64,
+        max_tokens=256,
+        wait=0.02,
+    )
     pair.faults = plan
     pair.prefill.faults = plan
     pair.decode.faults = plan
@@ -39,8 +52,12 @@ def test_soak_every_fault_and_pauses(chunks):
     while len(pair.finished) < REQUESTS:
         steps += 1
         assert steps < 200 * REQUESTS, "soak made no progress"
-        while (next_rid < REQUESTS and len(pre.reqs) < in_flight_cap and not pre.paused
-               and not pre.pausing):
+        while (
+            next_rid < REQUESTS
+            and len(pre.reqs) < in_flight_cap
+            and not pre.paused
+            and not pre.pausing
+        ):
             pre.add_request(next_rid, plan.tokens(next_rid))
             kinds[plan.kind(next_rid)] += 1
             next_rid += 1
@@ -57,14 +74,29 @@ def test_soak_every_fault_and_pauses(chunks):
 
     outcomes = collections.Counter(r.outcome for r in pair.finished.values())
     assert sum(outcomes.values()) == REQUESTS
-    assert set(kinds) >= {"none", "abort_bootstrapping", "abort_waiting", "abort_transferring",
-                          "abort_in_batch", "bootstrap_timeout", "timeout_waiting",
-                          "timeout_transferring", "fail_first", "fail_middle", "fail_last"}
+    assert set(kinds) >= {
+        "none",
+        "abort_bootstrapping",
+        "abort_waiting",
+        "abort_transferring",
+        "abort_in_batch",
+        "bootstrap_timeout",
+        "timeout_waiting",
+        "timeout_transferring",
+        "fail_first",
+        "fail_middle",
+        "fail_last",
+    }
     # every fault ended its request the way its row of the table says
-    want = {kind: outcome for fam, outcome in (("abort", Outcome.ABORTED),
-                                               ("timeout", Outcome.TIMED_OUT),
-                                               ("fail", Outcome.FAILED))
-            for kind in FAMILIES[fam]}
+    want = {
+        kind: outcome
+        for fam, outcome in (
+            ("abort", Outcome.ABORTED),
+            ("timeout", Outcome.TIMED_OUT),
+            ("fail", Outcome.FAILED),
+        )
+        for kind in FAMILIES[fam]
+    }
     paused_aborts = 0
     for rid, reason in pair.finished.items():
         k = plan.kind(rid)

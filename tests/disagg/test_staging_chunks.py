@@ -34,7 +34,9 @@ def inside_one(ranges, regions) -> bool:
     return all(any(a <= x and x + n <= a + m for a, m in regions) for x, n in ranges)
 
 
-PAIR = dict(staging_chunk=SPLIT, engine="nixl")  # the shared pair fixture (tests/disagg/conftest.py)
+PAIR = dict(
+    staging_chunk=SPLIT, engine="nixl"
+)  # the shared pair fixture (tests/disagg/conftest.py)
 
 
 @pytest.mark.nixl
@@ -52,12 +54,14 @@ def test_nixl_refuses_a_descriptor_across_two_mappings(pair):
     across = (regions[0][0] + regions[0][1] - 4096, 8192)
     within = (regions[0][0], 8192)
     remote = ag.get_xfer_descs([(*dst, 0)], "DRAM")
-    h = ag.initialize_xfer("WRITE", ag.get_xfer_descs([(*within, 0)], "DRAM"), remote,
-                           pair.de.name, b"")
+    h = ag.initialize_xfer(
+        "WRITE", ag.get_xfer_descs([(*within, 0)], "DRAM"), remote, pair.de.name, b""
+    )
     h.release()
     with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):
-        ag.initialize_xfer("WRITE", ag.get_xfer_descs([(*across, 0)], "DRAM"), remote,
-                           pair.de.name, b"")
+        ag.initialize_xfer(
+            "WRITE", ag.get_xfer_descs([(*across, 0)], "DRAM"), remote, pair.de.name, b""
+        )
 
 
 @pytest.mark.nixl
@@ -88,8 +92,11 @@ def test_a_staging_buffer_whose_regions_do_not_tile_it_is_refused():
     t = torch.zeros(8192, dtype=torch.uint8)
     base = t.data_ptr()
     assert buffer_map(t, [(base, 4096), (base + 4096, 4096)]).size == 8192
-    for bad in ([(base, 4096), (base + 8192, 4096)], [(base + 4096, 4096)],
-                [(base, 4096), (base + 4096, 2048)]):
+    for bad in (
+        [(base, 4096), (base + 8192, 4096)],
+        [(base + 4096, 4096)],
+        [(base, 4096), (base + 4096, 2048)],
+    ):
         with pytest.raises(ValueError, match="do not tile"):
             buffer_map(t, bad)
 

@@ -35,8 +35,16 @@ from kvmem.disagg.decode import DecodeRequest, DecodeSide
 from kvmem.disagg.prefill import PrefillRequest, PrefillSide
 from kvmem.disagg.protocol import DECODE_RECEIVES, PREFILL_RECEIVES, PauseAck, Pulled
 from kvmem.disagg.states import (
-    DECODE_EDGES, DECODE_PAUSE_EDGES, PREFILL_EDGES, PREFILL_PAUSE_EDGES, DecodeState,
-    IllegalPhase, IllegalTransition, PausePhase, PrefillState, set_phase,
+    DECODE_EDGES,
+    DECODE_PAUSE_EDGES,
+    PREFILL_EDGES,
+    PREFILL_PAUSE_EDGES,
+    DecodeState,
+    IllegalPhase,
+    IllegalTransition,
+    PausePhase,
+    PrefillState,
+    set_phase,
 )
 from tests.disagg.harness import Pair
 from tests.disagg.test_sync_free import _Lag
@@ -78,7 +86,8 @@ def test_the_docstring_draws_exactly_the_edge_table(side):
     assert len(edges) == len(set(edges)), "an edge is drawn twice"
     assert set(edges) == table, (
         f"drawn, not in the table: {set(edges) - table}; in the table, not drawn: "
-        f"{table - set(edges)}")
+        f"{table - set(edges)}"
+    )
     # every state is reachable from an entry and on some edge
     reach, todo = set(), [None]
     while todo:
@@ -124,8 +133,9 @@ def test_every_other_edge_is_refused_naming_the_request_and_both_states(side, si
             with pytest.raises(IllegalTransition) as e:
                 sides[side]._transition(req, dst)
             name = "(new)" if src is None else src.name
-            assert str(e.value) == (f"{side}: request 7: no edge {name} -> {dst.name} in the "
-                                    f"{side}'s state table")
+            assert str(e.value) == (
+                f"{side}: request 7: no edge {name} -> {dst.name} in the {side}'s state table"
+            )
             assert (e.value.side, e.value.rid, e.value.src, e.value.dst) == (side, 7, src, dst)
             assert req.state is src  # unchanged
             refused += 1
@@ -136,19 +146,33 @@ def test_terminal_states_have_no_way_out_and_prefill_states_report_kvpoll():
     for table, states in ((PREFILL_EDGES, (P.SUCCEEDED, P.FAILED)), (DECODE_EDGES, (D.FREED,))):
         assert not [e for e in table if e[0] in states]
     assert {s: s.poll for s in P} == {
-        P.BOOTSTRAPPING: KVPoll.Bootstrapping, P.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
-        P.TRANSFERRING: KVPoll.Transferring, P.KV_POSTED: KVPoll.Transferring,
-        P.AUX_STAGED: KVPoll.Transferring, P.AUX_POSTED: KVPoll.Transferring,
-        P.ENDING: KVPoll.Failed, P.SUCCEEDED: KVPoll.Success, P.FAILED: KVPoll.Failed}
+        P.BOOTSTRAPPING: KVPoll.Bootstrapping,
+        P.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
+        P.TRANSFERRING: KVPoll.Transferring,
+        P.KV_POSTED: KVPoll.Transferring,
+        P.AUX_STAGED: KVPoll.Transferring,
+        P.AUX_POSTED: KVPoll.Transferring,
+        P.ENDING: KVPoll.Failed,
+        P.SUCCEEDED: KVPoll.Success,
+        P.FAILED: KVPoll.Failed,
+    }
     assert {s for s in P if s.ended} == {P.ENDING, P.SUCCEEDED, P.FAILED}
     # the decode's states are the words its docs, logs and callers use
-    assert [str(s) for s in D] == ["waiting", "withheld", "booting", "booted", "quarantined",
-                                   "freed"]
+    assert [str(s) for s in D] == [
+        "waiting",
+        "withheld",
+        "booting",
+        "booted",
+        "quarantined",
+        "freed",
+    ]
 
 
 def test_one_dispatch_table_per_side_covers_what_the_protocol_sends_it(sides):
-    for side, cls, receives in (("prefill", PrefillSide, PREFILL_RECEIVES),
-                                ("decode", DecodeSide, DECODE_RECEIVES)):
+    for side, cls, receives in (
+        ("prefill", PrefillSide, PREFILL_RECEIVES),
+        ("decode", DecodeSide, DECODE_RECEIVES),
+    ):
         assert {kind.t for kind in cls.HANDLERS} == receives
         for name in cls.HANDLERS.values():
             assert callable(getattr(sides[side], name)), name
@@ -162,6 +186,7 @@ def test_one_dispatch_table_per_side_covers_what_the_protocol_sends_it(sides):
 
 
 # --- real lifecycles --------------------------------------------------------------------------
+
 
 class Transitions(logging.Handler):
     """Collects the sides' state changes from their DEBUG log: ``(side, rid, src, dst)``."""
@@ -188,7 +213,12 @@ class Transitions(logging.Handler):
         for side, rid, src, dst in self.seen:
             was = last.get((side, rid))
             assert src == was or (src is None and was in (P.SUCCEEDED, P.FAILED, D.FREED)), (
-                side, rid, was, src, dst)
+                side,
+                rid,
+                was,
+                src,
+                dst,
+            )
             last[(side, rid)] = dst
 
 
@@ -290,8 +320,9 @@ def test_real_lifecycles_take_every_drawn_edge_and_no_other(mode):
             lag[0] = 10**6
             pre.add_request(13, 64)
             pre.add_request(14, 64)
-            pair.run_until(lambda: all(r in dec.reqs and dec.reqs[r].state is D.BOOTING
-                                       for r in (13, 14)))
+            pair.run_until(
+                lambda: all(r in dec.reqs and dec.reqs[r].state is D.BOOTING for r in (13, 14))
+            )
             dec.abort(13)
             pre.abort(14)
             pair.run_until(lambda: 13 not in dec.reqs and 14 not in dec.reqs)
@@ -303,8 +334,23 @@ def test_real_lifecycles_take_every_drawn_edge_and_no_other(mode):
             dec.abort(15)
             pair.run_idle()
             status = {rid: r.status for rid, r in pair.finished.items()}
-            assert status == {1: 200, 2: 200, 3: 499, 4: 499, 5: 499, 6: 499, 7: 500, 8: 499,
-                              9: 504, 10: 499, 11: 499, 12: 499, 13: 499, 14: 499, 15: 499}
+            assert status == {
+                1: 200,
+                2: 200,
+                3: 499,
+                4: 499,
+                5: 499,
+                6: 499,
+                7: 500,
+                8: 499,
+                9: 504,
+                10: 499,
+                11: 499,
+                12: 499,
+                13: 499,
+                14: 499,
+                15: 499,
+            }
             pair.assert_clean()
         finally:
             pair.close()
@@ -313,7 +359,8 @@ def test_real_lifecycles_take_every_drawn_edge_and_no_other(mode):
         table = SIDES[side][2]
         assert rec.edges(side) == table, (
             f"{side}: not taken: {table - rec.edges(side)}, "
-            f"taken and not drawn: {rec.edges(side) - table}")
+            f"taken and not drawn: {rec.edges(side) - table}"
+        )
 
 
 # --- the property: random programs --------------------------------------------------------------
@@ -417,15 +464,24 @@ def run_program(mode: str, lag: int, ops) -> None:
         assert rec.edges(side) <= SIDES[side][2]
 
 
-@settings(max_examples=int(LONG) if LONG else examples(8), deadline=None, database=None,
-          derandomize=not LONG, suppress_health_check=list(HealthCheck))
-@given(mode=st.sampled_from(sorted(MODES)), lag=st.sampled_from([0, 0, 2]),
-       ops=st.lists(OPS, min_size=1, max_size=14))
+@settings(
+    max_examples=int(LONG) if LONG else examples(8),
+    deadline=None,
+    database=None,
+    derandomize=not LONG,
+    suppress_health_check=list(HealthCheck),
+)
+@given(
+    mode=st.sampled_from(sorted(MODES)),
+    lag=st.sampled_from([0, 0, 2]),
+    ops=st.lists(OPS, min_size=1, max_size=14),
+)
 def test_random_programs_keep_every_state_promise(mode, lag, ops):
     run_program(mode, lag, ops)
 
 
 # -- pause phases ------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def phases():
@@ -438,6 +494,7 @@ def phases():
         def record(self, to):
             seen.append((type(self).__name__, self.phase, to))
             real(self, to)
+
         return unittest.mock.patch.object(cls, "_phase", record)
 
     with wrap(PrefillSide), wrap(DecodeSide):
@@ -490,10 +547,13 @@ def test_pauses_walk_their_phase_tables(mode):
             pair.close()
     pre_edges = [(a, b) for side, a, b in seen if side == "PrefillSide"]
     dec_edges = [(a, b) for side, a, b in seen if side == "DecodeSide"]
-    assert pre_edges == [(S.SERVING, S.DRAINING), (S.DRAINING, S.PAUSED),
-                         (S.PAUSED, S.SERVING)] and set(pre_edges) == PREFILL_PAUSE_EDGES
-    want = [(S.SERVING, S.DRAINING)] + ([(S.DRAINING, S.READS), (S.READS, S.PAUSED)]
-                                         if mode == "pull" else [(S.DRAINING, S.PAUSED)])
+    assert (
+        pre_edges == [(S.SERVING, S.DRAINING), (S.DRAINING, S.PAUSED), (S.PAUSED, S.SERVING)]
+        and set(pre_edges) == PREFILL_PAUSE_EDGES
+    )
+    want = [(S.SERVING, S.DRAINING)] + (
+        [(S.DRAINING, S.READS), (S.READS, S.PAUSED)] if mode == "pull" else [(S.DRAINING, S.PAUSED)]
+    )
     assert dec_edges == want + [(S.PAUSED, S.SERVING)], dec_edges
     assert set(dec_edges) <= DECODE_PAUSE_EDGES
     obj = types.SimpleNamespace(phase=S.PAUSED)

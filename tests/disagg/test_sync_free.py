@@ -31,16 +31,46 @@ from tests.disagg.harness import Pair
 _T = torch.Tensor
 # Calls that read a tensor's values on the host: on CUDA each waits for the device.
 CONVERSIONS = {
-    _T.item, _T.tolist, _T.numpy, _T.cpu, _T.__int__, _T.__index__, _T.__bool__,
-    _T.__float__, _T.__array__, _T.__format__, _T.__repr__, torch.equal, _T.equal,
-    _T.nonzero, torch.nonzero, torch.unique, _T.unique, torch.masked_select,
-    _T.masked_select, torch.allclose, _T.allclose,
+    _T.item,
+    _T.tolist,
+    _T.numpy,
+    _T.cpu,
+    _T.__int__,
+    _T.__index__,
+    _T.__bool__,
+    _T.__float__,
+    _T.__array__,
+    _T.__format__,
+    _T.__repr__,
+    torch.equal,
+    _T.equal,
+    _T.nonzero,
+    torch.nonzero,
+    torch.unique,
+    _T.unique,
+    torch.masked_select,
+    _T.masked_select,
+    torch.allclose,
+    _T.allclose,
 }
 DISAGG = os.path.dirname(os.path.abspath(D.__file__))
-SCOPE = {os.path.join(DISAGG, f) for f in ("prefill.py", "prefill_send.py", "prefill_peers.py",
-                                              "decode.py", "decode_memory.py", "device.py",
-                                              "ledger.py", "peers.py", "counters.py",
-                                              "outcome.py", "protocol.py", "arena.py")}
+SCOPE = {
+    os.path.join(DISAGG, f)
+    for f in (
+        "prefill.py",
+        "prefill_send.py",
+        "prefill_peers.py",
+        "decode.py",
+        "decode_memory.py",
+        "device.py",
+        "ledger.py",
+        "peers.py",
+        "counters.py",
+        "outcome.py",
+        "protocol.py",
+        "arena.py",
+    )
+}
 # Where the sides may read device values: the asynchronous host copy, and the audit of a
 # pause (docs/disagg.md: a pause waits for the device anyway).
 ALLOWED = {D.HostCopy.__init__.__code__, D.HostCopy.numpy.__code__, Ledger.audit.__code__}
@@ -86,11 +116,15 @@ class DeviceReads(TorchFunctionMode):
         tainted = any(self.marked(x) for x in flat)
         if tainted and (func in CONVERSIONS or (func in (_T.to,) and _is_cpu(args, kwargs))):
             f = self._caller()
-            if (f is not None and f.f_code.co_filename in SCOPE
-                    and f.f_code not in ALLOWED):
+            if f is not None and f.f_code.co_filename in SCOPE and f.f_code not in ALLOWED:
                 name = getattr(func, "__name__", str(func))
-                self.reads.append((name, f"{os.path.basename(f.f_code.co_filename)}:"
-                                         f"{f.f_lineno} ({f.f_code.co_name})"))
+                self.reads.append(
+                    (
+                        name,
+                        f"{os.path.basename(f.f_code.co_filename)}:"
+                        f"{f.f_lineno} ({f.f_code.co_name})",
+                    )
+                )
         out = func(*args, **kwargs)
         if tainted:
             for x in tree_flatten(out)[0]:
@@ -147,9 +181,14 @@ def lifecycle(pair: Pair) -> None:
     pre.add_request(15, 70)
     f.stall_at[16] = 1
     pre.add_request(16, 200)
-    pair.run_until(lambda: pre.state(11) == KVPoll.WaitingForInput
-                   and pre.state(12) == KVPoll.Transferring
-                   and pre.state(16) == KVPoll.Transferring and 10 in dec.reqs)
+    pair.run_until(
+        lambda: (
+            pre.state(11) == KVPoll.WaitingForInput
+            and pre.state(12) == KVPoll.Transferring
+            and pre.state(16) == KVPoll.Transferring
+            and 10 in dec.reqs
+        )
+    )
     pre.abort(10)  # Bootstrapping
     pre.abort(11)  # WaitingForInput
     pre.abort(12)  # Transferring
@@ -159,8 +198,9 @@ def lifecycle(pair: Pair) -> None:
     pre.add_request(20, 30)  # bootstrap timeout
     f.stall_at[21] = 1
     pre.add_request(21, 200)  # transfer timeout
-    pair.run_until(lambda: pre.state(21) == KVPoll.Transferring and not pre.reqs[21].handles
-                   and 20 in dec.reqs)  # chunk 0 delivered (pull: PULLED), chunk 1 held
+    pair.run_until(
+        lambda: pre.state(21) == KVPoll.Transferring and not pre.reqs[21].handles and 20 in dec.reqs
+    )  # chunk 0 delivered (pull: PULLED), chunk 1 held
     pair.clock.advance(31)
     pair.run_until(lambda: 20 in pair.finished and 21 in pair.finished)
     f.stall_at[22] = 0
@@ -170,15 +210,30 @@ def lifecycle(pair: Pair) -> None:
     pair.step(3)
     pre.abort(22)
     pair.run_idle(max_steps=2000)
-    want = {1: 200, 2: 200, 3: 200, 10: 499, 11: 499, 12: 499, 13: 499, 14: 500, 15: 500,
-            16: 499, 20: 504, 21: 504, 22: 504}
+    want = {
+        1: 200,
+        2: 200,
+        3: 200,
+        10: 499,
+        11: 499,
+        12: 499,
+        13: 499,
+        14: 500,
+        15: 500,
+        16: 499,
+        20: 504,
+        21: 504,
+        22: 504,
+    }
     assert {r: pair.finished[r].status for r in want} == want, pair.finished
 
 
 @pytest.mark.parametrize("mode", ["packed", "direct", "pull"])
 def test_no_device_value_is_read_on_the_host_in_the_hot_path(mode):
-    pair = Pair(direct_threshold=0 if mode == "direct" else None,
-                transfer_mode="pull" if mode == "pull" else "push")
+    pair = Pair(
+        direct_threshold=0 if mode == "direct" else None,
+        transfer_mode="pull" if mode == "pull" else "push",
+    )
     try:
         reads = DeviceReads()
         watch(pair, reads)
@@ -248,8 +303,10 @@ def test_every_lifecycle_path_with_host_copies_that_take_steps(mode, lagging_cop
     host (``booting`` meanwhile), direct descriptors and READY offers built once the
     prefill's page ids are, verdicts counted when they arrive; every outcome as on the
     CPU, every page freed once, every byte verified."""
-    pair = Pair(direct_threshold=0 if mode == "direct" else None,
-                transfer_mode="pull" if mode == "pull" else "push")
+    pair = Pair(
+        direct_threshold=0 if mode == "direct" else None,
+        transfer_mode="pull" if mode == "pull" else "push",
+    )
     try:
         lifecycle(pair)
         for side in (pair.prefill, pair.decode):
@@ -265,8 +322,12 @@ def test_every_lifecycle_path_with_host_copies_that_take_steps(mode, lagging_cop
         assert pair.finished[30].status == 499 and pair.finished[31].status == 200
         m = dec.metrics
         assert m.bytes_verified == m.bytes_landed and m.bytes_corrupt == 0
-        assert pair.prefill.chunk_modes[{"packed": "packed", "direct": "direct",
-                                         "pull": "pulled"}[mode]] > 0
+        assert (
+            pair.prefill.chunk_modes[
+                {"packed": "packed", "direct": "direct", "pull": "pulled"}[mode]
+            ]
+            > 0
+        )
         pair.assert_clean()
     finally:
         pair.close()

@@ -37,8 +37,10 @@ _FLEETS: list = []  # the session's fleet, for the failure report
 # argument.
 BACKENDS = tuple(b for b in os.environ.get("KVMEM_E2E_BACKENDS", ",".join(B)).split(",") if b)
 if not BACKENDS or set(BACKENDS) - set(B):
-    raise pytest.UsageError(f"KVMEM_E2E_BACKENDS={os.environ['KVMEM_E2E_BACKENDS']!r}: "
-                            f"a comma-separated subset of {','.join(B)}")
+    raise pytest.UsageError(
+        f"KVMEM_E2E_BACKENDS={os.environ['KVMEM_E2E_BACKENDS']!r}: "
+        f"a comma-separated subset of {','.join(B)}"
+    )
 
 # The prefill's transfer and bootstrap timeouts of every PD server of the tier (sglang's
 # defaults: 600 s and 300 s), short enough for the scenario (tests/e2e/scenario.py: its
@@ -53,15 +55,19 @@ if not BACKENDS or set(BACKENDS) - set(B):
 # says it drained) is shortened the same way, so that a test that fails a write sees the
 # pages come back within its settle time.
 DEFERRED_RELEASE_S = 10.0
-TIMEOUTS = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(scenario.TRANSFER_TIMEOUT_S),
-            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(scenario.BOOTSTRAP_TIMEOUT_S),
-            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT":
-                str(DEFERRED_RELEASE_S)}
+TIMEOUTS = {
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(scenario.TRANSFER_TIMEOUT_S),
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(scenario.BOOTSTRAP_TIMEOUT_S),
+    "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(DEFERRED_RELEASE_S),
+}
 
 
 def _pd(prefill: dict | None = None, decode: dict | None = None, **kwargs) -> dict:
-    return dict(prefill_env={**TIMEOUTS, **(prefill or {})},
-                decode_env={**TIMEOUTS, **(decode or {})}, **kwargs)
+    return dict(
+        prefill_env={**TIMEOUTS, **(prefill or {})},
+        decode_env={**TIMEOUTS, **(decode or {})},
+        **kwargs,
+    )
 
 
 # The deployments the tests share, by name: (Deployment kwargs, what it is).  A PD kind
@@ -71,22 +77,29 @@ KINDS = {
     "kvmem-prefill": (_pd(FLAG), "SGLANG_KVMEM=1 prefill, stock decode"),
     "kvmem-decode": (_pd(decode=FLAG), "stock prefill, SGLANG_KVMEM=1 decode"),
     "kvmem-both": (_pd(FLAG, FLAG), "SGLANG_KVMEM=1 prefill and decode"),
-    "kvmem-both-no-overlap": (_pd(FLAG, FLAG, overlap=False),
-                              "SGLANG_KVMEM=1 prefill and decode, --disable-overlap-schedule"),
+    "kvmem-both-no-overlap": (
+        _pd(FLAG, FLAG, overlap=False),
+        "SGLANG_KVMEM=1 prefill and decode, --disable-overlap-schedule",
+    ),
     # sglang's grammar timeout (SGLANG_GRAMMAR_MAX_POLL_ITERATIONS, 10,000 polls of at
     # least 5 ms) ten times longer: the grammar test's regex compiled for about 5 s quiet
     # and past the default's 50 s with the main suite running beside the tier
-    "single-kvmem": (dict(pd=False, env={**FLAG, "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS":
-                                         "100000"}), "one plain server, SGLANG_KVMEM=1"),
+    "single-kvmem": (
+        dict(pd=False, env={**FLAG, "SGLANG_GRAMMAR_MAX_POLL_ITERATIONS": "100000"}),
+        "one plain server, SGLANG_KVMEM=1",
+    ),
     "tp2-plain": (dict(pd=False, env=FLAG, tp=2), "one plain server at TP 2, SGLANG_KVMEM=1"),
     # tp2-prefill before tp2-both: it finds kvmem-both's decode still up (the four
     # engines before it leave room for a TP 2 prefill beside it), and tp2-both finds its
     # TP 2 prefill
-    "tp2-prefill": (_pd(FLAG, FLAG, prefill_tp=2),
-                    "SGLANG_KVMEM=1 prefill at TP 2, SGLANG_KVMEM=1 decode at TP 1"),
+    "tp2-prefill": (
+        _pd(FLAG, FLAG, prefill_tp=2),
+        "SGLANG_KVMEM=1 prefill at TP 2, SGLANG_KVMEM=1 decode at TP 1",
+    ),
     "tp2-both": (_pd(FLAG, FLAG, tp=2), "SGLANG_KVMEM=1 prefill and decode, both at TP 2"),
     "tp2-stock": (_pd(tp=2), "stock prefill and decode, both at TP 2"),
 }
+
 
 class Deployments:
     """Session-wide deployments by name (:data:`KINDS`, or any name with its Deployment
@@ -100,8 +113,9 @@ class Deployments:
         """The deployment ``name`` on ``backend`` (a PD one; a plain one has none)."""
         return self.fleet.get(kwargs or KINDS[name][0], backend)
 
-    def discard(self, name: str, backend: str = "nixl",
-                roles=("prefill", "decode", "plain")) -> None:
+    def discard(
+        self, name: str, backend: str = "nixl", roles=("prefill", "decode", "plain")
+    ) -> None:
         """Stop the servers of ``name`` with those roles (a test left them changed); the
         next :meth:`get` starts them anew."""
         self.fleet.discard(KINDS[name][0], backend, roles)
@@ -113,8 +127,11 @@ class Deployments:
         roles stopped."""
         crashed = {c.split(":", 1)[0] for c in d.crashed()}
         deadline = time.monotonic() + IDLE_S
-        broken = [role for role, s in (("prefill", d.prefill), ("decode", d.decode))
-                  if s.name in crashed or not _idle_by(s, deadline)]
+        broken = [
+            role
+            for role, s in (("prefill", d.prefill), ("decode", d.decode))
+            if s.name in crashed or not _idle_by(s, deadline)
+        ]
         if broken:
             self.discard(name, backend, tuple(broken))
         return broken
@@ -162,11 +179,15 @@ def deployments(model, logroot):
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "backends(*names): the PD transfer backends a test runs on (default: "
-        "all of KVMEM_E2E_BACKENDS)")
+        "markers",
+        "backends(*names): the PD transfer backends a test runs on (default: "
+        "all of KVMEM_E2E_BACKENDS)",
+    )
     config.addinivalue_line(
-        "markers", "leaves_broken: the test may leave its deployment crashed or changed; "
-        "it runs last among the tests of that deployment, which is restarted after it")
+        "markers",
+        "leaves_broken: the test may leave its deployment crashed or changed; "
+        "it runs last among the tests of that deployment, which is restarted after it",
+    )
 
 
 def pytest_generate_tests(metafunc):
@@ -192,10 +213,13 @@ def pytest_collection_modifyitems(session, config, items):
         params = getattr(getattr(item, "callspec", None), "params", {})
         backend = params.get("backend")
         kind = params.get("kind")
-        return (BACKENDS.index(backend) if backend in BACKENDS else -1,
-                list(KINDS).index(kind) if kind in KINDS else -1,
-                item.get_closest_marker("leaves_broken") is not None,
-                modules[item.module], position[id(item)])
+        return (
+            BACKENDS.index(backend) if backend in BACKENDS else -1,
+            list(KINDS).index(kind) if kind in KINDS else -1,
+            item.get_closest_marker("leaves_broken") is not None,
+            modules[item.module],
+            position[id(item)],
+        )
 
     items.sort(key=key)
 
@@ -207,5 +231,4 @@ def pytest_runtest_makereport(item, call):
     if report.when == "call" and report.failed:
         for fleet in _FLEETS:
             for s in fleet.live():
-                report.sections.append((f"log of {s.logdir.name}/{s.name}",
-                                        tail(s.log, 80)))
+                report.sections.append((f"log of {s.logdir.name}/{s.name}", tail(s.log, 80)))

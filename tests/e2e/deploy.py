@@ -34,10 +34,24 @@ PYTHON = Path(os.environ.get("KVMEM_E2E_PYTHON") or sys.executable)
 
 # sglang on a CPU host (tests/e2e/README.md says why each is needed)
 SERVER_ARGS = [
-    "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend",
-    "pytorch", "--disable-cuda-graph", "--max-total-tokens", "65536", "--dtype",
-    "bfloat16", "--skip-server-warmup", "--host", "127.0.0.1", "--enable-metrics",
-    "--log-level", "info", "--sleep-on-idle",
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--disable-cuda-graph",
+    "--max-total-tokens",
+    "65536",
+    "--dtype",
+    "bfloat16",
+    "--skip-server-warmup",
+    "--host",
+    "127.0.0.1",
+    "--enable-metrics",
+    "--log-level",
+    "info",
+    "--sleep-on-idle",
 ]
 # sglang's PD transfer backends the tier runs.  Mooncake goes over TCP on this host (no
 # RDMA device): MOONCAKE_PROTOCOL=tcp (sglang's environ.py:887, read at
@@ -81,9 +95,13 @@ def tp_args(tp: int) -> tuple[list[str], dict]:
     if tp == 1:
         return [], {}
     cores = os.cpu_count() or 1
-    return (["--tp-size", str(tp)],
-            {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % cores) for r in range(tp)),
-             "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2"})
+    return (
+        ["--tp-size", str(tp)],
+        {
+            "SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % cores) for r in range(tp)),
+            "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so.2",
+        },
+    )
 
 
 class DeployError(RuntimeError):
@@ -127,8 +145,9 @@ class Response:
 def http(method: str, url: str, payload=None, timeout: float = 30.0) -> Response:
     """One HTTP call; never raises for an HTTP status or a timeout."""
     data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     t0 = time.monotonic()
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -196,11 +215,15 @@ class Server:
         # (tests/e2e/README.md)
         # SGLANG_HOST_IP: what sglang's PD bootstrap, NIXL and Mooncake advertise to peers
         # (else the machine's first interface, eth0): nothing leaves 127.0.0.1
-        env.update(SGLANG_USE_CPU_ENGINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS=CPU_THREADS,
-                   SGLANG_HOST_IP="127.0.0.1",
-                   PYTHONPATH=os.pathsep.join([str(STANDINS)]),
-                   KVMEM_E2E_STANDINS_LOG=str(self.logdir / "standins.log"),
-                   KVMEM_E2E_FAULTS=str(self.faults))
+        env.update(
+            SGLANG_USE_CPU_ENGINE="1",
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS=CPU_THREADS,
+            SGLANG_HOST_IP="127.0.0.1",
+            PYTHONPATH=os.pathsep.join([str(STANDINS)]),
+            KVMEM_E2E_STANDINS_LOG=str(self.logdir / "standins.log"),
+            KVMEM_E2E_FAULTS=str(self.faults),
+        )
         env.update(self.env)
         self.faults.mkdir(parents=True, exist_ok=True)
         for armed in self.faults.iterdir():  # a fault armed for an earlier start
@@ -209,13 +232,20 @@ class Server:
         self.logdir.mkdir(parents=True, exist_ok=True)
         self.log_offset = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as out:
-            out.write(f"\n==== {time.strftime('%H:%M:%S')} start {self.name}: "
-                      f"{' '.join(self.args)} env {self.env}\n".encode())
+            out.write(
+                f"\n==== {time.strftime('%H:%M:%S')} start {self.name}: "
+                f"{' '.join(self.args)} env {self.env}\n".encode()
+            )
             out.flush()
             # cwd: not the repository (a clone named kvmem on sys.path shadows the package)
-            self.proc = subprocess.Popen([str(PYTHON), "-m", self.module, *self.args],
-                                         stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         cwd=self.logdir, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [str(PYTHON), "-m", self.module, *self.args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.logdir,
+                start_new_session=True,
+            )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -223,15 +253,19 @@ class Server:
     def wait_healthy(self, deadline: float, path: str = "/health") -> None:
         while True:
             if not self.alive():
-                raise DeployError(f"{self.name} exited with status {self.proc.returncode} "
-                                  f"before it was healthy; log {self.log}:\n{tail(self.log)}")
+                raise DeployError(
+                    f"{self.name} exited with status {self.proc.returncode} "
+                    f"before it was healthy; log {self.log}:\n{tail(self.log)}"
+                )
             r = http("GET", self.url + path, timeout=5)
             if r.status == 200:
                 return
             if time.monotonic() > deadline:
-                raise DeployError(f"{self.name} not healthy after {START_TIMEOUT:.0f} s "
-                                  f"(last: {r.status} {r.error}); log {self.log}:\n"
-                                  f"{tail(self.log)}")
+                raise DeployError(
+                    f"{self.name} not healthy after {START_TIMEOUT:.0f} s "
+                    f"(last: {r.status} {r.error}); log {self.log}:\n"
+                    f"{tail(self.log)}"
+                )
             time.sleep(0.5)
 
     def signal(self, sig: int) -> None:
@@ -274,7 +308,7 @@ class Server:
         for line in str(r.body).splitlines():
             head, _, value = line.rpartition(" ")
             if head == name or head.startswith(name + "{"):
-                labels = head[len(name):].strip("{}")
+                labels = head[len(name) :].strip("{}")
                 out[labels] = out.get(labels, 0.0) + float(value)
         return out
 
@@ -291,12 +325,15 @@ class Server:
         requests in each queue (the non-zero counts only)."""
         loads = self.loads()
         q = loads.get("disaggregation") or {}
-        counts = dict(kv_tokens=loads["num_used_tokens"], running=loads["num_running_reqs"],
-                      waiting=loads["num_waiting_reqs"],
-                      bootstrap=q.get("prefill_bootstrap_queue_reqs", 0),
-                      inflight=q.get("prefill_inflight_queue_reqs", 0),
-                      prealloc=q.get("decode_prealloc_queue_reqs", 0),
-                      transfer=q.get("decode_transfer_queue_reqs", 0))
+        counts = dict(
+            kv_tokens=loads["num_used_tokens"],
+            running=loads["num_running_reqs"],
+            waiting=loads["num_waiting_reqs"],
+            bootstrap=q.get("prefill_bootstrap_queue_reqs", 0),
+            inflight=q.get("prefill_inflight_queue_reqs", 0),
+            prealloc=q.get("decode_prealloc_queue_reqs", 0),
+            transfer=q.get("decode_transfer_queue_reqs", 0),
+        )
         return {k: v for k, v in counts.items() if v}
 
     def scheduler_pids(self) -> list[int]:
@@ -337,43 +374,92 @@ class Deployment:
     ``--disable-overlap-schedule``, the loops that launch a batch and process its result
     in the same iteration)."""
 
-    def __init__(self, model: Path, logdir: Path, *, pd: bool = True,
-                 prefill_env: dict | None = None, decode_env: dict | None = None,
-                 env: dict | None = None, extra_args: list[str] | None = None,
-                 overlap: bool = True, backend: str = "nixl", tp: int = 1,
-                 prefill_tp: int | None = None, decode_tp: int | None = None):
+    def __init__(
+        self,
+        model: Path,
+        logdir: Path,
+        *,
+        pd: bool = True,
+        prefill_env: dict | None = None,
+        decode_env: dict | None = None,
+        env: dict | None = None,
+        extra_args: list[str] | None = None,
+        overlap: bool = True,
+        backend: str = "nixl",
+        tp: int = 1,
+        prefill_tp: int | None = None,
+        decode_tp: int | None = None,
+    ):
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: one of {BACKENDS}")
         self.model, self.logdir, self.pd, self.backend = Path(model), Path(logdir), pd, backend
-        base = ["--model-path", str(self.model), *SERVER_ARGS, *(extra_args or []),
-                *([] if overlap else NO_OVERLAP)]
+        base = [
+            "--model-path",
+            str(self.model),
+            *SERVER_ARGS,
+            *(extra_args or []),
+            *([] if overlap else NO_OVERLAP),
+        ]
         if pd:
             pd_args = ["--disaggregation-transfer-backend", backend]
             pd_env = mooncake_env() if backend == "mooncake" else {}
             p_args, p_env = tp_args(prefill_tp or tp)
             d_args, d_env = tp_args(decode_tp or tp)
             self.bootstrap_port = free_port()
-            self.prefill = Server("prefill", [*base, *pd_args, *p_args, "--port", "0",
-                                              "--disaggregation-mode", "prefill",
-                                              "--disaggregation-bootstrap-port",
-                                              str(self.bootstrap_port)], 0, self.logdir,
-                                  {**pd_env, **p_env, **(prefill_env or {})})
-            self.decode = Server("decode", [*base, *pd_args, *DECODE_ARGS, *d_args, "--port",
-                                            "0", "--disaggregation-mode", "decode"], 0,
-                                 self.logdir, {**pd_env, **d_env, **(decode_env or {})})
-            self.router = Server("router", [], 0, self.logdir,
-                                 module="sglang_router.launch_router")
+            self.prefill = Server(
+                "prefill",
+                [
+                    *base,
+                    *pd_args,
+                    *p_args,
+                    "--port",
+                    "0",
+                    "--disaggregation-mode",
+                    "prefill",
+                    "--disaggregation-bootstrap-port",
+                    str(self.bootstrap_port),
+                ],
+                0,
+                self.logdir,
+                {**pd_env, **p_env, **(prefill_env or {})},
+            )
+            self.decode = Server(
+                "decode",
+                [
+                    *base,
+                    *pd_args,
+                    *DECODE_ARGS,
+                    *d_args,
+                    "--port",
+                    "0",
+                    "--disaggregation-mode",
+                    "decode",
+                ],
+                0,
+                self.logdir,
+                {**pd_env, **d_env, **(decode_env or {})},
+            )
+            self.router = Server("router", [], 0, self.logdir, module="sglang_router.launch_router")
             self.servers = [self.prefill, self.decode, self.router]
         else:
             s_args, s_env = tp_args(tp)
-            self.single = Server("server", [*base, *s_args, "--port", "0"], 0, self.logdir,
-                                 {**s_env, **(env or {})})
+            self.single = Server(
+                "server", [*base, *s_args, "--port", "0"], 0, self.logdir, {**s_env, **(env or {})}
+            )
             self.servers = [self.single]
 
     @classmethod
-    def over(cls, model: Path, *, single: Server | None = None, prefill: Server | None = None,
-             decode: Server | None = None, router: Server | None = None,
-             bootstrap_port: int = 0, backend: str | None = None) -> "Deployment":
+    def over(
+        cls,
+        model: Path,
+        *,
+        single: Server | None = None,
+        prefill: Server | None = None,
+        decode: Server | None = None,
+        router: Server | None = None,
+        bootstrap_port: int = 0,
+        backend: str | None = None,
+    ) -> "Deployment":
         """A deployment over servers that run already (``tests.e2e.fleet`` shares them
         between deployments): one plain server, or a prefill, a decode and a router."""
         d = cls.__new__(cls)
@@ -402,11 +488,26 @@ class Deployment:
                 s.args[s.args.index("--port") + 1] = str(s.port)
         if self.pd and self.router in servers:
             self.router.args = [
-                "--pd-disaggregation", "--prefill", self.prefill.url,
-                str(self.bootstrap_port), "--decode", self.decode.url, "--host",
-                "127.0.0.1", "--port", str(self.router.port), "--log-level", "info",
-                "--request-timeout-secs", "120", "--prometheus-host", "127.0.0.1",
-                "--prometheus-port", str(free_port()), "--disable-circuit-breaker"]
+                "--pd-disaggregation",
+                "--prefill",
+                self.prefill.url,
+                str(self.bootstrap_port),
+                "--decode",
+                self.decode.url,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.router.port),
+                "--log-level",
+                "info",
+                "--request-timeout-secs",
+                "120",
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(free_port()),
+                "--disable-circuit-breaker",
+            ]
 
     def start(self) -> "Deployment":
         """Start every server and wait until each is healthy (the router: until it lists
@@ -418,12 +519,18 @@ class Deployment:
             try:
                 return self._start_once()
             except DeployError:
-                taken = [s.name for s in self.servers if s.proc is not None
-                         and ADDRESS_IN_USE in s.log_text().lower()]
+                taken = [
+                    s.name
+                    for s in self.servers
+                    if s.proc is not None and ADDRESS_IN_USE in s.log_text().lower()
+                ]
                 if not taken or attempt == PORT_ATTEMPTS:
                     raise
-                print(f"deploy: {', '.join(taken)} found its port taken (attempt {attempt} "
-                      f"of {PORT_ATTEMPTS}); starting again on new ports", flush=True)
+                print(
+                    f"deploy: {', '.join(taken)} found its port taken (attempt {attempt} "
+                    f"of {PORT_ATTEMPTS}); starting again on new ports",
+                    flush=True,
+                )
         raise AssertionError("unreachable")
 
     def _start_once(self) -> "Deployment":
@@ -456,9 +563,11 @@ class Deployment:
             if {"prefill", "decode"} <= kinds:
                 return
             if not self.router.alive() or time.monotonic() > deadline:
-                raise DeployError(f"the router does not list both workers healthy "
-                                  f"({r.status}: {r.body}); log {self.router.log}:\n"
-                                  f"{tail(self.router.log)}")
+                raise DeployError(
+                    f"the router does not list both workers healthy "
+                    f"({r.status}: {r.body}); log {self.router.log}:\n"
+                    f"{tail(self.router.log)}"
+                )
             time.sleep(0.5)
 
     def stop(self) -> dict:
@@ -476,11 +585,20 @@ class Deployment:
         """Where clients send requests: the router, or the plain server."""
         return self.router if self.pd else self.single
 
-    def generate(self, text: str, max_new_tokens: int = 8, *, timeout: float = 30.0,
-                 rid: str | None = None, server: Server | None = None,
-                 stream: bool = False) -> Response:
-        payload = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens,
-                                                     "temperature": 0}}
+    def generate(
+        self,
+        text: str,
+        max_new_tokens: int = 8,
+        *,
+        timeout: float = 30.0,
+        rid: str | None = None,
+        server: Server | None = None,
+        stream: bool = False,
+    ) -> Response:
+        payload = {
+            "text": text,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0},
+        }
         if rid is not None:
             payload["rid"] = rid
         if stream:
@@ -488,8 +606,7 @@ class Deployment:
         return http("POST", (server or self.entry).url + "/generate", payload, timeout)
 
     def control(self, server: Server, path: str, payload=None, timeout: float = 60.0) -> Response:
-        return http("POST", server.url + path, payload if payload is not None else {},
-                    timeout)
+        return http("POST", server.url + path, payload if payload is not None else {}, timeout)
 
     def settle(self, within: float = IDLE_S) -> dict[str, dict[str, int]]:
         """What each engine still holds (:meth:`Server.held`) once it had up to
@@ -524,13 +641,19 @@ class Deployment:
         return "\n".join(out)
 
     def logs(self, lines: int = 60) -> str:
-        return "\n".join(f"---- {s.name} ({s.log}) ----\n{tail(s.log, lines)}"
-                         for s in self.servers)
+        return "\n".join(
+            f"---- {s.name} ({s.log}) ----\n{tail(s.log, lines)}" for s in self.servers
+        )
 
 
 # What a scheduler's death leaves in a server's log.
-CRASH_MARKERS = ("Segmentation fault", "Fatal Python error", "Scheduler hit an exception",
-                 "AssertionError", "Received sigquit from a child process")
+CRASH_MARKERS = (
+    "Segmentation fault",
+    "Fatal Python error",
+    "Scheduler hit an exception",
+    "AssertionError",
+    "Received sigquit from a child process",
+)
 
 
 def rss_anon(pid: int) -> int:
@@ -560,8 +683,11 @@ def given_back(before: dict, after: dict, min_size: int = 1 << 20) -> int:
     :func:`rss_by_mapping` snapshots, gave back between them.  Unlike the difference of
     two ``RssAnon`` figures, memory that other mappings gained meanwhile (requests served
     while a release runs) does not hide what a release gave back."""
-    return sum(max(0, rss - after[k]) for k, rss in before.items()
-               if k in after and k[1] - k[0] >= min_size)
+    return sum(
+        max(0, rss - after[k])
+        for k, rss in before.items()
+        if k in after and k[1] - k[0] >= min_size
+    )
 
 
 def prompt(i: int, words: int = 12) -> str:

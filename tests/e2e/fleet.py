@@ -25,9 +25,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.e2e.deploy import (CRASH_MARKERS, DECODE_ARGS, NO_OVERLAP, SERVER_ARGS,
-                              START_TIMEOUT, DeployError, Deployment, Server, free_port,
-                              http, mooncake_env, tp_args)
+from tests.e2e.deploy import (
+    CRASH_MARKERS,
+    DECODE_ARGS,
+    NO_OVERLAP,
+    SERVER_ARGS,
+    START_TIMEOUT,
+    DeployError,
+    Deployment,
+    Server,
+    free_port,
+    http,
+    mooncake_env,
+    tp_args,
+)
 
 MAX_ENGINES = 4
 MAX_ROUTERS = 2
@@ -37,8 +48,8 @@ MAX_ROUTERS = 2
 class Spec:
     """One engine server's configuration."""
 
-    role: str                            # "prefill", "decode" or "plain"
-    backend: str | None = None           # the PD transfer backend (None: plain)
+    role: str  # "prefill", "decode" or "plain"
+    backend: str | None = None  # the PD transfer backend (None: plain)
     env: tuple[tuple[str, str], ...] = ()  # its own variables (the flag, timeouts)
     tp: int = 1
     overlap: bool = True
@@ -46,11 +57,14 @@ class Spec:
     @property
     def name(self) -> str:
         env = dict(self.env)
-        parts = [self.role, self.backend or "",
-                 "kvmem" if env.get("SGLANG_KVMEM") == "1" else "stock",
-                 *(f"tp{self.tp}" for _ in [0] if self.tp > 1),
-                 *("no-overlap" for _ in [0] if not self.overlap),
-                 *("timeouts" for _ in [0] if "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT" in env)]
+        parts = [
+            self.role,
+            self.backend or "",
+            "kvmem" if env.get("SGLANG_KVMEM") == "1" else "stock",
+            *(f"tp{self.tp}" for _ in [0] if self.tp > 1),
+            *("no-overlap" for _ in [0] if not self.overlap),
+            *("timeouts" for _ in [0] if "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT" in env),
+        ]
         return "-".join(p for p in parts if p)
 
     @property
@@ -68,10 +82,12 @@ def specs(conf: dict, backend: str) -> tuple[Spec, ...]:
 
     if not conf.get("pd", True):
         return (Spec("plain", None, env(conf.get("env")), tp, overlap),)
-    return (Spec("prefill", backend, env(conf.get("prefill_env")),
-                 conf.get("prefill_tp") or tp, overlap),
-            Spec("decode", backend, env(conf.get("decode_env")),
-                 conf.get("decode_tp") or tp, overlap))
+    return (
+        Spec(
+            "prefill", backend, env(conf.get("prefill_env")), conf.get("prefill_tp") or tp, overlap
+        ),
+        Spec("decode", backend, env(conf.get("decode_env")), conf.get("decode_tp") or tp, overlap),
+    )
 
 
 @dataclass
@@ -94,13 +110,21 @@ class Fleet:
 
     # -- engines ------------------------------------------------------------------------
     def _new_server(self, spec: Spec) -> Engine:
-        base = ["--model-path", str(self.model), *SERVER_ARGS,
-                *([] if spec.overlap else NO_OVERLAP)]
+        base = [
+            "--model-path",
+            str(self.model),
+            *SERVER_ARGS,
+            *([] if spec.overlap else NO_OVERLAP),
+        ]
         args, env = tp_args(spec.tp)
         env = {**env, **dict(spec.env)}
         if spec.role != "plain":
-            base += ["--disaggregation-transfer-backend", spec.backend,
-                     "--disaggregation-mode", spec.role]
+            base += [
+                "--disaggregation-transfer-backend",
+                spec.backend,
+                "--disaggregation-mode",
+                spec.role,
+            ]
             if spec.backend == "mooncake":
                 env = {**mooncake_env(), **env}
         if spec.role == "prefill":
@@ -109,8 +133,16 @@ class Fleet:
             base += DECODE_ARGS
         n = self.started[spec.name] = self.started.get(spec.name, 0) + 1
         logdir = self.logroot / f"{spec.name}-{n}"
-        return Engine(spec, Server(spec.role if spec.role != "plain" else "server",
-                                   [*base, *args, "--port", "0"], 0, logdir, env))
+        return Engine(
+            spec,
+            Server(
+                spec.role if spec.role != "plain" else "server",
+                [*base, *args, "--port", "0"],
+                0,
+                logdir,
+                env,
+            ),
+        )
 
     def _healthy(self, engine: Engine) -> bool:
         s = engine.server
@@ -155,8 +187,9 @@ class Fleet:
                     e.server.wait_healthy(deadline)
                 break
             except DeployError:
-                taken = [e for e in fresh if "address already in use" in
-                         e.server.log_text().lower()]
+                taken = [
+                    e for e in fresh if "address already in use" in e.server.log_text().lower()
+                ]
                 for e in fresh:
                     e.server.stop()
                 if not taken:
@@ -180,13 +213,34 @@ class Fleet:
             self.routers.pop(key).stop()
         while len(self.routers) >= MAX_ROUTERS:
             self.routers.pop(next(iter(self.routers))).stop()
-        r = Server("router", [], free_port(), self.logroot / f"router-{p.spec.name}--"
-                   f"{d.spec.name}", module="sglang_router.launch_router")
-        r.args = ["--pd-disaggregation", "--prefill", p.server.url, str(p.bootstrap_port),
-                  "--decode", d.server.url, "--host", "127.0.0.1", "--port", str(r.port),
-                  "--log-level", "info", "--request-timeout-secs", "120",
-                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                  "--disable-circuit-breaker"]
+        r = Server(
+            "router",
+            [],
+            free_port(),
+            self.logroot / f"router-{p.spec.name}--{d.spec.name}",
+            module="sglang_router.launch_router",
+        )
+        r.args = [
+            "--pd-disaggregation",
+            "--prefill",
+            p.server.url,
+            str(p.bootstrap_port),
+            "--decode",
+            d.server.url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(r.port),
+            "--log-level",
+            "info",
+            "--request-timeout-secs",
+            "120",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--disable-circuit-breaker",
+        ]
         r.start()
         deadline = time.monotonic() + START_TIMEOUT
         try:
@@ -194,12 +248,14 @@ class Fleet:
             while True:  # until it lists both workers healthy (its /health answers first)
                 w = http("GET", r.url + "/workers", timeout=5)
                 workers = w.body.get("workers", []) if isinstance(w.body, dict) else []
-                if {"prefill", "decode"} <= {x.get("worker_type") for x in workers
-                                             if x.get("is_healthy")}:
+                if {"prefill", "decode"} <= {
+                    x.get("worker_type") for x in workers if x.get("is_healthy")
+                }:
                     break
                 if not r.alive() or time.monotonic() > deadline:
-                    raise DeployError(f"router {r.url} does not list both workers healthy "
-                                      f"({w.status}: {w.body})")
+                    raise DeployError(
+                        f"router {r.url} does not list both workers healthy ({w.status}: {w.body})"
+                    )
                 time.sleep(0.5)
         except BaseException:
             r.stop()
@@ -217,8 +273,14 @@ class Fleet:
             return Deployment.over(self.model, single=engines[0].server)
         p, d = engines
         r = self._router(p, d)
-        return Deployment.over(self.model, prefill=p.server, decode=d.server, router=r,
-                               bootstrap_port=p.bootstrap_port, backend=backend)
+        return Deployment.over(
+            self.model,
+            prefill=p.server,
+            decode=d.server,
+            router=r,
+            bootstrap_port=p.bootstrap_port,
+            backend=backend,
+        )
 
     def discard(self, conf: dict, backend: str = "nixl", roles=("prefill", "decode", "plain")):
         """Stop the engines of ``conf`` with those roles (and their routers); the next

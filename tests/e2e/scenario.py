@@ -47,13 +47,13 @@ KV = {"tags": ["kv_cache"]}
 # status codes each category may end with (0: the client disconnected on purpose)
 ALLOWED = {
     "plain": {200},
-    "plain_after": {200},                # the same traffic after every fault below
+    "plain_after": {200},  # the same traffic after every fault below
     "disconnect": {0},
-    "abort_rid": {200, 400, 499, 503},   # finished first, or answered as the abort
+    "abort_rid": {200, 400, 499, 503},  # finished first, or answered as the abort
     "abort_all": {200, 400, 499, 503},
-    "decode_stopped": {200, 504},        # finished in time, or a transfer or bootstrap
-                                         # timeout
-    "release": {200, 503},               # finished first, or refused by the release
+    "decode_stopped": {200, 504},  # finished in time, or a transfer or bootstrap
+    # timeout
+    "release": {200, 503},  # finished first, or refused by the release
 }
 
 
@@ -83,15 +83,20 @@ class Report:
         return dict(self.__dict__)
 
 
-def _request(url: str, text: str, tokens: int, rid: str | None, stream: bool,
-             disconnect: bool, category: str) -> Outcome:
+def _request(
+    url: str, text: str, tokens: int, rid: str | None, stream: bool, disconnect: bool, category: str
+) -> Outcome:
     payload = {"text": text, "sampling_params": {"max_new_tokens": tokens, "temperature": 0}}
     if rid:
         payload["rid"] = rid
     if stream:
         payload["stream"] = True
-    req = urllib.request.Request(url + "/generate", data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        url + "/generate",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     t0 = time.monotonic()
     out = Outcome(category)
     try:
@@ -125,7 +130,7 @@ def _stream_status(line: bytes) -> int | None:
     """The status of an error or abort inside a stream chunk (sglang streams the
     finish reason's ``status_code``)."""
     try:
-        chunk = json.loads(line[len(b"data:"):])
+        chunk = json.loads(line[len(b"data:") :])
     except ValueError:
         return None
     reason = (chunk.get("meta_info") or {}).get("finish_reason") or {}
@@ -152,8 +157,18 @@ def run(d, seed: int = 0, scale: int = 1) -> Report:
             i = next(serial)
             r = f"scn-{seed}-{i}" if rid else None
             rids.append(r)
-            futures.append(pool.submit(_request, d.router.url, prompt(i, 8 + i % 24),
-                                       tokens, r, stream, disconnect, category))
+            futures.append(
+                pool.submit(
+                    _request,
+                    d.router.url,
+                    prompt(i, 8 + i % 24),
+                    tokens,
+                    r,
+                    stream,
+                    disconnect,
+                    category,
+                )
+            )
         return rids
 
     def both(path, body):
@@ -215,12 +230,15 @@ def run(d, seed: int = 0, scale: int = 1) -> Report:
             if len(report.wrong_examples) < 8:
                 report.wrong_examples.append([o.category, o.status, o.body[:200]])
     for cat in ("plain", "plain_after"):  # before any fault, and after all of them
-        ttfts = sorted(o.ttft for o in outcomes if o.category == cat and o.ttft is not None
-                       and o.status == 200)
+        ttfts = sorted(
+            o.ttft for o in outcomes if o.category == cat and o.ttft is not None and o.status == 200
+        )
         if ttfts:
             report.ttft_ms[cat] = {
-                "n": len(ttfts), "median": 1e3 * statistics.median(ttfts),
-                "p99": 1e3 * nearest_rank(ttfts, 0.99)}
+                "n": len(ttfts),
+                "median": 1e3 * statistics.median(ttfts),
+                "p99": 1e3 * nearest_rank(ttfts, 0.99),
+            }
     report.crashes = d.crashed()
     report.leaks = _leaks(d) if not report.crashes else {"unknown": "a server crashed"}
     return report

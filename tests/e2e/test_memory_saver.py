@@ -51,5 +51,4 @@ def test_stock_kv_pool_goes_through_torch_memory_saver(runs):
 
 def test_flag_kv_pool_is_kvmem_not_torch_memory_saver(runs):
     ours = runs[True]
-    assert ours == {"built": True, "kvmem": True,
-                    "saver": "_TorchMemorySaverAdapterReal"}, ours
+    assert ours == {"built": True, "kvmem": True, "saver": "_TorchMemorySaverAdapterReal"}, ours

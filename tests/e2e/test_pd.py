@@ -109,8 +109,9 @@ def test_release_resume_then_transfer(deployments, backend, reference, kind):
         if backend == "nixl":
             assert text.count("prepared transfer list(s) released first") >= 2
             # for every decode it met (the tier's servers serve several deployments)
-            assert re.search(r"NIXL transfer lists prepared again for [1-9]\d* decode peer",
-                             text), d.trace("prepared again")
+            assert re.search(
+                r"NIXL transfer lists prepared again for [1-9]\d* decode peer", text
+            ), d.trace("prepared again")
         else:
             assert text.count("Mooncake prefill: deregistered") >= 2
             assert text.count("Mooncake prefill: registered again") >= 2
@@ -130,8 +131,7 @@ def test_decode_released_before_it_met_the_prefill(deployments, backend, referen
     assert d.control(d.decode, "/release_memory_occupation", KV).status == 200
     try:
         r = d.generate(PROMPTS[0], timeout=30)
-        assert r.status == 503 and r.seconds < PROMPT_S, (r.status, r.seconds, r.body,
-                                                          r.error)
+        assert r.status == 503 and r.seconds < PROMPT_S, (r.status, r.seconds, r.body, r.error)
         assert "released its KV cache" in str(r.body)
         assert d.settle(PROMPT_S) == {}
     finally:
@@ -161,8 +161,9 @@ def test_decode_release_resume_registers_again(deployments, backend, reference, 
         assert outputs(d) == reference, f"cycle {cycle}"
     text = d.prefill.log_text()
     if backend == "nixl":
-        taken = (text.count("registered again (its KV cache was released and resumed)")
-                 + text.count("was already registered, ignoring"))
+        taken = text.count("registered again (its KV cache was released and resumed)") + text.count(
+            "was already registered, ignoring"
+        )
         assert taken >= 2, d.trace("registered")
         sent = re.findall(r"new registration sent to (\d+) of (\d+)", d.decode.log_text())
         assert len([1 for a, b in sent if a == b != "0"]) >= 2, sent
@@ -178,8 +179,7 @@ def test_decode_release_resume_registers_again(deployments, backend, reference, 
 @pytest.mark.backends("mooncake")
 @pytest.mark.parametrize("kind", ["kvmem-both"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_mooncake_registration_refused_at_a_resume(deployments, backend, reference, kind,
-                                                   role):
+def test_mooncake_registration_refused_at_a_resume(deployments, backend, reference, kind, role):
     """The real Mooncake engine refuses the KV regions' registration at a resume (a 4 KiB
     registration overlapping the first region, armed in that server: standins/faults.py):
     the adapter refuses the resume with the engine's code, the KV cache stays released (a
@@ -194,11 +194,15 @@ def test_mooncake_registration_refused_at_a_resume(deployments, backend, referen
         server.arm("register-overlap")
         assert d.control(server, "/resume_memory_occupation", KV).status == 200
         assert [n.split()[:2] for n in server.fault_notes()[seen:]] == [
-            ["fault:register-overlap", "-7"]], server.fault_notes()
+            ["fault:register-overlap", "-7"]
+        ], server.fault_notes()
         log = server.log_text()
-        assert re.search(rf"kvmem-sglang \(SGLANG_KVMEM=1\): Mooncake batch_register of "
-                         rf"\d+ region\(s\) \(\d+ bytes\) on this {role} returned -7 at "
-                         rf"the resume", log), d.trace("batch_register")
+        assert re.search(
+            rf"kvmem-sglang \(SGLANG_KVMEM=1\): Mooncake batch_register of "
+            rf"\d+ region\(s\) \(\d+ bytes\) on this {role} returned -7 at "
+            rf"the resume",
+            log,
+        ), d.trace("batch_register")
         assert "refused: the KV cache stays released" in log, d.trace("refused")
         r = d.generate(PROMPTS[0], timeout=30)
         assert r.status == 503 and "released its KV cache" in str(r.body), (r.status, r.body)
@@ -216,8 +220,7 @@ def test_mooncake_registration_refused_at_a_resume(deployments, backend, referen
 @pytest.mark.backends("mooncake")
 @pytest.mark.parametrize("kind", ["kvmem-both"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_mooncake_deregistration_refused_at_a_release(deployments, backend, reference, kind,
-                                                      role):
+def test_mooncake_deregistration_refused_at_a_release(deployments, backend, reference, kind, role):
     """The real Mooncake engine refuses the deregistration of one region at a release (it
     was deregistered alone just before, armed in that server: standins/faults.py).  The
     adapter refuses the release with the engine's codes and registers the regions again,
@@ -232,12 +235,16 @@ def test_mooncake_deregistration_refused_at_a_release(deployments, backend, refe
     server.arm("deregister-missing")
     assert d.control(server, "/release_memory_occupation", KV).status == 200
     assert [n.split()[:2] for n in server.fault_notes()[seen:]] == [
-        ["fault:deregister-missing", "-3"]], server.fault_notes()
+        ["fault:deregister-missing", "-3"]
+    ], server.fault_notes()
     log = server.log_text()
-    assert re.search(rf"kvmem-sglang \(SGLANG_KVMEM=1\): Mooncake deregistration of "
-                     rf"\d+ region\(s\) on this {role} refused \(codes \[-3(, 0)+\]\); "
-                     rf"nothing is released; every region is registered again \(codes "
-                     rf"\[0(, 0)+\]\)", log), d.trace("deregistration")
+    assert re.search(
+        rf"kvmem-sglang \(SGLANG_KVMEM=1\): Mooncake deregistration of "
+        rf"\d+ region\(s\) on this {role} refused \(codes \[-3(, 0)+\]\); "
+        rf"nothing is released; every region is registered again \(codes "
+        rf"\[0(, 0)+\]\)",
+        log,
+    ), d.trace("deregistration")
     assert "refused, nothing released" in log, d.trace("refused")
     assert outputs(d) == reference  # served: nothing released, every region registered
     assert d.control(server, "/release_memory_occupation", KV).status == 200
@@ -260,8 +267,9 @@ def _fired(server, fault: str, seen: int, within: float = PROMPT_S) -> str:
 
 @pytest.mark.backends("mooncake")
 @pytest.mark.parametrize("kind", ["stock", "kvmem-prefill", "kvmem-both"])
-def test_failed_last_send_fails_the_request_and_the_next_serve(deployments, backend, reference,
-                                                                kind):
+def test_failed_last_send_fails_the_request_and_the_next_serve(
+    deployments, backend, reference, kind
+):
     """The seed's failure on a real pair: a request's last send (its aux data, after its
     KV) refused by the decode's Mooncake engine, whose aux regions are deregistered
     (``aux-unregister``, standins/faults.py).  Each request is answered as a failure
@@ -277,8 +285,10 @@ def test_failed_last_send_fails_the_request_and_the_next_serve(deployments, back
     try:
         with ThreadPoolExecutor(2) as pool:
             answers = list(pool.map(lambda i: d.generate(PROMPTS[i], timeout=60), range(2)))
-        print(f"{kind}: last send refused: {[(a.status, round(a.seconds, 2)) for a in answers]}"
-              f" {answers[0].body}")
+        print(
+            f"{kind}: last send refused: {[(a.status, round(a.seconds, 2)) for a in answers]}"
+            f" {answers[0].body}"
+        )
         for a in answers:
             assert a.status == 500, (a.status, a.body, a.error)
             # the router tries a 500 six times (--retry-max-retries 5, with backoff:
@@ -301,8 +311,9 @@ def test_failed_last_send_fails_the_request_and_the_next_serve(deployments, back
 
 @pytest.mark.backends("mooncake")
 @pytest.mark.parametrize("kind", ["stock", "kvmem-prefill"])
-def test_release_right_after_a_failed_write_waits_for_its_slices(deployments, backend,
-                                                                   reference, kind):
+def test_release_right_after_a_failed_write_waits_for_its_slices(
+    deployments, backend, reference, kind
+):
     """A Mooncake batch write that failed may still move: ``batch_transfer_sync_write``
     returns -1 while other slices of the batch are in flight, and sglang uncounts the
     room at once, so a release of the prefill's KV cache right after finds it idle.
@@ -333,13 +344,18 @@ def test_release_right_after_a_failed_write_waits_for_its_slices(deployments, ba
     finally:
         d.decode.arm("aux-restore")
         _fired(d.decode, "aux-restore", seen)
-    print(f"{kind}: released {released_s:.3f} s after the failed write was logged; "
-          f"answer {a.status} after {a.seconds:.1f} s")
+    print(
+        f"{kind}: released {released_s:.3f} s after the failed write was logged; "
+        f"answer {a.status} after {a.seconds:.1f} s"
+    )
     assert rel.status == 200 and res.status == 200, (rel.status, rel.body, res.status, res.body)
     assert a.status in (500, 503), (a.status, a.body, a.error)
     log = d.prefill.log_text()[mark:]
-    waited = re.search(r"release_memory_occupation\(kv_cache\) waits ([\d.]+) s for the "
-                       r"slices of a failed transfer", log)
+    waited = re.search(
+        r"release_memory_occupation\(kv_cache\) waits ([\d.]+) s for the "
+        r"slices of a failed transfer",
+        log,
+    )
     if kind == "stock":
         assert waited is None
     else:
@@ -379,7 +395,8 @@ def test_request_while_released_answered_promptly(deployments, backend, referenc
 
 @pytest.mark.parametrize("kind", ["kvmem-decode"])
 def test_request_refused_by_a_released_decode_is_answered_whatever_the_prefill(
-        deployments, backend, reference, kind):
+    deployments, backend, reference, kind
+):
     """The flag on the decode alone, beside a stock prefill (which first feeds it KV as
     stock does).  While the decode's KV cache is released it refuses every request
     before giving it a page and sends its prefill an ABORT; the router sends the request
@@ -399,8 +416,7 @@ def test_request_refused_by_a_released_decode_is_answered_whatever_the_prefill(
             assert r.status == 503, (r.status, r.body, r.error, round(r.seconds, 1))
             assert "released its KV cache" in str(r.body)
         slowest = max(r.seconds for r in answers)
-        print(f"{kind}: 4 requests refused by the released decode, slowest after "
-              f"{slowest:.2f} s")
+        print(f"{kind}: 4 requests refused by the released decode, slowest after {slowest:.2f} s")
         assert slowest < 20, [round(r.seconds, 1) for r in answers]
         held = d.settle()
         assert held == {}, f"still held: {held}"
@@ -418,15 +434,18 @@ def _in_flight(d, server, n=6, tokens=48, lead=0.3):
     pool = ThreadPoolExecutor(n)
     rids = [f"inflight-{server.name}-{time.monotonic_ns()}-{i}" for i in range(n)]
     prompts = [prompt(i, 12 + 4 * i) for i in range(n)]
-    futs = [pool.submit(d.generate, p, tokens, timeout=90, rid=r)
-            for p, r in zip(prompts, rids)]
+    futs = [pool.submit(d.generate, p, tokens, timeout=90, rid=r) for p, r in zip(prompts, rids)]
     time.sleep(lead)
     rel = d.control(server, "/release_memory_occupation", KV, timeout=90)
     answers = [f.result() for f in futs]
     for a, r in zip(answers, rids):
         a.rid = r
     pool.shutdown()
-    res = d.control(server, "/resume_memory_occupation", KV, timeout=90) if rel.status == 200 else None
+    res = (
+        d.control(server, "/resume_memory_occupation", KV, timeout=90)
+        if rel.status == 200
+        else None
+    )
     return answers, rel, res
 
 
@@ -442,8 +461,9 @@ def test_release_with_requests_in_flight(deployments, backend, reference, kind, 
 @pytest.mark.backends("nixl")  # the scheduler loop is the backend's neighbour, not its user
 @pytest.mark.parametrize("kind", ["kvmem-both-no-overlap"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_release_with_requests_in_flight_without_overlap(deployments, backend, reference,
-                                                          kind, role):
+def test_release_with_requests_in_flight_without_overlap(
+    deployments, backend, reference, kind, role
+):
     """The same without sglang's overlap schedule (the tier's default is with it): the
     release then meets the other scheduler loop.  The loops are the same whatever the
     transfer backend, so this runs on NIXL only (two fewer servers to start)."""
@@ -455,11 +475,15 @@ def _release_with_requests_in_flight(d, role, reference):
     answers, rel, res = _in_flight(d, server)
     assert rel.status == 200 and res is not None and res.status == 200, (rel, res)
     statuses = sorted(a.status for a in answers)
-    print(f"{role} released with 6 requests in flight: "
-          f"{[(a.status, a.error, round(a.seconds, 1)) for a in answers]}")
+    print(
+        f"{role} released with 6 requests in flight: "
+        f"{[(a.status, a.error, round(a.seconds, 1)) for a in answers]}"
+    )
     assert set(statuses) <= {200, 503}, "\n".join(
         f"{a.rid}: {a.status} {a.error} after {a.seconds:.1f} s\n{d.trace(a.rid)}"
-        for a in answers if a.status not in (200, 503))
+        for a in answers
+        if a.status not in (200, 503)
+    )
     for a in answers:
         if a.status == 503:
             assert "released its KV cache" in str(a.body)
@@ -472,8 +496,9 @@ def _release_with_requests_in_flight(d, role, reference):
 @pytest.mark.backends("nixl")  # sglang's idle assertion, whatever the backend
 @pytest.mark.parametrize("kind", ["stock"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_stock_release_with_requests_in_flight_kills_the_scheduler(deployments, backend, kind,
-                                                                   role):
+def test_stock_release_with_requests_in_flight_kills_the_scheduler(
+    deployments, backend, kind, role
+):
     """The same on stock sglang 0.5.23: ``release_memory_occupation`` asserts an idle
     scheduler (weight_updater.py:339) and the server's scheduler dies.  (The gap the
     flag closes; the stock deployment is restarted afterwards.)  That assertion is the
@@ -492,12 +517,16 @@ def test_stock_release_with_requests_in_flight_kills_the_scheduler(deployments, 
             if d.crashed():
                 break
         crashed = d.crashed()
-        print(f"stock {role} released with requests in flight ({lead} s after they left): "
-              f"release {rel.status}, answers {[a.status for a in answers]}, crashed "
-              f"{crashed}")
+        print(
+            f"stock {role} released with requests in flight ({lead} s after they left): "
+            f"release {rel.status}, answers {[a.status for a in answers]}, crashed "
+            f"{crashed}"
+        )
         assert any(c.startswith(role) for c in crashed), crashed
-        assert "AssertionError: release_memory_occupation should be called only when " \
-               "server is idle" in server.log_text()
+        assert (
+            "AssertionError: release_memory_occupation should be called only when "
+            "server is idle" in server.log_text()
+        )
     finally:
         deployments.discard_broken(kind, backend, d)
 
@@ -512,16 +541,22 @@ def test_aborted_requests_with_client_rids_are_answered(deployments, backend, ki
     d = deployments.get(kind, backend)
     pool = ThreadPoolExecutor(8)
     rids = [f"abort-{time.monotonic_ns()}-{i}" for i in range(8)]
-    futs = [pool.submit(d.generate, prompt(40 + i), 64, timeout=30, rid=r)
-            for i, r in enumerate(rids)]
+    futs = [
+        pool.submit(d.generate, prompt(40 + i), 64, timeout=30, rid=r) for i, r in enumerate(rids)
+    ]
     time.sleep(0.4)
     for s in (d.prefill, d.decode):
         assert d.control(s, "/abort_request", {"abort_all": True}).status == 200
     answers = [f.result() for f in futs]
     pool.shutdown()
     for a, r in zip(answers, rids):
-        assert a.status == 200 and a.seconds < PROMPT_S, (r, a.status, a.seconds, a.error,
-                                                          d.trace(r))
+        assert a.status == 200 and a.seconds < PROMPT_S, (
+            r,
+            a.status,
+            a.seconds,
+            a.error,
+            d.trace(r),
+        )
         reason = a.body["meta_info"]["finish_reason"]
         assert reason["type"] in ("abort", "length"), reason
     assert d.crashed() == []
@@ -548,8 +583,10 @@ def test_abort_on_the_prefill_alone_is_answered(deployments, backend, kind):
     rids = [f"prefill-abort-{time.monotonic_ns()}-{i}" for i in range(8)]
     d.decode.signal(signal.SIGSTOP)
     try:
-        futs = [pool.submit(d.generate, prompt(60 + i), 16, timeout=30, rid=r)
-                for i, r in enumerate(rids)]
+        futs = [
+            pool.submit(d.generate, prompt(60 + i), 16, timeout=30, rid=r)
+            for i, r in enumerate(rids)
+        ]
         # until all are bootstrapping on the prefill (its bootstrap timeout: 300 s)
         deadline = time.monotonic() + 20.0
         while d.prefill.held().get("bootstrap", 0) < len(rids):

@@ -44,8 +44,9 @@ def idle(d):
 def with_requests(d, action, n=4, tokens=48):
     """Run ``action()`` while ``n`` requests are in flight; (its result, the answers)."""
     pool = ThreadPoolExecutor(n)
-    futs = [pool.submit(d.generate, PROMPTS[i % len(PROMPTS)], tokens, timeout=120)
-            for i in range(n)]
+    futs = [
+        pool.submit(d.generate, PROMPTS[i % len(PROMPTS)], tokens, timeout=120) for i in range(n)
+    ]
     time.sleep(0.3)
     out = action()
     answers = [f.result() for f in futs]
@@ -83,8 +84,11 @@ def test_pause_and_continue_generation(pair, kind):
 
 
 @pytest.mark.parametrize("kind", ["kvmem-both"])
-@pytest.mark.parametrize("tags", [["kv_cache"], ["weights", "kv_cache"], None],
-                         ids=["kv_cache", "weights+kv_cache", "no-tags"])
+@pytest.mark.parametrize(
+    "tags",
+    [["kv_cache"], ["weights", "kv_cache"], None],
+    ids=["kv_cache", "weights+kv_cache", "no-tags"],
+)
 def test_release_resume_with_requests_in_flight(pair, kind, tags):
     """Release both engines with requests in flight (answered 200 if they finished
     first, else 503 naming the release), check the memory is gone, resume, serve."""
@@ -95,8 +99,10 @@ def test_release_resume_with_requests_in_flight(pair, kind, tags):
     before = {name: rss_by_mapping(p[0]) for name, p in scheds.items()}
 
     def release_both():
-        return [d.control(s, "/release_memory_occupation", body, timeout=90)
-                for s in (d.prefill, d.decode)]
+        return [
+            d.control(s, "/release_memory_occupation", body, timeout=90)
+            for s in (d.prefill, d.decode)
+        ]
 
     try:
         rels, answers = with_requests(d, release_both)
@@ -104,8 +110,10 @@ def test_release_resume_with_requests_in_flight(pair, kind, tags):
         released = {name: rss_by_mapping(p[0]) for name, p in scheds.items()}
         statuses = check_answers(answers, {200, 503})
         back = {n: given_back(before[n], released[n]) for n in before}
-        print(f"tags {tags}: answers {statuses}; resident MiB the schedulers' mappings gave "
-              f"back: { {n: round(b / 2**20, 1) for n, b in back.items()} }")
+        print(
+            f"tags {tags}: answers {statuses}; resident MiB the schedulers' mappings gave "
+            f"back: { {n: round(b / 2**20, 1) for n, b in back.items()} }"
+        )
         # the pool was resident (pre-faulted by the last resume); the requests served
         # meanwhile grow other mappings (on 2026-12-02 by 7 MiB of the decode's, which
         # hid a quarter of the pool in the whole process's RssAnon), not the pool's
@@ -154,8 +162,10 @@ def test_pool_memory_given_back_while_released(pair, kind):
     released = rss_anon(pid)
     assert d.control(d.prefill, "/resume_memory_occupation", kv).status == 200
     back = rss_anon(pid)
-    print(f"prefill scheduler RssAnon: live {live >> 20} MiB, released {released >> 20} MiB, "
-          f"resumed {back >> 20} MiB (pool {POOL_BYTES >> 20} MiB)")
+    print(
+        f"prefill scheduler RssAnon: live {live >> 20} MiB, released {released >> 20} MiB, "
+        f"resumed {back >> 20} MiB (pool {POOL_BYTES >> 20} MiB)"
+    )
     assert live - released >= 0.9 * POOL_BYTES
     assert back - released >= 0.9 * POOL_BYTES
 
@@ -169,8 +179,12 @@ def test_single_server_rl_cycle(deployments, model, kind):
     first = d.generate(PROMPTS[0])
     assert first.status == 200, first
     s = d.single
-    steps = [("/pause_generation", {"mode": "abort"}), ("/release_memory_occupation", {}),
-             ("/resume_memory_occupation", {}), ("/continue_generation", {})]
+    steps = [
+        ("/pause_generation", {"mode": "abort"}),
+        ("/release_memory_occupation", {}),
+        ("/resume_memory_occupation", {}),
+        ("/continue_generation", {}),
+    ]
     for path, body in steps:
         assert d.control(s, path, body).status == 200, path
     assert d.generate(PROMPTS[0]).body["output_ids"] == first.body["output_ids"]
@@ -196,17 +210,22 @@ def paused_release(d, servers, mode, tags, *, n=3, tokens=300, delay=1.0):
     """``n`` requests of ``tokens`` new tokens in flight, then on every server in turn:
     pause_generation(mode), release(tags), resume (no tags: whatever is released),
     continue_generation; (the control calls' statuses, the answers)."""
+
     def cycle():
         steps = []
-        for path, body in (("/pause_generation", {"mode": mode}),
-                           ("/release_memory_occupation", {"tags": tags}),
-                           ("/resume_memory_occupation", {}), ("/continue_generation", {})):
+        for path, body in (
+            ("/pause_generation", {"mode": mode}),
+            ("/release_memory_occupation", {"tags": tags}),
+            ("/resume_memory_occupation", {}),
+            ("/continue_generation", {}),
+        ):
             steps += [d.control(s, path, body, timeout=90).status for s in servers]
         return steps
 
     pool = ThreadPoolExecutor(n)
-    futs = [pool.submit(d.generate, PROMPTS[i % len(PROMPTS)], tokens, timeout=150)
-            for i in range(n)]
+    futs = [
+        pool.submit(d.generate, PROMPTS[i % len(PROMPTS)], tokens, timeout=150) for i in range(n)
+    ]
     time.sleep(delay)
     steps = cycle()
     answers = [f.result() for f in futs]
@@ -251,8 +270,7 @@ def test_plain_pause_release_resume_continue(plain, kind, mode):
     assertion; the flag retracts them as a retract pause does, and they finish too.
     ``abort``: answered as aborts, as stock does."""
     d = plain
-    steps, answers = paused_release(d, (d.single,), mode, ["weights", "kv_cache"],
-                                    tokens=600)
+    steps, answers = paused_release(d, (d.single,), mode, ["weights", "kv_cache"], tokens=600)
     assert set(steps) == {200}, steps
     check_answers(answers, {200})
     kinds = [finish(a) for a in answers]
@@ -287,16 +305,21 @@ def test_grammar_request_kept_across_a_paused_release(plain, kind):
     the flag the release keeps the request (it holds no KV), and after the resume and the
     continue it is served."""
     d = plain
-    payload = {"text": PROMPTS[1], "sampling_params": {
-        "max_new_tokens": 16, "temperature": 0, "regex": slow_grammar()}}
+    payload = {
+        "text": PROMPTS[1],
+        "sampling_params": {"max_new_tokens": 16, "temperature": 0, "regex": slow_grammar()},
+    }
     from tests.e2e.deploy import http
 
     pool = ThreadPoolExecutor(1)
     fut = pool.submit(http, "POST", d.single.url + "/generate", payload, 600)
     time.sleep(1.0)
-    for path, body in (("/pause_generation", {"mode": "retract"}),
-                       ("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
-                       ("/resume_memory_occupation", {}), ("/continue_generation", {})):
+    for path, body in (
+        ("/pause_generation", {"mode": "retract"}),
+        ("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
+        ("/resume_memory_occupation", {}),
+        ("/continue_generation", {}),
+    ):
         assert d.control(d.single, path, body, timeout=90).status == 200, path
     answer = fut.result()
     pool.shutdown()

@@ -22,10 +22,12 @@ REPORTS: dict[str, dict] = {}
 
 
 def _print(name, rep):
-    print(f"\n{name}: {rep.requests} requests in {rep.seconds:.0f} s: answered "
-          f"{rep.answered}, hangs {rep.hangs}, wrong statuses {rep.wrong}, crashes "
-          f"{rep.crashes}, leaks {rep.leaks}, TTFT {rep.ttft_ms}\n  by category "
-          f"{json.dumps(rep.by_category)}\n  wrong {rep.wrong_examples}")
+    print(
+        f"\n{name}: {rep.requests} requests in {rep.seconds:.0f} s: answered "
+        f"{rep.answered}, hangs {rep.hangs}, wrong statuses {rep.wrong}, crashes "
+        f"{rep.crashes}, leaks {rep.leaks}, TTFT {rep.ttft_ms}\n  by category "
+        f"{json.dumps(rep.by_category)}\n  wrong {rep.wrong_examples}"
+    )
 
 
 def _keep(name, rep):

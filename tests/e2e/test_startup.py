@@ -37,12 +37,25 @@ def _refused(model, logroot, name, env, *needles):
 def test_plugins_list_without_kvmem_stops_the_server(model, logroot):
     """SGLANG_PLUGINS that leaves kvmem out: sglang skips the plugin ("Skipping plugin
     kvmem") and would run stock; the adapter's start-up guard stops it."""
-    _refused(model, logroot, "plugins", {"SGLANG_KVMEM": "1", "SGLANG_PLUGINS": "other"},
-             "SGLANG_PLUGINS='other' leaves the kvmem plugin out", "add kvmem to SGLANG_PLUGINS")
+    _refused(
+        model,
+        logroot,
+        "plugins",
+        {"SGLANG_KVMEM": "1", "SGLANG_PLUGINS": "other"},
+        "SGLANG_PLUGINS='other' leaves the kvmem plugin out",
+        "add kvmem to SGLANG_PLUGINS",
+    )
 
 
-@pytest.mark.parametrize("var,value", [("SGLANG_KVMEM_BACKEND", "gpu"),
-                                       ("SGLANG_KVMEM_DRAIN_TIMEOUT", "-1")])
+@pytest.mark.parametrize(
+    "var,value", [("SGLANG_KVMEM_BACKEND", "gpu"), ("SGLANG_KVMEM_DRAIN_TIMEOUT", "-1")]
+)
 def test_bad_option_stops_the_server(model, logroot, var, value):
-    _refused(model, logroot, var.lower(), {"SGLANG_KVMEM": "1", var: value},
-             f"{var}='{value}'", f"set {var}")
+    _refused(
+        model,
+        logroot,
+        var.lower(),
+        {"SGLANG_KVMEM": "1", var: value},
+        f"{var}='{value}'",
+        f"set {var}",
+    )

@@ -59,8 +59,10 @@ def test_tp2_plain_release_gives_back_every_ranks_pool(deployments, tp2_referenc
     refused = d.generate(PROMPTS[0], timeout=30)
     assert d.control(d.single, "/resume_memory_occupation", KV).status == 200
     back = {p: given_back(before[p], released[p]) for p in pids}
-    print(f"TP 2 plain: MiB each rank's mappings gave back: "
-          f"{ {p: round(b / 2**20, 1) for p, b in back.items()} }")
+    print(
+        f"TP 2 plain: MiB each rank's mappings gave back: "
+        f"{ {p: round(b / 2**20, 1) for p, b in back.items()} }"
+    )
     assert all(b >= 0.9 * RANK_POOL_BYTES for b in back.values()), back
     assert refused.status == 503, (refused.status, refused.body)
     assert "(TP rank 0)" in str(refused.body)
@@ -76,8 +78,7 @@ def test_tp2_plain_pause_release_resume_continue(deployments, tp2_reference, kin
     """The RL cycle at TP 2 in each pause mode, weights and KV cache released with
     requests running: kept and finished (retract, in_place) or answered as aborts."""
     d = deployments.get(kind)
-    steps, answers = paused_release(d, (d.single,), mode, ["weights", "kv_cache"],
-                                    tokens=300)
+    steps, answers = paused_release(d, (d.single,), mode, ["weights", "kv_cache"], tokens=300)
     assert set(steps) == {200}, steps
     kinds = [finish(a) if a.status == 200 else a.status for a in answers]
     print(f"TP 2 plain {mode}: {kinds}")
@@ -91,11 +92,14 @@ def test_tp2_plain_pause_release_resume_continue(deployments, tp2_reference, kin
 
 
 @pytest.mark.parametrize("kind", ["tp2-plain"])
-def test_tp2_plain_weight_update_between_release_and_resume(deployments, model,
-                                                            tp2_reference, kind):
+def test_tp2_plain_weight_update_between_release_and_resume(
+    deployments, model, tp2_reference, kind
+):
     d = deployments.get(kind)
     s = d.single
-    assert d.control(s, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]}).status == 200
+    assert (
+        d.control(s, "/release_memory_occupation", {"tags": ["weights", "kv_cache"]}).status == 200
+    )
     assert d.control(s, "/resume_memory_occupation", {"tags": ["weights"]}).status == 200
     upd = d.control(s, "/update_weights_from_disk", {"model_path": str(model)}, timeout=120)
     assert upd.status == 200 and upd.body.get("success"), upd
@@ -121,7 +125,8 @@ def test_tp2_stock_pd_outputs_equal_plain_tp2(deployments, backend, tp2_referenc
 
 @pytest.mark.parametrize("kind", ["tp2-both"])
 def test_tp2_refusal_by_a_released_prefill_is_503_on_every_decode_rank(
-        deployments, backend, tp2_reference, kind):
+    deployments, backend, tp2_reference, kind
+):
     """50 requests while the TP 2 prefill's KV cache is released, 5 at a time: every one
     answered 503 with the prefill's reason through the TP 2 decode and the router (before
     the fix about a third were 500, which the router retries), and each prefill rank's
@@ -130,13 +135,15 @@ def test_tp2_refusal_by_a_released_prefill_is_503_on_every_decode_rank(
     assert d.control(d.prefill, "/release_memory_occupation", KV).status == 200
     try:
         with ThreadPoolExecutor(5) as pool:
-            answers = list(pool.map(lambda i: d.generate(PROMPTS[i % 4], timeout=60),
-                                    range(50)))
+            answers = list(pool.map(lambda i: d.generate(PROMPTS[i % 4], timeout=60), range(50)))
         statuses = [a.status for a in answers]
-        print(f"TP 2 + TP 2 on {backend}, prefill released: statuses "
-              f"{ {s: statuses.count(s) for s in set(statuses)} }")
-        assert statuses == [503] * 50, [(a.status, str(a.body)[:200]) for a in answers
-                                        if a.status != 503][:3]
+        print(
+            f"TP 2 + TP 2 on {backend}, prefill released: statuses "
+            f"{ {s: statuses.count(s) for s in set(statuses)} }"
+        )
+        assert statuses == [503] * 50, [
+            (a.status, str(a.body)[:200]) for a in answers if a.status != 503
+        ][:3]
         assert all("released its KV cache" in str(a.body) for a in answers)
         assert d.settle() == {}
     finally:

@@ -17,16 +17,25 @@ import sys
 from pathlib import Path
 
 # Words the tokenizer knows; prompts are made of them (tests.e2e.deploy.prompt).
-WORDS = ("the a an one two three four five six seven eight nine ten red green blue "
-         "cache page block layer token prefill decode transfer memory release resume "
-         "server request answer model weight update pause continue abort timeout "
-         "kernel tensor value key head batch queue chunk state epoch engine router "
-         "client stream fast slow small large early late first last next every").split()
+WORDS = (
+    "the a an one two three four five six seven eight nine ten red green blue "
+    "cache page block layer token prefill decode transfer memory release resume "
+    "server request answer model weight update pause continue abort timeout "
+    "kernel tensor value key head batch queue chunk state epoch engine router "
+    "client stream fast slow small large early late first last next every"
+).split()
 
 CONFIG = dict(
-    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096,
-    rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
 )
 
 
@@ -46,19 +55,27 @@ def make_tiny_model(out: str | Path, seed: int = 0) -> Path:
     special = ["<unk>", "<s>", "</s>", "<pad>"]
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(vocab_size=CONFIG["vocab_size"],
-                                        special_tokens=special)
+    trainer = trainers.WordLevelTrainer(vocab_size=CONFIG["vocab_size"], special_tokens=special)
     # every id the model can sample decodes to a word: the vocabulary is filled up to
     # vocab_size with w0, w1, ... after the words above
     filler = [f"w{i}" for i in range(CONFIG["vocab_size"] - len(special) - len(WORDS))]
     tok.train_from_iterator([" ".join(WORDS + filler)], trainer=trainer)
     assert tok.get_vocab_size() == CONFIG["vocab_size"], tok.get_vocab_size()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
-                                   bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
     fast.save_pretrained(out)
-    config = LlamaConfig(**CONFIG, bos_token_id=fast.bos_token_id,
-                         eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
-                         torch_dtype="bfloat16")
+    config = LlamaConfig(
+        **CONFIG,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        torch_dtype="bfloat16",
+    )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out)
     done.write_text(json.dumps({"seed": seed, **CONFIG}) + "\n")

@@ -21,8 +21,9 @@ import os
 import signal
 import sys
 
-_ITEMS = [tuple((w + "@").split("@")[:2])
-          for w in os.environ.get("KVMEM_EXIT_PROBE", "").split(",") if w]
+_ITEMS = [
+    tuple((w + "@").split("@")[:2]) for w in os.environ.get("KVMEM_EXIT_PROBE", "").split(",") if w
+]
 _LIBC = ctypes.CDLL(None)
 
 

@@ -38,8 +38,9 @@ def _same_calls(alloc_a, alloc_b, ps, seed, check):
             need = int((-(-seq // ps)).sum())
             if need > alloc_a.num_free:
                 continue
-            kw = dict(prefix_lens_cpu=pre, seq_lens_cpu=seq, extend_num_tokens=int(seq.sum()),
-                      check=check)
+            kw = dict(
+                prefix_lens_cpu=pre, seq_lens_cpu=seq, extend_num_tokens=int(seq.sum()), check=check
+            )
             a = alloc_a.alloc_extend(pre.to(DEV), seq.to(DEV), last.to(DEV), **kw)
             b = alloc_b.alloc_extend(pre, seq, last, **kw)
             assert torch.equal(a.cpu(), b)

@@ -9,7 +9,9 @@ import torch
 
 from kvmem.allocator import PageAllocator
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")  # tests/gpu: bench/gpu_check.sh
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"
+)  # tests/gpu: bench/gpu_check.sh
 
 
 def _sequence(device: str, no_sync: bool) -> list[torch.Tensor]:

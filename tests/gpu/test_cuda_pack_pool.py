@@ -25,8 +25,14 @@ from kvmem.kernels.pack import pack_buffers_ref, unpack_buffers_ref
 from tests.kv_cases import fill_random, grid, make_buffers
 
 DEV = torch.device("cuda")
-SMALL = ("P16-D128-bf16-contig", "P1-D576-fp8-strided", "P64-D64-fp32-strided",
-         "P1-D64-fp16-contig", "P16-D128-V64-bf16-contig", "P16-D576-V0-bf16-contig")
+SMALL = (
+    "P16-D128-bf16-contig",
+    "P1-D576-fp8-strided",
+    "P64-D64-fp32-strided",
+    "P1-D64-fp16-contig",
+    "P16-D128-V64-bf16-contig",
+    "P16-D576-V0-bf16-contig",
+)
 
 
 def selected(cases, part: str | None, shard: str | None):
@@ -46,7 +52,7 @@ def selected(cases, part: str | None, shard: str | None):
         i, _, n = shard.partition("/")
         if not (i.isdigit() and n.isdigit() and 0 <= int(i) < int(n)):
             raise ValueError(f"KVMEM_GPU_SHARD must be i/n with 0 <= i < n, got {shard!r}")
-        out = out[int(i)::int(n)]
+        out = out[int(i) :: int(n)]
     return out
 
 
@@ -73,14 +79,18 @@ def test_kernel_matches_ref_on_cuda(case):
 
 
 def test_checked_call_raises_before_touching_memory():
-    spec = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.bfloat16)
+    spec = kvmem.KVSpec(
+        num_layers=2, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.bfloat16
+    )
     pool = kvmem.KVPool(spec, num_pages=8, device=DEV)
     with pytest.raises(ValueError, match=r"page id 8 is outside \[0, 8\)"):
         kvmem.pack_pages(pool, torch.tensor([1, 8], device=DEV))
 
 
 def test_unchecked_bad_id_is_skipped_and_raised_later():
-    spec = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.bfloat16)
+    spec = kvmem.KVSpec(
+        num_layers=2, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.bfloat16
+    )
     pool = kvmem.KVPool(spec, num_pages=8, device=DEV)
     fill_random(pool._mem.tensor, torch.Generator().manual_seed(1))
     out = torch.full((kvmem.packed_nbytes(spec, 2),), 0xEE, dtype=torch.uint8, device=DEV)
@@ -92,7 +102,9 @@ def test_unchecked_bad_id_is_skipped_and_raised_later():
 
 
 def test_vmm_pool_release_resume_and_views():
-    spec = kvmem.KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    spec = kvmem.KVSpec(
+        num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16
+    )
     pool = kvmem.KVPool(spec, num_pages=2049, device=DEV)  # 1 GiB
     assert pool.backend == "cuda_vmm"
     ptrs = [b.data_ptr() for b in pool.k_buffer + pool.v_buffer]
@@ -106,8 +118,11 @@ def test_vmm_pool_release_resume_and_views():
     pool.release()
     assert pool.resident_bytes() == 0
     assert torch.cuda.mem_get_info()[0] - free_before >= 0.95 * pool.nbytes
-    for call in (lambda: pool.k_buffer, lambda: kvmem.pack_pages(pool, ids),
-                 lambda: kvmem.unpack_pages(chunk, pool, ids)):
+    for call in (
+        lambda: pool.k_buffer,
+        lambda: kvmem.pack_pages(pool, ids),
+        lambda: kvmem.unpack_pages(chunk, pool, ids),
+    ):
         with pytest.raises(kvmem.ReleasedPoolError):
             call()
     pool.resume()
@@ -123,6 +138,7 @@ def test_vmm_pool_release_resume_and_views():
 
 def test_vmm_pool_cupy_views_are_zero_copy():
     import cupy  # on the H200 image; this folder runs on CUDA hosts only
+
     spec = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.float16)
     pool = kvmem.KVPool(spec, num_pages=8, device=DEV)
     ks, vs = pool.as_cupy()

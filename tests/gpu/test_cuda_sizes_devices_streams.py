@@ -23,8 +23,10 @@ from tests.kv_cases import Case, fill_random, make_buffers
 from tests.util import no_host_sync
 
 if not torch.cuda.is_available():  # on CPU only tests/test_bench_smoke.py collects this file
-    pytest.skip("CUDA is not available: the hardening checks run on CUDA hosts only",
-                allow_module_level=True)
+    pytest.skip(
+        "CUDA is not available: the hardening checks run on CUDA hosts only",
+        allow_module_level=True,
+    )
 
 DEV = torch.device("cuda", torch.cuda.current_device())
 GiB = 1 << 30
@@ -110,8 +112,9 @@ def test_pack_buffers_on_cuda1_while_cuda0_is_current():
 @two_gpus
 def test_pool_on_cuda1_while_cuda0_is_current():
     d1 = torch.device("cuda", 1)
-    spec = kvmem.KVSpec(num_layers=3, num_kv_heads=4, head_dim=64, page_size=16,
-                        dtype=torch.bfloat16)
+    spec = kvmem.KVSpec(
+        num_layers=3, num_kv_heads=4, head_dim=64, page_size=16, dtype=torch.bfloat16
+    )
     with torch.cuda.device(0):
         pool = kvmem.KVPool(spec, num_pages=33, device=d1)
         gen = torch.Generator().manual_seed(4)
@@ -125,8 +128,10 @@ def test_pool_on_cuda1_while_cuda0_is_current():
         assert torch.equal(chunk.cpu(), P.pack_buffers_ref(cpu_k, cpu_v, ids.cpu()))
         other = kvmem.KVPool(spec, num_pages=33, device=d1)
         kvmem.unpack_pages(chunk, other, ids)
-        assert torch.equal(kvmem.pack_pages(other, ids.tolist(), layers=[2, 0], heads=(1, 3)),
-                           kvmem.pack_pages(pool, ids, layers=[2, 0], heads=(1, 3)))
+        assert torch.equal(
+            kvmem.pack_pages(other, ids.tolist(), layers=[2, 0], heads=(1, 3)),
+            kvmem.pack_pages(pool, ids, layers=[2, 0], heads=(1, 3)),
+        )
         torch.cuda.synchronize(d1)
         assert torch.cuda.current_device() == 0
 
@@ -144,10 +149,18 @@ def test_allocator_on_cuda1_while_cuda0_is_current(check):
         a.free(torch.tensor([3, 1], device=d1), check=check)
         b.free([3, 1], check=check)
         seq = torch.tensor([3, 9, 1])
-        kw = dict(prefix_lens_cpu=torch.zeros(3, dtype=torch.int64), seq_lens_cpu=seq,
-                  extend_num_tokens=13, check=check)
-        got = a.alloc_extend(torch.zeros(3, dtype=torch.int64, device=d1), seq.to(d1),
-                             torch.full((3,), -1, device=d1), **kw)
+        kw = dict(
+            prefix_lens_cpu=torch.zeros(3, dtype=torch.int64),
+            seq_lens_cpu=seq,
+            extend_num_tokens=13,
+            check=check,
+        )
+        got = a.alloc_extend(
+            torch.zeros(3, dtype=torch.int64, device=d1),
+            seq.to(d1),
+            torch.full((3,), -1, device=d1),
+            **kw,
+        )
         want = b.alloc_extend(torch.zeros(3, dtype=torch.int64), seq, torch.full((3,), -1), **kw)
         assert torch.equal(got.cpu(), want)
         a.check_invariants()
@@ -196,8 +209,9 @@ def test_allocator_on_an_explicit_stream():
 
 
 def test_documented_sync_free_paths_make_no_sync():
-    spec = kvmem.KVSpec(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16,
-                        dtype=torch.bfloat16)
+    spec = kvmem.KVSpec(
+        num_layers=4, num_kv_heads=4, head_dim=64, page_size=16, dtype=torch.bfloat16
+    )
     pool = kvmem.KVPool(spec, num_pages=65, device=DEV)
     a = kvmem.PageAllocator(65, 16, device=DEV)
     ks, vs = pool.k_buffer, pool.v_buffer
@@ -209,10 +223,10 @@ def test_documented_sync_free_paths_make_no_sync():
         a.free(np.array([3]), check=False)
         a.free(p[3:], check=False)
         for layer in range(4):  # new plans: their offsets go non-blocking too
-            chunk = kvmem.pack_buffers(ks, vs, [3, 1], layers=[layer], heads=(1, 3),
-                                       check=False)
-            kvmem.unpack_buffers(chunk, ks, vs, np.array([3, 1]), layers=[layer],
-                                 heads=(1, 3), check=False)
+            chunk = kvmem.pack_buffers(ks, vs, [3, 1], layers=[layer], heads=(1, 3), check=False)
+            kvmem.unpack_buffers(
+                chunk, ks, vs, np.array([3, 1]), layers=[layer], heads=(1, 3), check=False
+            )
         kvmem.pack_pages(pool, [4, 5, 6], check=False)
     a.synchronize()
     a.check_invariants()
@@ -220,8 +234,7 @@ def test_documented_sync_free_paths_make_no_sync():
 
 
 def test_numpy_and_strided_ids_on_a_cuda_pool():
-    spec = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4,
-                        dtype=torch.float16)
+    spec = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.float16)
     pool = kvmem.KVPool(spec, num_pages=9, device=DEV)
     for buf in pool.k_buffer + pool.v_buffer:
         buf.copy_(torch.randn(buf.shape, device=DEV))

@@ -22,16 +22,17 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():  # on CPU only tests/test_bench_smoke.py collects this file
-    pytest.skip("CUDA is not available: the disagg sides run on CUDA pools on CUDA hosts only",
-                allow_module_level=True)
+    pytest.skip(
+        "CUDA is not available: the disagg sides run on CUDA pools on CUDA hosts only",
+        allow_module_level=True,
+    )
 
 from kvmem.transfer.nixl import import_nixl  # noqa: E402
 
 try:
     import_nixl()
 except ImportError as e:
-    pytest.skip(f"NIXL is not importable here, the sides cannot run: {e}",
-                allow_module_level=True)
+    pytest.skip(f"NIXL is not importable here, the sides cannot run: {e}", allow_module_level=True)
 
 import kvmem  # noqa: E402
 from kvmem.disagg import KVPoll  # noqa: E402
@@ -46,8 +47,12 @@ MODES = ["packed", "direct", "pull"]
 
 def make_pair(mode: str, **kw) -> Pair:
     torch.zeros(1, device=DEV)  # a CUDA context is current before NIXL's agents are made
-    return Pair(device=DEV, direct_threshold=0 if mode == "direct" else None,
-                transfer_mode="pull" if mode == "pull" else "push", **kw)
+    return Pair(
+        device=DEV,
+        direct_threshold=0 if mode == "direct" else None,
+        transfer_mode="pull" if mode == "pull" else "push",
+        **kw,
+    )
 
 
 def test_host_copy_reaches_the_host_without_a_sync():

@@ -44,13 +44,21 @@ def _handle_at(drv, addr: int) -> int:
 
 
 @pytest.mark.parametrize("layout", ["kvmem", "sglang"])
-@pytest.mark.parametrize("dtype, ps", [(torch.float8_e4m3fn, 1), (torch.bfloat16, 1),
-                                       (torch.float8_e4m3fn, 64), (torch.bfloat16, 64)],
-                         ids=["576B-P1", "1152B-P1", "576B-P64", "1152B-P64"])
+@pytest.mark.parametrize(
+    "dtype, ps",
+    [
+        (torch.float8_e4m3fn, 1),
+        (torch.bfloat16, 1),
+        (torch.float8_e4m3fn, 64),
+        (torch.bfloat16, 64),
+    ],
+    ids=["576B-P1", "1152B-P1", "576B-P64", "1152B-P64"],
+)
 def test_every_plane_is_inside_one_physical_allocation(dtype, ps, layout):
     drv = default_driver()
-    spec = kvmem.KVSpec(num_layers=12, num_kv_heads=1, head_dim=576, page_size=ps,
-                        dtype=dtype, v_head_dim=0)
+    spec = kvmem.KVSpec(
+        num_layers=12, num_kv_heads=1, head_dim=576, page_size=ps, dtype=dtype, v_head_dim=0
+    )
     pages = (3 * MiB) // spec.k_page_bytes + 7  # planes of ~3 MiB: not a granule multiple
     pool = kvmem.KVPool(spec, pages, DEV, layout=layout, chunk_bytes=8 * MiB)
     try:
@@ -90,8 +98,7 @@ def test_chunks_export_as_posix_fds_and_map_elsewhere():
             assert "does not support" in info["not_exportable_because"]
             return
         assert info["exportable"] and info["handle_type"] == "posix_fd", info
-        pool._mem.tensor.copy_(torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8,
-                                             device=DEV))
+        pool._mem.tensor.copy_(torch.randint(0, 256, (pool.nbytes,), dtype=torch.uint8, device=DEV))
         torch.cuda.synchronize()
         st = pool._mem._range._st
         fd_type = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -107,7 +114,7 @@ def test_chunks_export_as_posix_fds_and_map_elsewhere():
                 _call(drv, "cuMemMap", va, size, 0, imported, 0)
                 _call(drv, "cuMemSetAccess", va, size, [st.access], 1)
                 other = range_tensor(va, c.nbytes, None, DEV)
-                assert torch.equal(other, pool._mem.tensor[off:off + c.nbytes])
+                assert torch.equal(other, pool._mem.tensor[off : off + c.nbytes])
                 del other
                 torch.cuda.synchronize()
                 _call(drv, "cuMemUnmap", va, size)

@@ -39,15 +39,22 @@ def _free_bytes() -> int:
 
 
 def _pool(driver=None, pages: int = PAGES) -> kvmem.KVPool:
-    return kvmem.KVPool(SPEC, pages, DEV,
-                        backend=CudaVmmBackend.factory(driver=driver, chunk_bytes=CHUNK))
+    return kvmem.KVPool(
+        SPEC, pages, DEV, backend=CudaVmmBackend.factory(driver=driver, chunk_bytes=CHUNK)
+    )
 
 
 def _fill(pool: kvmem.KVPool, step: int = 16):
     """Write random bytes into every ``step``-th page (so every chunk holds some)."""
     ids = torch.arange(1, pool.num_pages, step, device=DEV)
-    chunk = torch.randint(0, 256, (kvmem.packed_nbytes(SPEC, len(ids)),), dtype=torch.uint8,
-                          device=DEV, generator=torch.Generator(DEV).manual_seed(1))
+    chunk = torch.randint(
+        0,
+        256,
+        (kvmem.packed_nbytes(SPEC, len(ids)),),
+        dtype=torch.uint8,
+        device=DEV,
+        generator=torch.Generator(DEV).manual_seed(1),
+    )
     kvmem.unpack_pages(chunk, pool, ids)
     return ids, chunk
 
@@ -85,8 +92,11 @@ def test_resume_under_memory_pressure_then_retry():
     hog = torch.empty(free - 11 * CHUNK // 2, dtype=torch.uint8, device=DEV)
     pressured = _free_bytes()
     for _ in range(2):  # a retry under the same pressure fails the same clear way
-        with pytest.raises(PoolMemoryError, match=r"CUDA_ERROR_OUT_OF_MEMORY.*chunk [2-8] of 8"
-                           r".*were unmapped and released again"):
+        with pytest.raises(
+            PoolMemoryError,
+            match=r"CUDA_ERROR_OUT_OF_MEMORY.*chunk [2-8] of 8"
+            r".*were unmapped and released again",
+        ):
             pool.resume()
         assert pool.released and pool.epoch == 0 and pool.resident_bytes() == 0
         assert _free_bytes() >= pressured - 64 * MiB  # what it had mapped went back
@@ -106,8 +116,11 @@ def test_unmap_failing_half_way_keeps_the_pool_and_its_contents():
     drv = _FailOnce(default_driver(), "cuMemUnmap", nth=4)
     pool = _pool(drv)
     ids, chunk = _fill(pool)
-    with pytest.raises(CudaDriverError, match=r"cuMemUnmap failed: CUDA_ERROR_UNKNOWN.*"
-                       r"at chunk 4 of 8; the 3 chunk\(s\) this call had changed were mapped back"):
+    with pytest.raises(
+        CudaDriverError,
+        match=r"cuMemUnmap failed: CUDA_ERROR_UNKNOWN.*"
+        r"at chunk 4 of 8; the 3 chunk\(s\) this call had changed were mapped back",
+    ):
         pool.release()
     assert not pool.released and pool.resident_bytes() >= pool.nbytes
     assert torch.equal(kvmem.pack_pages(pool, ids), chunk)  # same memory, same bytes

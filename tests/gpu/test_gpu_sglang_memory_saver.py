@@ -58,8 +58,11 @@ print(json.dumps({"kvmem": pool is not None, "backend": pool.backend if pool els
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_release_gives_back_kvmem_pool_and_tms_part():
-    env = dict(os.environ, SGLANG_KVMEM="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        SGLANG_KVMEM="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     with tms.configure_subprocess():  # TMS's preload hook (LD_PRELOAD) for the child
         env.update({k: v for k, v in os.environ.items() if k == "LD_PRELOAD"})
         proc = run(Child(code=SCRIPT, env=env, cwd=ROOT), timeout=240)  # fresh: TMS's preload

@@ -35,8 +35,9 @@ try:
         compute_head_slice_params,
     )
 except Exception:  # noqa: BLE001 - any import failure means: not comparable here
-    pytest.skip("sglang is not importable on this host: staging comparison not run",
-                allow_module_level=True)
+    pytest.skip(
+        "sglang is not importable on this host: staging comparison not run", allow_module_level=True
+    )
 
 _ADAPTER = Path(__file__).resolve().parents[2] / "integration" / "sglang"
 try:
@@ -46,8 +47,10 @@ except ImportError:  # not installed: the repository's own copy
     try:
         from kvmem_sglang import staging
     except Exception:  # noqa: BLE001
-        pytest.skip("kvmem_sglang is not importable on this host: staging comparison "
-                    "not run", allow_module_level=True)
+        pytest.skip(
+            "kvmem_sglang is not importable on this host: staging comparison not run",
+            allow_module_level=True,
+        )
 
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available: staging comparison not run", allow_module_level=True)
@@ -58,14 +61,28 @@ SENTINEL = 0xA5
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
 
 # (prefill TP, decode TP, total KV heads, decode rank): prefill TP above and below decode's
-TPS = {"P4D1": (4, 1, 8, 0), "P4D2": (4, 2, 8, 1), "P2D2": (2, 2, 8, 1),
-       "P1D2": (1, 2, 4, 1), "P2D4": (2, 4, 8, 3)}
+TPS = {
+    "P4D1": (4, 1, 8, 0),
+    "P4D2": (4, 2, 8, 1),
+    "P2D2": (2, 2, 8, 1),
+    "P1D2": (1, 2, 4, 1),
+    "P2D4": (2, 4, 8, 3),
+}
 # Every page size, dtype, TP pair and head dim appears; not their product: each new shape
 # compiles both sides' kernels, and gpu_check.sh has minutes, not hours.
-CASES = [(1, "bf16", "P4D1", 128), (16, "bf16", "P4D2", 128), (16, "fp16", "P2D4", 128),
-         (16, "fp8", "P1D2", 64), (64, "bf16", "P2D2", 128), (64, "fp16", "P4D1", 64),
-         (1, "fp8", "P2D4", 64), (16, "fp8", "P4D1", 128), (64, "bf16", "P1D2", 128),
-         (1, "fp16", "P2D2", 128), (16, "bf16", "P4D1", 64)]
+CASES = [
+    (1, "bf16", "P4D1", 128),
+    (16, "bf16", "P4D2", 128),
+    (16, "fp16", "P2D4", 128),
+    (16, "fp8", "P1D2", 64),
+    (64, "bf16", "P2D2", 128),
+    (64, "fp16", "P4D1", 64),
+    (1, "fp8", "P2D4", 64),
+    (16, "fp8", "P4D1", 128),
+    (64, "bf16", "P1D2", 128),
+    (1, "fp16", "P2D2", 128),
+    (16, "bf16", "P4D1", 64),
+]
 CASE_IDS = [f"P{ps}-D{hd}-{dt}-{tp}" for ps, dt, tp, hd in CASES]
 LAYERS, NUM_PAGES = 4, 37  # odd page count; page 0 is padding
 
@@ -87,8 +104,12 @@ def random_bytes(shape, dtype, gen) -> torch.Tensor:
 
 def sentinel_buffers(rows, heads, head_dim, dtype, layers) -> list[torch.Tensor]:
     item = torch.empty(0, dtype=dtype).element_size()
-    return [torch.full((rows, heads, head_dim * item), SENTINEL, dtype=torch.uint8,
-                       device=DEV).view(dtype) for _ in range(layers)]
+    return [
+        torch.full((rows, heads, head_dim * item), SENTINEL, dtype=torch.uint8, device=DEV).view(
+            dtype
+        )
+        for _ in range(layers)
+    ]
 
 
 def writers(prefill, decode, total, dst_rank):
@@ -100,8 +121,7 @@ def writers(prefill, decode, total, dst_rank):
         ranks = [dst_rank * n + w for w in range(n)]
     else:
         ranks = [(dst_rank // max(1, decode // total)) * dst_h // src_h]
-    return [(r, *compute_head_slice_params(prefill, decode, r, dst_rank, total)[:2])
-            for r in ranks]
+    return [(r, *compute_head_slice_params(prefill, decode, r, dst_rank, total)[:2]) for r in ranks]
 
 
 @pytest.mark.parametrize("page_size,dtype,tp,head_dim", CASES, ids=CASE_IDS)
@@ -123,13 +143,16 @@ def test_staging_matches_sglang_triton_byte_for_byte(page_size, dtype, tp, head_
         tokens = len(src_pages) * page_size
         nbytes = 2 * LAYERS * tokens * num_heads * head_dim * ks[0].element_size()
         theirs, ours = staging_buffer(nbytes + 4096), staging_buffer(nbytes + 4096)
-        n_theirs = _gather_all_layers_triton(ks, vs, src_pages, theirs, src_head_start,
-                                             num_heads, page_size)
-        n_ours = staging.gather_all_layers_to_staging(ks, vs, src_pages, ours,
-                                                      src_head_start, num_heads, page_size)
+        n_theirs = _gather_all_layers_triton(
+            ks, vs, src_pages, theirs, src_head_start, num_heads, page_size
+        )
+        n_ours = staging.gather_all_layers_to_staging(
+            ks, vs, src_pages, ours, src_head_start, num_heads, page_size
+        )
         assert n_ours == n_theirs == nbytes
         assert torch.equal(ours.buffer, theirs.buffer), (
-            f"gather of prefill rank {rank} differs from sglang's Triton kernel")
+            f"gather of prefill rank {rank} differs from sglang's Triton kernel"
+        )
         chunks.append(ours.buffer[:nbytes].clone())
     view = torch.cat(chunks)
 
@@ -144,7 +167,8 @@ def test_staging_matches_sglang_triton_byte_for_byte(page_size, dtype, tp, head_
     for layer in range(LAYERS):
         for name, a, b in (("K", ours_k, theirs_k), ("V", ours_v, theirs_v)):
             assert torch.equal(a[layer].view(torch.uint8), b[layer].view(torch.uint8)), (
-                f"scatter differs from sglang's Triton kernel in layer {layer} {name}")
+                f"scatter differs from sglang's Triton kernel in layer {layer} {name}"
+            )
     touched = torch.zeros(rows, dtype=torch.bool, device=DEV)
     touched[(dst_ids[:, None] * page_size + torch.arange(page_size, device=DEV)).reshape(-1)] = True
     for buf in ours_k + ours_v:  # unlisted pages untouched
@@ -188,39 +212,58 @@ def test_staging_bandwidth_side_by_side():
         src_np, dst_ids = pages.numpy(), pages.flip(0).contiguous().to(DEV)
         chunk = 2 * BW_LAYERS * n * BW_PS * half * BW_DIM * 2
         gather = {
-            "kvmem": lambda: staging.gather_all_layers_to_staging(src_k, src_v, src_np, sb, 0,
-                                                                  half, BW_PS),
+            "kvmem": lambda: staging.gather_all_layers_to_staging(
+                src_k, src_v, src_np, sb, 0, half, BW_PS
+            ),
             "sglang": lambda: _gather_all_layers_triton(src_k, src_v, src_np, sb, 0, half, BW_PS),
         }
-        view = sb.buffer[:2 * chunk]
+        view = sb.buffer[: 2 * chunk]
 
         def scatter(fn):
             def run():
                 fn(view, dst_k, dst_v, dst_ids, BW_PS, 2, 1, 0, BW_HEADS)
                 torch.cuda.synchronize()
+
             return run
 
-        scatters = {"kvmem": scatter(staging.scatter_staging_to_kv),
-                    "sglang": scatter(_scatter_staging_to_kv_triton)}
+        scatters = {
+            "kvmem": scatter(staging.scatter_staging_to_kv),
+            "sglang": scatter(_scatter_staging_to_kv_triton),
+        }
         for op, fns, nbytes in (("gather", gather, chunk), ("scatter", scatters, 2 * chunk)):
             secs = {who: _median_s(fn) for who, fn in fns.items()}
-            row = {"op": op, "pages": n, "bytes": nbytes,
-                   "kvmem_gbps": nbytes / secs["kvmem"] / 1e9,
-                   "sglang_gbps": nbytes / secs["sglang"] / 1e9}
+            row = {
+                "op": op,
+                "pages": n,
+                "bytes": nbytes,
+                "kvmem_gbps": nbytes / secs["kvmem"] / 1e9,
+                "sglang_gbps": nbytes / secs["sglang"] / 1e9,
+            }
             row["kvmem_over_sglang"] = row["kvmem_gbps"] / row["sglang_gbps"]
             results.append(row)
-            print(f"staging {op:7s} {n:5d} pages {nbytes / 2**20:8.1f} MiB: kvmem "
-                  f"{row['kvmem_gbps']:8.1f} GB/s, sglang {row['sglang_gbps']:8.1f} GB/s, "
-                  f"ratio {row['kvmem_over_sglang']:.2f}")
+            print(
+                f"staging {op:7s} {n:5d} pages {nbytes / 2**20:8.1f} MiB: kvmem "
+                f"{row['kvmem_gbps']:8.1f} GB/s, sglang {row['sglang_gbps']:8.1f} GB/s, "
+                f"ratio {row['kvmem_over_sglang']:.2f}"
+            )
     out_dir = os.environ.get("KVMEM_GPU_OUT")
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        report = {"device": torch.cuda.get_device_name(DEV), "torch": torch.__version__,
-                  "shape": {"layers": BW_LAYERS, "kv_heads": BW_HEADS, "head_dim": BW_DIM,
-                            "page_size": BW_PS, "dtype": "bf16", "prefill_tp": 2,
-                            "decode_tp": 1},
-                  "gbps": "10^9 bytes of staging chunk per second, median of "
-                          f"{BW_ITERS} synchronised calls",
-                  "results": results}
+        report = {
+            "device": torch.cuda.get_device_name(DEV),
+            "torch": torch.__version__,
+            "shape": {
+                "layers": BW_LAYERS,
+                "kv_heads": BW_HEADS,
+                "head_dim": BW_DIM,
+                "page_size": BW_PS,
+                "dtype": "bf16",
+                "prefill_tp": 2,
+                "decode_tp": 1,
+            },
+            "gbps": "10^9 bytes of staging chunk per second, median of "
+            f"{BW_ITERS} synchronised calls",
+            "results": results,
+        }
         (Path(out_dir) / "sglang_staging.json").write_text(json.dumps(report, indent=2))
     assert all(r["kvmem_gbps"] > 0 and r["sglang_gbps"] > 0 for r in results)

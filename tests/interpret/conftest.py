@@ -7,6 +7,8 @@ _NEEDED = {"TRITON_INTERPRET": "1", "KVMEM_FORCE_TRITON": "1"}
 _missing = [f"{k}={v}" for k, v in _NEEDED.items() if os.environ.get(k) != v]
 if _missing:
     raise RuntimeError(
-        "tests/interpret must run with " + " ".join(f"{k}={v}" for k, v in _NEEDED.items())
-        + " set before Python starts (make test-interpret); missing: " + ", ".join(_missing)
+        "tests/interpret must run with "
+        + " ".join(f"{k}={v}" for k, v in _NEEDED.items())
+        + " set before Python starts (make test-interpret); missing: "
+        + ", ".join(_missing)
     )

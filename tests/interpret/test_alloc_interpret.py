@@ -68,8 +68,9 @@ def test_extend_slots_kernel(ps, kind, flag):
     new_pages = torch.randperm(60, generator=torch.Generator().manual_seed(1))[:num_new] + 1
     err = fresh_err()
     want = K.extend_slots_ref(t(pre), t(seq), t(_last_locs(pre, ps)), new_pages, ps)
-    got = K.extend_slots_triton(t(pre), t(seq), t(_last_locs(pre, ps)), new_pages, ps, total,
-                                err, flag=flag)
+    got = K.extend_slots_triton(
+        t(pre), t(seq), t(_last_locs(pre, ps)), new_pages, ps, total, err, flag=flag
+    )
     assert torch.equal(got, want)
     assert torch.equal(err, fresh_err())
 
@@ -112,8 +113,9 @@ def test_extend_slots_kernel_long_batch(monkeypatch):
     num_new, total = (int(v) for v in K.extend_counts(i64(*pre), i64(*seq), 4))
     new_pages = torch.arange(num_new) + 50
     err = fresh_err()
-    got = K.extend_slots_triton(i64(*pre), i64(*seq), i64(*last), new_pages, 4, total, err,
-                                flag=True)
+    got = K.extend_slots_triton(
+        i64(*pre), i64(*seq), i64(*last), new_pages, 4, total, err, flag=True
+    )
     assert torch.equal(got, K.extend_slots_ref(i64(*pre), i64(*seq), i64(*last), new_pages, 4))
     assert torch.equal(err, fresh_err())
 
@@ -126,18 +128,23 @@ def test_free_kernels_clean(pages, tail, flag):
     ring = torch.arange(100, 108)
     want_ring, want_owned = K.free_pages_ref(pages, ring, owned, tail)
     err = fresh_err()
-    K.free_pages_triton(torch.tensor(pages, dtype=torch.int32), ring, owned, err, tail, 0,
-                        flag=flag)
+    K.free_pages_triton(
+        torch.tensor(pages, dtype=torch.int32), ring, owned, err, tail, 0, flag=flag
+    )
     assert torch.equal(ring, want_ring) and torch.equal(owned, want_owned)
     assert torch.equal(err, fresh_err())
 
 
-@pytest.mark.parametrize("pages,code,page", [
-    ([3, 5, 2], AllocCode.ERR_FREE_NOT_ALLOCATED_OR_TWICE, 2),
-    ([3, 5, 3], AllocCode.ERR_FREE_NOT_ALLOCATED_OR_TWICE, 3),
-    ([4, 0], AllocCode.FREE_PAGE_ZERO, 0),
-    ([9, 4], AllocCode.FREE_OUT_OF_RANGE, 9),
-], ids=str)
+@pytest.mark.parametrize(
+    "pages,code,page",
+    [
+        ([3, 5, 2], AllocCode.ERR_FREE_NOT_ALLOCATED_OR_TWICE, 2),
+        ([3, 5, 3], AllocCode.ERR_FREE_NOT_ALLOCATED_OR_TWICE, 3),
+        ([4, 0], AllocCode.FREE_PAGE_ZERO, 0),
+        ([9, 4], AllocCode.FREE_OUT_OF_RANGE, 9),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("parity", [0, 1])
 def test_free_kernels_undo_a_bad_call(pages, code, page, parity):
     owned = torch.tensor([0, 1, 0, 1, 1, 1, 1, 1, 1], dtype=torch.int32)
@@ -161,12 +168,22 @@ def _drive(a: PageAllocator, check: bool):
     """A fixed sequence of calls; returns everything they returned."""
     out = []
     out.append(a.alloc(3, check=check))
-    out.append(a.alloc_extend(i64(0, 0, 0), i64(5, 4, 0), i64(-1, -1, -1),
-                              prefix_lens_cpu=i64(0, 0, 0), seq_lens_cpu=i64(5, 4, 0),
-                              check=check))
+    out.append(
+        a.alloc_extend(
+            i64(0, 0, 0),
+            i64(5, 4, 0),
+            i64(-1, -1, -1),
+            prefix_lens_cpu=i64(0, 0, 0),
+            seq_lens_cpu=i64(5, 4, 0),
+            check=check,
+        )
+    )
     a.free(out[0][1:], check=check)
-    out.append(a.alloc_decode(i64(6, 5), i64(out[1][4].item(), out[1][8].item()),
-                              seq_lens_cpu=i64(6, 5), check=check))
+    out.append(
+        a.alloc_decode(
+            i64(6, 5), i64(out[1][4].item(), out[1][8].item()), seq_lens_cpu=i64(6, 5), check=check
+        )
+    )
     with a.free_group():  # request 1's pages, and the first page alloc gave
         a.free([out[0][0].item()], check=check)
         a.free(torch.unique(out[1][5:9] // 4), check=check)
@@ -266,8 +283,14 @@ def test_check_false_free_overflowing_the_ring_is_checked_at_once():
 
 def test_check_false_extend_with_wrong_hints_raised_at_synchronize():
     a = PageAllocator(9, 4)
-    out = a.alloc_extend(i64(0, 0), i64(5, 4), i64(-1, -1), prefix_lens_cpu=i64(0, 0),
-                         seq_lens_cpu=i64(5, 3), check=False)  # 8 tokens, not 9
+    out = a.alloc_extend(
+        i64(0, 0),
+        i64(5, 4),
+        i64(-1, -1),
+        prefix_lens_cpu=i64(0, 0),
+        seq_lens_cpu=i64(5, 3),
+        check=False,
+    )  # 8 tokens, not 9
     assert out.numel() == 8  # sized by the (wrong) hints
     with pytest.raises(ValueError, match="disagree with the device lengths"):
         a.synchronize()
@@ -298,8 +321,7 @@ def test_check_false_decode_with_wrong_hint_raised_at_synchronize():
 
 def test_check_false_extend_bad_lengths_raised_at_synchronize():
     a = PageAllocator(9, 4)
-    a.alloc_extend(i64(5), i64(3), i64(8), prefix_lens_cpu=i64(0), seq_lens_cpu=i64(0),
-                   check=False)
+    a.alloc_extend(i64(5), i64(3), i64(8), prefix_lens_cpu=i64(0), seq_lens_cpu=i64(0), check=False)
     with pytest.raises(ValueError, match=r"prefix_len > seq_len \(request 0\)"):
         a.synchronize()
     a.check_invariants()

@@ -54,8 +54,10 @@ def _reserve(nbytes: int):
     try:
         m = mmap.mmap(-1, nbytes, flags=flags)
     except (OSError, OverflowError) as e:  # a 32-bit host or strict overcommit
-        pytest.fail(f"cannot reserve {nbytes} bytes of address space here ({e}): the int64 "
-                    "offset checks need a 64-bit host without strict overcommit")
+        pytest.fail(
+            f"cannot reserve {nbytes} bytes of address space here ({e}): the int64 "
+            "offset checks need a 64-bit host without strict overcommit"
+        )
     return m, torch.frombuffer(m, dtype=torch.uint8)
 
 
@@ -105,18 +107,25 @@ def test_chunk_offsets_past_2_31_units_are_exact(layers, dim, n):
 
     def launch(pack):
         pack_triton._copy_pages_kernel[(1, plan.num_copies)](
-            ks[0], plan.layer_offs, ids, chunk, n, plan.num_pages, err,
-            **pack_triton.kernel_params(plan, pack))
+            ks[0],
+            plan.layer_offs,
+            ids,
+            chunk,
+            n,
+            plan.num_pages,
+            err,
+            **pack_triton.kernel_params(plan, pack),
+        )
 
     launch(pack=True)
     for t, (buf, off) in enumerate(zip(copies, offsets)):
-        assert torch.equal(chunk[off:off + dim], buf[2].reshape(-1)), f"copy {t}"
+        assert torch.equal(chunk[off : off + dim], buf[2].reshape(-1)), f"copy {t}"
         wrapped = _int32(off)
         if wrapped != off:  # where one wrapped int32 product would put it: untouched
-            assert not bool(whole[slack + wrapped:slack + wrapped + dim].any()), f"copy {t}"
+            assert not bool(whole[slack + wrapped : slack + wrapped + dim].any()), f"copy {t}"
     # unpack: distinct bytes at the exact offsets come back into page 2 of each copy
     for t, off in enumerate(offsets):
-        chunk[off:off + dim] = (t * 37 + torch.arange(dim)) % 251
+        chunk[off : off + dim] = (t * 37 + torch.arange(dim)) % 251
     before = [b.clone() for b in copies]
     launch(pack=False)
     for t, (buf, old) in enumerate(zip(copies, before)):
@@ -142,12 +151,18 @@ class _LaunchSpy:
         def run(*args, **kwargs):
             self.launches.append((self.name, list(self.open)))
             return self.real[grid](*args, **kwargs)
+
         return run
 
 
-KERNELS = [(pack_triton, "_copy_pages_kernel"), (alloc_triton, "_take_pages_kernel"),
-           (alloc_triton, "_free_apply_kernel"), (alloc_triton, "_free_commit_kernel"),
-           (alloc_triton, "_extend_slots_kernel"), (alloc_triton, "_decode_slots_kernel")]
+KERNELS = [
+    (pack_triton, "_copy_pages_kernel"),
+    (alloc_triton, "_take_pages_kernel"),
+    (alloc_triton, "_free_apply_kernel"),
+    (alloc_triton, "_free_commit_kernel"),
+    (alloc_triton, "_extend_slots_kernel"),
+    (alloc_triton, "_decode_slots_kernel"),
+]
 
 
 def test_every_kernel_launch_runs_under_its_tensors_device_guard(monkeypatch):
@@ -169,8 +184,7 @@ def test_every_kernel_launch_runs_under_its_tensors_device_guard(monkeypatch):
     monkeypatch.setattr(pack_triton, "device_guard", guard)
     monkeypatch.setattr(alloc_triton, "device_guard", guard)
     for mod, name in KERNELS:
-        monkeypatch.setattr(mod, name, _LaunchSpy(name, getattr(mod, name), open_guards,
-                                                  launches))
+        monkeypatch.setattr(mod, name, _LaunchSpy(name, getattr(mod, name), open_guards, launches))
     case = Case(2, 8, "bf16", False, num_layers=2, num_heads=2, num_pages=5)
     ks, vs = make_buffers(case, torch.Generator().manual_seed(1))
     buf = kvmem.pack_buffers(ks, vs, [1, 2])
@@ -179,8 +193,14 @@ def test_every_kernel_launch_runs_under_its_tensors_device_guard(monkeypatch):
     a.free(a.alloc(2))
     a.free(a.alloc(2), check=False)
     i64 = lambda *x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    a.alloc_extend(i64(0, 0), i64(3, 1), i64(-1, -1), check=False,
-                   prefix_lens_cpu=i64(0, 0), seq_lens_cpu=i64(3, 1))
+    a.alloc_extend(
+        i64(0, 0),
+        i64(3, 1),
+        i64(-1, -1),
+        check=False,
+        prefix_lens_cpu=i64(0, 0),
+        seq_lens_cpu=i64(3, 1),
+    )
     a.alloc_decode(i64(3), i64(5), check=False, seq_lens_cpu=i64(3))  # starts a page
     a.synchronize()
     names = {name for name, _ in launches}

@@ -26,8 +26,9 @@ pytestmark = pytest.mark.subprocess  # starts other interpreters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOL = os.path.join(ROOT, "tools", "aot_sm90.py")
-TRITON36 = os.environ.get("KVMEM_TRITON36_PYTHON",
-                          os.path.join(ROOT, ".venv-triton36", "bin", "python"))
+TRITON36 = os.environ.get(
+    "KVMEM_TRITON36_PYTHON", os.path.join(ROOT, ".venv-triton36", "bin", "python")
+)
 ENVS = ["installed", "triton36"]
 
 
@@ -43,16 +44,24 @@ def _tool():
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     if not os.path.exists(TRITON36):
-        pytest.fail(f"{TRITON36} is missing: `make venv-triton36` builds it (triton 3.6 "
-                    f"alone, the GPU host's), or set KVMEM_TRITON36_PYTHON")
+        pytest.fail(
+            f"{TRITON36} is missing: `make venv-triton36` builds it (triton 3.6 "
+            f"alone, the GPU host's), or set KVMEM_TRITON36_PYTHON"
+        )
     tmp = tmp_path_factory.mktemp("aot")
     cases = str(tmp / "cases.json")
     with open(cases, "w") as f:
         json.dump(_tool().make_cases(), f)
     pythons = {"installed": sys.executable, "triton36": TRITON36}
-    procs = {name: subprocess.Popen([py, TOOL, "compile", cases, str(tmp / name)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, py in pythons.items()}
+    procs = {
+        name: subprocess.Popen(
+            [py, TOOL, "compile", cases, str(tmp / name)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, py in pythons.items()
+    }
     out = {}
     for name, p in procs.items():
         log, _ = p.communicate(timeout=600)

@@ -56,21 +56,24 @@ def test_unpack_round_trip_leaves_other_pages_untouched(case):
 
 
 def test_pool_pack_unpack_and_sglang_flat_buffers():
-    spec = kvmem.KVSpec(num_layers=4, num_kv_heads=4, head_dim=64, page_size=16,
-                        dtype=torch.bfloat16)
+    spec = kvmem.KVSpec(
+        num_layers=4, num_kv_heads=4, head_dim=64, page_size=16, dtype=torch.bfloat16
+    )
     pool = kvmem.KVPool(spec, num_pages=12)
     gen = torch.Generator().manual_seed(0)
     for b in pool.k_buffer + pool.v_buffer:
         fill_random(b, gen)
     ids = torch.tensor([5, 11, 0, 2, 7])
     buf = kvmem.pack_pages(pool, ids, layers=[1, 3], heads=(1, 3))
-    assert torch.equal(buf, pack_buffers_ref(pool.k_buffer, pool.v_buffer, ids, layers=[1, 3],
-                                             heads=(1, 3)))
+    assert torch.equal(
+        buf, pack_buffers_ref(pool.k_buffer, pool.v_buffer, ids, layers=[1, 3], heads=(1, 3))
+    )
     # sglang's per-layer buffers are [num_tokens, H, D]: the same bytes, page_size given.
     flat_k = [b.flatten(0, 1) for b in pool.k_buffer]
     flat_v = [b.flatten(0, 1) for b in pool.v_buffer]
-    assert torch.equal(kvmem.pack_buffers(flat_k, flat_v, ids, page_size=16, layers=[1, 3],
-                                          heads=(1, 3)), buf)
+    assert torch.equal(
+        kvmem.pack_buffers(flat_k, flat_v, ids, page_size=16, layers=[1, 3], heads=(1, 3)), buf
+    )
     other = kvmem.KVPool(spec, num_pages=12)
     for b in other.k_buffer + other.v_buffer:
         b.view(torch.uint8).fill_(0)
@@ -94,29 +97,45 @@ def test_pack_into_out_buffer():
 
 
 def test_pool_layout_and_regions():
-    spec = kvmem.KVSpec(num_layers=3, num_kv_heads=2, head_dim=24, page_size=3, dtype=torch.float16,
-                        v_head_dim=8)
+    spec = kvmem.KVSpec(
+        num_layers=3, num_kv_heads=2, head_dim=24, page_size=3, dtype=torch.float16, v_head_dim=8
+    )
     pool = kvmem.KVPool(spec, num_pages=5)
     assert [tuple(b.shape) for b in pool.k_buffer] == [(5, 3, 2, 24)] * 3
     assert [tuple(b.shape) for b in pool.v_buffer] == [(5, 3, 2, 8)] * 3
-    (ptr, nbytes), = pool.regions()
+    ((ptr, nbytes),) = pool.regions()
     assert nbytes == pool.nbytes >= spec.pool_bytes(5)
     for b in pool.k_buffer + pool.v_buffer:
         start = b.data_ptr()
         assert ptr <= start and start + b.numel() * b.element_size() <= ptr + nbytes
         assert start % 512 == 0
     # Buffers do not overlap.
-    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel() * 2) for b in pool.k_buffer + pool.v_buffer)
+    spans = sorted(
+        (b.data_ptr(), b.data_ptr() + b.numel() * 2) for b in pool.k_buffer + pool.v_buffer
+    )
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-    k_only = kvmem.KVPool(kvmem.KVSpec(num_layers=2, num_kv_heads=1, head_dim=576, page_size=1,
-                                       dtype=torch.bfloat16, v_head_dim=0), num_pages=4)
+    k_only = kvmem.KVPool(
+        kvmem.KVSpec(
+            num_layers=2,
+            num_kv_heads=1,
+            head_dim=576,
+            page_size=1,
+            dtype=torch.bfloat16,
+            v_head_dim=0,
+        ),
+        num_pages=4,
+    )
     assert k_only.v_buffer == []
     assert kvmem.packed_nbytes(k_only.spec, 3) == 3 * 2 * 576 * 2
 
 
 def test_packed_nbytes_matches_spec():
-    spec = kvmem.KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    spec = kvmem.KVSpec(
+        num_layers=32, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16
+    )
     assert kvmem.packed_nbytes(spec, 1) == spec.page_bytes == 32 * 2 * 16 * 8 * 128 * 2
-    assert kvmem.packed_nbytes(spec, 10, layers=[1, 3], heads=(2, 4)) == 10 * 2 * 2 * 16 * 2 * 128 * 2
+    assert (
+        kvmem.packed_nbytes(spec, 10, layers=[1, 3], heads=(2, 4)) == 10 * 2 * 2 * 16 * 2 * 128 * 2
+    )
     with pytest.raises(ValueError, match="n must be"):
         kvmem.packed_nbytes(spec, -1)

@@ -46,7 +46,9 @@ def test_out_buffer_is_validated(pool):
         ("not a tensor", r"must be a torch.Tensor"),
     ]
     for out, msg in cases:
-        before = out.clone() if isinstance(out, torch.Tensor) and out.device.type != "meta" else None
+        before = (
+            out.clone() if isinstance(out, torch.Tensor) and out.device.type != "meta" else None
+        )
         with pytest.raises((ValueError, TypeError), match=msg):
             kvmem.pack_pages(pool, ids, out=out)
         if before is not None:
@@ -56,7 +58,9 @@ def test_out_buffer_is_validated(pool):
 def test_unpack_buffer_is_validated(pool):
     before = _snapshot(pool)
     ids = torch.tensor([1, 2])
-    with pytest.raises(ValueError, match=f"buf has 10 bytes, the chunk needs {kvmem.packed_nbytes(SPEC, 2)}"):
+    with pytest.raises(
+        ValueError, match=f"buf has 10 bytes, the chunk needs {kvmem.packed_nbytes(SPEC, 2)}"
+    ):
         kvmem.unpack_pages(torch.zeros(10, dtype=torch.uint8), pool, ids)
     with pytest.raises(ValueError, match="must be uint8"):
         kvmem.unpack_pages(torch.zeros(768, dtype=torch.float16), pool, ids)
@@ -155,8 +159,14 @@ def test_kvspec_rejects_bad_fields(kwargs, field):
 
 
 def test_kvspec_sizes():
-    s = kvmem.KVSpec(num_layers=2, num_kv_heads=4, head_dim=128, page_size=16,
-                     dtype=torch.float8_e4m3fn, v_head_dim=64)
+    s = kvmem.KVSpec(
+        num_layers=2,
+        num_kv_heads=4,
+        head_dim=128,
+        page_size=16,
+        dtype=torch.float8_e4m3fn,
+        v_head_dim=64,
+    )
     assert s.storage_dtype == torch.uint8 and s.itemsize == 1
     assert s.k_token_bytes == 512 and s.v_token_bytes == 256
     assert s.k_page_bytes == 16 * 512 and s.page_bytes == 2 * 16 * (512 + 256)

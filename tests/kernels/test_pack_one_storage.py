@@ -26,9 +26,11 @@ def carved(case: Case, gen: torch.Generator, sentinel: int | None = None):
     dt = spec.storage_dtype
     pad = (1, 1, 16) if case.strided else (0, 0, 0)
     dims = [case.head_dim] * case.num_layers + [spec.v_head_dim] * (
-        case.num_layers if spec.has_v else 0)
-    blocks = [(case.num_pages, case.page_size + pad[0], case.num_heads + pad[1], d + pad[2])
-              for d in dims]
+        case.num_layers if spec.has_v else 0
+    )
+    blocks = [
+        (case.num_pages, case.page_size + pad[0], case.num_heads + pad[1], d + pad[2]) for d in dims
+    ]
     order = list(range(len(blocks)))
     order = order[1::2] + order[::2]  # odd blocks first: addresses not in layer order
     offsets, at = {}, 0
@@ -43,9 +45,9 @@ def carved(case: Case, gen: torch.Generator, sentinel: int | None = None):
         storage.view(torch.uint8).fill_(sentinel)
     views = []
     for b, (shape, d) in enumerate(zip(blocks, dims)):
-        block = storage[offsets[b]:offsets[b] + torch.Size(shape).numel()].view(shape)
-        views.append(block[:, pad[0]:, pad[1]:, 8 * (pad[2] > 0):8 * (pad[2] > 0) + d])
-    return storage, views[:case.num_layers], views[case.num_layers:]
+        block = storage[offsets[b] : offsets[b] + torch.Size(shape).numel()].view(shape)
+        views.append(block[:, pad[0] :, pad[1] :, 8 * (pad[2] > 0) : 8 * (pad[2] > 0) + d])
+    return storage, views[: case.num_layers], views[case.num_layers :]
 
 
 @pytest.mark.parametrize("case", GRID, ids=[c.id for c in GRID])
@@ -54,8 +56,9 @@ def test_one_storage_pack_and_unpack_match_ref(case):
     _, ks, vs = carved(case, gen)
     ids = scrambled_ids(case, gen)
     for layers, heads in selections(case):
-        plan = P.make_plan(ks, vs, None, P._check_layers(layers, len(ks)),
-                           P._check_heads(heads, case.num_heads))
+        plan = P.make_plan(
+            ks, vs, None, P._check_layers(layers, len(ks)), P._check_heads(heads, case.num_heads)
+        )
         rows = _one_storage_rows(plan, ks, vs)
         assert rows is not None
         same_dims = not vs or vs[0].shape[-1] == ks[0].shape[-1]
@@ -73,8 +76,14 @@ def test_one_storage_pack_and_unpack_match_ref(case):
 @pytest.mark.parametrize("ps", [1, 16, 64])
 @pytest.mark.parametrize("v_head_dim", [None, 64, 0])
 def test_pool_layouts_take_one_op(layout, ps, v_head_dim):
-    spec = kvmem.KVSpec(num_layers=4, num_kv_heads=2, head_dim=128, page_size=ps,
-                        dtype=torch.bfloat16, v_head_dim=v_head_dim)
+    spec = kvmem.KVSpec(
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=128,
+        page_size=ps,
+        dtype=torch.bfloat16,
+        v_head_dim=v_head_dim,
+    )
     pool = kvmem.KVPool(spec, num_pages=7, layout=layout)
     gen = torch.Generator().manual_seed(ps)
     fill_random(pool._mem.tensor, gen)
@@ -83,8 +92,9 @@ def test_pool_layouts_take_one_op(layout, ps, v_head_dim):
         rows = _one_storage_rows(pool._plan(layers, heads), pool.k_buffer, pool.v_buffer)
         assert rows is not None and len(rows) == (2 if v_head_dim == 64 else 1)
         buf = kvmem.pack_pages(pool, ids, layers=layers, heads=heads)
-        assert torch.equal(buf, pack_buffers_ref(pool.k_buffer, pool.v_buffer, ids,
-                                                 layers=layers, heads=heads))
+        assert torch.equal(
+            buf, pack_buffers_ref(pool.k_buffer, pool.v_buffer, ids, layers=layers, heads=heads)
+        )
         other = kvmem.KVPool(spec, num_pages=7, layout=layout)
         other._mem.tensor.fill_(0x5A)
         kvmem.unpack_pages(buf, other, ids, layers=layers, heads=heads)

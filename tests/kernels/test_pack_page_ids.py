@@ -14,10 +14,32 @@ import kvmem.kernels.pack
 from tests.kv_cases import fill_random
 
 SPEC = kvmem.KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, page_size=2, dtype=torch.float16)
-BAD = [[True], [True, False], [1, False], [1.7], [2.0], [np.bool_(True)], [np.float64(1.0)],
-       np.array([True]), np.array([1.0]), torch.tensor([True]), torch.tensor([1.0])]
-BAD_IDS = ["bool", "bools", "int-bool", "float", "float-int", "np-bool", "np-float",
-           "np-bool-array", "np-float-array", "bool-tensor", "float-tensor"]
+BAD = [
+    [True],
+    [True, False],
+    [1, False],
+    [1.7],
+    [2.0],
+    [np.bool_(True)],
+    [np.float64(1.0)],
+    np.array([True]),
+    np.array([1.0]),
+    torch.tensor([True]),
+    torch.tensor([1.0]),
+]
+BAD_IDS = [
+    "bool",
+    "bools",
+    "int-bool",
+    "float",
+    "float-int",
+    "np-bool",
+    "np-float",
+    "np-bool-array",
+    "np-float-array",
+    "bool-tensor",
+    "float-tensor",
+]
 
 
 @pytest.fixture
@@ -72,12 +94,18 @@ def test_free_true_does_not_free_page_one():
     assert a.allocated_pages().tolist() == [1, 2]
 
 
-@pytest.mark.parametrize("form", [
-    lambda x: np.array(x), lambda x: np.array(x, dtype=np.int32),
-    lambda x: np.array([v for p in x for v in (p, 0)])[::2],
-    lambda x: torch.tensor([v for p in x for v in (p, 0)])[::2],
-    lambda x: tuple(x), lambda x: [np.int64(v) for v in x],
-], ids=["np-int64", "np-int32", "np-strided", "torch-strided", "tuple", "np-scalars"])
+@pytest.mark.parametrize(
+    "form",
+    [
+        lambda x: np.array(x),
+        lambda x: np.array(x, dtype=np.int32),
+        lambda x: np.array([v for p in x for v in (p, 0)])[::2],
+        lambda x: torch.tensor([v for p in x for v in (p, 0)])[::2],
+        lambda x: tuple(x),
+        lambda x: [np.int64(v) for v in x],
+    ],
+    ids=["np-int64", "np-int32", "np-strided", "torch-strided", "tuple", "np-scalars"],
+)
 def test_other_id_forms_pack_the_pages_they_name(pool, form):
     ids = [3, 1, 4]
     want = kvmem.pack_pages(pool, torch.tensor(ids))

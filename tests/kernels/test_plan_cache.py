@@ -118,7 +118,9 @@ def test_launches_of_a_plan_reuse_its_arguments(monkeypatch):
     kernel, made = _Kernel(), []
     real = T.kernel_params
     monkeypatch.setattr(T, "_copy_pages_kernel", kernel)
-    monkeypatch.setattr(T, "kernel_params", lambda plan, pack: made.append(pack) or real(plan, pack))
+    monkeypatch.setattr(
+        T, "kernel_params", lambda plan, pack: made.append(pack) or real(plan, pack)
+    )
     ks, vs = _model(6)
     plan = P.make_plan(ks, vs, None, [3, 1], (1, 3))
     ids = torch.tensor([2, 0])
@@ -139,8 +141,7 @@ def test_pool_finds_its_whole_pool_plan_without_keying_again(monkeypatch):
     import kvmem
     from kvmem.kernels import pack as _pack
 
-    spec = kvmem.KVSpec(num_layers=80, num_kv_heads=2, head_dim=8, page_size=2,
-                        dtype=torch.float16)
+    spec = kvmem.KVSpec(num_layers=80, num_kv_heads=2, head_dim=8, page_size=2, dtype=torch.float16)
     pool = kvmem.KVPool(spec, num_pages=5)
     first = kvmem.pack_pages(pool, [1, 3])
     checked = []
@@ -160,7 +161,10 @@ def test_layers_on_a_device_are_refused(device):
     """A tensor of layer indices on a device would be read on the host on every call (a
     hidden sync on CUDA): refused, naming the device; a CPU tensor is fine."""
     ks, vs = _model(7)
-    with pytest.raises(ValueError, match=rf"layers is a tensor on {device}: reading it "
-                                         r"would cost a host sync"):
+    with pytest.raises(
+        ValueError,
+        match=rf"layers is a tensor on {device}: reading it "
+        r"would cost a host sync",
+    ):
         P.make_plan(ks, vs, None, torch.tensor([0, 1], device=device), None)
     assert P.make_plan(ks, vs, None, torch.tensor([1, 0]), None).layers == (1, 0)

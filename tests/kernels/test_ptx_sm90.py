@@ -16,8 +16,13 @@ from triton.compiler import ASTSource
 import kvmem
 from kvmem.kernels.pack import triton as P
 
-_POINTERS = {"base": "*i32", "layer_offs": "*i64", "page_ids": "*i64", "chunk": "*i32",
-             "err": "*i64"}
+_POINTERS = {
+    "base": "*i32",
+    "layer_offs": "*i64",
+    "page_ids": "*i64",
+    "chunk": "*i32",
+    "err": "*i64",
+}
 _SCALARS = {"n": "i32", "num_pages": "i32"}
 
 
@@ -33,7 +38,9 @@ def compile_ptx(plan, pack: bool) -> str:
     # What Triton's launcher specialises at run time for 16-byte-aligned pointers.
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in _POINTERS}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": P._NUM_WARPS})
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": P._NUM_WARPS}
+    )
     return kernel.asm["ptx"]
 
 
@@ -55,8 +62,13 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[f"P{c[0]}-H{c[1]}-D{c[2]}-heads{c[3]}" for c in CASES])
 def test_copy_loops_use_16_byte_accesses(case, pack):
     page_size, heads, head_dim, sel = case
-    spec = kvmem.KVSpec(num_layers=2, num_kv_heads=heads, head_dim=head_dim, page_size=page_size,
-                        dtype=torch.bfloat16)
+    spec = kvmem.KVSpec(
+        num_layers=2,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=torch.bfloat16,
+    )
     pool = kvmem.KVPool(spec, num_pages=4)
     plan = pool._plan(None, sel)
     assert plan.unit_bytes == 4 and plan.align == 4
@@ -67,8 +79,9 @@ def test_copy_loops_use_16_byte_accesses(case, pack):
     assert "st.global.v4.b32" in accesses, accesses
     # ... and no narrower data accesses: besides them only the 8-byte loads of one page
     # id and one layer offset per program, and the error flag's 8-byte store.
-    assert accesses <= {"ld.global.v4.b32", "st.global.v4.b32", "ld.global.b64",
-                        "st.global.b64"}, accesses
+    assert accesses <= {"ld.global.v4.b32", "st.global.v4.b32", "ld.global.b64", "st.global.b64"}, (
+        accesses
+    )
 
 
 def test_misaligned_rows_fall_back_to_narrow_units():
@@ -103,15 +116,19 @@ def narrow_address_math(ptx: str) -> list[str]:
     for op, args in _INSTR.findall(ptx):
         regs = _REG.findall(args)
         mem = [_REG.findall(m) for m in re.findall(r"\[([^\]]*)\]", args)]
-        writes = regs and not args.lstrip().startswith("[") and not op.startswith(
-            ("st.", "red.", "atom."))
+        writes = (
+            regs
+            and not args.lstrip().startswith("[")
+            and not op.startswith(("st.", "red.", "atom."))
+        )
         dst = regs[0] if writes else None
         srcs = regs[1:] if writes else regs
         instrs.append((op, args.strip(), dst, srcs, mem))
 
     def reads_large(op, srcs, large):
         return any(s in large or s.startswith(("%ctaid", "%nctaid")) for s in srcs) or (
-            op.startswith("ld.param") and re.search(r"\.[bsu]32$", op) is not None)
+            op.startswith("ld.param") and re.search(r"\.[bsu]32$", op) is not None
+        )
 
     def closure(seed, instrs):  # seed: reg -> origin; follow every non-predicate write
         out, changed = dict(seed), True
@@ -129,13 +146,22 @@ def narrow_address_math(ptx: str) -> list[str]:
     while changed:
         changed = False
         for op, args, dst, srcs, mem in instrs:
-            if dst and not dst.startswith("%p") and dst not in large and \
-                    reads_large(op, srcs, large):
+            if (
+                dst
+                and not dst.startswith("%p")
+                and dst not in large
+                and reads_large(op, srcs, large)
+            ):
                 large.add(dst)
                 changed = True
-    narrow = {dst: f"{op} {args}" for op, args, dst, srcs, mem in instrs
-              if dst and re.fullmatch(r"%r\d+", dst) and op.split(".")[0] in _NARROW_OPS
-              and reads_large(op, srcs, large)}
+    narrow = {
+        dst: f"{op} {args}"
+        for op, args, dst, srcs, mem in instrs
+        if dst
+        and re.fullmatch(r"%r\d+", dst)
+        and op.split(".")[0] in _NARROW_OPS
+        and reads_large(op, srcs, large)
+    }
     fed = closure(narrow, instrs)
     return sorted({fed[r] for *_, mem in instrs for regs in mem for r in regs if r in fed})
 
@@ -172,17 +198,26 @@ PTX_CASES = CASES + [(16, 2, 128, None, 0), (1, 3, 5, None, 1)]  # K-only; 1-byt
 
 
 @pytest.mark.parametrize("pack", [True, False], ids=["pack", "unpack"])
-@pytest.mark.parametrize("case", PTX_CASES,
-                         ids=[f"P{c[0]}-H{c[1]}-D{c[2]}-heads{c[3]}" + (f"-{c[4]}" if len(c) > 4
-                                                                      else "")
-                              for c in PTX_CASES])
+@pytest.mark.parametrize(
+    "case",
+    PTX_CASES,
+    ids=[
+        f"P{c[0]}-H{c[1]}-D{c[2]}-heads{c[3]}" + (f"-{c[4]}" if len(c) > 4 else "")
+        for c in PTX_CASES
+    ],
+)
 def test_pack_kernel_address_math_is_64_bit(case, pack):
     page_size, heads, head_dim, sel = case[:4]
     kw = {}
     if len(case) > 4:
         kw = dict(v_head_dim=0) if case[4] == 0 else dict(dtype=torch.float8_e4m3fn)
-    spec = kvmem.KVSpec(num_layers=3, num_kv_heads=heads, head_dim=head_dim,
-                        page_size=page_size, **{"dtype": torch.bfloat16, **kw})
+    spec = kvmem.KVSpec(
+        num_layers=3,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        **{"dtype": torch.bfloat16, **kw},
+    )
     plan = kvmem.KVPool(spec, num_pages=4)._plan(None, sel)
     ptx = compile_ptx(plan, pack)
     assert "%ctaid" in ptx  # the analysis has something to follow
@@ -190,39 +225,96 @@ def test_pack_kernel_address_math_is_64_bit(case, pack):
 
 
 _ALLOC_SIGS = {
-    "_take_pages_kernel": ({"ring_ptr": "*i64", "owned_ptr": "*i32", "out_ptr": "*i64",
-                            "err_ptr": "*i64", "head": "i32", "n": "i32", "cap": "i32",
-                            "num_pages": "i32"}, dict(BLOCK=1024, FLAG=True)),
-    "_free_apply_kernel": ({"pages_ptr": "*i64", "ring_ptr": "*i64", "owned_ptr": "*i32",
-                            "err_ptr": "*i64", "n": "i32", "pages_stride": "i32",
-                            "tail": "i32", "cap": "i32", "num_pages": "i32",
-                            "parity": "i32"}, dict(BLOCK=1024, FLAG=True)),
-    "_free_commit_kernel": ({"pages_ptr": "*i64", "ring_ptr": "*i64", "owned_ptr": "*i32",
-                             "err_ptr": "*i64", "n": "i32", "pages_stride": "i32",
-                             "tail": "i32", "cap": "i32", "num_pages": "i32",
-                             "parity": "i32"}, dict(BLOCK=1024)),
-    "_extend_slots_kernel": ({"prefix_ptr": "*i32", "seq_ptr": "*i32", "last_loc_ptr": "*i64",
-                              "new_pages_ptr": "*i64", "out_ptr": "*i64", "err_ptr": "*i64",
-                              "bs": "i32", "num_new": "i32", "total": "i32"},
-                             dict(PAGE_SIZE=16, REQ_BLOCK=1024, TOKEN_BLOCK=1024, FLAG=True)),
-    "_decode_slots_kernel": ({"seq_ptr": "*i32", "last_loc_ptr": "*i64", "new_pages_ptr": "*i64",
-                              "out_ptr": "*i64", "err_ptr": "*i64", "bs": "i32",
-                              "num_new": "i32"}, dict(PAGE_SIZE=16, BLOCK=1024, FLAG=True)),
+    "_take_pages_kernel": (
+        {
+            "ring_ptr": "*i64",
+            "owned_ptr": "*i32",
+            "out_ptr": "*i64",
+            "err_ptr": "*i64",
+            "head": "i32",
+            "n": "i32",
+            "cap": "i32",
+            "num_pages": "i32",
+        },
+        dict(BLOCK=1024, FLAG=True),
+    ),
+    "_free_apply_kernel": (
+        {
+            "pages_ptr": "*i64",
+            "ring_ptr": "*i64",
+            "owned_ptr": "*i32",
+            "err_ptr": "*i64",
+            "n": "i32",
+            "pages_stride": "i32",
+            "tail": "i32",
+            "cap": "i32",
+            "num_pages": "i32",
+            "parity": "i32",
+        },
+        dict(BLOCK=1024, FLAG=True),
+    ),
+    "_free_commit_kernel": (
+        {
+            "pages_ptr": "*i64",
+            "ring_ptr": "*i64",
+            "owned_ptr": "*i32",
+            "err_ptr": "*i64",
+            "n": "i32",
+            "pages_stride": "i32",
+            "tail": "i32",
+            "cap": "i32",
+            "num_pages": "i32",
+            "parity": "i32",
+        },
+        dict(BLOCK=1024),
+    ),
+    "_extend_slots_kernel": (
+        {
+            "prefix_ptr": "*i32",
+            "seq_ptr": "*i32",
+            "last_loc_ptr": "*i64",
+            "new_pages_ptr": "*i64",
+            "out_ptr": "*i64",
+            "err_ptr": "*i64",
+            "bs": "i32",
+            "num_new": "i32",
+            "total": "i32",
+        },
+        dict(PAGE_SIZE=16, REQ_BLOCK=1024, TOKEN_BLOCK=1024, FLAG=True),
+    ),
+    "_decode_slots_kernel": (
+        {
+            "seq_ptr": "*i32",
+            "last_loc_ptr": "*i64",
+            "new_pages_ptr": "*i64",
+            "out_ptr": "*i64",
+            "err_ptr": "*i64",
+            "bs": "i32",
+            "num_new": "i32",
+        },
+        dict(PAGE_SIZE=16, BLOCK=1024, FLAG=True),
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(_ALLOC_SIGS))
 def test_allocator_kernel_address_math_is_64_bit(name):
     from kvmem.kernels.alloc import triton as K
+
     fn = getattr(K, name)
     sig, consts = _ALLOC_SIGS[name]
     names = fn.arg_names
     signature = {a: sig.get(a, "constexpr") for a in names}
-    src = ASTSource(fn=fn, signature=signature,
-                    constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs={(names.index(a),): [["tt.divisibility", 16]]
-                           for a, t in sig.items() if t.startswith("*")})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 4}).asm["ptx"]
+    src = ASTSource(
+        fn=fn,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in consts.items()},
+        attrs={
+            (names.index(a),): [["tt.divisibility", 16]]
+            for a, t in sig.items()
+            if t.startswith("*")
+        },
+    )
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     assert "%ctaid" in ptx
     assert narrow_address_math(ptx) == []

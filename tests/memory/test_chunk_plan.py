@@ -17,7 +17,12 @@ from tests.util import examples
 
 import kvmem
 from kvmem.memory.plan import (
-    CHUNK_BYTES, CHUNK_ENV, LAYER_ALIGN, chunk_target, plan_pool, plan_range,
+    CHUNK_BYTES,
+    CHUNK_ENV,
+    LAYER_ALIGN,
+    chunk_target,
+    plan_pool,
+    plan_range,
 )
 from kvmem.pool import layer_offsets
 
@@ -52,7 +57,9 @@ def check_plan(spec, num_pages, layout, gran, target):
     per_chunk = [[] for _ in chunks]
     for off, n in items:
         assert off % LAYER_ALIGN == 0
-        inside = [i for i, c in enumerate(chunks) if c.offset <= off and off + n <= c.offset + c.nbytes]
+        inside = [
+            i for i, c in enumerate(chunks) if c.offset <= off and off + n <= c.offset + c.nbytes
+        ]
         assert len(inside) == 1, (off, n, chunks)
         per_chunk[inside[0]].append(n)
         assert plan.chunk_of(off) == inside[0] and plan.chunk_of(off + n - 1) == inside[0]
@@ -72,17 +79,30 @@ def check_plan(spec, num_pages, layout, gran, target):
 
 specs = st.builds(
     lambda layers, heads, dim, vdim, ps, dtype: kvmem.KVSpec(
-        num_layers=layers, num_kv_heads=heads, head_dim=dim, page_size=ps, dtype=dtype,
-        v_head_dim=vdim),
-    st.integers(1, 12), st.integers(1, 8), st.sampled_from([1, 3, 64, 128, 576]),
-    st.sampled_from([None, 0, 5, 64]), st.sampled_from([1, 16, 64]),
-    st.sampled_from([torch.bfloat16, torch.float8_e4m3fn, torch.float32]))
+        num_layers=layers,
+        num_kv_heads=heads,
+        head_dim=dim,
+        page_size=ps,
+        dtype=dtype,
+        v_head_dim=vdim,
+    ),
+    st.integers(1, 12),
+    st.integers(1, 8),
+    st.sampled_from([1, 3, 64, 128, 576]),
+    st.sampled_from([None, 0, 5, 64]),
+    st.sampled_from([1, 16, 64]),
+    st.sampled_from([torch.bfloat16, torch.float8_e4m3fn, torch.float32]),
+)
 
 
 @settings(max_examples=examples(300), deadline=None)
-@given(specs, st.integers(2, 5000), st.sampled_from(["kvmem", "sglang"]),
-       st.sampled_from([1, 512, 4096, 2 * MiB]),
-       st.one_of(st.none(), st.integers(1, 8 * MiB)))
+@given(
+    specs,
+    st.integers(2, 5000),
+    st.sampled_from(["kvmem", "sglang"]),
+    st.sampled_from([1, 512, 4096, 2 * MiB]),
+    st.one_of(st.none(), st.integers(1, 8 * MiB)),
+)
 def test_every_plane_lies_inside_one_chunk(spec, num_pages, layout, gran, target):
     check_plan(spec, num_pages, layout, gran, target)
 
@@ -90,16 +110,23 @@ def test_every_plane_lies_inside_one_chunk(spec, num_pages, layout, gran, target
 def test_a_planes_padding_counts_against_the_target():
     # found by the property above: a 640-byte V plane after a 128-byte K plane ends at
     # 1152 bytes, but its padding to LAYER_ALIGN takes the chunk to 1536
-    spec = kvmem.KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, page_size=16,
-                        dtype=torch.float32, v_head_dim=5)
+    spec = kvmem.KVSpec(
+        num_layers=1, num_kv_heads=1, head_dim=1, page_size=16, dtype=torch.float32, v_head_dim=5
+    )
     plan = check_plan(spec, 2, "kvmem", 1, 1152)
     assert [c.nbytes for c in plan.chunks] == [512, 1024]
 
 
 @pytest.mark.parametrize("layout", ["kvmem", "sglang"])
 def test_one_chunk_is_the_single_range_layout(layout):
-    spec = kvmem.KVSpec(num_layers=3, num_kv_heads=2, head_dim=3, page_size=1,
-                        dtype=torch.float8_e4m3fn, v_head_dim=5)
+    spec = kvmem.KVSpec(
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=3,
+        page_size=1,
+        dtype=torch.float8_e4m3fn,
+        v_head_dim=5,
+    )
     plan = plan_pool(spec, 7, layout, 2 * MiB, None)
     k, v, total = layer_offsets(spec, 7, layout)
     assert (list(plan.k_offsets), list(plan.v_offsets), plan.nbytes) == (k, v, total)
@@ -109,8 +136,14 @@ def test_one_chunk_is_the_single_range_layout(layout):
 
 
 def test_a_plane_bigger_than_the_target_is_a_chunk_of_its_own():
-    spec = kvmem.KVSpec(num_layers=2, num_kv_heads=1, head_dim=576, page_size=1,
-                        dtype=torch.float8_e4m3fn, v_head_dim=0)
+    spec = kvmem.KVSpec(
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=576,
+        page_size=1,
+        dtype=torch.float8_e4m3fn,
+        v_head_dim=0,
+    )
     plan = check_plan(spec, 10_000, "kvmem", 2 * MiB, 1 * MiB)  # 5.76 MB planes
     assert [c.offset for c in plan.chunks] == [0, 6 * MiB]
     assert [c.nbytes for c in plan.chunks] == [5_760_000, -(-5_760_000 // 512) * 512]
@@ -132,8 +165,9 @@ def test_mla_and_1152_byte_tokens_at_64_gib_never_straddle():
     chunks cut pages; the plan's chunks never do, at page_size 1 and 64."""
     for dtype in (torch.float8_e4m3fn, torch.bfloat16):  # 576 and 1152 bytes a token
         for ps in (1, 64):
-            spec = kvmem.KVSpec(num_layers=80, num_kv_heads=1, head_dim=576, page_size=ps,
-                                dtype=dtype, v_head_dim=0)
+            spec = kvmem.KVSpec(
+                num_layers=80, num_kv_heads=1, head_dim=576, page_size=ps, dtype=dtype, v_head_dim=0
+            )
             pages = (64 * GiB) // spec.page_bytes
             for layout in ("kvmem", "sglang"):
                 plan = check_plan(spec, pages, layout, 2 * MiB, CHUNK_BYTES)
@@ -145,12 +179,17 @@ def test_mla_and_1152_byte_tokens_at_64_gib_never_straddle():
 def test_plan_range_cuts_every_target():
     plan = plan_range(5 * MiB + 3, 2 * MiB, 3 * MiB)  # target rounded up to 4 MiB
     assert [(c.offset, c.nbytes, c.size) for c in plan.chunks] == [
-        (0, 4 * MiB, 4 * MiB), (4 * MiB, MiB + 3, 2 * MiB)]
+        (0, 4 * MiB, 4 * MiB),
+        (4 * MiB, MiB + 3, 2 * MiB),
+    ]
     assert plan.nbytes == plan.content == 5 * MiB + 3 and plan.k_offsets == ()
     one = plan_range(100, 4096, None)
     assert [(c.offset, c.nbytes, c.size) for c in one.chunks] == [(0, 100, 4096)]
-    with pytest.raises(OverflowError, match=r"2097152 would be 4398046511104 chunks, more "
-                                            r"than 1048576"):
+    with pytest.raises(
+        OverflowError,
+        match=r"2097152 would be 4398046511104 chunks, more "
+        r"than 1048576",
+    ):
         plan_range(2**63 - 1, 2 * MiB, 1)  # refused before any chunk is listed
 
 

@@ -51,16 +51,19 @@ class FakeDriver:
     CUdevice_attribute = SimpleNamespace(
         CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED=102,
         CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED=103,
-        CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED=112)
-    CUmemAllocationHandleType = SimpleNamespace(CU_MEM_HANDLE_TYPE_NONE=0,
-                                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1)
+        CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED=112,
+    )
+    CUmemAllocationHandleType = SimpleNamespace(
+        CU_MEM_HANDLE_TYPE_NONE=0, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1
+    )
     CUmemAllocationType = SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
     CUmemLocationType = SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
     CUmemAllocationGranularity_flags = SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_RECOMMENDED=1)
     CUmemAccess_flags = SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
 
-    def __init__(self, capacity: int = 1 << 20, address_space: int = 1 << 30,
-                 granularity: int = GRAN):
+    def __init__(
+        self, capacity: int = 1 << 20, address_space: int = 1 << 30, granularity: int = GRAN
+    ):
         self.capacity = capacity
         self.granularity = granularity
         self.address_space = address_space
@@ -116,22 +119,29 @@ class FakeDriver:
         return self._enter("cuDeviceGet") or CUresult.CUDA_SUCCESS, index
 
     def cuDeviceGetAttribute(self, attr, dev):
-        return (self._enter("cuDeviceGetAttribute") or CUresult.CUDA_SUCCESS,
-                self.attributes.get(attr, 1))
+        return (
+            self._enter("cuDeviceGetAttribute") or CUresult.CUDA_SUCCESS,
+            self.attributes.get(attr, 1),
+        )
 
     @staticmethod
     def CUmemAllocationProp():
-        return SimpleNamespace(type=0, location=SimpleNamespace(type=0, id=-1),
-                               allocFlags=SimpleNamespace(gpuDirectRDMACapable=0),
-                               requestedHandleTypes=0)
+        return SimpleNamespace(
+            type=0,
+            location=SimpleNamespace(type=0, id=-1),
+            allocFlags=SimpleNamespace(gpuDirectRDMACapable=0),
+            requestedHandleTypes=0,
+        )
 
     @staticmethod
     def CUmemAccessDesc():
         return SimpleNamespace(location=SimpleNamespace(type=0, id=-1), flags=0)
 
     def cuMemGetAllocationGranularity(self, prop, flags):
-        return (self._enter("cuMemGetAllocationGranularity") or CUresult.CUDA_SUCCESS,
-                self.granularity)
+        return (
+            self._enter("cuMemGetAllocationGranularity") or CUresult.CUDA_SUCCESS,
+            self.granularity,
+        )
 
     def cuMemAddressReserve(self, size, alignment, addr, flags):
         if (err := self._enter("cuMemAddressReserve")) is not None:
@@ -141,8 +151,11 @@ class FakeDriver:
             return CUresult.CUDA_ERROR_OUT_OF_MEMORY, 0
         # MAP_NORESERVE: memory only where touched, so a 64 GiB pool's calls can be
         # counted on a small machine (bench/chunk_plan.py)
-        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-                       | getattr(mmap, "MAP_NORESERVE", 0x4000))
+        mm = mmap.mmap(
+            -1,
+            size,
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000),
+        )
         anchor = ctypes.c_char.from_buffer(mm)
         ptr = ctypes.addressof(anchor)
         del anchor  # no export left: the mapping can be closed
@@ -170,8 +183,11 @@ class FakeDriver:
         if self._used() + size > self.capacity:
             return CUresult.CUDA_ERROR_OUT_OF_MEMORY, None
         self._next += 1
-        self.handles[self._next] = {"size": size, "released": False,
-                                    "handle_types": prop.requestedHandleTypes}
+        self.handles[self._next] = {
+            "size": size,
+            "released": False,
+            "handle_types": prop.requestedHandleTypes,
+        }
         return CUresult.CUDA_SUCCESS, self._next
 
     def cuMemRelease(self, handle):
@@ -193,9 +209,14 @@ class FakeDriver:
         if (err := self._enter("cuMemMap")) is not None:
             return (err,)
         h = self.handles.get(handle)
-        if (h is None or h["released"] or offset != 0 or size != h["size"]
-                or not self._reservation_of(va, size)
-                or any(va < v + s and v < va + size for v, (s, _) in self.mappings.items())):
+        if (
+            h is None
+            or h["released"]
+            or offset != 0
+            or size != h["size"]
+            or not self._reservation_of(va, size)
+            or any(va < v + s and v < va + size for v, (s, _) in self.mappings.items())
+        ):
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
         self.mappings[va] = (size, handle)
         return (CUresult.CUDA_SUCCESS,)
@@ -221,7 +242,9 @@ class FakeDriver:
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
         _, handle = self.mappings.pop(va)
         self.accessible.discard(va)
-        if self.handles[handle]["released"] and handle not in {h for _, h in self.mappings.values()}:
+        if self.handles[handle]["released"] and handle not in {
+            h for _, h in self.mappings.values()
+        }:
             del self.handles[handle]
         return (CUresult.CUDA_SUCCESS,)
 
@@ -235,8 +258,13 @@ class FakeDriver:
 
 
 def make_pool(fake: FakeDriver, layout: str = "kvmem") -> kvmem.KVPool:
-    return kvmem.KVPool(SPEC, PAGES, "cpu", layout=layout,
-                        backend=CudaVmmBackend.factory(driver=fake, chunk_bytes=CHUNK))
+    return kvmem.KVPool(
+        SPEC,
+        PAGES,
+        "cpu",
+        layout=layout,
+        backend=CudaVmmBackend.factory(driver=fake, chunk_bytes=CHUNK),
+    )
 
 
 @pytest.fixture
@@ -246,8 +274,13 @@ def fake():
 
 def _round_trip(pool: kvmem.KVPool, seed: int) -> None:
     ids = torch.tensor([1, PAGES - 1, 7])
-    chunk = torch.randint(0, 256, (kvmem.packed_nbytes(SPEC, 3),), dtype=torch.uint8,
-                          generator=torch.Generator().manual_seed(seed))
+    chunk = torch.randint(
+        0,
+        256,
+        (kvmem.packed_nbytes(SPEC, 3),),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(seed),
+    )
     kvmem.unpack_pages(chunk, pool, ids)
     assert torch.equal(kvmem.pack_pages(pool, ids), chunk)
 
@@ -255,7 +288,7 @@ def _round_trip(pool: kvmem.KVPool, seed: int) -> None:
 def test_fake_pool_maps_every_chunk(fake):
     pool = make_pool(fake)
     assert pool.backend == "cuda_vmm" and pool.nbytes == 8 * CHUNK
-    (ptr, (size, _)), = fake.reservations.items()
+    ((ptr, (size, _)),) = fake.reservations.items()
     assert pool._mem.tensor.data_ptr() == ptr and size == 8 * CHUNK
     assert sorted(fake.layout()) == [ptr + i * CHUNK for i in range(8)]
     assert pool.regions() == [(ptr + i * CHUNK, CHUNK) for i in range(8)]
@@ -269,6 +302,7 @@ def test_fake_pool_maps_every_chunk(fake):
 
 # --- D: a map or unmap that fails half-way completes or undoes its own work ----------------
 
+
 def test_resume_out_of_memory_half_way_gives_back_and_retries(fake):
     pool = make_pool(fake)
     ptrs = [b.data_ptr() for b in pool.k_buffer + pool.v_buffer]
@@ -276,10 +310,13 @@ def test_resume_out_of_memory_half_way_gives_back_and_retries(fake):
     pool.release()
     other = fake.hold(fake.capacity - 5 * CHUNK)  # room for 5 of the 8 chunks
     for attempt in range(3):  # every retry fails the same clear way, and leaks nothing
-        with pytest.raises(PoolMemoryError, match=r"cannot map 262144 bytes .* cuda_vmm .*"
-                           r"cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY .*chunk 6 of 8 .*"
-                           r"the 5 chunk\(s\) this call had changed were unmapped and "
-                           r"released again") as info:
+        with pytest.raises(
+            PoolMemoryError,
+            match=r"cannot map 262144 bytes .* cuda_vmm .*"
+            r"cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY .*chunk 6 of 8 .*"
+            r"the 5 chunk\(s\) this call had changed were unmapped and "
+            r"released again",
+        ) as info:
             pool.resume()
         assert info.value.nbytes == pool.nbytes and isinstance(info.value, MemoryError)
         assert fake.mapped_bytes() == 0 and fake.physical_bytes() == 0
@@ -303,9 +340,12 @@ def test_unmap_failing_half_way_maps_back_the_same_memory(fake):
     fill_random(pool._mem.tensor, torch.Generator().manual_seed(3))
     before = fake.layout()  # va -> handle: the same physical memory must come back
     fake.fail("cuMemUnmap", nth=4, code=CUresult.CUDA_ERROR_UNKNOWN)
-    with pytest.raises(CudaDriverError, match=r"cuMemUnmap failed: CUDA_ERROR_UNKNOWN .*"
-                       r"at chunk 4 of 8; the 3 chunk\(s\) this call had changed were "
-                       r"mapped back") as info:
+    with pytest.raises(
+        CudaDriverError,
+        match=r"cuMemUnmap failed: CUDA_ERROR_UNKNOWN .*"
+        r"at chunk 4 of 8; the 3 chunk\(s\) this call had changed were "
+        r"mapped back",
+    ) as info:
         pool.release()
     assert info.value.code == "CUDA_ERROR_UNKNOWN"
     assert not pool.released and pool.epoch == 0
@@ -320,9 +360,12 @@ def test_resume_failing_half_way_in_a_driver_call_is_undone(fake, call):
     pool = make_pool(fake)
     pool.release()
     fake.fail(call, nth=3, code=CUresult.CUDA_ERROR_UNKNOWN)
-    with pytest.raises(CudaDriverError, match=rf"{call} failed: CUDA_ERROR_UNKNOWN .*"
-                       r"at chunk 3 of 8 .*the 3 chunk\(s\) this call had changed were "
-                       r"unmapped and released again"):
+    with pytest.raises(
+        CudaDriverError,
+        match=rf"{call} failed: CUDA_ERROR_UNKNOWN .*"
+        r"at chunk 3 of 8 .*the 3 chunk\(s\) this call had changed were "
+        r"unmapped and released again",
+    ):
         pool.resume()
     assert pool.released and fake.mapped_bytes() == 0 and fake.physical_bytes() == 0
     pool.resume()
@@ -332,9 +375,12 @@ def test_resume_failing_half_way_in_a_driver_call_is_undone(fake, call):
 def test_handle_that_cannot_be_released_is_kept_and_reused(fake):
     pool = make_pool(fake)
     fake.fail("cuMemRelease", nth=2, code=CUresult.CUDA_ERROR_UNKNOWN)
-    with pytest.raises(CudaDriverError, match=r"cuMemRelease failed: CUDA_ERROR_UNKNOWN .*"
-                       r"1 chunk handle\(s\) \(first: chunk 2\) could not be released; "
-                       r"the range is unmapped"):
+    with pytest.raises(
+        CudaDriverError,
+        match=r"cuMemRelease failed: CUDA_ERROR_UNKNOWN .*"
+        r"1 chunk handle\(s\) \(first: chunk 2\) could not be released; "
+        r"the range is unmapped",
+    ):
         pool.release()
     assert pool.released  # nothing is mapped: it must count as released
     assert fake.mapped_bytes() == 0 and fake.physical_bytes() == CHUNK
@@ -357,8 +403,11 @@ def test_a_failed_undo_leaves_a_state_the_next_call_continues_from(fake):
     other = fake.hold(fake.capacity - 5 * CHUNK)
     fake.fail("cuMemCreate", nth=6)
     fake.fail("cuMemUnmap", nth=2, code=CUresult.CUDA_ERROR_UNKNOWN)
-    with pytest.raises(PoolMemoryError, match=r"undoing failed for 1 .*1 of 8 chunks are "
-                       r"mapped now, and the next release/resume continues from there"):
+    with pytest.raises(
+        PoolMemoryError,
+        match=r"undoing failed for 1 .*1 of 8 chunks are "
+        r"mapped now, and the next release/resume continues from there",
+    ):
         pool.resume()
     assert pool.released and fake.mapped_bytes() == CHUNK
     states = pool._mem._range.states
@@ -380,18 +429,25 @@ def test_a_failed_undo_leaves_a_state_the_next_call_continues_from(fake):
 
 def test_construction_out_of_memory_leaves_nothing(fake):
     fake.capacity = 3 * CHUNK
-    with pytest.raises(PoolMemoryError, match=r"cannot map 262144 bytes .* for a KV pool of "
-                       r"32 pages .*cuda_vmm memory backend .*CUDA_ERROR_OUT_OF_MEMORY"):
+    with pytest.raises(
+        PoolMemoryError,
+        match=r"cannot map 262144 bytes .* for a KV pool of "
+        r"32 pages .*cuda_vmm memory backend .*CUDA_ERROR_OUT_OF_MEMORY",
+    ):
         make_pool(fake)
     assert fake.empty()
     fake.address_space = CHUNK
-    with pytest.raises(PoolMemoryError, match=r"cannot reserve 262144 bytes .*"
-                       r"cuMemAddressReserve failed: CUDA_ERROR_OUT_OF_MEMORY"):
+    with pytest.raises(
+        PoolMemoryError,
+        match=r"cannot reserve 262144 bytes .*"
+        r"cuMemAddressReserve failed: CUDA_ERROR_OUT_OF_MEMORY",
+    ):
         make_pool(fake)
     assert fake.empty()
 
 
 # --- E: a dropped or closed pool gives everything back ---------------------------------
+
 
 def test_dropped_pool_frees_everything(fake):
     pool = make_pool(fake)
@@ -450,14 +506,37 @@ def test_close_reports_a_driver_error_and_frees_the_rest(fake):
 
 # --- the chunk plan on the driver: every plane inside one physical allocation -------------
 
+
 @pytest.mark.parametrize("layout", ["kvmem", "sglang"])
-@pytest.mark.parametrize("name, spec", [
-    ("MLA576-fp8-P1", kvmem.KVSpec(num_layers=5, num_kv_heads=1, head_dim=576, page_size=1,
-                                   dtype=torch.float8_e4m3fn, v_head_dim=0)),
-    ("MLA576-bf16-P64", kvmem.KVSpec(num_layers=3, num_kv_heads=1, head_dim=576, page_size=64,
-                                     dtype=torch.bfloat16, v_head_dim=0)),
-    ("D128-bf16-P16", kvmem.KVSpec(num_layers=3, num_kv_heads=2, head_dim=128, page_size=16)),
-], ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize(
+    "name, spec",
+    [
+        (
+            "MLA576-fp8-P1",
+            kvmem.KVSpec(
+                num_layers=5,
+                num_kv_heads=1,
+                head_dim=576,
+                page_size=1,
+                dtype=torch.float8_e4m3fn,
+                v_head_dim=0,
+            ),
+        ),
+        (
+            "MLA576-bf16-P64",
+            kvmem.KVSpec(
+                num_layers=3,
+                num_kv_heads=1,
+                head_dim=576,
+                page_size=64,
+                dtype=torch.bfloat16,
+                v_head_dim=0,
+            ),
+        ),
+        ("D128-bf16-P16", kvmem.KVSpec(num_layers=3, num_kv_heads=2, head_dim=128, page_size=16)),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
 def test_chunks_hold_whole_planes_on_the_driver(fake, name, spec, layout):
     """576- and 1152-byte tokens do not divide the chunk target: the old cut at multiples
     of it fell inside pages.  Each mapping the driver made is one chunk of the plan, and
@@ -466,8 +545,13 @@ def test_chunks_hold_whole_planes_on_the_driver(fake, name, spec, layout):
     del name
     fake.capacity = 64 << 20
     target = 3 * GRAN
-    pool = kvmem.KVPool(spec, pages, "cpu", layout=layout,
-                        backend=CudaVmmBackend.factory(driver=fake, chunk_bytes=target))
+    pool = kvmem.KVPool(
+        spec,
+        pages,
+        "cpu",
+        layout=layout,
+        backend=CudaVmmBackend.factory(driver=fake, chunk_bytes=target),
+    )
     base = pool._mem.tensor.data_ptr()
     maps = sorted((va, size) for va, (size, _) in fake.mappings.items())
     plan = pool.plan
@@ -482,15 +566,21 @@ def test_chunks_hold_whole_planes_on_the_driver(fake, name, spec, layout):
         assert sum(va <= a and a + n <= va + size for va, size in maps) == 1, (a, n)
     naive = range(base + target, base + pool.nbytes, target)  # the cut of a fixed chunk size
     page = spec.k_page_bytes
-    assert any(a < cut < a + n and (cut - a) % page for a, n in blocks for cut in naive), \
+    assert any(a < cut < a + n and (cut - a) % page for a, n in blocks for cut in naive), (
         "this shape would not have straddled: the test proves nothing"
+    )
     _round_trip_spec(pool, spec)
 
 
 def _round_trip_spec(pool, spec) -> None:
     ids = torch.tensor([1, pool.num_pages - 1, 7])
-    chunk = torch.randint(0, 256, (kvmem.packed_nbytes(spec, 3),), dtype=torch.uint8,
-                          generator=torch.Generator().manual_seed(3))
+    chunk = torch.randint(
+        0,
+        256,
+        (kvmem.packed_nbytes(spec, 3),),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(3),
+    )
     kvmem.unpack_pages(chunk, pool, ids)
     assert torch.equal(kvmem.pack_pages(pool, ids), chunk)
 
@@ -502,11 +592,17 @@ def test_driver_calls_per_release_and_resume_are_per_chunk(fake):
     pool.release()
     pool.resume()
     made = {k: v - before.get(k, 0) for k, v in fake.calls.items() if v != before.get(k, 0)}
-    assert made == {"cuMemUnmap": n, "cuMemRelease": n, "cuMemCreate": n, "cuMemMap": n,
-                    "cuMemSetAccess": n}
+    assert made == {
+        "cuMemUnmap": n,
+        "cuMemRelease": n,
+        "cuMemCreate": n,
+        "cuMemMap": n,
+        "cuMemSetAccess": n,
+    }
 
 
 # --- exportable chunks (POSIX file-descriptor handles) ---------------------------------------
+
 
 def test_chunks_request_posix_fd_handles_where_supported(fake):
     pool = make_pool(fake)
@@ -522,8 +618,9 @@ def test_chunks_request_posix_fd_handles_where_supported(fake):
 
 
 def test_no_fd_handles_where_the_device_lacks_them_said_in_a_warning(fake, caplog):
-    fake.attributes[FakeDriver.CUdevice_attribute
-                    .CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED] = 0
+    fake.attributes[
+        FakeDriver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED
+    ] = 0
     with caplog.at_level(logging.WARNING, logger="kvmem.memory.cuda_vmm"):
         pool = make_pool(fake)
     assert not pool._mem.exportable
@@ -531,7 +628,7 @@ def test_no_fd_handles_where_the_device_lacks_them_said_in_a_warning(fake, caplo
     info = pool.memory_info()
     assert (info["exportable"], info["handle_type"]) == (False, None)
     assert "does not support POSIX file-descriptor handles" in info["not_exportable_because"]
-    msg, = [r.getMessage() for r in caplog.records if r.name == "kvmem.memory.cuda_vmm"]
+    (msg,) = [r.getMessage() for r in caplog.records if r.name == "kvmem.memory.cuda_vmm"]
     assert "chunks are not exportable" in msg and "cuda_ipc" in msg
     _round_trip(pool, 7)
 

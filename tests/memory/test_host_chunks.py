@@ -16,8 +16,9 @@ from kvmem.memory import host, make_backend
 from kvmem.memory.plan import plan_pool, plan_range
 from tests.kv_cases import fill_random
 
-SPEC = kvmem.KVSpec(num_layers=3, num_kv_heads=1, head_dim=576, page_size=1,
-                    dtype=torch.float8_e4m3fn, v_head_dim=0)  # MLA 576: 576-byte pages
+SPEC = kvmem.KVSpec(
+    num_layers=3, num_kv_heads=1, head_dim=576, page_size=1, dtype=torch.float8_e4m3fn, v_head_dim=0
+)  # MLA 576: 576-byte pages
 TARGET = 200_000
 
 
@@ -85,8 +86,11 @@ def test_a_plain_range_is_cut_every_target():
     mem = make_backend(5 << 20, torch.device("cpu"), chunk_bytes=2 << 20)
     base = mem.tensor.data_ptr()
     assert mem.plan == plan_range(5 << 20, host.GRANULARITY, 2 << 20)
-    assert mem.regions() == [(base, 2 << 20), (base + (2 << 20), 2 << 20),
-                             (base + (4 << 20), 1 << 20)]
+    assert mem.regions() == [
+        (base, 2 << 20),
+        (base + (2 << 20), 2 << 20),
+        (base + (4 << 20), 1 << 20),
+    ]
     mem.tensor.fill_(7)
     mem.release()
     assert mem.resident_bytes() == 0
@@ -109,8 +113,10 @@ def test_the_range_is_unmapped_once_the_last_view_goes(monkeypatch):
     assert rng() is None
     # the whole reservation went in one munmap (another mapping may take the addresses
     # at once, so /proc/self/maps cannot tell)
-    assert (base, pool.plan.chunks[-1].offset + -(-pool.plan.chunks[-1].nbytes // host.PAGE)
-            * host.PAGE) in unmapped
+    assert (
+        base,
+        pool.plan.chunks[-1].offset + -(-pool.plan.chunks[-1].nbytes // host.PAGE) * host.PAGE,
+    ) in unmapped
 
 
 def test_a_64_gib_range_takes_no_memory_until_touched():

@@ -31,8 +31,11 @@ def test_impossible_pool_size_names_bytes_and_backend(num_pages, backend):
 
 
 def test_range_past_ssize_t_is_refused_before_the_os_sees_it():
-    with pytest.raises(PoolMemoryError, match=rf"{MAX_BYTES + 1} bytes .* host memory backend"
-                                              r".*more than the \d+ bytes one range can address"):
+    with pytest.raises(
+        PoolMemoryError,
+        match=rf"{MAX_BYTES + 1} bytes .* host memory backend"
+        r".*more than the \d+ bytes one range can address",
+    ):
         make_backend(MAX_BYTES + 1, torch.device("cpu"))
     # one byte less passes the check; the OS then refuses it (rounded up past ssize_t,
     # or not enough memory), and that refusal is a PoolMemoryError too
@@ -47,9 +50,12 @@ def test_backend_out_of_memory_errors_are_translated():
     def other(nbytes, device):
         raise OSError(errno.EACCES, "Permission denied")
 
-    with pytest.raises(PoolMemoryError, match=r"cannot allocate 4096 bytes \(4.0 KiB\) for "
-                                              r"staging on the enomem memory backend \(cpu\): "
-                                              r"OSError: \[Errno 12\] Cannot allocate memory"):
+    with pytest.raises(
+        PoolMemoryError,
+        match=r"cannot allocate 4096 bytes \(4.0 KiB\) for "
+        r"staging on the enomem memory backend \(cpu\): "
+        r"OSError: \[Errno 12\] Cannot allocate memory",
+    ):
         make_backend(4096, torch.device("cpu"), enomem, purpose="staging")
     with pytest.raises(PermissionError):  # not a memory shortage: left as it is
         make_backend(4096, torch.device("cpu"), other)

@@ -14,17 +14,27 @@ from kvmem.memory.plan import LAYER_ALIGN
 from tests.kv_cases import fill_random
 
 SPECS = {
-    "D128-bf16": kvmem.KVSpec(num_layers=3, num_kv_heads=4, head_dim=128, page_size=16,
-                              dtype=torch.bfloat16),
-    "D64-V32-fp16": kvmem.KVSpec(num_layers=3, num_kv_heads=2, head_dim=64, page_size=4,
-                                 dtype=torch.float16, v_head_dim=32),
-    "D576-Konly-bf16": kvmem.KVSpec(num_layers=2, num_kv_heads=1, head_dim=576, page_size=1,
-                                    dtype=torch.bfloat16, v_head_dim=0),
+    "D128-bf16": kvmem.KVSpec(
+        num_layers=3, num_kv_heads=4, head_dim=128, page_size=16, dtype=torch.bfloat16
+    ),
+    "D64-V32-fp16": kvmem.KVSpec(
+        num_layers=3, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.float16, v_head_dim=32
+    ),
+    "D576-Konly-bf16": kvmem.KVSpec(
+        num_layers=2, num_kv_heads=1, head_dim=576, page_size=1, dtype=torch.bfloat16, v_head_dim=0
+    ),
     # odd byte sizes: K of a layer is 7 bytes, so V starts on an odd address
-    "D1-P1-fp8": kvmem.KVSpec(num_layers=3, num_kv_heads=1, head_dim=1, page_size=1,
-                              dtype=torch.float8_e4m3fn),
-    "D3-V5-P1-fp8": kvmem.KVSpec(num_layers=2, num_kv_heads=3, head_dim=3, page_size=1,
-                                 dtype=torch.float8_e4m3fn, v_head_dim=5),
+    "D1-P1-fp8": kvmem.KVSpec(
+        num_layers=3, num_kv_heads=1, head_dim=1, page_size=1, dtype=torch.float8_e4m3fn
+    ),
+    "D3-V5-P1-fp8": kvmem.KVSpec(
+        num_layers=2,
+        num_kv_heads=3,
+        head_dim=3,
+        page_size=1,
+        dtype=torch.float8_e4m3fn,
+        v_head_dim=5,
+    ),
 }
 PAGES = 7
 
@@ -72,11 +82,14 @@ def test_sglang_layout_is_sglangs_two_halves_tensor():
         k = ks[l]
         assert k.shape == (rows, spec.num_kv_heads, spec.head_dim)
         assert k.data_ptr() == pool.k_buffer[l].data_ptr()
-        block = pool._mem.tensor[k.data_ptr() - pool._mem.tensor.data_ptr():][
-            :2 * spec.k_layer_bytes(PAGES)]
+        block = pool._mem.tensor[k.data_ptr() - pool._mem.tensor.data_ptr() :][
+            : 2 * spec.k_layer_bytes(PAGES)
+        ]
         buf = block.view(spec.storage_dtype).view(2, rows, spec.num_kv_heads, spec.head_dim)
         assert buf[1].data_ptr() - buf[0].data_ptr() == rows * spec.num_kv_heads * spec.head_dim * 2
-        assert torch.equal(buf[0].view(torch.int16), pool.k_buffer[l].flatten(0, 1).view(torch.int16))
+        assert torch.equal(
+            buf[0].view(torch.int16), pool.k_buffer[l].flatten(0, 1).view(torch.int16)
+        )
         assert torch.equal(buf[1].view(torch.int16), vs[l].view(torch.int16))
 
 
@@ -143,8 +156,9 @@ def test_pack_unpack_match_kvmem_layout(name):
         assert torch.equal(got, want)
         # round trip on the sglang layout: write a fresh chunk, read it back; the pools
         # stay byte-equal, pages not listed included
-        chunk = torch.randint(0, 256, want.shape, dtype=torch.uint8,
-                              generator=torch.Generator().manual_seed(9))
+        chunk = torch.randint(
+            0, 256, want.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
+        )
         kvmem.unpack_pages(chunk, ours, ids, layers=layers, heads=heads)
         kvmem.unpack_pages(chunk, theirs, ids, layers=layers, heads=heads)
         assert torch.equal(kvmem.pack_pages(theirs, ids, layers=layers, heads=heads), chunk)
@@ -169,4 +183,3 @@ def test_sglang_layout_release_resume_keeps_addresses():
 def test_unknown_layout_is_refused(bad):
     with pytest.raises(ValueError, match=rf"unknown KVPool layout {re.escape(repr(bad))}"):
         kvmem.KVPool(SPECS["D128-bf16"], PAGES, layout=bad)
-

@@ -51,8 +51,10 @@ def _lockable() -> None:
         if hard == resource.RLIM_INFINITY or hard >= need:
             resource.setrlimit(resource.RLIMIT_MEMLOCK, (need, hard))
             return
-        pytest.fail(f"RLIMIT_MEMLOCK hard limit {hard} bytes is below the {need} bytes the "
-                    "fallback prefault locks at once; raise it (ulimit -l) to run this test")
+        pytest.fail(
+            f"RLIMIT_MEMLOCK hard limit {hard} bytes is below the {need} bytes the "
+            "fallback prefault locks at once; raise it (ulimit -l) to run this test"
+        )
 
 
 def test_fallback_prefault_keeps_every_byte(pool, monkeypatch):

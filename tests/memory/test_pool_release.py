@@ -54,10 +54,13 @@ def test_released_pool_refuses_every_entry_point(pool):
     ids = torch.tensor([1, 2])
     chunk = kvmem.pack_pages(pool, ids)
     pool.release()
-    for call in (lambda: pool.k_buffer, lambda: pool.v_buffer,
-                 lambda: kvmem.pack_pages(pool, ids),
-                 lambda: kvmem.unpack_pages(chunk, pool, ids),
-                 lambda: pool.as_cupy()):
+    for call in (
+        lambda: pool.k_buffer,
+        lambda: pool.v_buffer,
+        lambda: kvmem.pack_pages(pool, ids),
+        lambda: kvmem.unpack_pages(chunk, pool, ids),
+        lambda: pool.as_cupy(),
+    ):
         with pytest.raises(kvmem.ReleasedPoolError, match=r"released \(epoch 0\).*resume\(\)"):
             call()
     assert pool.resident_bytes() <= 0.05 * pool.nbytes  # nothing touched the range

@@ -61,10 +61,11 @@ class Outbox:
                 if reason is not None:
                     self.answers[rid].append(("stream", reason))
         elif type(payload).__name__ == "AbortReq":
-            reason = payload.finished_reason or {"type": "abort", "message":
-                                                 payload.abort_message or
-                                                 "Abort in waiting queue",
-                                                 "status_code": None}
+            reason = payload.finished_reason or {
+                "type": "abort",
+                "message": payload.abort_message or "Abort in waiting queue",
+                "status_code": None,
+            }
             self.answers[payload.rid].append(("abort", reason))
         else:  # control outputs are not request answers
             pass
@@ -124,8 +125,10 @@ def sender_class():
             if self.hold == KVPoll.Bootstrapping:
                 timeout = envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
                 if time.time() - self.init_time >= timeout:
-                    self.fail(f"Request {self.bootstrap_room} timed out after "
-                              f"{time.time() - self.init_time:.1f}s in KVPoll.Bootstrapping")
+                    self.fail(
+                        f"Request {self.bootstrap_room} timed out after "
+                        f"{time.time() - self.init_time:.1f}s in KVPoll.Bootstrapping"
+                    )
                     return self.conclude_state
             if self.hold is not None:
                 return self.hold
@@ -149,8 +152,12 @@ def sender_class():
                 # and, with the last one, the extra state; the decode side reports which
                 # one failed
                 runs = max(len(kv_indices), 1)
-                which = {"first": "transfer 1", "middle": f"transfer {max(runs // 2, 1) + 1}",
-                         "last": f"transfer {runs}", "extra": "extra state"}[self.fail_chunk]
+                which = {
+                    "first": "transfer 1",
+                    "middle": f"transfer {max(runs // 2, 1) + 1}",
+                    "last": f"transfer {runs}",
+                    "extra": "extra state",
+                }[self.fail_chunk]
                 self.fail(f"{which} of {runs} (+ extra state) failed on the decode side")
             elif self.after_send is not None:
                 self.hold = self.after_send
@@ -169,8 +176,15 @@ def sender_class():
 class PrefillHarness:
     """One PD prefill scheduler; see the module docstring."""
 
-    def __init__(self, *, page_size: int = 4, pages: int = 64, max_reqs: int = 16,
-                 meta_slots: int | None = None, chunk_pages: int | None = None):
+    def __init__(
+        self,
+        *,
+        page_size: int = 4,
+        pages: int = 64,
+        max_reqs: int = 16,
+        meta_slots: int | None = None,
+        chunk_pages: int | None = None,
+    ):
         import torch
         import torch.distributed as dist
 
@@ -178,24 +192,33 @@ class PrefillHarness:
         from sglang.srt.runtime_context import get_parallel
 
         # one rank, as a launcher's rank bundle would say (sglang_env publishes none)
-        get_parallel().override_permanently(tp_rank=0, pp_rank=0, attn_tp_rank=0,
-                                            attn_cp_rank=0, attn_dp_rank=0, moe_ep_rank=0,
-                                            dp_rank=None)
+        get_parallel().override_permanently(
+            tp_rank=0,
+            pp_rank=0,
+            attn_tp_rank=0,
+            attn_cp_rank=0,
+            attn_dp_rank=0,
+            moe_ep_rank=0,
+            dp_rank=None,
+        )
         from sglang.srt.disaggregation import prefill as P
         from sglang.srt.disaggregation.fake.conn import FakeKVManager
-        from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType,
-                                                     MetadataBuffers,
-                                                     ReqToMetadataIdxAllocator,
-                                                     TransferBackend)
+        from sglang.srt.disaggregation.utils import (
+            DisaggregationMode,
+            KVClassType,
+            MetadataBuffers,
+            ReqToMetadataIdxAllocator,
+            TransferBackend,
+        )
         from sglang.srt.managers.scheduler import Scheduler
-        from sglang.srt.managers.scheduler_components.output_streamer import (
-            SchedulerOutputStreamer)
+        from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
         from tests.sglang.sglang_env import weight_updater
 
         if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                    rank=0, world_size=1)
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+            )
         group = dist.group.WORLD
         self.page_size = page_size
         # chunked prefill (sglang's --chunked-prefill-size): at most this many tokens of
@@ -203,8 +226,7 @@ class PrefillHarness:
         # chunks)
         self.chunk_tokens = chunk_pages * page_size if chunk_pages else None
         size = page_size * pages
-        req_pool, kv, alloc, tree = build_pools(page_size=page_size, size=size,
-                                                max_reqs=max_reqs)
+        req_pool, kv, alloc, tree = build_pools(page_size=page_size, size=size, max_reqs=max_reqs)
         self.req_pool, self.kv, self.alloc, self.tree = req_pool, kv, alloc, tree
         self.size = size
         self.mc = model_config(layers=2, heads=2, head_dim=16, dtype=torch.bfloat16)
@@ -263,24 +285,36 @@ class PrefillHarness:
         s._pp_microbatches_drained = lambda: True
         s._prefetch_kvcache = lambda req: None
         s.maybe_send_health_check_signal = lambda: None
-        s.metrics_reporter = SimpleNamespace(enable_metrics=False,
-                                             report_prefill_stats=lambda **k: None)
+        s.metrics_reporter = SimpleNamespace(
+            enable_metrics=False, report_prefill_stats=lambda **k: None
+        )
         s.metrics_collector = None
         s.ipc_channels = SimpleNamespace(send_to_tokenizer=self.outbox)
         s.scheduler_stage_metrics = None  # scheduler_stage_method skips a None recorder
-        s.tp_worker = SimpleNamespace(model_runner=SimpleNamespace(
-            effective_logical_max_total_num_tokens=size, kv_cache_dtype_str="bfloat16"))
+        s.tp_worker = SimpleNamespace(
+            model_runner=SimpleNamespace(
+                effective_logical_max_total_num_tokens=size, kv_cache_dtype_str="bfloat16"
+            )
+        )
         s.output_streamer = SchedulerOutputStreamer(
-            send_to_detokenizer=self.outbox, tree_cache=tree, server_args=s.server_args,
-            is_generation=True, spec_algorithm=s.spec_algorithm,
-            disaggregation_mode=s.disaggregation_mode, enable_hicache_storage=lambda: False)
+            send_to_detokenizer=self.outbox,
+            tree_cache=tree,
+            server_args=s.server_args,
+            is_generation=True,
+            spec_algorithm=s.spec_algorithm,
+            disaggregation_mode=s.disaggregation_mode,
+            enable_hicache_storage=lambda: False,
+        )
         s.batch_result_processor = _batch_result_processor(s)
 
         # -- PD prefill parts, as Scheduler.init_disaggregation builds them -------------
         s.req_to_metadata_buffer_idx_allocator = ReqToMetadataIdxAllocator(meta_slots)
         s.disagg_metadata_buffers = MetadataBuffers(
-            meta_slots, hidden_size=32, hidden_states_dtype=torch.bfloat16,
-            max_sampling_mask_tokens=0)
+            meta_slots,
+            hidden_size=32,
+            hidden_states_dtype=torch.bfloat16,
+            max_sampling_mask_tokens=0,
+        )
         # the real queue's __init__ builds its KV manager through get_kv_class(backend,
         # MANAGER): FakeKVManager here; senders come from the same lookup (scripted)
         real_get_kv_class = P.get_kv_class
@@ -293,12 +327,17 @@ class PrefillHarness:
 
         P.get_kv_class = get_kv_class
         s.disagg_prefill_bootstrap_queue = P.PrefillBootstrapQueue(
-            token_to_kv_pool=kv, draft_token_to_kv_pool=None,
+            token_to_kv_pool=kv,
+            draft_token_to_kv_pool=None,
             req_to_metadata_buffer_idx_allocator=s.req_to_metadata_buffer_idx_allocator,
-            metadata_buffers=s.disagg_metadata_buffers, gpu_id=0, bootstrap_port=8998,
-            max_total_num_tokens=size, scheduler=s,
+            metadata_buffers=s.disagg_metadata_buffers,
+            gpu_id=0,
+            bootstrap_port=8998,
+            max_total_num_tokens=size,
+            scheduler=s,
             scheduler_stage_metrics=s.scheduler_stage_metrics,
-            transfer_backend=TransferBackend.FAKE)
+            transfer_backend=TransferBackend.FAKE,
+        )
         mgr = s.disagg_prefill_bootstrap_queue.kv_manager
         assert isinstance(mgr, FakeKVManager), type(mgr)
         mgr.senders = {}
@@ -354,15 +393,17 @@ class PrefillHarness:
         """``release_memory_occupation`` with ``tags`` (None: no tags, i.e. all)."""
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
-        return self.wu.release_memory_occupation(ReleaseMemoryOccupationReqInput(
-            tags=None if tags is None else list(tags)))
+        return self.wu.release_memory_occupation(
+            ReleaseMemoryOccupationReqInput(tags=None if tags is None else list(tags))
+        )
 
     def resume(self, tags=("kv_cache",)):
         """``resume_memory_occupation`` with ``tags`` (None: no tags, i.e. all)."""
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
-        return self.wu.resume_memory_occupation(ResumeMemoryOccupationReqInput(
-            tags=None if tags is None else list(tags)))
+        return self.wu.resume_memory_occupation(
+            ResumeMemoryOccupationReqInput(tags=None if tags is None else list(tags))
+        )
 
     # -- one scheduler step, in phases (event_loop_normal_disagg_prefill) ------------------
     def pop_bootstrapped(self):
@@ -381,8 +422,7 @@ class PrefillHarness:
             if max_batch is not None and len(picked) >= max_batch:
                 break
             need = -(-len(req.origin_input_ids) // self.page_size) * self.page_size
-            if (len(picked) >= self.req_pool.available_size()
-                    or tokens + need > free_tokens):
+            if len(picked) >= self.req_pool.available_size() or tokens + need > free_tokens:
                 break
             picked.append(req)
             tokens += need
@@ -393,8 +433,9 @@ class PrefillHarness:
             r.init_next_round_input(self.tree)
             r.lock = self.tree.lock(r.last_node)
             r.extend_end = len(r.full_untruncated_fill_ids)
-        batch = ScheduleBatch.init_new(picked, self.req_pool, self.alloc, self.tree,
-                                       self.mc, False, s.spec_algorithm)
+        batch = ScheduleBatch.init_new(
+            picked, self.req_pool, self.alloc, self.tree, self.mc, False, s.spec_algorithm
+        )
         batch.prepare_for_extend()
         s.last_batch = batch
         return batch
@@ -405,7 +446,8 @@ class PrefillHarness:
         from sglang.srt.managers.utils import GenerationBatchResult
 
         result = GenerationBatchResult(
-            next_token_ids=torch.arange(len(batch.reqs), dtype=torch.int64) + 11)
+            next_token_ids=torch.arange(len(batch.reqs), dtype=torch.int64) + 11
+        )
         self.s.process_batch_result_disagg_prefill(batch, result)
 
     def inflight(self):
@@ -437,8 +479,7 @@ class PrefillHarness:
             out = retire(req)
             if which is None or which(req):
                 times.append((time.perf_counter() - t0) * 1e6)
-                assert not out or req.kv.req_pool_idx is None, \
-                    f"{req.rid} still holds its KV row"
+                assert not out or req.kv.req_pool_idx is None, f"{req.rid} still holds its KV row"
             return out
 
         self.s._retire_aborted_prefill_result = timed
@@ -516,9 +557,16 @@ class PrefillHarness:
             s.chunked_req = new_chunked
         if s.chunked_req is not None:
             s.chunked_req.inflight_middle_chunks += 1
-        batch = ScheduleBatch.init_new(picked, self.req_pool, self.alloc, self.tree, self.mc,
-                                       s.enable_overlap, s.spec_algorithm,
-                                       chunked_req=s.chunked_req)
+        batch = ScheduleBatch.init_new(
+            picked,
+            self.req_pool,
+            self.alloc,
+            self.tree,
+            self.mc,
+            s.enable_overlap,
+            s.spec_algorithm,
+            chunked_req=s.chunked_req,
+        )
         batch.contains_last_prefill_chunk = s.chunked_req is None or len(picked) != 1
         batch.prepare_for_extend()
         return NextBatchPlan(batch_to_run=batch, running_batch=running_batch)
@@ -532,8 +580,9 @@ class PrefillHarness:
         :meth:`finish_forward`."""
         s = self.s
         self.pop_bootstrapped()
-        plan = s.get_next_disagg_prefill_batch_to_run(running_batch=s.running_batch,
-                                                     last_batch=s.last_batch)
+        plan = s.get_next_disagg_prefill_batch_to_run(
+            running_batch=s.running_batch, last_batch=s.last_batch
+        )
         s.running_batch = plan.running_batch
         return plan.batch_to_run
 
@@ -552,33 +601,51 @@ class PrefillHarness:
     def held(self) -> dict:
         """What is not free now: KV tokens, request slots, metadata slots."""
         s = self.s
-        return {"kv_tokens": self.size - int(self.alloc.available_size()),
-                "req_slots": self.req_pool.size - self.req_pool.available_size(),
-                "meta_slots": (s.req_to_metadata_buffer_idx_allocator.size
-                               - s.req_to_metadata_buffer_idx_allocator.available_size())}
+        return {
+            "kv_tokens": self.size - int(self.alloc.available_size()),
+            "req_slots": self.req_pool.size - self.req_pool.available_size(),
+            "meta_slots": (
+                s.req_to_metadata_buffer_idx_allocator.size
+                - s.req_to_metadata_buffer_idx_allocator.available_size()
+            ),
+        }
 
     def queues(self) -> dict:
         s = self.s
-        return {"bootstrap": [r.rid for r in s.disagg_prefill_bootstrap_queue.queue],
-                "waiting": [r.rid for r in s.waiting_queue],
-                "inflight": [r.rid for r in s.disagg_prefill_inflight_queue]}
+        return {
+            "bootstrap": [r.rid for r in s.disagg_prefill_bootstrap_queue.queue],
+            "waiting": [r.rid for r in s.waiting_queue],
+            "inflight": [r.rid for r in s.disagg_prefill_inflight_queue],
+        }
 
 
 def _batch_result_processor(s):
     """sglang's own result processor; the parts a prefill batch without logprobs,
     hisparse, offload or speculative decoding never reads are None."""
     from sglang.srt.managers.scheduler_components.batch_result_processor import (
-        SchedulerBatchResultProcessor)
+        SchedulerBatchResultProcessor,
+    )
 
     return SchedulerBatchResultProcessor(
-        is_generation=True, disaggregation_mode=s.disaggregation_mode, enable_overlap=False,
-        enable_overlap_mlx=False, model_config=s.model_config,
-        token_to_kv_pool_allocator=s.token_to_kv_pool_allocator, tree_cache=s.tree_cache,
-        hisparse_coordinator=None, req_to_token_pool=s.req_to_token_pool,
-        decode_offload_manager=None, metrics_collector=None,
-        metrics_reporter=s.metrics_reporter, draft_worker=None, model_worker=None,
-        logprob_result_processor=None, output_streamer=s.output_streamer,
-        beam_coordinator=s.beam_coordinator, abort_request=s.abort_request)
+        is_generation=True,
+        disaggregation_mode=s.disaggregation_mode,
+        enable_overlap=False,
+        enable_overlap_mlx=False,
+        model_config=s.model_config,
+        token_to_kv_pool_allocator=s.token_to_kv_pool_allocator,
+        tree_cache=s.tree_cache,
+        hisparse_coordinator=None,
+        req_to_token_pool=s.req_to_token_pool,
+        decode_offload_manager=None,
+        metrics_collector=None,
+        metrics_reporter=s.metrics_reporter,
+        draft_worker=None,
+        model_worker=None,
+        logprob_result_processor=None,
+        output_streamer=s.output_streamer,
+        beam_coordinator=s.beam_coordinator,
+        abort_request=s.abort_request,
+    )
 
 
 def prefill_stats() -> dict | None:

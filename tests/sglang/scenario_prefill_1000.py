@@ -49,12 +49,23 @@ STALL_WAVES = (5,)
 ABORT_FREE_LOOP = 400  # timed retires of an abort in the running batch, after the waves
 
 FATES = {  # fate -> weight in an ordinary wave
-    "ok": 20, "abort-bootstrapping": 3, "abort-waiting": 3, "abort-running": 3,
-    "abort-transferring": 3, "transfer-timeout": 2, "fail-first": 2, "fail-middle": 2,
-    "fail-last": 2, "fail-extra": 2,
+    "ok": 20,
+    "abort-bootstrapping": 3,
+    "abort-waiting": 3,
+    "abort-running": 3,
+    "abort-transferring": 3,
+    "transfer-timeout": 2,
+    "fail-first": 2,
+    "fail-middle": 2,
+    "fail-last": 2,
+    "fail-extra": 2,
 }
-EXPECTED = {"ok": ("ok", 200), "bootstrap-timeout": ("abort", 504),
-            "transfer-timeout": ("abort", 504), "while-released": ("abort", 503)}
+EXPECTED = {
+    "ok": ("ok", 200),
+    "bootstrap-timeout": ("abort", 504),
+    "transfer-timeout": ("abort", 504),
+    "while-released": ("abort", 503),
+}
 for _f in ("abort-bootstrapping", "abort-waiting", "abort-running", "abort-transferring"):
     EXPECTED[_f] = ("abort", None)
 for _f in ("fail-first", "fail-middle", "fail-last", "fail-extra"):
@@ -138,8 +149,9 @@ def main() -> dict:
         abort_where("abort-bootstrapping", queue=h.s.disagg_prefill_bootstrap_queue.queue)
         step()
         step()
-        time.sleep(BOOTSTRAP_TIMEOUT + 0.1 if wave in BOOTSTRAP_TIMEOUT_WAVES
-                   else TRANSFER_TIMEOUT + 0.05)
+        time.sleep(
+            BOOTSTRAP_TIMEOUT + 0.1 if wave in BOOTSTRAP_TIMEOUT_WAVES else TRANSFER_TIMEOUT + 0.05
+        )
         for _ in range(3):
             step()
 
@@ -162,8 +174,11 @@ def main() -> dict:
         answered_once += 1
         reason = got[0][1]
         code = reason.get("status_code")
-        status = ("abort", int(code) if code is not None else None) if reason.get(
-            "type") == "abort" else ("ok", 200)
+        status = (
+            ("abort", int(code) if code is not None else None)
+            if reason.get("type") == "abort"
+            else ("ok", 200)
+        )
         key = f"{status[0]} {status[1]}"
         row["got"][key] = row["got"].get(key, 0) + 1
         if status == EXPECTED[f]:
@@ -182,21 +197,31 @@ def main() -> dict:
         # sglang imports NIXL's module: pending here, where the backend is sglang's fake
         # one), and what it moved (nothing here: the FakeKVManager is no NixlKVManager)
         planned = plugin.INSTALLED + [t for ts in plugin.PENDING.values() for t in ts]
-        send_path = {"installed": any(t.endswith("NixlKVManager.send_kvcache")
-                                      for t in planned),
-                     "sends": transfer.STATS.sends + transfer.STATS.fallbacks}
+        send_path = {
+            "installed": any(t.endswith("NixlKVManager.send_kvcache") for t in planned),
+            "sends": transfer.STATS.sends + transfer.STATS.fallbacks,
+        }
     except ImportError:
         pass
     return {
-        "kvmem": _kvmem_on(), "requests": len(fate), "answered_once": answered_once,
-        "answered_more": answered_more, "hangs": hangs, "wrong_status": wrong,
-        "crashes": crashes, "held_end": held, "queues_end": {k: len(v) for k, v in
-                                                             h.queues().items()},
+        "kvmem": _kvmem_on(),
+        "requests": len(fate),
+        "answered_once": answered_once,
+        "answered_more": answered_more,
+        "hangs": hangs,
+        "wrong_status": wrong,
+        "crashes": crashes,
+        "held_end": held,
+        "queues_end": {k: len(v) for k, v in h.queues().items()},
         "by_fate": by_fate,
         "wrong_examples": {f: v[:2] for f, v in wrong_examples.items()},
-        "abort_free_us": {"median": statistics.median(free_step_us)
-                                  if free_step_us else None, "n": len(free_step_us)},
-        "audit": audit, "send_path": send_path, "seconds": time.perf_counter() - t_start,
+        "abort_free_us": {
+            "median": statistics.median(free_step_us) if free_step_us else None,
+            "n": len(free_step_us),
+        },
+        "audit": audit,
+        "send_path": send_path,
+        "seconds": time.perf_counter() - t_start,
         "abort_free_loop_us": _abort_free_loop(),  # after the run's wall time
     }
 

@@ -45,18 +45,29 @@ def main() -> dict:
     h.wu.flush_cache = flush_spy
 
     def answer(rid):
-        return [{"type": r.get("type"), "status": _code(r), "message": r.get("message")}
-                for _, r in h.outbox.answers.get(rid, [])]
+        return [
+            {"type": r.get("type"), "status": _code(r), "message": r.get("message")}
+            for _, r in h.outbox.answers.get(rid, [])
+        ]
 
     def state():
-        return {"held": h.held(), "queues": h.queues(),
-                "chunked": s.chunked_req.rid if s.chunked_req is not None else None,
-                "pending_chunk_rids": sorted(s.disagg_prefill_pending_chunk_rids),
-                "pending_chunked_abort": s._pending_chunked_abort_req is not None}
+        return {
+            "held": h.held(),
+            "queues": h.queues(),
+            "chunked": s.chunked_req.rid if s.chunked_req is not None else None,
+            "pending_chunk_rids": sorted(s.disagg_prefill_pending_chunk_rids),
+            "pending_chunked_abort": s._pending_chunked_abort_req is not None,
+        }
 
     def report(rids):
-        return {rid: {"answer": answer(rid), "sends": h.sender(rid).sends,
-                      "aborts": h.sender(rid).aborts} for rid in rids}
+        return {
+            rid: {
+                "answer": answer(rid),
+                "sends": h.sender(rid).sends,
+                "aborts": h.sender(rid).aborts,
+            }
+            for rid in rids
+        }
 
     def settle():
         """Held senders finish (FakeKVSender: Success once anything was sent) and the
@@ -75,8 +86,13 @@ def main() -> dict:
     trace = []
     for _ in range(5):
         batch = h.loop_step()
-        trace.append({"batch": [r.rid for r in batch.reqs] if batch else None,
-                      "sends": list(h.sender("a-ok").sends), **state()})
+        trace.append(
+            {
+                "batch": [r.rid for r in batch.reqs] if batch else None,
+                "sends": list(h.sender("a-ok").sends),
+                **state(),
+            }
+        )
     out["complete"] = {**report(["a-ok"]), "trace": trace, "end": state()}
     out["complete"]["after"] = settle()
 
@@ -89,8 +105,12 @@ def main() -> dict:
     at_abort = state()
     h.loop_step()  # the next iteration: the pending chunked abort, no chunk 3
     h.loop_step()
-    out["abort_between"] = {**report(["b-between"]), "before": before, "at_abort": at_abort,
-                            "end": state()}
+    out["abort_between"] = {
+        **report(["b-between"]),
+        "before": before,
+        "at_abort": at_abort,
+        "end": state(),
+    }
     out["abort_between"]["after"] = settle()
 
     # -- b2/b3. client abort during a chunk's forward ---------------------------------------
@@ -110,8 +130,12 @@ def main() -> dict:
         h.inflight()
         s.last_batch = nxt
         h.loop_step()
-        return {**report([rid]), "at_abort": at_abort, "next_batch": nxt is not None,
-                "end": state()}
+        return {
+            **report([rid]),
+            "at_abort": at_abort,
+            "next_batch": nxt is not None,
+            "end": state(),
+        }
 
     out["abort_during"] = abort_during("b-during", 29, 1)  # chunk 2 of 4
     out["abort_during"]["after"] = settle()
@@ -139,8 +163,7 @@ def main() -> dict:
     time.sleep(TRANSFER_TIMEOUT + 0.1)
     h.loop_step()
     h.loop_step()
-    out["transfer_timeout"] = {**report(["d-stuck"]), "in_flight": in_flight,
-                               "end": state()}
+    out["transfer_timeout"] = {**report(["d-stuck"]), "in_flight": in_flight, "end": state()}
     out["transfer_timeout"]["after"] = settle()
 
     # -- e. release_memory_occupation(kv_cache) between two chunks ---------------------------
@@ -208,8 +231,11 @@ def _release_overlap(h, answer, state, report, settle) -> dict:
     f: dict = {"before": state(), "queued": len(s.result_queue)}
     try:
         f["release"] = _call(h.release)
-        f["after_release"] = {**state(), "queued": len(s.result_queue),
-                              "last_batch": s.last_batch is not None}
+        f["after_release"] = {
+            **state(),
+            "queued": len(s.result_queue),
+            "last_batch": s.last_batch is not None,
+        }
         s.enable_overlap = False  # (a middle chunk is sent the non-overlap way below)
         if s.last_batch is not None and s.result_queue:  # the loop processes it
             h.finish_forward(s.result_queue.pop()[0])

@@ -72,11 +72,19 @@ def main() -> dict:
     from sglang.srt.disaggregation import prefill as P
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.utils import FastQueue
-    from sglang.srt.disaggregation.nixl.conn import (NixlKVBootstrapServer, NixlKVManager,
-                                                      NixlKVReceiver, NixlKVSender)
-    from sglang.srt.disaggregation.utils import (DisaggregationMode, MetadataBuffers,
-                                                 ReqToMetadataIdxAllocator, TransferBackend,
-                                                 get_kv_class)
+    from sglang.srt.disaggregation.nixl.conn import (
+        NixlKVBootstrapServer,
+        NixlKVManager,
+        NixlKVReceiver,
+        NixlKVSender,
+    )
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        MetadataBuffers,
+        ReqToMetadataIdxAllocator,
+        TransferBackend,
+        get_kv_class,
+    )
     from sglang.srt.runtime_context import get_disagg, get_parallel
     from tests.sglang.sglang_env import build_pools
 
@@ -87,8 +95,12 @@ def main() -> dict:
     addr = f"127.0.0.1:{port}"
 
     # -- the prefill: the harness's scheduler over a real NIXL manager and real senders ----
-    pm = NixlKVManager(kv_args(h.kv, h.s.disagg_metadata_buffers),
-                       DisaggregationMode.PREFILL, h.s.server_args, False)
+    pm = NixlKVManager(
+        kv_args(h.kv, h.s.disagg_metadata_buffers),
+        DisaggregationMode.PREFILL,
+        h.s.server_args,
+        False,
+    )
     queue = h.s.disagg_prefill_bootstrap_queue
     queue.kv_manager, queue.transfer_backend = pm, TransferBackend.NIXL
     P.get_kv_class = get_kv_class  # create_sender: sglang's NixlKVSender again
@@ -97,11 +109,11 @@ def main() -> dict:
 
     # -- the decode: its own pool, metadata buffers and NIXL manager -------------------------
     _, dkv, dalloc, _ = build_pools(page_size=PAGE, size=PAGE * 64, max_reqs=8)
-    dmeta = MetadataBuffers(16, hidden_size=32, hidden_states_dtype=torch.bfloat16,
-                            max_sampling_mask_tokens=0)
+    dmeta = MetadataBuffers(
+        16, hidden_size=32, hidden_states_dtype=torch.bfloat16, max_sampling_mask_tokens=0
+    )
     dslots = ReqToMetadataIdxAllocator(16)
-    dm = NixlKVManager(kv_args(dkv, dmeta), DisaggregationMode.DECODE,
-                       h.s.server_args, False)
+    dm = NixlKVManager(kv_args(dkv, dmeta), DisaggregationMode.DECODE, h.s.server_args, False)
     assert dm.try_ensure_parallel_info(addr)  # DecodePreallocQueue._ensure_prefill_info
     assert dm.enable_deferred_decode_kv_release
     free_pages_at_start = int(dalloc.available_size())
@@ -176,13 +188,18 @@ def main() -> dict:
         h.kv.v_buffer[layer][xtok] = -3.0
     batch = h.schedule()  # process_prefill_chunk sends chunk 1; chunk 2 admitted
     xroom = h.reqs["xfer"].bootstrap_room
-    assert _wait_for(lambda: prefill_status("xfer") == KVPoll.Transferring
-                     and pm._staging_outstanding.get(xroom, 0) == 0)
+    assert _wait_for(
+        lambda: (
+            prefill_status("xfer") == KVPoll.Transferring
+            and pm._staging_outstanding.get(xroom, 0) == 0
+        )
+    )
     dtok = held["xfer"][0].long()
     out["xfer_decode_pages"] = {  # chunk 1 landed, chunk 2 did not
         "chunk1_k": sorted(set(dkv.k_buffer[1][dtok[:8]].float().flatten().tolist())),
         "chunk1_v": sorted(set(dkv.v_buffer[0][dtok[:8]].float().flatten().tolist())),
-        "chunk2_k": sorted(set(dkv.k_buffer[1][dtok[8:]].float().flatten().tolist()))}
+        "chunk2_k": sorted(set(dkv.k_buffer[1][dtok[8:]].float().flatten().tolist())),
+    }
     pm.transfer_queues = backlog
     h.finish_forward(batch)
     h.inflight()
@@ -219,9 +236,12 @@ def main() -> dict:
     out["decode_release_safe_after_publish_s"] = rel(safe, published)
     out["decode_pages_held_at_end"] = free_pages_at_start - int(dalloc.available_size())
     out["prefill_rooms_left"] = {
-        rid: {"status": pm.request_status.get(req.bootstrap_room),
-              "transfer_infos": req.bootstrap_room in pm.transfer_infos}
-        for rid, req in h.reqs.items()}
+        rid: {
+            "status": pm.request_status.get(req.bootstrap_room),
+            "transfer_infos": req.bootstrap_room in pm.transfer_infos,
+        }
+        for rid, req in h.reqs.items()
+    }
     for rid in h.reqs:
         got = h.outbox.answers.get(rid, [])
         out["answers"][rid] = [[k, r.get("status_code")] for k, r in got]
@@ -249,8 +269,9 @@ def main() -> dict:
     out["boom_failed"] = prefill_status("boom") == KVPoll.Failed
     for _ in range(3):
         step()
-    out["answers"]["boom"] = [[k, r.get("status_code")]
-                              for k, r in h.outbox.answers.get("boom", [])]
+    out["answers"]["boom"] = [
+        [k, r.get("status_code")] for k, r in h.outbox.answers.get("boom", [])
+    ]
     out["prefill_held"] = h.held()
     out["prefill_queues"] = h.queues()
     if os.environ.get("SGLANG_KVMEM") == "1":

@@ -28,8 +28,9 @@ def main() -> dict:
 
     def answer(rid):
         got = h.outbox.answers.get(rid, [])
-        return [{"type": r.get("type"), "status": _code(r), "message": r.get("message")}
-                for _, r in got]
+        return [
+            {"type": r.get("type"), "status": _code(r), "message": r.get("message")} for _, r in got
+        ]
 
     def settle():
         """Let every held sender finish (hold None -> FakeKVSender: Success) and run the
@@ -55,9 +56,9 @@ def main() -> dict:
     h.inflight()
     h.inflight()
     out["transfer_timeout"] = {
-        rid: {"answer": answer(rid), "aborts": h.sender(rid).aborts,
-              "sends": h.sender(rid).sends}
-        for rid in ("t-transferring", "t-waiting")}
+        rid: {"answer": answer(rid), "aborts": h.sender(rid).aborts, "sends": h.sender(rid).sends}
+        for rid in ("t-transferring", "t-waiting")
+    }
     out["transfer_timeout"]["held"] = h.held()
     out["transfer_timeout"]["queues"] = h.queues()
     out["transfer_timeout"]["after"] = settle()
@@ -83,8 +84,9 @@ def main() -> dict:
     h.abort("c-fly")
     h.step()
     h.step()
-    out["client_abort"] = {rid: {"answer": answer(rid), "aborts": h.sender(rid).aborts}
-                           for rid in ("c-boot", "c-fly")}
+    out["client_abort"] = {
+        rid: {"answer": answer(rid), "aborts": h.sender(rid).aborts} for rid in ("c-boot", "c-fly")
+    }
     out["client_abort"]["held"] = h.held()
     out["client_abort"]["after"] = settle()
 
@@ -105,14 +107,19 @@ def main() -> dict:
     h.submit("r-after", 9)
     h.step()
     h.s.last_batch = None
-    rel["answers"] = {rid: answer(rid) for rid in ("r-fly", "r-wait", "r-boot", "r-late",
-                                                     "r-after")}
-    rel["aborts"] = {rid: h.sender(rid).aborts for rid in ("r-fly", "r-wait", "r-boot")
-                     if h.sender(rid) is not None}
+    rel["answers"] = {
+        rid: answer(rid) for rid in ("r-fly", "r-wait", "r-boot", "r-late", "r-after")
+    }
+    rel["aborts"] = {
+        rid: h.sender(rid).aborts
+        for rid in ("r-fly", "r-wait", "r-boot")
+        if h.sender(rid) is not None
+    }
     rel["pool_released_between"] = rel["release"].get("ok", False)
     rel["after"] = settle()
-    rel["answers_settled"] = {rid: answer(rid) for rid in ("r-fly", "r-wait", "r-boot",
-                                                             "r-late", "r-after")}
+    rel["answers_settled"] = {
+        rid: answer(rid) for rid in ("r-fly", "r-wait", "r-boot", "r-late", "r-after")
+    }
     out["release"] = rel
 
     # -- 5. what `python -O` does with stock's assertion: the same release, assertion off ---
@@ -188,8 +195,11 @@ def main() -> dict:
     h.mgr._staging_outstanding = collections.defaultdict(int)
     state.SETTLE_UNTIL.set(h.mgr, time.monotonic() + SETTLE_S)  # what kvmem_sglang.mooncake sets
     t0 = time.monotonic()
-    sw = {"release": _call(h.release), "release_s": time.monotonic() - t0,
-          "resume": _call(h.resume)}
+    sw = {
+        "release": _call(h.release),
+        "release_s": time.monotonic() - t0,
+        "resume": _call(h.resume),
+    }
     state.SETTLE_UNTIL.pop(h.mgr)
     del h.mgr._staging_outstanding
     out["settle_window"] = sw
@@ -197,8 +207,9 @@ def main() -> dict:
     # -- 10. abort_all with nothing to abort -----------------------------------------------
     before = (prefill_stats() or {}).get("unknown_aborts")
     h.abort("", abort_all=True)
-    out["abort_all_idle"] = {"unknown_aborts": [before, (prefill_stats() or {}).get(
-        "unknown_aborts")]}
+    out["abort_all_idle"] = {
+        "unknown_aborts": [before, (prefill_stats() or {}).get("unknown_aborts")]
+    }
     return out
 
 
@@ -285,8 +296,11 @@ def _call(fn) -> dict:
         fn()
         return {"ok": True}
     except BaseException as e:  # stock raises in the scheduler loop: record it
-        return {"ok": False, "error": f"{type(e).__name__}: {e}",
-                "where": traceback.format_exc().strip().splitlines()[-3].strip()}
+        return {
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}",
+            "where": traceback.format_exc().strip().splitlines()[-3].strip(),
+        }
 
 
 def _code(reason: dict):

@@ -40,9 +40,12 @@ def main() -> dict:
         return [r for _, r in h.outbox.answers.get(rid, [])]
 
     def snapshot():
-        return {"held": h.held(), "queues": h.queues(),
-                "answers": sum(len(v) for v in h.outbox.answers.values()),
-                "offload_tags": sorted(h.wu.offload_tags)}
+        return {
+            "held": h.held(),
+            "queues": h.queues(),
+            "answers": sum(len(v) for v in h.outbox.answers.values()),
+            "offload_tags": sorted(h.wu.offload_tags),
+        }
 
     # -- regression: abort in the running prefill batch frees its KV before any chunk -------
     h.submit("run-a", 9)
@@ -53,9 +56,13 @@ def main() -> dict:
     h.abort("run-a")
     h.finish_forward(batch)
     out["running_abort"] = {
-        "held_in_batch": held_in_batch, "held_after_result": h.held(),
-        "sends": h.sender("run-a").sends, "aborts": h.sender("run-a").aborts,
-        "answers": answers("run-a"), "other_sends": h.sender("run-b").sends}
+        "held_in_batch": held_in_batch,
+        "held_after_result": h.held(),
+        "sends": h.sender("run-a").sends,
+        "aborts": h.sender("run-a").aborts,
+        "answers": answers("run-a"),
+        "other_sends": h.sender("run-b").sends,
+    }
     h.inflight()
     h.s.last_batch = None
 
@@ -65,8 +72,7 @@ def main() -> dict:
     h.abort("fly")
     aborts_at_once = h.sender("fly").aborts
     h.inflight()
-    out["inflight_abort"] = {"aborts": aborts_at_once, "answers": answers("fly"),
-                             "held": h.held()}
+    out["inflight_abort"] = {"aborts": aborts_at_once, "answers": answers("fly"), "held": h.held()}
 
     # -- bad inputs -----------------------------------------------------------------------------
     bad: dict = {}
@@ -79,8 +85,11 @@ def main() -> dict:
     h.abort("dbl")
     h.step()
     h.abort("dbl")  # after it was answered: unknown now
-    bad["double_abort"] = {"answers": answers("dbl"), "aborts": h.sender("dbl").aborts,
-                           "held": h.held()}
+    bad["double_abort"] = {
+        "answers": answers("dbl"),
+        "aborts": h.sender("dbl").aborts,
+        "held": h.held(),
+    }
     bad["resume_without_release"] = {"before": snapshot(), "call": _call(h.resume)}
     bad["resume_without_release"]["after"] = snapshot()
     bad["release"] = _call(h.release)
@@ -103,8 +112,12 @@ def main() -> dict:
     h.s.disagg_prefill_inflight_queue.remove(h.reqs["lost"])  # the bug: dropped, unfreed
     h.inflight()  # the scheduler is idle now
     h.inflight()  # and stays idle: no second report
-    out["audit"] = {"before": from_audit, "after": _audit_stats(), "held": h.held(),
-                    "log": [line for line in log.lines if "leak audit" in line]}
+    out["audit"] = {
+        "before": from_audit,
+        "after": _audit_stats(),
+        "held": h.held(),
+        "log": [line for line in log.lines if "leak audit" in line],
+    }
     # give the lost request's KV and slots back (what its missing path should have done)
     from sglang.srt.disaggregation.prefill import maybe_release_metadata_buffer
     from sglang.srt.mem_cache.common import release_kv_cache
@@ -130,8 +143,11 @@ def main() -> dict:
         assert h.held()["kv_tokens"] == 0
         h.inflight()
         h.s.last_batch = None
-    out["abort_free_us"] = {"median": statistics.median(times[5:]) * 1e6,
-                            "n": len(times) - 5, "reqs_per_batch": 4}
+    out["abort_free_us"] = {
+        "median": statistics.median(times[5:]) * 1e6,
+        "n": len(times) - 5,
+        "reqs_per_batch": 4,
+    }
 
     # -- release while a batch's result is pending (its forward launched) --------------------
     h.submit("busy", 9)
@@ -178,17 +194,23 @@ def _audit_stats():
     try:
         from prometheus_client import REGISTRY
 
-        metric = {k: REGISTRY.get_sample_value("kvmem_sglang_prefill_leaked_total",
-                                               {"kind": k})
-                  for k in ("pages", "req_slots", "metadata_slots")}
+        metric = {
+            k: REGISTRY.get_sample_value("kvmem_sglang_prefill_leaked_total", {"kind": k})
+            for k in ("pages", "req_slots", "metadata_slots")
+        }
     except ImportError:
         pass
-    return {"audits": s.audits, "leaks": s.leaks, "pages": s.leaked_pages,
-            "req_slots": s.leaked_req_slots, "metadata_slots": s.leaked_metadata_slots,
-            "page_owners": dict(s.last.page_owners) if s.last else None,
-            "req_slot_owners": list(s.last.req_slot_owners) if s.last else None,
-            "metadata_owners": list(s.last.metadata_owners) if s.last else None,
-            "metric": metric}
+    return {
+        "audits": s.audits,
+        "leaks": s.leaks,
+        "pages": s.leaked_pages,
+        "req_slots": s.leaked_req_slots,
+        "metadata_slots": s.leaked_metadata_slots,
+        "page_owners": dict(s.last.page_owners) if s.last else None,
+        "req_slot_owners": list(s.last.req_slot_owners) if s.last else None,
+        "metadata_owners": list(s.last.metadata_owners) if s.last else None,
+        "metric": metric,
+    }
 
 
 if __name__ == "__main__":

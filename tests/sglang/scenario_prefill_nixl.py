@@ -38,7 +38,10 @@ def main() -> dict:
     kv_args.kv_data_mem_kinds = _normalize_kv_mem_kinds(["DRAM"] * len(ptrs), len(ptrs))
     aux_ptrs, aux_lens, aux_items = h.s.disagg_metadata_buffers.get_buf_infos()
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = (
-        aux_ptrs, aux_lens, aux_items)
+        aux_ptrs,
+        aux_lens,
+        aux_items,
+    )
     kv_args.state_data_ptrs, kv_args.state_data_lens = [], []
     kv_args.gpu_id = 0
 
@@ -76,7 +79,8 @@ def main() -> dict:
             while_released = {
                 "live_entries": _entries(live),
                 "write_old_metadata": _write(peer, agent.name, h.kv.k_buffer[0]),
-                "write_new_metadata": _write(fresh, agent.name, h.kv.k_buffer[0])}
+                "write_new_metadata": _write(fresh, agent.name, h.kv.k_buffer[0]),
+            }
         h.resume()
         live_per_cycle.append(_entries(live))
     out["live_per_cycle"] = live_per_cycle
@@ -106,9 +110,13 @@ def _write(peer, target_name: str, buf) -> dict:
     rec = {}
     try:
         local = peer.register_memory([(src.data_ptr(), 64, 0, "")], "DRAM")
-        h = peer.initialize_xfer("WRITE", peer.get_xfer_descs([(src.data_ptr(), 64, 0)], "DRAM"),
-                                 peer.get_xfer_descs([(buf.data_ptr(), 64, 0)], "DRAM"),
-                                 target_name, b"w")
+        h = peer.initialize_xfer(
+            "WRITE",
+            peer.get_xfer_descs([(src.data_ptr(), 64, 0)], "DRAM"),
+            peer.get_xfer_descs([(buf.data_ptr(), 64, 0)], "DRAM"),
+            target_name,
+            b"w",
+        )
         state = peer.transfer(h)
         t0 = time.monotonic()
         while state not in ("DONE", "ERR") and time.monotonic() - t0 < 10:

@@ -74,12 +74,16 @@ def _flag(name: str) -> bool:
 def _outcome(pair: Pair, rnd: dict) -> dict:
     d = rnd["decode"]
     rooms = [str(r) for r in rnd["rooms"]]
-    return dict(prefill=rnd["prefill_states"], decode=rnd["decode_states"],
-                bad_rows=rnd["bad_rows"], safe=[r in d["safe_at"] for r in rooms],
-                outstanding={str(k): v for k, v in pair.pm._staging_outstanding.items()
-                             if v > 0},
-                descriptors=rnd["kv_descriptors_per_request"], nixl_calls=rnd["engine_writes"],
-                regions=rnd["regions"])
+    return dict(
+        prefill=rnd["prefill_states"],
+        decode=rnd["decode_states"],
+        bad_rows=rnd["bad_rows"],
+        safe=[r in d["safe_at"] for r in rooms],
+        outstanding={str(k): v for k, v in pair.pm._staging_outstanding.items() if v > 0},
+        descriptors=rnd["kv_descriptors_per_request"],
+        nixl_calls=rnd["engine_writes"],
+        regions=rnd["regions"],
+    )
 
 
 SPLIT_FAULTS = ("split_create_fails", "split_post_refused")
@@ -136,8 +140,9 @@ class _Agent:
     def _made(self, h):
         if self.in_first_send and self.fault == "err":
             self.err[id(h)] = h  # by value, as below
-        if self.in_first_send and self.fault in ("unreadable", "post_refused") \
-                and self.refuse_next:  # the first write of the first send only
+        if (
+            self.in_first_send and self.fault in ("unreadable", "post_refused") and self.refuse_next
+        ):  # the first write of the first send only
             self.refuse_next = False
             # kept by value: an id alone could name a later handle once this one is freed
             (self.unreadable if self.fault == "unreadable" else self.post_refused)[id(h)] = h
@@ -192,12 +197,24 @@ def main() -> dict:
         # (up to SPLIT writes), so the split writes' waits, errors and refusals are covered
         transfer.SPLIT_MIN_BYTES = 1
     pages = [int(p) for p in os.environ.get("KVMEM_TEST_PAGES", "16,1").split(",")]
-    pairs = {ps: Pair(Shape(page_size=ps, **SHAPE), decode_env={"SGLANG_KVMEM": "0"},
-                      timeout=120, wait=False, record=True)
-             for ps in pages}  # decodes start together
+    pairs = {
+        ps: Pair(
+            Shape(page_size=ps, **SHAPE),
+            decode_env={"SGLANG_KVMEM": "0"},
+            timeout=120,
+            wait=False,
+            record=True,
+        )
+        for ps in pages
+    }  # decodes start together
     if _kvmem_path():  # and one kvmem decode: chunked pools on both sides
-        pairs["both"] = Pair(Shape(page_size=16, **SHAPE), decode_env={"SGLANG_KVMEM": "1"},
-                             timeout=120, wait=False, record=True)
+        pairs["both"] = Pair(
+            Shape(page_size=16, **SHAPE),
+            decode_env={"SGLANG_KVMEM": "1"},
+            timeout=120,
+            wait=False,
+            record=True,
+        )
     try:
         if "both" in pairs:
             out |= _both16(pairs.pop("both").ready())
@@ -249,12 +266,18 @@ def _rounds16(pair: Pair) -> dict:
         rnd = pair.sglang_round(check=every, on_sent=abort_third, at_once=True)
         room = t["room"]
         out["abort"] = _outcome(pair, rnd) | {
-            "stats": _delta(s0), "ahead_state": t.get("ahead_state"),
+            "stats": _delta(s0),
+            "ahead_state": t.get("ahead_state"),
             "hold_end_after_abort_s": faults.hold_until - t["aborted_at"],
-            "ack_after_abort_s": (faults.acks[room] - t["aborted_at"]
-                                  if room in faults.acks else None),
-            "decode_safe_after_abort_s": (rnd["decode"]["safe_at"][str(room)] - t["aborted_at"]
-                                          if str(room) in rnd["decode"]["safe_at"] else None)}
+            "ack_after_abort_s": (
+                faults.acks[room] - t["aborted_at"] if room in faults.acks else None
+            ),
+            "decode_safe_after_abort_s": (
+                rnd["decode"]["safe_at"][str(room)] - t["aborted_at"]
+                if str(room) in rnd["decode"]["safe_at"]
+                else None
+            ),
+        }
 
         for fault in ("err", "refused"):
             faults.reset()
@@ -262,8 +285,9 @@ def _rounds16(pair: Pair) -> dict:
             s0 = _stats()
             # a refused post poisons its room (sglang gives up proving it drained): its
             # decode never gets the ABORT_ACK, so the decode is watched only a while
-            rnd = pair.sglang_round(check=every, at_once=True,
-                                    decode_timeout=3 if fault == "refused" else None)
+            rnd = pair.sglang_round(
+                check=every, at_once=True, decode_timeout=3 if fault == "refused" else None
+            )
             out[fault] = _outcome(pair, rnd) | {"stats": _delta(s0)}
             faults.fault = None
 
@@ -276,9 +300,12 @@ def _rounds16(pair: Pair) -> dict:
             s0 = _stats()
             rnd = pair.sglang_round(check=every, at_once=True, decode_timeout=3)
             out[fault] = _outcome(pair, rnd) | {
-                "stats": _delta(s0), "rooms": [str(r) for r in rnd["rooms"]],
-                "poisoned": sorted(str(r) for r in rnd["rooms"]
-                                   if r in pair.pm._deferred_ack_poisoned_rooms)}
+                "stats": _delta(s0),
+                "rooms": [str(r) for r in rnd["rooms"]],
+                "poisoned": sorted(
+                    str(r) for r in rnd["rooms"] if r in pair.pm._deferred_ack_poisoned_rooms
+                ),
+            }
             faults.fault = None
             pair.pm._staging_outstanding.clear()  # the owner's count, kept for ever by sglang
 
@@ -299,8 +326,10 @@ def _rounds16(pair: Pair) -> dict:
         s0 = _stats()
         rnd = pair.sglang_round(check=every, at_once=True)  # one batch: all queued at once
         out["release"] = _outcome(pair, rnd) | {
-            "stats": _delta(s0), "prepared_lists": len(pm.prep_handles),
-            "registrations": sum(d.descCount() for d in pm.kv_descs)}
+            "stats": _delta(s0),
+            "prepared_lists": len(pm.prep_handles),
+            "registrations": sum(d.descCount() for d in pm.kv_descs),
+        }
     finally:
         pair.close()
     return out
@@ -341,8 +370,9 @@ def _split_round(pair: Pair, faults: _Agent, fault: str) -> dict:
     try:
         # the owner is poisoned (its piece was never proven settled): its decode gets no
         # ABORT_ACK and is watched only a while
-        rnd = pair.sglang_round(check=range(pair.shape.planes), at_once=True,
-                                on_sent=on_sent, decode_timeout=3)
+        rnd = pair.sglang_round(
+            check=range(pair.shape.planes), at_once=True, on_sent=on_sent, decode_timeout=3
+        )
     finally:
         stop.set()
         watcher.join()
@@ -351,25 +381,33 @@ def _split_round(pair: Pair, faults: _Agent, fault: str) -> dict:
     settled = faults.settled_at if faults.settled_at is not None else float("inf")
     ok_at = rnd["decode"]["ok_at"]
     return _outcome(pair, rnd) | {
-        "stats": _delta(s0), "rooms": [str(r) for r in rnd["rooms"]],
-        "poisoned": sorted(str(r) for r in rnd["rooms"]
-                           if r in pm._deferred_ack_poisoned_rooms),
-        "pieces": faults.pieces, "settle_timeout_s": SPLIT_SETTLE_S,
-        "held_s": (None if faults.held_at is None or faults.settled_at is None
-                   else faults.settled_at - faults.held_at),
-        "acked_before_settle": sorted(str(r) for r in rnd["rooms"]
-                                      if faults.acks.get(r, float("inf")) < settled),
+        "stats": _delta(s0),
+        "rooms": [str(r) for r in rnd["rooms"]],
+        "poisoned": sorted(str(r) for r in rnd["rooms"] if r in pm._deferred_ack_poisoned_rooms),
+        "pieces": faults.pieces,
+        "settle_timeout_s": SPLIT_SETTLE_S,
+        "held_s": (
+            None
+            if faults.held_at is None or faults.settled_at is None
+            else faults.settled_at - faults.held_at
+        ),
+        "acked_before_settle": sorted(
+            str(r) for r in rnd["rooms"] if faults.acks.get(r, float("inf")) < settled
+        ),
         "uncounted_while_held": sorted(str(r) for r in seen["uncounted"]),
         "unprotected_while_held": sorted(str(r) for r in seen["unprotected"]),
-        "ok_before_settle": sorted(r for r, t in ok_at.items() if t < settled)}
+        "ok_before_settle": sorted(r for r, t in ok_at.items() if t < settled),
+    }
 
 
 def _both16(pair: Pair) -> dict:
     try:
         s0 = _stats()
         rnd = pair.sglang_round(check=range(pair.shape.planes), at_once=True)
-        return {"both16": _outcome(pair, rnd) | {
-            "stats": _delta(s0), "decode_kvmem_pool": pair.decode_info["kvmem_pool"]}}
+        return {
+            "both16": _outcome(pair, rnd)
+            | {"stats": _delta(s0), "decode_kvmem_pool": pair.decode_info["kvmem_pool"]}
+        }
     finally:
         pair.close()
 

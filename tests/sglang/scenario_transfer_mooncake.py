@@ -57,15 +57,18 @@ SCATTERED = dict(layers=32, heads=2, head_dim=64, requests=2, tokens=1024, sprea
 def _outcome(pair: Pair, rnd: dict, stats0: dict, calls: list) -> dict:
     d = rnd["decode"]
     rooms = [str(r) for r in rnd["rooms"]]
-    return dict(prefill=rnd["prefill_states"], decode=rnd["decode_states"],
-                bad_rows=rnd["bad_rows"], safe=[r in d["safe_at"] for r in rooms],
-                rooms=rooms,
-                outstanding={str(k): v for k, v in pair.pm._staging_outstanding.items()
-                             if v > 0},
-                poisoned=sorted(str(r) for r in rnd["rooms"]
-                                if r in pair.pm._deferred_ack_poisoned_rooms),
-                slices_per_request=rnd["kv_descriptors_per_request"],
-                calls=list(calls), stats=_delta(stats0))
+    return dict(
+        prefill=rnd["prefill_states"],
+        decode=rnd["decode_states"],
+        bad_rows=rnd["bad_rows"],
+        safe=[r in d["safe_at"] for r in rooms],
+        rooms=rooms,
+        outstanding={str(k): v for k, v in pair.pm._staging_outstanding.items() if v > 0},
+        poisoned=sorted(str(r) for r in rnd["rooms"] if r in pair.pm._deferred_ack_poisoned_rooms),
+        slices_per_request=rnd["kv_descriptors_per_request"],
+        calls=list(calls),
+        stats=_delta(stats0),
+    )
 
 
 class _Link:
@@ -143,10 +146,20 @@ def _clear_failed_sessions(pm) -> None:
 
 def main() -> dict:
     out = {"kvmem_path": _kvmem_path()}
-    pair = Pair(Shape(page_size=16, **SHAPE), decode_env={"SGLANG_KVMEM": "0"},
-                timeout=120, wait=False, backend="mooncake")
-    wide = Pair(Shape(page_size=16, **SCATTERED), decode_env={"SGLANG_KVMEM": "0"},
-                timeout=120, wait=False, backend="mooncake")
+    pair = Pair(
+        Shape(page_size=16, **SHAPE),
+        decode_env={"SGLANG_KVMEM": "0"},
+        timeout=120,
+        wait=False,
+        backend="mooncake",
+    )
+    wide = Pair(
+        Shape(page_size=16, **SCATTERED),
+        decode_env={"SGLANG_KVMEM": "0"},
+        timeout=120,
+        wait=False,
+        backend="mooncake",
+    )
     try:
         # the scattered round first: the release round releases every kvmem pool of
         # this process (kvpool.release_all), and would leave this pair's pool zeros
@@ -192,8 +205,8 @@ def _rounds(pair: Pair) -> dict:
     out["abort"] = _outcome(pair, rnd, s0, link.calls) | {
         "ahead_state": t["ahead_state"],
         "hold_end_after_abort_s": link.hold_until - t["aborted_at"],
-        "ack_after_abort_s": (link.acks[room] - t["aborted_at"] if room in link.acks
-                              else None)}
+        "ack_after_abort_s": (link.acks[room] - t["aborted_at"] if room in link.acks else None),
+    }
 
     # the first KV write of the round fails after its slices moved
     link.reset()
@@ -218,16 +231,14 @@ def _rounds(pair: Pair) -> dict:
     link.reset()
     s0 = _stats()
     rnd = pair.sglang_round(check=every, at_once=True)
-    out["release"] = _outcome(pair, rnd, s0, link.calls) | {
-        "registrations": pair.registrations()}
+    out["release"] = _outcome(pair, rnd, s0, link.calls) | {"registrations": pair.registrations()}
     return out
 
 
 def _scattered(pair: Pair) -> dict:
     link = _Link(pair)
     s0 = _stats()
-    rnd = pair.sglang_round(check=(0, pair.shape.planes - 1), at_once=True,
-                            decode_timeout=10)
+    rnd = pair.sglang_round(check=(0, pair.shape.planes - 1), at_once=True, decode_timeout=10)
     return {"scattered": _outcome(pair, rnd, s0, link.calls)}
 
 

@@ -32,9 +32,10 @@ SHAPE = dict(layers=2, heads=4, head_dim=64, page_size=16, requests=REQUESTS, to
 
 def main() -> dict:
     backend = os.environ.get("KVMEM_TEST_BACKEND", "nixl")
-    pairs = [Pair(Shape(**SHAPE, prefill_tp=2, decode_tp=d), timeout=120, wait=False,
-                  backend=backend)
-             for d in (1, 2)]  # every rank's process starts at once
+    pairs = [
+        Pair(Shape(**SHAPE, prefill_tp=2, decode_tp=d), timeout=120, wait=False, backend=backend)
+        for d in (1, 2)
+    ]  # every rank's process starts at once
     out = {"kvmem_path": kvmem_send_path()}
     try:
         for pair in pairs:
@@ -44,8 +45,11 @@ def main() -> dict:
             out[pair.shape.tp_label] = dict(
                 prefill=[rnd["prefill_states"]] + rnd["rank_states"],
                 decode=[rnd["decode_states"]] + rnd["decode_rank_states"],
-                bad_rows=rnd["bad_rows"], descriptors=rnd["kv_descriptors_per_request"],
-                stats=stats_since(s0), kvmem_pool=pair.decode_info["kvmem_pool"])
+                bad_rows=rnd["bad_rows"],
+                descriptors=rnd["kv_descriptors_per_request"],
+                stats=stats_since(s0),
+                kvmem_pool=pair.decode_info["kvmem_pool"],
+            )
     finally:
         for pair in pairs:
             pair.close()

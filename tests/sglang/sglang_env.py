@@ -37,11 +37,23 @@ ROOT = Path(__file__).resolve().parents[2]
 # (sglang's conn modules load their libraries at import, and a script must show that it
 # loads no other backend's), not kvmem_sglang, and no load_plugins() (the adapter's
 # hooks cannot be undone): each child does those itself.
-PRELOAD = ["torch", "sglang.srt.server_args", "sglang.srt.mem_cache.memory_pool",
-           "sglang.srt.managers.schedule_batch", "sglang.srt.managers.scheduler",
-           "sglang.srt.disaggregation.prefill", "sglang.srt.disaggregation.decode"]
-FORBID = ["nixl", "nixl_cu12", "mooncake", "kvmem_sglang", "sglang.srt.disaggregation.nixl",
-          "sglang.srt.disaggregation.mooncake"]
+PRELOAD = [
+    "torch",
+    "sglang.srt.server_args",
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.managers.schedule_batch",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.disaggregation.prefill",
+    "sglang.srt.disaggregation.decode",
+]
+FORBID = [
+    "nixl",
+    "nixl_cu12",
+    "mooncake",
+    "kvmem_sglang",
+    "sglang.srt.disaggregation.nixl",
+    "sglang.srt.disaggregation.mooncake",
+]
 _FORK: ForkServer | None = None
 _E2E_FORK: ForkServer | None = None
 ADAPTER = ROOT / "integration" / "sglang"
@@ -52,8 +64,7 @@ def fork_server() -> ForkServer:
     (tests/conftest.py stops it at the session's end)."""
     global _FORK
     if _FORK is None:
-        _FORK = ForkServer(PRELOAD, forbid=FORBID, env=child_env(drop=("SGLANG_KVMEM",)),
-                           cwd=ROOT)
+        _FORK = ForkServer(PRELOAD, forbid=FORBID, env=child_env(drop=("SGLANG_KVMEM",)), cwd=ROOT)
     return _FORK
 
 
@@ -63,8 +74,11 @@ def e2e_env(env: dict | None = None, drop: tuple[str, ...] = ()) -> dict:
     otherwise), the adapter's source on the path, libibverbs on the loader's."""
     from testkit.sglang_pair import with_ibverbs
 
-    return with_ibverbs(child_env({"SGLANG_KVMEM": "1"} | (env or {}),
-                                  drop=("SGLANG_KVMEM", *drop), paths=[ADAPTER]))
+    return with_ibverbs(
+        child_env(
+            {"SGLANG_KVMEM": "1"} | (env or {}), drop=("SGLANG_KVMEM", *drop), paths=[ADAPTER]
+        )
+    )
 
 
 def e2e_fork_server() -> ForkServer:
@@ -78,18 +92,23 @@ def e2e_fork_server() -> ForkServer:
 
     global _E2E_FORK
     if _E2E_FORK is None:
-        adapter = sorted(f"kvmem_sglang.{p.stem}" for p in (ADAPTER / "kvmem_sglang").glob("*.py")
-                         if p.stem not in ("__init__", "startup", "imports", "state"))
+        adapter = sorted(
+            f"kvmem_sglang.{p.stem}"
+            for p in (ADAPTER / "kvmem_sglang").glob("*.py")
+            if p.stem not in ("__init__", "startup", "imports", "state")
+        )
         forbid = [m for m in FORBID if m != "kvmem_sglang"] + adapter
-        _E2E_FORK = ForkServer(PRELOAD, forbid=forbid, env=e2e_env(), cwd=ROOT,
-                               python=E2E_PYTHON)
+        _E2E_FORK = ForkServer(PRELOAD, forbid=forbid, env=e2e_env(), cwd=ROOT, python=E2E_PYTHON)
     return _E2E_FORK
 
 
 def servers() -> dict[str, ForkServer]:
     """The fork servers this session started, by name."""
-    return {name: s for name, s in (("sglang", _FORK), ("sglang .venv-e2e", _E2E_FORK))
-            if s is not None and s.starts}
+    return {
+        name: s
+        for name, s in (("sglang", _FORK), ("sglang .venv-e2e", _E2E_FORK))
+        if s is not None and s.starts
+    }
 
 
 def close_fork_server() -> None:
@@ -98,8 +117,9 @@ def close_fork_server() -> None:
             server.close()
 
 
-def run_script(code: str, *, kvmem: bool, env: dict | None = None, timeout: float = 240,
-               fresh: bool = False):
+def run_script(
+    code: str, *, kvmem: bool, env: dict | None = None, timeout: float = 240, fresh: bool = False
+):
     """Run ``code`` as ``python -c`` with SGLANG_KVMEM on or off (``env`` over it);
     returns the CompletedProcess (stdout, stderr as text).  Forked from the fork server
     unless ``fresh`` (a fresh interpreter: what must be shown of one)."""
@@ -107,24 +127,29 @@ def run_script(code: str, *, kvmem: bool, env: dict | None = None, timeout: floa
     full = child_env(extra)
     if "SGLANG_KVMEM" not in extra:
         full.pop("SGLANG_KVMEM", None)
-    return run(Child(code=code, env=full, cwd=ROOT, fork=None if fresh else fork_server()),
-               timeout)
+    return run(Child(code=code, env=full, cwd=ROOT, fork=None if fresh else fork_server()), timeout)
 
 
 BOTH = {"off": {"SGLANG_KVMEM": "0"}, "on": {"SGLANG_KVMEM": "1"}}
 
 
-def run_both(script: Path, *, env: dict | None = None, timeout: float = 240,
-             variants: dict[str, dict] = BOTH) -> dict:
+def run_both(
+    script: Path, *, env: dict | None = None, timeout: float = 240, variants: dict[str, dict] = BOTH
+) -> dict:
     """Run the script file ``script`` once per variant, all at once (by default twice:
     SGLANG_KVMEM off and on), each with ``env`` and then its variant's variables over
     the caller's environment less its SGLANG_KVMEM_* variables (so unset ones are the
     adapter's defaults); ``{variant: ...}``, each the JSON its last stdout line holds,
     plus its ``"stderr"``."""
-    children = {key: Child(script=script, env=child_env((env or {}) | extra,
-                                                       drop=("SGLANG_KVMEM_",)),
-                           cwd=ROOT, fork=fork_server())
-                for key, extra in variants.items()}
+    children = {
+        key: Child(
+            script=script,
+            env=child_env((env or {}) | extra, drop=("SGLANG_KVMEM_",)),
+            cwd=ROOT,
+            fork=fork_server(),
+        )
+        for key, extra in variants.items()
+    }
     out = {}
     for key, reply in run_children(children, timeout).items():
         out[key] = reply.value
@@ -152,12 +177,21 @@ def model_dir(*, layers: int = 2, heads: int = 2, head_dim: int = 16) -> Path:
 
     d = Path(tempfile.gettempdir()) / f"kvmem-sglang-llama-{layers}-{heads}-{head_dim}"
     d.mkdir(exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-           "hidden_size": heads * head_dim, "intermediate_size": 4 * heads * head_dim,
-           "num_hidden_layers": layers, "num_attention_heads": heads,
-           "num_key_value_heads": heads, "head_dim": head_dim, "vocab_size": 32000,
-           "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
-           "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": heads * head_dim,
+        "intermediate_size": 4 * heads * head_dim,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": head_dim,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+    }
     # Atomically: other test processes (and other runs on the machine) read the same file.
     tmp = d / f"config.json.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(cfg))
@@ -171,8 +205,9 @@ def publish(page_size: int, *, mode: str = "prefill", **extra):
     from sglang.srt.runtime_context import publish as _publish
     from sglang.srt.server_args import ServerArgs
 
-    args = dict(model_path=str(model_dir()), device="cpu", page_size=page_size,
-                disaggregation_mode=mode)
+    args = dict(
+        model_path=str(model_dir()), device="cpu", page_size=page_size, disaggregation_mode=mode
+    )
     if mode != "null":
         # sglang refuses its "fake" backend for a prefill server's arguments; a test
         # that needs senders picks their class itself (sglang_env.prefill_scheduler).
@@ -189,14 +224,32 @@ def publish(page_size: int, *, mode: str = "prefill", **extra):
 def model_config(*, layers: int, heads: int, head_dim: int, dtype):
     """The few model numbers the pool and the batch read."""
     return SimpleNamespace(
-        vocab_size=32000, context_len=1 << 16, num_hidden_layers=layers,
-        get_num_kv_heads=lambda *a: heads, head_dim=head_dim, v_head_dim=head_dim,
-        is_encoder_decoder=False, is_multimodal=False, hidden_size=heads * head_dim,
-        dtype=dtype, attention_arch=None, is_hybrid_swa=False)
+        vocab_size=32000,
+        context_len=1 << 16,
+        num_hidden_layers=layers,
+        get_num_kv_heads=lambda *a: heads,
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        is_encoder_decoder=False,
+        is_multimodal=False,
+        hidden_size=heads * head_dim,
+        dtype=dtype,
+        attention_arch=None,
+        is_hybrid_swa=False,
+    )
 
 
-def build_pools(*, page_size: int, size: int, layers: int = 2, heads: int = 2,
-                head_dim: int = 16, max_reqs: int = 64, dtype=None, kv=None):
+def build_pools(
+    *,
+    page_size: int,
+    size: int,
+    layers: int = 2,
+    heads: int = 2,
+    head_dim: int = 16,
+    max_reqs: int = 64,
+    dtype=None,
+    kv=None,
+):
     """(req_to_token_pool, kv pool, allocator, tree cache) as sglang builds them; the
     allocator comes from ``KVCacheConfigurator._build_token_to_kv_pool_allocator``.
     ``kv``: a KV pool built by the caller (another pool class) instead of an MHA pool."""
@@ -208,11 +261,19 @@ def build_pools(*, page_size: int, size: int, layers: int = 2, heads: int = 2,
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     dtype = dtype or torch.bfloat16
-    req_pool = ReqToTokenPool(size=max_reqs, max_context_len=4096, device="cpu",
-                              enable_memory_saver=False)
-    kv = kv or MHATokenToKVPool(size, page_size=page_size, dtype=dtype, head_num=heads,
-                          head_dim=head_dim, layer_num=layers, device="cpu",
-                          enable_memory_saver=False)
+    req_pool = ReqToTokenPool(
+        size=max_reqs, max_context_len=4096, device="cpu", enable_memory_saver=False
+    )
+    kv = kv or MHATokenToKVPool(
+        size,
+        page_size=page_size,
+        dtype=dtype,
+        head_num=heads,
+        head_dim=head_dim,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     conf = object.__new__(KVCacheConfigurator)
     conf.is_hybrid_swa = type(kv).__name__ == "SWAKVPool"
     conf.kv_shard_size = 1
@@ -220,16 +281,31 @@ def build_pools(*, page_size: int, size: int, layers: int = 2, heads: int = 2,
     conf.device = "cpu"
     conf.hybrid_gdn_config = None
     conf.is_draft_worker = False
-    sizes = _PoolSizes(max_total_num_tokens=size, max_running_requests=max_reqs,
-                       full_max_total_num_tokens=None, swa_max_total_num_tokens=None,
-                       c4_max_total_num_tokens=0, c128_max_total_num_tokens=0,
-                       c4_state_pool_size=0, c128_state_pool_size=0, c4_state_dtype=None,
-                       c128_state_dtype=None)
+    sizes = _PoolSizes(
+        max_total_num_tokens=size,
+        max_running_requests=max_reqs,
+        full_max_total_num_tokens=None,
+        swa_max_total_num_tokens=None,
+        c4_max_total_num_tokens=0,
+        c128_max_total_num_tokens=0,
+        c4_state_pool_size=0,
+        c128_state_pool_size=0,
+        c4_state_dtype=None,
+        c128_state_dtype=None,
+    )
     alloc = conf._build_token_to_kv_pool_allocator(
-        sizes=sizes, token_to_kv_pool=kv, is_dsv4_model=False, req_to_token_pool=req_pool,
-        token_to_kv_pool_allocator=None)
-    params = CacheInitParams(disable=True, req_to_token_pool=req_pool,
-                             token_to_kv_pool_allocator=alloc, page_size=page_size)
+        sizes=sizes,
+        token_to_kv_pool=kv,
+        is_dsv4_model=False,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool_allocator=None,
+    )
+    params = CacheInitParams(
+        disable=True,
+        req_to_token_pool=req_pool,
+        token_to_kv_pool_allocator=alloc,
+        page_size=page_size,
+    )
     params.tree_components = (ComponentType.FULL,)  # what create_unified_radix_cache sets
     tree = UnifiedRadixCache(params)
     return req_pool, kv, alloc, tree
@@ -270,8 +346,9 @@ def _extend(reqs, req_pool, alloc, tree, mc):
         r.init_next_round_input(tree)
         r.lock = tree.lock(r.last_node)
         r.extend_end = len(r.full_untruncated_fill_ids)
-    batch = ScheduleBatch.init_new(reqs, req_pool, alloc, tree, mc, False,
-                                   SpeculativeAlgorithm.NONE)
+    batch = ScheduleBatch.init_new(
+        reqs, req_pool, alloc, tree, mc, False, SpeculativeAlgorithm.NONE
+    )
     batch.prepare_for_extend()
     batch.output_ids = torch.zeros(len(reqs), dtype=torch.int64)
     return batch
@@ -305,8 +382,9 @@ def alloc_scenario(page_size: int) -> dict:
     import torch
 
     publish(page_size)
-    req_pool, _, alloc, tree = build_pools(page_size=page_size, size=page_size * 96
-                                           if page_size > 1 else 1024)
+    req_pool, _, alloc, tree = build_pools(
+        page_size=page_size, size=page_size * 96 if page_size > 1 else 1024
+    )
     mc = model_config(layers=2, heads=2, head_dim=16, dtype=torch.bfloat16)
     log = {"allocator": type(alloc).__name__, "slots": [], "available": []}
 
@@ -316,16 +394,26 @@ def alloc_scenario(page_size: int) -> dict:
         log["available"].append([what, int(alloc.available_size())])
 
     record("start")
-    a = _extend([make_req(f"a{i}", n, seed=i) for i, n in enumerate([17, 1, 40, 16, 33])],
-                req_pool, alloc, tree, mc)
+    a = _extend(
+        [make_req(f"a{i}", n, seed=i) for i, n in enumerate([17, 1, 40, 16, 33])],
+        req_pool,
+        alloc,
+        tree,
+        mc,
+    )
     record("extend a", a)
     for step in range(18):
         _decode(a, step)
         record(f"decode a {step}", a)
     _finish(a, [0, 2, 4], tree)
     record("finish a1 a3")
-    b = _extend([make_req(f"b{i}", n, seed=10 + i) for i, n in enumerate([64, 5, 20])],
-                req_pool, alloc, tree, mc)
+    b = _extend(
+        [make_req(f"b{i}", n, seed=10 + i) for i, n in enumerate([64, 5, 20])],
+        req_pool,
+        alloc,
+        tree,
+        mc,
+    )
     record("extend b", b)
     for step in range(5):
         _decode(b, step)
@@ -385,11 +473,14 @@ def rss_anon() -> int:
 
 # -- the transfer-path scenarios (scenario_transfer*.py) and their tests -------------------
 
+
 def kvmem_send_path() -> bool:
     """Whether this process sends KV on kvmem's path: the flag on and
     ``SGLANG_KVMEM_TRANSFER`` ``kvmem`` (its default)."""
-    return (os.environ.get("SGLANG_KVMEM") == "1"
-            and os.environ.get("SGLANG_KVMEM_TRANSFER", "kvmem") == "kvmem")
+    return (
+        os.environ.get("SGLANG_KVMEM") == "1"
+        and os.environ.get("SGLANG_KVMEM_TRANSFER", "kvmem") == "kvmem"
+    )
 
 
 def transfer_stats() -> dict:

@@ -29,7 +29,9 @@ def current():
 
 
 def test_flag_off_patches_nothing():
-    proc = run_script(TARGETS + """
+    proc = run_script(
+        TARGETS
+        + """
 import sys
 from tests.sglang.sglang_env import emit
 before = current()
@@ -38,7 +40,9 @@ publish(16)  # load_plugins() inside, as the scheduler process does
 from sglang.srt.plugins.hook_registry import HookRegistry
 emit({"same": current() == before, "loaded": "kvmem_sglang.plugin" in sys.modules,
       "installed": plugin.INSTALLED, "registered": sorted(set(HookRegistry._hooks) & set(targets))})
-""", kvmem=False)
+""",
+        kvmem=False,
+    )
     out = result_of(proc)
     assert out["loaded"], "sglang's load_plugins() did not load the kvmem entry point"
     assert out["same"], "a hook target changed with SGLANG_KVMEM unset"
@@ -46,7 +50,9 @@ emit({"same": current() == before, "loaded": "kvmem_sglang.plugin" in sys.module
 
 
 def test_flag_on_installs_every_hook_and_logs_once():
-    proc = run_script(TARGETS + """
+    proc = run_script(
+        TARGETS
+        + """
 import logging
 logging.basicConfig(level=logging.INFO)  # as sglang's configure_logger does
 from tests.sglang.sglang_env import emit, publish
@@ -57,7 +63,9 @@ load_plugins()  # a second call (sglang calls it once per process) changes nothi
 after = current()
 emit({"changed": sorted(t for t in targets if after[t] != before[t]),
       "installed": plugin.INSTALLED, "targets": len(set(targets))})
-""", kvmem=True)
+""",
+        kvmem=True,
+    )
     out = result_of(proc)
     assert out["installed"] and sorted(out["installed"]) == out["changed"]
     # every target of the options' hook list (both transfer backends' modules were
@@ -70,17 +78,24 @@ emit({"changed": sorted(t for t in targets if after[t] != before[t]),
 
 def test_sglang_send_path_leaves_the_send_hooks_out():
     """SGLANG_KVMEM_TRANSFER=sglang: sglang's own send, none of the 3 send-path hooks."""
-    proc = run_script("""
+    proc = run_script(
+        """
 from sglang.srt.plugins import load_plugins
 load_plugins()
 from kvmem_sglang import plugin
 from tests.sglang.sglang_env import emit
 emit({"installed": plugin.INSTALLED})
-""", kvmem=True, env={"SGLANG_KVMEM_TRANSFER": "sglang"})
+""",
+        kvmem=True,
+        env={"SGLANG_KVMEM_TRANSFER": "sglang"},
+    )
     out = result_of(proc)
     assert len(out["installed"]) == len(set(out["installed"]))
-    assert not [t for t in out["installed"] if t.endswith(("send_kvcache", "transfer_worker",
-                                                           "_await_handles"))]
+    assert not [
+        t
+        for t in out["installed"]
+        if t.endswith(("send_kvcache", "transfer_worker", "_await_handles"))
+    ]
     assert "transfer sglang)" in proc.stderr
 
 
@@ -100,12 +115,16 @@ def _refused(proc, *needles):
         assert n in last, f"{n!r} not in {last!r}"
 
 
-BAD_OPTIONS = pytest.mark.parametrize("env, needle", [
-    ({"SGLANG_KVMEM": "yes"}, "SGLANG_KVMEM='yes'"),
-    ({"SGLANG_KVMEM_BACKEND": "gpu"}, "SGLANG_KVMEM_BACKEND='gpu'"),
-    ({"SGLANG_KVMEM_REGISTER": "all"}, "SGLANG_KVMEM_REGISTER='all'"),
-    ({"SGLANG_KVMEM_TRANSFER": "fast"}, "SGLANG_KVMEM_TRANSFER='fast'"),
-], ids=["flag", "backend", "register", "transfer"])
+BAD_OPTIONS = pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"SGLANG_KVMEM": "yes"}, "SGLANG_KVMEM='yes'"),
+        ({"SGLANG_KVMEM_BACKEND": "gpu"}, "SGLANG_KVMEM_BACKEND='gpu'"),
+        ({"SGLANG_KVMEM_REGISTER": "all"}, "SGLANG_KVMEM_REGISTER='all'"),
+        ({"SGLANG_KVMEM_TRANSFER": "fast"}, "SGLANG_KVMEM_TRANSFER='fast'"),
+    ],
+    ids=["flag", "backend", "register", "transfer"],
+)
 
 
 @BAD_OPTIONS
@@ -139,24 +158,31 @@ def test_bad_option_stops_the_process(env, needle):
 
 
 def test_other_sglang_version_stops_the_process():
-    _refused(run_script("import sglang; sglang.__version__ = '0.5.24'\n" + LOAD, kvmem=True),
-             "supports sglang 0.5.23", "found sglang 0.5.24")
+    _refused(
+        run_script("import sglang; sglang.__version__ = '0.5.24'\n" + LOAD, kvmem=True),
+        "supports sglang 0.5.23",
+        "found sglang 0.5.24",
+    )
 
 
 def test_missing_target_stops_the_process():
-    code = ("from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool\n"
-            "del MHATokenToKVPool._create_buffers_normal\n" + LOAD)
-    _refused(run_script(code, kvmem=True),
-             "MHATokenToKVPool._create_buffers_normal", "does not exist")
+    code = (
+        "from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool\n"
+        "del MHATokenToKVPool._create_buffers_normal\n" + LOAD
+    )
+    _refused(
+        run_script(code, kvmem=True), "MHATokenToKVPool._create_buffers_normal", "does not exist"
+    )
 
 
 def test_hook_sglang_did_not_apply_stops_the_process():
     # sglang skips a target it believes patched already, and would say nothing
-    code = ("from sglang.srt.plugins.hook_registry import HookRegistry\n"
-            "HookRegistry._patched.add('sglang.srt.mem_cache.kv_cache_configurator."
-            "KVCacheConfigurator._build_token_to_kv_pool_allocator')\n" + LOAD)
-    _refused(run_script(code, kvmem=True), "did not apply",
-             "_build_token_to_kv_pool_allocator")
+    code = (
+        "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+        "HookRegistry._patched.add('sglang.srt.mem_cache.kv_cache_configurator."
+        "KVCacheConfigurator._build_token_to_kv_pool_allocator')\n" + LOAD
+    )
+    _refused(run_script(code, kvmem=True), "did not apply", "_build_token_to_kv_pool_allocator")
 
 
 BUILD_REFUSALS = """

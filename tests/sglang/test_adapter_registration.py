@@ -40,7 +40,8 @@ def test_stock_registers_one_entry_per_layer_and_kv(runs):
         reg = off[when]
         assert reg["kv_entries"] == reg["kv_descs"] == 2 * layers, (
             f"stock sglang ({when}): {reg['kv_entries']} KV entries registered on NIXL, "
-            f"expected 2 x {layers} layers")
+            f"expected 2 x {layers} layers"
+        )
         assert reg["kv_ranges"] == off["per_layer_ranges"]
 
 
@@ -48,25 +49,30 @@ def test_kvmem_registers_the_pool_regions(runs):
     on, off = runs["on"], runs["off"]
     assert on["kvmem_pool"], "flag on: sglang's buffers are not views of a kvmem pool"
     regions, first = on["regions"], on["first"]
-    counts = (f"NIXL KV registrations: stock {off['first']['kv_entries']} "
-              f"(2 x {off['layers']} layers), kvmem {first['kv_entries']} "
-              f"(pool regions {len(regions)})")
+    counts = (
+        f"NIXL KV registrations: stock {off['first']['kv_entries']} "
+        f"(2 x {off['layers']} layers), kvmem {first['kv_entries']} "
+        f"(pool regions {len(regions)})"
+    )
     print(counts)
     assert first["kv_entries"] == first["kv_descs"] <= len(regions), counts
     assert first["kv_entries"] < off["first"]["kv_entries"], counts
     assert sorted(first["kv_ranges"]) == sorted(regions), (
-        f"registered {first['kv_ranges']}, the pool's regions are {regions}")
+        f"registered {first['kv_ranges']}, the pool's regions are {regions}"
+    )
     assert first["kv_args_per_layer"], (
-        "kv_args.kv_data_ptrs/lens were not put back: transfers must still address "
-        "each layer")
+        "kv_args.kv_data_ptrs/lens were not put back: transfers must still address each layer"
+    )
 
 
 def test_after_release_and_resume_kvmem_registers_the_regions_again(runs):
     on, off = runs["on"], runs["off"]
     regions, again = on["regions"], on["after_resume"]
-    counts = (f"after release + resume, NIXL KV registrations: stock "
-              f"{off['after_resume']['kv_entries']}, kvmem {again['kv_entries']} "
-              f"(pool regions {len(regions)})")
+    counts = (
+        f"after release + resume, NIXL KV registrations: stock "
+        f"{off['after_resume']['kv_entries']}, kvmem {again['kv_entries']} "
+        f"(pool regions {len(regions)})"
+    )
     print(counts)
     assert again["kv_entries"] == again["kv_descs"] <= len(regions), counts
     assert sorted(again["kv_ranges"]) == sorted(regions), counts
@@ -109,17 +115,22 @@ def test_no_registration_of_the_pool_outlives_a_release(runs):
     write into the pool must then be refused."""
     on, off = runs["on"], runs["off"]
     regions, again = on["regions"], on["after_resume"]
-    print(f"live NIXL KV registrations after release + resume: stock "
-          f"{off['after_resume']['live_kv_entries']}, kvmem {again['live_kv_entries']} "
-          f"(pool regions {len(regions)})")
+    print(
+        f"live NIXL KV registrations after release + resume: stock "
+        f"{off['after_resume']['live_kv_entries']}, kvmem {again['live_kv_entries']} "
+        f"(pool regions {len(regions)})"
+    )
     assert again["live_kv_at_release"] == [0], (
         f"{again['live_kv_at_release'][0]} KV registration(s) still live on NIXL when "
         "kvmem released the pool's memory (NixlKVManager has no "
-        "deregister_buffer_to_engine; the adapter must add one)")
+        "deregister_buffer_to_engine; the adapter must add one)"
+    )
     assert again["live_kv_entries"] <= len(regions), (
         f"{again['live_kv_entries']} live KV registrations after release + resume, the "
-        f"pool has {len(regions)} region(s)")
+        f"pool has {len(regions)} region(s)"
+    )
     probe = again["write_after_dropping_current"]
     assert probe["state"] == "REFUSED", (
         f"a write into the pool still landed after the current registration was dropped: "
-        f"a registration from before the release is live ({probe})")
+        f"a registration from before the release is live ({probe})"
+    )

@@ -51,16 +51,19 @@ def test_release_gives_memory_back_and_resume_keeps_addresses():
     assert on["pool"] and not off["pool"]
     assert on["resident_before"] >= kv and on["resident_released"] == 0 and on["released"]
     assert on["rss_before"] - on["rss_released"] >= 0.9 * kv, (
-        f"RSS dropped by {on['rss_before'] - on['rss_released']} of {kv} KV bytes")
+        f"RSS dropped by {on['rss_before'] - on['rss_released']} of {kv} KV bytes"
+    )
     assert on["ptrs_kept"] and on["epoch_after"] == on["epoch_before"] + 1
     assert not on["released_after"] and on["usable"]
     assert on["free_after"] == 16 * 1023
     # stock sglang with no torch_memory_saver keeps every byte
     assert off["rss_before"] - off["rss_released"] < 0.1 * kv
     assert off["ptrs_kept"] and off["usable"]
-    print(f"KV {kv / 2**20:.0f} MiB; RSS drop on release: kvmem "
-          f"{(on['rss_before'] - on['rss_released']) / 2**20:.0f} MiB, stock "
-          f"{(off['rss_before'] - off['rss_released']) / 2**20:.0f} MiB")
+    print(
+        f"KV {kv / 2**20:.0f} MiB; RSS drop on release: kvmem "
+        f"{(on['rss_before'] - on['rss_released']) / 2**20:.0f} MiB, stock "
+        f"{(off['rss_before'] - off['rss_released']) / 2**20:.0f} MiB"
+    )
 
 
 FRESH = """
@@ -80,8 +83,11 @@ def test_a_fresh_host_pool_is_backed_when_made_unless_prefault_is_off():
     # SGLANG_KVMEM_PREFAULT=1 (the default) so is kvmem's pool, else pages wait for
     # their first touch (the first forward, the first KV transfer into the pool)
     on = result_of(run_script(FRESH, kvmem=True, env={"SGLANG_KVMEM_BACKEND": "host"}))
-    lazy = result_of(run_script(FRESH, kvmem=True, env={"SGLANG_KVMEM_BACKEND": "host",
-                                                        "SGLANG_KVMEM_PREFAULT": "0"}))
+    lazy = result_of(
+        run_script(
+            FRESH, kvmem=True, env={"SGLANG_KVMEM_BACKEND": "host", "SGLANG_KVMEM_PREFAULT": "0"}
+        )
+    )
     assert on["resident"] >= on["nbytes"] and on["zeros"], on
     assert lazy["resident"] <= 0.05 * lazy["nbytes"], lazy
 
@@ -112,6 +118,11 @@ def test_plain_backend_refuses_a_release_and_changes_nothing():
     scheduler loop after sglang had already released."""
     proc = run_script(PLAIN, kvmem=True, env={"SGLANG_KVMEM_BACKEND": "plain"})
     got = result_of(proc)
-    assert got == {"backend": "plain", "answer": "ReleaseMemoryOccupationReqOutput",
-                   "offload_tags": [], "free": 16 * 63 - 32, "refused": 1}, got
+    assert got == {
+        "backend": "plain",
+        "answer": "ReleaseMemoryOccupationReqOutput",
+        "offload_tags": [],
+        "free": 16 * 63 - 32,
+        "refused": 1,
+    }, got
     assert "SGLANG_KVMEM_BACKEND=plain" in proc.stderr and "nothing changed" in proc.stderr

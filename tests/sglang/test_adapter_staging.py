@@ -64,12 +64,12 @@ class Tp:
 
 
 TPS = [
-    Tp(4, 1, 8, 0),                 # 4 writers, 2 heads each, into one 8-head rank
-    Tp(4, 2, 8, 1),                 # writers are prefill ranks 2 and 3
-    Tp(4, 1, 2, 0, "-kv2"),         # 2 KV heads over 4 prefill ranks: replicated writers
-    Tp(2, 2, 8, 1),                 # equal TP: one writer, every head
-    Tp(1, 2, 4, 1),                 # head slice [2, 4) of the only prefill rank
-    Tp(2, 4, 8, 3),                 # head slice [2, 4) of prefill rank 1
+    Tp(4, 1, 8, 0),  # 4 writers, 2 heads each, into one 8-head rank
+    Tp(4, 2, 8, 1),  # writers are prefill ranks 2 and 3
+    Tp(4, 1, 2, 0, "-kv2"),  # 2 KV heads over 4 prefill ranks: replicated writers
+    Tp(2, 2, 8, 1),  # equal TP: one writer, every head
+    Tp(1, 2, 4, 1),  # head slice [2, 4) of the only prefill rank
+    Tp(2, 4, 8, 3),  # head slice [2, 4) of prefill rank 1
 ]
 CASES = [(ps, dt, tp) for ps in (1, 16) for dt in DTYPES for tp in TPS]
 CASE_IDS = [f"P{ps}-{dt}-{tp.id}" for ps, dt, tp in CASES]
@@ -110,8 +110,14 @@ def random_values(shape, dtype, gen) -> torch.Tensor:
 
 
 def sentinel_buffers(rows, heads, dtype) -> list[torch.Tensor]:
-    return [torch.full((rows, heads, HEAD_DIM * torch.empty(0, dtype=dtype).element_size()),
-                       SENTINEL, dtype=torch.uint8).view(dtype) for _ in range(LAYERS)]
+    return [
+        torch.full(
+            (rows, heads, HEAD_DIM * torch.empty(0, dtype=dtype).element_size()),
+            SENTINEL,
+            dtype=torch.uint8,
+        ).view(dtype)
+        for _ in range(LAYERS)
+    ]
 
 
 def as_bytes(bufs) -> list[torch.Tensor]:
@@ -126,15 +132,17 @@ def writers(tp: Tp) -> list[tuple[int, int, int, int]]:
         n = tp.prefill // tp.decode
         for w in range(n):
             rank = tp.dst_rank * n + w
-            s, h, d, _ = compute_head_slice_params(tp.prefill, tp.decode, rank, tp.dst_rank,
-                                                   tp.total_heads)
+            s, h, d, _ = compute_head_slice_params(
+                tp.prefill, tp.decode, rank, tp.dst_rank, tp.total_heads
+            )
             out.append((rank, s, h, d))
     else:
         replication = max(1, tp.decode // tp.total_heads)
         first_head = (tp.dst_rank // replication) * tp.dst_heads  # global head index
         rank = first_head // tp.src_heads
-        s, h, d, _ = compute_head_slice_params(tp.prefill, tp.decode, rank, tp.dst_rank,
-                                               tp.total_heads)
+        s, h, d, _ = compute_head_slice_params(
+            tp.prefill, tp.decode, rank, tp.dst_rank, tp.total_heads
+        )
         out.append((rank, s, h, d))
     return out
 
@@ -143,8 +151,10 @@ def prefill_rank_buffers(global_k, global_v, tp: Tp, rank: int):
     """What prefill rank ``rank`` holds: its heads of every layer, contiguous."""
     replication = max(1, tp.prefill // tp.total_heads)
     h0 = (rank // replication) * tp.src_heads
-    return ([k[:, h0:h0 + tp.src_heads].contiguous() for k in global_k],
-            [v[:, h0:h0 + tp.src_heads].contiguous() for v in global_v])
+    return (
+        [k[:, h0 : h0 + tp.src_heads].contiguous() for k in global_k],
+        [v[:, h0 : h0 + tp.src_heads].contiguous() for v in global_v],
+    )
 
 
 @pytest.mark.parametrize("page_size,dtype,tp", CASES, ids=CASE_IDS)
@@ -163,34 +173,40 @@ def test_gather_then_scatter_matches_sglang_byte_for_byte(page_size, dtype, tp):
         tokens = len(SRC_PAGES) * page_size
         want_len = 2 * LAYERS * tokens * num_heads * HEAD_DIM * ks[0].element_size()
         theirs, ours = cpu_staging_buffer(want_len + 64), cpu_staging_buffer(want_len + 64)
-        n_theirs = _gather_all_layers_torch(ks, vs, src_pages, theirs, src_head_start,
-                                            num_heads, page_size)
-        n_ours = staging.gather_all_layers_to_staging(ks, vs, src_pages, ours, src_head_start,
-                                                      num_heads, page_size)
+        n_theirs = _gather_all_layers_torch(
+            ks, vs, src_pages, theirs, src_head_start, num_heads, page_size
+        )
+        n_ours = staging.gather_all_layers_to_staging(
+            ks, vs, src_pages, ours, src_head_start, num_heads, page_size
+        )
         assert n_ours == n_theirs == want_len
         assert torch.equal(ours.buffer, theirs.buffer), (
             f"gather of prefill rank {rank} (heads [{src_head_start}, "
-            f"{src_head_start + num_heads})) differs from sglang's")
+            f"{src_head_start + num_heads})) differs from sglang's"
+        )
         assert (ours.buffer[want_len:] == SENTINEL).all()  # nothing past the chunk
         chunks.append(ours.buffer[:want_len])
     view = torch.cat(chunks + [torch.full((32,), SENTINEL, dtype=torch.uint8)])
 
     # decode: scatter the writers' chunks into this rank's pages
     dst_ids = torch.tensor(DST_PAGES, dtype=torch.int64)
-    theirs_k, theirs_v, ours_k, ours_v = (sentinel_buffers(rows, tp.dst_heads, dt)
-                                          for _ in range(4))
+    theirs_k, theirs_v, ours_k, ours_v = (
+        sentinel_buffers(rows, tp.dst_heads, dt) for _ in range(4)
+    )
     args = (page_size, tp.prefill, tp.decode, tp.dst_rank, tp.total_heads)
     _scatter_staging_to_kv_torch(view.clone(), theirs_k, theirs_v, dst_ids, *args)
     staging.scatter_staging_to_kv(view.clone(), ours_k, ours_v, dst_ids, *args)
     for layer in range(LAYERS):
         for name, a, b in (("K", ours_k, theirs_k), ("V", ours_v, theirs_v)):
             assert torch.equal(a[layer].view(torch.uint8), b[layer].view(torch.uint8)), (
-                f"scatter differs from sglang's in layer {layer} {name}")
+                f"scatter differs from sglang's in layer {layer} {name}"
+            )
 
     # physically: the decode rank's heads of the listed tokens are the global tensor's,
     # every other byte is still the sentinel
     replication = max(1, tp.decode // tp.total_heads)
     g0 = (tp.dst_rank // replication) * tp.dst_heads
+
     def tokens_of(pages):
         return (torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)).reshape(-1)
 
@@ -199,7 +215,7 @@ def test_gather_then_scatter_matches_sglang_byte_for_byte(page_size, dtype, tp):
     untouched[dst_tok] = False
     for layer in range(LAYERS):
         for got, glob in ((ours_k[layer], global_k[layer]), (ours_v[layer], global_v[layer])):
-            want = glob[src_tok, g0:g0 + tp.dst_heads]
+            want = glob[src_tok, g0 : g0 + tp.dst_heads]
             assert torch.equal(got[dst_tok].view(torch.uint8), want.view(torch.uint8))
             assert (got[untouched].view(torch.uint8) == SENTINEL).all()
 

@@ -49,6 +49,7 @@ def ours(size: int, ps: int, need_sort: bool = True, **kw) -> KvmemTokenToKVPool
 
 # -- the scheduler's calls, the same for both allocators ---------------------------------
 
+
 def extend(a, ps: int, rows: list[torch.Tensor], new_lens: list[int]):
     """What alloc_for_extend calls: ``alloc(extend_num_tokens)`` at page_size 1,
     ``alloc_extend`` (positional, sglang's order) above.  rows: each request's slots so
@@ -95,6 +96,7 @@ def all_pages(size: int, ps: int) -> set[int]:
 
 # -- construction ---------------------------------------------------------------------
 
+
 def test_constructor_takes_sglang_paged_arguments():
     theirs = list(inspect.signature(PagedTokenToKVPoolAllocator.__init__).parameters)
     mine = list(inspect.signature(KvmemTokenToKVPoolAllocator.__init__).parameters)
@@ -107,6 +109,7 @@ def test_constructor_takes_sglang_paged_arguments():
 
 
 # -- same slots from a new allocator ----------------------------------------------------
+
 
 @pytest.mark.parametrize("ps,need_sort", CASES, ids=CASE_IDS)
 def test_fresh_allocator_same_slots_as_sglang(ps, need_sort):
@@ -123,10 +126,10 @@ def test_fresh_allocator_same_slots_as_sglang(ps, need_sort):
         def step(kind, *args):
             if kind == "extend":
                 idx, lens = args
-                got = extend(mine, ps, [rows_m[i] if i < len(rows_m) else empty
-                                        for i in idx], lens)
-                want = extend(theirs, ps, [rows_t[i] if i < len(rows_t) else empty
-                                           for i in idx], lens)
+                got = extend(mine, ps, [rows_m[i] if i < len(rows_m) else empty for i in idx], lens)
+                want = extend(
+                    theirs, ps, [rows_t[i] if i < len(rows_t) else empty for i in idx], lens
+                )
             elif kind == "decode":
                 (idx,) = args
                 got = decode(mine, ps, [rows_m[i] for i in idx])
@@ -144,7 +147,7 @@ def test_fresh_allocator_same_slots_as_sglang(ps, need_sort):
             grow_rows(rows_t, idx, want, lens)
 
         step("extend", [0, 1, 2], [5, ps + 3, 2 * ps])  # three new requests
-        step("extend", [0, 3], [ps, 7])                   # a chunk after a partial page
+        step("extend", [0, 3], [ps, 7])  # a chunk after a partial page
         step("decode", [0, 1, 2, 3])
         step("decode", [1, 2, 3])
         step("alloc", 3)
@@ -212,12 +215,18 @@ def test_after_frees_same_slots_as_sglang_need_sort(ps):
 def test_alloc_extend_keyword_call(ps):
     """PD decode's prealloc calls alloc_extend by keyword, with int64 last_loc."""
     mine, theirs = ours(8 * ps, ps), stock(8 * ps, ps)
-    kw = dict(prefix_lens=torch.tensor([0]), prefix_lens_cpu=torch.tensor([0]),
-              seq_lens=torch.tensor([ps + 2]), seq_lens_cpu=torch.tensor([ps + 2]),
-              last_loc=torch.tensor([-1]), extend_num_tokens=ps + 2)
+    kw = dict(
+        prefix_lens=torch.tensor([0]),
+        prefix_lens_cpu=torch.tensor([0]),
+        seq_lens=torch.tensor([ps + 2]),
+        seq_lens_cpu=torch.tensor([ps + 2]),
+        last_loc=torch.tensor([-1]),
+        extend_num_tokens=ps + 2,
+    )
     assert torch.equal(mine.alloc_extend(**kw), theirs.alloc_extend(**kw))
-    assert torch.equal(mine.alloc_extend(**kw, num_new_pages=2),
-                       theirs.alloc_extend(**kw, num_new_pages=2))
+    assert torch.equal(
+        mine.alloc_extend(**kw, num_new_pages=2), theirs.alloc_extend(**kw, num_new_pages=2)
+    )
 
 
 def test_alloc_extend_and_decode_at_page_size_1():
@@ -235,6 +244,7 @@ def test_alloc_extend_and_decode_at_page_size_1():
 
 
 # -- OOM --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("ps,need_sort", CASES, ids=CASE_IDS)
 def test_out_of_memory_returns_none_and_changes_nothing(ps, need_sort):
@@ -283,6 +293,7 @@ def test_out_of_memory_returns_none_and_changes_nothing(ps, need_sort):
 
 
 # -- frees --------------------------------------------------------------------------------
+
 
 def _three_requests(a, ps):
     empty = torch.empty(0, dtype=torch.int32)
@@ -379,8 +390,8 @@ def test_free_group_matches_sglang(ps, need_sort):
         a.free_group_begin()
         # two token-slot frees touching the same page: freed once at the group's end
         a.free(r[0][: ps + 1])
-        a.free(r[0][ps + 1:])
-        a.free_segments([(r[1], 0)])   # page ids
+        a.free(r[0][ps + 1 :])
+        a.free_segments([(r[1], 0)])  # page ids
         a.free_page_ids(torch.unique(r[2].long() // ps))
         assert a.available_size() == start  # nothing freed yet
     for a in (mine, theirs):
@@ -421,6 +432,7 @@ def test_free_group_copies_what_it_holds():
 
 # -- double frees (kvmem raises; sglang checks only in debug mode, or never) ------------
 
+
 @pytest.mark.parametrize("ps", [1, 16, 64])
 def test_double_free_raises_and_changes_nothing(ps):
     size = 16 * ps
@@ -430,11 +442,11 @@ def test_double_free_raises_and_changes_nothing(ps):
     avail, before = mine.available_size(), free_set(mine)
     page_of_r1 = int(r[1][0]) // ps
     attempts = [
-        lambda: mine.free(r[1]),                                   # freed already
+        lambda: mine.free(r[1]),  # freed already
         lambda: mine.free_segment(r[1], start_pos=0),
         lambda: mine.free_page_ids(torch.tensor([page_of_r1])),
         lambda: mine.free_page_ids(torch.tensor([int(r[0][0]) // ps] * 2)),  # twice in one
-        lambda: mine.free_page_ids(torch.tensor([0])),             # the padding page
+        lambda: mine.free_page_ids(torch.tensor([0])),  # the padding page
         lambda: mine.free_page_ids(torch.tensor([size // ps + 1])),  # out of range
         lambda: mine.free_segments([(r[0], 0), (r[1], len(r[0]) + ps - len(r[0]) % ps)]),
     ]
@@ -466,6 +478,7 @@ def test_sglang_accepts_a_double_free_outside_debug_mode(ps, monkeypatch):
 
 
 # -- clear, resize, and what passes through -----------------------------------------------
+
 
 @pytest.mark.parametrize("ps,need_sort", CASES, ids=CASE_IDS)
 def test_clear(ps, need_sort):
@@ -513,8 +526,9 @@ def test_bad_alloc_size_names_the_callers_value(ps, bad):
 def test_resize_refuses_a_bad_size(bad):
     mine = ours(40, 1)
     mine.alloc(4)
-    with pytest.raises(ValueError, match=f"max_total_num_tokens must be a positive int, "
-                                         f"got {bad!r}"):
+    with pytest.raises(
+        ValueError, match=f"max_total_num_tokens must be a positive int, got {bad!r}"
+    ):
         mine.resize(SimpleNamespace(max_total_num_tokens=bad))
     assert mine.size == 40 and mine.available_size() == 36
 
@@ -557,11 +571,13 @@ def test_passthrough_and_budget_hooks_match_sglang():
         a.set_hicache_transfer_done_event("key", None)
     assert kv_m.calls == kv_t.calls
     for n in (0, 100, 62 * ps, 62 * ps + 1):
-        assert mine.check_decode_capacity(num_tokens=n, tree_cache=None) == \
-            theirs.check_decode_capacity(num_tokens=n, tree_cache=None)
+        assert mine.check_decode_capacity(
+            num_tokens=n, tree_cache=None
+        ) == theirs.check_decode_capacity(num_tokens=n, tree_cache=None)
     kw = dict(token_capacity=size, sliding_window_size=None, chunk_size=None)
-    assert mine.max_new_tokens_for_memory(100, 500, **kw) == \
-        theirs.max_new_tokens_for_memory(100, 500, **kw)
+    assert mine.max_new_tokens_for_memory(100, 500, **kw) == theirs.max_new_tokens_for_memory(
+        100, 500, **kw
+    )
     assert mine.request_slot_reserve(has_req_pool_slot=True) == 0
     assert mine.verify_byte_accounting() == [] and mine.mamba_full_cache_donor() is None
     assert mine.prealloc_fits(None, 10, 0, full_budget_tokens=10)
@@ -583,6 +599,5 @@ def test_inconsistent_extend_inputs_raise():
     with pytest.raises(ValueError):  # prefix 5, but last_loc's page is not allocated
         mine.alloc_extend(pre, pre, seq, seq, torch.tensor([20]), 4)
     with pytest.raises(ValueError):  # extend_num_tokens disagrees
-        mine.alloc_extend(torch.tensor([0]), torch.tensor([0]), seq, seq,
-                          torch.tensor([-1]), 5)
+        mine.alloc_extend(torch.tensor([0]), torch.tensor([0]), seq, seq, torch.tensor([-1]), 5)
     assert mine.available_size() == 8 * 16

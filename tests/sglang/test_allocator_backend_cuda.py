@@ -76,8 +76,7 @@ def extend_on(a, ps, rows, lens, device):
     pre_cpu = torch.tensor([len(r) for r in rows], dtype=torch.int64)
     seq_cpu = pre_cpu + torch.tensor(lens, dtype=torch.int64)
     last = torch.tensor([-1] * len(rows), dtype=torch.int64, device=device)
-    return a.alloc_extend(pre_cpu.to(device), pre_cpu, seq_cpu.to(device), seq_cpu, last,
-                          sum(lens))
+    return a.alloc_extend(pre_cpu.to(device), pre_cpu, seq_cpu.to(device), seq_cpu, last, sum(lens))
 
 
 def decode_on(a, ps, rows, device):

@@ -36,7 +36,7 @@ def _release(side: Side, ps: int, rid: int, method: str, cut: int, in_group: boo
     n_pages = -(-len(row) // ps)
     if method == "truncate" and n_pages > 1:  # over-allocated tail, from a page boundary
         keep = 1 + cut % (n_pages - 1)
-        a.free_segment(row[keep * ps:], start_pos=keep * ps)
+        a.free_segment(row[keep * ps :], start_pos=keep * ps)
         side.rows[rid] = row[: keep * ps]
         return
     del side.rows[rid]
@@ -54,8 +54,9 @@ def _release(side: Side, ps: int, rid: int, method: str, cut: int, in_group: boo
 
 def _check(mine: Side, theirs: Side, ps: int):
     assert mine.a.available_size() == theirs.a.available_size()
-    assert sorted(len(r) for r in mine.rows.values()) == \
-        sorted(len(r) for r in theirs.rows.values())
+    assert sorted(len(r) for r in mine.rows.values()) == sorted(
+        len(r) for r in theirs.rows.values()
+    )
     held: set[int] = set()
     n_slots = 0
     for row in mine.rows.values():
@@ -80,13 +81,19 @@ def test_random_calls_match_sglang(ps, need_sort, data):
     empty = torch.empty(0, dtype=torch.int32)
     for _ in range(OPS):
         live = sorted(mine.rows)
-        op = data.draw(st.sampled_from(["extend", "decode", "alloc", "free", "group"]
-                                       if live else ["extend", "alloc"]))
+        op = data.draw(
+            st.sampled_from(
+                ["extend", "decode", "alloc", "free", "group"] if live else ["extend", "alloc"]
+            )
+        )
         avail = mine.a.available_size()
         if op in ("extend", "decode", "alloc"):
             if op == "extend":
-                cont = data.draw(st.lists(st.sampled_from(live), unique=True, max_size=3)
-                                 if live else st.just([]))
+                cont = data.draw(
+                    st.lists(st.sampled_from(live), unique=True, max_size=3)
+                    if live
+                    else st.just([])
+                )
                 n_new = data.draw(st.integers(0 if cont else 1, 3))
                 rids = cont + list(range(next_rid, next_rid + n_new))
                 lens = [data.draw(st.integers(1, 3 * ps)) for _ in rids]
@@ -115,10 +122,11 @@ def test_random_calls_match_sglang(ps, need_sort, data):
                         side.rows[r] = torch.cat((side.rows.get(r, empty), part))
         else:
             k = 1 if op == "free" else data.draw(st.integers(1, min(3, len(live))))
-            picks = data.draw(st.lists(st.sampled_from(live), unique=True, min_size=k,
-                                       max_size=k))
-            plan = [(r, data.draw(st.sampled_from(FREE_METHODS)), data.draw(st.integers(0, 99)))
-                    for r in picks]
+            picks = data.draw(st.lists(st.sampled_from(live), unique=True, min_size=k, max_size=k))
+            plan = [
+                (r, data.draw(st.sampled_from(FREE_METHODS)), data.draw(st.integers(0, 99)))
+                for r in picks
+            ]
             for side in (mine, theirs):
                 if op == "group":
                     side.a.free_group_begin()

@@ -22,10 +22,24 @@ from tests.sglang.sglang_env import one, run_both
 SCRIPT = Path(__file__).parent / "scenario_prefill_chunked.py"
 ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": str(TRANSFER_TIMEOUT)}
 EMPTY = {"kv_tokens": 0, "req_slots": 0, "meta_slots": 0}
-IDLE = {"held": EMPTY, "queues": {"bootstrap": [], "waiting": [], "inflight": []},
-        "chunked": None, "pending_chunk_rids": [], "pending_chunked_abort": False}
-CASES = ("complete", "abort_between", "abort_during", "abort_last", "middle_send_failed",
-         "transfer_timeout", "release", "release_after_abort", "release_overlap")
+IDLE = {
+    "held": EMPTY,
+    "queues": {"bootstrap": [], "waiting": [], "inflight": []},
+    "chunked": None,
+    "pending_chunk_rids": [],
+    "pending_chunked_abort": False,
+}
+CASES = (
+    "complete",
+    "abort_between",
+    "abort_during",
+    "abort_last",
+    "middle_send_failed",
+    "transfer_timeout",
+    "release",
+    "release_after_abort",
+    "release_overlap",
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +92,13 @@ def test_client_abort_between_chunks(runs, flag):
 
 
 @pytest.mark.parametrize("flag", ["off", "on"])
-@pytest.mark.parametrize("case, rid, sends", [
-    ("abort_during", "b-during", [[2, False]]),  # during chunk 2 of 4
-    ("abort_last", "b-last", [[2, False], [2, False]]),  # during the last chunk
-])
+@pytest.mark.parametrize(
+    "case, rid, sends",
+    [
+        ("abort_during", "b-during", [[2, False]]),  # during chunk 2 of 4
+        ("abort_last", "b-last", [[2, False], [2, False]]),  # during the last chunk
+    ],
+)
 def test_client_abort_during_a_chunk_forward(runs, flag, case, rid, sends):
     """Abort while a chunk's forward runs (the overlap loop's ingest).  Stock: a middle
     chunk's request is freed by the next step's ``process_pending_chunked_abort`` (the
@@ -158,8 +175,9 @@ def test_release_between_chunks(runs):
     assert one(on["e-after"]["answer"])["status"] == 200
     assert on["e-after"]["sends"] == [[2, False], [2, False], [2, True]]
     # answered once: nothing more came for them while the loop went on
-    assert on["answers_settled"] == {rid: on[rid]["answer"]
-                                     for rid in ("e-chunked", "e-boot", "e-after")}
+    assert on["answers_settled"] == {
+        rid: on[rid]["answer"] for rid in ("e-chunked", "e-boot", "e-after")
+    }
     assert on["end"] == IDLE
 
 

@@ -47,10 +47,16 @@ def test_the_scenario_ran_on_real_transfers(runs):
         run = runs[key]
         assert run["senders"] == ["NixlKVSender"]
         assert run["states_at_abort"] == STATES, (key, run["states_at_abort"])
-        assert run["xfer_decode_pages"] == {"chunk1_k": [7.0], "chunk1_v": [-3.0],
-                                            "chunk2_k": [0.0]}, (key, run)
-        assert run["queues_before_abort"] == {"bootstrap": ["boot"], "waiting": [],
-                                              "inflight": ["late", "xfer", "wait"]}
+        assert run["xfer_decode_pages"] == {
+            "chunk1_k": [7.0],
+            "chunk1_v": [-3.0],
+            "chunk2_k": [0.0],
+        }, (key, run)
+        assert run["queues_before_abort"] == {
+            "bootstrap": ["boot"],
+            "waiting": [],
+            "inflight": ["late", "xfer", "wait"],
+        }
         for rid in RIDS:
             assert len(run["answers"][rid]) == 1, (key, rid, run["answers"])
         assert run["prefill_held"] == {"kv_tokens": 0, "req_slots": 0, "meta_slots": 0}
@@ -60,10 +66,12 @@ def test_the_scenario_ran_on_real_transfers(runs):
 
 def test_decode_learns_of_a_prefill_abort(runs):
     off, on = runs["off"], runs["on"]
-    print(f"decode receiver Failed, s after the decode published its pages: "
-          f"stock {off['decode_failed_after_publish_s']}, "
-          f"kvmem {on['decode_failed_after_publish_s']}; s after the prefill's abort: "
-          f"stock {off['decode_failed_after_abort_s']}, kvmem {on['decode_failed_after_abort_s']}")
+    print(
+        f"decode receiver Failed, s after the decode published its pages: "
+        f"stock {off['decode_failed_after_publish_s']}, "
+        f"kvmem {on['decode_failed_after_publish_s']}; s after the prefill's abort: "
+        f"stock {off['decode_failed_after_abort_s']}, kvmem {on['decode_failed_after_abort_s']}"
+    )
     # stock: only the decode's own waiting timeout ends its wait, in every state
     for rid in RIDS:
         assert off["decode_failed_after_publish_s"][rid] >= WAITING_TIMEOUT_S - 0.05, rid
@@ -88,9 +96,11 @@ def test_decode_frees_its_preallocated_pages_at_the_abort(runs):
     once every prefill rank acknowledged its ABORT (``is_abort_release_safe``): stock at
     the waiting timeout, kvmem right after the prefill's abort."""
     off, on = runs["off"], runs["on"]
-    print(f"decode release safe, s after publishing: stock "
-          f"{off['decode_release_safe_after_publish_s']}, kvmem "
-          f"{on['decode_release_safe_after_publish_s']}")
+    print(
+        f"decode release safe, s after publishing: stock "
+        f"{off['decode_release_safe_after_publish_s']}, kvmem "
+        f"{on['decode_release_safe_after_publish_s']}"
+    )
     for rid in RIDS:
         assert off["decode_release_safe_after_publish_s"][rid] >= WAITING_TIMEOUT_S - 0.05
         assert on["decode_release_safe_after_publish_s"][rid] < WAITING_TIMEOUT_S - 0.5
@@ -124,8 +134,10 @@ def _decode_answer(error: str, flag: bool) -> dict:
     """The answer sglang's decode gives a request whose receiver failed with ``error``
     (decode.py:2885: its message and ``prepare_abort(..., 500)``), stock or through the
     adapter's hook."""
-    message = ("Decode transfer failed for request rank=0 decode_req.req.rid='r0' "
-               f"decode_req.req.bootstrap_room=7 with exception {error}")
+    message = (
+        "Decode transfer failed for request rank=0 decode_req.req.rid='r0' "
+        f"decode_req.req.bootstrap_room=7 with exception {error}"
+    )
     return abort_answer(message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR, flag=flag)
 
 

@@ -18,8 +18,11 @@ from tests.sglang.scenario_prefill_gaps import SETTLE_S
 from tests.sglang.sglang_env import one, run_both
 
 SCRIPT = Path(__file__).parent / "scenario_prefill_gaps.py"
-ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "0.3",
-       "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1", "SGLANG_KVMEM_DRAIN_TIMEOUT": "1.5"}
+ENV = {
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "0.3",
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1",
+    "SGLANG_KVMEM_DRAIN_TIMEOUT": "1.5",
+}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,10 @@ def test_transfer_timeout(runs):
         # kvmem: 504, sender aborted (the decode side is told)
         got = one(on[rid]["answer"])
         assert (got["type"], got["status"]) == ("abort", 504), got
-        assert "timed out" in got["message"] and "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT" in got["message"]
+        assert (
+            "timed out" in got["message"]
+            and "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT" in got["message"]
+        )
         assert on[rid]["aborts"] == 1
     assert off["held"] == {"kv_tokens": 24, "req_slots": 2, "meta_slots": 2}, off["held"]
     assert on["held"] == EMPTY and on["queues"]["inflight"] == []
@@ -67,8 +73,13 @@ def test_bootstrap_timeout_is_504_other_failures_stay_500(runs):
 def test_client_abort_is_answered_as_an_abort(runs):
     off, on = runs["off"]["client_abort"], runs["on"]["client_abort"]
     stock = {rid: one(off[rid]["answer"]) for rid in ("c-boot", "c-fly")}
-    assert stock["c-boot"]["status"] == 500 and "Prefill bootstrap failed" in stock["c-boot"]["message"]
-    assert stock["c-fly"]["status"] == 500 and "Prefill transfer failed" in stock["c-fly"]["message"]
+    assert (
+        stock["c-boot"]["status"] == 500
+        and "Prefill bootstrap failed" in stock["c-boot"]["message"]
+    )
+    assert (
+        stock["c-fly"]["status"] == 500 and "Prefill transfer failed" in stock["c-fly"]["message"]
+    )
     for rid in ("c-boot", "c-fly"):
         got = one(on[rid]["answer"])
         # FINISH_ABORT(): the finish reason and status sglang gives a running request's abort
@@ -79,8 +90,11 @@ def test_client_abort_is_answered_as_an_abort(runs):
 
 def test_release_with_requests_in_flight(runs):
     off, on = runs["off"]["release"], runs["on"]["release"]
-    assert off["before"]["queues"] == on["before"]["queues"] == {
-        "bootstrap": ["r-boot"], "waiting": ["r-wait"], "inflight": ["r-fly"]}
+    assert (
+        off["before"]["queues"]
+        == on["before"]["queues"]
+        == {"bootstrap": ["r-boot"], "waiting": ["r-wait"], "inflight": ["r-fly"]}
+    )
     # stock: the scheduler loop would die on this AssertionError; nothing is answered
     assert not off["release"]["ok"] and off["release"]["error"].startswith("AssertionError")
     assert off["answers"]["r-boot"] == [] and off["aborts"]["r-boot"] == 0
@@ -89,8 +103,11 @@ def test_release_with_requests_in_flight(runs):
     # kvmem: every queued, waiting and inflight request answered 503 with the reason,
     # its sender aborted, everything it held freed; then the release goes on
     assert on["release"]["ok"] and on["resume"]["ok"]
-    for rid, where in (("r-boot", "bootstrapping"), ("r-wait", "waiting"),
-                       ("r-fly", "transferring")):
+    for rid, where in (
+        ("r-boot", "bootstrapping"),
+        ("r-wait", "waiting"),
+        ("r-fly", "transferring"),
+    ):
         got = one(on["answers"][rid])
         assert (got["type"], got["status"]) == ("abort", 503), (rid, got)
         assert "release_memory_occupation" in got["message"] and where in got["message"]

@@ -34,8 +34,9 @@ def test_abort_in_running_batch_frees_kv_before_any_chunk(runs, flag):
     assert r["held_after_result"] == {"kv_tokens": 12, "req_slots": 1, "meta_slots": 1}
     assert r["sends"] == [] and r["other_sends"] == [[3, True]]
     assert r["aborts"] == 1
-    assert r["answers"] == [{"type": "abort", "message": "Aborted", "status_code": None,
-                             "err_type": None}]
+    assert r["answers"] == [
+        {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    ]
 
 
 @pytest.mark.parametrize("flag", ["off", "on"])
@@ -84,9 +85,11 @@ def test_leak_audit_names_the_owner_and_counts(runs):
     assert after["page_owners"] == {"lost": 3}
     assert after["req_slot_owners"] == ["lost"] and after["metadata_owners"] == ["lost"]
     assert after["metric"] == {"pages": 3.0, "req_slots": 1.0, "metadata_slots": 1.0}
-    assert on["log"] == ["kvmem-sglang leak audit: idle PD prefill scheduler holds 3 KV "
-                         "page(s) [lost: 3], 1 request slot(s) [lost], 1 metadata slot(s) "
-                         "[lost]"]
+    assert on["log"] == [
+        "kvmem-sglang leak audit: idle PD prefill scheduler holds 3 KV "
+        "page(s) [lost: 3], 1 request slot(s) [lost], 1 metadata slot(s) "
+        "[lost]"
+    ]
     assert on["held_after_cleanup"] == EMPTY  # the server went on; nothing else held
 
 
@@ -126,8 +129,10 @@ def test_chunk_send_set_up_before_a_release_is_refused(runs):
 
 def test_abort_in_running_batch_is_freed_in_the_same_step(runs):
     off, on = runs["off"]["abort_free_us"], runs["on"]["abort_free_us"]
-    print(f"result step freeing 4 aborted requests (median of {on['n']}): stock "
-          f"{off['median']:.0f} us, kvmem {on['median']:.0f} us "
-          f"({on['median'] / off['median']:.2f}x)")
+    print(
+        f"result step freeing 4 aborted requests (median of {on['n']}): stock "
+        f"{off['median']:.0f} us, kvmem {on['median']:.0f} us "
+        f"({on['median'] / off['median']:.2f}x)"
+    )
     # both free within the result step itself (the script asserts nothing is held after
     # it); the time is reported, not gated: 2 shared cores make it noisy

@@ -26,8 +26,10 @@ def runs() -> dict[str, dict]:
 def test_registrations_do_not_grow_over_20_cycles(runs):
     off, on = runs["off"], runs["on"]
     n_off, n_on = off["first"]["live_entries"], on["first"]["live_entries"]
-    print(f"live NIXL registrations (entries) after each of 20 release/resume cycles: "
-          f"stock {off['live_per_cycle']}, kvmem {on['live_per_cycle']}")
+    print(
+        f"live NIXL registrations (entries) after each of 20 release/resume cycles: "
+        f"stock {off['live_per_cycle']}, kvmem {on['live_per_cycle']}"
+    )
     # stock: never deregisters; one more full registration per resume
     assert off["calls"]["deregister"] == 0
     assert off["live_per_cycle"] == [n_off * (c + 2) for c in range(20)], off["live_per_cycle"]

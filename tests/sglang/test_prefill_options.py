@@ -13,8 +13,9 @@ from tests.sglang.sglang_env import run_script
 VAR = "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"
 
 
-@pytest.mark.parametrize("raw,value", [(None, 600.0), ("", 600.0), (" 0.25 ", 0.25),
-                                       ("900", 900.0)])
+@pytest.mark.parametrize(
+    "raw,value", [(None, 600.0), ("", 600.0), (" 0.25 ", 0.25), ("900", 900.0)]
+)
 def test_transfer_timeout_values(raw, value):
     env = {} if raw is None else {VAR: raw}
     assert transfer_timeout_from_env(env) == value
@@ -28,11 +29,15 @@ def test_transfer_timeout_refused(raw):
 
 
 def test_bad_transfer_timeout_stops_the_process_at_load():
-    proc = run_script("""
+    proc = run_script(
+        """
 from tests.sglang.sglang_env import publish
 publish(16)
 print("still running")
-""", kvmem=True, env={VAR: "soon"})
+""",
+        kvmem=True,
+        env={VAR: "soon"},
+    )
     assert proc.returncode != 0 and "still running" not in proc.stdout
     assert f"{VAR}='soon' is not a positive number of seconds" in proc.stderr
 
@@ -49,6 +54,8 @@ def test_drain_timeout_values(raw, value):
 def test_drain_timeout_refused(raw):
     from kvmem_sglang.options import Options
 
-    with pytest.raises(AdapterError, match=f"SGLANG_KVMEM_DRAIN_TIMEOUT='{raw}' is not a "
-                                           "positive number of seconds"):
+    with pytest.raises(
+        AdapterError,
+        match=f"SGLANG_KVMEM_DRAIN_TIMEOUT='{raw}' is not a positive number of seconds",
+    ):
         Options.from_env({"SGLANG_KVMEM": "1", "SGLANG_KVMEM_DRAIN_TIMEOUT": raw})

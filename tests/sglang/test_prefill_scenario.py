@@ -21,13 +21,17 @@ from tests.sglang.sglang_env import run_both
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "scenario_prefill_1000.py"
 RESULTS = ROOT / "bench" / "results" / "sglang-prefill-scenario.md"
-ENV = {"SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "0.3",
-       "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1"}
+ENV = {
+    "SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT": "0.3",
+    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1",
+}
 
 
-VARIANTS = {"off": {"SGLANG_KVMEM": "0"},
-            "sglang": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang"},
-            "kvmem": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"}}
+VARIANTS = {
+    "off": {"SGLANG_KVMEM": "0"},
+    "sglang": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang"},
+    "kvmem": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +53,9 @@ def table(off: dict, on: dict) -> str:
         return f"{h['kv_tokens'] // tok} / {h['req_slots']} / {h['meta_slots']}"
 
     def crashes(r):
-        return f"{len(r['crashes'])}" + (f" ({'; '.join(sorted(set(r['crashes'])))})"
-                                         if r["crashes"] else "")
+        return f"{len(r['crashes'])}" + (
+            f" ({'; '.join(sorted(set(r['crashes'])))})" if r["crashes"] else ""
+        )
 
     def us(r):
         m = r["abort_free_us"]["median"]
@@ -66,19 +71,23 @@ def table(off: dict, on: dict) -> str:
         ("answered more than once", off["answered_more"], on["answered_more"]),
         ("hangs (never answered)", off["hangs"], on["hangs"]),
         ("wrong statuses (vs the lifecycle table)", off["wrong_status"], on["wrong_status"]),
-        ("leaked at the end: KV pages / request slots / metadata slots", leaked(off),
-         leaked(on)),
+        ("leaked at the end: KV pages / request slots / metadata slots", leaked(off), leaked(on)),
         ("crashes (exceptions that end the scheduler loop)", crashes(off), crashes(on)),
-        ("free an abort in the running batch (sglang's retire call, median, in the waves)",
-         us(off), us(on)),
+        (
+            "free an abort in the running batch (sglang's retire call, median, in the waves)",
+            us(off),
+            us(on),
+        ),
         ("the same, 400 in a row after the waves (median [q1, q3])", loop(off), loop(on)),
         ("wall time of the run", f"{off['seconds']:.1f} s", f"{on['seconds']:.1f} s"),
     ]
-    out = ["| | stock sglang 0.5.23 (flag off) | kvmem adapter (SGLANG_KVMEM=1) |",
-           "|---|---|---|"]
+    out = ["| | stock sglang 0.5.23 (flag off) | kvmem adapter (SGLANG_KVMEM=1) |", "|---|---|---|"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    out += ["", "| fate | requests | table status | stock got | kvmem got |",
-            "|---|---|---|---|---|"]
+    out += [
+        "",
+        "| fate | requests | table status | stock got | kvmem got |",
+        "|---|---|---|---|---|",
+    ]
     from tests.sglang.scenario_prefill_1000 import EXPECTED
 
     for fate, row in sorted(on["by_fate"].items()):
@@ -92,8 +101,7 @@ def table(off: dict, on: dict) -> str:
                 parts.append(f"never answered: {rf['hang']}")
             return ", ".join(parts).replace("abort None", "abort (no error status)")
 
-        out.append(f"| {fate} | {row['n']} | {exp_s} | {got(off)} | "
-                   f"{got(on)} |")
+        out.append(f"| {fate} | {row['n']} | {exp_s} | {got(off)} | {got(on)} |")
     return "\n".join(out)
 
 
@@ -118,7 +126,8 @@ def test_scenario_1000_requests(runs, transfer):
         "the run goes on past each crash (a real server's scheduler loop would end "
         "there), so the other rows still say something. Statuses: `abort` with no error "
         "status is an aborted request (FINISH_ABORT without a status code), as sglang "
-        "answers a client's abort of a running request.\n\n" + text + "\n")
+        "answers a client's abort of a running request.\n\n" + text + "\n"
+    )
     print("\n" + text)
     # flag on: the lifecycle table, all of it
     assert on["requests"] == 1000
@@ -132,7 +141,9 @@ def test_scenario_1000_requests(runs, transfer):
     assert off["held_end"]["req_slots"] == off["hangs"]  # hung requests keep their KV
     assert len(off["crashes"]) == 4  # two releases (AssertionError), two resumes (KeyError)
     assert off["by_fate"]["abort-transferring"]["got"] == {
-        "abort 500": off["by_fate"]["abort-transferring"]["n"]}
+        "abort 500": off["by_fate"]["abort-transferring"]["n"]
+    }
     assert off["by_fate"]["bootstrap-timeout"]["got"] == {
-        "abort 500": off["by_fate"]["bootstrap-timeout"]["n"]}
+        "abort 500": off["by_fate"]["bootstrap-timeout"]["n"]
+    }
     assert off["wrong_status"] > 0

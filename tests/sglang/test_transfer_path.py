@@ -39,14 +39,28 @@ PLANES, PAGES16, PAGES1 = 4, 4, 64  # the scenario's 2 layers; 64 tokens at page
 def runs() -> dict:
     # sglang's own send with the flag on: the lifecycle rounds at page 16 only (page 1's
     # counts are sglang's, as with the flag off)
-    envs = {"kvmem": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"},
-            "sglang": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang",
-                       "KVMEM_TEST_PAGES": "16"},
-            "off": {"SGLANG_KVMEM": "0"}}
-    children = {key: Child(script=SCRIPT, cwd=ROOT, fork=fork_server(),
-                           env=child_env(extra, drop=("SGLANG_KVMEM", "KVMEM_TEST_PAGES"),
-                                         paths=[ROOT / "integration" / "sglang"]))
-                for key, extra in envs.items()}
+    envs = {
+        "kvmem": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"},
+        "sglang": {
+            "SGLANG_KVMEM": "1",
+            "SGLANG_KVMEM_TRANSFER": "sglang",
+            "KVMEM_TEST_PAGES": "16",
+        },
+        "off": {"SGLANG_KVMEM": "0"},
+    }
+    children = {
+        key: Child(
+            script=SCRIPT,
+            cwd=ROOT,
+            fork=fork_server(),
+            env=child_env(
+                extra,
+                drop=("SGLANG_KVMEM", "KVMEM_TEST_PAGES"),
+                paths=[ROOT / "integration" / "sglang"],
+            ),
+        )
+        for key, extra in envs.items()
+    }
     return transfer_runs(children)
 
 
@@ -162,7 +176,8 @@ def test_write_posted_then_refused_leaves_no_abort_ack_for_any_room_in_it(runs):
         assert r["prefill"] == want and r["decode"][1:] == want[1:], (key, r)
         assert r["bad_rows"] == 0 and r["outstanding"] == {}, (key, r)
     assert runs["sglang"]["post_refused"]["poisoned"] == sorted(
-        runs["sglang"]["post_refused"]["rooms"][:1])
+        runs["sglang"]["post_refused"]["rooms"][:1]
+    )
     r = runs["kvmem"]["post_refused"]
     assert r["poisoned"] == sorted(r["rooms"]), r
     # counted once posted: the refused write counts none, the next owner's 4
@@ -217,14 +232,17 @@ def test_runs_merge_pairs_adjacent_on_both_sides():
         rs, rd, lens, n = _runs([(np.array(src), np.array(dst))])
         return list(zip(rs.tolist(), rd.tolist(), lens.tolist())), n
 
-    assert runs_of([5, 1, 3, 2], [50, 10, 30, 20]) == ([(1, 10, 1), (2, 20, 1), (3, 30, 1),
-                                                        (5, 50, 1)], 4)
+    assert runs_of([5, 1, 3, 2], [50, 10, 30, 20]) == (
+        [(1, 10, 1), (2, 20, 1), (3, 30, 1), (5, 50, 1)],
+        4,
+    )
     assert runs_of([3, 1, 2, 7], [13, 11, 12, 9]) == ([(1, 11, 3), (7, 9, 1)], 4)
     # a source page shared by two rooms (a prefix) goes to both destinations
     assert runs_of([1, 1, 2], [5, 9, 10]) == ([(1, 5, 1), (1, 9, 2)], 3)
     # chunks of several rooms: sorted by source page before merging
-    rs, rd, lens, n = _runs([(np.array([1, 3]), np.array([11, 13])),
-                             (np.array([2, 4]), np.array([12, 14]))])
+    rs, rd, lens, n = _runs(
+        [(np.array([1, 3]), np.array([11, 13])), (np.array([2, 4]), np.array([12, 14]))]
+    )
     assert (rs.tolist(), rd.tolist(), lens.tolist(), n) == ([1], [11], [4], 4)
 
 
@@ -241,8 +259,10 @@ def test_small_batches_go_as_one_write_large_ones_split():
 
 def test_a_childs_result_is_read_past_what_ucx_prints_after_it():
     # UCX writes its errors to stdout; one came after a child's JSON line under load
-    ucx = ('[1796286547.272837] [vm:13079:0]          tcp_ep.c:1234 UCX  ERROR try to '
-           'increase "net.core.somaxconn" ... UCX_TCP_MAX_CONN_RETRIES (=25)')
+    ucx = (
+        "[1796286547.272837] [vm:13079:0]          tcp_ep.c:1234 UCX  ERROR try to "
+        'increase "net.core.somaxconn" ... UCX_TCP_MAX_CONN_RETRIES (=25)'
+    )
     assert last_json('log line\n{"rooms": [1, 2]}\n' + ucx + "\n") == {"rooms": [1, 2]}
     assert last_json('[{"a": 1}]') == [{"a": 1}]
     with pytest.raises(ValueError, match="no JSON line"):
@@ -259,9 +279,10 @@ def test_transfer_counters_add_up_across_threads():
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
     try:
-        workers = [threading.Thread(target=lambda: [stats.add(waits=1, naps=2)
-                                                    for _ in range(n)])
-                   for _ in range(threads)]
+        workers = [
+            threading.Thread(target=lambda: [stats.add(waits=1, naps=2) for _ in range(n)])
+            for _ in range(threads)
+        ]
         for w in workers:
             w.start()
         for w in workers:
@@ -278,9 +299,11 @@ def test_a_chunk_uncounted_leaves_no_negative_or_dead_count():
     from kvmem_sglang.transfer import _Ahead, _uncount
 
     def mgr(counts, live):
-        return SimpleNamespace(_staging_outstanding=defaultdict(int, counts),
-                               request_status=dict.fromkeys(live, 2),
-                               enable_deferred_decode_kv_release=False)
+        return SimpleNamespace(
+            _staging_outstanding=defaultdict(int, counts),
+            request_status=dict.fromkeys(live, 2),
+            enable_deferred_decode_kv_release=False,
+        )
 
     def uncount(m, room, drop=False):
         _uncount(m, _Ahead(room, "peer", np.empty(0), np.empty(0)), drop=drop)

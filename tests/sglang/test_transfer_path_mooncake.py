@@ -35,16 +35,28 @@ TCP_QUEUE = 1024  # Mooncake's default, set in both runs
 @pytest.fixture(scope="module")
 def runs() -> dict:
     if not E2E_PYTHON.exists():
-        pytest.fail(f"{E2E_PYTHON} is missing: Mooncake's engine is installed there "
-                    "(make venv-e2e; make test builds it)")
-    queue = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": str(TCP_QUEUE),
-             "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": str(TCP_QUEUE)}
-    envs = {"kvmem": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"},
-            "sglang": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang"}}
+        pytest.fail(
+            f"{E2E_PYTHON} is missing: Mooncake's engine is installed there "
+            "(make venv-e2e; make test builds it)"
+        )
+    queue = {
+        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": str(TCP_QUEUE),
+        "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": str(TCP_QUEUE),
+    }
+    envs = {
+        "kvmem": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"},
+        "sglang": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang"},
+    }
     children = {
-        key: Child(script=SCRIPT, cwd=ROOT, python=str(E2E_PYTHON), fork=e2e_fork_server(),
-                   env=e2e_env(extra | queue, drop=("MC_TCP",)))
-        for key, extra in envs.items()}
+        key: Child(
+            script=SCRIPT,
+            cwd=ROOT,
+            python=str(E2E_PYTHON),
+            fork=e2e_fork_server(),
+            env=e2e_env(extra | queue, drop=("MC_TCP",)),
+        )
+        for key, extra in envs.items()
+    }
     return transfer_runs(children)
 
 

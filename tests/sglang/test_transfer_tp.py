@@ -30,17 +30,30 @@ BACKENDS = ("nixl", "mooncake")
 @pytest.fixture(scope="module")
 def runs() -> dict:
     if not E2E_PYTHON.exists():
-        pytest.fail(f"{E2E_PYTHON} is missing: Mooncake's engine is installed there "
-                    "(make venv-e2e; make test builds it)")
+        pytest.fail(
+            f"{E2E_PYTHON} is missing: Mooncake's engine is installed there "
+            "(make venv-e2e; make test builds it)"
+        )
     flag = {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"}
     children = {
-        "nixl": Child(script=SCRIPT, cwd=ROOT, fork=fork_server(), env=child_env(
-            flag | {"KVMEM_TEST_BACKEND": "nixl"}, drop=("SGLANG_KVMEM", "KVMEM_TEST_BACKEND"),
-            paths=[ADAPTER])),
-        "mooncake": Child(script=SCRIPT, cwd=ROOT, python=str(E2E_PYTHON),
-                          fork=e2e_fork_server(),
-                          env=e2e_env(flag | {"KVMEM_TEST_BACKEND": "mooncake"},
-                                      drop=("KVMEM_TEST_BACKEND",)))}
+        "nixl": Child(
+            script=SCRIPT,
+            cwd=ROOT,
+            fork=fork_server(),
+            env=child_env(
+                flag | {"KVMEM_TEST_BACKEND": "nixl"},
+                drop=("SGLANG_KVMEM", "KVMEM_TEST_BACKEND"),
+                paths=[ADAPTER],
+            ),
+        ),
+        "mooncake": Child(
+            script=SCRIPT,
+            cwd=ROOT,
+            python=str(E2E_PYTHON),
+            fork=e2e_fork_server(),
+            env=e2e_env(flag | {"KVMEM_TEST_BACKEND": "mooncake"}, drop=("KVMEM_TEST_BACKEND",)),
+        ),
+    }
     out = {key: reply.value for key, reply in run_children(children, timeout=900).items()}
     assert all(out[b]["kvmem_path"] for b in BACKENDS)
     return out

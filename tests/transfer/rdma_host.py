@@ -50,8 +50,9 @@ def _run(argv: list[str], what: str, timeout: float = 120) -> str:
     except subprocess.TimeoutExpired:
         raise RdmaHostError(f"{what}: {' '.join(argv)} took over {timeout:.0f} s") from None
     if p.returncode != 0:
-        raise RdmaHostError(f"{what}: {' '.join(argv)} exited {p.returncode}:\n"
-                            f"{(p.stdout + p.stderr)[-2000:]}")
+        raise RdmaHostError(
+            f"{what}: {' '.join(argv)} exited {p.returncode}:\n{(p.stdout + p.stderr)[-2000:]}"
+        )
     return p.stdout
 
 
@@ -65,12 +66,15 @@ def installed_here() -> bool:
 def _to_install(apt_opts: list[str], packages=PACKAGES) -> list[str]:
     """What ``apt-get install packages`` would install here (apt's own resolver, in a
     simulation: ``apt-get -s`` changes nothing)."""
-    out = _run(["apt-get", *apt_opts, "-s", "install", *packages],
-               "resolving what apt-get install would add")
+    out = _run(
+        ["apt-get", *apt_opts, "-s", "install", *packages],
+        "resolving what apt-get install would add",
+    )
     names = [line.split()[1] for line in out.splitlines() if line.startswith("Inst ")]
     if not names:
-        raise RdmaHostError(f"apt-get install {' '.join(packages)} would install nothing:\n"
-                            f"{out[-2000:]}")
+        raise RdmaHostError(
+            f"apt-get install {' '.join(packages)} would install nothing:\n{out[-2000:]}"
+        )
     return names
 
 
@@ -88,8 +92,9 @@ def fetch(dest: str, packages=PACKAGES, recommends: bool = True) -> str | None:
     if os.path.exists(done):
         return root
     if os.geteuid() != 0:
-        raise RdmaHostError(f"needs root (euid {os.geteuid()}): apt-get download, and the "
-                            "mount namespace")
+        raise RdmaHostError(
+            f"needs root (euid {os.geteuid()}): apt-get download, and the mount namespace"
+        )
     debs = os.path.join(dest, "debs")
     os.makedirs(debs, exist_ok=True)
     opts = ["-o", "APT::Sandbox::User=root"]  # root downloads into a root-owned directory
@@ -102,14 +107,24 @@ def fetch(dest: str, packages=PACKAGES, recommends: bool = True) -> str | None:
         os.makedirs(os.path.join(state, "partial"), exist_ok=True)
         os.makedirs(os.path.join(cache, "archives", "partial"), exist_ok=True)
         opts += ["-o", f"Dir::State::Lists={state}", "-o", f"Dir::Cache={cache}"]
-        _run(["apt-get", *opts, "update"], "apt-get update into a private list directory",
-             timeout=300)
+        _run(
+            ["apt-get", *opts, "update"],
+            "apt-get update into a private list directory",
+            timeout=300,
+        )
         names = _to_install(opts, packages)
-    p = subprocess.run(["apt-get", *opts, "download", *names], cwd=debs, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        ["apt-get", *opts, "download", *names],
+        cwd=debs,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if p.returncode != 0:
-        raise RdmaHostError(f"apt-get download {' '.join(names)} exited {p.returncode}:\n"
-                            f"{(p.stdout + p.stderr)[-2000:]}")
+        raise RdmaHostError(
+            f"apt-get download {' '.join(names)} exited {p.returncode}:\n"
+            f"{(p.stdout + p.stderr)[-2000:]}"
+        )
     files = sorted(f for f in os.listdir(debs) if f.endswith(".deb"))
     got = {f.split("_")[0] for f in files}
     if set(names) - got:
@@ -147,8 +162,17 @@ def command(root: str | None, argv: list[str]) -> list[str]:
     ``argv``."""
     if root is None:
         return list(argv)
-    return ["unshare", "--mount", "--propagation", "private", sys.executable,
-            os.path.abspath(__file__), "_inside", os.path.abspath(root), *argv]
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        sys.executable,
+        os.path.abspath(__file__),
+        "_inside",
+        os.path.abspath(root),
+        *argv,
+    ]
 
 
 def _targets(root: str) -> list[tuple[str, str]]:
@@ -162,8 +186,7 @@ def _targets(root: str) -> list[tuple[str, str]]:
             dirs[:] = []
             continue
         for name in files + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
-            out.append((os.path.join(top, name),
-                        os.path.join(os.path.realpath("/" + rel), name)))
+            out.append((os.path.join(top, name), os.path.join(os.path.realpath("/" + rel), name)))
     return out
 
 
@@ -176,8 +199,9 @@ def _mount_points(paths: list[str]) -> list[str]:
         while not os.path.isdir(d):
             d = os.path.dirname(d)
         found.add(d)
-    return sorted(d for d in found
-                  if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in found))
+    return sorted(
+        d for d in found if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in found)
+    )
 
 
 def _inside(root: str, argv: list[str]) -> None:
@@ -190,8 +214,18 @@ def _inside(root: str, argv: list[str]) -> None:
         up, work = os.path.join(scratch, f"{i}.up"), os.path.join(scratch, f"{i}.work")
         os.makedirs(up)
         os.makedirs(work)
-        _run(["mount", "-t", "overlay", "overlay", "-o",
-              f"lowerdir={d},upperdir={up},workdir={work}", d], f"an overlay on {d}")
+        _run(
+            [
+                "mount",
+                "-t",
+                "overlay",
+                "overlay",
+                "-o",
+                f"lowerdir={d},upperdir={up},workdir={work}",
+                d,
+            ],
+            f"an overlay on {d}",
+        )
     for src, dst in pairs:
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         if os.path.islink(src):
@@ -214,8 +248,11 @@ def main(args: list[str]) -> int:
         try:
             print(os.pathsep.join(fetch_lib(args[1], args[2])))
         except RdmaHostError as e:
-            print(f"{args[2]} is needed and could not be fetched: {e}\nInstall it "
-                  f"(apt-get install {args[2]}) or run as root with apt.", file=sys.stderr)
+            print(
+                f"{args[2]} is needed and could not be fetched: {e}\nInstall it "
+                f"(apt-get install {args[2]}) or run as root with apt.",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if len(args) >= 3 and args[0] == "run":

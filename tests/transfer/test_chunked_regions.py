@@ -26,14 +26,50 @@ from kvmem.transfer.layout import MAX_TABLE_BLOCKS, BlockLayout
 _ids = itertools.count()
 
 SPECS = {
-    "MLA576-fp8-P1": (kvmem.KVSpec(num_layers=3, num_kv_heads=1, head_dim=576, page_size=1,
-                                   dtype=torch.float8_e4m3fn, v_head_dim=0), 1500),
-    "MLA1152-bf16-P64": (kvmem.KVSpec(num_layers=3, num_kv_heads=1, head_dim=576, page_size=64,
-                                      dtype=torch.bfloat16, v_head_dim=0), 9),
-    "MLA576-fp8-P64": (kvmem.KVSpec(num_layers=2, num_kv_heads=1, head_dim=576, page_size=64,
-                                    dtype=torch.float8_e4m3fn, v_head_dim=0), 13),
-    "MHA1152-bf16-P1": (kvmem.KVSpec(num_layers=3, num_kv_heads=3, head_dim=96, page_size=1,
-                                     dtype=torch.bfloat16, v_head_dim=96), 600),
+    "MLA576-fp8-P1": (
+        kvmem.KVSpec(
+            num_layers=3,
+            num_kv_heads=1,
+            head_dim=576,
+            page_size=1,
+            dtype=torch.float8_e4m3fn,
+            v_head_dim=0,
+        ),
+        1500,
+    ),
+    "MLA1152-bf16-P64": (
+        kvmem.KVSpec(
+            num_layers=3,
+            num_kv_heads=1,
+            head_dim=576,
+            page_size=64,
+            dtype=torch.bfloat16,
+            v_head_dim=0,
+        ),
+        9,
+    ),
+    "MLA576-fp8-P64": (
+        kvmem.KVSpec(
+            num_layers=2,
+            num_kv_heads=1,
+            head_dim=576,
+            page_size=64,
+            dtype=torch.float8_e4m3fn,
+            v_head_dim=0,
+        ),
+        13,
+    ),
+    "MHA1152-bf16-P1": (
+        kvmem.KVSpec(
+            num_layers=3,
+            num_kv_heads=3,
+            head_dim=96,
+            page_size=1,
+            dtype=torch.bfloat16,
+            v_head_dim=96,
+        ),
+        600,
+    ),
 }
 TARGET = 300_000  # several planes a chunk for some shapes, one for others
 
@@ -107,8 +143,9 @@ def test_every_page_moves_in_every_mode_across_chunks(engines, name, layout):
     # inside one region, on both sides (NIXL checked the same when it prepared them)
     for lay, regions in ((lt.layout, pa.regions()), (rt.layout, pb.regions())):
         assert all(_inside_one(regions, s, n) for s, n in lay.spans())
-        assert {next(i for i, (r, m) in enumerate(regions) if r <= s < r + m)
-                for s, _ in lay.spans()} == set(range(len(regions)))  # and all chunks used
+        assert {
+            next(i for i, (r, m) in enumerate(regions) if r <= s < r + m) for s, _ in lay.spans()
+        } == set(range(len(regions)))  # and all chunks used
     ids = np.arange(1, pages, dtype=np.int64)
     dst = ids[::-1].copy()  # reversed: no two pages merge into one descriptor
     planes = np.arange(len(lt.layout.planes), dtype=np.int64)[:, None]
@@ -119,13 +156,15 @@ def test_every_page_moves_in_every_mode_across_chunks(engines, name, layout):
     # direct: every page of every plane, pool pages to pool pages
     _fill(pa, 1)
     _wait(a, b, a.post_blocks(lt, blocks(pa, ids), rt, blocks(pb, dst)))
-    assert torch.equal(kvmem.pack_pages(pb, torch.from_numpy(dst)),
-                       kvmem.pack_pages(pa, torch.from_numpy(ids)))
+    assert torch.equal(
+        kvmem.pack_pages(pb, torch.from_numpy(dst)), kvmem.pack_pages(pa, torch.from_numpy(ids))
+    )
     # pull: the same pages read back from b into a
     _fill(pb, 2)
     _wait(a, b, a.post_blocks(lt, blocks(pa, ids), rt, blocks(pb, dst), op="READ"))
-    assert torch.equal(kvmem.pack_pages(pa, torch.from_numpy(ids)),
-                       kvmem.pack_pages(pb, torch.from_numpy(dst)))
+    assert torch.equal(
+        kvmem.pack_pages(pa, torch.from_numpy(ids)), kvmem.pack_pages(pb, torch.from_numpy(dst))
+    )
     # packed: pack into a slot of a staging buffer that straddles its two chunks
     # (registered per chunk, the stream cut at them), write into b's page ranges, which
     # lie inside b's chunks
@@ -136,7 +175,7 @@ def test_every_page_moves_in_every_mode_across_chunks(engines, name, layout):
     a.register("staging", staging.regions(), 0)
     try:
         off = (2 << 20) - nbytes // 2
-        slot = staging.tensor[off:off + nbytes]
+        slot = staging.tensor[off : off + nbytes]
         kvmem.pack_pages(pa, torch.from_numpy(ids), out=slot)
         local = _split((slot.data_ptr(), nbytes), staging.regions())
         assert len(local) == len(staging.regions()) == 2
@@ -183,8 +222,9 @@ def test_a_write_across_two_adjacent_registered_chunks_is_refused(engines):
         with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):
             ag.initialize_xfer(op, local, across, b.name, b"")
     with pytest.raises(Exception, match="NIXL_ERR_NOT_FOUND"):  # a strided row too
-        ag.prep_xfer_dlist(b.name, np.array([[cut - 2048, 1024, 0, 1024, 4]], dtype=np.uint64),
-                           "DRAM")
+        ag.prep_xfer_dlist(
+            b.name, np.array([[cut - 2048, 1024, 0, 1024, 4]], dtype=np.uint64), "DRAM"
+        )
     _wait(a, b, a.post_write([(src, 4096)], remote, [(cut - 2048, 2048), (cut, 2048)]))
     got = torch.frombuffer((ctypes.c_ubyte * 4096).from_address(cut - 2048), dtype=torch.uint8)
     assert torch.equal(got, pa.k_buffer[0].view(torch.uint8).flatten()[:4096])
@@ -194,8 +234,14 @@ def test_registration_and_tables_of_the_issue_pool_of_ten_gb(engines):
     """A 10,000,000,000-byte CPU pool with 2 GiB chunks could not be
     registered ("layout plane ... is not inside one of its regions"); it registers, and
     its tables prepare, at once, with nothing touched."""
-    spec = kvmem.KVSpec(num_layers=61, num_kv_heads=1, head_dim=576, page_size=64,
-                        dtype=torch.float8_e4m3fn, v_head_dim=0)
+    spec = kvmem.KVSpec(
+        num_layers=61,
+        num_kv_heads=1,
+        head_dim=576,
+        page_size=64,
+        dtype=torch.float8_e4m3fn,
+        v_head_dim=0,
+    )
     pages = 10_000_000_000 // spec.page_bytes
     pool = kvmem.KVPool(spec, pages, chunk_bytes=2 << 30)
     try:
@@ -216,8 +262,14 @@ def test_a_table_past_int32_indices_is_refused_with_the_reason(engines):
     """2**31 blocks (one 2 GiB K plane of 1-byte pages): NIXL's indices are int32, so
     the table is refused before NIXL is asked, and direct_refusal says why (the PD layer
     then packs)."""
-    spec = kvmem.KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, page_size=1,
-                        dtype=torch.float8_e4m3fn, v_head_dim=0)
+    spec = kvmem.KVSpec(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=1,
+        page_size=1,
+        dtype=torch.float8_e4m3fn,
+        v_head_dim=0,
+    )
     pool = kvmem.KVPool(spec, MAX_TABLE_BLOCKS + 1)
     try:
         a, b = engines("prefill"), engines("decode")
@@ -225,8 +277,9 @@ def test_a_table_past_int32_indices_is_refused_with_the_reason(engines):
         assert reg.layout.blocks == MAX_TABLE_BLOCKS + 1
         why = a.direct_refusal(reg.layout)
         assert why is not None and "more than the 2147483647 a prepared table" in why
-        with pytest.raises(TransferError, match="cannot prepare a block table: .*int32.*only "
-                                                "packed transfers"):
+        with pytest.raises(
+            TransferError, match="cannot prepare a block table: .*int32.*only packed transfers"
+        ):
             a.prep_local("kv")
         b.add_peer(a.local_metadata())
         with pytest.raises(TransferError, match="int32"):
@@ -254,8 +307,9 @@ def test_nixl_reads_block_indices_as_int32():
     a.register_memory([(pa, size, 0, "")], "DRAM")
     b.register_memory([(pb, size, 0, "")], "DRAM")
     a.add_remote_agent(b.get_agent_metadata())
-    lt = a.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[pa, 1, 0, 1, size]], dtype=np.uint64),
-                           "DRAM")
+    lt = a.prep_xfer_dlist(
+        "NIXL_INIT_AGENT", np.array([[pa, 1, 0, 1, size]], dtype=np.uint64), "DRAM"
+    )
     rt = a.prep_xfer_dlist(b.name, np.array([[pb, 1, 0, 1, size]], dtype=np.uint64), "DRAM")
     big = (1 << 32) + 5
     ma[5], ma[big] = 0x11, 0x22
@@ -301,8 +355,9 @@ def test_a_nixl_without_strided_lists_gets_one_row_per_block_up_to_a_bound(engin
     planes = np.arange(len(lt.layout.planes), dtype=np.int64)[:, None]
     blocks = (planes * pages + ids).reshape(-1)
     _wait(a, b, a.post_blocks(lt, blocks, rt, blocks))
-    assert torch.equal(kvmem.pack_pages(pb, torch.from_numpy(ids)),
-                       kvmem.pack_pages(pa, torch.from_numpy(ids)))
+    assert torch.equal(
+        kvmem.pack_pages(pb, torch.from_numpy(ids)), kvmem.pack_pages(pa, torch.from_numpy(ids))
+    )
     monkeypatch.setattr(nixl_engine, "EXPANDED_MAX_BLOCKS", lt.layout.blocks - 1)
     why = a.direct_refusal(lt.layout)
     assert why is not None and "no strided descriptor lists" in why

@@ -79,7 +79,11 @@ import torch
 
 import kvmem
 from kvmem.transfer import (
-    EngineClosedError, MetadataError, StaleEpochError, TransferError, TransferInFlightError,
+    EngineClosedError,
+    MetadataError,
+    StaleEpochError,
+    TransferError,
+    TransferInFlightError,
 )
 from kvmem.transfer.envelope import decode_metadata, encode_metadata
 from kvmem.transfer.layout import BlockLayout
@@ -92,12 +96,14 @@ KINDS = ["loopback", pytest.param("nixl", marks=pytest.mark.nixl)]
 
 
 def spec(layers: int = 4) -> kvmem.KVSpec:
-    return kvmem.KVSpec(num_layers=layers, num_kv_heads=2, head_dim=64, page_size=4,
-                        dtype=torch.bfloat16)
+    return kvmem.KVSpec(
+        num_layers=layers, num_kv_heads=2, head_dim=64, page_size=4, dtype=torch.bfloat16
+    )
 
 
-def make_pool(fill: int | None = None, num_pages: int = 48, seed: int = 0,
-              layers: int = 4) -> kvmem.KVPool:
+def make_pool(
+    fill: int | None = None, num_pages: int = 48, seed: int = 0, layers: int = 4
+) -> kvmem.KVPool:
     pool = kvmem.KVPool(spec(layers), num_pages, device="cpu")
     fill_pool(pool, fill, seed)
     return pool
@@ -120,8 +126,7 @@ def pool_bytes(pool: kvmem.KVPool) -> torch.Tensor:
 def page_ranges(pool: kvmem.KVPool, page_ids) -> list[tuple[int, int]]:
     """(addr, nbytes) of each page of each layer, in kvmem.pack_pages' chunk order (K of
     every layer, pages in the given order, then V)."""
-    return [(b[p].data_ptr(), b[p].nbytes) for b in pool.k_buffer + pool.v_buffer
-            for p in page_ids]
+    return [(b[p].data_ptr(), b[p].nbytes) for b in pool.k_buffer + pool.v_buffer for p in page_ids]
 
 
 def pages_u8(pool: kvmem.KVPool, page_ids) -> torch.Tensor:
@@ -154,8 +159,9 @@ def kept_notifs(eng):
     return eng
 
 
-def wait_notif(eng, sender, msg: bytes, timeout: float = 5.0,
-               got: list | None = None) -> list[bytes]:
+def wait_notif(
+    eng, sender, msg: bytes, timeout: float = 5.0, got: list | None = None
+) -> list[bytes]:
     """Wait until ``eng`` has ``msg`` from ``sender`` (``got``: what arrived already),
     polling the sender's writes meanwhile (a write's notification leaves when the
     initiator's poll sees it done) and driving both (NIXL without a progress thread)."""
@@ -169,8 +175,9 @@ def wait_notif(eng, sender, msg: bytes, timeout: float = 5.0,
         if msg in got:
             return got
         time.sleep(0.001)
-    raise AssertionError(f"notification {msg!r} from {peer!r} did not arrive in {timeout}s "
-                         f"(got {got})")
+    raise AssertionError(
+        f"notification {msg!r} from {peer!r} did not arrive in {timeout}s (got {got})"
+    )
 
 
 def settle(a, b, h, timeout: float = 10.0) -> list[bytes]:
@@ -239,7 +246,7 @@ class Engines:
         return f"{role}-{os.getpid()}-{next(_ids)}"
 
     def close(self) -> None:
-        if self.pool is not None:   # closes them; an engine on an agent of its own is left
+        if self.pool is not None:  # closes them; an engine on an agent of its own is left
             self.pool.give_back(*self.made)
         for e in self.made:
             if not e.closed:
@@ -273,6 +280,7 @@ def connected(engines, pa, pb):
 
 # --- 1, 2: writes land, notifications follow ----------------------------------------------
 
+
 def test_packed_chunk_lands_in_chosen_pages_and_notifies(engines):
     """Pack pages of A into a registered staging buffer, write it into other page ids of
     B (one local range cut into 2 * layers * pages remote page ranges); B sees the
@@ -288,11 +296,12 @@ def test_packed_chunk_lands_in_chosen_pages_and_notifies(engines):
     assert (remote.peer, remote.epoch, remote.live) == (b.name, 0, True)
 
     kvmem.pack_pages(pa, torch.tensor(src), out=staging)
-    h = a.post_write([(staging.data_ptr(), staging.numel())], remote, page_ranges(pb, dst),
-                     b"req-1:chunk-0")
+    h = a.post_write(
+        [(staging.data_ptr(), staging.numel())], remote, page_ranges(pb, dst), b"req-1:chunk-0"
+    )
     assert h.nbytes == staging.numel()
     wait_notif(b, a, b"req-1:chunk-0")
-    assert torch.equal(pages_u8(pb, dst), pages_u8(pa, src))   # on arrival of the notif
+    assert torch.equal(pages_u8(pb, dst), pages_u8(pa, src))  # on arrival of the notif
     assert untouched_except(pb, dst, SENTINEL)
     assert a.poll(h) == "DONE"
     a.release(h)
@@ -307,7 +316,7 @@ def test_write_directly_from_pool_pages(engines):
     src, dst = [1, 2, 3, 30], [47, 10, 11, 12]
     h = a.post_write(page_ranges(pa, src), remote, page_ranges(pb, dst), b"direct")
     with driven(b) as got:
-        assert a.drain(timeout=5.0) in ([h], [])   # [] when the write completed inside post
+        assert a.drain(timeout=5.0) in ([h], [])  # [] when the write completed inside post
     assert a.poll(h) == "DONE"
     wait_notif(b, a, b"direct", got=got.get(a.name, []))
     assert torch.equal(pages_u8(pb, dst), pages_u8(pa, src))
@@ -373,7 +382,7 @@ def test_notifications_both_ways(engines):
     b.send_notif(a.name, b"ack:7")
     wait_notif(b, a, b"bootstrap:7")
     wait_notif(a, b, b"ack:7")
-    assert a.get_notifs() == {} and b.get_notifs() == {}   # each delivered once
+    assert a.get_notifs() == {} and b.get_notifs() == {}  # each delivered once
 
 
 def test_post_write_paths_agree(engines):
@@ -382,9 +391,11 @@ def test_post_write_paths_agree(engines):
     pa, pb = make_pool(seed=10), make_pool(fill=SENTINEL)
     a, b, remote = connected(engines, pa, pb)
     (base, size), (lbase, lsize) = pb.regions()[0], pa.regions()[0]
-    for local, rem in [([(lbase, 64)], [(base + size - 32, 64)]),
-                       ([(lbase, 64)], [(base, 32)]),
-                       ([(lbase + lsize - 32, 64)], [(base, 64)])]:
+    for local, rem in [
+        ([(lbase, 64)], [(base + size - 32, 64)]),
+        ([(lbase, 64)], [(base, 32)]),
+        ([(lbase + lsize - 32, 64)], [(base, 64)]),
+    ]:
         for form in (list, lambda r: np.array(r, dtype=np.int64)):
             with pytest.raises(ValueError):
                 a.post_write(form(local), remote, form(rem), b"bad")
@@ -435,8 +446,13 @@ def test_pool_layout_travels_in_metadata_and_blocks_move_both_ways(engines):
     assert untouched_except(pb, dst.tolist(), SENTINEL)
     # READ: b's pages 10..12 back into a's pages 20..22
     fill_pool(pa, 0)
-    h = a.post_blocks(lt, (planes * pa.num_pages + np.array([20, 21, 22])).reshape(-1), rt,
-                      (planes * pb.num_pages + np.array([10, 11, 12])).reshape(-1), op="READ")
+    h = a.post_blocks(
+        lt,
+        (planes * pa.num_pages + np.array([20, 21, 22])).reshape(-1),
+        rt,
+        (planes * pb.num_pages + np.array([10, 11, 12])).reshape(-1),
+        op="READ",
+    )
     while a.poll(h) == "PROC":
         b.get_notifs()
     assert h.state == "DONE"
@@ -461,6 +477,7 @@ def test_pool_layout_travels_in_metadata_and_blocks_move_both_ways(engines):
 
 # --- 3: the epoch guard ----------------------------------------------------------------------
 
+
 def test_stale_epoch_refused_before_posting_and_new_epoch_lands(engines):
     pa, pb = make_pool(seed=3), make_pool(fill=SENTINEL)
     a, b = engines("prefill"), engines("decode")
@@ -475,7 +492,7 @@ def test_stale_epoch_refused_before_posting_and_new_epoch_lands(engines):
     a.release(h)
 
     # Pause B: deregister, publish the tombstone, release.
-    dst_ranges = page_ranges(pb, dst)      # addresses survive release/resume
+    dst_ranges = page_ranges(pb, dst)  # addresses survive release/resume
     b.deregister("kv")
     tomb = a.add_peer(b.local_metadata())["kv"]
     assert (tomb.epoch, tomb.live, tomb.regions) == (0, False, ())
@@ -549,12 +566,13 @@ def test_peer_restart_is_a_new_incarnation(engines):
 
 # --- 4: refusals before the transport ----------------------------------------------------------
 
+
 def test_ranges_outside_registrations_are_refused(engines):
     pa, pb = make_pool(seed=7), make_pool(fill=SENTINEL)
     a, b, remote = connected(engines, pa, pb)
     (base, size), (lbase, lsize) = pb.regions()[0], pa.regions()[0]  # the first chunks
     src = (lbase, 4096)
-    loose = torch.zeros(8192, dtype=torch.uint8)   # never registered
+    loose = torch.zeros(8192, dtype=torch.uint8)  # never registered
     cases = [
         ([src], [(base + size - 4095, 4096)], "not inside one registered region of peer"),
         ([src], [(base - 1, 4096)], "not inside one registered region of peer"),
@@ -635,7 +653,7 @@ def test_bad_metadata_is_refused_before_the_transport_sees_it(engines):
     cases = [
         (b"", "shorter than"),
         (b"x" * 64, "not kvmem transfer metadata"),
-        (b._t_blob(), "not kvmem transfer metadata"),   # the transport's bytes alone
+        (b._t_blob(), "not kvmem transfer metadata"),  # the transport's bytes alone
         (md[:-10], "truncated"),
         (bytes(flipped), "digest mismatch"),
         (encode_metadata(bad_field, blob), "incarnation"),
@@ -667,9 +685,11 @@ def test_ranges_whose_end_overflows_or_overlap_are_refused(engines):
     header, blob = decode_metadata(md)
     base, size = pb.regions()[0]
     top = (1 << 63) - 1
-    for regions, msg in [([(top - 10, 100)], "passes 2\\*\\*63 - 1"),
-                         ([(1 << 62, 1 << 62)], "passes 2\\*\\*63 - 1"),
-                         ([(1 << 70, 64)], "does not fit in int64|must be integers")]:
+    for regions, msg in [
+        ([(top - 10, 100)], "passes 2\\*\\*63 - 1"),
+        ([(1 << 62, 1 << 62)], "passes 2\\*\\*63 - 1"),
+        ([(1 << 70, 64)], "does not fit in int64|must be integers"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             a.register("bad", regions, 0)
     assert "bad" not in a.registrations() and a.open_registrations() == len(pa.regions())
@@ -691,9 +711,11 @@ def test_ranges_whose_end_overflows_or_overlap_are_refused(engines):
     assert a.peers() == []
     remote = a.add_peer(md)["kv"]
     lbase, _ = pa.regions()[0]
-    for local, rem in [([(lbase, top)], [(base, top)]),
-                       ([(lbase, 4096)], [(base, top - 1)]),
-                       (np.array([[lbase, top]], dtype=np.int64), [(base, 4096)])]:
+    for local, rem in [
+        ([(lbase, top)], [(base, top)]),
+        ([(lbase, 4096)], [(base, top - 1)]),
+        (np.array([[lbase, top]], dtype=np.int64), [(base, 4096)]),
+    ]:
         with pytest.raises(ValueError, match="passes 2\\*\\*63 - 1|must be equal"):
             a.post_write(local, remote, rem, b"bad")
     assert a.open_handles() == 0
@@ -710,15 +732,21 @@ def test_closed_engine_refuses_everything(engines):
     a.register_pool(pool)
     md = a.local_metadata()
     a.close()
-    a.close()   # twice: no-op
+    a.close()  # twice: no-op
     assert a.closed and a.open_registrations() == 0
-    for call in (lambda: a.register_pool(pool), a.local_metadata, lambda: a.add_peer(md),
-                 a.get_notifs, lambda: a.drain(0)):
+    for call in (
+        lambda: a.register_pool(pool),
+        a.local_metadata,
+        lambda: a.add_peer(md),
+        a.get_notifs,
+        lambda: a.drain(0),
+    ):
         with pytest.raises(EngineClosedError):
             call()
 
 
 # --- 5: one descriptor, one registered region, at the transport -------------------------------
+
 
 def _adjacent_pair(engines):
     """Pools whose chunks are exactly full (1 MiB planes, two a 2 MiB chunk): consecutive
@@ -746,9 +774,14 @@ def test_the_transport_refuses_a_descriptor_across_two_registered_regions(engine
         a._t_post(one, lreg, np.array([[cut - 2048, 4096]], dtype=np.int64), remote, b"")
     (l0, ln0), (l1, _) = pa.regions()
     with pytest.raises(TransferError, match="NOT_FOUND"):
-        a._t_post(np.array([[l1 - 2048, 4096]], dtype=np.int64), lreg,
-                  np.array([[remote.regions[0][0], 4096]], dtype=np.int64), remote, b"")
-    across = BlockLayout(((cut - 2048, 1024, 1024),), 4)   # a plane over the boundary
+        a._t_post(
+            np.array([[l1 - 2048, 4096]], dtype=np.int64),
+            lreg,
+            np.array([[remote.regions[0][0], 4096]], dtype=np.int64),
+            remote,
+            b"",
+        )
+    across = BlockLayout(((cut - 2048, 1024, 1024),), 4)  # a plane over the boundary
     with pytest.raises(TransferError, match="NOT_FOUND"):
         a._t_prep(across, "DRAM", 0, b.name)
     with pytest.raises(TransferError, match="NOT_FOUND"):
@@ -762,6 +795,7 @@ def test_the_transport_refuses_a_descriptor_across_two_registered_regions(engine
 
 
 # --- 6: no revocation ------------------------------------------------------------------------------
+
 
 def test_a_posted_write_is_not_revoked_by_the_targets_deregistration(engines):
     """The pause path relies on it (docs/transfer.md): deregistering before the peers
@@ -780,8 +814,9 @@ def test_a_posted_write_is_not_revoked_by_the_targets_deregistration(engines):
 def _raw_write(a, b, lreg, remote, src: tuple, dst: tuple) -> str:
     """One write through the transport primitives only (NIXL: initialize_xfer, transfer,
     check_xfer_state, release), no kvmem check in between; its final state."""
-    native, state = a._t_post(np.array([src], dtype=np.int64), lreg,
-                              np.array([dst], dtype=np.int64), remote, b"raw")
+    native, state = a._t_post(
+        np.array([src], dtype=np.int64), lreg, np.array([dst], dtype=np.int64), remote, b"raw"
+    )
     end = time.monotonic() + 10
     while state == "PROC":
         assert time.monotonic() < end, "the raw write never settled"
@@ -801,8 +836,9 @@ def test_the_transport_itself_does_not_revoke(engines):
     lreg = a.registrations()["kv"]
 
     def raw(src_page: int, dst_page: int) -> str:
-        return _raw_write(a, b, lreg, remote, page_ranges(pa, [src_page])[0],
-                          page_ranges(pb, [dst_page])[0])
+        return _raw_write(
+            a, b, lreg, remote, page_ranges(pa, [src_page])[0], page_ranges(pb, [dst_page])[0]
+        )
 
     b.deregister("kv")
     assert raw(5, 6) == "DONE"
@@ -816,6 +852,7 @@ def test_the_transport_itself_does_not_revoke(engines):
 
 # --- 7: a write held in flight ----------------------------------------------------------------------
 
+
 class _ProcessTarget:
     """NIXL: the target is a process of its own (tests/transfer/peer_process.py), held
     with SIGSTOP."""
@@ -825,8 +862,9 @@ class _ProcessTarget:
 
         ctx = mp.get_context("spawn")
         self.parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(f"peer-{os.getpid()}-{next(_ids)}",
-                                                    nbytes, child), daemon=True)
+        self.proc = ctx.Process(
+            target=serve, args=(f"peer-{os.getpid()}-{next(_ids)}", nbytes, child), daemon=True
+        )
         self.proc.start()
         self.stopped = False
         assert self.parent.poll(60), "peer process did not start"
@@ -875,8 +913,7 @@ class _FrozenTarget:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             for _, msgs in self.eng.get_notifs().items():
-                return ("landed", msgs[0],
-                        hashlib.sha256(self.buf.numpy().tobytes()).hexdigest())
+                return ("landed", msgs[0], hashlib.sha256(self.buf.numpy().tobytes()).hexdigest())
             time.sleep(0.002)
         return None
 
@@ -892,15 +929,17 @@ def test_in_flight_write_blocks_deregister_until_drained(engines, kind):
     nbytes = 8 << 20
     a = engines("prefill")
     target = _ProcessTarget(nbytes) if kind == "nixl" else _FrozenTarget(engines, nbytes)
-    staging = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
-                            generator=torch.Generator().manual_seed(9))
+    staging = torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
+    )
     want = hashlib.sha256(staging.numpy().tobytes()).hexdigest()
     try:
         remote = a.add_peer(target.metadata)["buf"]
         a.register("staging", [(staging.data_ptr(), nbytes)], 0)
         target.stop()
-        h = a.post_write([(staging.data_ptr(), nbytes)], remote, [(remote.regions[0][0], nbytes)],
-                         b"chunk")
+        h = a.post_write(
+            [(staging.data_ptr(), nbytes)], remote, [(remote.regions[0][0], nbytes)], b"chunk"
+        )
         assert a.poll(h) == "PROC", "the write finished while its target was stopped"
         with pytest.raises(TransferInFlightError, match="deregister 'staging'"):
             a.deregister("staging")
@@ -910,8 +949,9 @@ def test_in_flight_write_blocks_deregister_until_drained(engines, kind):
             a.drain(timeout=0.3)
         assert a.registrations()["staging"].epoch == 0 and a.open_handles() == 1
         # A second write, cancelled in flight: ERR, gone, and its notif never arrives.
-        h2 = a.post_write([(staging.data_ptr(), nbytes)], remote,
-                          [(remote.regions[0][0], nbytes)], b"aborted")
+        h2 = a.post_write(
+            [(staging.data_ptr(), nbytes)], remote, [(remote.regions[0][0], nbytes)], b"aborted"
+        )
         a.release(h2, abort=True)
         assert h2.state == "ERR" and "abort" in h2.error and a.open_handles() == 1
         target.cont()
@@ -927,6 +967,7 @@ def test_in_flight_write_blocks_deregister_until_drained(engines, kind):
 
 
 # --- 8: a target that goes away ------------------------------------------------------------------
+
 
 def test_a_target_that_goes_away_fails_its_writes_and_sends(engines):
     """The target's agent goes away with a write in flight (NIXL: destroyed; loopback:
@@ -962,6 +1003,7 @@ def test_a_target_that_goes_away_fails_its_writes_and_sends(engines):
 
 # --- 9: no growth ------------------------------------------------------------------------------------
 
+
 def test_release_resume_50_cycles_no_growth(engines):
     """Each cycle: deregister, tombstone to A, release, resume, register (one call for the
     pool's regions), new metadata to A, one write verified.  Registrations, handles, peers
@@ -996,6 +1038,7 @@ def test_release_resume_50_cycles_no_growth(engines):
 
 
 # --- 10: kinds do not mix ------------------------------------------------------------------------------
+
 
 @pytest.mark.nixl
 def test_engines_of_different_kinds_refuse_each_others_metadata(nixl_agents):

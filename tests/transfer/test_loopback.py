@@ -30,8 +30,9 @@ def pair(fabric, nbytes: int = 1 << 16, **kw):
     zeroed ``dst``, registered "dst"), each knowing the other: ``(a, b, src, dst, remote)``."""
     a = LoopbackEngine("a", fabric=fabric, **kw)
     b = LoopbackEngine("b", fabric=fabric, **kw)
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
-                        generator=torch.Generator().manual_seed(1))
+    src = torch.randint(
+        0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+    )
     dst = torch.zeros(nbytes, dtype=torch.uint8)
     a.register("src", [(src.data_ptr(), nbytes)], 0)
     b.register("dst", [(dst.data_ptr(), nbytes)], 0)
@@ -41,8 +42,9 @@ def pair(fabric, nbytes: int = 1 << 16, **kw):
 
 
 def write(a, src, remote, off: int, n: int, notif: bytes = b""):
-    return a.post_write([(src.data_ptr() + off, n)], remote,
-                        [(remote.regions[0][0] + off, n)], notif)
+    return a.post_write(
+        [(src.data_ptr() + off, n)], remote, [(remote.regions[0][0] + off, n)], notif
+    )
 
 
 def test_the_process_fabric_copies_with_process_vm_calls(fabric):
@@ -140,10 +142,14 @@ def test_a_write_into_memory_that_is_gone_is_err_not_a_crash(fabric):
     b.register("dst", [(addr, 1 << 16)], 0)
     remote = a.add_peer(b.local_metadata())["dst"]
     b.deregister("dst")
-    m.close()   # unmapped (nothing else refers to it)
-    native, state = a._t_post(np.array([[src.data_ptr(), 4096]], dtype=np.int64),
-                              a.registrations()["src"],
-                              np.array([[addr, 4096]], dtype=np.int64), remote, b"")
+    m.close()  # unmapped (nothing else refers to it)
+    native, state = a._t_post(
+        np.array([[src.data_ptr(), 4096]], dtype=np.int64),
+        a.registrations()["src"],
+        np.array([[addr, 4096]], dtype=np.int64),
+        remote,
+        b"",
+    )
     with pytest.raises(TransferError, match="Bad address"):
         a._t_state(native)
     a._t_release(native)

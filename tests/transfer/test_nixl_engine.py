@@ -31,9 +31,13 @@ def test_nixl_itself_does_not_revoke(nixl_agents):
         def raw_write(src_page: int, dst_page: int) -> str:
             src_addr, n = page_ranges(pa, [src_page])[0]
             dst_addr, _ = page_ranges(pb, [dst_page])[0]
-            xh = ag.initialize_xfer("WRITE", ag.get_xfer_descs([(src_addr, n, 0)], "DRAM"),
-                                    ag.get_xfer_descs([(dst_addr, n, 0)], "DRAM"), b.name,
-                                    b"raw")
+            xh = ag.initialize_xfer(
+                "WRITE",
+                ag.get_xfer_descs([(src_addr, n, 0)], "DRAM"),
+                ag.get_xfer_descs([(dst_addr, n, 0)], "DRAM"),
+                b.name,
+                b"raw",
+            )
             state = ag.transfer(xh)
             while state == "PROC":
                 b.get_notifs()  # no progress thread: the target's agent is driven too
@@ -43,13 +47,11 @@ def test_nixl_itself_does_not_revoke(nixl_agents):
 
         b.deregister("kv")
         assert raw_write(5, 6) == "DONE"
-        assert torch.equal(pb.k_buffer[0][6].view(torch.uint8),
-                           pa.k_buffer[0][5].view(torch.uint8))
+        assert torch.equal(pb.k_buffer[0][6].view(torch.uint8), pa.k_buffer[0][5].view(torch.uint8))
         pb.release()
         pb.resume()
         b.register_pool(pb)
         assert raw_write(7, 8) == "DONE"
-        assert torch.equal(pb.k_buffer[0][8].view(torch.uint8),
-                           pa.k_buffer[0][7].view(torch.uint8))
+        assert torch.equal(pb.k_buffer[0][8].view(torch.uint8), pa.k_buffer[0][7].view(torch.uint8))
     finally:
         nixl_agents.give_back(a, b)

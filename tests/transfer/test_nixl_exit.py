@@ -32,8 +32,14 @@ def _env(probe: str = "abort") -> dict:
 
 
 def _python(code: str, probe: str = "abort", timeout: float = 120):
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
-                          env=_env(probe), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env=_env(probe),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_the_probe_aborts_a_normal_exit():
@@ -61,12 +67,16 @@ _BODY = """
 
 
 @pytest.mark.nixl
-@pytest.mark.parametrize("body, status, err", [
-    ("pass", 0, ""),
-    ("sys.exit(4)", 4, ""),
-    ("sys.exit('a message for stderr')", 1, "SystemExit: a message for stderr\n"),
-    ("raise ValueError('on purpose')", 1, "ValueError: on purpose\n"),
-], ids=["returns", "exit-4", "exit-message", "raises"])
+@pytest.mark.parametrize(
+    "body, status, err",
+    [
+        ("pass", 0, ""),
+        ("sys.exit(4)", 4, ""),
+        ("sys.exit('a message for stderr')", 1, "SystemExit: a message for stderr\n"),
+        ("raise ValueError('on purpose')", 1, "ValueError: on purpose\n"),
+    ],
+    ids=["returns", "exit-4", "exit-message", "raises"],
+)
 def test_process_body_ends_a_nixl_process_with_its_status(body, status, err):
     p = _python(_BODY.format(body))
     assert p.returncode == status, (p.returncode, p.stderr)
@@ -76,7 +86,8 @@ def test_process_body_ends_a_nixl_process_with_its_status(body, status, err):
 
 
 def test_without_nixl_finish_returns_the_status_for_a_normal_exit():
-    p = _python("""
+    p = _python(
+        """
         import sys
         from kvmem.transfer.nixl_exit import finish, nixl_loaded, process_body
 
@@ -84,7 +95,9 @@ def test_without_nixl_finish_returns_the_status_for_a_normal_exit():
         print(finish(5))
         with process_body():
             sys.exit(7)
-    """, probe="")
+    """,
+        probe="",
+    )
     assert (p.returncode, p.stdout) == (7, "5\n"), p.stderr
 
 
@@ -93,7 +106,8 @@ def test_a_pytest_run_that_loaded_nixl_ends_after_its_reports(tmp_path):
     """tests/conftest.py's hook (loaded here with -p): a run whose tests created a NIXL
     agent ends with pytest's own status (1: a test failed), its summary printed and its
     junit XML complete, the aborting exit handler skipped; a passing run ends 0."""
-    (tmp_path / "test_case.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_case.py").write_text(
+        textwrap.dedent("""
         from kvmem.transfer import NixlEngine
 
         def test_an_agent():
@@ -101,14 +115,33 @@ def test_a_pytest_run_that_loaded_nixl_ends_after_its_reports(tmp_path):
 
         def test_fails():
             assert False, "on purpose"
-    """))
-    for select, status, summary in ((None, 1, "1 failed, 1 passed"),
-                                    ("an_agent", 0, "1 passed, 1 deselected")):
+    """)
+    )
+    for select, status, summary in (
+        (None, 1, "1 failed, 1 passed"),
+        ("an_agent", 0, "1 passed, 1 deselected"),
+    ):
         junit = tmp_path / f"junit-{status}.xml"
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                "tests.conftest", str(tmp_path / "test_case.py"), f"--junitxml={junit}"]
-        p = subprocess.run(argv + (["-k", select] if select else []), cwd=tmp_path,
-                           env=_env(), capture_output=True, text=True, timeout=180)
+        argv = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.conftest",
+            str(tmp_path / "test_case.py"),
+            f"--junitxml={junit}",
+        ]
+        p = subprocess.run(
+            argv + (["-k", select] if select else []),
+            cwd=tmp_path,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert p.returncode == status, (p.returncode, p.stdout[-3000:], p.stderr[-3000:])
         assert p.stdout.rstrip().splitlines()[-1].startswith(summary), p.stdout[-2000:]
         cases = list(ET.parse(junit).getroot().iter("testcase"))

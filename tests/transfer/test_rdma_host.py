@@ -61,10 +61,15 @@ def rdma_root(tmp_path_factory):
 
 
 def _start(root, argv, **env) -> subprocess.Popen:
-    return subprocess.Popen(rdma_host.command(root, argv), cwd=ROOT, text=True,
-                            env=pythonpath_env(ROOT, NIXL_LOG_LEVEL="WARN", **env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=no_core_dumps)
+    return subprocess.Popen(
+        rdma_host.command(root, argv),
+        cwd=ROOT,
+        text=True,
+        env=pythonpath_env(ROOT, NIXL_LOG_LEVEL="WARN", **env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=no_core_dumps,
+    )
 
 
 def _wait(proc: subprocess.Popen, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -80,15 +85,42 @@ def test_nixl_processes_end_cleanly_with_rdma_libraries(rdma_root, tmp_path):
         plain=_start(rdma_root, [py, "-c", PLAIN_NIXL]),
         outside=_start(None, [py, "-c", PLAIN_NIXL]) if rdma_root is not None else None,
         finish=_start(rdma_root, [py, "-c", PLAIN_NIXL, "finish"]),
-        demo=_start(rdma_root, [py, "-m", "kvmem", "demo", "--requests", "50", "--bw-mib",
-                                "16", "--quiet", "--json", str(report)]),
-        tests=_start(rdma_root, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 "tests/transfer/test_engine_contract.py::"
-                                 "test_in_flight_write_blocks_deregister_until_drained[nixl]",
-                                 f"--junitxml={junit}"]),
-        bench=_start(rdma_root, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 "bench/bench_transfer.py"],
-                     KVMEM_BENCH_SMOKE="1", KVMEM_BENCH_OUT=str(out)),
+        demo=_start(
+            rdma_root,
+            [
+                py,
+                "-m",
+                "kvmem",
+                "demo",
+                "--requests",
+                "50",
+                "--bw-mib",
+                "16",
+                "--quiet",
+                "--json",
+                str(report),
+            ],
+        ),
+        tests=_start(
+            rdma_root,
+            [
+                py,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "tests/transfer/test_engine_contract.py::"
+                "test_in_flight_write_blocks_deregister_until_drained[nixl]",
+                f"--junitxml={junit}",
+            ],
+        ),
+        bench=_start(
+            rdma_root,
+            [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "bench/bench_transfer.py"],
+            KVMEM_BENCH_SMOKE="1",
+            KVMEM_BENCH_OUT=str(out),
+        ),
     )
     done = {k: _wait(p) for k, p in procs.items() if p is not None}
 

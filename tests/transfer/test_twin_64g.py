@@ -30,9 +30,15 @@ def _edges(t: Twin) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("name, layout", [
-    ("MHA8x128-bf16-P1", "kvmem"), ("MHA8x128-bf16-P16", "sglang"),
-    ("MHA8x128-bf16-P64", "kvmem"), ("MLA576-fp8-P1", "sglang")])
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("MHA8x128-bf16-P1", "kvmem"),
+        ("MHA8x128-bf16-P16", "sglang"),
+        ("MHA8x128-bf16-P64", "kvmem"),
+        ("MLA576-fp8-P1", "sglang"),
+    ],
+)
 def test_64_gib_pool_moves_the_pages_at_every_chunk_boundary(name, layout):
     t = Twin(spec_of(name), layout, gib=64, batch_bytes=64 << 20, huge_pages=False)
     try:

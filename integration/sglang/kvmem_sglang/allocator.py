@@ -99,8 +99,17 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     Nested ``free_group_begin`` raises RuntimeError (sglang: assertion).
     """
 
-    def __init__(self, size: int, page_size: int, dtype: torch.dtype, device,
-                 kvcache, need_sort: bool, *, check: bool | None = None):
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device,
+        kvcache,
+        need_sort: bool,
+        *,
+        check: bool | None = None,
+    ):
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
         if check is None:
             check = get_bool_env_var("SGLANG_DEBUG_MEMORY_POOL")
@@ -137,8 +146,10 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         changed, for a count that is not a positive whole number of slots."""
         total = config.max_total_num_tokens
         if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total <= 0:
-            raise ValueError(f"resize: max_total_num_tokens must be a positive int, got "
-                             f"{total!r}; nothing changed")
+            raise ValueError(
+                f"resize: max_total_num_tokens must be a positive int, got "
+                f"{total!r}; nothing changed"
+            )
         self._build(int(total))
 
     def synchronize(self) -> None:
@@ -174,10 +185,14 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         page's slots in order; None (nothing changed) when they do not fit.
         ``need_size`` must be a multiple of ``page_size`` (ValueError otherwise)."""
         ps = self.page_size
-        if isinstance(need_size, bool) or not isinstance(need_size, (int, np.integer)) \
-                or need_size < 0:
-            raise ValueError(f"alloc: need_size must be an int >= 0, got {need_size!r}; "
-                             "nothing allocated")
+        if (
+            isinstance(need_size, bool)
+            or not isinstance(need_size, (int, np.integer))
+            or need_size < 0
+        ):
+            raise ValueError(
+                f"alloc: need_size must be an int >= 0, got {need_size!r}; nothing allocated"
+            )
         if ps == 1:
             try:
                 return self.page_allocator.alloc(need_size, check=self.check)
@@ -185,18 +200,26 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
                 return None
         n, rest = divmod(need_size, ps)
         if rest:
-            raise ValueError(f"alloc: need_size {need_size} is not a multiple of page_size "
-                             f"{ps}; nothing allocated")
+            raise ValueError(
+                f"alloc: need_size {need_size} is not a multiple of page_size "
+                f"{ps}; nothing allocated"
+            )
         try:
             pages = self.page_allocator.alloc(n, check=self.check)
         except OutOfPagesError:
             return None
         return (pages[:, None] * ps + self._offsets).reshape(-1)
 
-    def alloc_extend(self, prefix_lens: torch.Tensor, prefix_lens_cpu: torch.Tensor,
-                     seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
-                     last_loc: torch.Tensor, extend_num_tokens: int,
-                     num_new_pages: int | None = None) -> torch.Tensor | None:
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+        num_new_pages: int | None = None,
+    ) -> torch.Tensor | None:
         """int64 [extend_num_tokens]: slots extending request i from ``prefix_lens[i]``
         to ``seq_lens[i]`` tokens (the rest of its partial last page after
         ``last_loc[i]``, then new pages), requests in order; None (nothing changed)
@@ -205,21 +228,27 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         ``num_new_pages`` is accepted and not used (kvmem counts from the hints)."""
         try:
             return self.page_allocator.alloc_extend(
-                prefix_lens, seq_lens, last_loc, prefix_lens_cpu=prefix_lens_cpu,
-                seq_lens_cpu=seq_lens_cpu, extend_num_tokens=extend_num_tokens,
-                check=self.check)
+                prefix_lens,
+                seq_lens,
+                last_loc,
+                prefix_lens_cpu=prefix_lens_cpu,
+                seq_lens_cpu=seq_lens_cpu,
+                extend_num_tokens=extend_num_tokens,
+                check=self.check,
+            )
         except OutOfPagesError:
             return None
 
-    def alloc_decode(self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor,
-                     last_loc: torch.Tensor) -> torch.Tensor | None:
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
+    ) -> torch.Tensor | None:
         """int64 [bs]: one slot per request, whose length becomes ``seq_lens[i]`` (a new
         page when ``(seq_lens[i] - 1) % page_size == 0``, else ``last_loc[i] + 1``);
         None (nothing changed) when the new pages do not fit."""
         try:
-            return self.page_allocator.alloc_decode(seq_lens, last_loc,
-                                                    seq_lens_cpu=seq_lens_cpu,
-                                                    check=self.check)
+            return self.page_allocator.alloc_decode(
+                seq_lens, last_loc, seq_lens_cpu=seq_lens_cpu, check=self.check
+            )
         except OutOfPagesError:
             return None
 
@@ -260,8 +289,9 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
             # list to kvmem, no NumPy or torch op
             free_index, start_pos = segments[0]
             if 0 < free_index.numel() <= self._short_slots:
-                self.page_allocator.free(self._segment_page_list(free_index, start_pos),
-                                         check=self.check)
+                self.page_allocator.free(
+                    self._segment_page_list(free_index, start_pos), check=self.check
+                )
                 return
         segments = list(self._page_disjoint(segments))
         if not segments:
@@ -280,8 +310,9 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
     def free_group_begin(self) -> None:
         """Hold the frees until ``free_group_end`` (groups do not nest)."""
         if self.free_group is not None:
-            raise RuntimeError("free_group_begin: a free group is open already (free "
-                               "groups cannot be nested)")
+            raise RuntimeError(
+                "free_group_begin: a free group is open already (free groups cannot be nested)"
+            )
         self.free_group = []
         self._group_page_ids = []
 
@@ -298,20 +329,21 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if slots:
             parts = [self._pages_of_slots(torch.cat(slots))] + page_ids
         if parts:
-            self.page_allocator.free(parts[0] if len(parts) == 1 else torch.cat(parts),
-                                     check=self.check)
+            self.page_allocator.free(
+                parts[0] if len(parts) == 1 else torch.cat(parts), check=self.check
+            )
 
     # -- copies (the KV cache's, as sglang's allocators) ---------------------------------
 
     def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
-        return self._kvcache.get_cpu_copy(indices, mamba_indices=mamba_indices,
-                                          req_pool_index=req_pool_index)
+        return self._kvcache.get_cpu_copy(
+            indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index
+        )
 
-    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None,
-                      req_pool_index=None):
-        return self._kvcache.load_cpu_copy(kv_cache_cpu, indices,
-                                           mamba_indices=mamba_indices,
-                                           req_pool_index=req_pool_index)
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, req_pool_index=None):
+        return self._kvcache.load_cpu_copy(
+            kv_cache_cpu, indices, mamba_indices=mamba_indices, req_pool_index=req_pool_index
+        )
 
     # translate_kv_indices_for_transfer: inherited identity (slots index the pool's
     # buffers directly).  Budget hooks (create_prefill_budget, check_decode_capacity,
@@ -332,8 +364,10 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         """page_size; ValueError when a segment's ``start_pos`` is not a multiple of it."""
         ps = self.page_size
         if start_pos % ps:
-            raise ValueError(f"free_segment: start_pos {start_pos} is not a multiple of "
-                             f"page_size {ps}; nothing freed")
+            raise ValueError(
+                f"free_segment: start_pos {start_pos} is not a multiple of "
+                f"page_size {ps}; nothing freed"
+            )
         return ps
 
     def _segment_page_list(self, free_index: torch.Tensor, start_pos: int) -> list[int]:
@@ -354,6 +388,5 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if free_index.device.type == "cpu":
             # one NumPy call straight to int64, cheaper than a torch op and kvmem's
             # int32 -> int64 widening (docs/allocator.md, "Costs")
-            return torch.from_numpy(np.floor_divide(free_index.numpy()[::ps], ps,
-                                                    dtype=np.int64))
+            return torch.from_numpy(np.floor_divide(free_index.numpy()[::ps], ps, dtype=np.int64))
         return free_index[::ps] // ps

@@ -47,10 +47,12 @@ class LeakReport:
         def owners(xs):
             return ", ".join(map(str, xs)) or NO_OWNER
 
-        return (f"idle PD prefill scheduler holds {self.pages} KV page(s) "
-                f"[{', '.join(f'{r}: {n}' for r, n in self.page_owners.items()) or NO_OWNER}], "
-                f"{self.req_slots} request slot(s) [{owners(self.req_slot_owners)}], "
-                f"{self.metadata_slots} metadata slot(s) [{owners(self.metadata_owners)}]")
+        return (
+            f"idle PD prefill scheduler holds {self.pages} KV page(s) "
+            f"[{', '.join(f'{r}: {n}' for r, n in self.page_owners.items()) or NO_OWNER}], "
+            f"{self.req_slots} request slot(s) [{owners(self.req_slot_owners)}], "
+            f"{self.metadata_slots} metadata slot(s) [{owners(self.metadata_owners)}]"
+        )
 
 
 @dataclass
@@ -82,9 +84,11 @@ def prometheus_counter(name: str, doc: str, label: str):
         return None
 
 
-_COUNTER = prometheus_counter("kvmem_sglang_prefill_leaked", "KV pages, request slots and "
-                              "metadata slots an idle sglang PD prefill scheduler still "
-                              "held", "kind")
+_COUNTER = prometheus_counter(
+    "kvmem_sglang_prefill_leaked",
+    "KV pages, request slots and metadata slots an idle sglang PD prefill scheduler still held",
+    "kind",
+)
 
 
 def track(req) -> None:
@@ -104,9 +108,11 @@ def audit(scheduler) -> LeakReport:
     held_tokens = int(alloc.size) - int(alloc.available_size()) - cached
     req_pool = scheduler.req_to_token_pool
     meta = scheduler.req_to_metadata_buffer_idx_allocator
-    rep = LeakReport(pages=max(held_tokens, 0) // page_size,
-                     req_slots=int(req_pool.size) - int(req_pool.available_size()),
-                     metadata_slots=int(meta.size) - int(meta.available_size()))
+    rep = LeakReport(
+        pages=max(held_tokens, 0) // page_size,
+        req_slots=int(req_pool.size) - int(req_pool.available_size()),
+        metadata_slots=int(meta.size) - int(meta.available_size()),
+    )
     if rep.leaked:
         owned = 0
         for req in state.LIVE.objects():
@@ -137,8 +143,11 @@ def _record(rep: LeakReport) -> None:
     STATS.leaked_req_slots += rep.req_slots
     STATS.leaked_metadata_slots += rep.metadata_slots
     if _COUNTER is not None:
-        for kind, n in (("pages", rep.pages), ("req_slots", rep.req_slots),
-                        ("metadata_slots", rep.metadata_slots)):
+        for kind, n in (
+            ("pages", rep.pages),
+            ("req_slots", rep.req_slots),
+            ("metadata_slots", rep.metadata_slots),
+        ):
             if n:
                 _COUNTER.labels(kind=kind).inc(n)
     logger.error("kvmem-sglang leak audit: %s", rep.line())

@@ -88,5 +88,9 @@ def _send(room: int, infos: list, connect) -> None:
             with lock:
                 sock.send_multipart(message)
         except Exception as e:  # noqa: BLE001 - a dead prefill: nothing to tell
-            logger.debug("kvmem-sglang: ABORT of room %s to %s not sent again: %s", room,
-                         info.get("rank_ip"), e)
+            logger.debug(
+                "kvmem-sglang: ABORT of room %s to %s not sent again: %s",
+                room,
+                info.get("rank_ip"),
+                e,
+            )

@@ -93,8 +93,11 @@ def receiver_failure_exception(original, receiver, *args, **kwargs):
             raise
         import torch.distributed as dist
 
-        mine = None if getattr(e, "is_from_another_rank", False) else getattr(
-            e, "failure_reason", None)
+        mine = (
+            None
+            if getattr(e, "is_from_another_rank", False)
+            else getattr(e, "failure_reason", None)
+        )
         reasons: list = [None] * int(receiver.kv_mgr.attn_tp_size)
         dist.all_gather_object(reasons, mine, group=parallel.attn_tp_group.cpu_group)
         if mine is not None:
@@ -104,8 +107,7 @@ def receiver_failure_exception(original, receiver, *args, **kwargs):
             raise
         from sglang.srt.disaggregation.common.conn import KVTransferError
 
-        raise KVTransferError(receiver.bootstrap_room, found,
-                              is_from_another_rank=True) from None
+        raise KVTransferError(receiver.bootstrap_room, found, is_from_another_rank=True) from None
 
 
 def pop_preallocated(original, queue, *args, **kwargs):
@@ -148,19 +150,28 @@ def _refuse_released(queue, sched) -> None:
                 # prefill, which would then bootstrap the request alone until its
                 # timeout; refused at a later pass (no page is given before then)
                 continue
-            decide(req, FINISH_ABORT(
-                f"{roles.server(sched)} has released its {roles.what_released(sched)} "
-                f"(release_memory_occupation); request {req.rid} refused until "
-                "resume_memory_occupation", HTTPStatus.SERVICE_UNAVAILABLE))
-            sglang_prepare_abort(req, reason_of(req).message,
-                                 status_code=reason_of(req).status_code)
+            decide(
+                req,
+                FINISH_ABORT(
+                    f"{roles.server(sched)} has released its {roles.what_released(sched)} "
+                    f"(release_memory_occupation); request {req.rid} refused until "
+                    "resume_memory_occupation",
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                ),
+            )
+            sglang_prepare_abort(
+                req, reason_of(req).message, status_code=reason_of(req).status_code
+            )
             decode_req.kv_receiver.abort()
             chase.chase(decode_req.kv_receiver)  # the prefill may not know the room yet
             refused.append(req.rid)
         if refused:
-            logger.warning("kvmem-sglang: decode KV cache released: %d request(s) refused "
-                           "503 until resume_memory_occupation: %s", len(refused),
-                           ", ".join(refused))
+            logger.warning(
+                "kvmem-sglang: decode KV cache released: %d request(s) refused "
+                "503 until resume_memory_occupation: %s",
+                len(refused),
+                ", ".join(refused),
+            )
 
 
 def prepare_abort(original, req, error_message, *args, **kwargs):
@@ -213,8 +224,11 @@ def drain(sched, what: str = "KV cache") -> list:
     still holds KV or waits for a transfer is answered 503."""
     answered = _drain(sched, what)
     if answered:
-        logger.warning("kvmem-sglang: release_memory_occupation: %d request(s) answered "
-                       "503: %s", len(answered), ", ".join(r.rid for r in answered))
+        logger.warning(
+            "kvmem-sglang: release_memory_occupation: %d request(s) answered 503: %s",
+            len(answered),
+            ", ".join(r.rid for r in answered),
+        )
     return answered
 
 
@@ -227,15 +241,21 @@ def _retract_paused(sched) -> None:
     running = getattr(sched, "running_batch", None)
     last = getattr(sched, "last_batch", None)
     staged = is_decode(sched) and any(r.kv.holds_kv for r in sched.waiting_queue)
-    if ((running is None or running.is_empty()) and getattr(sched, "chunked_req", None) is None
-            and (last is None or last.is_empty()) and not staged):
+    if (
+        (running is None or running.is_empty())
+        and getattr(sched, "chunked_req", None) is None
+        and (last is None or last.is_empty())
+        and not staged
+    ):
         return
     from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
     sched.pause_generation(PauseGenerationReqInput(mode="retract"))
-    logger.info("kvmem-sglang: release_memory_occupation on an engine paused in place: "
-                "its running requests were retracted as a retract pause does; they run "
-                "again after continue_generation")
+    logger.info(
+        "kvmem-sglang: release_memory_occupation on an engine paused in place: "
+        "its running requests were retracted as a retract pause does; they run "
+        "again after continue_generation"
+    )
 
 
 def _drain(sched, what: str) -> list:
@@ -250,12 +270,12 @@ def _drain(sched, what: str) -> list:
         return FINISH_ABORT(
             f"{server} released its {what} (release_memory_occupation) while "
             f"request {req.rid} was {where}; aborted, retry after the resume",
-            HTTPStatus.SERVICE_UNAVAILABLE)
+            HTTPStatus.SERVICE_UNAVAILABLE,
+        )
 
     def answer(req, where) -> None:
         decide(req, reason(req, where))
-        sglang_prepare_abort(req, reason_of(req).message,
-                             status_code=reason_of(req).status_code)
+        sglang_prepare_abort(req, reason_of(req).message, status_code=reason_of(req).status_code)
 
     answered = []
     _retract_paused(sched)
@@ -278,7 +298,8 @@ def _drain(sched, what: str) -> list:
     chunked = getattr(sched, "chunked_req", None)
     live, seen = [], set()
     for req in ([chunked] if chunked is not None else []) + [
-            r for b in batches if b is not None for r in b.reqs]:
+        r for b in batches if b is not None for r in b.reqs
+    ]:
         if id(req) not in seen and not req.finished():
             seen.add(id(req))
             live.append(req)
@@ -306,9 +327,13 @@ def _drain(sched, what: str) -> list:
         answered.append(req)
     sched.waiting_queue = kept
     if kept:
-        logger.info("kvmem-sglang: release_memory_occupation on a paused engine keeps %d "
-                    "waiting request(s) (they hold no KV; they run after the resume and "
-                    "continue_generation): %s", len(kept), ", ".join(r.rid for r in kept))
+        logger.info(
+            "kvmem-sglang: release_memory_occupation on a paused engine keeps %d "
+            "waiting request(s) (they hold no KV; they run after the resume and "
+            "continue_generation): %s",
+            len(kept),
+            ", ".join(r.rid for r in kept),
+        )
     if answered:
         sched.output_streamer.stream_output(answered, any(r.return_logprob for r in answered))
     if not is_decode(sched):
@@ -335,8 +360,9 @@ def _drain(sched, what: str) -> list:
         from sglang.srt.disaggregation.decode import discard_kv_cache_backup
         from sglang.srt.disaggregation.utils import get_disagg
 
-        discard_kv_cache_backup(req, sched.tree_cache,
-                                get_disagg().disaggregation_decode_retraction_backup)
+        discard_kv_cache_backup(
+            req, sched.tree_cache, get_disagg().disaggregation_decode_retraction_backup
+        )
         answer(req, "retracted")
         sched.output_streamer.stream_output([req], req.return_logprob)
         answered.append(req)
@@ -360,11 +386,15 @@ def _run_queues(sched, prealloc, transfer) -> None:
     deadline = start + options.active().drain_timeout
     steps = 0
     while True:
-        busy = bool(prealloc.queue or any(not host(d) for d in transfer.queue)
-                    or any(not host(e[0]) for e in transfer._deferred_releases))
+        busy = bool(
+            prealloc.queue
+            or any(not host(d) for d in transfer.queue)
+            or any(not host(e[0]) for e in transfer._deferred_releases)
+        )
         late = time.monotonic() >= deadline
-        busy, late = all_reduce_flags([int(busy), int(late)], group=transfer.gloo_group,
-                                      op=ReduceOp.MAX)
+        busy, late = all_reduce_flags(
+            [int(busy), int(late)], group=transfer.gloo_group, op=ReduceOp.MAX
+        )
         if not busy:
             break
         if late:
@@ -377,8 +407,11 @@ def _run_queues(sched, prealloc, transfer) -> None:
         steps += 1
         time.sleep(DRAIN_POLL_S)
     if steps:
-        logger.info("kvmem-sglang: decode queues drained for the release in %.3f s (%d "
-                    "step(s))", time.monotonic() - start, steps)
+        logger.info(
+            "kvmem-sglang: decode queues drained for the release in %.3f s (%d step(s))",
+            time.monotonic() - start,
+            steps,
+        )
 
 
 def _give_up(sched, transfer, prealloc, waited: float) -> None:
@@ -400,22 +433,32 @@ def _give_up(sched, transfer, prealloc, waited: float) -> None:
     host = transfer._is_host_destination
     held = [e for e in transfer._deferred_releases if not host(e[0])]
     queued = [r.req.rid for r in list(prealloc.queue) + list(transfer.queue) if not host(r)]
-    logger.error("kvmem-sglang: release_memory_occupation(kv_cache) on the decode: after "
-                 "%.1f s (SGLANG_KVMEM_DRAIN_TIMEOUT) %d KV release(s) still wait for "
-                 "their prefill's ABORT_ACK (rooms %s) and %d request(s) are still queued "
-                 "(%s); releasing them anyway", waited, len(held),
-                 [e[0].req.bootstrap_room for e in held], len(queued), queued)
+    logger.error(
+        "kvmem-sglang: release_memory_occupation(kv_cache) on the decode: after "
+        "%.1f s (SGLANG_KVMEM_DRAIN_TIMEOUT) %d KV release(s) still wait for "
+        "their prefill's ABORT_ACK (rooms %s) and %d request(s) are still queued "
+        "(%s); releasing them anyway",
+        waited,
+        len(held),
+        [e[0].req.bootstrap_room for e in held],
+        len(queued),
+        queued,
+    )
     transfer._deferred_releases = [e for e in transfer._deferred_releases if host(e[0])]
     left = [(d, d.metadata_buffer_index) for d in transfer.queue if not host(d)]
     for decode_req, idx in [(e[0], e[3]) for e in held] + left:
         try:
             transfer._do_release(decode_req, idx)
         except Exception:  # noqa: BLE001 - the release must go on; the pool is reset next
-            logger.exception("kvmem-sglang: releasing held room %s failed",
-                             decode_req.req.bootstrap_room)
+            logger.exception(
+                "kvmem-sglang: releasing held room %s failed", decode_req.req.bootstrap_room
+            )
     kept = [d for d in transfer.queue if host(d)]
-    unanswered = [d.req for d in list(prealloc.queue) + list(transfer.queue)
-                  if not getattr(d.req, "finished_output", False)]
+    unanswered = [
+        d.req
+        for d in list(prealloc.queue) + list(transfer.queue)
+        if not getattr(d.req, "finished_output", False)
+    ]
     dropped = {id(d) for d in prealloc.queue}
     for decode_req in prealloc.queue:
         if decode_req.kv_receiver is not None:
@@ -425,12 +468,13 @@ def _give_up(sched, transfer, prealloc, waited: float) -> None:
     prealloc.queue.clear()
     transfer.queue[:] = kept
     if kept or transfer._deferred_releases:
-        logger.warning("kvmem-sglang: %d host-staged request(s) stay held until their "
-                       "prefill's ABORT_ACK (their KV is not in the pool)",
-                       len(kept) + len(transfer._deferred_releases))
+        logger.warning(
+            "kvmem-sglang: %d host-staged request(s) stay held until their "
+            "prefill's ABORT_ACK (their KV is not in the pool)",
+            len(kept) + len(transfer._deferred_releases),
+        )
     if unanswered:  # answered with the reason decided above (prefill.stream_output)
-        sched.output_streamer.stream_output(unanswered,
-                                            any(r.return_logprob for r in unanswered))
+        sched.output_streamer.stream_output(unanswered, any(r.return_logprob for r in unanswered))
 
 
 @contextlib.contextmanager

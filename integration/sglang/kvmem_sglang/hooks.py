@@ -19,6 +19,7 @@ def _options():
 
 # -- KV pool ------------------------------------------------------------------------------
 
+
 def mha_create_buffers(original, kvcache):
     kvpool.check_mha(kvcache)  # before sglang allocates anything
     return original(kvcache)
@@ -34,6 +35,7 @@ def mla_create_buffers(kvcache):
 
 # -- allocator ------------------------------------------------------------------------------
 
+
 def build_allocator(original, configurator, *args, **kwargs):
     """Let sglang choose and build its allocator (so its own refusals and sizes hold),
     then put kvmem's in its place, or refuse what kvmem does not back."""
@@ -48,32 +50,50 @@ def build_allocator(original, configurator, *args, **kwargs):
         raise AdapterError(
             f"the KV pool is a {type(kvcache).__name__}, which kvmem does not back (kvmem "
             "backs plain MHA and MLA pools; hybrid SWA, mamba/linear, quantized, DSA and "
-            "sharded pools are refused)")
+            "sharded pools are refused)"
+        )
     stock = original(configurator, *args, **kwargs)
     if reused is not None:  # a draft worker shares the target's allocator
         if not isinstance(stock, KvmemTokenToKVPoolAllocator):
-            raise AdapterError(f"a draft worker reuses a {type(stock).__name__}, not "
-                               "kvmem's allocator")
+            raise AdapterError(
+                f"a draft worker reuses a {type(stock).__name__}, not kvmem's allocator"
+            )
         return stock
     if type(stock) not in (TokenToKVPoolAllocator, PagedTokenToKVPoolAllocator):
-        raise AdapterError(f"sglang chose the allocator {type(stock).__name__} for this "
-                           "configuration; kvmem replaces only the token and paged ones")
+        raise AdapterError(
+            f"sglang chose the allocator {type(stock).__name__} for this "
+            "configuration; kvmem replaces only the token and paged ones"
+        )
     if stock.page_size != pool.spec.page_size:
-        raise AdapterError(f"the allocator's page size {stock.page_size} differs from the "
-                           f"KV pool's {pool.spec.page_size} (decode context parallelism "
-                           "is not supported)")
+        raise AdapterError(
+            f"the allocator's page size {stock.page_size} differs from the "
+            f"KV pool's {pool.spec.page_size} (decode context parallelism "
+            "is not supported)"
+        )
     # SGLANG_KVMEM_CHECK=1 checks every call on the host; else the allocator follows
     # sglang's SGLANG_DEBUG_MEMORY_POOL (checked) or defers checks to the device
-    ours = KvmemTokenToKVPoolAllocator(stock.size, stock.page_size, stock.dtype,
-                                       stock.device, kvcache, stock.need_sort,
-                                       check=True if _options().check else None)
-    logger.info("kvmem: allocator %s over %d pages of %d tokens (need_sort %s) in place "
-                "of %s", type(ours).__name__, stock.size // stock.page_size,
-                stock.page_size, stock.need_sort, type(stock).__name__)
+    ours = KvmemTokenToKVPoolAllocator(
+        stock.size,
+        stock.page_size,
+        stock.dtype,
+        stock.device,
+        kvcache,
+        stock.need_sort,
+        check=True if _options().check else None,
+    )
+    logger.info(
+        "kvmem: allocator %s over %d pages of %d tokens (need_sort %s) in place of %s",
+        type(ours).__name__,
+        stock.size // stock.page_size,
+        stock.page_size,
+        stock.need_sort,
+        type(stock).__name__,
+    )
     return ours
 
 
 # -- release / resume ---------------------------------------------------------------------
+
 
 def _kv_tag(tags) -> bool:
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
@@ -101,6 +121,7 @@ def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
 
 
 # -- staging ------------------------------------------------------------------------------
+
 
 def gather_all_layers_to_staging(*args, **kwargs):
     return staging.gather_all_layers_to_staging(*args, **kwargs)

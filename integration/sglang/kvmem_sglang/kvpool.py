@@ -52,8 +52,14 @@ def pool_of(kvcache) -> kvmem.KVPool | None:
 
 def _spec(kind: str, *, layers, heads, head_dim, v_head_dim, page_size, dtype) -> kvmem.KVSpec:
     try:
-        return kvmem.KVSpec(num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
-                            v_head_dim=v_head_dim, page_size=page_size, dtype=dtype)
+        return kvmem.KVSpec(
+            num_layers=layers,
+            num_kv_heads=heads,
+            head_dim=head_dim,
+            v_head_dim=v_head_dim,
+            page_size=page_size,
+            dtype=dtype,
+        )
     except ValueError as e:
         raise AdapterError(f"kvmem cannot place this {kind} KV cache: {e}") from None
 
@@ -66,10 +72,12 @@ def _make_pool(kind: str, kvcache, spec: kvmem.KVSpec, options: Options) -> kvme
     try:
         pool = kvmem.KVPool(spec, num_pages, device, backend=options.backend, layout="sglang")
     except (ValueError, MemoryError, OSError) as e:
-        raise AdapterError(f"kvmem could not create the {kind} KV pool "
-                           f"({spec.pool_bytes(num_pages)} bytes on {device}): {e}",
-                           "lower --mem-fraction-static or --max-total-tokens, or unset "
-                           "SGLANG_KVMEM to run this server on stock sglang") from e
+        raise AdapterError(
+            f"kvmem could not create the {kind} KV pool "
+            f"({spec.pool_bytes(num_pages)} bytes on {device}): {e}",
+            "lower --mem-fraction-static or --max-total-tokens, or unset "
+            "SGLANG_KVMEM to run this server on stock sglang",
+        ) from e
     if pool.backend != "host":  # a fresh host mapping reads as zeros already
         for buf in pool.k_buffer + pool.v_buffer:
             buf.zero_()  # sglang's own buffers are torch.zeros
@@ -86,9 +94,17 @@ def _make_pool(kind: str, kvcache, spec: kvmem.KVSpec, options: Options) -> kvme
         "kvmem: %s KV pool of %d layers x %d pages x %d tokens, %.3f GiB on %s "
         "(backend %s, %d region(s), layout %s) in %.0f ms; released and resumed by kvmem "
         "on release/resume_memory_occupation(kv_cache)",
-        kind, spec.num_layers, num_pages, spec.page_size, pool.nbytes / 2**30, device,
-        pool.backend, len(regions), "K|V per layer" if spec.has_v else "K only",
-        (time.perf_counter() - t0) * 1e3)
+        kind,
+        spec.num_layers,
+        num_pages,
+        spec.page_size,
+        pool.nbytes / 2**30,
+        device,
+        pool.backend,
+        len(regions),
+        "K|V per layer" if spec.has_v else "K only",
+        (time.perf_counter() - t0) * 1e3,
+    )
     return pool
 
 
@@ -108,20 +124,26 @@ def check_mha(kvcache) -> None:
 
     cls = type(kvcache).__name__
     if type(kvcache) is not MHATokenToKVPool:
-        raise AdapterError(f"the KV pool class {cls} is not supported by kvmem (only "
-                           "MHATokenToKVPool and MLATokenToKVPool are)")
+        raise AdapterError(
+            f"the KV pool class {cls} is not supported by kvmem (only "
+            "MHATokenToKVPool and MLATokenToKVPool are)"
+        )
     if kvcache.is_quantized_kv_cache:
-        raise AdapterError(f"a quantized KV cache ({type(kvcache.quant_method).__name__}) "
-                           "is not placed by kvmem")
+        raise AdapterError(
+            f"a quantized KV cache ({type(kvcache.quant_method).__name__}) is not placed by kvmem"
+        )
     if getattr(kvcache, "post_capture_active", False):
-        raise AdapterError("post-capture KV backing is on; kvmem owns the KV memory itself",
-                           "turn post-capture backing off, or unset SGLANG_KVMEM")
+        raise AdapterError(
+            "post-capture KV backing is on; kvmem owns the KV memory itself",
+            "turn post-capture backing off, or unset SGLANG_KVMEM",
+        )
     if getattr(kvcache, "use_hnd", False) or kvcache.kv_cache_layout != "nhd":
         layout = "hnd" if getattr(kvcache, "use_hnd", False) else kvcache.kv_cache_layout
         raise AdapterError(f"the {layout!r} KV layout is not supported by kvmem (NHD only)")
     if getattr(kvcache, "enable_custom_mem_pool", False):
-        raise AdapterError("a custom CUDA memory pool is set for the KV cache; kvmem "
-                           "allocates it itself")
+        raise AdapterError(
+            "a custom CUDA memory pool is set for the KV cache; kvmem allocates it itself"
+        )
     if kvcache.v_head_dim == 0:
         raise AdapterError("an MHA KV cache with v_head_dim 0 is not supported")
 
@@ -129,9 +151,15 @@ def check_mha(kvcache) -> None:
 def create_mha_buffers(kvcache, options: Options) -> None:
     """What ``MHATokenToKVPool._create_buffers_normal`` does, on a kvmem pool."""
     check_mha(kvcache)
-    spec = _spec("MHA", layers=kvcache.layer_num, heads=kvcache.head_num,
-                 head_dim=kvcache.head_dim, v_head_dim=kvcache.v_head_dim,
-                 page_size=kvcache.page_size, dtype=kvcache.store_dtype)
+    spec = _spec(
+        "MHA",
+        layers=kvcache.layer_num,
+        heads=kvcache.head_num,
+        head_dim=kvcache.head_dim,
+        v_head_dim=kvcache.v_head_dim,
+        page_size=kvcache.page_size,
+        dtype=kvcache.store_dtype,
+    )
     pool = _make_pool("MHA", kvcache, spec, options)
     rows = kvcache.size + kvcache.page_size
     kvcache.k_buffer = _views(pool.k_buffer, rows, kvcache.store_dtype)
@@ -145,20 +173,30 @@ def create_mla_buffers(kvcache, options: Options) -> None:
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
     if type(kvcache) is not MLATokenToKVPool:
-        raise AdapterError(f"the KV pool class {type(kvcache).__name__} is not supported "
-                           "by kvmem (only MHATokenToKVPool and MLATokenToKVPool are)")
+        raise AdapterError(
+            f"the KV pool class {type(kvcache).__name__} is not supported "
+            "by kvmem (only MHATokenToKVPool and MLATokenToKVPool are)"
+        )
     if getattr(kvcache, "custom_mem_pool", None):
-        raise AdapterError("a custom CUDA memory pool is set for the KV cache; kvmem "
-                           "allocates it itself")
-    spec = _spec("MLA", layers=kvcache.layer_num, heads=1, head_dim=kvcache.kv_cache_dim,
-                 v_head_dim=0, page_size=kvcache.page_size, dtype=kvcache.store_dtype)
+        raise AdapterError(
+            "a custom CUDA memory pool is set for the KV cache; kvmem allocates it itself"
+        )
+    spec = _spec(
+        "MLA",
+        layers=kvcache.layer_num,
+        heads=1,
+        head_dim=kvcache.kv_cache_dim,
+        v_head_dim=0,
+        page_size=kvcache.page_size,
+        dtype=kvcache.store_dtype,
+    )
     pool = _make_pool("MLA", kvcache, spec, options)
-    kvcache.kv_buffer = _views(pool.k_buffer, kvcache.size + kvcache.page_size,
-                               kvcache.store_dtype)
+    kvcache.kv_buffer = _views(pool.k_buffer, kvcache.size + kvcache.page_size, kvcache.store_dtype)
     state.POOL.set(kvcache, pool)
 
 
 # -- release / resume ------------------------------------------------------------------
+
 
 def release_all() -> None:
     """Release every live pool of this process (``pool.release()``: waits for device
@@ -169,9 +207,12 @@ def release_all() -> None:
         t0 = time.perf_counter()
         before = pool.resident_bytes()
         pool.release()
-        logger.info("kvmem: released the KV pool (%.3f GiB resident before, %.3f after) "
-                    "in %.1f ms", before / 2**30, pool.resident_bytes() / 2**30,
-                    (time.perf_counter() - t0) * 1e3)
+        logger.info(
+            "kvmem: released the KV pool (%.3f GiB resident before, %.3f after) in %.1f ms",
+            before / 2**30,
+            pool.resident_bytes() / 2**30,
+            (time.perf_counter() - t0) * 1e3,
+        )
 
 
 def resume_all(prefault: bool) -> None:
@@ -181,12 +222,16 @@ def resume_all(prefault: bool) -> None:
             continue
         t0 = time.perf_counter()
         pool.resume(prefault=prefault)
-        logger.info("kvmem: resumed the KV pool (epoch %d, %.3f GiB resident) in %.1f ms",
-                    pool.epoch, pool.resident_bytes() / 2**30,
-                    (time.perf_counter() - t0) * 1e3)
+        logger.info(
+            "kvmem: resumed the KV pool (epoch %d, %.3f GiB resident) in %.1f ms",
+            pool.epoch,
+            pool.resident_bytes() / 2**30,
+            (time.perf_counter() - t0) * 1e3,
+        )
 
 
 # -- transfer registrations --------------------------------------------------------------
+
 
 def coalesce(ptrs, lens) -> tuple[list[int], list[int]]:
     """Replace each range that lies inside a live kvmem pool by the pool region (one
@@ -199,8 +244,9 @@ def coalesce(ptrs, lens) -> tuple[list[int], list[int]]:
     is refused (:class:`AdapterError` naming it): NIXL refuses a descriptor across two
     registrations, so the transfers would fail later.  Ranges outside every pool stay as
     they are (sglang's aux and state buffers), duplicates dropped."""
-    regions = sorted((p0, p0 + n) for pool in live_pools() if not pool.released
-                     for p0, n in pool.regions())
+    regions = sorted(
+        (p0, p0 + n) for pool in live_pools() if not pool.released for p0, n in pool.regions()
+    )
     starts = [a for a, _ in regions]
     out: dict[tuple[int, int], None] = {}
     for ptr, n in zip(ptrs, lens):
@@ -216,6 +262,7 @@ def coalesce(ptrs, lens) -> tuple[list[int], list[int]]:
             raise AdapterError(
                 f"the KV range [{ptr:#x}, {end:#x}) is not inside one kvmem pool region: it "
                 f"overlaps {len(hit)} ({', '.join(f'[{a:#x}, {b:#x})' for a, b in hit[:3])}); "
-                "NIXL would refuse its transfers")
+                "NIXL would refuse its transfers"
+            )
         out.setdefault((ptr, end), None)
     return [a for a, _ in out], [b - a for a, b in out]

@@ -76,106 +76,284 @@ class Private:
 
 
 HOOKS: tuple[Hook, ...] = (
-    Hook(f"{_MEM}.MHATokenToKVPool._create_buffers", "AROUND", "hooks:mha_create_buffers",
-         "refuses KV layouts kvmem cannot place"),
-    Hook(f"{_MEM}.MHATokenToKVPool._create_buffers_normal", "REPLACE",
-         "hooks:mha_create_buffers_normal", "K/V views of a kvmem KVPool"),
-    Hook(f"{_MEM}.MLATokenToKVPool._create_buffers", "REPLACE", "hooks:mla_create_buffers",
-         "KV views of a kvmem KVPool"),
-    Hook(f"{_CONF}._build_token_to_kv_pool_allocator", "AROUND", "hooks:build_allocator",
-         "kvmem's allocator; refuses pools kvmem does not own"),
-    Hook(f"{_WU}.release_memory_occupation", "AROUND", "hooks:release_memory_occupation",
-         "pool.release() after sglang's kv_cache release"),
-    Hook(f"{_WU}.resume_memory_occupation", "AROUND", "hooks:resume_memory_occupation",
-         "pool.resume() before sglang's kv_cache resume"),
-    Hook(f"{_NIXL}.NixlKVManager.register_buffer_to_engine", "AROUND",
-         "nixl:register_buffer_to_engine",
-         "registers the pool's regions; the deregistration sglang lacks"),
-    Hook(f"{_NIXL}.NixlKVManager._prepare_payload_xfer", "AROUND", "nixl:prepare_payload",
-         "refuses a descriptor that crosses a registration"),
-    Hook(f"{_NIXL}.NixlKVManager._prepare_state_xfer", "AROUND", "nixl:prepare_payload",
-         "the same for the state transfer"),
-    Hook(f"{_NIXL}.NixlKVManager._add_remote_peer", "AROUND", "nixl:add_remote_peer",
-         "a peer's new registrations after its resume"),
-    Hook(f"{_COMMON}.CommonKVReceiver._register_kv_args", "AROUND",
-         "registrations:register_kv_args", "the decode's regions to its prefills"),
-    Hook(f"{_NIXL}.NixlKVManager.transfer_worker", "AROUND", "transfer:transfer_worker",
-         "KV sends on kvmem's path: merged runs, no spinning", when="transfer"),
-    Hook(f"{_NIXL}.NixlKVManager.send_kvcache", "AROUND", "transfer:send_kvcache",
-         "(the same)", when="transfer"),
-    Hook(f"{_NIXL}.NixlKVManager._await_handles", "AROUND", "transfer:await_handles",
-         "(the same)", when="transfer"),
-    Hook(f"{_MOON}.MooncakeKVManager.transfer_worker", "AROUND", "transfer:transfer_worker",
-         "KV sends on kvmem's Mooncake path", when="transfer"),
-    Hook(f"{_MOON}.MooncakeKVManager.send_kvcache", "AROUND", "mooncake_send:send_kvcache",
-         "merged slices, calls within the TCP queue", when="transfer"),
-    Hook(f"{_MOON}.MooncakeKVManager.register_buffer_to_engine", "AROUND",
-         "mooncake:register_buffer_to_engine", "registers the pool's regions"),
-    Hook(f"{_MOON}.MooncakeKVManager.deregister_buffer_to_engine", "AROUND",
-         "mooncake:deregister_buffer_to_engine", "deregisters them at a release"),
-    Hook(f"{_MOON}.MooncakeKVManager._poison_unsettled_send", "AROUND",
-         "mooncake:poison_unsettled_send", "a release waits for unsettled sends"),
-    Hook(f"{_MOON}.MooncakeKVManager._registerable_regions", "AFTER",
-         "mooncake:registerable_regions", "the pool's regions, one per mapping",
-         when="register_regions"),
-    Hook(f"{_SCHED}._add_request_to_queue", "AROUND", "prefill:add_request_to_queue",
-         "503 while released; the registration epoch"),
-    Hook(f"{_SCHED}.abort_request", "AROUND", "prefill:abort_request",
-         "a client's abort in every PD state"),
-    Hook(f"{_STREAMER}.stream_output", "BEFORE", "prefill:stream_output",
-         "one status and one reason per request"),
-    Hook(f"{_P}.SchedulerDisaggregationPrefillMixin.handle_bootstrap_failure", "BEFORE",
-         "prefill:handle_bootstrap_failure", "the failure's status (503, 504)"),
-    Hook(f"{_P}.SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue",
-         "AROUND", "prefill:process_inflight_queue", "the transfer timeout; the audit"),
-    Hook(f"{_P}.SchedulerDisaggregationPrefillMixin.send_kv_chunk", "AROUND",
-         "prefill:send_kv_chunk", "no send of memory set up before a release"),
-    Hook(f"{_SCHED}.continue_generation", "AROUND", "prefill:continue_generation",
-         "503 for what a release interrupted"),
-    Hook(f"{_WU}.release_memory_occupation", "AROUND", "prefill:release_memory_occupation",
-         "drain (503) before sglang's release; refuses a second one"),
-    Hook(f"{_WU}.resume_memory_occupation", "AROUND", "prefill:resume_memory_occupation",
-         "the new registration epoch"),
-    Hook(f"{_P}.PrefillBootstrapQueue.release_memory_occupation", "AFTER",
-         "prefill:queue_release", "the queue's part of the release"),
-    Hook(f"{_P}.PrefillBootstrapQueue.resume_memory_occupation", "AROUND",
-         "prefill:queue_resume", "the queue's part of the resume"),
-    Hook(f"{_COMMON}.CommonKVSender.abort", "AROUND", "notify:sender_abort",
-         "the decode is told of an aborted sender"),
-    Hook(f"{_COMMON}.CommonKVManager.update_status", "AROUND", "notify:manager_update_status",
-         "(the same, for a failed room)"),
-    Hook(f"{_NIXL}.NixlKVManager._handle_abort_notification", "AROUND",
-         "notify:abort_notification", "an ABORT for a room not yet known"),
-    Hook(f"{_MOON}.MooncakeKVManager._handle_abort_notification", "AROUND",
-         "notify:abort_notification", "(the same on Mooncake)"),
-    Hook("sglang.srt.disaggregation.utils.prepare_abort", "AROUND", "decode:prepare_abort",
-         "the decode answers with the prefill's status"),
-    Hook(f"{_D}.DecodePreallocQueue.pop_preallocated", "AROUND", "decode:pop_preallocated",
-         "503 while released, told to the prefill"),
-    Hook(f"{_COMMON}.CommonKVReceiver.failure_exception", "AROUND",
-         "decode:receiver_failure_exception", "one status whichever rank sees it first"),
-    Hook(f"{_STAGING}.gather_all_layers_to_staging", "REPLACE",
-         "hooks:gather_all_layers_to_staging", "kvmem.pack_buffers", when="staging"),
-    Hook(f"{_STAGING}.scatter_staging_to_kv", "REPLACE", "hooks:scatter_staging_to_kv",
-         "kvmem.unpack_buffers", when="staging"),
+    Hook(
+        f"{_MEM}.MHATokenToKVPool._create_buffers",
+        "AROUND",
+        "hooks:mha_create_buffers",
+        "refuses KV layouts kvmem cannot place",
+    ),
+    Hook(
+        f"{_MEM}.MHATokenToKVPool._create_buffers_normal",
+        "REPLACE",
+        "hooks:mha_create_buffers_normal",
+        "K/V views of a kvmem KVPool",
+    ),
+    Hook(
+        f"{_MEM}.MLATokenToKVPool._create_buffers",
+        "REPLACE",
+        "hooks:mla_create_buffers",
+        "KV views of a kvmem KVPool",
+    ),
+    Hook(
+        f"{_CONF}._build_token_to_kv_pool_allocator",
+        "AROUND",
+        "hooks:build_allocator",
+        "kvmem's allocator; refuses pools kvmem does not own",
+    ),
+    Hook(
+        f"{_WU}.release_memory_occupation",
+        "AROUND",
+        "hooks:release_memory_occupation",
+        "pool.release() after sglang's kv_cache release",
+    ),
+    Hook(
+        f"{_WU}.resume_memory_occupation",
+        "AROUND",
+        "hooks:resume_memory_occupation",
+        "pool.resume() before sglang's kv_cache resume",
+    ),
+    Hook(
+        f"{_NIXL}.NixlKVManager.register_buffer_to_engine",
+        "AROUND",
+        "nixl:register_buffer_to_engine",
+        "registers the pool's regions; the deregistration sglang lacks",
+    ),
+    Hook(
+        f"{_NIXL}.NixlKVManager._prepare_payload_xfer",
+        "AROUND",
+        "nixl:prepare_payload",
+        "refuses a descriptor that crosses a registration",
+    ),
+    Hook(
+        f"{_NIXL}.NixlKVManager._prepare_state_xfer",
+        "AROUND",
+        "nixl:prepare_payload",
+        "the same for the state transfer",
+    ),
+    Hook(
+        f"{_NIXL}.NixlKVManager._add_remote_peer",
+        "AROUND",
+        "nixl:add_remote_peer",
+        "a peer's new registrations after its resume",
+    ),
+    Hook(
+        f"{_COMMON}.CommonKVReceiver._register_kv_args",
+        "AROUND",
+        "registrations:register_kv_args",
+        "the decode's regions to its prefills",
+    ),
+    Hook(
+        f"{_NIXL}.NixlKVManager.transfer_worker",
+        "AROUND",
+        "transfer:transfer_worker",
+        "KV sends on kvmem's path: merged runs, no spinning",
+        when="transfer",
+    ),
+    Hook(
+        f"{_NIXL}.NixlKVManager.send_kvcache",
+        "AROUND",
+        "transfer:send_kvcache",
+        "(the same)",
+        when="transfer",
+    ),
+    Hook(
+        f"{_NIXL}.NixlKVManager._await_handles",
+        "AROUND",
+        "transfer:await_handles",
+        "(the same)",
+        when="transfer",
+    ),
+    Hook(
+        f"{_MOON}.MooncakeKVManager.transfer_worker",
+        "AROUND",
+        "transfer:transfer_worker",
+        "KV sends on kvmem's Mooncake path",
+        when="transfer",
+    ),
+    Hook(
+        f"{_MOON}.MooncakeKVManager.send_kvcache",
+        "AROUND",
+        "mooncake_send:send_kvcache",
+        "merged slices, calls within the TCP queue",
+        when="transfer",
+    ),
+    Hook(
+        f"{_MOON}.MooncakeKVManager.register_buffer_to_engine",
+        "AROUND",
+        "mooncake:register_buffer_to_engine",
+        "registers the pool's regions",
+    ),
+    Hook(
+        f"{_MOON}.MooncakeKVManager.deregister_buffer_to_engine",
+        "AROUND",
+        "mooncake:deregister_buffer_to_engine",
+        "deregisters them at a release",
+    ),
+    Hook(
+        f"{_MOON}.MooncakeKVManager._poison_unsettled_send",
+        "AROUND",
+        "mooncake:poison_unsettled_send",
+        "a release waits for unsettled sends",
+    ),
+    Hook(
+        f"{_MOON}.MooncakeKVManager._registerable_regions",
+        "AFTER",
+        "mooncake:registerable_regions",
+        "the pool's regions, one per mapping",
+        when="register_regions",
+    ),
+    Hook(
+        f"{_SCHED}._add_request_to_queue",
+        "AROUND",
+        "prefill:add_request_to_queue",
+        "503 while released; the registration epoch",
+    ),
+    Hook(
+        f"{_SCHED}.abort_request",
+        "AROUND",
+        "prefill:abort_request",
+        "a client's abort in every PD state",
+    ),
+    Hook(
+        f"{_STREAMER}.stream_output",
+        "BEFORE",
+        "prefill:stream_output",
+        "one status and one reason per request",
+    ),
+    Hook(
+        f"{_P}.SchedulerDisaggregationPrefillMixin.handle_bootstrap_failure",
+        "BEFORE",
+        "prefill:handle_bootstrap_failure",
+        "the failure's status (503, 504)",
+    ),
+    Hook(
+        f"{_P}.SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue",
+        "AROUND",
+        "prefill:process_inflight_queue",
+        "the transfer timeout; the audit",
+    ),
+    Hook(
+        f"{_P}.SchedulerDisaggregationPrefillMixin.send_kv_chunk",
+        "AROUND",
+        "prefill:send_kv_chunk",
+        "no send of memory set up before a release",
+    ),
+    Hook(
+        f"{_SCHED}.continue_generation",
+        "AROUND",
+        "prefill:continue_generation",
+        "503 for what a release interrupted",
+    ),
+    Hook(
+        f"{_WU}.release_memory_occupation",
+        "AROUND",
+        "prefill:release_memory_occupation",
+        "drain (503) before sglang's release; refuses a second one",
+    ),
+    Hook(
+        f"{_WU}.resume_memory_occupation",
+        "AROUND",
+        "prefill:resume_memory_occupation",
+        "the new registration epoch",
+    ),
+    Hook(
+        f"{_P}.PrefillBootstrapQueue.release_memory_occupation",
+        "AFTER",
+        "prefill:queue_release",
+        "the queue's part of the release",
+    ),
+    Hook(
+        f"{_P}.PrefillBootstrapQueue.resume_memory_occupation",
+        "AROUND",
+        "prefill:queue_resume",
+        "the queue's part of the resume",
+    ),
+    Hook(
+        f"{_COMMON}.CommonKVSender.abort",
+        "AROUND",
+        "notify:sender_abort",
+        "the decode is told of an aborted sender",
+    ),
+    Hook(
+        f"{_COMMON}.CommonKVManager.update_status",
+        "AROUND",
+        "notify:manager_update_status",
+        "(the same, for a failed room)",
+    ),
+    Hook(
+        f"{_NIXL}.NixlKVManager._handle_abort_notification",
+        "AROUND",
+        "notify:abort_notification",
+        "an ABORT for a room not yet known",
+    ),
+    Hook(
+        f"{_MOON}.MooncakeKVManager._handle_abort_notification",
+        "AROUND",
+        "notify:abort_notification",
+        "(the same on Mooncake)",
+    ),
+    Hook(
+        "sglang.srt.disaggregation.utils.prepare_abort",
+        "AROUND",
+        "decode:prepare_abort",
+        "the decode answers with the prefill's status",
+    ),
+    Hook(
+        f"{_D}.DecodePreallocQueue.pop_preallocated",
+        "AROUND",
+        "decode:pop_preallocated",
+        "503 while released, told to the prefill",
+    ),
+    Hook(
+        f"{_COMMON}.CommonKVReceiver.failure_exception",
+        "AROUND",
+        "decode:receiver_failure_exception",
+        "one status whichever rank sees it first",
+    ),
+    Hook(
+        f"{_STAGING}.gather_all_layers_to_staging",
+        "REPLACE",
+        "hooks:gather_all_layers_to_staging",
+        "kvmem.pack_buffers",
+        when="staging",
+    ),
+    Hook(
+        f"{_STAGING}.scatter_staging_to_kv",
+        "REPLACE",
+        "hooks:scatter_staging_to_kv",
+        "kvmem.unpack_buffers",
+        when="staging",
+    ),
 )
 
 PRIVATE: tuple[Private, ...] = (
     Private(f"{_SCHED}._release_aborted_request", "method", "call", "prefill, decode"),
     Private(f"{_SCHED}._pending_chunked_abort_req", "attribute", "read, write", "prefill"),
-    Private(f"{_COMMON}.CommonKVManager._staging_outstanding", "attribute", "read",
-            "prefill, notify, transfer"),
+    Private(
+        f"{_COMMON}.CommonKVManager._staging_outstanding",
+        "attribute",
+        "read",
+        "prefill, notify, transfer",
+    ),
     Private(f"{_COMMON}.CommonKVManager._room_notify_targets", "method", "call", "notify"),
-    Private(f"{_COMMON}.CommonKVManager._maybe_ack_drained_abort", "method", "call",
-            "transfer"),
-    Private(f"{_COMMON}.CommonKVReceiver._connect_to_bootstrap_server", "method", "call",
-            "registrations, chase"),
+    Private(f"{_COMMON}.CommonKVManager._maybe_ack_drained_abort", "method", "call", "transfer"),
+    Private(
+        f"{_COMMON}.CommonKVReceiver._connect_to_bootstrap_server",
+        "method",
+        "call",
+        "registrations, chase",
+    ),
     Private(f"{_NIXL}._nixl_device_id", "function", "call", "transfer"),
     Private(f"{_NIXL}.NixlKVManager._post_xfer", "method", "call", "transfer"),
     Private(f"{_MOON}.MooncakeKVManager._registerable_regions", "method", "call", "mooncake"),
-    Private(f"{_D}.DecodePreallocQueue._resolve_pending_reqs", "method",
-            "call; replaced on the instance during a drain", "decode"),
+    Private(
+        f"{_D}.DecodePreallocQueue._resolve_pending_reqs",
+        "method",
+        "call; replaced on the instance during a drain",
+        "decode",
+    ),
 )
+
 
 def hook_function(hook: Hook):
     """The adapter function ``hook.hook`` names (imports its module)."""
@@ -186,11 +364,15 @@ def hook_function(hook: Hook):
 def hooks_for(options) -> list[tuple[str, object, str]]:
     """(target, function, kind) of every hook ``options`` turns on, in :data:`HOOKS`'
     order."""
-    return [(h.target, hook_function(h), h.kind) for h in HOOKS
-            if h.when is None or getattr(options, h.when)]
+    return [
+        (h.target, hook_function(h), h.kind)
+        for h in HOOKS
+        if h.when is None or getattr(options, h.when)
+    ]
 
 
 # -- where a target is in an sglang tree -------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Found:
@@ -221,8 +403,9 @@ class _Tree:
     def module(self, name: str) -> ast.Module | None:
         if name not in self._parsed:
             base = self.root.joinpath(*name.split("."))
-            path = next((p for p in (base.with_suffix(".py"), base / "__init__.py")
-                         if p.is_file()), None)
+            path = next(
+                (p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None
+            )
             self._parsed[name] = None if path is None else ast.parse(path.read_text())
             if path is not None:
                 self._parsed[name].path = path  # type: ignore[attr-defined]
@@ -239,14 +422,20 @@ class _Tree:
 
 def _defined(body, name: str):
     for node in body:
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
-                and node.name == name:
+        if (
+            isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.name == name
+        ):
             return node
         if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
             return node
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
-                and node.target.id == name:
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and node.target.id == name
+        ):
             return node
     return None
 
@@ -254,11 +443,20 @@ def _defined(body, name: str):
 def _self_assigns(cls: ast.ClassDef, name: str) -> list:
     out = []
     for node in ast.walk(cls):
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign))
-                   else [])
-        if any(isinstance(t, ast.Attribute) and t.attr == name
-               and isinstance(t.value, ast.Name) and t.value.id == "self" for t in targets):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+            else []
+        )
+        if any(
+            isinstance(t, ast.Attribute)
+            and t.attr == name
+            and isinstance(t.value, ast.Name)
+            and t.value.id == "self"
+            for t in targets
+        ):
             out.append(node)
     return out
 
@@ -271,13 +469,14 @@ def _imported(tree: _Tree, module: str, mod: ast.Module, name: str) -> str | Non
                 if (alias.asname or alias.name) == name:
                     base = node.module
                     if node.level:
-                        base = ".".join(module.split(".")[:-node.level] + [node.module])
+                        base = ".".join(module.split(".")[: -node.level] + [node.module])
                     return f"{base}.{alias.name}"
     return None
 
 
-def _in_class(tree: _Tree, module: str, cls: ast.ClassDef, name: str, attribute: bool,
-              seen: int = 0):
+def _in_class(
+    tree: _Tree, module: str, cls: ast.ClassDef, name: str, attribute: bool, seen: int = 0
+):
     """(module, node) of ``name`` in ``cls`` or, failing that, in its bases."""
     node = None if attribute else _defined(cls.body, name)
     if attribute:
@@ -309,8 +508,9 @@ def _in_class(tree: _Tree, module: str, cls: ast.ClassDef, name: str, attribute:
     return None
 
 
-def locate(target: str, what: str = "method", root: Path | None = None,
-           tree: _Tree | None = None) -> Found:
+def locate(
+    target: str, what: str = "method", root: Path | None = None, tree: _Tree | None = None
+) -> Found:
     """Find ``target`` in the sglang tree under ``root`` (default: the installed one);
     ``what`` is ``attribute`` for an instance attribute.  LookupError naming what is
     missing."""
@@ -388,22 +588,30 @@ def drift(root: Path, recorded: dict | None = None) -> list[dict]:
 
 def table() -> str:
     """The adapter README's table of hooks (Markdown)."""
-    lines = ["| sglang target | kind | adapter | when | what it does |",
-             "|---|---|---|---|---|"]
+    lines = ["| sglang target | kind | adapter | when | what it does |", "|---|---|---|---|---|"]
     for h in HOOKS:
         short = ".".join(h.target.split(".")[-2:])
-        lines.append(f"| `{short}` | {h.kind} | `{h.hook}` | {h.when or 'always'} | "
-                     f"{h.does} |")
-    lines += ["", "Private sglang names used other than through a hook:", "",
-              "| sglang name | what | use | adapter |", "|---|---|---|---|"]
+        lines.append(f"| `{short}` | {h.kind} | `{h.hook}` | {h.when or 'always'} | {h.does} |")
+    lines += [
+        "",
+        "Private sglang names used other than through a hook:",
+        "",
+        "| sglang name | what | use | adapter |",
+        "|---|---|---|---|",
+    ]
     for p in PRIVATE:
         short = ".".join(p.target.split(".")[-2:])
         lines.append(f"| `{short}` | {p.what} | {p.use} | {p.where} |")
     from kvmem_sglang.state import TABLES
 
-    lines += ["", "What the adapter keeps about sglang's objects, beside them (side tables "
-              "of `kvmem_sglang.state`; no attribute is set on an sglang object):", "",
-              "| about | table | adapter | holds |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "What the adapter keeps about sglang's objects, beside them (side tables "
+        "of `kvmem_sglang.state`; no attribute is set on an sglang object):",
+        "",
+        "| about | table | adapter | holds |",
+        "|---|---|---|---|",
+    ]
     for name, t in TABLES.items():
         lines.append(f"| {t.owner} | `{name}` | {t.users} | {t.holds} |")
     return "\n".join(lines)
@@ -415,7 +623,8 @@ def _write_recorded(path: Path, rec: dict, version: str) -> None:
         f'"""What ``python -m kvmem_sglang.manifest record`` found in sglang {version}: '
         "for each\ntarget of the manifest, (file:line, signature, digest).  Generated; "
         'do not edit."""\n\n'
-        f"VERSION = {version!r}\n\nRECORDED = {{\n{body}\n}}\n")
+        f"VERSION = {version!r}\n\nRECORDED = {{\n{body}\n}}\n"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -434,14 +643,18 @@ def main(argv: list[str]) -> int:
         print(", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
         for r in rows:
             if r["status"] != "same":
-                print(f"{r['status']:<9} {r['target']}  {r.get('was')} -> "
-                      f"{r.get('now') or r.get('why')}")
+                print(
+                    f"{r['status']:<9} {r['target']}  {r.get('was')} -> "
+                    f"{r.get('now') or r.get('why')}"
+                )
         return 0
     if argv[:1] == ["table"]:
         print(table())
         return 0
-    print("usage: python -m kvmem_sglang.manifest record | drift SITE_PACKAGES | table",
-          file=sys.stderr)
+    print(
+        "usage: python -m kvmem_sglang.manifest record | drift SITE_PACKAGES | table",
+        file=sys.stderr,
+    )
     return 2
 
 

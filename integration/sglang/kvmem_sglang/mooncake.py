@@ -92,11 +92,16 @@ def register_buffer_to_engine(original, manager, *args, **kwargs):
             f"Mooncake batch_register of {len(ptrs)} region(s) ({sum(lens)} bytes) on "
             f"this {_role(manager)} returned {code}{' at the resume' if again else ''}",
             "check the Mooncake engine's log above; the KV cache must be registered "
-            "before it can be served")
+            "before it can be served",
+        )
     state.DEREGISTERED.set(manager, False)
-    logger.info("kvmem-sglang: Mooncake %s: %s %d region(s), %d bytes (batch_register "
-                "returned 0)", _role(manager), "registered again" if again else "registered",
-                len(ptrs), sum(lens))
+    logger.info(
+        "kvmem-sglang: Mooncake %s: %s %d region(s), %d bytes (batch_register returned 0)",
+        _role(manager),
+        "registered again" if again else "registered",
+        len(ptrs),
+        sum(lens),
+    )
     if again:
         registrations.resend(manager)
     return None
@@ -121,15 +126,22 @@ def deregister_buffer_to_engine(original, manager, *args, **kwargs):
             f"Mooncake deregistration of {len(ptrs)} region(s) on this {_role(manager)} "
             f"refused (codes {codes})",
             "nothing is released; every region is registered again "
-            f"(codes {again}) and the server keeps serving" if set(again) <= {0, -7}
+            f"(codes {again}) and the server keeps serving"
+            if set(again) <= {0, -7}
             else "nothing is released, but not every region could be registered again "
-            f"(codes {again}): transfers of this server may fail until it is restarted")
+            f"(codes {again}): transfers of this server may fail until it is restarted",
+        )
     if hasattr(manager, "connection_pool"):
         with manager.connection_lock:
             manager.connection_pool.clear()
     state.DEREGISTERED.set(manager, True)
-    logger.info("kvmem-sglang: Mooncake %s: deregistered %d region(s), %d bytes "
-                "(batch_deregister returned 0)", _role(manager), len(ptrs), sum(lens))
+    logger.info(
+        "kvmem-sglang: Mooncake %s: deregistered %d region(s), %d bytes "
+        "(batch_deregister returned 0)",
+        _role(manager),
+        len(ptrs),
+        sum(lens),
+    )
     return None
 
 
@@ -150,6 +162,10 @@ def poison_unsettled_send(original, manager, room, *args, **kwargs):
     registration made again at once lets the late slices land (module docstring)."""
     until = time.monotonic() + SETTLE_S
     state.SETTLE_UNTIL.set(manager, max(state.SETTLE_UNTIL.get(manager, 0.0), until))
-    logger.warning("kvmem-sglang: Mooncake write of room %s failed and may still move for "
-                   "%.1f s; a release waits that long", room, SETTLE_S)
+    logger.warning(
+        "kvmem-sglang: Mooncake write of room %s failed and may still move for "
+        "%.1f s; a release waits that long",
+        room,
+        SETTLE_S,
+    )
     return original(manager, room, *args, **kwargs)

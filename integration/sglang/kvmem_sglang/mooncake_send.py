@@ -91,41 +91,66 @@ def max_slices(mgr=None, planes: int = 0, env=None) -> int:
     return max(1, cap)
 
 
-def send_kvcache(original, mgr, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
-                 dst_kv_indices, executor, dst_layer_ids=None, dst_device_kv_indices=None,
-                 dst_kv_item_len=None, dst_attn_tp_size=None):
+def send_kvcache(
+    original,
+    mgr,
+    mooncake_session_id,
+    prefill_kv_indices,
+    dst_kv_ptrs,
+    dst_kv_indices,
+    executor,
+    dst_layer_ids=None,
+    dst_device_kv_indices=None,
+    dst_kv_item_len=None,
+    dst_attn_tp_size=None,
+):
     """AROUND ``MooncakeKVManager.send_kvcache``: see the module docstring.  Returns 0 or
     the engine's code of the first failed call, as sglang's own send does."""
     session = mooncake_session_id
     st = transfer._state(mgr)
     rec = st.take(prefill_kv_indices)
     if rec is not None:
-        if (rec.peer == session and np.array_equal(rec.dst, dst_kv_indices)
-                and rec.batch is not None and rec.batch.state == "DONE"):
+        if (
+            rec.peer == session
+            and np.array_equal(rec.dst, dst_kv_indices)
+            and rec.batch is not None
+            and rec.batch.state == "DONE"
+        ):
             STATS.add(ahead_done=1)
             return 0
         STATS.add(resent=1)  # its write failed: send the chunk again
     geo = _geometry(mgr, session, dst_kv_ptrs, dst_layer_ids, dst_device_kv_indices)
     if geo is None or len(prefill_kv_indices) != len(dst_kv_indices) or not len(dst_kv_indices):
         STATS.add(fallbacks=1)
-        return original(mgr, mooncake_session_id, prefill_kv_indices, dst_kv_ptrs,
-                        dst_kv_indices, executor, dst_layer_ids=dst_layer_ids,
-                        dst_device_kv_indices=dst_device_kv_indices,
-                        dst_kv_item_len=dst_kv_item_len, dst_attn_tp_size=dst_attn_tp_size)
+        return original(
+            mgr,
+            mooncake_session_id,
+            prefill_kv_indices,
+            dst_kv_ptrs,
+            dst_kv_indices,
+            executor,
+            dst_layer_ids=dst_layer_ids,
+            dst_device_kv_indices=dst_device_kv_indices,
+            dst_kv_item_len=dst_kv_item_len,
+            dst_attn_tp_size=dst_attn_tp_size,
+        )
     STATS.add(sends=1)
     src_ptrs, dst_ptrs, item = geo
     src = np.asarray(prefill_kv_indices, dtype=np.int64)
     dst = np.asarray(dst_kv_indices, dtype=np.int64)
     per_page = int(item.sum())
     budget = transfer.BATCH_BYTES - src.size * per_page
-    ahead = (transfer._take_ahead(mgr, st, session, budget, per_page, _mooncake_peer)
-             if budget > 0 else [])
+    ahead = (
+        transfer._take_ahead(mgr, st, session, budget, per_page, _mooncake_peer)
+        if budget > 0
+        else []
+    )
     pairs = [(src, dst)] + [(a.src, a.dst) for a in ahead]
     try:
-        src_addr, dst_addr, nbytes, npairs = transfer.run_addresses(src_ptrs, dst_ptrs, item,
-                                                                    pairs)
-        code, calls = _write(mgr, session, src_addr, dst_addr, nbytes,
-                             max_slices(mgr, int(item.size)))
+        src_addr, dst_addr, nbytes, npairs = transfer.run_addresses(src_ptrs, dst_ptrs, item, pairs)
+        code, calls = _write(
+            mgr, session, src_addr, dst_addr, nbytes, max_slices(mgr, int(item.size))
+        )
     except BaseException:
         _end_ahead(mgr, st, ahead, transfer.Batch([], ahead, 0, 0), failed=True)
         raise  # the rooms sent ahead end as after a failed call
@@ -133,8 +158,14 @@ def send_kvcache(original, mgr, mooncake_session_id, prefill_kv_indices, dst_kv_
     _end_ahead(mgr, st, ahead, transfer.Batch([], ahead, nbytes, src_addr.size), code != 0)
     STATS.add(writes=calls)
     if code == 0:
-        STATS.add(batches=1, chunks=1 + len(ahead), sent_ahead=len(ahead),
-                  index_pairs=npairs * item.size, descriptors=src_addr.size, bytes=nbytes)
+        STATS.add(
+            batches=1,
+            chunks=1 + len(ahead),
+            sent_ahead=len(ahead),
+            index_pairs=npairs * item.size,
+            descriptors=src_addr.size,
+            bytes=nbytes,
+        )
     else:
         STATS.add(cut_short=1)
     return code
@@ -169,19 +200,28 @@ def _geometry(mgr, session, dst_kv_ptrs, dst_layer_ids, dst_device_kv_indices):
     src_ids = list(getattr(args, "kv_layer_ids", None) or [])
     dst_ids = list(dst_layer_ids or [])
     dst_item = list(getattr(info, "dst_kv_item_lens", None) or []) if info is not None else []
-    if (info is None or dst_device_kv_indices is not None or not src_ptrs
-            or getattr(mgr, "pp_size", 1) != 1 or mgr.is_hybrid_mla_backend
-            or mgr.enable_custom_mem_pool or conn.get_memory().enable_unified_memory
-            or len(item) != len(src_ptrs)
-            or list(dst_kv_ptrs) != list(info.dst_kv_ptrs)
-            or len(dst_kv_ptrs) != len(src_ptrs)
-            or (dst_item and dst_item != item)
-            or (src_ids and dst_ids and src_ids != dst_ids)):
+    if (
+        info is None
+        or dst_device_kv_indices is not None
+        or not src_ptrs
+        or getattr(mgr, "pp_size", 1) != 1
+        or mgr.is_hybrid_mla_backend
+        or mgr.enable_custom_mem_pool
+        or conn.get_memory().enable_unified_memory
+        or len(item) != len(src_ptrs)
+        or list(dst_kv_ptrs) != list(info.dst_kv_ptrs)
+        or len(dst_kv_ptrs) != len(src_ptrs)
+        or (dst_item and dst_item != item)
+        or (src_ids and dst_ids and src_ids != dst_ids)
+    ):
         return None
     if not (mgr.is_mla_backend or info.dst_attn_tp_size == mgr.attn_tp_size):
         return None
-    return (np.array(src_ptrs, dtype=np.uint64), np.array(dst_kv_ptrs, dtype=np.uint64),
-            np.array(item, dtype=np.uint64))
+    return (
+        np.array(src_ptrs, dtype=np.uint64),
+        np.array(dst_kv_ptrs, dtype=np.uint64),
+        np.array(item, dtype=np.uint64),
+    )
 
 
 def _write(mgr, session: str, src_addr, dst_addr, nbytes, cap: int) -> tuple[int, int]:
@@ -190,9 +230,12 @@ def _write(mgr, session: str, src_addr, dst_addr, nbytes, cap: int) -> tuple[int
     non-zero code (no call after it)."""
     calls = 0
     for lo in range(0, src_addr.size, cap):
-        code = mgr.engine.batch_transfer_sync(session, src_addr[lo:lo + cap].tolist(),
-                                              dst_addr[lo:lo + cap].tolist(),
-                                              nbytes[lo:lo + cap].tolist())
+        code = mgr.engine.batch_transfer_sync(
+            session,
+            src_addr[lo : lo + cap].tolist(),
+            dst_addr[lo : lo + cap].tolist(),
+            nbytes[lo : lo + cap].tolist(),
+        )
         calls += 1
         if code != 0:
             return code, calls

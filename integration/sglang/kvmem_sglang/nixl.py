@@ -72,8 +72,7 @@ def register_buffer_to_engine(original, manager, *args, **kwargs):
         manager.deregister_buffer_to_engine = functools.partial(deregister, manager)
     with _lock(manager):
         again = state.DEREGISTERED.get(manager, False)
-        out = _register(original, manager, options.active().register_regions, *args,
-                        **kwargs)
+        out = _register(original, manager, options.active().register_regions, *args, **kwargs)
         state.DEREGISTERED.set(manager, False)
         if again:
             prepare_peers(manager)
@@ -95,9 +94,11 @@ def prepare_payload(original, manager, *args, **kwargs):
     with _lock(manager):
         if state.DEREGISTERED.get(manager, False):
             peer = args[0] if args else kwargs.get("peer_info")
-            logger.info("kvmem-sglang: NIXL transfer lists of decode peer %s deferred to "
-                        "the resume (the KV cache is released)",
-                        getattr(peer, "agent_name", peer))
+            logger.info(
+                "kvmem-sglang: NIXL transfer lists of decode peer %s deferred to "
+                "the resume (the KV cache is released)",
+                getattr(peer, "agent_name", peer),
+            )
             return None
         return original(manager, *args, **kwargs)
 
@@ -111,8 +112,11 @@ def _register(original, manager, regions: bool, *args, **kwargs):
     new_ptrs, new_lens = kvpool.coalesce(ptrs, lens)
     if new_ptrs == ptrs or len(set(kinds)) > 1:
         return original(manager, *args, **kwargs)
-    saved = (kv_args.kv_data_ptrs, kv_args.kv_data_lens,
-             getattr(kv_args, "kv_data_mem_kinds", None))
+    saved = (
+        kv_args.kv_data_ptrs,
+        kv_args.kv_data_lens,
+        getattr(kv_args, "kv_data_mem_kinds", None),
+    )
     kv_args.kv_data_ptrs, kv_args.kv_data_lens = new_ptrs, new_lens
     if kinds:
         kv_args.kv_data_mem_kinds = kinds[:1] * len(new_ptrs)
@@ -145,8 +149,12 @@ def deregister(manager) -> None:
         manager.aux_descs = manager.state_descs = None
         if lists:
             state.DEREGISTERED.set(manager, True)
-    logger.info("kvmem: NIXL KV, aux and state buffers deregistered (%d list(s); %d "
-                "prepared transfer list(s) released first)", len(lists), released)
+    logger.info(
+        "kvmem: NIXL KV, aux and state buffers deregistered (%d list(s); %d "
+        "prepared transfer list(s) released first)",
+        len(lists),
+        released,
+    )
 
 
 def _prepared(manager) -> list:
@@ -168,8 +176,12 @@ def release_prepared(manager) -> int:
     released.  sglang then takes its unprepared path until :func:`prepare_peers`."""
     handles = _prepared(manager)
     _release_handles(manager, handles)
-    for name in ("prep_handles", "prep_handles_slice_dst", "prep_handles_segment_src",
-                 "_prepared_state_plans"):
+    for name in (
+        "prep_handles",
+        "prep_handles_slice_dst",
+        "prep_handles_segment_src",
+        "_prepared_state_plans",
+    ):
         table = getattr(manager, name, None)
         if table is not None:
             table.clear()
@@ -196,14 +208,20 @@ def prepare_peers(manager) -> None:
             manager._prepare_payload_xfer(peer)
             manager._prepare_state_xfer(peer)
         except Exception:  # noqa: BLE001 - the unprepared path still serves this peer
-            logger.exception("kvmem-sglang: preparing NIXL transfer lists for decode peer "
-                             "%s after the resume failed; its sends build descriptors per "
-                             "transfer", peer.agent_name)
+            logger.exception(
+                "kvmem-sglang: preparing NIXL transfer lists for decode peer "
+                "%s after the resume failed; its sends build descriptors per "
+                "transfer",
+                peer.agent_name,
+            )
             release_prepared(manager)
             return
     if peers:
-        logger.info("kvmem-sglang: NIXL transfer lists prepared again for %d decode "
-                    "peer(s) over the new registration", len(peers))
+        logger.info(
+            "kvmem-sglang: NIXL transfer lists prepared again for %d decode "
+            "peer(s) over the new registration",
+            len(peers),
+        )
 
 
 def _release_peer_lists(manager, name: str) -> int:
@@ -251,14 +269,21 @@ def add_remote_peer(original, manager, peer, *args, **kwargs):
             except Exception:  # noqa: BLE001 - NIXL may have dropped it already
                 logger.debug("kvmem-sglang: NIXL had no remote agent %s to remove", name)
             out = original(manager, peer, *args, **kwargs)
-            logger.info("kvmem-sglang: decode peer %s registered again (its KV cache was "
-                        "released and resumed): its NIXL metadata reloaded, %d prepared "
-                        "list(s) over the old one released", name, released)
+            logger.info(
+                "kvmem-sglang: decode peer %s registered again (its KV cache was "
+                "released and resumed): its NIXL metadata reloaded, %d prepared "
+                "list(s) over the old one released",
+                name,
+                released,
+            )
             return out
     except Exception:  # noqa: BLE001 - the bootstrap thread must not die of one peer
-        logger.exception("kvmem-sglang: registering decode peer %s failed; it is kept "
-                         "without prepared transfer lists (its sends build descriptors "
-                         "per transfer)", name)
+        logger.exception(
+            "kvmem-sglang: registering decode peer %s failed; it is kept "
+            "without prepared transfer lists (its sends build descriptors "
+            "per transfer)",
+            name,
+        )
         if name in getattr(manager, "decode_kv_args_table", {}):
             _release_peer_lists(manager, name)
         return None

@@ -120,8 +120,13 @@ def _send(mgr, targets, room: int, reason: str) -> None:
     with _POOL_LOCK:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(1, thread_name_prefix="kvmem-notify")
-    _POOL.submit(mgr.send_kv_status_message, targets=list(targets), bootstrap_room=room,
-                 status=KVPoll.Failed, failure_reason=reason)
+    _POOL.submit(
+        mgr.send_kv_status_message,
+        targets=list(targets),
+        bootstrap_room=room,
+        status=KVPoll.Failed,
+        failure_reason=reason,
+    )
 
 
 def _remember(mgr, room: int, reason: str | None = None) -> None:
@@ -131,8 +136,10 @@ def _remember(mgr, room: int, reason: str | None = None) -> None:
 
     rooms = state.ABORTED_ROOMS.setdefault(mgr, dict)
     now = time.monotonic()
-    keep = (envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
-            + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
+    keep = (
+        envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+        + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
+    )
     for old in [r for r, (t, _) in list(rooms.items()) if now - t > keep]:
         rooms.pop(old, None)
     rooms[room] = (now, reason)
@@ -150,8 +157,11 @@ def sender_abort(original, sender, *args, **kwargs):
     try:  # telling the decode is best effort: never an exception out of abort()
         _tell(sender, mgr, room, before, concluded)
     except Exception:  # noqa: BLE001 (callers such as abort_request run in the loop)
-        logger.exception("kvmem-sglang: telling the decode of room %s's abort failed; it "
-                         "falls back to its waiting timeout", room)
+        logger.exception(
+            "kvmem-sglang: telling the decode of room %s's abort failed; it "
+            "falls back to its waiting timeout",
+            room,
+        )
     return out
 
 
@@ -160,29 +170,40 @@ def _tell(sender, mgr, room, before, concluded) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     if concluded is not None or before not in (
-            KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring):
+        KVPoll.Bootstrapping,
+        KVPoll.WaitingForInput,
+        KVPoll.Transferring,
+    ):
         return
     if mgr.request_status.get(room) != KVPoll.Failed:
         return  # sglang declined the abort (a room it does not own)
     # the adapter's reason where it decided the abort (tagged: reasons.decide), else
     # sglang's own record ("Aborted by AbortReq.": a client's abort), marked as an abort
-    why = (state.ABORT_WHY.get(sender)
-           or tag(mgr.failure_records.get(room) or "Aborted", None))
+    why = state.ABORT_WHY.get(sender) or tag(mgr.failure_records.get(room) or "Aborted", None)
     if before == KVPoll.Bootstrapping:
-        _remember(mgr, room, f"Prefill aborted room {room} while bootstrapping ({why}); "
-                             "its decode metadata came after the abort")
+        _remember(
+            mgr,
+            room,
+            f"Prefill aborted room {room} while bootstrapping ({why}); "
+            "its decode metadata came after the abort",
+        )
     targets = mgr._room_notify_targets(room)
     if not targets:
         return
-    if (mgr._staging_outstanding.get(room, 0) > 0
-            and not mgr.enable_deferred_decode_kv_release):
+    if mgr._staging_outstanding.get(room, 0) > 0 and not mgr.enable_deferred_decode_kv_release:
         STATS.not_told_writing += 1
-        logger.warning("kvmem-sglang: room %s aborted with a write still outstanding and "
-                       "no deferred decode KV release: its decode is not told (it "
-                       "falls back to its waiting timeout)", room)
+        logger.warning(
+            "kvmem-sglang: room %s aborted with a write still outstanding and "
+            "no deferred decode KV release: its decode is not told (it "
+            "falls back to its waiting timeout)",
+            room,
+        )
         return
-    name = {KVPoll.Bootstrapping: "Bootstrapping", KVPoll.WaitingForInput:
-            "WaitingForInput", KVPoll.Transferring: "Transferring"}[before]
+    name = {
+        KVPoll.Bootstrapping: "Bootstrapping",
+        KVPoll.WaitingForInput: "WaitingForInput",
+        KVPoll.Transferring: "Transferring",
+    }[before]
     reason = f"Prefill aborted the KV transfer of room {room} in {name} ({why})"
     STATS.told += 1
     logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
@@ -210,8 +231,11 @@ def refuse_room(mgr, room, reason: str) -> None:
             logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
             _send(mgr, targets, room, reason)
     except Exception:  # noqa: BLE001 - the request is answered; the decode may time out
-        logger.exception("kvmem-sglang: telling the decode of refused room %s failed; it "
-                         "falls back to its waiting timeout", room)
+        logger.exception(
+            "kvmem-sglang: telling the decode of refused room %s failed; it "
+            "falls back to its waiting timeout",
+            room,
+        )
 
 
 def _waiting():
@@ -229,8 +253,11 @@ def manager_update_status(original, mgr, bootstrap_room, status, *args, **kwargs
             early.pop(bootstrap_room, None)
             out = original(mgr, bootstrap_room, status, *args, **kwargs)
             STATS.early_aborts += 1
-            logger.info("kvmem-sglang: room %s was aborted by its decode before its request "
-                        "reached this prefill; its sender fails now", bootstrap_room)
+            logger.info(
+                "kvmem-sglang: room %s was aborted by its decode before its request "
+                "reached this prefill; its sender fails now",
+                bootstrap_room,
+            )
             mgr.record_failure(bootstrap_room, EARLY_ABORT)
             original(mgr, bootstrap_room, KVPoll.Failed, *args, **kwargs)
             return out
@@ -240,15 +267,19 @@ def manager_update_status(original, mgr, bootstrap_room, status, *args, **kwargs
 
         if status == KVPoll.Bootstrapping:  # a new sender: a new lifecycle of the room
             rooms.pop(bootstrap_room, None)
-        elif (status == KVPoll.WaitingForInput
-              and mgr.request_status.get(bootstrap_room) in (None, KVPoll.Failed)):
+        elif status == KVPoll.WaitingForInput and mgr.request_status.get(bootstrap_room) in (
+            None,
+            KVPoll.Failed,
+        ):
             _, reason = rooms.pop(bootstrap_room, (None, None))
             targets = mgr._room_notify_targets(bootstrap_room)
             mgr.transfer_infos.pop(bootstrap_room, None)
             mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
             STATS.told_late += 1
-            reason = reason or (f"Prefill aborted room {bootstrap_room} while "
-                                "bootstrapping; its decode metadata came after the abort")
+            reason = reason or (
+                f"Prefill aborted room {bootstrap_room} while "
+                "bootstrapping; its decode metadata came after the abort"
+            )
             logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
             if targets:
                 _send(mgr, targets, bootstrap_room, reason)

@@ -38,34 +38,48 @@ class AdapterError(RuntimeError):
 VARIABLES: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
     "SGLANG_KVMEM": ("0", ("0", "1"), "1 turns the adapter on; 0 or unset leaves sglang stock"),
     "SGLANG_KVMEM_BACKEND": (
-        "auto", ("auto", "host", "cuda_vmm", "plain"),
+        "auto",
+        ("auto", "host", "cuda_vmm", "plain"),
         "memory behind the KV pool: auto = host mapping on CPU, CUDA VMM on a GPU; "
-        "plain = one ordinary allocation (no release)"),
+        "plain = one ordinary allocation (no release)",
+    ),
     "SGLANG_KVMEM_CHECK": (
-        "0", ("0", "1"),
+        "0",
+        ("0", "1"),
         "1 validates every allocator call on the host (one device sync per call; for "
-        "debugging); 0 checks on the device and raises at the next synchronising call"),
+        "debugging); 0 checks on the device and raises at the next synchronising call",
+    ),
     "SGLANG_KVMEM_REGISTER": (
-        "regions", ("regions", "layers"),
+        "regions",
+        ("regions", "layers"),
         "what the PD transfer engine registers: the pool's few regions, or sglang's one "
-        "buffer per layer and per K/V"),
+        "buffer per layer and per K/V",
+    ),
     "SGLANG_KVMEM_STAGING": (
-        "1", ("0", "1"),
+        "1",
+        ("0", "1"),
         "1 runs sglang's heterogeneous-TP staging gather/scatter on kvmem's pack/unpack "
-        "kernels (only matters with SGLANG_DISAGG_STAGING_BUFFER=1)"),
+        "kernels (only matters with SGLANG_DISAGG_STAGING_BUFFER=1)",
+    ),
     "SGLANG_KVMEM_PREFAULT": (
-        "1", ("0", "1"),
-        "1 backs every page of a host pool again at resume instead of at first touch"),
+        "1",
+        ("0", "1"),
+        "1 backs every page of a host pool again at resume instead of at first touch",
+    ),
     "SGLANG_KVMEM_DRAIN_TIMEOUT": (
-        "30", None,
+        "30",
+        None,
         "seconds a KV release waits for transfer writes already posted to settle (DONE "
-        "or ERR) before it goes on with an error log; a positive number"),
+        "or ERR) before it goes on with an error log; a positive number",
+    ),
     "SGLANG_KVMEM_TRANSFER": (
-        "kvmem", ("kvmem", "sglang"),
+        "kvmem",
+        ("kvmem", "sglang"),
         "how a NIXL or Mooncake prefill moves KV: kvmem = merged runs across the chunks "
         "queued for a decode (NIXL: several writes in flight, no spinning, "
         "kvmem_sglang.transfer; Mooncake: calls within its TCP queue, "
-        "kvmem_sglang.mooncake_send); sglang = sglang's own send"),
+        "kvmem_sglang.mooncake_send); sglang = sglang's own send",
+    ),
 }
 DEFAULT_DRAIN_TIMEOUT = 30.0
 # sglang's own variable for the prefill-side transfer timeout, which 0.5.23 reads nowhere
@@ -86,9 +100,10 @@ def positive_seconds(name: str, raw: str | None, default: float) -> float:
     except ValueError:
         value = float("nan")
     if not 0 < value < float("inf"):
-        raise AdapterError(f"{name}={raw!r} is not a positive number of seconds",
-                           f"set {name} to a positive number, or unset it for the "
-                           f"default ({default:g})")
+        raise AdapterError(
+            f"{name}={raw!r} is not a positive number of seconds",
+            f"set {name} to a positive number, or unset it for the default ({default:g})",
+        )
     return value
 
 
@@ -116,15 +131,17 @@ class Options:
             if allowed is not None and value not in allowed:
                 raise AdapterError(
                     f"{name}={raw!r} is not understood (allowed: {', '.join(allowed)})",
-                    f"set {name} to one of those, or unset it for the default "
-                    f"({default})")
+                    f"set {name} to one of those, or unset it for the default ({default})",
+                )
             values[name] = value
             if name == "SGLANG_KVMEM" and value == "0":
                 return cls(False, None, False, True, True, True)
         backend = values["SGLANG_KVMEM_BACKEND"]
-        drain_timeout = positive_seconds("SGLANG_KVMEM_DRAIN_TIMEOUT",
-                                         env.get("SGLANG_KVMEM_DRAIN_TIMEOUT"),
-                                         DEFAULT_DRAIN_TIMEOUT)
+        drain_timeout = positive_seconds(
+            "SGLANG_KVMEM_DRAIN_TIMEOUT",
+            env.get("SGLANG_KVMEM_DRAIN_TIMEOUT"),
+            DEFAULT_DRAIN_TIMEOUT,
+        )
         transfer_timeout = transfer_timeout_from_env(env)
         return cls(
             enabled=True,
@@ -143,8 +160,9 @@ def transfer_timeout_from_env(env=None) -> float:
     """``SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT`` in seconds (default 600); AdapterError
     naming the value when it is not a positive number."""
     env = os.environ if env is None else env
-    return positive_seconds(TRANSFER_TIMEOUT_VAR, env.get(TRANSFER_TIMEOUT_VAR),
-                            DEFAULT_TRANSFER_TIMEOUT)
+    return positive_seconds(
+        TRANSFER_TIMEOUT_VAR, env.get(TRANSFER_TIMEOUT_VAR), DEFAULT_TRANSFER_TIMEOUT
+    )
 
 
 _ACTIVE: Options | None = None  # the options of this process, once the plugin loaded
@@ -156,8 +174,10 @@ def activate(options: Options) -> None:
     read the first."""
     global _ACTIVE
     if _ACTIVE is not None and _ACTIVE != options:
-        raise AdapterError(f"the adapter's options are already set ({_ACTIVE}); "
-                           f"cannot change them to {options} in a running process")
+        raise AdapterError(
+            f"the adapter's options are already set ({_ACTIVE}); "
+            f"cannot change them to {options} in a running process"
+        )
     _ACTIVE = options
 
 

@@ -62,22 +62,25 @@ def load() -> None:
     for module, group in later.items():
         PENDING[module] = [t for t, _, _ in group]
         after_import(module, functools.partial(_install_backend, group))
-    _announce("kvmem-sglang: SGLANG_KVMEM=1, %d hooks installed, %s (pid %d, backend %s, "
-              "check %s, register %s, staging %s, transfer %s): %s", len(now),
-              ", ".join(f"{len(g)} when {m.rsplit('.', 2)[-2]} loads"
-                        for m, g in later.items()),
-              os.getpid(), options.backend or "auto", options.check,
-              "regions" if options.register_regions else "layers", options.staging,
-              "kvmem" if options.transfer else "sglang",
-              ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1]
-                        for t, _, _ in hooks))
+    _announce(
+        "kvmem-sglang: SGLANG_KVMEM=1, %d hooks installed, %s (pid %d, backend %s, "
+        "check %s, register %s, staging %s, transfer %s): %s",
+        len(now),
+        ", ".join(f"{len(g)} when {m.rsplit('.', 2)[-2]} loads" for m, g in later.items()),
+        os.getpid(),
+        options.backend or "auto",
+        options.check,
+        "regions" if options.register_regions else "layers",
+        options.staging,
+        "kvmem" if options.transfer else "sglang",
+        ", ".join(t.rsplit(".", 2)[-2] + "." + t.rsplit(".", 1)[-1] for t, _, _ in hooks),
+    )
 
 
 # The modules of sglang's PD transfer backends whose hooks wait for sglang to import them:
 # importing NIXL's (conn.py:59) loads the NIXL library, so a server on another backend
 # (Mooncake, sglang's default) would load NIXL only because the adapter named its classes.
-BACKEND_MODULES = ("sglang.srt.disaggregation.nixl.conn",
-                   "sglang.srt.disaggregation.mooncake.conn")
+BACKEND_MODULES = ("sglang.srt.disaggregation.nixl.conn", "sglang.srt.disaggregation.mooncake.conn")
 
 
 def _by_backend(hooks):
@@ -130,9 +133,10 @@ def _check_version() -> None:
         raise AdapterError(f"sglang is not importable: {e}") from None
     version = getattr(sglang, "__version__", "unknown")
     if version != SGLANG_VERSION:
-        raise AdapterError(f"this adapter supports sglang {SGLANG_VERSION}, found sglang "
-                           f"{version}", f"install sglang=={SGLANG_VERSION}, or "
-                           "unset SGLANG_KVMEM to run this sglang stock")
+        raise AdapterError(
+            f"this adapter supports sglang {SGLANG_VERSION}, found sglang {version}",
+            f"install sglang=={SGLANG_VERSION}, or unset SGLANG_KVMEM to run this sglang stock",
+        )
 
 
 def _hooks(options: Options) -> list[tuple[str, object, str]]:
@@ -179,8 +183,9 @@ def _resolve(target: str):
     try:
         owner = pkgutil.resolve_name(owner_path)
     except (ImportError, AttributeError, ValueError) as e:
-        raise AdapterError(f"hook target {target} cannot be resolved: "
-                           f"{type(e).__name__}: {e}") from None
+        raise AdapterError(
+            f"hook target {target} cannot be resolved: {type(e).__name__}: {e}"
+        ) from None
     if isinstance(owner, type):
         raw = next((k.__dict__[name] for k in owner.__mro__ if name in k.__dict__), None)
         if raw is None:
@@ -218,6 +223,9 @@ def _install(hooks) -> None:
     HookRegistry.apply_hooks()  # idempotent: load_plugins' own call skips these
     missing = [t for t, hook, _ in hooks if not _holds(_resolve(t)[2], hook)]
     if missing:
-        raise AdapterError("sglang did not apply the hook(s) on " + ", ".join(missing) +
-                           " (see sglang's log for the exception it swallowed)")
+        raise AdapterError(
+            "sglang did not apply the hook(s) on "
+            + ", ".join(missing)
+            + " (see sglang's log for the exception it swallowed)"
+        )
     INSTALLED.extend(t for t, _, _ in hooks)

@@ -95,6 +95,7 @@ _WARNED: set[str] = set()  # managers already warned about (once per class)
 
 # -- helpers -----------------------------------------------------------------------------
 
+
 def _is_prefill(sched) -> bool:
     return roles.role(sched) == "prefill"
 
@@ -104,6 +105,7 @@ def _matches(recv_req, req) -> bool:  # sglang's own rule in Scheduler.abort_req
 
 
 # -- arrival: 503 while released; stamp the registration epoch ----------------------------
+
 
 def add_request_to_queue(original, sched, req, *args, **kwargs):
     """A request that reaches the queues while the KV cache or the weights are released
@@ -118,9 +120,11 @@ def add_request_to_queue(original, sched, req, *args, **kwargs):
         from sglang.srt.disaggregation.utils import prepare_abort
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        msg = (f"{roles.server(sched)} has released its {roles.what_released(sched)} "
-               f"(release_memory_occupation); request {req.rid} refused until "
-               "resume_memory_occupation")
+        msg = (
+            f"{roles.server(sched)} has released its {roles.what_released(sched)} "
+            f"(release_memory_occupation); request {req.rid} refused until "
+            "resume_memory_occupation"
+        )
         status = HTTPStatus.SERVICE_UNAVAILABLE
         ended = req.finished_reason if isinstance(req.finished_reason, FINISH_ABORT) else None
         if ended is not None:
@@ -130,8 +134,11 @@ def add_request_to_queue(original, sched, req, *args, **kwargs):
             logger.warning("kvmem-sglang: %s", msg)
         if _is_prefill(sched):
             queue = getattr(sched, "disagg_prefill_bootstrap_queue", None)
-            notify.refuse_room(getattr(queue, "kv_manager", None),
-                               getattr(req, "bootstrap_room", None), tag(msg, status))
+            notify.refuse_room(
+                getattr(queue, "kv_manager", None),
+                getattr(req, "bootstrap_room", None),
+                tag(msg, status),
+            )
         sched._release_aborted_request(req)
         prepare_abort(req, msg, status_code=status)
         sched.output_streamer.stream_output([req], req.return_logprob)
@@ -143,6 +150,7 @@ def add_request_to_queue(original, sched, req, *args, **kwargs):
 
 
 # -- client abort -----------------------------------------------------------------------------
+
 
 def abort_request(original, sched, recv_req, *args, **kwargs):
     """A client's abort of a bootstrapping or inflight request is answered as that abort
@@ -160,8 +168,9 @@ def abort_request(original, sched, recv_req, *args, **kwargs):
         for req in inflight:  # its failure path then keeps the abort (and counts no
             if reason_of(req) is reason:  # transfer failure)
                 req.finished_reason = reason
-        others = list(sched.waiting_queue) + [r for r in sched.collect_inflight_reqs()
-                                               if not r.finished()]
+        others = list(sched.waiting_queue) + [
+            r for r in sched.collect_inflight_reqs() if not r.finished()
+        ]
         others += list(getattr(getattr(sched, "grammar_manager", None), "grammar_queue", ()))
         if sched.chunked_req is not None:
             others.append(sched.chunked_req)
@@ -169,9 +178,13 @@ def abort_request(original, sched, recv_req, *args, **kwargs):
         # mode sends one every second while requests run)
         if not (hit or recv_req.abort_all or any(_matches(recv_req, r) for r in others)):
             STATS.unknown_aborts += 1
-            logger.info("kvmem-sglang: abort of rid %r (abort_all=%s): no such request on "
-                        "this prefill server (unknown, or already answered); nothing "
-                        "changed", recv_req.rid, recv_req.abort_all)
+            logger.info(
+                "kvmem-sglang: abort of rid %r (abort_all=%s): no such request on "
+                "this prefill server (unknown, or already answered); nothing "
+                "changed",
+                recv_req.rid,
+                recv_req.abort_all,
+            )
     return original(sched, recv_req, *args, **kwargs)
 
 
@@ -189,6 +202,7 @@ def _client_abort_reason(recv_req):
 
 # -- every answer: the adapter's reason wins ----------------------------------------------
 
+
 def stream_output(streamer, reqs, *args, **kwargs):
     for req in reqs:
         reason = reason_of(req)
@@ -199,13 +213,19 @@ def stream_output(streamer, reqs, *args, **kwargs):
 
 # -- bootstrap failure: a timeout is 504 ---------------------------------------------------
 
+
 def handle_bootstrap_failure(sched, req, *args, **kwargs):
     if reason_of(req) is None:
         why = _bootstrap_timeout(req)
         if why is not None:
-            _decide(req, _abort_reason(
-                f"Prefill bootstrap timed out ({why}) for request {req.rid} "
-                f"bootstrap_room={req.bootstrap_room}", HTTPStatus.GATEWAY_TIMEOUT))
+            _decide(
+                req,
+                _abort_reason(
+                    f"Prefill bootstrap timed out ({why}) for request {req.rid} "
+                    f"bootstrap_room={req.bootstrap_room}",
+                    HTTPStatus.GATEWAY_TIMEOUT,
+                ),
+            )
             STATS.bootstrap_timeouts += 1
     return None
 
@@ -230,6 +250,7 @@ def _bootstrap_timeout(req):
 
 
 # -- inflight queue: transfer timeout, then the idle audit ---------------------------------
+
 
 def process_inflight_queue(original, sched, *args, **kwargs):
     queue = sched.disagg_prefill_inflight_queue
@@ -260,9 +281,11 @@ def _expire_transfers(sched, queue) -> None:
         if polled not in (KVPoll.WaitingForInput, KVPoll.Transferring):
             continue
         name = "WaitingForInput" if polled == KVPoll.WaitingForInput else "Transferring"
-        msg = (f"Prefill KV transfer timed out (> {timeout:g}s in {name}, "
-               f"{TRANSFER_TIMEOUT_VAR}) for request {req.rid} "
-               f"bootstrap_room={req.bootstrap_room}; sender aborted, KV freed")
+        msg = (
+            f"Prefill KV transfer timed out (> {timeout:g}s in {name}, "
+            f"{TRANSFER_TIMEOUT_VAR}) for request {req.rid} "
+            f"bootstrap_room={req.bootstrap_room}; sender aborted, KV freed"
+        )
         logger.error("kvmem-sglang: %s", msg)
         if _decide(req, _abort_reason(msg, HTTPStatus.GATEWAY_TIMEOUT)):
             req.finished_reason = reason_of(req)  # as prepare_abort: no 500 later
@@ -272,13 +295,16 @@ def _expire_transfers(sched, queue) -> None:
 
 # -- chunk sends: refuse one built before a release ------------------------------------------
 
+
 def send_kv_chunk(original, sched, req, *args, **kwargs):
     epoch = state.EPOCH.get(sched, 0)
     made = state.REQ_EPOCH.get(req, epoch)
     if made != epoch:
-        msg = (f"KV chunk of request {req.rid} refused before posting: its transfer was "
-               f"set up before release_memory_occupation (registration epoch {made}, now "
-               f"{epoch}); sender aborted")
+        msg = (
+            f"KV chunk of request {req.rid} refused before posting: its transfer was "
+            f"set up before release_memory_occupation (registration epoch {made}, now "
+            f"{epoch}); sender aborted"
+        )
         logger.error("kvmem-sglang: %s", msg)
         STATS.refused_stale_sends += 1
         _decide(req, _abort_reason(msg, HTTPStatus.SERVICE_UNAVAILABLE))
@@ -288,6 +314,7 @@ def send_kv_chunk(original, sched, req, *args, **kwargs):
 
 
 # -- release / resume ---------------------------------------------------------------------------
+
 
 def _tags(recv_req) -> list[str]:
     from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
@@ -309,18 +336,24 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
     fixed = [p for p in kvpool.live_pools() if not p.can_release]
     if GPU_MEMORY_TYPE_KV_CACHE in tags and fixed:
         STATS.refused_releases += 1
-        logger.warning("kvmem-sglang: release_memory_occupation(%s) refused: the KV pool's "
-                       "memory backend %r cannot release its memory "
-                       "(SGLANG_KVMEM_BACKEND=plain); nothing changed; use "
-                       "SGLANG_KVMEM_BACKEND=auto to release the KV cache", ",".join(tags),
-                       fixed[0].backend)
+        logger.warning(
+            "kvmem-sglang: release_memory_occupation(%s) refused: the KV pool's "
+            "memory backend %r cannot release its memory "
+            "(SGLANG_KVMEM_BACKEND=plain); nothing changed; use "
+            "SGLANG_KVMEM_BACKEND=auto to release the KV cache",
+            ",".join(tags),
+            fixed[0].backend,
+        )
         return ReleaseMemoryOccupationReqOutput()
     again = [t for t in tags if t in manager.offload_tags]
     if again:
         STATS.refused_releases += 1
-        logger.warning("kvmem-sglang: release_memory_occupation(%s) refused: %s already "
-                       "released (call resume_memory_occupation first); nothing changed",
-                       ",".join(tags), ",".join(again))
+        logger.warning(
+            "kvmem-sglang: release_memory_occupation(%s) refused: %s already "
+            "released (call resume_memory_occupation first); nothing changed",
+            ",".join(tags),
+            ",".join(again),
+        )
         return ReleaseMemoryOccupationReqOutput()
     sched = manager.scheduler
     if sched is None:
@@ -328,23 +361,30 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
     stops_forwards = GPU_MEMORY_TYPE_KV_CACHE in tags or GPU_MEMORY_TYPE_WEIGHTS in tags
     if stops_forwards and not _drained(sched, roles.describe(tags)):
         STATS.refused_releases += 1
-        logger.error("kvmem-sglang: release_memory_occupation(%s) refused: answering the "
-                     "requests in flight failed (logged above); nothing released, the "
-                     "server keeps serving", ",".join(tags))
+        logger.error(
+            "kvmem-sglang: release_memory_occupation(%s) refused: answering the "
+            "requests in flight failed (logged above); nothing released, the "
+            "server keeps serving",
+            ",".join(tags),
+        )
         return ReleaseMemoryOccupationReqOutput()
     if GPU_MEMORY_TYPE_KV_CACHE in tags and _is_prefill(sched):
         _await_posted_writes(sched)
     try:
-        with (_grammar_queue_set_aside(sched), _queued_results_set_aside(sched),
-              decode.host_destinations_set_aside(sched)):
+        with (
+            _grammar_queue_set_aside(sched),
+            _queued_results_set_aside(sched),
+            decode.host_destinations_set_aside(sched),
+        ):
             out = original(manager, recv_req, *args, **kwargs)
     except RegistrationError as e:
         # sglang's release stopped at the transfer engine's deregistration (it marks the
         # tags released first): nothing was given back, so nothing is marked released
         manager.offload_tags.difference_update(tags)
         STATS.refused_releases += 1
-        logger.error("%s; release_memory_occupation(%s) refused, nothing released",
-                     e, ",".join(tags))
+        logger.error(
+            "%s; release_memory_occupation(%s) refused, nothing released", e, ",".join(tags)
+        )
         return ReleaseMemoryOccupationReqOutput()
     if GPU_MEMORY_TYPE_KV_CACHE in tags:
         state.EPOCH.set(sched, state.EPOCH.get(sched, 0) + 1)
@@ -363,8 +403,9 @@ def _drained(sched, what: str) -> bool:
         else:
             decode.drain(sched, what)
     except Exception:  # noqa: BLE001 - the release is refused instead of killing the loop
-        logger.exception("kvmem-sglang: draining the scheduler for "
-                         "release_memory_occupation failed")
+        logger.exception(
+            "kvmem-sglang: draining the scheduler for release_memory_occupation failed"
+        )
         return False
     return True
 
@@ -382,16 +423,21 @@ def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
         held = [t for t in GPU_MEMORY_ALL_TYPES if t in manager.offload_tags]
         if not held:
             STATS.refused_resumes += 1
-            logger.warning("kvmem-sglang: resume_memory_occupation() refused: nothing is "
-                           "released; nothing changed")
+            logger.warning(
+                "kvmem-sglang: resume_memory_occupation() refused: nothing is "
+                "released; nothing changed"
+            )
             return ResumeMemoryOccupationReqOutput()
         recv_req.tags = held
     tags = _tags(recv_req)
     missing = [t for t in tags if t not in manager.offload_tags]
     if missing:
         STATS.refused_resumes += 1
-        logger.warning("kvmem-sglang: resume_memory_occupation(%s) refused: %s not "
-                       "released; nothing changed", ",".join(tags), ",".join(missing))
+        logger.warning(
+            "kvmem-sglang: resume_memory_occupation(%s) refused: %s not released; nothing changed",
+            ",".join(tags),
+            ",".join(missing),
+        )
         return ResumeMemoryOccupationReqOutput()
     try:
         return original(manager, recv_req, *args, **kwargs)
@@ -404,8 +450,12 @@ def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
         kvpool.release_all()
         manager.offload_tags.add(GPU_MEMORY_TYPE_KV_CACHE)
         STATS.refused_resumes += 1
-        logger.error("%s; resume_memory_occupation(%s) refused: the KV cache stays "
-                     "released (call resume_memory_occupation again)", e, ",".join(tags))
+        logger.error(
+            "%s; resume_memory_occupation(%s) refused: the KV cache stays "
+            "released (call resume_memory_occupation again)",
+            e,
+            ",".join(tags),
+        )
         return ResumeMemoryOccupationReqOutput()
 
 
@@ -416,8 +466,10 @@ def continue_generation(original, sched, *args, **kwargs):
     them."""
     out = original(sched, *args, **kwargs)
     if roles.released(sched) and not _drained(sched, roles.what_released(sched)):
-        logger.error("kvmem-sglang: continue_generation with memory released: requests "
-                     "kept by the release could not be answered")
+        logger.error(
+            "kvmem-sglang: continue_generation with memory released: requests "
+            "kept by the release could not be answered"
+        )
     return out
 
 
@@ -439,8 +491,11 @@ def _grammar_queue_set_aside(sched):
         return
     kept = list(queue)
     manager.grammar_queue = []
-    logger.info("kvmem-sglang: release_memory_occupation keeps %d request(s) waiting for "
-                "their grammar: %s", len(kept), ", ".join(r.rid for r in kept))
+    logger.info(
+        "kvmem-sglang: release_memory_occupation keeps %d request(s) waiting for their grammar: %s",
+        len(kept),
+        ", ".join(r.rid for r in kept),
+    )
     try:
         yield
     finally:
@@ -484,7 +539,8 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
         return _abort_reason(
             f"{server} released its {what} (release_memory_occupation) while "
             f"request {req.rid} was {where}; aborted, retry after the resume",
-            HTTPStatus.SERVICE_UNAVAILABLE)
+            HTTPStatus.SERVICE_UNAVAILABLE,
+        )
 
     queue = sched.disagg_prefill_bootstrap_queue
     waiting = getattr(sched, "waiting_queue", [])
@@ -499,8 +555,7 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
             _decide(req, reason(req, where))
             sched._release_aborted_request(req)
             sched.release_aborted_prefill_waiting_req(req)  # sender, metadata, KV
-            prepare_abort(req, reason_of(req).message,
-                          status_code=reason_of(req).status_code)
+            prepare_abort(req, reason_of(req).message, status_code=reason_of(req).status_code)
             answered.append(req)
     queue.queue = []
     if answered:
@@ -522,7 +577,8 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
     batches = [getattr(sched, "running_batch", None), last] + [b for b, _ in pending]
     live, seen = [], set(map(id, answered)) | inflight
     for req in ([chunked] if chunked is not None else []) + [
-            r for b in batches if b is not None for r in b.reqs]:
+        r for b in batches if b is not None for r in b.reqs
+    ]:
         if id(req) not in seen and not req.finished():
             seen.add(id(req))
             live.append(req)
@@ -534,11 +590,14 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
     for req in live:
         if isinstance(req.to_finish, FINISH_ABORT):  # its client's abort, not yet applied
             _decide(req, req.to_finish)
-        _decide(req, reason(req, "between the chunks of its prefill" if req is chunked
-                            else "in a prefill batch"))
+        _decide(
+            req,
+            reason(
+                req, "between the chunks of its prefill" if req is chunked else "in a prefill batch"
+            ),
+        )
         req.to_finish = None
-        prepare_abort(req, reason_of(req).message,
-                      status_code=reason_of(req).status_code)
+        prepare_abort(req, reason_of(req).message, status_code=reason_of(req).status_code)
         sched.clear_pending_chunk_send(req)
         if req.disagg_kv_sender is not None:
             req.disagg_kv_sender.abort()
@@ -550,14 +609,19 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
         answered.append(req)
     if chunked is not None and chunked.finished():
         sched.chunked_req = None
-    if getattr(sched, "_pending_chunked_abort_req", None) is not None \
-            and sched._pending_chunked_abort_req.finished():
+    if (
+        getattr(sched, "_pending_chunked_abort_req", None) is not None
+        and sched._pending_chunked_abort_req.finished()
+    ):
         sched._pending_chunked_abort_req = None
     if answered:  # one answer per request, as the inflight queue streams its done ones
         STATS.released_aborts += len(answered)
-        logger.warning("kvmem-sglang: release_memory_occupation(kv_cache): %d request(s) "
-                       "answered 503 and their senders aborted: %s", len(answered),
-                       ", ".join(r.rid for r in answered))
+        logger.warning(
+            "kvmem-sglang: release_memory_occupation(kv_cache): %d request(s) "
+            "answered 503 and their senders aborted: %s",
+            len(answered),
+            ", ".join(r.rid for r in answered),
+        )
         sched.output_streamer.stream_output(answered, any(r.return_logprob for r in answered))
     if last is not None and last.reqs:
         last.filter_batch()  # drops finished requests: all of them are answered now
@@ -617,9 +681,11 @@ def _await_posted_writes(sched) -> None:
         return {room: n for room, n in dict(counts).items() if n > 0 and room not in given_up}
 
     if given_up:
-        logger.warning("kvmem-sglang: release_memory_occupation(kv_cache) does not wait "
-                       "again for room(s) %s: an earlier release gave up on their writes",
-                       sorted(given_up))
+        logger.warning(
+            "kvmem-sglang: release_memory_occupation(kv_cache) does not wait "
+            "again for room(s) %s: an earlier release gave up on their writes",
+            sorted(given_up),
+        )
     rooms = busy()
     start = time.monotonic()
     deadline, next_log = start + options.active().drain_timeout, start + DRAIN_LOG_S
@@ -627,26 +693,38 @@ def _await_posted_writes(sched) -> None:
     if not rooms:
         return
     STATS.drain_waits += 1
-    logger.info("kvmem-sglang: release_memory_occupation(kv_cache) waits for the writes "
-                "already posted for %d room(s) to settle: %s", len(rooms), rooms)
+    logger.info(
+        "kvmem-sglang: release_memory_occupation(kv_cache) waits for the writes "
+        "already posted for %d room(s) to settle: %s",
+        len(rooms),
+        rooms,
+    )
     while rooms:
         now = time.monotonic()
         if now >= deadline:
             STATS.drain_timeouts += 1
             given_up.update(rooms)
-            logger.error("kvmem-sglang: release_memory_occupation(kv_cache): writes of "
-                         "room(s) %s still unsettled after %.1f s (SGLANG_KVMEM_DRAIN_"
-                         "TIMEOUT); releasing anyway: their decode side falls back to its "
-                         "release timeout", rooms, now - start)
+            logger.error(
+                "kvmem-sglang: release_memory_occupation(kv_cache): writes of "
+                "room(s) %s still unsettled after %.1f s (SGLANG_KVMEM_DRAIN_"
+                "TIMEOUT); releasing anyway: their decode side falls back to its "
+                "release timeout",
+                rooms,
+                now - start,
+            )
             return
         if now >= next_log:
             next_log = now + DRAIN_LOG_S
-            logger.warning("kvmem-sglang: release still waiting (%.1f s) for posted writes "
-                           "of room(s) %s", now - start, rooms)
+            logger.warning(
+                "kvmem-sglang: release still waiting (%.1f s) for posted writes of room(s) %s",
+                now - start,
+                rooms,
+            )
         time.sleep(DRAIN_POLL_S)
         rooms = busy()
-    logger.info("kvmem-sglang: posted writes settled after %.3f s; releasing",
-                time.monotonic() - start)
+    logger.info(
+        "kvmem-sglang: posted writes settled after %.3f s; releasing", time.monotonic() - start
+    )
 
 
 def _await_settle_window(mgr, deadline: float) -> None:
@@ -657,12 +735,16 @@ def _await_settle_window(mgr, deadline: float) -> None:
     until = min(state.SETTLE_UNTIL.get(mgr, 0.0), deadline)
     wait = until - time.monotonic()
     if wait > 0:
-        logger.warning("kvmem-sglang: release_memory_occupation(kv_cache) waits %.2f s for "
-                       "the slices of a failed transfer that may still move", wait)
+        logger.warning(
+            "kvmem-sglang: release_memory_occupation(kv_cache) waits %.2f s for "
+            "the slices of a failed transfer that may still move",
+            wait,
+        )
         time.sleep(wait)
 
 
 # -- transfer-engine registrations: every backend deregisters at release ---------------------
+
 
 def queue_release(result, queue, *args, **kwargs):
     """After sglang's queue release, which calls ``deregister_buffer_to_engine`` where the
@@ -671,12 +753,18 @@ def queue_release(result, queue, *args, **kwargs):
     logged once per backend (the fake backend registers nothing)."""
     mgr = queue.kv_manager
     name = type(mgr).__name__
-    if (not hasattr(mgr, "deregister_buffer_to_engine") and name != "FakeKVManager"
-            and name not in _WARNED):
+    if (
+        not hasattr(mgr, "deregister_buffer_to_engine")
+        and name != "FakeKVManager"
+        and name not in _WARNED
+    ):
         _WARNED.add(name)
-        logger.warning("kvmem-sglang: the transfer backend's %s has no deregistration; "
-                       "what it registered stays registered across "
-                       "release_memory_occupation", name)
+        logger.warning(
+            "kvmem-sglang: the transfer backend's %s has no deregistration; "
+            "what it registered stays registered across "
+            "release_memory_occupation",
+            name,
+        )
     return None
 
 
@@ -684,11 +772,15 @@ def queue_resume(original, queue, *args, **kwargs):
     """Register once: only what the release deregistered (a NIXL manager still
     registered would otherwise hold two registrations of the same buffers)."""
     mgr = queue.kv_manager
-    if (getattr(mgr, "agent", None) is not None
-            and hasattr(mgr, "deregister_buffer_to_engine")
-            and not state.DEREGISTERED.get(mgr, False)):
+    if (
+        getattr(mgr, "agent", None) is not None
+        and hasattr(mgr, "deregister_buffer_to_engine")
+        and not state.DEREGISTERED.get(mgr, False)
+    ):
         STATS.registrations_skipped += 1
-        logger.warning("kvmem-sglang: resume: the transfer engine still holds its "
-                       "registrations; not registering them twice")
+        logger.warning(
+            "kvmem-sglang: resume: the transfer engine still holds its "
+            "registrations; not registering them twice"
+        )
         return None
     return original(queue, *args, **kwargs)

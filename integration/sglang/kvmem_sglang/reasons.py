@@ -34,8 +34,7 @@ _ABORT_MARK = "(kvmem-sglang abort)"
 # "... with exception KVTransferError(bootstrap_room=N): <reason>", so a message that ends
 # with one of these is that abort.
 EARLY_ABORT = "Aborted by decode-side abort notification (received before the request)."
-ABORTED = ("Aborted by AbortReq.", "Aborted by decode-side abort notification.",
-           EARLY_ABORT)
+ABORTED = ("Aborted by AbortReq.", "Aborted by decode-side abort notification.", EARLY_ABORT)
 
 
 def abort_reason(message: str, status):
@@ -80,5 +79,6 @@ def status_of(message) -> int | None:
 def is_abort(message) -> bool:
     """True if ``message`` is the failure reason of an abort (module docstring): marked by
     :func:`tag`, or ending with one of :data:`ABORTED`."""
-    return isinstance(message, str) and (_ABORT_MARK in message
-                                         or message.rstrip().endswith(ABORTED))
+    return isinstance(message, str) and (
+        _ABORT_MARK in message or message.rstrip().endswith(ABORTED)
+    )

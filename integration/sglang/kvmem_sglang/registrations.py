@@ -26,10 +26,11 @@ def register_kv_args(original, receiver, *args, **kwargs):
     request is refused, :func:`kvmem_sglang.decode.pop_preallocated`), and the resume
     sends the registration (:func:`resend`); otherwise sglang's."""
     if state.DEREGISTERED.get(receiver.kv_mgr, False) and receiver.bootstrap_infos:
-        logger.info("kvmem-sglang: registration with prefill rank(s) %s deferred to the "
-                    "resume (this decode's KV cache is released)",
-                    ", ".join(f"{i.get('rank_ip')}:{i.get('rank_port')}"
-                              for i in receiver.bootstrap_infos))
+        logger.info(
+            "kvmem-sglang: registration with prefill rank(s) %s deferred to the "
+            "resume (this decode's KV cache is released)",
+            ", ".join(f"{i.get('rank_ip')}:{i.get('rank_port')}" for i in receiver.bootstrap_infos),
+        )
         return True
     return original(receiver, *args, **kwargs)
 
@@ -59,8 +60,14 @@ def resend(manager) -> int:
                 sock.send_multipart(message)
             sent += 1
         except Exception:  # noqa: BLE001 - that prefill then keeps the old registration
-            logger.exception("kvmem-sglang: sending this decode's new registration to "
-                             "prefill rank %s:%s failed", ip, port)
-    logger.info("kvmem-sglang: this decode's new registration sent to %d of %d "
-                "prefill rank(s)", sent, len(ranks))
+            logger.exception(
+                "kvmem-sglang: sending this decode's new registration to prefill rank %s:%s failed",
+                ip,
+                port,
+            )
+    logger.info(
+        "kvmem-sglang: this decode's new registration sent to %d of %d prefill rank(s)",
+        sent,
+        len(ranks),
+    )
     return sent

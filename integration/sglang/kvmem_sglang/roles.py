@@ -31,8 +31,7 @@ def released(sched) -> frozenset[str]:
 
     wu = getattr(sched, "weight_updater", None)
     tags = getattr(wu, "offload_tags", None) or ()
-    return frozenset(t for t in (GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS)
-                     if t in tags)
+    return frozenset(t for t in (GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS) if t in tags)
 
 
 def kv_released(sched) -> bool:

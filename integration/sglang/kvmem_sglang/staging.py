@@ -43,8 +43,15 @@ def _chunk_nbytes(k_buffers, v_buffers, num_pages: int, page_size: int, num_head
     return len(k_buffers) * tokens * num_heads * dims * item
 
 
-def gather_all_layers_to_staging(k_buffers, v_buffers, page_indices_np, staging_buffer,
-                                 src_head_start: int, num_heads: int, page_size: int) -> int:
+def gather_all_layers_to_staging(
+    k_buffers,
+    v_buffers,
+    page_indices_np,
+    staging_buffer,
+    src_head_start: int,
+    num_heads: int,
+    page_size: int,
+) -> int:
     """sglang's ``gather_all_layers_to_staging`` (same arguments, same result): the
     listed pages of every layer, heads ``[src_head_start, src_head_start + num_heads)``,
     packed at the start of ``staging_buffer.buffer``; returns the bytes written.  Runs
@@ -54,26 +61,44 @@ def gather_all_layers_to_staging(k_buffers, v_buffers, page_indices_np, staging_
     ids = _ids(page_indices_np, device)
     nbytes = _chunk_nbytes(k_buffers, v_buffers, ids.numel(), page_size, num_heads)
     if nbytes > staging_buffer.buffer.numel():
-        raise ValueError(f"staging gather needs {nbytes} bytes, the staging buffer holds "
-                         f"{staging_buffer.buffer.numel()}")
+        raise ValueError(
+            f"staging gather needs {nbytes} bytes, the staging buffer holds "
+            f"{staging_buffer.buffer.numel()}"
+        )
     out = staging_buffer.buffer[:nbytes]
     heads = (src_head_start, src_head_start + num_heads)
     if device.type == "cpu":
-        kvmem.pack_buffers(k_buffers, v_buffers, ids, page_size=page_size, heads=heads,
-                           out=out, check=True)
+        kvmem.pack_buffers(
+            k_buffers, v_buffers, ids, page_size=page_size, heads=heads, out=out, check=True
+        )
         return nbytes
     stream = staging_buffer.get_gather_stream()
     stream.wait_stream(staging_buffer.producer_stream())
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        kvmem.pack_buffers(k_buffers, v_buffers, ids, page_size=page_size, heads=heads,
-                           out=out, check=_host_check())
+        kvmem.pack_buffers(
+            k_buffers,
+            v_buffers,
+            ids,
+            page_size=page_size,
+            heads=heads,
+            out=out,
+            check=_host_check(),
+        )
     stream.synchronize()
     return nbytes
 
 
-def scatter_staging_to_kv(staging_buffer_view, k_buffers, v_buffers, page_idx_tensor,
-                          page_size: int, prefill_attn_tp_size: int, decode_attn_tp_size: int,
-                          dst_tp_rank: int, total_kv_heads: int) -> None:
+def scatter_staging_to_kv(
+    staging_buffer_view,
+    k_buffers,
+    v_buffers,
+    page_idx_tensor,
+    page_size: int,
+    prefill_attn_tp_size: int,
+    decode_attn_tp_size: int,
+    dst_tp_rank: int,
+    total_kv_heads: int,
+) -> None:
     """sglang's ``scatter_staging_to_kv`` (same arguments): each writer rank's region of
     the staging view (one region per prefill rank when the prefill has the larger TP)
     unpacked into its head slice of the listed pages, on the caller's current stream."""
@@ -81,17 +106,25 @@ def scatter_staging_to_kv(staging_buffer_view, k_buffers, v_buffers, page_idx_te
 
     device = k_buffers[0].device
     ids = _ids(page_idx_tensor, device)
-    writers = (prefill_attn_tp_size // max(1, decode_attn_tp_size)
-               if prefill_attn_tp_size > decode_attn_tp_size else 1)
+    writers = (
+        prefill_attn_tp_size // max(1, decode_attn_tp_size)
+        if prefill_attn_tp_size > decode_attn_tp_size
+        else 1
+    )
     base = 0
     for writer in range(writers):
         _, num_heads, dst_head_start, _ = compute_head_slice_params(
-            prefill_attn_tp_size, decode_attn_tp_size, writer, dst_tp_rank, total_kv_heads)
+            prefill_attn_tp_size, decode_attn_tp_size, writer, dst_tp_rank, total_kv_heads
+        )
         nbytes = _chunk_nbytes(k_buffers, v_buffers, ids.numel(), page_size, num_heads)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            kvmem.unpack_buffers(staging_buffer_view[base:base + nbytes], k_buffers,
-                                 v_buffers, ids, page_size=page_size,
-                                 heads=(dst_head_start, dst_head_start + num_heads),
-                                 check=_host_check() or device.type == "cpu")
+            kvmem.unpack_buffers(
+                staging_buffer_view[base : base + nbytes],
+                k_buffers,
+                v_buffers,
+                ids,
+                page_size=page_size,
+                heads=(dst_head_start, dst_head_start + num_heads),
+                check=_host_check() or device.type == "cpu",
+            )
         base += nbytes
-

@@ -27,13 +27,17 @@ def _why_not_loaded() -> str:
     allowed = os.environ.get("SGLANG_PLUGINS", "").strip()
     names = {x.strip() for x in allowed.split(",") if x.strip()}
     if names and "kvmem" not in names:
-        return (f"SGLANG_PLUGINS={allowed!r} leaves the kvmem plugin out, so sglang "
-                "skipped it; add kvmem to SGLANG_PLUGINS, or unset SGLANG_KVMEM to run "
-                "this server on stock sglang")
-    return ("sglang did not load the kvmem plugin (see sglang's log: 'Skipping plugin' or "
-            "'Failed to load plugin kvmem'; SGLANG_PLATFORM may exclude it); install "
-            "kvmem-sglang in this environment, or unset SGLANG_KVMEM to run this server "
-            "on stock sglang")
+        return (
+            f"SGLANG_PLUGINS={allowed!r} leaves the kvmem plugin out, so sglang "
+            "skipped it; add kvmem to SGLANG_PLUGINS, or unset SGLANG_KVMEM to run "
+            "this server on stock sglang"
+        )
+    return (
+        "sglang did not load the kvmem plugin (see sglang's log: 'Skipping plugin' or "
+        "'Failed to load plugin kvmem'; SGLANG_PLATFORM may exclude it); install "
+        "kvmem-sglang in this environment, or unset SGLANG_KVMEM to run this server "
+        "on stock sglang"
+    )
 
 
 def _guard(module) -> None:

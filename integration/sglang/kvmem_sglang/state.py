@@ -117,45 +117,65 @@ class SideTable(Generic[V]):
 # -- the tables ------------------------------------------------------------------------------
 
 REASON: SideTable = SideTable(
-    "Req", "reasons", "the one answer the request ends with (a FINISH_ABORT with its "
-    "message and HTTP status; the hooks use reasons.decide and reasons.reason_of)")
-REQ_EPOCH: SideTable[int] = SideTable(
-    "Req", "prefill", "the registration epoch it was queued in")
+    "Req",
+    "reasons",
+    "the one answer the request ends with (a FINISH_ABORT with its "
+    "message and HTTP status; the hooks use reasons.decide and reasons.reason_of)",
+)
+REQ_EPOCH: SideTable[int] = SideTable("Req", "prefill", "the registration epoch it was queued in")
 INFLIGHT_SINCE: SideTable[float] = SideTable(
-    "Req", "prefill", "when it was first seen in the inflight queue (monotonic seconds)")
+    "Req", "prefill", "when it was first seen in the inflight queue (monotonic seconds)"
+)
 LIVE: SideTable[bool] = SideTable(
-    "Req", "audit", "it entered the scheduler (the idle audit's requests)")
+    "Req", "audit", "it entered the scheduler (the idle audit's requests)"
+)
 ABORT_WHY: SideTable[str] = SideTable(
-    "CommonKVSender", "reasons, notify", "the reason its decode is told, tagged with the "
-    "status")
+    "CommonKVSender", "reasons, notify", "the reason its decode is told, tagged with the status"
+)
 BUSY: SideTable[bool] = SideTable(
-    "Scheduler", "prefill", "it queued work since it was last fully idle")
+    "Scheduler", "prefill", "it queued work since it was last fully idle"
+)
 EPOCH: SideTable[int] = SideTable(
-    "Scheduler", "prefill", "its registration epoch (+1 at each KV release)")
+    "Scheduler", "prefill", "its registration epoch (+1 at each KV release)"
+)
 POOL: SideTable = SideTable(
-    "MHATokenToKVPool, MLATokenToKVPool", "kvpool", "the kvmem KVPool under it")
+    "MHATokenToKVPool, MLATokenToKVPool", "kvpool", "the kvmem KVPool under it"
+)
 DEREGISTERED: SideTable[bool] = SideTable(
-    "NixlKVManager, MooncakeKVManager", "nixl, mooncake, prefill, registrations",
-    "its pool's registrations were taken back at a release (False once registered again)")
+    "NixlKVManager, MooncakeKVManager",
+    "nixl, mooncake, prefill, registrations",
+    "its pool's registrations were taken back at a release (False once registered again)",
+)
 REG_LOCK: SideTable = SideTable(
-    "NixlKVManager", "nixl", "the lock its registration and deregistration take")
+    "NixlKVManager", "nixl", "the lock its registration and deregistration take"
+)
 SETTLE_UNTIL: SideTable[float] = SideTable(
-    "MooncakeKVManager", "mooncake, prefill", "until when a release waits for its "
-    "unsettled sends (monotonic seconds)")
+    "MooncakeKVManager",
+    "mooncake, prefill",
+    "until when a release waits for its unsettled sends (monotonic seconds)",
+)
 DRAIN_GIVEN_UP: SideTable = SideTable(
-    "NixlKVManager, MooncakeKVManager", "prefill", "the rooms whose writes a release "
-    "stopped waiting for")
+    "NixlKVManager, MooncakeKVManager",
+    "prefill",
+    "the rooms whose writes a release stopped waiting for",
+)
 EARLY_ABORTS: SideTable = SideTable(
-    "NixlKVManager, MooncakeKVManager", "notify", "rooms a decode aborted before their "
-    "request reached this prefill (room -> when)")
+    "NixlKVManager, MooncakeKVManager",
+    "notify",
+    "rooms a decode aborted before their request reached this prefill (room -> when)",
+)
 ABORTED_ROOMS: SideTable = SideTable(
-    "NixlKVManager, MooncakeKVManager", "notify", "rooms aborted before their decode "
-    "metadata came (room -> (when, the reason to tell))")
+    "NixlKVManager, MooncakeKVManager",
+    "notify",
+    "rooms aborted before their decode metadata came (room -> (when, the reason to tell))",
+)
 TRANSFERS: SideTable = SideTable(
-    "NixlKVManager", "transfer", "kvmem's send path state: writes sent ahead, by their "
-    "pages")
+    "NixlKVManager", "transfer", "kvmem's send path state: writes sent ahead, by their pages"
+)
 GUARDED: SideTable[bool] = SideTable(
-    "load_plugins (function)", "startup", "the start-up check wrapped it already")
+    "load_plugins (function)", "startup", "the start-up check wrapped it already"
+)
 
-TABLES: dict[str, SideTable] = {name: t for name, t in globals().items()
-                                if isinstance(t, SideTable)}
+TABLES: dict[str, SideTable] = {
+    name: t for name, t in globals().items() if isinstance(t, SideTable)
+}

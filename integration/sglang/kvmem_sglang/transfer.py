@@ -128,21 +128,21 @@ class Stats:
     """What the path did in this process (all managers); the transfer workers of every
     manager add to it, under one lock."""
 
-    sends: int = 0            # send_kvcache calls served here
-    fallbacks: int = 0        # send_kvcache calls left to sglang (geometry not served)
-    batches: int = 0          # merged writes (each posted as <= SPLIT NIXL writes)
-    writes: int = 0           # engine writes posted: NIXL writes, Mooncake batch calls
-    chunks: int = 0           # chunks carried by the merged writes (owners + ahead)
-    sent_ahead: int = 0       # of those, chunks sent ahead of their turn
-    ahead_done: int = 0       # send_kvcache calls answered by a settled write
-    resent: int = 0           # chunks sent again because their ahead write failed
-    index_pairs: int = 0      # (page, plane) pairs moved: sglang's descriptor count
-    descriptors: int = 0      # descriptors posted after merging runs
+    sends: int = 0  # send_kvcache calls served here
+    fallbacks: int = 0  # send_kvcache calls left to sglang (geometry not served)
+    batches: int = 0  # merged writes (each posted as <= SPLIT NIXL writes)
+    writes: int = 0  # engine writes posted: NIXL writes, Mooncake batch calls
+    chunks: int = 0  # chunks carried by the merged writes (owners + ahead)
+    sent_ahead: int = 0  # of those, chunks sent ahead of their turn
+    ahead_done: int = 0  # send_kvcache calls answered by a settled write
+    resent: int = 0  # chunks sent again because their ahead write failed
+    index_pairs: int = 0  # (page, plane) pairs moved: sglang's descriptor count
+    descriptors: int = 0  # descriptors posted after merging runs
     bytes: int = 0
-    waits: int = 0            # _await_handles calls
-    naps: int = 0             # sleeps inside them
-    unsettled: int = 0        # waits that gave up on a write (rooms poisoned)
-    cut_short: int = 0        # merged writes cut short once a piece was posted (not in batches)
+    waits: int = 0  # _await_handles calls
+    naps: int = 0  # sleeps inside them
+    unsettled: int = 0  # waits that gave up on a write (rooms poisoned)
+    cut_short: int = 0  # merged writes cut short once a piece was posted (not in batches)
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
@@ -164,9 +164,12 @@ class Stats:
 
 
 _COUNTER = audit.prometheus_counter(
-    "kvmem_sglang_transfer", "What kvmem's NIXL send path did in this sglang process "
+    "kvmem_sglang_transfer",
+    "What kvmem's NIXL send path did in this sglang process "
     "(what: sends, fallbacks to sglang's own send, writes, descriptors, bytes, ...; "
-    "the fields of kvmem_sglang.transfer.Stats)", "what")
+    "the fields of kvmem_sglang.transfer.Stats)",
+    "what",
+)
 STATS = Stats()
 _TLS = threading.local()  # .queue: the FastQueue the calling worker thread serves
 
@@ -193,9 +196,11 @@ class Batch:
 
     def __repr__(self):
         cut = f", cut short: {self.cut_short}" if self.cut_short else ""
-        return (f"kvmem Batch({len(self.natives)} NIXL write(s), {self.descs} descriptor(s), "
-                f"{self.nbytes} bytes, {len(self.ahead)} chunk(s) sent ahead, "
-                f"{self.state}{cut})")
+        return (
+            f"kvmem Batch({len(self.natives)} NIXL write(s), {self.descs} descriptor(s), "
+            f"{self.nbytes} bytes, {len(self.ahead)} chunk(s) sent ahead, "
+            f"{self.state}{cut})"
+        )
 
 
 class Settled:
@@ -214,7 +219,7 @@ class Settled:
 class _Ahead:
     room: int
     peer: str
-    src: np.ndarray      # the chunk's own prefill_kv_indices object (identity is the key)
+    src: np.ndarray  # the chunk's own prefill_kv_indices object (identity is the key)
     dst: np.ndarray
     batch: Batch | None = None
     counted: bool = True
@@ -222,9 +227,9 @@ class _Ahead:
 
 @dataclass(frozen=True)
 class _Geometry:
-    src_ptrs: np.ndarray   # uint64 [planes]
-    dst_ptrs: np.ndarray   # uint64 [planes]
-    item: np.ndarray       # uint64 [planes]: bytes of one page of a plane (both sides)
+    src_ptrs: np.ndarray  # uint64 [planes]
+    dst_ptrs: np.ndarray  # uint64 [planes]
+    item: np.ndarray  # uint64 [planes]: bytes of one page of a plane (both sides)
     src_kind: str
     dst_kind: str
     src_dev: int
@@ -251,8 +256,11 @@ class _State:
         write failed may go ahead again, in a later write)."""
         with self.lock:
             rec = self.ahead.get(id(src))
-            return (rec is not None and rec.src is src
-                    and (rec.batch is None or rec.batch.state != "ERR"))
+            return (
+                rec is not None
+                and rec.src is src
+                and (rec.batch is None or rec.batch.state != "ERR")
+            )
 
     def put(self, rec: _Ahead) -> None:
         with self.lock:
@@ -263,8 +271,11 @@ class _State:
         reached by the worker) whose write settled."""
         with self.lock:
             for key, rec in list(self.ahead.items()):
-                if rec.room not in mgr.request_status and rec.batch is not None \
-                        and rec.batch.state != "PROC":
+                if (
+                    rec.room not in mgr.request_status
+                    and rec.batch is not None
+                    and rec.batch.state != "PROC"
+                ):
                     del self.ahead[key]
 
 
@@ -274,14 +285,23 @@ def _state(mgr) -> _State:
 
 # -- hooks ----------------------------------------------------------------------------------
 
+
 def transfer_worker(original, mgr, queue, *args, **kwargs):
     """AROUND ``NixlKVManager.transfer_worker``: note the thread's queue, then run it."""
     _TLS.queue = queue
     return original(mgr, queue, *args, **kwargs)
 
 
-def send_kvcache(original, mgr, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
-                 dst_gpu_id, dst_mem_kind="VRAM"):
+def send_kvcache(
+    original,
+    mgr,
+    peer_name,
+    prefill_kv_indices,
+    dst_kv_ptrs,
+    dst_kv_indices,
+    dst_gpu_id,
+    dst_mem_kind="VRAM",
+):
     """AROUND ``NixlKVManager.send_kvcache``: see the module docstring.  Returns a
     :class:`Batch` (posted, possibly cut short, or a write sent ahead that is still
     unsettled), a :class:`Settled` (sent ahead, DONE) or what sglang's own send returns."""
@@ -303,18 +323,23 @@ def send_kvcache(original, mgr, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_
     geo = _geometry(mgr, peer_name, dst_kv_ptrs, dst_mem_kind, dst_gpu_id)
     if geo is None or len(prefill_kv_indices) != len(dst_kv_indices) or not len(dst_kv_indices):
         STATS.add(fallbacks=1)
-        return original(mgr, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
-                        dst_gpu_id, dst_mem_kind=dst_mem_kind)
+        return original(
+            mgr,
+            peer_name,
+            prefill_kv_indices,
+            dst_kv_ptrs,
+            dst_kv_indices,
+            dst_gpu_id,
+            dst_mem_kind=dst_mem_kind,
+        )
     STATS.add(sends=1)
     src = np.asarray(prefill_kv_indices, dtype=np.int64)
     dst = np.asarray(dst_kv_indices, dtype=np.int64)
     per_page = int(geo.item.sum())
     budget = BATCH_BYTES - src.size * per_page
-    ahead = (_take_ahead(mgr, st, peer_name, budget, per_page, _nixl_peer)
-             if budget > 0 else [])
+    ahead = _take_ahead(mgr, st, peer_name, budget, per_page, _nixl_peer) if budget > 0 else []
     try:
-        return _post(mgr, geo, peer_name, [(src, dst)] + [(a.src, a.dst) for a in ahead],
-                     ahead)
+        return _post(mgr, geo, peer_name, [(src, dst)] + [(a.src, a.dst) for a in ahead], ahead)
     except Exception:
         for a in ahead:  # _post raises only before it posted anything: nothing in flight
             _uncount(mgr, a)
@@ -361,12 +386,14 @@ def await_handles(original, mgr, handles, *, failure_seen):
             return False, True
         for b in refused:
             b.raised = True
-        raise conn._NixlPostError(f"KVSender failed to post transfer: {refused[0]!r}") \
-            from refused[0].refused
+        raise conn._NixlPostError(f"KVSender failed to post transfer: {refused[0]!r}") from refused[
+            0
+        ].refused
     return settled, failed or any_failed
 
 
 # -- the send ---------------------------------------------------------------------------------
+
 
 def _geometry(mgr, peer, dst_kv_ptrs, dst_kind, dst_gpu_id) -> _Geometry | None:
     """The planes of both sides, when this path serves the peer (module docstring)."""
@@ -377,30 +404,41 @@ def _geometry(mgr, peer, dst_kv_ptrs, dst_kind, dst_gpu_id) -> _Geometry | None:
     src_ptrs, item = list(args.kv_data_ptrs), list(args.kv_item_lens)
     src_ids = list(getattr(args, "kv_layer_ids", None) or [])
     dst_ids = list(getattr(info, "dst_kv_layer_ids", None) or []) if info is not None else []
-    if (info is None or getattr(mgr, "pp_size", 1) != 1 or mgr.is_hybrid_mla_backend
-            or info.requires_dcp_relayout or info.kv_xfer_segments is not None
-            or not src_ptrs or mgr.src_mem_kind is None or mgr.enable_staging
-            or len(set(args.kv_data_mem_kinds)) != 1
-            or list(dst_kv_ptrs) != list(info.dst_kv_ptrs)
-            or len(info.dst_kv_ptrs) != len(src_ptrs)
-            or list(info.dst_kv_item_lens) != item
-            or (src_ids and dst_ids and src_ids != dst_ids)
-            or len(set(info.dst_kv_mem_kinds or [dst_kind])) != 1):
+    if (
+        info is None
+        or getattr(mgr, "pp_size", 1) != 1
+        or mgr.is_hybrid_mla_backend
+        or info.requires_dcp_relayout
+        or info.kv_xfer_segments is not None
+        or not src_ptrs
+        or mgr.src_mem_kind is None
+        or mgr.enable_staging
+        or len(set(args.kv_data_mem_kinds)) != 1
+        or list(dst_kv_ptrs) != list(info.dst_kv_ptrs)
+        or len(info.dst_kv_ptrs) != len(src_ptrs)
+        or list(info.dst_kv_item_lens) != item
+        or (src_ids and dst_ids and src_ids != dst_ids)
+        or len(set(info.dst_kv_mem_kinds or [dst_kind])) != 1
+    ):
         return None
     if not (mgr.is_mla_backend or info.decode_tp_size == mgr.attn_tp_size):
         return None
-    return _Geometry(np.array(src_ptrs, dtype=np.uint64), np.array(dst_kv_ptrs, dtype=np.uint64),
-                     np.array(item, dtype=np.uint64), mgr.src_mem_kind, dst_kind,
-                     conn._nixl_device_id(mgr.src_mem_kind, args.gpu_id),
-                     conn._nixl_device_id(dst_kind, dst_gpu_id))
+    return _Geometry(
+        np.array(src_ptrs, dtype=np.uint64),
+        np.array(dst_kv_ptrs, dtype=np.uint64),
+        np.array(item, dtype=np.uint64),
+        mgr.src_mem_kind,
+        dst_kind,
+        conn._nixl_device_id(mgr.src_mem_kind, args.gpu_id),
+        conn._nixl_device_id(dst_kind, dst_gpu_id),
+    )
 
 
 def _nixl_peer(req) -> str:
     return req.agent_name
 
 
-def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int,
-                peer_of) -> list[_Ahead]:
+def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int, peer_of) -> list[_Ahead]:
     """The chunks queued behind the owner on this worker's queue that may go in its write
     now, each counted in ``_staging_outstanding``; at most ``budget`` bytes of KV,
     ``per_page`` bytes a page.  ``peer_of(req)``: the peer of one of a room's transfer
@@ -428,8 +466,11 @@ def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int,
         counts[room] += 1  # before the checks, as the worker counts at dequeue (:1631)
         rec = _Ahead(room, peer, src, np.empty(0, dtype=np.int64))
         try:
-            ok = (room in mgr.request_status and mgr.check_status(room) != KVPoll.Failed
-                  and _dst_of(mgr, chunk, peer, rec, peer_of))
+            ok = (
+                room in mgr.request_status
+                and mgr.check_status(room) != KVPoll.Failed
+                and _dst_of(mgr, chunk, peer, rec, peer_of)
+            )
         except Exception:  # noqa: BLE001 - a room being cleared meanwhile: not sent ahead
             ok = False
         if not ok:
@@ -550,8 +591,7 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
     Batch of the pieces posted, cut short (module docstring); nothing waits here."""
     from sglang.srt.disaggregation.nixl import conn
 
-    src_addr, dst_addr, nbytes, npairs = run_addresses(geo.src_ptrs, geo.dst_ptrs, geo.item,
-                                                       pairs)
+    src_addr, dst_addr, nbytes, npairs = run_addresses(geo.src_ptrs, geo.dst_ptrs, geo.item, pairs)
     planes = geo.item.size
     ld = np.stack([src_addr, nbytes, np.full_like(src_addr, geo.src_dev)], axis=1)
     rdsc = np.stack([dst_addr, nbytes, np.full_like(dst_addr, geo.dst_dev)], axis=1)
@@ -561,8 +601,12 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
     cut = None
     try:
         for lpart, rpart in zip(np.array_split(ld, pieces), np.array_split(rdsc, pieces)):
-            h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(lpart, geo.src_kind),
-                                      agent.get_xfer_descs(rpart, geo.dst_kind), peer)
+            h = agent.initialize_xfer(
+                "WRITE",
+                agent.get_xfer_descs(lpart, geo.src_kind),
+                agent.get_xfer_descs(rpart, geo.dst_kind),
+                peer,
+            )
             if not h:
                 raise RuntimeError("KVSender failed to create transfer")
             mgr._post_xfer(h, "KVSender failed to post transfer")
@@ -585,21 +629,35 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
         batch.cut_short = f"piece {len(posted) + 1} of {pieces}: {cut}"
         batch.refused = cut if isinstance(cut, conn._NixlPostError) else None
         batch.failed = True
-        logger.warning("kvmem-sglang: a merged write to %s was cut short after %d of %d "
-                       "NIXL write(s) were posted (%s); the rooms in it are held until "
-                       "those settle", peer, len(posted), pieces, cut)
+        logger.warning(
+            "kvmem-sglang: a merged write to %s was cut short after %d of %d "
+            "NIXL write(s) were posted (%s); the rooms in it are held until "
+            "those settle",
+            peer,
+            len(posted),
+            pieces,
+            cut,
+        )
         STATS.add(cut_short=1, writes=len(posted))
         return batch
-    STATS.add(batches=1, writes=len(posted), chunks=1 + len(ahead),
-              sent_ahead=len(ahead), index_pairs=npairs * planes,
-              descriptors=int(ld.shape[0]), bytes=batch.nbytes)
+    STATS.add(
+        batches=1,
+        writes=len(posted),
+        chunks=1 + len(ahead),
+        sent_ahead=len(ahead),
+        index_pairs=npairs * planes,
+        descriptors=int(ld.shape[0]),
+        bytes=batch.nbytes,
+    )
     return batch
 
 
 # -- the wait ---------------------------------------------------------------------------------
 
-def _settle(mgr, handles: list, failure_seen: bool, bounded: bool = False,
-            until: float | None = None) -> tuple[bool, bool, dict]:
+
+def _settle(
+    mgr, handles: list, failure_seen: bool, bounded: bool = False, until: float | None = None
+) -> tuple[bool, bool, dict]:
     """Poll NIXL ``handles`` until each is DONE or ERR: ``(settled, any_failed, states by
     id)``.  sglang's rules (nixl/conn.py:1096): unbounded while none failed; from the first
     ERR (or ``failure_seen``) at most ``NIXL_ERR_SETTLE_TIMEOUT_S``, polled every
@@ -616,8 +674,7 @@ def _settle(mgr, handles: list, failure_seen: bool, bounded: bool = False,
     if until is not None:
         deadline = until
     else:
-        deadline = (time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S
-                    if failure_seen or bounded else None)
+        deadline = time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S if failure_seen or bounded else None
     nap = NAP_MIN_S
     naps = 0  # counted once the wait ends: nothing but the sleep between polls
     try:

@@ -50,26 +50,59 @@ import torch
 
 from kvmem.kernels._dispatch import use_triton
 from kvmem.kernels.alloc.checks import (
-    decode_counts, extend_counts, free_errors_cpu, free_errors_torch,
+    decode_counts,
+    extend_counts,
+    free_errors_cpu,
+    free_errors_torch,
 )
 from kvmem.kernels.alloc.cpu import (
-    PY_FREE_MAX, decode_slots_torch, extend_slots_torch, free_marks, free_pages_cpu,
-    free_pages_list, take_pages_cpu,
+    PY_FREE_MAX,
+    decode_slots_torch,
+    extend_slots_torch,
+    free_marks,
+    free_pages_cpu,
+    free_pages_list,
+    take_pages_cpu,
 )
 from kvmem.kernels.alloc.ref import (
-    decode_slots_ref, extend_slots_ref, free_errors_ref, free_pages_ref, take_pages_ref,
+    decode_slots_ref,
+    extend_slots_ref,
+    free_errors_ref,
+    free_pages_ref,
+    take_pages_ref,
 )
 from kvmem.kernels.alloc.triton import (
-    NO_BAD, decode_slots_triton, extend_slots_triton, free_pages_triton, take_pages_triton,
+    NO_BAD,
+    decode_slots_triton,
+    extend_slots_triton,
+    free_pages_triton,
+    take_pages_triton,
 )
 
 __all__ = [
-    "NO_BAD", "PY_FREE_MAX", "decode_counts", "decode_slots", "decode_slots_ref",
-    "decode_slots_torch", "decode_slots_triton", "extend_counts", "extend_slots",
-    "extend_slots_ref", "extend_slots_torch", "extend_slots_triton", "free_errors_cpu",
-    "free_errors_ref", "free_errors_torch", "free_marks", "free_pages_cpu",
-    "free_pages_list", "free_pages_ref", "free_pages_triton", "take_pages_cpu",
-    "take_pages_ref", "take_pages_triton",
+    "NO_BAD",
+    "PY_FREE_MAX",
+    "decode_counts",
+    "decode_slots",
+    "decode_slots_ref",
+    "decode_slots_torch",
+    "decode_slots_triton",
+    "extend_counts",
+    "extend_slots",
+    "extend_slots_ref",
+    "extend_slots_torch",
+    "extend_slots_triton",
+    "free_errors_cpu",
+    "free_errors_ref",
+    "free_errors_torch",
+    "free_marks",
+    "free_pages_cpu",
+    "free_pages_list",
+    "free_pages_ref",
+    "free_pages_triton",
+    "take_pages_cpu",
+    "take_pages_ref",
+    "take_pages_triton",
 ]
 
 
@@ -78,16 +111,27 @@ __all__ = [
 # ----------------------------------------------------------------------------------
 
 
-def extend_slots(prefix_lens, seq_lens, last_loc, new_pages, page_size: int, total: int,
-                 err, *, flag: bool = False) -> torch.Tensor:
+def extend_slots(
+    prefix_lens,
+    seq_lens,
+    last_loc,
+    new_pages,
+    page_size: int,
+    total: int,
+    err,
+    *,
+    flag: bool = False,
+) -> torch.Tensor:
     if use_triton(seq_lens):
-        return extend_slots_triton(prefix_lens, seq_lens, last_loc, new_pages, page_size,
-                                   total, err, flag=flag)
+        return extend_slots_triton(
+            prefix_lens, seq_lens, last_loc, new_pages, page_size, total, err, flag=flag
+        )
     return extend_slots_torch(prefix_lens, seq_lens, last_loc, new_pages, page_size, total)
 
 
-def decode_slots(seq_lens, last_loc, new_pages, page_size: int, err, *,
-                 flag: bool = False) -> torch.Tensor:
+def decode_slots(
+    seq_lens, last_loc, new_pages, page_size: int, err, *, flag: bool = False
+) -> torch.Tensor:
     if use_triton(seq_lens):
         return decode_slots_triton(seq_lens, last_loc, new_pages, page_size, err, flag=flag)
     return decode_slots_torch(seq_lens, last_loc, new_pages, page_size)

@@ -31,11 +31,13 @@ def free_errors_cpu(pages: np.ndarray, owned: np.ndarray) -> tuple[int, int] | N
     order = np.argsort(pages, kind="stable")
     twice = np.zeros(n, dtype=bool)
     twice[order[1:]] = pages[order[1:]] == pages[order[:-1]]
-    code = np.where(in_range, np.where(not_owned, C.FREE_NOT_ALLOCATED,
-                                       np.where(twice, C.FREE_LISTED_TWICE, 0)), code)
+    code = np.where(
+        in_range,
+        np.where(not_owned, C.FREE_NOT_ALLOCATED, np.where(twice, C.FREE_LISTED_TWICE, 0)),
+        code,
+    )
     bad = np.flatnonzero(code)
     return None if bad.size == 0 else (int(bad[0]), int(code[bad[0]]))
-
 
 
 def free_errors_torch(pages: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
@@ -54,8 +56,7 @@ def free_errors_torch(pages: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
     twice[order[1:]] = s[1:] == s[:-1]
     code = torch.where(
         in_range,
-        torch.where(not_owned, C.FREE_NOT_ALLOCATED,
-                    torch.where(twice, C.FREE_LISTED_TWICE, 0)),
+        torch.where(not_owned, C.FREE_NOT_ALLOCATED, torch.where(twice, C.FREE_LISTED_TWICE, 0)),
         torch.where(p == 0, C.FREE_PAGE_ZERO, C.FREE_OUT_OF_RANGE),
     )
     return _first_problem(code)
@@ -133,8 +134,7 @@ def decode_problems(seq_lens, last_loc, owned, ps) -> torch.Tensor:
     partial = (seq >= 1) & ((seq - 1) % ps != 0)
     code = torch.zeros_like(seq)
     code = torch.where(_last_page_problem(partial, last, owned, ps), C.LEN_LAST_PAGE_FREE, code)
-    code = torch.where(partial & ((last + 1) % ps != (seq - 1) % ps), C.LEN_LAST_LOC_OFFSET,
-                       code)
+    code = torch.where(partial & ((last + 1) % ps != (seq - 1) % ps), C.LEN_LAST_LOC_OFFSET, code)
     code = torch.where(seq < 1, C.LEN_SEQ_BELOW_ONE, code)
     return torch.cat((_first_problem(code), decode_counts(seq, ps).reshape(1)))
 

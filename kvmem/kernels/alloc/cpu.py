@@ -36,8 +36,13 @@ def free_marks(n: int) -> np.ndarray:
     return np.arange(2, n + 2, dtype=np.int32)
 
 
-def free_pages_cpu(pages: np.ndarray, ring: np.ndarray, owned_ext: np.ndarray,
-                   tail: int, marks: np.ndarray | None = None) -> tuple[int, int] | None:
+def free_pages_cpu(
+    pages: np.ndarray,
+    ring: np.ndarray,
+    owned_ext: np.ndarray,
+    tail: int,
+    marks: np.ndarray | None = None,
+) -> tuple[int, int] | None:
     """free on numpy views of CPU state.  ``owned_ext`` is the ownership map with one
     extra entry at the end that is always 0, so that a single clipped lookup checks range
     and ownership together (below 1 clips to page 0, past the end to the extra entry, both
@@ -73,7 +78,7 @@ def free_pages_cpu(pages: np.ndarray, ring: np.ndarray, owned_ext: np.ndarray,
         ring[tail:end] = pages
     else:
         ring[tail:] = pages[: cap - tail]
-        ring[: end - cap] = pages[cap - tail:]
+        ring[: end - cap] = pages[cap - tail :]
     return None
 
 
@@ -109,8 +114,9 @@ def free_pages_list(pages: list, ring: memoryview, owned: memoryview, tail: int)
     return True
 
 
-def extend_slots_torch(prefix_lens, seq_lens, last_loc, new_pages, page_size: int,
-                       total: int) -> torch.Tensor:
+def extend_slots_torch(
+    prefix_lens, seq_lens, last_loc, new_pages, page_size: int, total: int
+) -> torch.Tensor:
     """extend_slots in torch: int64 [total].  Inputs must be valid (the allocator
     checks them): total == sum(seq_lens - prefix_lens), new_pages as many as needed."""
     device = seq_lens.device

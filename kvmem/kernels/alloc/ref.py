@@ -82,4 +82,3 @@ def decode_slots_ref(seq_lens, last_loc, new_pages, page_size: int) -> torch.Ten
             out.append(last + 1)
     assert taken == len(new_pages), "new_pages does not match the batch"
     return torch.tensor(out, dtype=torch.int64)
-

@@ -272,8 +272,8 @@ def _decode_slots_kernel(
     tl.store(out_ptr + offs, tl.where(need, page * PAGE_SIZE, last + 1), mask=mask)
     if FLAG:
         _record_any(err_ptr, mask & (seq < 1), offs, _K_ERR_DECODE_SEQ)
-        bad_last = mask & (~need) & (seq >= 1) & (
-            ((last + 1) % PAGE_SIZE) != ((seq - 1) % PAGE_SIZE)
+        bad_last = (
+            mask & (~need) & (seq >= 1) & (((last + 1) % PAGE_SIZE) != ((seq - 1) % PAGE_SIZE))
         )
         _record_any(err_ptr, bad_last, offs, _K_ERR_DECODE_LAST_LOC)
         _record_any(err_ptr, need & (~rank_ok), offs, _K_ERR_DECODE_COUNTS)
@@ -288,8 +288,16 @@ def take_pages_triton(ring, owned, err, head: int, n: int, *, flag: bool) -> tor
     if n:
         with device_guard(ring.device):
             _take_pages_kernel[(triton.cdiv(n, TAKE_BLOCK),)](
-                ring, owned, out, err, head, n, ring.numel(), owned.numel(),
-                BLOCK=TAKE_BLOCK, FLAG=flag,
+                ring,
+                owned,
+                out,
+                err,
+                head,
+                n,
+                ring.numel(),
+                owned.numel(),
+                BLOCK=TAKE_BLOCK,
+                FLAG=flag,
             )
     return out
 
@@ -301,39 +309,65 @@ def free_pages_triton(pages, ring, owned, err, tail: int, parity: int, *, flag: 
     if n == 0:
         return
     grid = (triton.cdiv(n, TAKE_BLOCK),)
-    args = (pages, ring, owned, err, n, pages.stride(0), tail, ring.numel(),
-            owned.numel(), parity)
+    args = (pages, ring, owned, err, n, pages.stride(0), tail, ring.numel(), owned.numel(), parity)
     with device_guard(ring.device):
         _free_apply_kernel[grid](*args, BLOCK=TAKE_BLOCK, FLAG=flag)
         if flag:
             _free_commit_kernel[grid](*args, BLOCK=TAKE_BLOCK)
 
 
-def extend_slots_triton(prefix_lens, seq_lens, last_loc, new_pages, page_size: int,
-                        total: int, err, *, flag: bool = False) -> torch.Tensor:
+def extend_slots_triton(
+    prefix_lens,
+    seq_lens,
+    last_loc,
+    new_pages,
+    page_size: int,
+    total: int,
+    err,
+    *,
+    flag: bool = False,
+) -> torch.Tensor:
     """int64 [total] token slots; one launch, one program per request."""
     out = torch.empty(total, dtype=torch.int64, device=seq_lens.device)
     bs = seq_lens.numel()
     if bs:
         with device_guard(seq_lens.device):
             _extend_slots_kernel[(bs,)](
-                prefix_lens.contiguous(), seq_lens.contiguous(), last_loc.contiguous(),
-                new_pages, out, err, bs, new_pages.numel(), total,
-                PAGE_SIZE=page_size, REQ_BLOCK=REQ_BLOCK, TOKEN_BLOCK=TOKEN_BLOCK,
+                prefix_lens.contiguous(),
+                seq_lens.contiguous(),
+                last_loc.contiguous(),
+                new_pages,
+                out,
+                err,
+                bs,
+                new_pages.numel(),
+                total,
+                PAGE_SIZE=page_size,
+                REQ_BLOCK=REQ_BLOCK,
+                TOKEN_BLOCK=TOKEN_BLOCK,
                 FLAG=flag,
             )
     return out
 
 
-def decode_slots_triton(seq_lens, last_loc, new_pages, page_size: int, err, *,
-                        flag: bool = False) -> torch.Tensor:
+def decode_slots_triton(
+    seq_lens, last_loc, new_pages, page_size: int, err, *, flag: bool = False
+) -> torch.Tensor:
     """int64 [bs] token slots; one launch."""
     bs = seq_lens.numel()
     out = torch.empty(bs, dtype=torch.int64, device=seq_lens.device)
     if bs:
         with device_guard(seq_lens.device):
             _decode_slots_kernel[(triton.cdiv(bs, DECODE_BLOCK),)](
-                seq_lens.contiguous(), last_loc.contiguous(), new_pages, out, err, bs,
-                new_pages.numel(), PAGE_SIZE=page_size, BLOCK=DECODE_BLOCK, FLAG=flag,
+                seq_lens.contiguous(),
+                last_loc.contiguous(),
+                new_pages,
+                out,
+                err,
+                bs,
+                new_pages.numel(),
+                PAGE_SIZE=page_size,
+                BLOCK=DECODE_BLOCK,
+                FLAG=flag,
             )
     return out

@@ -56,20 +56,34 @@ from kvmem._ids import as_page_ids
 from kvmem.kernels._dispatch import is_async_device, use_triton
 from kvmem.kernels.pack.cpu import _torch_copy
 from kvmem.kernels.pack.plan import (
-    _check_chunk, _check_heads, _check_layers, _Plan, _validate_page_ids, make_plan,
+    _check_chunk,
+    _check_heads,
+    _check_layers,
+    _Plan,
+    _validate_page_ids,
+    make_plan,
 )
 from kvmem.kernels.pack.ref import pack_buffers_ref, unpack_buffers_ref
 from kvmem.kernels.pack.triton import _launch, kernel_params
 
 # _check_layers / _check_heads: kvmem.pool validates its selections with them
 __all__ = [
-    "make_plan", "kernel_params", "pack_buffers", "unpack_buffers", "run_pack", "run_unpack",
-    "pack_buffers_ref", "unpack_buffers_ref", "_check_layers", "_check_heads",
+    "make_plan",
+    "kernel_params",
+    "pack_buffers",
+    "unpack_buffers",
+    "run_pack",
+    "run_unpack",
+    "pack_buffers_ref",
+    "unpack_buffers_ref",
+    "_check_layers",
+    "_check_heads",
 ]
 
 
-def pack_buffers(k_buffers, v_buffers, page_ids, *, page_size=None, layers=None, heads=None,
-                 out=None, check=True) -> torch.Tensor:
+def pack_buffers(
+    k_buffers, v_buffers, page_ids, *, page_size=None, layers=None, heads=None, out=None, check=True
+) -> torch.Tensor:
     """Pack pages of per-layer K/V tensors into one chunk (layout: module docstring).
 
     Args:
@@ -94,16 +108,16 @@ def pack_buffers(k_buffers, v_buffers, page_ids, *, page_size=None, layers=None,
     return run_pack(plan, k_buffers, v_buffers, page_ids, out=out, check=check)
 
 
-def unpack_buffers(buf, k_buffers, v_buffers, page_ids, *, page_size=None, layers=None,
-                   heads=None, check=True) -> None:
+def unpack_buffers(
+    buf, k_buffers, v_buffers, page_ids, *, page_size=None, layers=None, heads=None, check=True
+) -> None:
     """Write a packed chunk back into pages of per-layer K/V tensors (inverse of
     :func:`pack_buffers`; same arguments).  ``page_ids`` must be distinct."""
     plan = make_plan(k_buffers, v_buffers, page_size, layers, heads)
     run_unpack(plan, buf, k_buffers, v_buffers, page_ids, check=check)
 
 
-def run_pack(plan: _Plan, k_buffers, v_buffers, page_ids, *, out=None,
-             check=True) -> torch.Tensor:
+def run_pack(plan: _Plan, k_buffers, v_buffers, page_ids, *, out=None, check=True) -> torch.Tensor:
     """pack_buffers with a plan already made (KVPool keeps its plans)."""
     ids = as_page_ids(page_ids, plan.device)
     nbytes = plan.nbytes(ids.numel())
@@ -121,13 +135,19 @@ def run_unpack(plan: _Plan, buf, k_buffers, v_buffers, page_ids, *, check=True) 
     _run(plan, k_buffers, v_buffers, ids, buf, pack=False, check=check)
 
 
-def _run(plan: _Plan, k_buffers, v_buffers, ids: torch.Tensor, chunk: torch.Tensor, *,
-         pack: bool, check: bool) -> None:
+def _run(
+    plan: _Plan,
+    k_buffers,
+    v_buffers,
+    ids: torch.Tensor,
+    chunk: torch.Tensor,
+    *,
+    pack: bool,
+    check: bool,
+) -> None:
     if check or not is_async_device(ids):
-        _validate_page_ids(ids, plan.num_pages, unique=not pack,
-                           what="pack" if pack else "unpack")
+        _validate_page_ids(ids, plan.num_pages, unique=not pack, what="pack" if pack else "unpack")
     if use_triton(ids):
         _launch(plan, k_buffers, ids, chunk, pack)
     else:
         _torch_copy(plan, k_buffers, v_buffers, ids, chunk, pack)
-

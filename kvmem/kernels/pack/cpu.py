@@ -77,14 +77,23 @@ def _one_storage_rows(plan: _Plan, k_buffers, v_buffers) -> list[_Rows] | None:
             pitch = math.gcd(pitch, x)
         pitch = pitch or seg  # one row in all (a single page of a single layer)
         last = max(starts) + (views[0].shape[0] - 1) * sp + max(within)
-        out.append(_Rows(views[0], pitch, seg, last // pitch + 1,
-                         [x // pitch for x in starts], sp // pitch,
-                         [x // pitch for x in within]))
+        out.append(
+            _Rows(
+                views[0],
+                pitch,
+                seg,
+                last // pitch + 1,
+                [x // pitch for x in starts],
+                sp // pitch,
+                [x // pitch for x in within],
+            )
+        )
     return out
 
 
-def _torch_copy(plan: _Plan, k_buffers, v_buffers, page_ids: torch.Tensor,
-                chunk: torch.Tensor, pack: bool) -> None:
+def _torch_copy(
+    plan: _Plan, k_buffers, v_buffers, page_ids: torch.Tensor, chunk: torch.Tensor, pack: bool
+) -> None:
     """CPU path: whole rows moved by one ``index_select`` (pack) / ``index_put_`` (unpack)
     per row shape over every selected layer when the buffers share one storage (a
     KVPool, either layout), else one per layer and K/V; rows viewed as the widest integer
@@ -101,16 +110,18 @@ def _torch_copy(plan: _Plan, k_buffers, v_buffers, page_ids: torch.Tensor,
     ids_np = ids.numpy()
     off = 0
     for g in groups:
-        idx = (np.asarray(g.starts, dtype=np.int64)[:, None, None]
-               + ids_np[None, :, None] * g.page_step
-               + np.asarray(g.within, dtype=np.int64)[None, None, :]).reshape(-1)
+        idx = (
+            np.asarray(g.starts, dtype=np.int64)[:, None, None]
+            + ids_np[None, :, None] * g.page_step
+            + np.asarray(g.within, dtype=np.int64)[None, None, :]
+        ).reshape(-1)
         nbytes = idx.shape[0] * g.seg
         align = math.gcd(g.pitch, math.gcd(g.seg, chunk.data_ptr() + off))
         word = next(w for w in _WORDS if align % w.itemsize == 0)
         item = g.base.element_size()
         rows = g.base.as_strided((g.num_rows, g.seg // item), (g.pitch // item, 1), 0)
         rows = rows.view(word)
-        dst = chunk[off:off + nbytes].view(word).view(idx.shape[0], -1)
+        dst = chunk[off : off + nbytes].view(word).view(idx.shape[0], -1)
         idx_t = torch.from_numpy(idx)
         if pack:
             torch.index_select(rows, 0, idx_t, out=dst)
@@ -119,14 +130,15 @@ def _torch_copy(plan: _Plan, k_buffers, v_buffers, page_ids: torch.Tensor,
         off += nbytes
 
 
-def _torch_copy_per_layer(plan: _Plan, k_buffers, v_buffers, ids: torch.Tensor,
-                          chunk: torch.Tensor, pack: bool) -> None:
+def _torch_copy_per_layer(
+    plan: _Plan, k_buffers, v_buffers, ids: torch.Tensor, chunk: torch.Tensor, pack: bool
+) -> None:
     """CPU path for buffers in separate storages: one index_select / index_put_ of whole
     page rows per layer and per K/V."""
     n = ids.numel()
     h0, h1 = plan.heads
     off = 0
-    for bufs in ((k_buffers, v_buffers) if plan.has_v else (k_buffers,)):
+    for bufs in (k_buffers, v_buffers) if plan.has_v else (k_buffers,):
         for l in plan.layers:
             view = _as_pages(bufs[l], plan.page_size, "buffer")
             sel = view[:, :, h0:h1, :]
@@ -137,10 +149,9 @@ def _torch_copy_per_layer(plan: _Plan, k_buffers, v_buffers, ids: torch.Tensor,
             g = math.gcd(row_bytes, math.gcd(sel.data_ptr(), chunk.data_ptr() + off))
             word = next(w for w in _WORDS if g % w.itemsize == 0)
             sel_w = sel.view(word)
-            dst = chunk[off:off + nbytes].view(word).view((n,) + tuple(sel_w.shape[1:]))
+            dst = chunk[off : off + nbytes].view(word).view((n,) + tuple(sel_w.shape[1:]))
             if pack:
                 torch.index_select(sel_w, 0, ids, out=dst)
             else:  # index_put_, not index_copy_ or NumPy (docs/kernels.md)
                 sel_w.index_put_((ids,), dst)
             off += nbytes
-

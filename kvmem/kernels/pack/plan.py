@@ -38,8 +38,10 @@ def _as_pages(buf: torch.Tensor, page_size: int | None, what: str) -> torch.Tens
                 f"{what} has {buf.shape[0]} token rows, not a multiple of page_size {page_size}"
             )
         return buf.unflatten(0, (buf.shape[0] // page_size, page_size))
-    raise ValueError(f"{what} must be [num_pages, page_size, H, D] or [num_tokens, H, D], "
-                     f"got shape {tuple(buf.shape)}")
+    raise ValueError(
+        f"{what} must be [num_pages, page_size, H, D] or [num_tokens, H, D], "
+        f"got shape {tuple(buf.shape)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,17 @@ def _kind(view: torch.Tensor, unit: int, h0: int, nh: int) -> _Kind:
     rows = ps * rows_per_tok
     block_c = min(triton.next_power_of_2(seg), _TILE)
     block_r = max(1, min(triton.next_power_of_2(rows), _TILE // block_c))
-    return _Kind(rows, rows_per_tok, seg, page_stride, tok_stride, head_stride,
-                 h0 * view.stride(2) * item // unit, block_r, block_c)
+    return _Kind(
+        rows,
+        rows_per_tok,
+        seg,
+        page_stride,
+        tok_stride,
+        head_stride,
+        h0 * view.stride(2) * item // unit,
+        block_r,
+        block_c,
+    )
 
 
 def _check_layers(layers, num_layers: int) -> tuple[int, ...]:
@@ -120,7 +131,8 @@ def _check_layers(layers, num_layers: int) -> tuple[int, ...]:
         if layers.device.type != "cpu":
             raise ValueError(
                 f"layers is a tensor on {layers.device}: reading it would cost a host sync "
-                "on every call; pass a list, a tuple or a CPU tensor of layer indices")
+                "on every call; pass a list, a tuple or a CPU tensor of layer indices"
+            )
         layers = layers.tolist()
     try:
         out = tuple(layers)
@@ -154,11 +166,17 @@ def _check_heads(heads, num_heads: int) -> tuple[int, int]:
 def _uniform(views: Sequence[torch.Tensor], what: str) -> None:
     first = views[0]
     if first.stride(-1) != 1:
-        raise ValueError(f"{what}[0]: the head_dim axis must be contiguous (stride 1), "
-                         f"got strides {first.stride()}")
+        raise ValueError(
+            f"{what}[0]: the head_dim axis must be contiguous (stride 1), "
+            f"got strides {first.stride()}"
+        )
     for i, v in enumerate(views[1:], 1):
-        if (v.shape, v.stride(), v.dtype, v.device) != (first.shape, first.stride(),
-                                                        first.dtype, first.device):
+        if (v.shape, v.stride(), v.dtype, v.device) != (
+            first.shape,
+            first.stride(),
+            first.dtype,
+            first.device,
+        ):
             raise ValueError(
                 f"{what}[{i}] differs from {what}[0] in shape, strides, dtype or device: "
                 f"{tuple(v.shape)} {v.stride()} {v.dtype} {v.device} vs "
@@ -199,8 +217,10 @@ def make_plan(k_buffers, v_buffers, page_size, layers, heads) -> _Plan:
                 raise TypeError(f"{what}[{i}] must be a torch.Tensor, got {type(b).__name__}")
     layers = _check_layers(layers, len(k_buffers))
     if k_buffers[0].dim() not in (3, 4):
-        raise ValueError("k_buffers[0] must be [num_pages, page_size, H, D] or [num_tokens, H, D], "
-                         f"got shape {tuple(k_buffers[0].shape)}")
+        raise ValueError(
+            "k_buffers[0] must be [num_pages, page_size, H, D] or [num_tokens, H, D], "
+            f"got shape {tuple(k_buffers[0].shape)}"
+        )
     heads = _check_heads(heads, k_buffers[0].shape[-2])
     # Every buffer's address, shape and strides: what tells a changed buffer from the one
     # planned, O(layers) on every call (a list comprehension, a quarter faster than a
@@ -208,7 +228,11 @@ def make_plan(k_buffers, v_buffers, page_size, layers, heads) -> _Plan:
     key = (
         tuple([(b.data_ptr(), b.shape, b.stride()) for b in k_buffers]),
         tuple([(b.data_ptr(), b.shape, b.stride()) for b in v_buffers]),
-        k_buffers[0].dtype, k_buffers[0].device, page_size, layers, heads,
+        k_buffers[0].dtype,
+        k_buffers[0].device,
+        page_size,
+        layers,
+        heads,
     )
     device = k_buffers[0].device
     with _LOCK:
@@ -252,20 +276,25 @@ def _make_plan(k_buffers, v_buffers, page_size, layers, heads) -> _Plan:
     for v in sel_views:
         g = math.gcd(g, v.data_ptr())
     for v in (k0,) + ((v_views[0],) if v_views else ()):
-        for q in [s * item for s in v.stride()[:3]] + [h0 * v.stride(2) * item,
-                                                      v.shape[3] * item]:
+        for q in [s * item for s in v.stride()[:3]] + [h0 * v.stride(2) * item, v.shape[3] * item]:
             g = math.gcd(g, q)
     unit = next(u for u in _UNITS if g % u == 0)
     anchor = sel_views[0].data_ptr()
     offs_bytes = [v.data_ptr() - anchor for v in sel_views]
     layer_offs, ready = _to_device([o // unit for o in offs_bytes], k0.device)
     return _Plan(
-        device=k0.device, unit_bytes=unit, num_pages=num_pages, page_size=ps, heads=(h0, h1),
-        layers=sel, has_v=bool(v_views),
+        device=k0.device,
+        unit_bytes=unit,
+        num_pages=num_pages,
+        page_size=ps,
+        heads=(h0, h1),
+        layers=sel,
+        has_v=bool(v_views),
         k=_kind(k0, unit, h0, h1 - h0),
         v=_kind(v_views[0], unit, h0, h1 - h0) if v_views else None,
         align=16 // unit if all(o % 16 == 0 for o in offs_bytes) else 1,
-        layer_offs=layer_offs, ready=ready,
+        layer_offs=layer_offs,
+        ready=ready,
         k_page_bytes=ps * (h1 - h0) * k0.shape[3] * item,
         v_page_bytes=ps * (h1 - h0) * v_views[0].shape[3] * item if v_views else 0,
     )
@@ -315,8 +344,7 @@ def _err_flag(device: torch.device) -> torch.Tensor:
     return flag
 
 
-def _validate_page_ids(page_ids: torch.Tensor, num_pages: int, *, unique: bool,
-                       what: str) -> None:
+def _validate_page_ids(page_ids: torch.Tensor, num_pages: int, *, unique: bool, what: str) -> None:
     """Raise ValueError for ids outside [0, num_pages) (and, for unpack, ids listed twice).
     One host sync on CUDA; also raises what an earlier unchecked call flagged."""
     flag = _ERR_FLAGS.get(page_ids.device)
@@ -351,10 +379,11 @@ def _check_chunk(buf: torch.Tensor, nbytes: int, device: torch.device, what: str
     if buf.dtype != torch.uint8:
         raise ValueError(f"{what} must be uint8, got {buf.dtype}")
     if buf.dim() != 1 or not buf.is_contiguous():
-        raise ValueError(f"{what} must be a contiguous 1-D tensor, got shape "
-                         f"{tuple(buf.shape)} strides {buf.stride()}")
+        raise ValueError(
+            f"{what} must be a contiguous 1-D tensor, got shape "
+            f"{tuple(buf.shape)} strides {buf.stride()}"
+        )
     if buf.device != device:
         raise ValueError(f"{what} is on {buf.device}, the KV buffers on {device}")
     if buf.numel() != nbytes:
         raise ValueError(f"{what} has {buf.numel()} bytes, the chunk needs {nbytes}")
-

@@ -15,24 +15,28 @@ def _ref_pieces(k_buffers, v_buffers, page_ids, page_size, layers, heads):
     layers = range(len(k_views)) if layers is None else layers
     h0, h1 = heads if heads is not None else (0, k_views[0].shape[2])
     for views in (k_views, v_views):
-        for l in (layers if views else []):
+        for l in layers if views else []:
             for p in [int(p) for p in page_ids]:
                 yield views[l][p, :, h0:h1, :]
 
 
-def pack_buffers_ref(k_buffers, v_buffers, page_ids, *, page_size=None, layers=None,
-                     heads=None) -> torch.Tensor:
-    pieces = [piece.contiguous().view(-1).view(torch.uint8) for piece in
-              _ref_pieces(k_buffers, v_buffers, page_ids, page_size, layers, heads)]
+def pack_buffers_ref(
+    k_buffers, v_buffers, page_ids, *, page_size=None, layers=None, heads=None
+) -> torch.Tensor:
+    pieces = [
+        piece.contiguous().view(-1).view(torch.uint8)
+        for piece in _ref_pieces(k_buffers, v_buffers, page_ids, page_size, layers, heads)
+    ]
     if not pieces:
         return torch.empty(0, dtype=torch.uint8, device=k_buffers[0].device)
     return torch.cat(pieces)
 
 
-def unpack_buffers_ref(buf, k_buffers, v_buffers, page_ids, *, page_size=None, layers=None,
-                       heads=None) -> None:
+def unpack_buffers_ref(
+    buf, k_buffers, v_buffers, page_ids, *, page_size=None, layers=None, heads=None
+) -> None:
     off = 0
     for piece in _ref_pieces(k_buffers, v_buffers, page_ids, page_size, layers, heads):
         nbytes = piece.numel() * piece.element_size()
-        piece.copy_(buf[off:off + nbytes].view(piece.dtype).view(piece.shape))
+        piece.copy_(buf[off : off + nbytes].view(piece.dtype).view(piece.shape))
         off += nbytes

@@ -55,8 +55,7 @@ def _copy_page(
 
 
 @triton.jit
-def _chunk_offset(t, j, n, NUM_K: tl.constexpr, K_UNITS: tl.constexpr,
-                  V_UNITS: tl.constexpr):
+def _chunk_offset(t, j, n, NUM_K: tl.constexpr, K_UNITS: tl.constexpr, V_UNITS: tl.constexpr):
     """Units from the chunk's start to page j of copy t (t < NUM_K: K of the t-th
     selected layer; else V of layer t - NUM_K): the module docstring's layout.  ``t``,
     ``j`` and ``n`` must be int64, so the whole sum is (a constexpr times an int64 is
@@ -80,14 +79,24 @@ def _copy_pages_kernel(
     PACK: tl.constexpr,
     NUM_K: tl.constexpr,
     ALIGN: tl.constexpr,  # every layer offset is a multiple of ALIGN units
-    K_ROWS: tl.constexpr, K_NH: tl.constexpr, K_SEG: tl.constexpr,
-    K_PAGE_STRIDE: tl.constexpr, K_TOK_STRIDE: tl.constexpr,
-    K_HEAD_STRIDE: tl.constexpr, K_HEAD0: tl.constexpr,
-    K_BLOCK_R: tl.constexpr, K_BLOCK_C: tl.constexpr,
-    V_ROWS: tl.constexpr, V_NH: tl.constexpr, V_SEG: tl.constexpr,
-    V_PAGE_STRIDE: tl.constexpr, V_TOK_STRIDE: tl.constexpr,
-    V_HEAD_STRIDE: tl.constexpr, V_HEAD0: tl.constexpr,
-    V_BLOCK_R: tl.constexpr, V_BLOCK_C: tl.constexpr,
+    K_ROWS: tl.constexpr,
+    K_NH: tl.constexpr,
+    K_SEG: tl.constexpr,
+    K_PAGE_STRIDE: tl.constexpr,
+    K_TOK_STRIDE: tl.constexpr,
+    K_HEAD_STRIDE: tl.constexpr,
+    K_HEAD0: tl.constexpr,
+    K_BLOCK_R: tl.constexpr,
+    K_BLOCK_C: tl.constexpr,
+    V_ROWS: tl.constexpr,
+    V_NH: tl.constexpr,
+    V_SEG: tl.constexpr,
+    V_PAGE_STRIDE: tl.constexpr,
+    V_TOK_STRIDE: tl.constexpr,
+    V_HEAD_STRIDE: tl.constexpr,
+    V_HEAD0: tl.constexpr,
+    V_BLOCK_R: tl.constexpr,
+    V_BLOCK_C: tl.constexpr,
 ):
     # Every address product is int64: a chunk's K half passes 2^31 units at 8 GiB of
     # bf16, and an int32 product there would wrap (tests/kernels/test_ptx_sm90.py checks the PTX).
@@ -103,13 +112,43 @@ def _copy_pages_kernel(
     layer_off = tl.multiple_of(tl.load(layer_offs + t), ALIGN)
     chunk_off = _chunk_offset(t, j, n64, NUM_K, K_ROWS * K_SEG, V_ROWS * V_SEG)
     if t < NUM_K:
-        _copy_page(base, layer_off, page, chunk, chunk_off, valid, PACK,
-                   K_ROWS, K_NH, K_SEG, K_PAGE_STRIDE, K_TOK_STRIDE, K_HEAD_STRIDE,
-                   K_HEAD0, K_BLOCK_R, K_BLOCK_C)
+        _copy_page(
+            base,
+            layer_off,
+            page,
+            chunk,
+            chunk_off,
+            valid,
+            PACK,
+            K_ROWS,
+            K_NH,
+            K_SEG,
+            K_PAGE_STRIDE,
+            K_TOK_STRIDE,
+            K_HEAD_STRIDE,
+            K_HEAD0,
+            K_BLOCK_R,
+            K_BLOCK_C,
+        )
     else:
-        _copy_page(base, layer_off, page, chunk, chunk_off, valid, PACK,
-                   V_ROWS, V_NH, V_SEG, V_PAGE_STRIDE, V_TOK_STRIDE, V_HEAD_STRIDE,
-                   V_HEAD0, V_BLOCK_R, V_BLOCK_C)
+        _copy_page(
+            base,
+            layer_off,
+            page,
+            chunk,
+            chunk_off,
+            valid,
+            PACK,
+            V_ROWS,
+            V_NH,
+            V_SEG,
+            V_PAGE_STRIDE,
+            V_TOK_STRIDE,
+            V_HEAD_STRIDE,
+            V_HEAD0,
+            V_BLOCK_R,
+            V_BLOCK_C,
+        )
 
 
 def kernel_params(plan: _Plan, pack: bool) -> dict:
@@ -117,12 +156,19 @@ def kernel_params(plan: _Plan, pack: bool) -> dict:
     v = plan.v or plan.k  # K-only: the V branch is never taken; any valid values do
     params = dict(PACK=pack, NUM_K=len(plan.layers), ALIGN=plan.align)
     for prefix, kind in (("K", plan.k), ("V", v)):
-        params.update({
-            f"{prefix}_ROWS": kind.rows, f"{prefix}_NH": kind.nh, f"{prefix}_SEG": kind.seg,
-            f"{prefix}_PAGE_STRIDE": kind.page_stride, f"{prefix}_TOK_STRIDE": kind.tok_stride,
-            f"{prefix}_HEAD_STRIDE": kind.head_stride, f"{prefix}_HEAD0": kind.head0,
-            f"{prefix}_BLOCK_R": kind.block_r, f"{prefix}_BLOCK_C": kind.block_c,
-        })
+        params.update(
+            {
+                f"{prefix}_ROWS": kind.rows,
+                f"{prefix}_NH": kind.nh,
+                f"{prefix}_SEG": kind.seg,
+                f"{prefix}_PAGE_STRIDE": kind.page_stride,
+                f"{prefix}_TOK_STRIDE": kind.tok_stride,
+                f"{prefix}_HEAD_STRIDE": kind.head_stride,
+                f"{prefix}_HEAD0": kind.head0,
+                f"{prefix}_BLOCK_R": kind.block_r,
+                f"{prefix}_BLOCK_C": kind.block_c,
+            }
+        )
     return params
 
 
@@ -135,21 +181,29 @@ def _launch_args(plan: _Plan, pack: bool) -> dict:
     return args
 
 
-def _launch(plan: _Plan, k_buffers, page_ids: torch.Tensor, chunk: torch.Tensor,
-            pack: bool) -> None:
+def _launch(
+    plan: _Plan, k_buffers, page_ids: torch.Tensor, chunk: torch.Tensor, pack: bool
+) -> None:
     n = page_ids.numel()
     if n == 0:
         return
     unit = _UNITS[plan.unit_bytes]
     if chunk.data_ptr() % plan.unit_bytes:
-        raise ValueError(f"the chunk's address must be a multiple of {plan.unit_bytes} bytes "
-                         f"(the KV rows' alignment), got {chunk.data_ptr():#x}")
+        raise ValueError(
+            f"the chunk's address must be a multiple of {plan.unit_bytes} bytes "
+            f"(the KV rows' alignment), got {chunk.data_ptr():#x}"
+        )
     base = k_buffers[plan.layers[0]].view(unit)  # layer offsets count from its start
     err = _err_flag(plan.device)
     with device_guard(plan.device):  # Triton launches on the current device otherwise
         _wait_ready(plan)
         _copy_pages_kernel[(n, plan.num_copies)](
-            base, plan.layer_offs, page_ids, chunk.view(unit), n, plan.num_pages,
-            err, **_launch_args(plan, pack),
+            base,
+            plan.layer_offs,
+            page_ids,
+            chunk.view(unit),
+            n,
+            plan.num_pages,
+            err,
+            **_launch_args(plan, pack),
         )
-

@@ -94,8 +94,7 @@ def _aux_regions(manager) -> list[tuple[int, int]]:
     """The registered regions (``_registerable_regions``, as the manager registers them)
     that hold one of the manager's aux buffers."""
     aux = list(manager.kv_args.aux_data_ptrs or [])
-    return [(p, n) for p, n in manager._registerable_regions()
-            if any(p <= a < p + n for a in aux)]
+    return [(p, n) for p, n in manager._registerable_regions() if any(p <= a < p + n for a in aux)]
 
 
 def _watch() -> None:

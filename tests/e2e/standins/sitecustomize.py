@@ -90,8 +90,14 @@ def _nap_module():
     path."""
     nap = sys.modules.get("kvmem_e2e_nixl_nap")
     if nap is None:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
-                            os.pardir, os.pardir, "testkit", "nixl_nap.py")
+        path = os.path.join(
+            os.path.dirname(os.path.abspath(__file__)),
+            os.pardir,
+            os.pardir,
+            os.pardir,
+            "testkit",
+            "nixl_nap.py",
+        )
         spec = importlib.util.spec_from_file_location("kvmem_e2e_nixl_nap", path)
         nap = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(nap)
@@ -177,7 +183,6 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _Finder())
-
 
 
 class _InEnv:

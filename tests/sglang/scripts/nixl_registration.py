@@ -34,9 +34,16 @@ def main() -> dict:
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
-    publish(ServerArgs(model_path="dummy", device="cpu", disaggregation_mode="prefill",
-                       disaggregation_transfer_backend="nixl", page_size=PAGE_SIZE),
-            role="test")
+    publish(
+        ServerArgs(
+            model_path="dummy",
+            device="cpu",
+            disaggregation_mode="prefill",
+            disaggregation_transfer_backend="nixl",
+            page_size=PAGE_SIZE,
+        ),
+        role="test",
+    )
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
@@ -51,18 +58,28 @@ def main() -> dict:
     from sglang.srt.disaggregation.nixl.conn import NixlKVManager, _normalize_kv_mem_kinds
     from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
     from sglang.srt.disaggregation.utils import DisaggregationMode, get_kv_transfer_buf_infos
-    from sglang.srt.managers.io_struct import (ReleaseMemoryOccupationReqInput,
-                                               ResumeMemoryOccupationReqInput)
+    from sglang.srt.managers.io_struct import (
+        ReleaseMemoryOccupationReqInput,
+        ResumeMemoryOccupationReqInput,
+    )
     from sglang.srt.managers.scheduler_components.weight_updater import (
-        SchedulerWeightUpdaterManager)
+        SchedulerWeightUpdaterManager,
+    )
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
 
     from kvmem_sglang.kvpool import pool_of
 
-    kv = MHATokenToKVPool(size=PAGE_SIZE * PAGES, page_size=PAGE_SIZE, dtype=torch.bfloat16,
-                          head_num=HEADS, head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
-                          enable_memory_saver=False)
+    kv = MHATokenToKVPool(
+        size=PAGE_SIZE * PAGES,
+        page_size=PAGE_SIZE,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     pool = pool_of(kv)
 
     ptrs, lens, item_lens = get_kv_transfer_buf_infos(kv)
@@ -84,8 +101,11 @@ def main() -> dict:
 
     def register_spy(reg_list, mem_type=None, *a, **k):
         descs = real_register(reg_list, mem_type, *a, **k)
-        rec = {"mem_type": mem_type, "ranges": [[int(d[0]), int(d[1])] for d in reg_list],
-               "descs": descs}
+        rec = {
+            "mem_type": mem_type,
+            "ranges": [[int(d[0]), int(d[1])] for d in reg_list],
+            "descs": descs,
+        }
         rec["kv"] = all(r[0] != aux.data_ptr() for r in rec["ranges"])
         calls.append(rec)
         live[id(descs)] = rec
@@ -105,13 +125,17 @@ def main() -> dict:
 
     def registered(fresh: list[dict]) -> dict:
         kv_calls = [c for c in fresh if c["kv"]]
-        return {"kv_entries": sum(len(c["ranges"]) for c in kv_calls),
-                "kv_descs": sum(d.descCount() for d in manager.kv_descs),
-                # transfers still address each layer: sglang's per-layer lists are back
-                "kv_args_per_layer": (list(kv_args.kv_data_ptrs) == list(ptrs)
-                                      and list(kv_args.kv_data_lens) == list(lens)),
-                "kv_ranges": [r for c in kv_calls for r in c["ranges"]],
-                "calls": len(fresh)}
+        return {
+            "kv_entries": sum(len(c["ranges"]) for c in kv_calls),
+            "kv_descs": sum(d.descCount() for d in manager.kv_descs),
+            # transfers still address each layer: sglang's per-layer lists are back
+            "kv_args_per_layer": (
+                list(kv_args.kv_data_ptrs) == list(ptrs)
+                and list(kv_args.kv_data_lens) == list(lens)
+            ),
+            "kv_ranges": [r for c in kv_calls for r in c["ranges"]],
+            "calls": len(fresh),
+        }
 
     # the first registration, as NixlKVManager.__init__ makes it
     manager.register_buffer_to_engine()
@@ -121,8 +145,11 @@ def main() -> dict:
     # release and resume through sglang's weight updater (kv_cache tag)
     queue = object.__new__(PrefillBootstrapQueue)
     queue.queue, queue.kv_manager = [], manager
-    scheduler = SimpleNamespace(disaggregation_mode=DisaggregationMode.PREFILL,
-                                disagg_prefill_bootstrap_queue=queue, _engine_paused=False)
+    scheduler = SimpleNamespace(
+        disaggregation_mode=DisaggregationMode.PREFILL,
+        disagg_prefill_bootstrap_queue=queue,
+        _engine_paused=False,
+    )
     updater = object.__new__(SchedulerWeightUpdaterManager)
     updater.scheduler = scheduler
     updater.memory_saver_adapter = TorchMemorySaverAdapter.create(enable=False)
@@ -145,17 +172,25 @@ def main() -> dict:
         pool.release = release_spy
     for t in kv.k_buffer + kv.v_buffer:  # every page resident before the release
         t.view(torch.uint8).fill_(0xC3)
-    before = {"epoch": pool.epoch, "resident": pool.resident_bytes(),
-              "nbytes": pool.nbytes} if pool else {}
+    before = (
+        {"epoch": pool.epoch, "resident": pool.resident_bytes(), "nbytes": pool.nbytes}
+        if pool
+        else {}
+    )
     n_calls = len(calls)
-    updater.release_memory_occupation(ReleaseMemoryOccupationReqInput(
-        tags=[GPU_MEMORY_TYPE_KV_CACHE]))
+    updater.release_memory_occupation(
+        ReleaseMemoryOccupationReqInput(tags=[GPU_MEMORY_TYPE_KV_CACHE])
+    )
     released = {"released": pool.released, "resident": pool.resident_bytes()} if pool else {}
     calls_during_release = len(calls) - n_calls
-    updater.resume_memory_occupation(ResumeMemoryOccupationReqInput(
-        tags=[GPU_MEMORY_TYPE_KV_CACHE]))
-    resumed = ({"released": pool.released, "epoch": pool.epoch,
-                "resident": pool.resident_bytes()} if pool else {})
+    updater.resume_memory_occupation(
+        ResumeMemoryOccupationReqInput(tags=[GPU_MEMORY_TYPE_KV_CACHE])
+    )
+    resumed = (
+        {"released": pool.released, "epoch": pool.epoch, "resident": pool.resident_bytes()}
+        if pool
+        else {}
+    )
     second = registered(calls[n_calls:])
     second["calls_during_release"] = calls_during_release
     second["ptrs_kept"] = buf_ptrs == [t.data_ptr() for t in kv.k_buffer + kv.v_buffer]
@@ -166,8 +201,9 @@ def main() -> dict:
     # still lands is carried by a registration left over from before the release.
     for descs in manager.kv_descs:
         real_deregister(descs)
-    second["write_after_dropping_current"] = writes(nixl_agent, nixl_agent_config, agent,
-                                                    kv, "peer-3")[0]
+    second["write_after_dropping_current"] = writes(
+        nixl_agent, nixl_agent_config, agent, kv, "peer-3"
+    )[0]
 
     return {
         "flag": os.environ.get("SGLANG_KVMEM", "0"),
@@ -178,7 +214,9 @@ def main() -> dict:
         "first": first,
         "after_resume": second,
         "device_syncs": len(syncs),
-        "pool_before": before, "pool_released": released, "pool_resumed": resumed,
+        "pool_before": before,
+        "pool_released": released,
+        "pool_resumed": resumed,
     }
 
 
@@ -195,9 +233,11 @@ def writes(nixl_agent, nixl_agent_config, target, kv, peer_name: str) -> list[di
     k0, v_last, v0 = kv.k_buffer[0], kv.v_buffer[last], kv.v_buffer[0]
     row = k0[0].numel() * k0.element_size()  # bytes of one token, all heads
     k0_end = k0.data_ptr() + k0.numel() * k0.element_size()
-    cases = [("layer0-K", k0.data_ptr(), row),
-             (f"layer{last}-V", v_last[37].data_ptr(), row),
-             ("layer0-K-into-V", k0_end - row, 2 * row)]
+    cases = [
+        ("layer0-K", k0.data_ptr(), row),
+        (f"layer{last}-V", v_last[37].data_ptr(), row),
+        ("layer0-K-into-V", k0_end - row, 2 * row),
+    ]
     out = []
     for i, (where, addr, nbytes) in enumerate(cases):
         gap = v0.data_ptr() - k0_end  # kvmem pads K to a block boundary; stock has none
