@@ -130,7 +130,7 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         # a CPU free of one row of up to this many slots goes to kvmem as a Python list
         # (its short path, kvmem.kernels.alloc.PY_FREE_MAX pages), no NumPy or torch op
         self._short_slots = PY_FREE_MAX * ps if dev.type == "cpu" else 0
-        self.free_group = None  # None, or the token-slot frees of an open group
+        self.free_group: list | None = None  # None, or the token-slot frees of an open group
         self._group_page_ids: list[torch.Tensor] = []
 
     def clear(self) -> None:

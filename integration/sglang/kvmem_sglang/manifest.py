@@ -398,24 +398,32 @@ class _Tree:
 
     def __init__(self, root: Path):
         self.root = root
-        self._parsed: dict[str, ast.Module | None] = {}
+        self._files: dict[str, Path | None] = {}
+        self._parsed: dict[str, ast.Module] = {}
 
-    def module(self, name: str) -> ast.Module | None:
-        if name not in self._parsed:
+    def path(self, name: str) -> Path | None:
+        """The file of module ``name`` here, or None."""
+        if name not in self._files:
             base = self.root.joinpath(*name.split("."))
-            path = next(
+            self._files[name] = next(
                 (p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None
             )
-            self._parsed[name] = None if path is None else ast.parse(path.read_text())
-            if path is not None:
-                self._parsed[name].path = path  # type: ignore[attr-defined]
+        return self._files[name]
+
+    def module(self, name: str) -> ast.Module:
+        """Module ``name``, parsed; LookupError when it has no file here."""
+        if name not in self._parsed:
+            path = self.path(name)
+            if path is None:
+                raise LookupError(f"no module {name} in {self.root}")
+            self._parsed[name] = ast.parse(path.read_text())
         return self._parsed[name]
 
     def split(self, target: str) -> tuple[str, list[str]]:
         """(the longest module prefix of ``target`` with a file here, the names after)."""
         parts = target.split(".")
         for i in range(len(parts), 0, -1):
-            if self.module(".".join(parts[:i])) is not None:
+            if self.path(".".join(parts[:i])) is not None:
                 return ".".join(parts[:i]), parts[i:]
         raise LookupError(f"{target}: no module of it in {self.root}")
 
@@ -530,7 +538,9 @@ def locate(
             if node is None:
                 raise LookupError(f"{target}: {name} is not in {module}")
         scope = node
-    path = tree.module(module).path.relative_to(tree.root)  # type: ignore[attr-defined]
+    path = tree.path(module)
+    assert path is not None and node is not None  # tree.split found the file, names a node
+    path = path.relative_to(tree.root)
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         signature = f"({ast.unparse(node.args)})"
     elif isinstance(node, ast.ClassDef):
@@ -564,7 +574,9 @@ def drift(root: Path, recorded: dict | None = None) -> list[dict]:
     ``body`` (its code changed), ``signature`` (its parameters changed) or
     ``missing``."""
     if recorded is None:
-        from kvmem_sglang.manifest_recorded import RECORDED as recorded
+        from kvmem_sglang.manifest_recorded import RECORDED
+
+        recorded = RECORDED
     tree = _Tree(root)
     rows = []
     for target, what in surface().items():

@@ -221,8 +221,9 @@ def refuse_room(mgr, room, reason: str) -> None:
         _remember(mgr, room, reason)
         targets = mgr._room_notify_targets(room)
         if targets:
-            rooms = state.ABORTED_ROOMS.get(mgr, {})
-            rooms.pop(room, None)  # told now: later metadata of the room goes to sglang
+            state.ABORTED_ROOMS.get(mgr, {}).pop(
+                room, None
+            )  # told now: later metadata of the room goes to sglang
             mgr.transfer_infos.pop(room, None)
             mgr.req_to_decode_prefix_len.pop(room, None)
             if mgr.request_status.get(room) == _waiting():

@@ -732,7 +732,7 @@ def _await_settle_window(mgr, deadline: float) -> None:
     after a write that failed while parts of it may still be moving
     (``state.SETTLE_UNTIL``, monotonic seconds; set by ``kvmem_sglang.mooncake``):
     sglang's worker uncounts such a room at once, so the counts above cannot show it."""
-    until = min(state.SETTLE_UNTIL.get(mgr, 0.0), deadline)
+    until = min(state.SETTLE_UNTIL.get(mgr) or 0.0, deadline)
     wait = until - time.monotonic()
     if wait > 0:
         logger.warning(

@@ -44,7 +44,7 @@ def resend(manager) -> int:
         return 0
     with manager.connection_lock:
         infos = [i for infos in manager.connection_pool.values() for i in infos]
-    ranks = {}
+    ranks: dict[tuple, dict] = {}
     for info in infos:
         ranks.setdefault((info["rank_ip"], info["rank_port"]), info)
     if not ranks:

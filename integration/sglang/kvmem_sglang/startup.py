@@ -56,7 +56,7 @@ def _guard(module) -> None:
         return out
 
     state.GUARDED.set(load_plugins, True)
-    load_plugins.__wrapped__ = load
+    setattr(load_plugins, "__wrapped__", load)  # as functools.wraps: mypy types no such field
     module.load_plugins = load_plugins
 
 

@@ -15,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 V = TypeVar("V")
 
@@ -50,11 +50,25 @@ class SideTable(Generic[V]):
             if entry is not None and entry[0]() is None:
                 del self._entries[key]
 
+    def _ref(self, obj) -> weakref.ref:
+        key, dead = id(obj), self._dead
+
+        def gone(_ref: weakref.ref) -> None:
+            dead.append(key)
+
+        return weakref.ref(obj, gone)
+
     def _live(self, obj) -> tuple[weakref.ref, Any] | None:
         entry = self._entries.get(id(obj))
         return entry if entry is not None and entry[0]() is obj else None
 
-    def get(self, obj, default: V | None = None) -> V | None:
+    @overload
+    def get(self, obj) -> V | None: ...
+
+    @overload
+    def get(self, obj, default: V) -> V: ...
+
+    def get(self, obj, default=None):
         """The value kept for ``obj``, or ``default``."""
         with self._lock:
             self._purge()
@@ -63,11 +77,10 @@ class SideTable(Generic[V]):
 
     def set(self, obj, value: V) -> None:
         """Keep ``value`` for ``obj`` (replacing any)."""
-        key = id(obj)
-        ref = weakref.ref(obj, lambda _ref, dead=self._dead, key=key: dead.append(key))
+        ref = self._ref(obj)
         with self._lock:
             self._purge()
-            self._entries[key] = (ref, value)
+            self._entries[id(obj)] = (ref, value)
 
     def setdefault(self, obj, make: Callable[[], V]) -> V:
         """The value kept for ``obj``; ``make()`` kept and returned when there is none
@@ -78,16 +91,15 @@ class SideTable(Generic[V]):
             if entry is not None:
                 return entry[1]
         value = make()
-        key = id(obj)
-        ref = weakref.ref(obj, lambda _ref, dead=self._dead, key=key: dead.append(key))
+        ref = self._ref(obj)
         with self._lock:
             entry = self._live(obj)
             if entry is not None:
                 return entry[1]
-            self._entries[key] = (ref, value)
+            self._entries[id(obj)] = (ref, value)
             return value
 
-    def pop(self, obj, default: V | None = None) -> V | None:
+    def pop(self, obj, default: Any = None) -> Any:
         """Forget ``obj``; the value it had, or ``default``."""
         with self._lock:
             self._purge()

@@ -671,6 +671,7 @@ def _settle(
     states: dict[int, str] = {}
     pending = list(handles)
     failed = failure_seen
+    deadline: float | None
     if until is not None:
         deadline = until
     else:
