@@ -31,7 +31,15 @@ from kvmem.disagg.protocol import PauseAck, encode, meta_message
 from kvmem.disagg.states import DecodeState, PausePhase
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+    import torch
+
+    from kvmem.disagg.arena import Arena
+    from kvmem.disagg.counters import Metrics
     from kvmem.disagg.decode import DecodeRequest
+    from kvmem.disagg.ledger import Ledger
 
 # the states that hold pages and a landing region (freed by this side's pause)
 _HOLDING = frozenset({DecodeState.BOOTING, DecodeState.BOOTED, DecodeState.QUARANTINED})
@@ -53,6 +61,32 @@ class DecodeMemory:
     """The memory methods of :class:`~kvmem.disagg.decode.DecodeSide` (not a side on its
     own: they read and change the side's requests, pool, landing buffer, ledger and
     engine)."""
+
+    if TYPE_CHECKING:  # what DecodeSide (kvmem/disagg/decode.py) provides
+        pool: Any
+        alloc: Any
+        engine: Any
+        transfer_mode: str
+        clock: Callable[[], float]
+        ledger: Ledger
+        metrics: Metrics
+        arena: Arena
+        landing: torch.Tensor
+        _landing_mem: Any
+        prefill_peers: list[str]
+        phase: PausePhase
+        reqs: dict[int, Any]
+        completed: dict[int, Any]
+        _rooms: dict[int, int]
+        query: Any
+
+        @property
+        def pausing(self) -> bool: ...
+
+        def _tell(self, peer: str, msg: bytes) -> bool: ...
+        def _phase(self, to: PausePhase) -> None: ...
+        def _transition(self, *args: Any, **kwargs: Any) -> Any: ...
+        def _apply_checks(self) -> bool: ...
 
     def _register(self) -> None:
         # one region per physical chunk; the prefill's landing offsets (RegionMap of these

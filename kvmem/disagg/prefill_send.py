@@ -56,6 +56,13 @@ from kvmem.transfer.errors import StaleEpochError, TransferError
 from kvmem.transfer.records import TransferHandle
 
 if TYPE_CHECKING:
+    from collections import Counter
+    from collections.abc import Callable
+    from typing import Any
+
+    from kvmem.disagg.arena import Arena
+    from kvmem.disagg.counters import Metrics
+    from kvmem.disagg.ledger import Ledger
     from kvmem.disagg.prefill import PrefillRequest
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
@@ -122,6 +129,40 @@ class _Staged:
 class PrefillSending:
     """The sending methods of :class:`~kvmem.disagg.prefill.PrefillSide` (not a side on
     its own: they read and change the side's requests, staging, engine and counters)."""
+
+    if TYPE_CHECKING:  # what PrefillSide (kvmem/disagg/prefill.py) provides
+        pool: Any
+        alloc: Any
+        engine: Any
+        spec: kvmem.KVSpec
+        decode_peers: list[str]
+        transfer_mode: str
+        quarantine_timeout: float
+        clock: Callable[[], float]
+        faults: Any
+        ready_event: Any
+        ledger: Ledger
+        metrics: Metrics
+        inbox: Any
+        arena: Arena
+        staging: torch.Tensor
+        _staging_map: Any
+        chunk_modes: Counter
+        _peers: dict[str, Any]
+        reqs: dict[int, Any]
+        finished: dict[int, Reason]
+        finished_peer: dict[int, str]
+        _order: list[int]
+
+        @property
+        def paused(self) -> bool: ...
+
+        def _tell(self, peer: str, msg: bytes) -> bool: ...
+        def _end(self, *args: Any, **kwargs: Any) -> Any: ...
+        def _transition(self, *args: Any, **kwargs: Any) -> Any: ...
+        def _maybe_finish(self, *args: Any, **kwargs: Any) -> Any: ...
+        def abort(self, *args: Any, **kwargs: Any) -> Any: ...
+        def _maybe_ack_peer_pause(self) -> None: ...
 
     # --- sending ----------------------------------------------------------------------------
     def _flush_pending(self) -> bool:
