@@ -124,6 +124,7 @@ def _from_numpy(arr: np.ndarray, device: torch.device, what: str, int64: bool) -
 
 
 def _from_sequence(seq, device: torch.device, what: str) -> torch.Tensor:
+    ids: range | list[int]
     if isinstance(seq, range):
         ids = seq
     else:

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import operator
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -168,18 +169,19 @@ class PageAllocator:
             self._err = torch.empty(4, dtype=torch.int64, device=device)
         self._owned = self._owned_ext[:num_pages]
         # CPU: numpy views of the state (zero copy) for the take/free bookkeeping
-        self._ring_np = self._ring.numpy() if device.type == "cpu" else None
-        self._owned_np = self._owned_ext.numpy() if device.type == "cpu" else None
+        # (Any: None on CUDA, and only the CPU paths read them)
+        self._ring_np: Any = self._ring.numpy() if device.type == "cpu" else None
+        self._owned_np: Any = self._owned_ext.numpy() if device.type == "cpu" else None
         # the Triton kernels on CUDA, and on CPU tensors under KVMEM_FORCE_TRITON=1 as it
         # was when the allocator was made (not read per call: _triton)
         self._use_triton = self._on_cuda or force_triton()
         # CPU without Triton: memoryviews of the ring and of the map proper, for a free of
         # a short Python list (kvmem.kernels.alloc.free_pages_list)
         cpu_py = device.type == "cpu" and not self._use_triton
-        self._ring_mv = memoryview(self._ring_np) if cpu_py else None
-        self._owned_mv = memoryview(self._owned_np[:num_pages]) if cpu_py else None
+        self._ring_mv: Any = memoryview(self._ring_np) if cpu_py else None
+        self._owned_mv: Any = memoryview(self._owned_np[:num_pages]) if cpu_py else None
         # CPU free's scratch (kvmem.kernels.alloc.free_pages_cpu), this allocator's own
-        self._marks = K.free_marks(min(self._cap, 1024)) if device.type == "cpu" else None
+        self._marks: Any = K.free_marks(min(self._cap, 1024)) if device.type == "cpu" else None
         self._group: list[tuple[torch.Tensor, bool]] | None = None
         self.reset()
 
