@@ -31,7 +31,6 @@ Stood in (what a CPU test cannot have):
 
 from __future__ import annotations
 
-import socket
 import time
 from collections import defaultdict
 from types import SimpleNamespace
@@ -83,12 +82,6 @@ class Outbox:
 
     def message(self, rid: str) -> str:
         return self.answers[rid][0][1].get("message") or ""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sender_class():
@@ -216,9 +209,10 @@ class PrefillHarness:
         from tests.sglang.sglang_env import weight_updater
 
         if not dist.is_initialized():
-            dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-            )
+            # one rank: an in-process store, no port to pick (a port picked free and bound
+            # later was taken meanwhile by another process, with the end-to-end tier
+            # running beside the main suite: EADDRINUSE)
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         group = dist.group.WORLD
         self.page_size = page_size
         # chunked prefill (sglang's --chunked-prefill-size): at most this many tokens of
