@@ -554,6 +554,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _bootstrap_server(backend: str, attempts: int = 5, wait_s: float = 30.0):
+    """sglang's bootstrap server of ``backend`` on a free port of 127.0.0.1, and the port.
+
+    The port is picked free and bound later by the server's thread, so another process
+    can take it in between (seen with the end-to-end tier running beside the main
+    suite); the thread then ends at once, and another port is tried.  A server whose
+    thread listens (its aiohttp runner has an address) is the one returned."""
+    for _ in range(attempts):
+        port = _free_port()
+        server = conn_class(backend, "BootstrapServer")("127.0.0.1", port)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            runner = getattr(server, "_runner", None)
+            if runner is not None and runner.addresses:
+                return server, port
+            if not server.thread.is_alive():
+                break  # its bind failed: the port was taken meanwhile
+            time.sleep(0.01)
+        else:
+            raise RuntimeError(f"the bootstrap server on port {port} did not listen in {wait_s} s")
+    raise RuntimeError(f"no free port held for the bootstrap server in {attempts} tries")
+
+
 def _wait(pred, timeout: float, what: str):
     end = time.monotonic() + timeout
     while not pred():
@@ -1023,9 +1046,8 @@ class Pair:
         sa = publish("prefill", shape.page_size, backend, shape.prefill_tp, 0)
         from sglang.srt.runtime_context import get_disagg
 
-        port = _free_port()
+        self.bootstrap, port = _bootstrap_server(backend)
         get_disagg()._set("disaggregation_bootstrap_port", port)
-        conn_class(backend, "BootstrapServer")("127.0.0.1", port)
         self.addr = f"127.0.0.1:{port}"
         m0 = memory_counters()
         self.kv, self.pool_create_s = build_pool(shape, shape.prefill_tp)

@@ -43,18 +43,23 @@ def _keep(name, rep):
 @pytest.mark.backends("nixl")
 @pytest.mark.parametrize("kind", ["stock"])
 def test_scenario_stock(deployments, backend, kind):
-    """Stock's scenario, on NIXL only: it ends in a crashed scheduler on either backend
-    (the same idle assertion), its figures are the baseline beside the flag's, and it
-    takes about five minutes here (its hangs wait out ``HANG_S``), so the tier does not
-    run it on Mooncake."""
+    """Stock's scenario, on NIXL only: its figures are the baseline beside the flag's
+    (printed and kept, not asserted), and it takes up to five minutes here (its hangs
+    wait out ``HANG_S``), so the tier does not run it on Mooncake.
+
+    Whether stock's gaps show in one run depends on the machine's speed at that moment:
+    quiet, its release met requests in flight and a scheduler died (the idle assertion
+    of ``SchedulerWeightUpdaterManager.release_memory_occupation``) in every run; with
+    the main suite beside the tier, every request of one run had finished before each
+    release, and stock answered all 210.  The crash itself is shown by
+    ``test_stock_release_with_requests_in_flight_kills_the_scheduler``, which releases
+    again until one lands with requests in flight."""
     d = deployments.get(kind, backend)
     try:
         rep = scenario.run(d)
         _keep(f"stock@{backend}", rep)
         _print(f"stock sglang 0.5.23 on {backend}", rep)
-        assert rep.requests >= 200
-        # stock's release with requests in flight kills a scheduler (weight_updater.py:339)
-        assert rep.crashes, "stock was expected to crash on a release with requests in flight"
+        assert rep.requests >= 200 and rep.answered + rep.hangs == rep.requests
     finally:
         deployments.discard_broken(kind, backend, d)
 
