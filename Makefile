@@ -92,10 +92,15 @@ venv-e2e: $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 demo: $(VENV)/.demo-ready
 	$(BIN)/kvmem demo
 
-# The main suite, then the Triton kernels under the interpreter in a process of their own
-# (TRITON_INTERPRET is read when a kernel is decorated).
-test: $(VENV)/.test-ready $(TRITON36_VENV)/.ready $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
-	$(MAKE) --no-print-directory test-main test-interpret test-e2e
+# Every tier once: the environments two at a time; the Triton kernels under the
+# interpreter in a process of their own (TRITON_INTERPRET is read when a kernel is
+# decorated); then the main suite and the end-to-end tier side by side, each one's output
+# printed whole when it ends.  Side by side they took 33 min here where one after the
+# other took about 57 (the tier waits on servers most of its time; README.md, "Tests").
+test:
+	$(MAKE) --no-print-directory -j2 venv-test venv-triton36 venv-e2e
+	$(MAKE) --no-print-directory test-interpret
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-main test-e2e
 
 # tests/ includes test_bench_smoke.py (every benchmark once, tiny sizes; sglang's Mooncake
 # pair runs in .venv-e2e) and
