@@ -554,7 +554,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bootstrap_server(backend: str, attempts: int = 5, wait_s: float = 30.0):
+def bootstrap_server(backend: str, attempts: int = 5, wait_s: float = 30.0):
     """sglang's bootstrap server of ``backend`` on a free port of 127.0.0.1, and the port.
 
     The port is picked free and bound later by the server's thread, so another process
@@ -1046,7 +1046,7 @@ class Pair:
         sa = publish("prefill", shape.page_size, backend, shape.prefill_tp, 0)
         from sglang.srt.runtime_context import get_disagg
 
-        self.bootstrap, port = _bootstrap_server(backend)
+        self.bootstrap, port = bootstrap_server(backend)
         get_disagg()._set("disaggregation_bootstrap_port", port)
         self.addr = f"127.0.0.1:{port}"
         m0 = memory_counters()

@@ -134,3 +134,14 @@ def test_the_source_check_finds_each_way_of_writing_one():
         "_kvmem_c",
         "_kvmem_d",
     ]
+
+
+def test_a_key_that_takes_no_weak_reference_is_refused():
+    from types import SimpleNamespace
+
+    t: SideTable[int] = SideTable("X", "test", "a number")
+    with pytest.raises(TypeError):
+        t.set(SimpleNamespace(), 1)
+    ok = type("Scheduler", (SimpleNamespace,), {})()  # a subclass takes one
+    t.set(ok, 1)
+    assert t.get(ok) == 1

@@ -64,7 +64,7 @@ def main() -> dict:
     os.environ["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(WAITING_TIMEOUT_S)
     os.environ["SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT"] = str(TRANSFER_TIMEOUT_S)
     nixl_as_sglang_imports_it()
-    from tests.sglang.prefill_env import PrefillHarness, _free_port
+    from tests.sglang.prefill_env import PrefillHarness
 
     h = PrefillHarness(page_size=PAGE, pages=64, max_reqs=8, chunk_pages=2)
     import numpy as np
@@ -73,7 +73,6 @@ def main() -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.utils import FastQueue
     from sglang.srt.disaggregation.nixl.conn import (
-        NixlKVBootstrapServer,
         NixlKVManager,
         NixlKVReceiver,
         NixlKVSender,
@@ -86,12 +85,12 @@ def main() -> dict:
         get_kv_class,
     )
     from sglang.srt.runtime_context import get_disagg, get_parallel
+    from testkit.sglang_pair import bootstrap_server
     from tests.sglang.sglang_env import build_pools
 
-    port = _free_port()
-    get_disagg()._set("disaggregation_bootstrap_port", port)  # this process's server
     get_parallel().override_permanently(pp_group=None)  # pp_size 1: never used
-    NixlKVBootstrapServer("127.0.0.1", port)
+    _server, port = bootstrap_server("nixl")  # sglang's NixlKVBootstrapServer
+    get_disagg()._set("disaggregation_bootstrap_port", port)  # this process's server
     addr = f"127.0.0.1:{port}"
 
     # -- the prefill: the harness's scheduler over a real NIXL manager and real senders ----

@@ -27,7 +27,9 @@ class SideTable(Generic[V]):
     Keyed by identity (sglang's objects need not be hashable); an entry goes when its
     object is collected (the table holds a weak reference to it, never the object), so a
     table neither keeps an sglang object alive nor hands a new object the value of a
-    collected one with the same ``id``.  Every method is safe from any thread and costs
+    collected one with the same ``id``.  A key must take a weak reference (TypeError
+    otherwise): instances of ordinary classes do, as every sglang class the adapter keys
+    on is; a ``types.SimpleNamespace`` does not, a subclass of it does.  Every method is safe from any thread and costs
     one dict operation under the table's lock.
 
     ``owner`` names the sglang classes whose objects are keys, ``users`` the adapter

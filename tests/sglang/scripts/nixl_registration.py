@@ -145,7 +145,9 @@ def main() -> dict:
     # release and resume through sglang's weight updater (kv_cache tag)
     queue = object.__new__(PrefillBootstrapQueue)
     queue.queue, queue.kv_manager = [], manager
-    scheduler = SimpleNamespace(
+    # the few fields of sglang's Scheduler the release reads (a class of its own: the
+    # adapter keeps the scheduler's registration epoch in a weak side table)
+    scheduler = type("Scheduler", (SimpleNamespace,), {})(
         disaggregation_mode=DisaggregationMode.PREFILL,
         disagg_prefill_bootstrap_queue=queue,
         _engine_paused=False,
