@@ -7,6 +7,7 @@ loads it, for the kernels' codes, where only triton is installed."""
 from __future__ import annotations
 
 import enum
+from typing import cast
 
 
 class KVMemError(Exception):
@@ -234,16 +235,16 @@ def alloc_error(
     ``call`` names the call whose host checks refused a batch (LEN_*); ``rebuilt``, given
     for what the device recorded, says how the allocator restored its state.  A code
     outside the table is reported as a device error of a batch."""
-    c = AllocCode._value2member_map_.get(code)
-    raises = c.raises if c is not None else ValueError
-    if raises is DoubleFreeError:
+    c = cast("AllocCode | None", AllocCode._value2member_map_.get(code))
+    if c is not None and c.raises is DoubleFreeError:
         reason = c.message
         if c is AllocCode.FREE_OUT_OF_RANGE:
             reason += f" [1, {num_pages})"
         return DoubleFreeError(value, f"{reason}; {rebuilt}" if rebuilt else reason)
-    if not rebuilt:
-        return raises(f"{call}: request {value}: {c.message}")
+    raises = c.raises if c is not None else ValueError
     what = c.message if c is not None else f"device error code {code}"
+    if not rebuilt:
+        return raises(f"{call}: request {value}: {what}")
     msg = f"{what} ({c.names if c is not None else 'request'} {value}); {rebuilt}"
     if raises is ValueError:  # bad batch inputs: the call went ahead on the device
         msg += "; the slots that call returned are wrong and the pages it took stay allocated"

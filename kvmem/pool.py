@@ -122,6 +122,8 @@ class KVPool:
             planner=planner,
             chunk_bytes=chunk_bytes,
         )
+        # make_range plans and maps every range of a byte or more
+        assert self._mem.plan is not None and self._mem.tensor is not None
         self.plan: ChunkPlan = self._mem.plan
         self._k_offsets, self._v_offsets = self.plan.k_offsets, self.plan.v_offsets
         self.epoch = 0
@@ -355,7 +357,7 @@ def packed_nbytes(spec: KVSpec, n: int, layers=None, heads=None) -> int:
         raise ValueError(f"n must be an int >= 0, got {n!r}")
     sel = _pack._check_layers(layers, spec.num_layers)
     h0, h1 = _pack._check_heads(heads, spec.num_kv_heads)
-    per_token = (h1 - h0) * (spec.head_dim + spec.v_head_dim) * spec.itemsize
+    per_token = (h1 - h0) * (spec.head_dim + spec.v_dim) * spec.itemsize
     return n * len(sel) * spec.page_size * per_token
 
 

@@ -83,8 +83,13 @@ class KVSpec:
         return torch.empty((), dtype=self.storage_dtype).element_size()
 
     @property
+    def v_dim(self) -> int:
+        """``v_head_dim`` as an int (it is None only until construction sets it)."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
     def has_v(self) -> bool:
-        return self.v_head_dim > 0
+        return self.v_dim > 0
 
     # --- sizes of one token / one page, per layer -------------------------------------
     @property
@@ -94,7 +99,7 @@ class KVSpec:
 
     @property
     def v_token_bytes(self) -> int:
-        return self.num_kv_heads * self.v_head_dim * self.itemsize
+        return self.num_kv_heads * self.v_dim * self.itemsize
 
     @property
     def k_page_bytes(self) -> int:
@@ -125,4 +130,4 @@ class KVSpec:
         return (num_pages, self.page_size, self.num_kv_heads, self.head_dim)
 
     def v_shape(self, num_pages: int) -> tuple[int, int, int, int]:
-        return (num_pages, self.page_size, self.num_kv_heads, self.v_head_dim)
+        return (num_pages, self.page_size, self.num_kv_heads, self.v_dim)

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 import uuid
+from typing import Any
 
 from kvmem.demo.config import DemoConfig
 from kvmem.demo.hosts import NetnsHosts
@@ -53,7 +54,9 @@ class Workers:
         self.agent = {k: f"kvmem-demo-{k}-{tag}" for k in self.keys}
         names = {r: [self.agent[k] for rr, _, k in keys if rr == r] for r in ("prefill", "decode")}
         self.names = names
-        self.conns, self.procs, self.heard = {}, {}, {}
+        self.conns: dict[str, mpc.Connection] = {}
+        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.heard: dict[str, float] = {}
         self.inbox: list = []  # received, not consumed yet
         self.ended: set = set()  # keys whose "final" arrived
         self.killed: set = set()  # keys the demo killed on purpose (--kill-decode)
@@ -94,23 +97,25 @@ class Workers:
         state = "still running" if code is None else f"exit status {code}"
         return f"the {key} worker: {what} ({state}, pid {proc.pid})"
 
-    def kill(self, key: str) -> int:
-        """SIGKILL worker ``key`` on purpose and reap it; its exit code."""
+    def kill(self, key: str) -> int | None:
+        """SIGKILL worker ``key`` on purpose and reap it; its exit code (None if it had not
+        exited 10 s later)."""
         proc = self.procs[key]
         self.killed.add(key)
+        assert proc.pid is not None  # started in __init__
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10.0)
         self.conns[key].close()
         return proc.exitcode
 
-    def poll(self, timeout: float) -> list[tuple[str, str, object]]:
+    def poll(self, timeout: float) -> list[tuple[str, str, Any]]:
         """Messages that arrived within ``timeout`` s: ``[(key, kind, payload)]``, the
         buffered ones (:meth:`expect` left them) first.  WorkerFailed for an ``error``
         message, a worker that exited before its ``final`` message (unless the demo killed
         it), a closed pipe, or a worker silent for SILENT_S while the workload runs."""
         out, self.inbox = self.inbox, []
         live = [k for k in self.keys if k not in self.ended and k not in self.killed]
-        by_obj = {self.conns[k]: k for k in live}
+        by_obj: dict[Any, str] = {self.conns[k]: k for k in live}
         by_obj.update({self.procs[k].sentinel: k for k in live})
         for obj in mpc.wait(list(by_obj), 0 if out else timeout):
             key = by_obj[obj]
@@ -273,6 +278,7 @@ class _Orchestra:
 
     def _kill(self, payload: dict, last: dict) -> None:
         w, key = self.w, self.target
+        assert key is not None  # only the target asks to be killed
         finished = sum(last[p].get("finished", 0) for p in self.prefills)
         code = w.kill(key)
         self.live.remove(key)
@@ -350,8 +356,8 @@ def _run(cfg: DemoConfig, progress: bool, hosts) -> dict:
         phases["bandwidth"] = t0 - t_begin - phases["startup"]
         w.heard = {k: t0 for k in w.heard}
         w.watch = True
-        last = {k: {} for k in w.keys}
-        done = {}
+        last: dict[str, dict] = {k: {} for k in w.keys}
+        done: dict[str, dict] = {}
         finished, t_finished = -1, t0
         while len(done) < len(pre) + len(orch.live):
             for key, kind, payload in w.poll(0.1):
@@ -379,7 +385,7 @@ def _run(cfg: DemoConfig, progress: bool, hosts) -> dict:
         live = pre + orch.live
         for k in live:
             w.send(k, "stop")
-        final = {}
+        final: dict[str, dict] = {}
         while len(final) < len(live):
             for key, kind, payload in w.poll(1.0):
                 if kind == "final":

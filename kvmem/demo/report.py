@@ -14,7 +14,7 @@ def _gb(n: int) -> str:
 
 def format_report(r: dict) -> str:
     c = r["config"]
-    lines = []
+    lines: list[str] = []
     add = lines.append
     tok = DemoConfig(**c).token_bytes()
     add(
@@ -166,7 +166,7 @@ def _counts(d: dict) -> str:
 def peer_lines(r: dict) -> list[str]:
     """The report's per-worker section: each worker's requests, per peer."""
     out = ["workers (requests by outcome, and per peer: the requests bound to it, bytes)"]
-    kill = r.get("killed")
+    kill = r.get("killed") or {}  # a worker's row says killed only when this is set
     for key, row in r["peers"].items():
         if row["killed"]:
             mid = "; ".join(f"{p}: {rids}" for p, rids in kill["mid_transfer"].items())
@@ -192,7 +192,7 @@ def peer_lines(r: dict) -> list[str]:
     if kill:
         for p, by in kill["ended_on_prefills"].items():
             for peer, info in by.items():
-                ends = {}
+                ends: dict[str, int] = {}
                 for st in info["status"].values():
                     ends[str(st)] = ends.get(str(st), 0) + 1
                 out.append(

@@ -204,7 +204,9 @@ def build_result(
         res["raw_nixl_gbps"] = None
         res["throughput_vs_raw"] = None
     fp = [final[k] for k in pre]
-    merged = {f: {} for f in ("faults_planned", "outcomes_by_fault", "outcomes_by_status")}
+    merged: dict[str, dict] = {
+        f: {} for f in ("faults_planned", "outcomes_by_fault", "outcomes_by_status")
+    }
     for f in fp:
         for field_ in merged:
             merged[field_] = _add(merged[field_], {str(a): b for a, b in f[field_].items()})
@@ -379,7 +381,7 @@ def transfer_fields(cfg, pre: list, dec: list, calibration, threshold) -> dict:
         secs = [f.get("cpu_seconds") for f in fs]
         s = None if not secs or any(x is None for x in secs) else sum(secs)
         b = sum(int(f["metrics"][moved]) for f in fs)
-        st = {}
+        st: dict = {}
         for f in fs:
             st = _add(st, f.get("stage_seconds", {}))
         loop = st.get("loop", {}).get("seconds", 0.0)
@@ -389,7 +391,7 @@ def transfer_fields(cfg, pre: list, dec: list, calibration, threshold) -> dict:
             seconds_per_gb=(s / (b / 1e9)) if s is not None and b else None,
             poll_share=(st.get("get_notifs", {}).get("seconds", 0.0) / loop if loop > 0 else None),
         )
-    chunks = {}
+    chunks: dict = {}
     for f in pre:
         chunks = _add(chunks, f.get("chunk_modes", {}))
     return dict(

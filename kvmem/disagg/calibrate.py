@@ -153,15 +153,15 @@ def calibrate_direct(
     per_desc = float(np.median(slopes)) if slopes else 0.0
     rest = float(np.median(y - per_desc * x))
     packed = statistics.median(row["packed_s"] for row in rows)
-    most = float(x.max())  # descriptors at one page per run
+    descs = float(x.max())  # descriptors at one page per run
     if per_desc <= 0:
         threshold = plane  # no measurable cost per descriptor: direct whenever possible
-    elif rest + per_desc * most <= packed:
+    elif rest + per_desc * descs <= packed:
         threshold = plane  # direct wins even at one page per descriptor
     elif rest >= packed:
         threshold = None  # direct loses even as one descriptor per layer and K|V
     else:
-        r_star = most * per_desc / (packed - rest)  # pages of a layer per descriptor
+        r_star = descs * per_desc / (packed - rest)  # pages of a layer per descriptor
         threshold = int(np.ceil(r_star)) * plane
     return dict(
         threshold=threshold,

@@ -78,6 +78,7 @@ The prepared block list of each prefill's pool (pull) and the counters
 from __future__ import annotations
 
 import logging
+from typing import Any
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -179,7 +180,9 @@ class DecodeRequest:
     room: int
     tokens: int
     peer: str = ""  # the prefill whose REQ created it
-    state: DecodeState | None = None  # None until its REQ enters it (WAITING, WITHHELD)
+    # None until its REQ enters it (WAITING, WITHHELD): never None in DecodeSide.reqs, so
+    # typed as what every reader sees
+    state: DecodeState = None  # type: ignore[assignment]
     landing_off: int = -1
     landing_nbytes: int = 0
     t_seen: float = 0.0  # last message about this request
@@ -190,7 +193,14 @@ class DecodeRequest:
     free_after_reads: tuple | None = None  # (why, reason) of a free waiting for our reads
     ids: HostCopy | None = None  # booting: its page ids on their way to the host
     host_pages: np.ndarray | None = None  # int64 [pages]: its page ids, on the host
-    busy: object = None  # event after the last device work on its pages / landing region
+    busy: Any = None  # event after the last device work on its pages / landing region
+
+    def pages(self, first: int, last: int) -> np.ndarray:
+        """Its page ids ``[first, last)`` (int64, on the host), known from BOOTED on;
+        RuntimeError before."""
+        if self.host_pages is None:
+            raise RuntimeError(f"request {self.rid}: page ids asked for before its BOOT")
+        return self.host_pages[first:last]
 
 
 class DecodeSide(DecodeMemory):
@@ -391,6 +401,7 @@ class DecodeSide(DecodeMemory):
     def _send_boot(self, req: DecodeRequest) -> bool:
         """Send the BOOT of a booting request once its page ids are on the host; False
         while their copy is in flight."""
+        assert req.ids is not None  # BOOTING: the copy _boot started
         if not req.ids.ready():
             return False
         req.host_pages, req.ids = req.ids.numpy(), None
@@ -456,9 +467,7 @@ class DecodeSide(DecodeMemory):
         self.metrics.peer(peer).bytes += nbytes
         if msg.direct:  # written straight into the request's pool pages: check them there
             self.chunk_modes["direct"] += 1
-            ok = self.verifier.verify_pages(
-                self.pool, req.rid, first, last, req.host_pages[first:last]
-            )
+            ok = self.verifier.verify_pages(self.pool, req.rid, first, last, req.pages(first, last))
         else:
             self.chunk_modes["packed"] += 1
             start = req.landing_off + msg.off
@@ -506,7 +515,7 @@ class DecodeSide(DecodeMemory):
                     f"READY for request {req.rid}: prefill pages outside [1, {rt.layout.count})"
                 )
             lt = self._local_table
-            dst = req.host_pages[first:last]
+            dst = req.pages(first, last)
             planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
             h = self.engine.post_blocks(
                 lt,
@@ -580,7 +589,7 @@ class DecodeSide(DecodeMemory):
                     self.metrics.bytes_landed += nbytes
                     self.metrics.peer(req.peer).bytes += nbytes
                     ok = self.verifier.verify_pages(
-                        self.pool, req.rid, first, last, req.host_pages[first:last]
+                        self.pool, req.rid, first, last, req.pages(first, last)
                     )
                     req.busy = self.done_event()  # the check reads the pages
                     self._landed(
@@ -682,6 +691,8 @@ class DecodeSide(DecodeMemory):
             if req.state is DecodeState.QUARANTINED:
                 if req.reads:
                     continue  # our own read still targets its pages: wait for DONE/ERR
+                # both set on entering QUARANTINED
+                assert req.t_quarantined is not None and req.reason is not None
                 if t - req.t_quarantined > self.quarantine_timeout:
                     moved = True
                     log.error(

@@ -51,7 +51,7 @@ class _Drain:
     ``owner`` (released with reason ``why``) and the landing offset ``off`` (-1: none),
     given back once ``event`` is done (:meth:`DecodeMemory._drain_device`)."""
 
-    event: object
+    event: Any  # a done event: query() -> bool
     owner: object
     why: str
     off: int
@@ -73,11 +73,12 @@ class DecodeMemory:
         arena: Arena
         landing: torch.Tensor
         _landing_mem: Any
-        prefill_peers: list[str]
+        prefill_peers: tuple[str, ...]
         phase: PausePhase
         reqs: dict[int, Any]
         completed: dict[int, Any]
         _rooms: dict[int, int]
+        _draining: list[_Drain]
         query: Any
 
         @property

@@ -75,7 +75,8 @@ class Ledger:
         quarantined; ``unaccounted`` are pages the allocator counts as allocated that no
         owner holds (a free that bypassed the ledger)."""
         owned = set(self.alloc.allocated_pages().tolist())
-        leaked, quarantined = {}, {}
+        leaked: dict[object, list[int]] = {}
+        quarantined: dict[object, list[int]] = {}
         for o, p in self._held.items():
             ids = sorted(int(x) for x in p.tolist())
             owned.difference_update(ids)

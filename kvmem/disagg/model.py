@@ -76,7 +76,7 @@ class Verifier(Protocol):
 
 # Each protocol's members, in the order an error names the missing ones (typing has no
 # public list of them before Python 3.13).
-_MEMBERS = {
+_MEMBERS: dict[type, tuple[str, ...]] = {
     Forward: ("max_tokens", "prepare", "fill"),
     Verifier: ("max_tokens", "prepare", "verify", "verify_pages"),
 }

@@ -159,12 +159,15 @@ class PrefillRequest:
     room: int
     tokens: int
     peer: str = ""  # the decode peer the request is bound to
-    state: PrefillState | None = None  # None until add_request enters it (BOOTSTRAPPING)
+    # None until add_request enters it (BOOTSTRAPPING): never None in PrefillSide.reqs, so
+    # typed as what every reader sees
+    state: PrefillState = None  # type: ignore[assignment]
     t_created: float = 0.0
     t_bootstrapped: float | None = None
     done_tokens: int = 0  # tokens whose KV the forward produced
     last_loc: torch.Tensor | None = None  # int64 [1] on the device: slot of the last token
-    host_pages: np.ndarray | None = None  # int64 [pages]: its page ids, known on the host
+    # int64 [pages]: its page ids, known on the host up to ids_known
+    host_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     ids_known: int = 0  # host_pages[:ids_known] are filled in
     ids: list = field(default_factory=list)  # (first, last, HostCopy) of chunks' page ids
     seq: int = 0  # chunks posted
@@ -513,13 +516,14 @@ class PrefillSide(PrefillPeers, PrefillSending):
         if req.handles:
             return
         st = req.state
-        if st in (PrefillState.KV_POSTED, PrefillState.ENDING) and self.ledger.holds(req.rid):
-            self.ledger.release(
-                req.rid, "sent" if st is PrefillState.KV_POSTED else f"ended:{req.reason.status}"
-            )
         if st is PrefillState.ENDING:
+            assert req.reason is not None  # set on entering ENDING
+            if self.ledger.holds(req.rid):
+                self.ledger.release(req.rid, f"ended:{req.reason.status}")
             self._finish(req, PrefillState.FAILED, req.reason)
         elif st is PrefillState.KV_POSTED:  # the last chunk is DONE: its extra state follows
+            if self.ledger.holds(req.rid):
+                self.ledger.release(req.rid, "sent")
             self._send_aux(req)
         elif st is PrefillState.AUX_POSTED:
             self._finish(
@@ -591,6 +595,7 @@ class PrefillSide(PrefillPeers, PrefillSending):
                 )
             elif (
                 poll in (KVPoll.WaitingForInput, KVPoll.Transferring)
+                and req.t_bootstrapped is not None  # set by its BOOT, before these states
                 and t - req.t_bootstrapped > self.transfer_timeout
             ):
                 ended = True

@@ -83,7 +83,7 @@ class PrefillPeers:
         alloc: Any
         engine: Any
         spec: kvmem.KVSpec
-        decode_peers: list[str]
+        decode_peers: tuple[str, ...]
         transfer_mode: str
         quarantine_timeout: float
         clock: Callable[[], float]

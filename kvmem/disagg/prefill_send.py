@@ -115,11 +115,12 @@ class _Staged:
     nbytes: int
     remote_off: int  # offset within the request's landing region
     final: bool  # the request's last chunk
-    ready: object
+    ready: Any  # an event: query() -> bool
     notif: bytes = b""  # CHUNK or AUX (PACKED, DIRECT, AUX)
     off: int | None = None  # staging offset (PACKED, AUX)
-    blocks: tuple | None = None  # DIRECT: (local block indices, remote block indices)
-    pages: tuple | None = None  # OFFER: (first, last)
+    # DIRECT: (local block indices, remote block indices)
+    blocks: tuple[np.ndarray, np.ndarray] | None = None
+    pages: tuple[int, int] | None = None  # OFFER: (first, last)
 
     @property
     def aux(self) -> bool:
@@ -135,7 +136,7 @@ class PrefillSending:
         alloc: Any
         engine: Any
         spec: kvmem.KVSpec
-        decode_peers: list[str]
+        decode_peers: tuple[str, ...]
         transfer_mode: str
         quarantine_timeout: float
         clock: Callable[[], float]
@@ -314,7 +315,7 @@ class PrefillSending:
         """Post ``req.staged`` if its ready object says the bytes it sends are written;
         False (nothing changed) when not yet."""
         st = req.staged
-        if not st.ready.query():
+        if st is None or not st.ready.query():
             return False
         req.staged = None
         if st.kind is _Send.OFFER:
@@ -364,6 +365,7 @@ class PrefillSending:
 
     def _offer(self, req, st: _Staged) -> bool:
         """Pull mode: tell the decode to read pages ``[first, last)`` from this pool."""
+        assert st.pages is not None  # an OFFER's
         first, last = st.pages
         seq = req.seq
         req.seq += 1
@@ -417,6 +419,7 @@ class PrefillSending:
                     "closed" if rt is None else rt.remote.describe(),
                     "post_blocks (the BOOT's kv)",
                 )
+            assert st.blocks is not None  # a DIRECT's
             li, ri = st.blocks
             h = self.engine.post_blocks(self._local_table, li, rt, ri, st.notif)
         except StaleEpochError as e:

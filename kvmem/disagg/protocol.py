@@ -252,8 +252,7 @@ def decode_runs(text: str, limit: int) -> list[int]:
     ProtocolError when a count is 0 or the ids number more than ``limit``."""
     ids: list[int] = []
     for part in text.split(","):
-        a, n = part.split(":")
-        a, n = int(a), int(n)
+        a, n = (int(v) for v in part.split(":"))
         if n < 1 or len(ids) + n > limit:
             raise ProtocolError(f"page runs {text[:60]!r}: a count of 0 or more than {limit} pages")
         ids.extend(range(a, a + n))

@@ -14,7 +14,7 @@ inside one chunk; a plain range (a staging buffer) is cut every ``chunk_bytes``.
 from __future__ import annotations
 
 import errno
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
@@ -47,12 +47,16 @@ class MemoryBackend:
     def __init__(self, nbytes: int, device: torch.device, plan: ChunkPlan | None = None):
         self.nbytes = nbytes
         self.device = device
-        self.tensor: torch.Tensor
+        self.tensor: torch.Tensor | None
         self.plan = plan if plan is not None or nbytes <= 0 else plan_range(nbytes, 1, None)
 
     def regions(self) -> list[tuple[int, int]]:
         """``(ptr, nbytes)`` of every physical chunk's used bytes, in address order: what a
         transfer engine registers (one region per physical allocation)."""
+        if self.plan is None:  # an empty range: no chunk
+            return []
+        if self.tensor is None:
+            raise RuntimeError(f"{self.name} memory backend: no regions once released")
         base = self.tensor.data_ptr()
         return [(base + c.offset, c.nbytes) for c in self.plan.chunks]
 
@@ -64,10 +68,10 @@ class MemoryBackend:
         p = self.plan
         return dict(
             backend=self.name,
-            chunks=len(p.chunks),
-            granularity=p.granularity,
-            target=p.target,
-            padding=p.padding,
+            chunks=len(p.chunks) if p is not None else 0,
+            granularity=p.granularity if p is not None else None,
+            target=p.target if p is not None else None,
+            padding=p.padding if p is not None else 0,
             exportable=self.exportable,
             handle_type=None,
         )
@@ -149,7 +153,7 @@ Planner = Callable[[int, "int | None"], ChunkPlan]
 def make_backend(
     nbytes: int,
     device: torch.device,
-    kind: str | Callable[[int, torch.device], MemoryBackend] | None = None,
+    kind: str | Callable[..., MemoryBackend] | None = None,
     *,
     purpose: str = "",
     planner: Planner | None = None,
@@ -181,6 +185,7 @@ def make_backend(
         if kind is None:
             raise ValueError(f"no memory backend for device {device}")
     chunked = False
+    factory: Callable[..., MemoryBackend]
     if callable(kind):
         factory, name = kind, str(getattr(kind, "name", getattr(kind, "__name__", "custom")))
         chunked = bool(getattr(kind, "chunked", False))
@@ -209,8 +214,9 @@ def make_backend(
             purpose=purpose,
         )
     try:
-        if chunked:
-            return factory(nbytes, device, planner=planner, chunk_bytes=chunk_bytes)
+        if chunked:  # the factories that take a planner (the branches above say which)
+            make = cast(Callable[..., MemoryBackend], factory)
+            return make(nbytes, device, planner=planner, chunk_bytes=chunk_bytes)
         if planner is None:
             return factory(nbytes, device)
         plan = planner(1, None)

@@ -205,7 +205,7 @@ class HostBackend(MemoryBackend):
             for i, c in enumerate(plan.chunks)
         ]
         total = self._spans[-1][0] + self._spans[-1][1]
-        self._range = _HostRange(total, self._spans)
+        self._range: _HostRange | None = _HostRange(total, self._spans)
         self._addr = self._range.addr
         for off, n in self._spans:
             try:

@@ -120,7 +120,7 @@ def parse_layout(obj, key: str, regions) -> BlockLayout:
     count = obj.get("count") if isinstance(obj, dict) else None
     if not isinstance(planes, list) or not planes or set(obj) != {"planes", "count"}:
         raise MetadataError(f"add_peer: registration {key!r}: bad layout {obj!r:.200}")
-    _int(count, f"regs[{key!r}].layout.count", 1)
+    count = _int(count, f"regs[{key!r}].layout.count", 1)
     out = []
     for pl in planes:
         if not (isinstance(pl, list) and len(pl) == 3):

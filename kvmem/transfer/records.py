@@ -94,7 +94,9 @@ class BlockTable:
     epoch: int
     layout: BlockLayout
     remote: RemoteMemory | None = None
-    nbytes: np.ndarray = field(default=None, repr=False)  # bytes of each plane's blocks
+    nbytes: np.ndarray = field(
+        default_factory=lambda: np.zeros(0, np.int64), repr=False
+    )  # bytes of each plane's blocks
     native: object = field(default=None, repr=False)
     released: bool = False
 

@@ -854,6 +854,16 @@ def test_every_refusal_code_raises_its_rows_exception_and_message(code):
     assert ("rebuilt from the map" in str(e)) == found_on_device
 
 
+@pytest.mark.parametrize("rebuilt", ["", "rebuilt from the map"])
+def test_a_code_outside_the_table_is_a_device_error_not_a_crash(rebuilt):
+    """A code no row names (a kernel that records something new) is still reported: a
+    ValueError naming the code, with or without the rebuilt state."""
+    code = max(AllocCode) + 100
+    e = alloc_error(code, 7, 11, call="alloc_extend", rebuilt=rebuilt)
+    assert type(e) is ValueError
+    assert f"device error code {code}" in str(e) and "7" in str(e)
+
+
 # -- the batch checks: numpy (CPU) and torch (what CUDA runs) agree --------------------
 
 
