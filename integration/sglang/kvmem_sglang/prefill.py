@@ -299,6 +299,7 @@ def _expire_transfers(sched, queue) -> None:
 
 
 def send_kv_chunk(original, sched, req, *args, **kwargs):
+    # releases counted here, not kvmem.transfer's epoch guard: sglang's agents post, with no epoch
     epoch = state.EPOCH.get(sched, 0)
     made = state.REQ_EPOCH.get(req, epoch)
     if made != epoch:
