@@ -74,8 +74,7 @@ def tag(message: str, status) -> str:
     status (a client's abort) marked as an abort instead (:func:`is_abort`).  The mark is
     added even to a message that ends like an abort already: the decode reads it inside
     sglang's own text ("... in Transferring (<message>)"), where only the mark survives."""
-    # in the text, not a field as kvmem.disagg's ABORT has: sglang tells the decode a text
-    # only
+    # in the text, not a field as in kvmem.disagg's ABORT: sglang tells the decode a text only
     if status:
         return f"{message} (kvmem-sglang HTTP {int(status)})"
     return message if _ABORT_MARK in message else f"{message} {_ABORT_MARK}"
