@@ -22,9 +22,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
+import numpy as np
 import torch
 
 from kvmem.spec import KVSpec
+from kvmem.transfer.runs import merge_runs
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 _libc.memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
@@ -128,13 +130,10 @@ class Synth:
         probe = pool.k_buffer[0]
         if len(ids) != n:
             return _verdict(probe, False)
-        runs, i = [], 0  # (first index, first page id, length)
-        while i < n:
-            j = i + 1
-            while j < n and ids[j] == ids[j - 1] + 1:
-                j += 1
-            runs.append((i, ids[i], j - i))
-            i = j
+        # (first index, first page id, length): the ids paired with their indices, which
+        # are always adjacent, so a run breaks where the ids do
+        merged = merge_runs(np.arange(n), ids, by_source=False)
+        runs = list(zip(merged.src.tolist(), merged.dst.tolist(), merged.length.tolist()))
         bufs = pool.k_buffer + pool.v_buffer
         verdicts = []
         for buf, piece in zip(bufs, self._slices(rid, first_page, last_page, pool.device)):

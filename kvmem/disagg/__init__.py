@@ -22,6 +22,7 @@ from kvmem.disagg.outcome import (
     INTERNAL_ERROR,
     OK,
     SERVICE_UNAVAILABLE,
+    Ending,
     KVPoll,
     Outcome,
     ProtocolError,
@@ -34,6 +35,7 @@ from kvmem.disagg.prefill import Faults, PrefillSide
 __all__ = [
     "KVPoll",
     "Outcome",
+    "Ending",
     "Reason",
     "ProtocolError",
     "Ledger",

@@ -1,6 +1,7 @@
-"""How a PD request ends: sglang's poll values, the outcomes, the HTTP-like statuses
-an end carries and its :class:`Reason`; what a peer's bad message or a caller's bad
-argument raises (:class:`ProtocolError`, the argument checks)."""
+"""How a PD request ends: sglang's poll values, the outcomes, the endings with the
+HTTP-like status each carries (:class:`Ending`, shared with the sglang adapter) and a
+request's :class:`Reason`; what a peer's bad message or a caller's bad argument raises
+(:class:`ProtocolError`, the argument checks)."""
 
 from __future__ import annotations
 
@@ -29,20 +30,44 @@ class Outcome(str, enum.Enum):
     FAILED = "failed"  # 500: a send failed
 
 
-# HTTP-like status codes carried by abort reasons.
-OK = 200
-CLIENT_CLOSED = 499
-INTERNAL_ERROR = 500
-SERVICE_UNAVAILABLE = 503
-GATEWAY_TIMEOUT = 504
+class Ending(enum.Enum):
+    """How a request ends, by cause; the value is the HTTP-like status its answer carries
+    (:attr:`status`, an int), one status per cause.  Both PD lifecycles end requests with
+    these: kvmem's own sides (the status of a :class:`Reason`, on the wire in ``ABORT``
+    and ``ABORT_REQ``) and the sglang adapter (the status of sglang's ``FINISH_ABORT``,
+    as an ``http.HTTPStatus``)."""
 
-_OUTCOME_OF_STATUS = {
-    OK: Outcome.SUCCEEDED,
-    CLIENT_CLOSED: Outcome.ABORTED,
-    SERVICE_UNAVAILABLE: Outcome.ABORTED,
-    GATEWAY_TIMEOUT: Outcome.TIMED_OUT,
-    INTERNAL_ERROR: Outcome.FAILED,
+    SUCCEEDED = 200  # the KV was delivered
+    CLIENT_ABORT = 499  # a caller's abort, on either side (the default of abort())
+    FAILED = 500  # a send failed, or the peer is gone
+    # a side released (or is releasing) its KV memory, or the request's transfer was set up
+    # before such a release: retry after the resume
+    RELEASED = 503
+    TIMED_OUT = 504  # bootstrap, transfer or decode past its timeout
+
+    @property
+    def status(self) -> int:
+        return int(self.value)
+
+    @property
+    def outcome(self) -> Outcome:
+        return _OUTCOME[self]
+
+
+_OUTCOME = {
+    Ending.SUCCEEDED: Outcome.SUCCEEDED,
+    Ending.CLIENT_ABORT: Outcome.ABORTED,
+    Ending.RELEASED: Outcome.ABORTED,
+    Ending.TIMED_OUT: Outcome.TIMED_OUT,
+    Ending.FAILED: Outcome.FAILED,
 }
+
+# The endings' statuses as ints, by their HTTP names (what kvmem.disagg's sides write).
+OK = Ending.SUCCEEDED.status
+CLIENT_CLOSED = Ending.CLIENT_ABORT.status
+INTERNAL_ERROR = Ending.FAILED.status
+SERVICE_UNAVAILABLE = Ending.RELEASED.status
+GATEWAY_TIMEOUT = Ending.TIMED_OUT.status
 
 
 # Bootstrap, transfer and decode timeouts, seconds: sglang's default
@@ -63,8 +88,13 @@ class Reason:
     message: str
 
     @property
+    def ending(self) -> Ending:
+        """The ending of this status; ValueError for a status no ending has."""
+        return Ending(self.status)
+
+    @property
     def outcome(self) -> Outcome:
-        return _OUTCOME_OF_STATUS[self.status]
+        return self.ending.outcome
 
 
 class ProtocolError(KVMemError, ValueError):

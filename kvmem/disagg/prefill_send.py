@@ -54,6 +54,7 @@ from kvmem.disagg.protocol import encode, encode_runs
 from kvmem.disagg.states import PrefillState
 from kvmem.transfer.errors import StaleEpochError, TransferError
 from kvmem.transfer.records import TransferHandle
+from kvmem.transfer.runs import merge_runs
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -484,7 +485,8 @@ class PrefillSending:
             return None
         dst = req.dpages[first:last]
         n = last - first
-        runs = 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
+        # in request order, not sorted: NIXL's prepared list merges the blocks as posted
+        runs = len(merge_runs(src, dst, by_source=False))
         lt = self._local_table
         if n * int(lt.nbytes.min()) / runs < self.direct_threshold:
             return None

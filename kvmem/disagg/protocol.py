@@ -56,6 +56,7 @@ from kvmem.transfer.envelope import decode_metadata
 # its size in the decode's landing region and in the prefill's staging buffer.
 AUX_BYTES = 64
 from kvmem.transfer.errors import MetadataError, StaleEpochError, TransferError
+from kvmem.transfer.runs import merge_runs
 
 MAX_MESSAGE_BYTES = 4 << 20  # a META with a NIXL blob is a few KiB; nothing else is near
 MAX_REASON = 4096  # characters of an abort reason
@@ -236,15 +237,9 @@ def encode_runs(pages) -> str:
     as runs of consecutive ids: ``"12:4,40:1"`` is pages 12, 13, 14, 15, 40.  (A CUDA
     tensor works too, but reading it waits for the device: the sides pass the host copies
     of their ids, :class:`~kvmem.disagg.device.HostCopy`.)"""
-    ids = [int(p) for p in (pages.tolist() if hasattr(pages, "tolist") else pages)]
-    out, i = [], 0
-    while i < len(ids):
-        j = i + 1
-        while j < len(ids) and ids[j] == ids[j - 1] + 1:
-            j += 1
-        out.append(f"{ids[i]}:{j - i}")
-        i = j
-    return ",".join(out)
+    ids = pages.tolist() if hasattr(pages, "tolist") else list(pages)
+    runs = merge_runs(ids, ids, by_source=False)  # one side: each id paired with itself
+    return ",".join(f"{a}:{n}" for a, n in zip(runs.src.tolist(), runs.length.tolist()))
 
 
 def decode_runs(text: str, limit: int) -> list[int]:

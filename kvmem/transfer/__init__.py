@@ -5,10 +5,10 @@ without it) and the loopback engine between agents of one process
 (:mod:`kvmem.transfer.loopback`).
 
 One job a module: ``engine`` (the rules), ``nixl`` (NIXL's agent API), ``loopback`` (one
-process's agents, host memory), ``errors``, ``ranges`` (range checks), ``layout`` (block
-layouts), ``records`` (the values an engine hands out), ``envelope`` (the metadata
-envelope), ``nixl_exit`` (ending a process that loaded NIXL).  The rules themselves:
-docs/transfer.md.
+process's agents, host memory), ``errors``, ``ranges`` (range checks), ``runs`` (page runs
+merged into descriptors), ``layout`` (block layouts), ``records`` (the values an engine
+hands out), ``envelope`` (the metadata envelope), ``nixl_exit`` (ending a process that
+loaded NIXL).  The rules themselves: docs/transfer.md.
 """
 
 from kvmem.transfer.engine import TransferEngine

@@ -98,3 +98,16 @@ def test_only_a_reason_without_status_is_tagged_as_an_abort():
     assert not is_abort(tag("Aborted", 503))  # a client abort with a status keeps it
     assert not is_abort("Prefill KV transfer timed out") and not is_abort(None)
     assert not is_abort("Aborted by AbortReq. then something else")
+
+
+def test_the_adapters_answers_carry_the_library_endings_statuses():
+    from kvmem.disagg.outcome import Ending
+    from kvmem_sglang.reasons import abort_reason, http_status
+
+    for ending in set(Ending) - {Ending.CLIENT_ABORT}:
+        assert http_status(ending) is HTTPStatus(ending.status)
+    with pytest.raises(ValueError):  # a client's abort is answered with sglang's status
+        http_status(Ending.CLIENT_ABORT)
+    released = abort_reason("released", Ending.RELEASED)
+    assert released.to_json()["status_code"] is HTTPStatus.SERVICE_UNAVAILABLE
+    assert abort_reason("late", Ending.TIMED_OUT).status_code is HTTPStatus.GATEWAY_TIMEOUT

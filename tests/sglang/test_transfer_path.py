@@ -225,25 +225,39 @@ def test_sends_after_release_and_resume(runs):
     assert runs["kvmem"]["release"]["stats"]["batches"] == 1
 
 
-def test_runs_merge_pairs_adjacent_on_both_sides():
-    from kvmem_sglang.transfer import _runs
+def test_run_addresses_merge_the_pairs_of_all_chunks_sorted_by_source():
+    from kvmem_sglang.transfer import run_addresses
 
-    def runs_of(src, dst):
-        rs, rd, lens, n = _runs([(np.array(src), np.array(dst))])
-        return list(zip(rs.tolist(), rd.tolist(), lens.tolist())), n
+    def runs_of(*pairs):
+        # one plane at address 0 on both sides, one byte a page: addresses are page ids
+        one, zero = np.ones(1, np.uint64), np.zeros(1, np.uint64)
+        sa, da, nb, n = run_addresses(
+            zero, zero, one, [(np.array(s), np.array(d)) for s, d in pairs]
+        )
+        return list(zip(sa.tolist(), da.tolist(), nb.tolist())), n
 
-    assert runs_of([5, 1, 3, 2], [50, 10, 30, 20]) == (
+    assert runs_of(([5, 1, 3, 2], [50, 10, 30, 20])) == (
         [(1, 10, 1), (2, 20, 1), (3, 30, 1), (5, 50, 1)],
         4,
     )
-    assert runs_of([3, 1, 2, 7], [13, 11, 12, 9]) == ([(1, 11, 3), (7, 9, 1)], 4)
+    assert runs_of(([3, 1, 2, 7], [13, 11, 12, 9])) == ([(1, 11, 3), (7, 9, 1)], 4)
     # a source page shared by two rooms (a prefix) goes to both destinations
-    assert runs_of([1, 1, 2], [5, 9, 10]) == ([(1, 5, 1), (1, 9, 2)], 3)
+    assert runs_of(([1, 1, 2], [5, 9, 10])) == ([(1, 5, 1), (1, 9, 2)], 3)
     # chunks of several rooms: sorted by source page before merging
-    rs, rd, lens, n = _runs(
-        [(np.array([1, 3]), np.array([11, 13])), (np.array([2, 4]), np.array([12, 14]))]
+    assert runs_of(([1, 3], [11, 13]), ([2, 4], [12, 14])) == ([(1, 11, 4)], 4)
+    # two planes: one descriptor per run and plane, plane-major
+    sa, da, nb, n = run_addresses(
+        np.array([1000, 5000], np.uint64),
+        np.array([9000, 7000], np.uint64),
+        np.array([8, 2], np.uint64),
+        [(np.array([3, 4, 9]), np.array([0, 1, 5]))],
     )
-    assert (rs.tolist(), rd.tolist(), lens.tolist(), n) == ([1], [11], [4], 4)
+    assert (sa.tolist(), da.tolist(), nb.tolist(), n) == (
+        [1024, 1072, 5006, 5018],
+        [9000, 9040, 7000, 7010],
+        [16, 8, 4, 2],
+        3,
+    )
 
 
 def test_small_batches_go_as_one_write_large_ones_split():

@@ -54,8 +54,9 @@ import logging
 import time
 from http import HTTPStatus
 
+from kvmem.disagg.outcome import Ending
 from kvmem_sglang import chase, options, roles
-from kvmem_sglang.reasons import decide, is_abort, reason_of, status_of
+from kvmem_sglang.reasons import abort_reason, decide, is_abort, reason_of, status_of
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -138,7 +139,6 @@ def _nothing() -> None:
 def _refuse_released(queue, sched) -> None:
     if queue.queue:  # the resolution above may have answered them all
         from sglang.srt.disaggregation.utils import prepare_abort as sglang_prepare_abort
-        from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         refused = []
         for decode_req in queue.queue:
@@ -152,11 +152,11 @@ def _refuse_released(queue, sched) -> None:
                 continue
             decide(
                 req,
-                FINISH_ABORT(
+                abort_reason(
                     f"{roles.server(sched)} has released its {roles.what_released(sched)} "
                     f"(release_memory_occupation); request {req.rid} refused until "
                     "resume_memory_occupation",
-                    HTTPStatus.SERVICE_UNAVAILABLE,
+                    Ending.RELEASED,
                 ),
             )
             sglang_prepare_abort(
@@ -260,17 +260,16 @@ def _retract_paused(sched) -> None:
 
 def _drain(sched, what: str) -> list:
     from sglang.srt.disaggregation.utils import prepare_abort as sglang_prepare_abort
-    from sglang.srt.managers.schedule_batch import FINISH_ABORT
     from sglang.srt.mem_cache.common import release_kv_cache
 
     paused = bool(getattr(sched, "_engine_paused", False))
     server = roles.server(sched)
 
     def reason(req, where):
-        return FINISH_ABORT(
+        return abort_reason(
             f"{server} released its {what} (release_memory_occupation) while "
             f"request {req.rid} was {where}; aborted, retry after the resume",
-            HTTPStatus.SERVICE_UNAVAILABLE,
+            Ending.RELEASED,
         )
 
     def answer(req, where) -> None:

@@ -56,10 +56,11 @@ import time
 from dataclasses import dataclass
 from http import HTTPStatus
 
+from kvmem.disagg.outcome import Ending
 from kvmem_sglang import audit, decode, kvpool, notify, options, roles, state
 from kvmem_sglang.reasons import abort_reason as _abort_reason
 from kvmem_sglang.reasons import decide as _decide
-from kvmem_sglang.reasons import reason_of
+from kvmem_sglang.reasons import http_status, reason_of
 from kvmem_sglang.reasons import tag
 from kvmem_sglang.mooncake import RegistrationError
 from kvmem_sglang.options import TRANSFER_TIMEOUT_VAR
@@ -125,7 +126,7 @@ def add_request_to_queue(original, sched, req, *args, **kwargs):
             f"(release_memory_occupation); request {req.rid} refused until "
             "resume_memory_occupation"
         )
-        status = HTTPStatus.SERVICE_UNAVAILABLE
+        status = http_status(Ending.RELEASED)
         ended = req.finished_reason if isinstance(req.finished_reason, FINISH_ABORT) else None
         if ended is not None:
             msg, status = ended.message, ended.status_code
@@ -190,6 +191,7 @@ def abort_request(original, sched, recv_req, *args, **kwargs):
 
 def _client_abort_reason(recv_req):
     """The reason sglang gives a running request for the same AbortReq."""
+    # sglang's statuses, not Ending.CLIENT_ABORT's 499: its router retries an error status
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     fr = recv_req.finished_reason
@@ -223,7 +225,7 @@ def handle_bootstrap_failure(sched, req, *args, **kwargs):
                 _abort_reason(
                     f"Prefill bootstrap timed out ({why}) for request {req.rid} "
                     f"bootstrap_room={req.bootstrap_room}",
-                    HTTPStatus.GATEWAY_TIMEOUT,
+                    Ending.TIMED_OUT,
                 ),
             )
             STATS.bootstrap_timeouts += 1
@@ -287,7 +289,7 @@ def _expire_transfers(sched, queue) -> None:
             f"bootstrap_room={req.bootstrap_room}; sender aborted, KV freed"
         )
         logger.error("kvmem-sglang: %s", msg)
-        if _decide(req, _abort_reason(msg, HTTPStatus.GATEWAY_TIMEOUT)):
+        if _decide(req, _abort_reason(msg, Ending.TIMED_OUT)):
             req.finished_reason = reason_of(req)  # as prepare_abort: no 500 later
         STATS.transfer_timeouts += 1
         req.disagg_kv_sender.abort()  # Failed: sglang's failure path frees it this step
@@ -297,6 +299,7 @@ def _expire_transfers(sched, queue) -> None:
 
 
 def send_kv_chunk(original, sched, req, *args, **kwargs):
+    # releases counted here, not kvmem.transfer's epoch guard: sglang's agents post, with no epoch
     epoch = state.EPOCH.get(sched, 0)
     made = state.REQ_EPOCH.get(req, epoch)
     if made != epoch:
@@ -307,7 +310,7 @@ def send_kv_chunk(original, sched, req, *args, **kwargs):
         )
         logger.error("kvmem-sglang: %s", msg)
         STATS.refused_stale_sends += 1
-        _decide(req, _abort_reason(msg, HTTPStatus.SERVICE_UNAVAILABLE))
+        _decide(req, _abort_reason(msg, Ending.RELEASED))
         req.disagg_kv_sender.abort()
         return None
     return original(sched, req, *args, **kwargs)
@@ -539,7 +542,7 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
         return _abort_reason(
             f"{server} released its {what} (release_memory_occupation) while "
             f"request {req.rid} was {where}; aborted, retry after the resume",
-            HTTPStatus.SERVICE_UNAVAILABLE,
+            Ending.RELEASED,
         )
 
     queue = sched.disagg_prefill_bootstrap_queue

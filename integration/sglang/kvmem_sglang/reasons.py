@@ -20,7 +20,9 @@ send an aborted request again.
 from __future__ import annotations
 
 import re
+from http import HTTPStatus
 
+from kvmem.disagg.outcome import Ending
 from kvmem_sglang import state
 
 _TAG = re.compile(r"\(kvmem-sglang HTTP (\d{3})\)")
@@ -37,11 +39,18 @@ EARLY_ABORT = "Aborted by decode-side abort notification (received before the re
 ABORTED = ("Aborted by AbortReq.", "Aborted by decode-side abort notification.", EARLY_ABORT)
 
 
-def abort_reason(message: str, status):
-    """A ``FINISH_ABORT`` with ``message`` and the HTTP ``status``."""
+def http_status(ending: Ending) -> HTTPStatus:
+    """The status of ``ending`` as sglang's answers carry it (an ``http.HTTPStatus``).
+    ValueError for :attr:`~kvmem.disagg.outcome.Ending.CLIENT_ABORT` (499 is no
+    ``HTTPStatus``): the adapter answers a client's abort with sglang's own status."""
+    return HTTPStatus(ending.status)
+
+
+def abort_reason(message: str, ending: Ending):
+    """A ``FINISH_ABORT`` with ``message`` and the HTTP status of ``ending``."""
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    return FINISH_ABORT(message, status)
+    return FINISH_ABORT(message, http_status(ending))
 
 
 def reason_of(req):
@@ -65,6 +74,7 @@ def tag(message: str, status) -> str:
     status (a client's abort) marked as an abort instead (:func:`is_abort`).  The mark is
     added even to a message that ends like an abort already: the decode reads it inside
     sglang's own text ("... in Transferring (<message>)"), where only the mark survives."""
+    # in the text, not a field as in kvmem.disagg's ABORT: sglang tells the decode a text only
     if status:
         return f"{message} (kvmem-sglang HTTP {int(status)})"
     return message if _ABORT_MARK in message else f"{message} {_ABORT_MARK}"

@@ -97,6 +97,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from kvmem.transfer import runs
 from kvmem_sglang import audit, state
 
 logger = logging.getLogger("kvmem.sglang")
@@ -549,31 +550,19 @@ def _uncount(mgr, rec: _Ahead, drop: bool = False) -> None:
         mgr._maybe_ack_drained_abort(rec.room)
 
 
-def _runs(pairs) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(source run starts, destination run starts, run lengths in pages, pairs) of the
-    page pairs of every chunk, sorted by source page and merged where both sides are
-    adjacent."""
-    src = np.concatenate([s for s, _ in pairs]).astype(np.int64, copy=False)
-    dst = np.concatenate([d for _, d in pairs]).astype(np.int64, copy=False)
-    order = np.argsort(src, kind="stable")
-    s, d = src[order], dst[order]
-    brk = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-    starts = np.concatenate(([0], brk))
-    lens = np.diff(np.concatenate((starts, [s.size])))
-    return s[starts], d[starts], lens, s.size
-
-
 def run_addresses(src_ptrs: np.ndarray, dst_ptrs: np.ndarray, item: np.ndarray, pairs):
-    """The descriptors of the merged runs of ``pairs`` (:func:`_runs`) over planes at
-    ``src_ptrs`` / ``dst_ptrs`` with ``item`` bytes a page (uint64 [planes] each):
-    ``(source addresses, destination addresses, bytes, page pairs)``, the first three
-    uint64 [planes x runs], plane-major.  Both backends' paths post these."""
-    rs, rd, lens, npairs = _runs(pairs)
-    col = item[:, None]
-    src_addr = (src_ptrs[:, None] + rs.astype(np.uint64)[None, :] * col).reshape(-1)
-    dst_addr = (dst_ptrs[:, None] + rd.astype(np.uint64)[None, :] * col).reshape(-1)
-    nbytes = (lens.astype(np.uint64)[None, :] * col).reshape(-1)
-    return src_addr, dst_addr, nbytes, npairs
+    """The descriptors of the page pairs of every chunk in ``pairs`` (``[(source ids,
+    destination ids)]``), sorted by source page and merged where both sides are adjacent
+    (:func:`kvmem.transfer.runs.merge_runs`), over planes at ``src_ptrs`` / ``dst_ptrs``
+    with ``item`` bytes a page (uint64 [planes] each): ``(source addresses, destination
+    addresses, bytes, page pairs)``, the first three uint64 [planes x runs], plane-major
+    (:func:`kvmem.transfer.runs.descriptors`).  Both backends' paths post these."""
+    src = np.concatenate([s for s, _ in pairs])
+    dst = np.concatenate([d for _, d in pairs])
+    # sorted by source: the chunks of several rooms interleave, and sorting finds the runs
+    # their pages form together (kvmem's own PD merges in request order: one chunk a post)
+    merged = runs.merge_runs(src, dst, by_source=True)
+    return (*runs.descriptors(merged, src_ptrs, dst_ptrs, item), merged.pairs)
 
 
 def split_pieces(descriptors: int, nbytes: int) -> int:
