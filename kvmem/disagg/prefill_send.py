@@ -481,14 +481,14 @@ class PrefillSending:
         bytes per descriptor (one descriptor per merged run per layer and K|V).  A head
         range (heterogeneous TP) always packs: its rows are not whole pages (this side
         sends whole pages only)."""
-        if not self._may_go_direct(req):
+        lt, threshold = self._local_table, self.direct_threshold
+        if not self._may_go_direct(req) or req.dpages is None or lt is None or threshold is None:
             return None
         dst = req.dpages[first:last]
         n = last - first
         # in request order, not sorted: NIXL's prepared list merges the blocks as posted
         runs = len(merge_runs(src, dst, by_source=False))
-        lt = self._local_table
-        if n * int(lt.nbytes.min()) / runs < self.direct_threshold:
+        if n * int(lt.nbytes.min()) / runs < threshold:
             return None
         try:
             rt = self._peers[req.peer].table.get()
