@@ -4,11 +4,12 @@ is imported when a :class:`NixlEngine` is created, so ``import kvmem.transfer`` 
 without it) and the loopback engine between agents of one process
 (:mod:`kvmem.transfer.loopback`).
 
-One job a module: ``engine`` (the rules), ``nixl`` (NIXL's agent API), ``loopback`` (one
-process's agents, host memory), ``errors``, ``ranges`` (range checks), ``layout`` (block
-layouts), ``records`` (the values an engine hands out), ``envelope`` (the metadata
-envelope), ``nixl_exit`` (ending a process that loaded NIXL).  The rules themselves:
-docs/transfer.md.
+One job a module: ``engine`` (the rules), ``transport`` (the primitives a subclass
+implements), ``inflight`` (handles in flight), ``tables`` (prepared block tables),
+``nixl`` (NIXL's agent API), ``loopback`` (one process's agents, host memory),
+``errors``, ``ranges`` (range checks), ``layout`` (block layouts), ``records`` (the values
+an engine hands out), ``envelope`` (the metadata envelope), ``nixl_exit`` (ending a
+process that loaded NIXL).  The rules themselves: docs/transfer.md.
 """
 
 from kvmem.transfer.engine import TransferEngine
