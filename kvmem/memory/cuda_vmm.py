@@ -55,7 +55,7 @@ import logging
 import torch
 
 from kvmem.errors import CudaDriverError
-from kvmem.memory import MemoryBackend, range_tensor
+from kvmem.memory.backend import MemoryBackend, range_tensor
 from kvmem.memory.cuda_driver import OOM, call, default_driver
 from kvmem.memory.plan import chunk_target, plan_range
 from kvmem.memory.vmm_range import VmmRange
