@@ -17,7 +17,7 @@ the row), and such a figure is no measurement of a target.
 
 The ``stage`` groups (last run of each transfer mode, faults off) are seconds inside the worker
 loops (one core each, measured by timing the workers' real calls; see
-:class:`kvmem.demo.worker.StageClock`) with the bytes each stage handled.
+:class:`kvmem.demo.worker_base.StageClock`) with the bytes each stage handled.
 
 Runs on the CPU (UCX over loopback; the model, pools and NIXL memory are host memory).
 ``KVMEM_BENCH_DEMO_REQUESTS`` sets the request count (200).  The smoke mode runs 6 short

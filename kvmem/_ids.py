@@ -30,6 +30,9 @@ return before the copy runs, and PyTorch's pinned-memory cache keeps the staging
 until the copy has finished.  The copy is queued on the target device's current stream,
 so work queued after it on that stream sees the ids.  Building the host tensor of a long
 Python list is CPU work, O(n).
+
+Beside it, :func:`as_int`: one integer argument (a count, a size), by the same rule (bool
+refused).
 """
 
 from __future__ import annotations
@@ -152,3 +155,14 @@ def _one_id(x, what: str) -> int:
         return operator.index(x)
     except TypeError:
         raise ValueError(f"{what} must be integers, got {x!r:.80} (a {type(x).__name__})") from None
+
+
+def as_int(name: str, v) -> int:
+    """An integer argument ``name`` (a count, a size) from a caller: anything with
+    __index__ but a bool; ValueError naming it otherwise."""
+    if isinstance(v, bool):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {v!r}") from None

@@ -3,81 +3,28 @@ device, with sglang 0.5.23's token-slot semantics for alloc_extend / alloc_decod
 
 One class over one state: its methods keep the invariants the class docstring states;
 what they launch and check lives in kvmem/kernels/alloc/, the refusals in
-kvmem/errors.py."""
+kvmem/errors.py.  Two of its jobs are bases of their own, each declaring what of the
+state it uses: the token slots (alloc_extend, alloc_decode and their checks:
+kvmem/allocator_slots.py) and its CUDA stream (kvmem/allocator_stream.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvmem._ids import as_page_ids
+from kvmem._ids import as_int, as_page_ids
+from kvmem.allocator_slots import TokenSlots
+from kvmem.allocator_stream import StreamBound, on_own_stream, own_stream
 from kvmem.errors import OutOfPagesError, alloc_error
 from kvmem.kernels import alloc as K
 from kvmem.kernels._dispatch import force_triton, is_async_device
-from kvmem.kernels.alloc.checks import (
-    agree,
-    check_batch,
-    check_hints,
-    decode_count_host,
-    decode_problems,
-    decode_problems_np,
-    extend_counts_host,
-    extend_problems,
-    extend_problems_np,
-)
 
 
-def _on_own_stream(method):
-    """Run a PageAllocator method on the allocator's CUDA device and stream (see
-    ``PageAllocator._on_stream``); on CPU a plain call.  When the caller's stream is
-    another one, tensors it passes are recorded on the allocator's stream and a tensor
-    returned is recorded on the caller's (so neither is reused while the other stream
-    may still read it)."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        if self._stream is None:
-            return method(self, *args, **kwargs)
-        caller = torch.cuda.current_stream(self.device)
-        with self._on_stream():
-            if caller != self._stream:
-                for a in (*args, *kwargs.values()):
-                    if isinstance(a, torch.Tensor) and a.device.type == "cuda":
-                        a.record_stream(self._stream)
-            out = method(self, *args, **kwargs)
-        if caller != self._stream and isinstance(out, torch.Tensor) and out.device.type == "cuda":
-            out.record_stream(caller)
-        return out
-
-    return wrapper
-
-
-def _own_stream(device: torch.device, stream) -> torch.cuda.Stream | None:
-    """The stream a new allocator on ``device`` runs on: ``stream``, or the device's
-    current stream at construction; None on CPU (where ``stream`` must be None)."""
-    if device.type != "cuda":
-        if stream is not None:
-            raise ValueError(
-                f"stream= is for an allocator on a CUDA device; this one is on "
-                f"{device}, got stream={stream!r}"
-            )
-        return None
-    if stream is None:
-        return torch.cuda.current_stream(device)
-    if not isinstance(stream, torch.cuda.Stream):
-        raise ValueError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
-    if stream.device != device:
-        raise ValueError(f"stream is on {stream.device}, the allocator on {device}")
-    return stream
-
-
-class PageAllocator:
+class PageAllocator(TokenSlots, StreamBound):
     """Hands out the pages ``1 .. num_pages - 1`` of a KV pool and takes them back, on the
     pool's device, in sglang 0.5.23's order and with its token-slot semantics
     (``PagedTokenToKVPoolAllocator``, ``need_sort=True``).
@@ -141,8 +88,8 @@ class PageAllocator:
         *,
         stream: torch.cuda.Stream | None = None,
     ):
-        num_pages = _as_int("num_pages", num_pages)
-        page_size = _as_int("page_size", page_size)
+        num_pages = as_int("num_pages", num_pages)
+        page_size = as_int("page_size", page_size)
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is padding), got {num_pages}")
         if page_size < 1:
@@ -150,7 +97,7 @@ class PageAllocator:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        self._stream = _own_stream(device, stream)
+        self._stream = own_stream(device, stream)
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = device
@@ -170,16 +117,17 @@ class PageAllocator:
         self._owned = self._owned_ext[:num_pages]
         # CPU: numpy views of the state (zero copy) for the take/free bookkeeping
         # (Any: None on CUDA, and only the CPU paths read them)
-        self._ring_np: Any = self._ring.numpy() if device.type == "cpu" else None
-        self._owned_np: Any = self._owned_ext.numpy() if device.type == "cpu" else None
+        ring_np: Any = self._ring.numpy() if device.type == "cpu" else None
+        owned_np: Any = self._owned_ext.numpy() if device.type == "cpu" else None
+        self._ring_np, self._owned_np = ring_np, owned_np
         # the Triton kernels on CUDA, and on CPU tensors under KVMEM_FORCE_TRITON=1 as it
         # was when the allocator was made (not read per call: _triton)
         self._use_triton = self._on_cuda or force_triton()
         # CPU without Triton: memoryviews of the ring and of the map proper, for a free of
         # a short Python list (kvmem.kernels.alloc.free_pages_list)
         cpu_py = device.type == "cpu" and not self._use_triton
-        self._ring_mv: Any = memoryview(self._ring_np) if cpu_py else None
-        self._owned_mv: Any = memoryview(self._owned_np[:num_pages]) if cpu_py else None
+        self._ring_mv: Any = memoryview(ring_np) if cpu_py else None
+        self._owned_mv: Any = memoryview(owned_np[:num_pages]) if cpu_py else None
         # CPU free's scratch (kvmem.kernels.alloc.free_pages_cpu), this allocator's own
         self._marks: Any = K.free_marks(min(self._cap, 1024)) if device.type == "cpu" else None
         self._group: list[tuple[torch.Tensor, bool]] | None = None
@@ -197,12 +145,6 @@ class PageAllocator:
         """Pages handed out and not freed (host int, no sync)."""
         return self._allocated
 
-    @property
-    def stream(self) -> torch.cuda.Stream | None:
-        """The CUDA stream every call of this allocator runs on (class docstring);
-        None on CPU."""
-        return self._stream
-
     def __repr__(self) -> str:
         return (
             f"PageAllocator(num_pages={self.num_pages}, page_size={self.page_size}, "
@@ -211,7 +153,7 @@ class PageAllocator:
 
     # -- whole-state operations -----------------------------------------------------
 
-    @_on_own_stream
+    @on_own_stream
     def reset(self) -> None:
         """Every page free again, handed out as 1, 2, 3, ... from now on.  Discards any
         error a check=False call left on the device, and the frees collected so far by
@@ -228,7 +170,7 @@ class PageAllocator:
         if self._group is not None:
             self._group.clear()
 
-    @_on_own_stream
+    @on_own_stream
     def synchronize(self) -> None:
         """Wait for the allocator's device work (its stream, on CUDA) and raise any
         error a check=False call recorded on the device (after rebuilding the free
@@ -238,7 +180,7 @@ class PageAllocator:
         elif self._stream is not None:
             self._stream.synchronize()
 
-    @_on_own_stream
+    @on_own_stream
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first violated invariant (copies the state
         to the host; raises a pending device error first, like synchronize())."""
@@ -275,7 +217,7 @@ class PageAllocator:
             "the sorted part of the free list is not ascending"
         )
 
-    @_on_own_stream
+    @on_own_stream
     def allocated_pages(self) -> torch.Tensor:
         """int64 [num_allocated]: the pages handed out and not freed, ascending (from the
         ownership map; copies it: for audits, not the hot path)."""
@@ -283,12 +225,12 @@ class PageAllocator:
 
     # -- alloc / free ---------------------------------------------------------------
 
-    @_on_own_stream
+    @on_own_stream
     def alloc(self, n: int, check: bool = True) -> torch.Tensor:
         """int64 [n]: n free pages, now allocated (a new tensor).  OutOfPagesError,
         with nothing changed, when fewer than n are free."""
         if type(n) is not int:
-            n = _as_int("n", n)
+            n = as_int("n", n)
         if n < 0:
             raise ValueError(f"alloc: n must be >= 0, got {n}")
         if check and self._pending:
@@ -297,7 +239,7 @@ class PageAllocator:
             raise OutOfPagesError(n, self._count, "alloc")
         return self._take(n, self._flag(check), n)
 
-    @_on_own_stream
+    @on_own_stream
     def free(self, pages, check: bool = True) -> None:
         """Put ``pages`` (page ids, never token slots: ``int [n]``, an integer tensor on
         the allocator's device, a NumPy array or a Python sequence of ints; see
@@ -355,167 +297,7 @@ class PageAllocator:
                         )
                         self._free_now(pages, any(g[1] for g in group))
 
-    # -- token slots (sglang semantics) ---------------------------------------------
-
-    @_on_own_stream
-    def alloc_extend(
-        self,
-        prefix_lens: torch.Tensor,
-        seq_lens: torch.Tensor,
-        last_loc: torch.Tensor,
-        *,
-        prefix_lens_cpu: torch.Tensor | None = None,
-        seq_lens_cpu: torch.Tensor | None = None,
-        extend_num_tokens: int | None = None,
-        check: bool = True,
-    ) -> torch.Tensor:
-        """Token slots (page * page_size + offset) for extending each request from
-        ``prefix_lens[i]`` to ``seq_lens[i]`` tokens, sglang 0.5.23's
-        PagedTokenToKVPoolAllocator.alloc_extend: first the rest of the request's
-        partial last page (after ``last_loc[i]``, the slot of its last token), then new
-        pages.  Inputs: int32/int64 [bs] on the allocator's device; the ``*_cpu`` hints
-        are the same lengths on the CPU (both or neither); ``extend_num_tokens`` =
-        sum(seq_lens - prefix_lens).  Returns int64 [extend_num_tokens], requests in
-        order.  ValueError for bad inputs (negative lengths, prefix_len > seq_len,
-        ``last_loc`` not the last slot of an allocated partial page, hints or
-        extend_num_tokens that disagree with the device tensors) and OutOfPagesError,
-        nothing changed.  With check=False on CUDA the count of new pages comes from
-        the hints (no sync) and the inputs are checked on the device (class
-        docstring)."""
-        bs = check_batch(
-            "alloc_extend",
-            self.device,
-            prefix_lens=prefix_lens,
-            seq_lens=seq_lens,
-            last_loc=last_loc,
-        )
-        hints = check_hints(
-            "alloc_extend", bs, prefix_lens_cpu=prefix_lens_cpu, seq_lens_cpu=seq_lens_cpu
-        )
-        if extend_num_tokens is not None:
-            extend_num_tokens = _as_int("extend_num_tokens", extend_num_tokens)
-        flag = self._flag(check)
-        ps = self.page_size
-        if not flag:
-            num_new, total = self._checked_extend_counts(
-                prefix_lens, seq_lens, last_loc, hints, extend_num_tokens, check
-            )
-        elif hints is not None:  # no sync
-            num_new, total = extend_counts_host(hints[0], hints[1], ps)
-            if extend_num_tokens is not None:
-                total = extend_num_tokens
-        else:  # one sync
-            num_new, total = torch.stack(K.extend_counts(prefix_lens, seq_lens, ps)).tolist()
-        if num_new < 0 or total < 0:
-            raise ValueError(
-                f"alloc_extend: the lengths ask for {num_new} new pages and "
-                f"{total} tokens; prefix_len > seq_len somewhere"
-            )
-        if num_new > self._count:
-            raise OutOfPagesError(num_new, self._count, "alloc_extend")
-        new_pages = self._take(num_new, flag, total // ps + bs + 1)
-        if bs == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        if ps == 1 and not flag:  # checked inputs: every token is a new page, in order
-            return new_pages
-        return K.extend_slots(
-            prefix_lens, seq_lens, last_loc, new_pages, ps, total, self._err, flag=flag
-        )
-
-    @_on_own_stream
-    def alloc_decode(
-        self,
-        seq_lens: torch.Tensor,
-        last_loc: torch.Tensor,
-        *,
-        seq_lens_cpu: torch.Tensor | None = None,
-        check: bool = True,
-    ) -> torch.Tensor:
-        """One token slot per request, whose length becomes ``seq_lens[i]`` (sglang
-        0.5.23 alloc_decode): a new page when ``(seq_len - 1) % page_size == 0``, else
-        ``last_loc[i] + 1``.  int64 [bs].  ValueError / OutOfPagesError, nothing
-        changed."""
-        bs = check_batch("alloc_decode", self.device, seq_lens=seq_lens, last_loc=last_loc)
-        hints = check_hints("alloc_decode", bs, seq_lens_cpu=seq_lens_cpu)
-        flag = self._flag(check)
-        ps = self.page_size
-        if not flag:
-            num_new = self._checked_decode_count(seq_lens, last_loc, hints, check)
-        elif hints is not None:  # no sync
-            num_new = decode_count_host(hints[0], ps)
-        else:  # one sync
-            num_new = int(K.decode_counts(seq_lens, ps).item())
-        if num_new > self._count:
-            raise OutOfPagesError(num_new, self._count, "alloc_decode")
-        new_pages = self._take(num_new, flag, bs)
-        if bs == 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        if ps == 1 and not flag:  # checked inputs: every request starts a page
-            return new_pages
-        return K.decode_slots(seq_lens, last_loc, new_pages, ps, self._err, flag=flag)
-
     # -- internals ------------------------------------------------------------------
-
-    def _checked_extend_counts(
-        self, prefix_lens, seq_lens, last_loc, hints, extend_num_tokens, check
-    ) -> tuple[int, int]:
-        """(new pages, tokens) of a checked alloc_extend; ValueError for bad inputs.
-        CUDA: torch checks on the device and one sync; CPU: numpy."""
-        ps = self.page_size
-        if is_async_device(seq_lens):
-            problems = extend_problems(prefix_lens, seq_lens, last_loc, self._owned, ps)
-            if hints is not None:
-                problems = torch.cat(
-                    (problems, agree(prefix_lens, hints[0]), agree(seq_lens, hints[1]))
-                )
-            first, code, num_new, total, *agreed = self._read_device(problems, raise_pending=check)
-        else:
-            if check and self._pending:
-                self._read_device(None)
-            first, code, num_new, total = extend_problems_np(
-                prefix_lens.numpy(), seq_lens.numpy(), last_loc.numpy(), self._owned_np, ps
-            )
-            agreed = (
-                []
-                if hints is None
-                else [
-                    np.array_equal(prefix_lens.numpy(), hints[0].numpy()),
-                    np.array_equal(seq_lens.numpy(), hints[1].numpy()),
-                ]
-            )
-        if first >= 0:
-            raise alloc_error(code, first, self.num_pages, call="alloc_extend")
-        if not all(agreed):
-            raise ValueError(
-                "alloc_extend: prefix_lens_cpu / seq_lens_cpu disagree with prefix_lens / seq_lens"
-            )
-        if extend_num_tokens is not None and extend_num_tokens != total:
-            raise ValueError(
-                f"alloc_extend: extend_num_tokens={extend_num_tokens} but "
-                f"sum(seq_lens - prefix_lens) = {total}"
-            )
-        return num_new, total
-
-    def _checked_decode_count(self, seq_lens, last_loc, hints, check) -> int:
-        """New pages of a checked alloc_decode; ValueError for bad inputs."""
-        ps = self.page_size
-        if is_async_device(seq_lens):
-            problems = decode_problems(seq_lens, last_loc, self._owned, ps)
-            if hints is not None:
-                problems = torch.cat((problems, agree(seq_lens, hints[0])))
-            first, code, num_new, *agreed = self._read_device(problems, raise_pending=check)
-        else:
-            if check and self._pending:
-                self._read_device(None)
-            first, code, num_new = decode_problems_np(
-                seq_lens.numpy(), last_loc.numpy(), self._owned_np, ps
-            )
-            agreed = [] if hints is None else [np.array_equal(seq_lens.numpy(), hints[0].numpy())]
-        if first >= 0:
-            raise alloc_error(code, first, self.num_pages, call="alloc_decode")
-        if not all(agreed):
-            raise ValueError("alloc_decode: seq_lens_cpu disagrees with seq_lens")
-        return num_new
 
     def _triton(self) -> bool:
         """kvmem.kernels._dispatch.use_triton for the allocator's device (every tensor a
@@ -691,15 +473,3 @@ class PageAllocator:
             f"rebuilt from the ownership map ({n_free} pages free)"
         )
         raise alloc_error(code, value, self.num_pages, rebuilt=rebuilt)
-
-
-# -- helpers ---------------------------------------------------------------------------
-
-
-def _as_int(name: str, v) -> int:
-    if isinstance(v, bool):
-        raise ValueError(f"{name} must be an integer, got {v!r}")
-    try:
-        return operator.index(v)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {v!r}") from None

@@ -58,7 +58,7 @@ import weakref
 
 import torch
 
-from kvmem.memory import MAX_BYTES, MemoryBackend, range_tensor
+from kvmem.memory.backend import MAX_BYTES, MemoryBackend, range_tensor
 from kvmem.memory.plan import chunk_target, plan_range
 
 MADV_DONTNEED = 4

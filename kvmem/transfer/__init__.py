@@ -4,11 +4,13 @@ is imported when a :class:`NixlEngine` is created, so ``import kvmem.transfer`` 
 without it) and the loopback engine between agents of one process
 (:mod:`kvmem.transfer.loopback`).
 
-One job a module: ``engine`` (the rules), ``nixl`` (NIXL's agent API), ``loopback`` (one
-process's agents, host memory), ``errors``, ``ranges`` (range checks), ``runs`` (page runs
-merged into descriptors), ``layout`` (block layouts), ``records`` (the values an engine
-hands out), ``envelope`` (the metadata envelope), ``nixl_exit`` (ending a process that
-loaded NIXL).  The rules themselves: docs/transfer.md.
+One job a module: ``engine`` (the rules), ``transport`` (the primitives a subclass
+implements), ``inflight`` (handles in flight), ``tables`` (prepared block tables),
+``nixl`` (NIXL's agent API), ``loopback`` (one process's agents, host memory),
+``loopback_fabric`` (their wire), ``errors``, ``ranges`` (range checks), ``runs`` (page
+runs merged into descriptors), ``layout`` (block layouts), ``records`` (the values an
+engine hands out), ``envelope`` (the metadata envelope), ``nixl_exit`` (ending a process
+that loaded NIXL).  The rules themselves: docs/transfer.md.
 """
 
 from kvmem.transfer.engine import TransferEngine
@@ -21,7 +23,8 @@ from kvmem.transfer.errors import (
 )
 from kvmem.transfer.layout import BlockLayout
 from kvmem.transfer.records import BlockTable, Registration, RemoteMemory, TransferHandle, XferState
-from kvmem.transfer.loopback import LoopbackEngine, LoopbackFabric
+from kvmem.transfer.loopback import LoopbackEngine
+from kvmem.transfer.loopback_fabric import LoopbackFabric
 from kvmem.transfer.nixl import NixlEngine
 
 __all__ = [

@@ -2,23 +2,24 @@
 of two agents, under epochs.
 
 This module owns the rules every engine obeys: the epoch rule and its tombstones, the
-snapshot order of a peer's metadata, the checks made before anything is posted, the
-in-flight table and the prepared block tables.  An engine subclass
-(:mod:`kvmem.transfer.nixl`) implements only the ``_t_*`` transport primitives.  The
-rules, what the transport does not do, and the pause/resume ordering the PD lifecycle
+snapshot order of a peer's metadata, the checks made before anything is posted, and the
+engine's state.  An engine subclass (:mod:`kvmem.transfer.nixl`) implements only the
+``_t_*`` transport primitives (:mod:`kvmem.transfer.transport`).  The rules, what the
+transport does not do, and the pause/resume ordering the PD lifecycle
 (:mod:`kvmem.disagg`) follows are written out in docs/transfer.md.
 
 An engine is driven by one thread (NIXL's agent is created without locking).
 
-One class: the rules above are checks on one shared state (registrations, peers, epochs,
-tombstones, the in-flight table, the prepared tables), under the invariants of the class
-docstring; what needs none of that state lives beside it (errors, ranges, layouts,
-records, the metadata envelope).
+One class over one shared state (registrations, peers, epochs, tombstones, the in-flight
+table, the prepared tables), under the invariants of the class docstring; only its
+``__init__`` makes that state.  Two of its jobs are bases of their own, each declaring
+what of the state it uses: the in-flight table (:mod:`kvmem.transfer.inflight`) and the
+prepared block tables (:mod:`kvmem.transfer.tables`).  What needs none of the state lives
+beside it (errors, ranges, layouts, records, the metadata envelope).
 """
 
 from __future__ import annotations
 
-import abc
 import time
 from dataclasses import dataclass, field
 
@@ -33,7 +34,8 @@ from kvmem.transfer.errors import (
     TransferError,
     TransferInFlightError,
 )
-from kvmem.transfer.layout import MAX_TABLE_BLOCKS, BlockLayout, pool_layout
+from kvmem.transfer.inflight import InFlight
+from kvmem.transfer.layout import BlockLayout, pool_layout
 from kvmem.transfer.ranges import RegionIndex, as_ranges, locate, pair_few, pair_ranges
 from kvmem.transfer.records import (
     BlockTable,
@@ -43,6 +45,7 @@ from kvmem.transfer.records import (
     XferState,
     mem_of,
 )
+from kvmem.transfer.tables import BlockTables
 
 
 @dataclass
@@ -57,7 +60,7 @@ class _Peer:
 # --- the engine ---------------------------------------------------------------------------
 
 
-class TransferEngine(abc.ABC):
+class TransferEngine(BlockTables, InFlight):
     """Registrations, peers and one-sided writes, with the epoch guard (docs/transfer.md).
 
     Invariants:
@@ -68,7 +71,8 @@ class TransferEngine(abc.ABC):
         PROC -> DONE | ERR;
       * every error leaves the engine unchanged.
 
-    Subclasses implement the ``_t_*`` transport primitives only.
+    Subclasses implement the ``_t_*`` transport primitives only
+    (:class:`~kvmem.transfer.transport.Transport`).
     """
 
     kind = "abstract"
@@ -88,74 +92,6 @@ class TransferEngine(abc.ABC):
         self._next_id = 1
         self._tables: dict[int, BlockTable] = {}
         self._closed = False
-
-    # --- transport primitives ---------------------------------------------------------
-    @abc.abstractmethod
-    def _t_register(self, reg: Registration) -> object: ...
-
-    @abc.abstractmethod
-    def _t_deregister(self, native) -> None: ...
-
-    @abc.abstractmethod
-    def _t_blob(self) -> bytes: ...
-
-    @abc.abstractmethod
-    def _t_load_peer(self, blob: bytes) -> str:
-        """Load a peer's blob; return the peer name the transport read from it."""
-
-    @abc.abstractmethod
-    def _t_unload_peer(self, name: str) -> None: ...
-
-    @abc.abstractmethod
-    def _t_post(
-        self,
-        local: np.ndarray,
-        lreg: Registration,
-        remote: np.ndarray,
-        rmem: RemoteMemory,
-        notif: bytes,
-    ) -> tuple[object, str]:
-        """Post one write of paired ranges; return (native handle, initial state)."""
-
-    @abc.abstractmethod
-    def _t_state(self, native) -> str: ...
-
-    @abc.abstractmethod
-    def _t_release(self, native) -> None: ...
-
-    @abc.abstractmethod
-    def _t_send_notif(self, peer: str, msg: bytes) -> None: ...
-
-    @abc.abstractmethod
-    def _t_get_notifs(self) -> dict[str, list[bytes]]: ...
-
-    @abc.abstractmethod
-    def _t_close(self) -> None: ...
-
-    # Prepared block lists (optional: an engine without them moves packed chunks only).
-    def _t_prep(self, layout: BlockLayout, mem: str, device_id: int, peer: str | None) -> object:
-        """Prepare every block of ``layout`` once (index ``plane * count + i``); ``peer``
-        None: local.  Called only when :meth:`direct_refusal` found nothing."""
-        raise TransferError(f"{type(self).__name__} has no prepared descriptor lists")
-
-    def _t_prep_refusal(self, layout: BlockLayout) -> str | None:
-        """The transport's own reason not to prepare ``layout`` (None: it can)."""
-        return f"{type(self).__name__} has no prepared descriptor lists"
-
-    def _t_unprep(self, native) -> None:
-        pass
-
-    def _t_post_blocks(
-        self,
-        op: str,
-        local: object,
-        lidx: np.ndarray,
-        remote: object,
-        ridx: np.ndarray,
-        peer: str,
-        notif: bytes,
-    ) -> tuple[object, str]:
-        raise TransferError(f"{type(self).__name__} has no prepared descriptor lists")
 
     # --- registrations ----------------------------------------------------------------
     def _check_open(self, what: str) -> None:
@@ -486,287 +422,6 @@ class TransferEngine(abc.ABC):
         )
         lo, ro = pair_ranges(loc, rem, "post_write")
         return lo, ro, local_keys
-
-    # --- prepared block tables ---------------------------------------------------------------
-    def direct_refusal(self, layout: BlockLayout | None) -> str | None:
-        """Why this engine cannot prepare a block table of ``layout`` (so neither direct
-        writes nor pull reads of its blocks are possible, and only packed transfers can
-        move them), or None when it can.  The PD layer asks this before choosing direct
-        or pull: ``engine.direct_refusal(engine.registrations()["kv"].layout)`` for its
-        own pool, ``engine.direct_refusal(engine.remote(peer, "kv").layout)`` for the
-        peer's.  Reasons: no layout (a page of a layer is not one contiguous range), more
-        than :data:`MAX_TABLE_BLOCKS` blocks (the transport's indices are int32), or a
-        limit of the transport (:meth:`_t_prep_refusal`)."""
-        if layout is None:
-            return (
-                "no block layout: a page of a layer is not one contiguous range, so "
-                "pages cannot be addressed as blocks"
-            )
-        if layout.blocks > MAX_TABLE_BLOCKS:
-            return (
-                f"{layout.blocks} blocks ({len(layout.planes)} planes x {layout.count} "
-                f"pages) is more than the {MAX_TABLE_BLOCKS} a prepared table can index "
-                "(NIXL reads block indices as int32)"
-            )
-        return self._t_prep_refusal(layout)
-
-    def _prep_table(
-        self, what: str, layout: BlockLayout | None, mem: str, device_id: int, peer: str | None
-    ):
-        why = self.direct_refusal(layout)
-        if why is not None:
-            raise TransferError(
-                f"{what}: cannot prepare a block table: {why}; only packed "
-                "transfers can move these pages"
-            )
-        return self._t_prep(layout, mem, device_id, peer)
-
-    def prep_local(self, key: str) -> BlockTable:
-        """Prepare every block of the live registration ``key``'s layout, once (NIXL
-        ``prep_xfer_dlist`` of one strided descriptor per plane: O(planes)).  Released by
-        ``deregister(key)``.
-
-        Raises:
-            ValueError: ``key`` is not live or has no layout.
-            TransferError: the table cannot be prepared (:meth:`direct_refusal` says why,
-                before the transport is asked), or the transport refused it.
-        """
-        self._check_open("prep_local")
-        reg = self._regs.get(key)
-        if reg is None or reg.layout is None:
-            raise ValueError(
-                f"prep_local: {key!r} is not a live registration with a layout "
-                f"(live: {sorted(self._regs)})"
-            )
-        native = self._prep_table(f"prep_local {key!r}", reg.layout, reg.mem, reg.device_id, None)
-        return self._new_table(key, reg.epoch, reg.layout, None, native)
-
-    def prep_remote(self, remote: RemoteMemory) -> BlockTable:
-        """Prepare every block of a peer registration's layout, once per (peer, key,
-        epoch); refused as stale like a write (:meth:`check_fresh`), and as
-        :meth:`prep_local` for a layout no table can hold."""
-        self._check_open("prep_remote")
-        self.check_fresh(remote, "prep_remote")
-        if remote.layout is None:
-            raise ValueError(f"prep_remote: {remote.peer!r} key {remote.key!r} carries no layout")
-        native = self._prep_table(
-            f"prep_remote {remote.peer!r} {remote.key!r}",
-            remote.layout,
-            remote.mem,
-            remote.device_id,
-            remote.peer,
-        )
-        return self._new_table(remote.key, remote.epoch, remote.layout, remote, native)
-
-    def _new_table(self, key, epoch, layout, remote, native) -> BlockTable:
-        t = BlockTable(
-            self._next_id,
-            key,
-            epoch,
-            layout,
-            remote,
-            np.array([n for _, _, n in layout.planes], dtype=np.int64),
-            native,
-        )
-        self._next_id += 1
-        self._tables[t.id] = t
-        return t
-
-    def _drop_table(self, t: BlockTable) -> None:
-        if not t.released:
-            self._t_unprep(t.native)
-            t.released, t.native = True, None
-            self._tables.pop(t.id, None)
-
-    def release_table(self, t: BlockTable) -> None:
-        """Free a prepared table (refused while a write posted from it is in flight)."""
-        busy = [
-            h
-            for h in self._handles.values()
-            if t.id in h.tables and self._refresh(h) == XferState.PROC
-        ]
-        if busy:
-            raise TransferInFlightError("release_table", len(busy))
-        self._drop_table(t)
-
-    def post_blocks(
-        self,
-        local: BlockTable,
-        local_idx,
-        remote: BlockTable,
-        remote_idx,
-        notif: bytes = b"",
-        op: str = "WRITE",
-    ) -> TransferHandle:
-        """Move blocks ``local_idx`` of ``local`` to (``"WRITE"``) or from (``"READ"``)
-        blocks ``remote_idx`` of ``remote`` (int64 arrays of equal length, i-th to i-th);
-        ``notif`` delivered to the peer once done.  Adjacent blocks that are adjacent on
-        both sides travel as one descriptor (NIXL merges them in prepared lists).
-
-        Checks, before posting (nothing changed on error): the remote table's metadata is
-        the newest known (StaleEpochError, the epoch rule), the local table's registration
-        is live at its epoch, indices within the tables and sizes equal pairwise
-        (ValueError).  Cost: a few numpy reductions over the indices, no range search
-        (the blocks were checked inside their registrations when prepared; figures:
-        docs/transfer.md, "Costs").
-        """
-        self._check_open("post_blocks")
-        if op not in ("WRITE", "READ"):
-            raise ValueError(f"post_blocks: op must be 'WRITE' or 'READ', got {op!r}")
-        for t, side in ((local, "local"), (remote, "remote")):
-            if not isinstance(t, BlockTable) or self._tables.get(t.id) is not t:
-                raise ValueError(
-                    f"post_blocks: {side} table {t!r} is not an open table of engine {self.name!r}"
-                )
-        if local.remote is not None or remote.remote is None:
-            raise ValueError(
-                "post_blocks: needs a local table (prep_local) and a remote one (prep_remote)"
-            )
-        self.check_fresh(remote.remote, "post_blocks")
-        reg = self._regs.get(local.key)
-        if reg is None or reg.epoch != local.epoch:
-            raise StaleEpochError(
-                self.name,
-                local.key,
-                f"epoch {local.epoch}",
-                "closed" if reg is None else f"epoch {reg.epoch}",
-                "post_blocks (local table)",
-            )
-        if not isinstance(notif, (bytes, bytearray)):
-            raise ValueError(f"post_blocks: notif must be bytes, got {type(notif).__name__}")
-        li = np.ascontiguousarray(local_idx, dtype=np.int64).reshape(-1)
-        ri = np.ascontiguousarray(remote_idx, dtype=np.int64).reshape(-1)
-        if li.size == 0 or li.size != ri.size:
-            raise ValueError(
-                f"post_blocks: {li.size} local and {ri.size} remote indices; "
-                "they must be equal in number and > 0"
-            )
-        ln, rn = local.nbytes.size * local.layout.count, remote.nbytes.size * remote.layout.count
-        if li.min() < 0 or li.max() >= ln or ri.min() < 0 or ri.max() >= rn:
-            raise ValueError(
-                f"post_blocks: an index outside the tables ({ln} local blocks, {rn} remote)"
-            )
-        lb = local.nbytes[li // local.layout.count]
-        if not np.array_equal(lb, remote.nbytes[ri // remote.layout.count]):
-            raise ValueError("post_blocks: paired blocks differ in size")
-        native, state = self._t_post_blocks(
-            op, local.native, li, remote.native, ri, remote.remote.peer, bytes(notif)
-        )
-        state = XferState(state)
-        h = TransferHandle(
-            self._next_id,
-            remote.remote.peer,
-            remote.key,
-            (local.key,),
-            int(lb.sum()),
-            bytes(notif),
-            state,
-            None if state != XferState.ERR else "failed at post",
-            native=native,
-        )
-        h.tables = (local.id, remote.id)
-        h.op = op
-        self._next_id += 1
-        self._handles[h.id] = h
-        return h
-
-    def _own(self, h: TransferHandle, what: str) -> TransferHandle:
-        if not isinstance(h, TransferHandle) or self._handles.get(h.id) is not h:
-            raise ValueError(
-                f"{what}: {h!r} is not an open handle of engine {self.name!r}"
-                + (" (released)" if isinstance(h, TransferHandle) and h.released else "")
-            )
-        return h
-
-    def _refresh(self, h: TransferHandle) -> XferState:
-        if h.state == XferState.PROC:
-            try:
-                st = self._t_state(h.native)
-            except Exception as e:  # the transport reports some failures by raising
-                st, h.error = XferState.ERR, f"{type(e).__name__}: {e}"
-            try:
-                st = XferState(st)
-            except ValueError:
-                st, h.error = XferState.ERR, f"unknown transport state {st!r}"
-            if st == XferState.ERR and h.error is None:
-                h.error = "transport reported ERR"
-            h.state = st
-        return h.state
-
-    def poll(self, h: TransferHandle) -> XferState:
-        """PROC, DONE or ERR (:class:`~kvmem.transfer.records.XferState`, equal to those
-        strings; ERR also when the transport raised; see
-        ``h.error``).  DONE: the bytes landed and the notification was sent.
-
-        The initiator must keep polling its writes (``poll``, ``in_flight()`` or
-        ``drain``): with NIXL a write's notification leaves only when a poll sees the
-        write complete, so an unpolled write is never announced to its target."""
-        self._check_open("poll")
-        return self._refresh(self._own(h, "poll"))
-
-    def release(self, h: TransferHandle, *, abort: bool = False) -> None:
-        """Free a handle.  Refused while it is in flight unless ``abort``: then the
-        transport cancels it, its state becomes ERR, its notification is never delivered,
-        and whether its bytes landed is unknown (treat the target as written)."""
-        self._check_open("release")
-        self._own(h, "release")
-        if self._refresh(h) == XferState.PROC and not abort:
-            raise TransferInFlightError(
-                "release",
-                1,
-                f" (handle {h.id} to {h.peer!r}); or release(h, abort=True) to cancel it",
-            )
-        was = h.state
-        try:
-            self._t_release(h.native)
-        except Exception as e:
-            raise TransferError(
-                f"release: the transport could not free handle {h.id} "
-                f"({was}): {type(e).__name__}: {e}"
-            ) from None
-        if was == XferState.PROC:
-            h.state, h.error = XferState.ERR, "aborted by release(abort=True)"
-        h.released, h.native = True, None
-        del self._handles[h.id]
-
-    def in_flight(self, peer: str | None = None) -> list[TransferHandle]:
-        """Poll every open PROC handle (to ``peer`` when given) once; return those still
-        PROC.  One call per step of an event loop keeps notifications flowing."""
-        return [
-            h
-            for h in self._handles.values()
-            if (peer is None or h.peer == peer) and self._refresh(h) == XferState.PROC
-        ]
-
-    def drain(self, timeout: float | None = None, peer: str | None = None) -> list[TransferHandle]:
-        """Poll every open handle (to ``peer``) until none is PROC; return those that were
-        in flight when called (PROC as last seen: posted and not yet seen to end), now
-        DONE or ERR, not released, whether they ended at drain's first poll or later.
-        TransferInFlightError after ``timeout`` seconds (None: wait forever), nothing
-        released.  When the transport has no progress thread, the targets' owners must
-        be progressing meanwhile (they are, in their own processes; two engines in one
-        process: drive the other one)."""
-        self._check_open("drain")
-        drained = [
-            h
-            for h in self._handles.values()
-            if (peer is None or h.peer == peer) and h.state == XferState.PROC
-        ]
-        todo = [h for h in drained if self._refresh(h) == XferState.PROC]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        nap = 20e-6
-        while todo:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TransferInFlightError(
-                    f"drain({timeout})", len(todo), "" if peer is None else f" to {peer!r}"
-                )
-            time.sleep(nap)  # leave the CPU to the transport's progress thread
-            nap = min(nap * 2, 1e-3)
-            todo = [h for h in todo if self._refresh(h) == XferState.PROC]
-        return drained
-
-    def open_handles(self) -> int:
-        return len(self._handles)
 
     # --- notifications ----------------------------------------------------------------
     def send_notif(self, peer: str, msg: bytes) -> None:

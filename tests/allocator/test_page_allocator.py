@@ -532,7 +532,7 @@ def test_device_checked_calls_with_hints(monkeypatch):
     that disagree refused.  Before it was run here, that branch called the imported
     ``agree`` after a local of the same name had shadowed it (UnboundLocalError at the
     first checked alloc_extend or alloc_decode with hints on a GPU)."""
-    import kvmem.allocator as allocator_module
+    import kvmem.allocator_slots as slots_module
 
     host = _prepared()
     want = (
@@ -546,7 +546,7 @@ def test_device_checked_calls_with_hints(monkeypatch):
         ),
         host.alloc_decode(i64(10, 6), i64(16, 20), seq_lens_cpu=i64(10, 6), check=True),
     )
-    monkeypatch.setattr(allocator_module, "is_async_device", lambda t: True)
+    monkeypatch.setattr(slots_module, "is_async_device", lambda t: True)
     dev = _prepared()
     got = (
         dev.alloc_extend(

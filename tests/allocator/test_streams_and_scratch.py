@@ -132,7 +132,7 @@ def test_state_is_allocated_on_the_allocators_stream(monkeypatch):
     (the allocator dropped with work queued); allocated on the allocator's stream, it
     cannot."""
     log, current = [], ["caller"]
-    monkeypatch.setattr(kvmem.allocator, "_own_stream", lambda device, stream: _Stream("own", log))
+    monkeypatch.setattr(kvmem.allocator, "own_stream", lambda device, stream: _Stream("own", log))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream(current[-1], log))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 

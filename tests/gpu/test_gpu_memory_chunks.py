@@ -21,7 +21,8 @@ import torch
 
 import kvmem
 from kvmem.memory import range_tensor
-from kvmem.memory.cuda_vmm import _call, _granularity, default_driver
+from kvmem.memory.cuda_driver import call as _call, default_driver
+from kvmem.memory.cuda_vmm import _granularity
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

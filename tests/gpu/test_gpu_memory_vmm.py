@@ -19,7 +19,8 @@ import torch
 
 import kvmem
 from kvmem.errors import ClosedPoolError, CudaDriverError, PoolMemoryError, ReleasedPoolError
-from kvmem.memory.cuda_vmm import CudaVmmBackend, default_driver
+from kvmem.memory.cuda_driver import default_driver
+from kvmem.memory.cuda_vmm import CudaVmmBackend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -1,4 +1,4 @@
-"""kvmem/memory/cuda_vmm.py against a fake CUDA driver, on CPU.
+"""kvmem/memory/cuda_vmm.py (and vmm_range.py under it) against a fake CUDA driver, on CPU.
 
 ``FakeDriver`` implements the ``cuda.bindings.driver`` calls the backend makes, with the
 checks of the real driver that matter here: a mapping cannot overlap another, an unmap
@@ -26,7 +26,8 @@ import torch
 
 import kvmem
 from kvmem.errors import CudaDriverError, PoolMemoryError, ReleasedPoolError
-from kvmem.memory.cuda_vmm import NONE, READY, CudaVmmBackend
+from kvmem.memory.cuda_vmm import CudaVmmBackend
+from kvmem.memory.vmm_range import NONE, READY
 from tests.kv_cases import fill_random
 from tests.util import assert_closed_pool_refuses
 

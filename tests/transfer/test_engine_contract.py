@@ -87,7 +87,8 @@ from kvmem.transfer import (
 )
 from kvmem.transfer.envelope import decode_metadata, encode_metadata
 from kvmem.transfer.layout import BlockLayout
-from kvmem.transfer.loopback import LoopbackEngine, LoopbackFabric
+from kvmem.transfer.loopback import LoopbackEngine
+from kvmem.transfer.loopback_fabric import LoopbackFabric
 from tests.util import vm_rss
 
 SENTINEL = 0x5A

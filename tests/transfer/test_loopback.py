@@ -17,7 +17,8 @@ import torch
 
 from kvmem.transfer import MetadataError, TransferError, TransferInFlightError
 from kvmem.transfer.envelope import decode_metadata, encode_metadata
-from kvmem.transfer.loopback import LoopbackEngine, LoopbackFabric, default_fabric
+from kvmem.transfer.loopback import LoopbackEngine
+from kvmem.transfer.loopback_fabric import LoopbackFabric, default_fabric
 
 
 @pytest.fixture
