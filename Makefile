@@ -108,13 +108,13 @@ test:
 test-main: $(VENV)/.test-ready $(TRITON36_VENV)/.ready $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 	$(BIN)/ruff check -q .
 	$(BIN)/ruff format --check -q .
-	$(BIN)/mypy integration/sglang/kvmem_sglang
+	$(BIN)/mypy kvmem integration/sglang/kvmem_sglang
 	KVMEM_HYPOTHESIS=ci $(BIN)/python -m pytest -q tests
 
 check: $(VENV)/.test-ready
 	$(BIN)/ruff check -q .
 	$(BIN)/ruff format --check -q .
-	$(BIN)/mypy integration/sglang/kvmem_sglang
+	$(BIN)/mypy kvmem integration/sglang/kvmem_sglang
 	KVMEM_HYPOTHESIS=dev $(BIN)/python -m pytest -q -m "$(CHECK_MARKS)" tests
 
 test-interpret: $(VENV)/.test-ready

@@ -52,8 +52,8 @@ DEFECTS = [
         "a batched free (free_group) puts back only its first batch: "
         "the pages of every later free in the group leak",
         "kvmem/allocator.py",
-        "pages = group[0][0] if len(group) == 1 else torch.cat(",
-        "pages = group[0][0] if len(group) >= 1 else torch.cat(",
+        "                            if len(group) == 1\n                            else torch.cat(",
+        "                            if len(group) >= 1\n                            else torch.cat(",
         "check",
     ),
     Defect(
