@@ -4,12 +4,12 @@ sglang's router sends a PD request to the prefill and the decode at the same tim
 decode that refuses the request at once (its KV cache is released) sends its prefill an
 ABORT for the request's room (``CommonKVReceiver._send_abort_notification``), and that
 ABORT often arrives before the prefill's scheduler has created the room: a stock
-prefill ignores an ABORT for a room it does not know (``_handle_abort_notification``,
-nixl/conn.py:3308, mooncake/conn.py:2886), bootstraps the request alone until its
-bootstrap timeout (300 s by default), and the router waits for its answer.  Seen on a
-real pair (stock prefill, decode with the flag, decode released): 2 of 3 requests sent
-through the router got no answer in 40 s.  (A kvmem prefill remembers such an early
-ABORT itself, ``kvmem_sglang.notify.abort_notification``.)
+prefill ignores an ABORT for a room it does not know (``_handle_abort_notification`` of
+``NixlKVManager``, nixl/conn.py, and of ``MooncakeKVManager``, mooncake/conn.py),
+bootstraps the request alone until its bootstrap timeout (300 s by default), and the
+router waits for its answer.  Seen on a real pair (stock prefill, decode with the flag,
+decode released): 2 of 3 requests sent through the router got no answer in 40 s.  (A kvmem
+prefill remembers such an early ABORT itself, ``kvmem_sglang.notify.abort_notification``.)
 
 :func:`chase` sends the same ABORT again at growing intervals (:data:`DELAYS_S`), so it
 lands once the prefill knows the room; the prefill then fails the request as aborted by

@@ -1,12 +1,12 @@
 """The PD decode server across a KV release, and the status a decode answers for a
 transfer the kvmem prefill ended.
 
-sglang 0.5.23 (file:line of the installed package, ``sglang/srt/``):
+sglang 0.5.23 (the installed package; paths below are under ``sglang/srt/``):
 
-* ``release_memory_occupation`` asserts an idle scheduler
-  (``managers/scheduler_components/weight_updater.py:339``).  On a decode server
-  ``is_fully_idle`` (``managers/scheduler.py:5337``) also needs empty prealloc and
-  transfer queues, no retracted requests and no deferred KV releases (:5377-5381): a
+* ``SchedulerWeightUpdaterManager.release_memory_occupation``
+  (``managers/scheduler_components/weight_updater.py``) asserts an idle scheduler.  On a
+  decode server ``Scheduler.is_fully_idle`` (``managers/scheduler.py``) also needs empty
+  prealloc and transfer queues, no retracted requests and no deferred KV releases: a
   release that comes while any request is bootstrapping, waiting for its KV, queued,
   decoding, or held for an ABORT_ACK raises ``AssertionError`` inside the scheduler loop,
   and the decode server dies.  RL frameworks release every engine, decode included.
@@ -17,34 +17,37 @@ sglang 0.5.23 (file:line of the installed package, ``sglang/srt/``):
   prefill's ABORT_ACK (sglang's deferred release), or after
   ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT`` as sglang arranges; the
   whole wait is bounded by ``SGLANG_KVMEM_DRAIN_TIMEOUT``.
-* A request that reaches a decode whose KV cache is released would be given pages of
-  the released pool when it leaves the prealloc queue (``pop_preallocated``,
-  disaggregation/decode.py:1333), which on a GPU is an illegal address the moment the
-  prefill writes there.  :func:`pop_preallocated` answers such requests 503 first and
-  aborts their receivers (the prefill is told through sglang's ABORT and frees its
-  side), so nothing is allocated until the resume.
+* A request that reaches a decode whose KV cache is released would be given pages of the
+  released pool when it leaves the prealloc queue
+  (``DecodePreallocQueue.pop_preallocated``, disaggregation/decode.py), which on a GPU is
+  an illegal address the moment the prefill writes there.  :func:`pop_preallocated` answers
+  such requests 503 first and aborts their receivers (the prefill is told through sglang's
+  ABORT and frees its side), so nothing is allocated until the resume.
 * A transfer that fails is answered ``500 INTERNAL_SERVER_ERROR`` by the decode, whatever
-  the prefill's reason (``disaggregation/decode.py:2885``, handshake :1171), and through
-  sglang's router the client gets the decode's answer (the router returns the decode's
-  status).  A kvmem prefill puts the status it answered into the reason it sends the
-  decode (``kvmem_sglang.reasons.tag``: 503 for a request refused or aborted by a release, 504 for a
-  timeout); with the flag on the decode too, :func:`prepare_abort` answers that status
+  the prefill's reason (``DecodeTransferQueue.pop_transferred``,
+  ``disaggregation/decode.py``; a failed handshake:
+  ``DecodePreallocQueue._update_handshake_waiters``), and through sglang's router the
+  client gets the decode's answer (the router returns the decode's status).  A kvmem
+  prefill puts the status it answered into the reason it sends the decode
+  (``kvmem_sglang.reasons.tag``: 503 for a request refused or aborted by a release, 504 for
+  a timeout); with the flag on the decode too, :func:`prepare_abort` answers that status
   instead of 500, so the client sees what the prefill decided.  A stock decode still
   answers 500, promptly.
 * The same 500 answers a request the user aborted with ``/abort_request`` while it was
   bootstrapping or waiting for its KV (the receiver's failure reason is "Aborted by
-  AbortReq.", ``disaggregation/common/conn.py:2463``, :2960).  sglang's router retries
-  a 500, so the user's abort re-sends the request, and when the client gave the request
-  its own ``rid`` the retry is never answered (seen with sglang-router 0.3.2, stock and
-  with the flag alike).  The prefill's own answer for the request, when the decode's
-  ABORT reached it first, is the same 500 ("Aborted by decode-side abort
-  notification.", ``disaggregation/nixl/conn.py:3324``), which the router retries too.
-  So is the adapter's answer when that ABORT came even before the request
-  (``kvmem_sglang.reasons.EARLY_ABORT``), and a decode's answer when a client aborted the
-  request on the prefill alone, which the kvmem prefill tells its decode with the reason
-  marked as an abort (``kvmem_sglang.reasons.tag``).  :func:`prepare_abort` answers all
-  of them (``kvmem_sglang.reasons.is_abort``) as sglang answers an aborted request
-  outside PD: finish reason ``abort``, no error status.
+  AbortReq.", ``CommonKVReceiver.abort`` and ``CommonKVSender.abort``,
+  ``disaggregation/common/conn.py``).  sglang's router retries a 500, so the user's abort
+  re-sends the request, and when the client gave the request its own ``rid`` the retry is
+  never answered (seen with sglang-router 0.3.2, stock and with the flag alike).  The
+  prefill's own answer for the request, when the decode's ABORT reached it first, is the
+  same 500 ("Aborted by decode-side abort notification.",
+  ``NixlKVManager._handle_abort_notification``, ``disaggregation/nixl/conn.py``), which the
+  router retries too.  So is the adapter's answer when that ABORT came even before the
+  request (``kvmem_sglang.reasons.EARLY_ABORT``), and a decode's answer when a client
+  aborted the request on the prefill alone, which the kvmem prefill tells its decode with
+  the reason marked as an abort (``kvmem_sglang.reasons.tag``).  :func:`prepare_abort`
+  answers all of them (``kvmem_sglang.reasons.is_abort``) as sglang answers an aborted
+  request outside PD: finish reason ``abort``, no error status.
 """
 
 from __future__ import annotations
@@ -70,18 +73,19 @@ def receiver_failure_exception(original, receiver, *args, **kwargs):
     channel; the kvmem prefill sends its reason and status there), and the decode ranks
     combine their polls (MIN), so a rank can see Failed before its own notice arrived.
     sglang then raises "Failed due to an unknown reason from another rank"
-    (``disaggregation/common/conn.py:2946-2955``), and that rank answers 500
-    (``disaggregation/decode.py:2888``), which sglang's router retries, where the rank
-    that had the notice answers the prefill's 503.  Seen on a TP 2 + TP 2 pair with the
-    prefill released: 23 of 85 decode answers 500; rank 0's answer is the one the client
-    gets, whichever rank saw the failure first.
+    (``CommonKVReceiver.failure_exception``, ``disaggregation/common/conn.py``), and that
+    rank answers 500 (``DecodeTransferQueue.pop_transferred``,
+    ``disaggregation/decode.py``), which sglang's router retries, where the rank that had
+    the notice answers the prefill's 503.  Seen on a TP 2 + TP 2 pair with the prefill
+    released: 23 of 85 decode answers 500; rank 0's answer is the one the client gets,
+    whichever rank saw the failure first.
 
-    So the ranks share their reasons: sglang calls this on every rank of the attention
-    TP group for the same rooms in the same order (only after ``poll_and_all_reduce``,
-    decode.py:1143 and the transfer queue's poll), so an ``all_gather_object`` over that
-    group's CPU group is in step; a rank with no reason of its own raises with the first
-    rank's that has one.  With pipeline parallelism (whose polls follow a PP consensus)
-    sglang's own behaviour is kept."""
+    So the ranks share their reasons: sglang calls this on every rank of the attention TP
+    group for the same rooms in the same order (only after ``poll_and_all_reduce``, in
+    ``DecodePreallocQueue._update_handshake_waiters`` and the transfer queue's poll), so an
+    ``all_gather_object`` over that group's CPU group is in step; a rank with no reason of
+    its own raises with the first rank's that has one.  With pipeline parallelism (whose
+    polls follow a PP consensus) sglang's own behaviour is kept."""
     try:
         return original(receiver, *args, **kwargs)
     except Exception as e:
@@ -119,9 +123,9 @@ def pop_preallocated(original, queue, *args, **kwargs):
     if not (queue.queue and roles.released(sched)):  # a pending request is in queue too
         return original(queue, *args, **kwargs)
     # sglang's pass resolves where pending requests' prefills are (and initialises their
-    # receivers) before it preallocates (decode.py:1346): a request resolved there would
-    # get pages of the released pool in the same pass (seen: a decode released before its
-    # first request allocated it, and the prefill wrote to it).  So they are resolved
+    # receivers) before it preallocates (``pop_preallocated``): a request resolved there
+    # would get pages of the released pool in the same pass (seen: a decode released before
+    # its first request allocated it, and the prefill wrote to it).  So they are resolved
     # here, before the refusal below, and sglang's pass does not resolve again.
     queue._resolve_pending_reqs()
     queue._resolve_pending_reqs = _nothing
@@ -216,12 +220,12 @@ def drain(sched, what: str = "KV cache") -> list:
 
     A running engine's requests are all answered 503.  A paused engine
     (``pause_generation``) keeps what stock sglang keeps across a release
-    (``is_fully_idle(ignore_waiting=True)``, weight_updater.py:339): its running
-    requests are first retracted through sglang's own retract (a ``retract`` pause has
-    done so already; an ``in_place`` pause, whose running batch stock cannot release, is
-    retracted here the same way), so they wait, hold no KV, and run again after
-    ``continue_generation`` (a decode's re-bootstrap theirs from the prefill); what
-    still holds KV or waits for a transfer is answered 503."""
+    (``release_memory_occupation`` asserts ``is_fully_idle(ignore_waiting=True)`` for a
+    paused engine): its running requests are first retracted through sglang's own retract
+    (a ``retract`` pause has done so already; an ``in_place`` pause, whose running batch
+    stock cannot release, is retracted here the same way), so they wait, hold no KV, and
+    run again after ``continue_generation`` (a decode's re-bootstrap theirs from the
+    prefill); what still holds KV or waits for a transfer is answered 503."""
     answered = _drain(sched, what)
     if answered:
         logger.warning(
@@ -279,15 +283,16 @@ def _drain(sched, what: str) -> list:
     answered = []
     _retract_paused(sched)
     # the overlap loop's queued results first, as its next iteration would
-    # (disaggregation/decode.py:3165, pop_and_process): their requests then finish or go
-    # on decoding with their KV accounted as usual
+    # (``pop_and_process`` in SchedulerDisaggregationDecodeMixin's
+    # ``event_loop_overlap_disagg_decode``): their requests then finish or go on decoding
+    # with their KV accounted as usual
     last = getattr(sched, "last_batch", None)
     queued = getattr(sched, "result_queue", None)
     if queued:
         while queued:
             batch, result = queued.popleft()
             sched.process_batch_result(batch, result)
-        # the loop pops a result whenever last_batch is set (decode.py:3216): none is left
+        # the loop pops a result whenever last_batch is set: none is left
         sched.last_batch = None
     # requests that hold their KV: running (decoding, or between the chunks of a chunked
     # prefill on a plain server), in the last batch (an extend batch's requests join the
@@ -338,12 +343,12 @@ def _drain(sched, what: str) -> list:
     if not is_decode(sched):
         return answered
     # requests before their KV arrived: sglang's own abort and queue paths answer them
-    # (with the reason above, kvmem_sglang.prefill.stream_output) and free their pages,
-    # at the prefill's ABORT_ACK where a write may still be in flight.  Those whose
-    # prefill is not resolved yet are resolved first, as sglang's own pass does before it
-    # preallocates (decode.py:1346): a receiver aborted before it knows its prefill sends
-    # no ABORT (common/conn.py:2965), and that prefill would then bootstrap the request
-    # alone until its bootstrap timeout while the router waits for it.
+    # (with the reason above, kvmem_sglang.prefill.stream_output) and free their pages, at
+    # the prefill's ABORT_ACK where a write may still be in flight.  Those whose prefill is
+    # not resolved yet are resolved first, as sglang's own pass does before it preallocates
+    # (``pop_preallocated``): a receiver aborted before it knows its prefill sends no ABORT
+    # (``CommonKVReceiver.ensure_abort_notified``), and that prefill would then bootstrap
+    # the request alone until its bootstrap timeout while the router waits for it.
     prealloc, transfer = sched.disagg_decode_prealloc_queue, sched.disagg_decode_transfer_queue
     if getattr(prealloc, "pending_reqs", None):
         prealloc._resolve_pending_reqs()
@@ -371,7 +376,7 @@ def _drain(sched, what: str) -> list:
 
 
 def _run_queues(sched, prealloc, transfer) -> None:
-    """sglang's decode queue steps (``process_decode_queue``, disaggregation/decode.py:3458)
+    """sglang's decode queue steps (``SchedulerDisaggregationDecodeMixin.process_decode_queue``)
     until the aborted requests have left the prealloc and transfer queues and no
     deferred release is held, bounded by ``SGLANG_KVMEM_DRAIN_TIMEOUT``.  Every TP rank
     runs the same number of steps (the steps hold collectives): the stop condition is
@@ -414,21 +419,21 @@ def _run_queues(sched, prealloc, transfer) -> None:
 
 
 def _give_up(sched, transfer, prealloc, waited: float) -> None:
-    """Past SGLANG_KVMEM_DRAIN_TIMEOUT: release what still waits for a prefill's
-    ABORT_ACK through sglang's own release (``_do_release``: its pages, request and
-    metadata slots), as sglang's deferred release does at its own deadline
-    (disaggregation/decode.py:3046), and drop what is still queued, so that sglang's
-    release finds the scheduler idle instead of asserting.  The prefill may still write
-    into those pages: the pool is deregistered and released right after, so such a
-    write fails there (on an RDMA NIC) instead of landing in a page given to another
+    """Past SGLANG_KVMEM_DRAIN_TIMEOUT: release what still waits for a prefill's ABORT_ACK
+    through sglang's own release (``_do_release``: its pages, request and metadata slots),
+    as sglang's deferred release does at its own deadline
+    (``DecodeTransferQueue.resolve_deferred_releases``), and drop what is still queued, so
+    that sglang's release finds the scheduler idle instead of asserting.  The prefill may
+    still write into those pages: the pool is deregistered and released right after, so
+    such a write fails there (on an RDMA NIC) instead of landing in a page given to another
     request.
 
     Host destinations (``host_staged``: the KV lands in host memory, outside the pool)
-    are not released here: sglang never times their release out (decode.py:3054, "a
-    timeout cannot prove that a remote write has stopped"), and releasing the KV pool
-    protects nothing of theirs.  They stay held, set aside while sglang's release runs
-    (:func:`host_destinations_set_aside`), and are released at their ABORT_ACK as
-    sglang does."""
+    are not released here: sglang never times their release out
+    (``resolve_deferred_releases``: "a timeout cannot prove that a remote write has
+    stopped"), and releasing the KV pool protects nothing of theirs.  They stay held, set
+    aside while sglang's release runs (:func:`host_destinations_set_aside`), and are
+    released at their ABORT_ACK as sglang does."""
     host = transfer._is_host_destination
     held = [e for e in transfer._deferred_releases if not host(e[0])]
     queued = [r.req.rid for r in list(prealloc.queue) + list(transfer.queue) if not host(r)]
@@ -462,7 +467,7 @@ def _give_up(sched, transfer, prealloc, waited: float) -> None:
     for decode_req in prealloc.queue:
         if decode_req.kv_receiver is not None:
             decode_req.kv_receiver.clear()
-    if hasattr(prealloc, "pending_reqs"):  # shares the DecodeRequests (decode.py:1397)
+    if hasattr(prealloc, "pending_reqs"):  # shares the DecodeRequests (see pop_preallocated)
         prealloc.pending_reqs = [r for r in prealloc.pending_reqs if id(r) not in dropped]
     prealloc.queue.clear()
     transfer.queue[:] = kept

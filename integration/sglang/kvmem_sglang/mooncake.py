@@ -1,22 +1,23 @@
 """sglang 0.5.23's ``MooncakeKVManager`` (sglang's default PD transfer backend) under the
 flag: registrations that fail loudly, one log line each, and reasons the decode can read.
 
-File:line below are of the installed sglang 0.5.23 (``sglang/srt/``).
+Names below are of the installed sglang 0.5.23; their paths are under ``sglang/srt/``.
 
 * Registration.  sglang registers the KV, aux and state buffers with
   ``engine.batch_register`` and ignores its return code
-  (``disaggregation/mooncake/conn.py:424-428``; the wrapper logs a failure at debug
-  level, ``distributed/device_communicators/mooncake_transfer_engine.py:179-181``), at
-  start and again at every resume; the same for ``batch_deregister`` at a release
-  (:430-434).  A prefill whose registration failed serves on: every write its peers
-  build then fails ("not within any registered buffer"), and a decode's failed
-  registration lets no prefill reach its pages.  Here each is logged once with the
-  engine's return code, and a non-zero code raises :class:`RegistrationError`: at
-  start the scheduler stops with it; at a resume the adapter refuses the resume and
-  keeps the KV cache released (``kvmem_sglang.prefill.resume_memory_occupation``); at a
-  release it refuses the release before any memory is given back, and registers
-  again what a refused deregistration dropped (:func:`deregister_buffer_to_engine`
-  deregisters region by region for that).
+  (``MooncakeKVManager.register_buffer_to_engine``, ``disaggregation/mooncake/conn.py``;
+  the wrapper logs a failure at debug level, ``MooncakeTransferEngine.batch_register``,
+  ``distributed/device_communicators/mooncake_transfer_engine.py``), at start and again at
+  every resume; the same for ``batch_deregister`` at a release
+  (``MooncakeKVManager.deregister_buffer_to_engine``).  A prefill whose registration
+  failed serves on: every write its peers build then fails ("not within any registered
+  buffer"), and a decode's failed registration lets no prefill reach its pages.  Here each
+  is logged once with the engine's return code, and a non-zero code raises
+  :class:`RegistrationError`: at start the scheduler stops with it; at a resume the
+  adapter refuses the resume and keeps the KV cache released
+  (``kvmem_sglang.prefill.resume_memory_occupation``); at a release it refuses the release
+  before any memory is given back, and registers again what a refused deregistration
+  dropped (:func:`deregister_buffer_to_engine` deregisters region by region for that).
   What is registered is the kvmem pool's few regions (``SGLANG_KVMEM_REGISTER=regions``:
   :func:`registerable_regions`) or sglang's one buffer per layer and per K/V.
 * Failed writes.  ``batch_transfer_sync_write`` returns -1 while other slices of the
@@ -26,13 +27,14 @@ File:line below are of the installed sglang 0.5.23 (``sglang/srt/``).
   a release right after would deregister and give back memory those slices still read:
   :func:`poison_unsettled_send` opens a settle window a release waits out.
 * Reasons.  A Mooncake status message carries no failure reason
-  (``kv_status_msg_carries_reason`` is False for this manager): a decode learns only
-  that the room failed and answers its generic 500 (``DEFAULT_PREFILL_FAILURE_REASON``)
-  where NIXL's carries the prefill's reason and status.  sglang's decode parses a
-  reason frame from any backend (``disaggregation/common/conn.py:757-782``), so a prefill
-  with the flag sends one (an instance attribute set at registration): a decode with the
-  flag answers the status the prefill decided (503 for a release, 504 for a timeout,
-  ``kvmem_sglang.decode.prepare_abort``), a stock one logs the real reason.
+  (``kv_status_msg_carries_reason`` is False for this manager): a decode learns only that
+  the room failed and answers its generic 500 (``DEFAULT_PREFILL_FAILURE_REASON``) where
+  NIXL's carries the prefill's reason and status.  sglang's decode parses a reason frame
+  from any backend (``CommonKVManager.parse_kv_status_message``,
+  ``disaggregation/common/conn.py``), so a prefill with the flag sends one (an instance
+  attribute set at registration): a decode with the flag answers the status the prefill
+  decided (503 for a release, 504 for a timeout, ``kvmem_sglang.decode.prepare_abort``), a
+  stock one logs the real reason.
 """
 
 from __future__ import annotations
@@ -154,12 +156,12 @@ def _register_again(manager, ptrs: list[int], lens: list[int]) -> list[int]:
 
 def poison_unsettled_send(original, manager, room, *args, **kwargs):
     """AROUND ``MooncakeKVManager._poison_unsettled_send`` (sglang calls it for a write
-    that failed and may still be moving, mooncake/conn.py:2478-2486; it poisons the
-    room's ABORT_ACK so the decode keeps the pages until its deferred-release timeout):
-    also open a settle window of :data:`SETTLE_S` on the manager, which a release of
-    this prefill's KV cache waits out before it deregisters and gives the memory back
-    (``kvmem_sglang.prefill``): sglang's worker uncounts the room at once, and a
-    registration made again at once lets the late slices land (module docstring)."""
+    that failed and may still be moving, as its docstring in mooncake/conn.py says; it
+    poisons the room's ABORT_ACK so the decode keeps the pages until its deferred-release
+    timeout): also open a settle window of :data:`SETTLE_S` on the manager, which a
+    release of this prefill's KV cache waits out before it deregisters and gives the
+    memory back (``kvmem_sglang.prefill``): sglang's worker uncounts the room at once, and
+    a registration made again at once lets the late slices land (module docstring)."""
     until = time.monotonic() + SETTLE_S
     state.SETTLE_UNTIL.set(manager, max(state.SETTLE_UNTIL.get(manager, 0.0), until))
     logger.warning(

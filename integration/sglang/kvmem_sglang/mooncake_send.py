@@ -1,16 +1,17 @@
 """kvmem's send path under sglang 0.5.23's Mooncake prefill (``SGLANG_KVMEM_TRANSFER=kvmem``,
 the default; ``sglang`` leaves sglang's own path).
 
-File:line below are of the installed ``sglang/srt/disaggregation/mooncake/conn.py``.
+Names below are of the installed ``sglang/srt/disaggregation/mooncake/conn.py``, methods
+of its ``MooncakeKVManager``.
 
 What sglang does.  As on NIXL (:mod:`kvmem_sglang.transfer`), every room going to one
-decode lands in one transfer worker's queue (``add_transfer_request`` shards by the
-decode's ports, :3117-3118), and the worker sends its chunks one at a time.  Per chunk
+decode lands in one transfer worker's queue (``add_transfer_request`` shards by the sum
+of the decode sessions' ports), and the worker sends its chunks one at a time.  Per chunk
 ``send_kvcache`` merges the chunk's own pages adjacent on both sides
 (``group_concurrent_contiguous``) and posts one ``batch_transfer_sync`` of one slice per
-run and plane (``_send_kvcache_generic``, :1019-1279), which returns when every slice
-landed or failed.  Pages of one request that are not adjacent cost one slice each.  Over
-TCP a batch has a ceiling besides: Mooncake's TCP transport queues at most
+run and plane (``_send_kvcache_generic``), which returns when every slice landed or
+failed.  Pages of one request that are not adjacent cost one slice each.  Over TCP a batch
+has a ceiling besides: Mooncake's TCP transport queues at most
 ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` transfers per peer (1,024 by default, 4,096 at
 most); past it the engine logs "TCP lane queue-full rejection", the call returns -1, and
 sglang marks the decode's session failed (measured with mooncake-transfer-engine-non-cuda
@@ -22,7 +23,7 @@ What this module changes: how the bytes of those sends move, nothing else.  Two 
 
 * ``transfer_worker``: remembers which queue the calling thread serves
   (:func:`kvmem_sglang.transfer.transfer_worker`, shared with NIXL).
-* ``send_kvcache`` (the worker calls it for MHA and MLA at equal attention TP, :2696).
+* ``send_kvcache`` (``transfer_worker`` calls it for MHA and MLA at equal attention TP).
   It takes the chunk handed to it (the *owner*) and the chunks queued behind it on the
   same worker for the same decode session, up to :data:`kvmem_sglang.transfer.BATCH_BYTES`
   (:func:`kvmem_sglang.transfer._take_ahead`: the worker's own checks, each counted in
@@ -44,10 +45,10 @@ Success, notifications): a room sent ahead stays WaitingForInput until then.  A 
 call fails them all: Mooncake returns -1 while slices of the batch may still move
 (:mod:`kvmem_sglang.mooncake`), so each room sent ahead is poisoned as sglang poisons the
 owner (``_poison_unsettled_send``: no ABORT_ACK, its decode falls back to its release
-timeout) before it is uncounted.  The owner's failure marks the session failed (sglang,
-:2740-2750), and the worker then fails the rooms behind it as it fails any room of a
-failed session; should the session be usable again by then, the room is sent again on
-its own turn.
+timeout) before it is uncounted.  The owner's failure marks the session failed (sglang's
+``transfer_worker``, on a non-zero return), and the worker then fails the rooms behind it
+as it fails any room of a failed session; should the session be usable again by then, the
+room is sent again on its own turn.
 
 Served geometry (anything else goes to sglang's own ``send_kvcache``): no pipeline
 parallelism, hybrid MLA, custom memory pool, unified memory or HiSparse device indices;

@@ -1,35 +1,38 @@
 """sglang 0.5.23's ``NixlKVManager`` across a KV release: what it registered and what it
 prepared over that registration are given back together, and built again at the resume.
 
-File:line below are of the installed sglang 0.5.23 (``sglang/srt/disaggregation/nixl/
-conn.py``).
+Names below are of the installed sglang 0.5.23's ``sglang/srt/disaggregation/nixl/conn.py``,
+methods of its ``NixlKVManager`` unless said otherwise.
 
-* sglang registers the KV buffers one by one (``register_buffer_to_engine``, :1972) and
-  has no ``deregister_buffer_to_engine``, so a release leaves everything registered and
+* sglang registers the KV buffers one by one (``NixlKVManager.register_buffer_to_engine``)
+  and has no ``deregister_buffer_to_engine``, so a release leaves everything registered and
   each resume registers it all again.  The manager gets one here (an instance attribute,
   which the prefill and decode queues' ``release_memory_occupation`` call when present).
 * The prefill prepares NIXL descriptor lists once, when a decode peer registers
-  (``_prepare_payload_xfer``, :1482): the local one over its own KV (``prep_handles[""]``,
-  :1553; also the heterogeneous-TP and mixed-memory variants, :1245-1430, and the state
-  plans, :827) and one per peer over the peer's KV.  Every KV send then uses them
-  (``make_prepped_xfer``, :2115-2136).  A prepared local list refers to the registration
-  it was made over: after that registration is gone, a transfer made from it reads freed
-  NIXL state and the process dies (a segfault in ``transfer``, :1090, seen on the first
-  request after a release and a resume).  So :func:`deregister` releases every prepared
-  list *before* it deregisters the memory, and the registration at the resume prepares
-  them again for every known peer (:func:`register_buffer_to_engine`).  If that fails
-  for a peer, no prepared list is kept (the local one is shared by all peers): sends
-  then take sglang's unprepared path (``_send_kvcache_generic``, :2117-2121), which
-  builds descriptors per transfer over the new registration.
+  (``NixlKVManager._prepare_payload_xfer``): the local one over its own KV
+  (``prep_handles[""]``; also the heterogeneous-TP and mixed-memory variants,
+  ``_init_hetero_tp_prep_handle`` and ``_init_mixed_equal_tp_prep_handles``, and the state
+  plans, ``_build_prepared_state_plan``) and one per peer over the peer's KV.  Every KV send
+  then uses them (``make_prepped_xfer`` on ``_send_kvcache_generic``'s prepared path).  A
+  prepared local list refers to the registration it was made over: after that registration
+  is gone, a transfer made from it reads freed NIXL state and the process dies (a segfault
+  in the ``agent.transfer`` of ``_post_xfer``, seen on the first request after a release
+  and a resume).  So :func:`deregister` releases every prepared list *before* it
+  deregisters the memory, and the registration at the resume prepares them again for every
+  known peer (:func:`register_buffer_to_engine`).  If that fails for a peer, no prepared
+  list is kept (the local one is shared by all peers): sends then take sglang's unprepared
+  path (``_send_kvcache_generic`` takes the prepared one only while both the local list and
+  the peer's are in ``prep_handles``), which builds descriptors per transfer over the new
+  registration.
 * sglang's bootstrap thread prepares a new decode peer's lists the moment its
-  registration arrives (``_add_remote_peer``, :2030, on the bootstrap thread, :3387), at
-  any time, also while the KV cache is released: preparing over the deregistered pool
-  fails (``NIXL_ERR_NOT_FOUND``) and the exception kills the bootstrap thread, after which
-  every request to the prefill hangs in Bootstrapping (seen in a real deployment: a
-  decode's first request arriving during a release).  :func:`prepare_payload` defers the
-  preparation while deregistered (the peer is already in ``decode_kv_args_table``, so the
-  resume prepares it), and one lock per manager orders preparations against the
-  deregistration and the registration.
+  registration arrives (``NixlKVManager._add_remote_peer``, called on the bootstrap thread
+  of ``_start_bootstrap_thread``), at any time, also while the KV cache is released:
+  preparing over the deregistered pool fails (``NIXL_ERR_NOT_FOUND``) and the exception
+  kills the bootstrap thread, after which every request to the prefill hangs in
+  Bootstrapping (seen in a real deployment: a decode's first request arriving during a
+  release).  :func:`prepare_payload` defers the preparation while deregistered (the peer
+  is already in ``decode_kv_args_table``, so the resume prepares it), and one lock per
+  manager orders preparations against the deregistration and the registration.
 * A decode's registration describes its KV by the NIXL agent metadata of the moment.
   A decode with the flag that released its KV cache has deregistered it: the
   registration it would send a prefill it meets for the first time then carries no KV
@@ -40,10 +43,11 @@ conn.py``).
   fails).  So, on a decode: ``registrations.register_kv_args`` sends no registration while
   deregistered, and the resume sends the new registration to every prefill rank the
   decode knows (``registrations.resend``).  On a prefill, :func:`add_remote_peer`
-  takes a known decode's new registration in place of the old one (sglang ignores it,
-  :2034) and never lets a peer's preparation kill the bootstrap thread: a peer whose
-  lists cannot be prepared is kept without them, and its sends build descriptors per
-  transfer (a send that then fails is a failed transfer, answered, not a hang).
+  takes a known decode's new registration in place of the old one (sglang's
+  ``_add_remote_peer`` ignores an agent it already has) and never lets a peer's preparation
+  kill the bootstrap thread: a peer whose lists cannot be prepared is kept without them,
+  and its sends build descriptors per transfer (a send that then fails is a failed
+  transfer, answered, not a hang).
 * With ``SGLANG_KVMEM_REGISTER=regions`` the registration covers the kvmem pool's few
   regions instead of one buffer per layer and per K/V (transfers still address each
   layer inside them).
@@ -159,7 +163,7 @@ def deregister(manager) -> None:
 
 def _prepared(manager) -> list:
     """Every prepared descriptor-list handle the manager holds (sglang's caches of them,
-    nixl/conn.py:637-643 and the state plans)."""
+    made in ``NixlKVManager.__init__``, nixl/conn.py, and the state plans)."""
     out = list(getattr(manager, "prep_handles", {}).values())
     slice_src = getattr(manager, "prep_handle_slice_src", None)
     if slice_src is not None:
@@ -195,8 +199,8 @@ def release_prepared(manager) -> int:
 
 def prepare_peers(manager) -> None:
     """Prepare the transfer lists of every decode peer the prefill knows, as sglang does
-    when a peer registers (``_add_remote_peer``, nixl/conn.py:2030).  If one fails, the
-    failure is logged and no prepared list is kept, for any peer (the local list is
+    when a peer registers (``NixlKVManager._add_remote_peer``, nixl/conn.py).  If one fails,
+    the failure is logged and no prepared list is kept, for any peer (the local list is
     shared): every send then takes the unprepared path."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 

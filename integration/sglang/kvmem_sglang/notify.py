@@ -1,24 +1,28 @@
 """The decode side is told when the prefill aborts a KV sender.
 
-sglang 0.5.23 (file:line of the installed package, ``sglang/srt/disaggregation/``):
+sglang 0.5.23 (the installed package; paths below are under ``sglang/srt/disaggregation/``):
 
-* ``CommonKVSender.abort`` (common/conn.py:2458) records "Aborted by AbortReq." and marks
-  the room Failed in the *prefill's* own table; it sends nothing.  The failure path that
-  follows (``failure_exception`` -> ``clear``, common/conn.py:2446/2409) drops the room;
+* ``CommonKVSender.abort`` (common/conn.py) records "Aborted by AbortReq." and marks the
+  room Failed in the *prefill's* own table; it sends nothing.  The failure path that
+  follows (``failure_exception`` -> ``clear``, both of ``CommonKVSender``) drops the room;
   ``clear`` tells the decode only under ``--disaggregation-decode-allocation-policy
   prefill_complete`` (the default is ``early``).  A transfer worker that later dequeues a
-  chunk of the room skips it silently (nixl/conn.py:1615-1624 and 1633-1639).
-* The decode learns a room's end only from a status message (``apply_prefill_status``,
-  common/conn.py:921, from the listener at nixl/conn.py:1017), from its heartbeat to a
-  *dead* prefill (common/conn.py:2004), or from its own waiting timeout: its receiver stays
-  WaitingForInput until ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (default 300 s) after
-  ``send_metadata`` (``_check_waiting_timeout``, common/conn.py:2888), holding the KV pages
-  and the metadata slot it pre-allocated for the request all that time.
+  chunk of the room skips it silently (the cleared-room and Failed checks at the top of
+  ``NixlKVManager.transfer_worker``'s loop, nixl/conn.py).
+* The decode learns a room's end only from a status message
+  (``CommonKVManager.apply_prefill_status``, common/conn.py, called from NIXL's listener
+  thread, ``NixlKVManager._start_decode_listener_thread``), from its heartbeat to a *dead*
+  prefill (``CommonKVManager._start_heartbeat_checker_thread``), or from its own waiting
+  timeout: its receiver stays WaitingForInput until
+  ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` (default 300 s) after ``send_metadata``
+  (``CommonKVReceiver._check_waiting_timeout``), holding the KV pages and the metadata
+  slot it pre-allocated for the request all that time.
 * A room aborted while Bootstrapping whose decode metadata arrives afterwards: the
   prefill's bootstrap thread stores its ``transfer_infos`` and ``update_status(room,
-  WaitingForInput)`` re-creates the cleared room (common/conn.py:653-667, nixl/conn.py:
-  3395-3413); both stay for good on the prefill, and the decode again waits out its
-  waiting timeout.
+  WaitingForInput)`` re-creates the cleared room (the thread of
+  ``NixlKVManager._start_bootstrap_thread``, nixl/conn.py;
+  ``CommonKVManager.update_status`` lets a room's opening status create it); both stay for
+  good on the prefill, and the decode again waits out its waiting timeout.
 
 With SGLANG_KVMEM=1:
 
@@ -30,11 +34,12 @@ With SGLANG_KVMEM=1:
   decode's receiver reports Failed at its next poll; its transfer queue answers the
   request and, with deferred KV release (sglang's default), sends ABORT and frees the pages
   at the prefill's ABORT_ACK, which the prefill sends only once no write of the room is
-  outstanding (common/conn.py:1044).  Without deferred release on the manager and with a
-  write still outstanding, nothing is sent (the decode would free pages the NIC may still
-  write): the decode falls back to its waiting timeout, as sglang arranges for an
-  unsettled write (nixl/conn.py:1958-1967).  Success or an already Failed room is not
-  touched (a Failed one was told, or must not be).
+  outstanding (``CommonKVManager._maybe_ack_drained_abort``).  Without deferred release on
+  the manager and with a write still outstanding, nothing is sent (the decode would free
+  pages the NIC may still write): the decode falls back to its waiting timeout, as sglang
+  arranges for an unsettled write (``NixlKVManager.transfer_worker`` poisons the room's
+  ACK and leaves it to that timeout).  Success or an already Failed room is not touched (a
+  Failed one was told, or must not be).
 * ``manager_update_status`` (around ``CommonKVManager.update_status``): the decode
   metadata of a room aborted while Bootstrapping is answered Failed and dropped, instead of
   re-creating the room.
@@ -46,13 +51,13 @@ With SGLANG_KVMEM=1:
   sender for the same room (its ``Bootstrapping``) forgets it.
 
 * ``abort_notification`` (around the NIXL and mooncake managers'
-  ``_handle_abort_notification``, nixl/conn.py:3308): a decode's ABORT for a room the
-  prefill does not know yet (its request has not reached the prefill's scheduler, a race
-  the router's simultaneous dispatch makes common) is ignored by sglang, and the
-  prefill's request later bootstraps alone until its bootstrap timeout (300 s), while the
-  router waits for the prefill's answer: the client hangs.  The room is remembered, and
-  the sender that later opens it (``manager_update_status``, its ``Bootstrapping``) is
-  failed at once with the decode's reason.
+  ``_handle_abort_notification``): a decode's ABORT for a room the prefill does not know
+  yet (its request has not reached the prefill's scheduler, a race the router's
+  simultaneous dispatch makes common) is ignored by sglang, and the prefill's request
+  later bootstraps alone until its bootstrap timeout (300 s), while the router waits for
+  the prefill's answer: the client hangs.  The room is remembered, and the sender that
+  later opens it (``manager_update_status``, its ``Bootstrapping``) is failed at once with
+  the decode's reason.
 
 The messages leave on one background thread: a send to a dead decode may block for
 ``SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT`` and must not stall the scheduler loop.

@@ -78,8 +78,9 @@ def load() -> None:
 
 
 # The modules of sglang's PD transfer backends whose hooks wait for sglang to import them:
-# importing NIXL's (conn.py:59) loads the NIXL library, so a server on another backend
-# (Mooncake, sglang's default) would load NIXL only because the adapter named its classes.
+# importing NIXL's (nixl/conn.py, which imports ``nixl._bindings`` at module level) loads
+# the NIXL library, so a server on another backend (Mooncake, sglang's default) would load
+# NIXL only because the adapter named its classes.
 BACKEND_MODULES = ("sglang.srt.disaggregation.nixl.conn", "sglang.srt.disaggregation.mooncake.conn")
 
 
@@ -110,8 +111,9 @@ def _install_backend(hooks, module) -> None:
 def _announce(fmt: str, *args) -> None:
     """Log at INFO, or, before anyone configured logging, write the line to stderr.
 
-    sglang loads plugins before it configures logging (``launch_server.py:79``; in the
-    scheduler ``load_plugins()`` at ``managers/scheduler.py:6323`` comes before
+    sglang loads plugins before it configures logging (``launch_server.py``'s ``__main__``
+    block calls ``load_plugins()`` first; in the scheduler, ``run_scheduler_process`` in
+    ``managers/scheduler.py`` calls it before ``configure_scheduler_process`` calls
     ``configure_logger``): an INFO record then reaches no handler and the start line
     would never show in a server's log."""
     if logger.isEnabledFor(logging.INFO) and (logger.handlers or logging.getLogger().handlers):

@@ -1,7 +1,7 @@
 """The PD prefill lifecycle under sglang 0.5.23's scheduler: every request's KV freed
 once, every request answered once, with the status of kvmem's lifecycle table (docs/disagg.md).
 
-What stock 0.5.23 does and what these hooks change (file:line of sglang 0.5.23 in each hook's docstring):
+What stock 0.5.23 does and what these hooks change (each hook's docstring names sglang's code):
 
 ==========================================  ==================================  ===========================
 event                                       stock 0.5.23                        with SGLANG_KVMEM=1
@@ -398,8 +398,9 @@ def _drained(sched, what: str) -> bool:
     """Answer and free what ``sched`` holds before a release of the KV cache or the
     weights (a forward needs both), through the drain of its role; False if the drain
     raised (logged), in which case the release must not go on: sglang asserts an idle
-    scheduler (weight_updater.py:339) and dispatches the release with no try/except
-    (scheduler.py:2253), so an exception or a busy scheduler there ends its loop."""
+    scheduler (``SchedulerWeightUpdaterManager.release_memory_occupation``) and dispatches
+    the release with no try/except (``Scheduler.process_input_requests``), so an exception
+    or a busy scheduler there ends its loop."""
     try:
         if _is_prefill(sched):
             _drain_for_release(sched, what)
@@ -480,7 +481,7 @@ def continue_generation(original, sched, *args, **kwargs):
 def _grammar_queue_set_aside(sched):
     """Requests waiting for their grammar (``grammar_manager.grammar_queue``) out of
     sight of sglang's release and back afterwards.  sglang's idle assertion counts that
-    queue (scheduler.py:5370-5372, also under ``ignore_waiting``), and a paused loop
+    queue (``Scheduler.is_fully_idle``, also under ``ignore_waiting``), and a paused loop
     never empties it, so a structured-output request whose grammar was still compiling
     when the engine paused killed the scheduler at the release (stock and the flag
     alike).  Such a request holds no KV and no request slot (it has not reached a queue
@@ -507,28 +508,33 @@ def _grammar_queue_set_aside(sched):
 
 def _drain_for_release(sched, what: str = "KV cache") -> None:
     """Answer every PD request of ``sched`` with 503 and free what it holds, before
-    sglang's release (which asserts an idle scheduler, weight_updater.py:339).  Never
-    raises: sglang dispatches the release with no try/except (scheduler.py:2253), so an
-    exception here ends the scheduler loop.
+    sglang's release (which asserts an idle scheduler,
+    ``SchedulerWeightUpdaterManager.release_memory_occupation``).  Never raises: sglang
+    dispatches the release with no try/except (``Scheduler.process_input_requests``), so
+    an exception here ends the scheduler loop.
 
-    sglang 0.5.23 ingests a release at the top of a loop iteration (prefill.py:691 and
-    :785, all in disaggregation/ unless named); what a request can be doing then:
+    sglang 0.5.23 ingests a release at the top of a loop iteration (``ingest_requests``
+    in the normal and the overlap loop, ``event_loop_normal_disagg_prefill`` and
+    ``event_loop_overlap_disagg_prefill`` of ``SchedulerDisaggregationPrefillMixin``,
+    disaggregation/prefill.py); what a request can be doing then:
 
     * bootstrapping, waiting, in flight: answered and freed through sglang's own paths;
     * ``chunked_req`` between two chunks (normal loop): its last chunk's forward and
-      result are done (prefill.py:715, before the next ingest); it is in no forward.
-      Freed as sglang's ``process_pending_chunked_abort`` frees a chunked request
-      (scheduler.py:3778): sender aborted, pending chunk send cleared, metadata slot, tree
-      handle, KV pages and request slot; ``chunked_req`` cleared;
+      result are done (the normal loop processes a batch's result right after its
+      forward, before the next ingest); it is in no forward.  Freed as sglang's
+      ``Scheduler.process_pending_chunked_abort`` frees a chunked request: sender aborted,
+      pending chunk send cleared, metadata slot, tree handle, KV pages and request slot;
+      ``chunked_req`` cleared;
     * in a batch whose result is still queued (overlap loop only: a batch is launched and
-      queued at prefill.py:833 and its result processed in the next iteration, :854, so an
+      queued on ``result_queue`` and its result processed in the next iteration, so an
       ingest can come between; also while the engine is paused in place): its forward may
       still be writing the pages.  The device is synchronized first, then its requests are
       freed like the chunked one.  The queued results stay queued (set aside only during
       sglang's release, ``_queued_results_set_aside``) and the loop processes them as
       usual, skipping these answered requests;
-    * ``running_batch``: a PD prefill server never fills it (prefill.py:675 passes it
-      through), so only its live requests, if any, are freed like the others.
+    * ``running_batch``: a PD prefill server never fills it (the mixin's
+      ``get_next_disagg_prefill_batch_to_run`` passes it through), so only its live
+      requests, if any, are freed like the others.
 
     A request already aborted by its client is answered with that abort."""
     from sglang.srt.disaggregation.prefill import maybe_release_metadata_buffer
@@ -633,13 +639,16 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
 @contextlib.contextmanager
 def _queued_results_set_aside(sched):
     """The overlap loop's queued batch results and ``last_batch`` out of sight of
-    sglang's release, which asserts an idle scheduler (weight_updater.py:339, counting
-    both, scheduler.py:5348-5349), and back afterwards.  ``_drain_for_release`` has
-    answered and freed every request in them, so the loop then processes each result as
-    it would have (prefill.py:854): it skips an aborted request whose resources are gone
-    (``is_aborted`` -> ``_retire_aborted_prefill_result``, prefill.py:980 and :1088).
-    The loop's own state (its local ``batch``, ``last_batch``, the queue) stays as stock
-    left it, so no later iteration pops a result that is not there."""
+    sglang's release, which asserts an idle scheduler
+    (``SchedulerWeightUpdaterManager.release_memory_occupation``;
+    ``Scheduler.is_fully_idle`` counts both), and back afterwards.  ``_drain_for_release``
+    has answered and freed every request in them, so the loop then processes each result as
+    it would have (``event_loop_overlap_disagg_prefill`` pops it from ``result_queue``): it
+    skips an aborted request whose resources are gone (``is_aborted`` ->
+    ``_retire_aborted_prefill_result`` in ``process_batch_result_disagg_prefill``,
+    disaggregation/prefill.py).  The loop's own state (its local ``batch``, ``last_batch``,
+    the queue) stays as stock left it, so no later iteration pops a result that is not
+    there."""
     queued = list(getattr(sched, "result_queue", None) or ())
     if not queued:
         yield
@@ -657,12 +666,12 @@ def _queued_results_set_aside(sched):
 def _await_posted_writes(sched) -> None:
     """Wait until the transfer backend's workers hold no chunk: none dequeued and none
     with a write posted and not yet DONE or ERR.  sglang's ``CommonKVManager`` (NIXL and
-    mooncake) counts exactly that per room in ``_staging_outstanding`` (common/conn.py:412;
-    a worker counts a chunk when it dequeues it and uncounts it once every handle it
-    posted has settled, nixl/conn.py:1631 and 1896).  The drain above aborted every
-    sender, so a worker skips the chunks still queued (their room is Failed) and only the
-    writes already posted remain: the NIC may still read the pool's pages, so neither the
-    deregistration nor the release may run before they settle.
+    mooncake) counts exactly that per room in ``_staging_outstanding`` (made in its
+    ``__init__``; a worker counts a chunk when it dequeues it and uncounts it once every
+    handle it posted has settled, ``NixlKVManager.transfer_worker``).  The drain above
+    aborted every sender, so a worker skips the chunks still queued (their room is Failed)
+    and only the writes already posted remain: the NIC may still read the pool's pages, so
+    neither the deregistration nor the release may run before they settle.
 
     Bounded by ``SGLANG_KVMEM_DRAIN_TIMEOUT`` seconds (progress logged every
     DRAIN_LOG_S): a handle that never settles (sglang then keeps its room counted for

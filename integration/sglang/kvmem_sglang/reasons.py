@@ -29,8 +29,9 @@ _TAG = re.compile(r"\(kvmem-sglang HTTP (\d{3})\)")
 _ABORT_MARK = "(kvmem-sglang abort)"
 
 # The failure reasons of an abort: what sglang's KV sender and receiver record when
-# ``/abort_request`` aborted them (``disaggregation/common/conn.py:2463``, :2960), what a
-# prefill records when its decode's ABORT came first (``disaggregation/nixl/conn.py:3324``),
+# ``/abort_request`` aborted them (``CommonKVSender.abort`` and ``CommonKVReceiver.abort``,
+# ``disaggregation/common/conn.py``), what a prefill records when its decode's ABORT came
+# first (``NixlKVManager._handle_abort_notification``, ``disaggregation/nixl/conn.py``),
 # and what the adapter records when that ABORT came even before the request
 # (``kvmem_sglang.notify.abort_notification``).  sglang's failure paths write
 # "... with exception KVTransferError(bootstrap_room=N): <reason>", so a message that ends

@@ -3,7 +3,7 @@ any transfer backend (NIXL, Mooncake).
 
 sglang's decode sends its registration (its KV memory as the transfer engine names it)
 to a prefill rank the first time it meets one (``CommonKVReceiver._register_kv_args``,
-``disaggregation/common/conn.py:2802``).  While the decode's KV cache is released its
+``disaggregation/common/conn.py``).  While the decode's KV cache is released its
 memory is deregistered: a registration sent then names memory no peer can reach (NIXL:
 the prefill's bootstrap thread died preparing lists over it; Mooncake: every write
 fails).  So :func:`register_kv_args` sends none while deregistered, and the backend's

@@ -1,35 +1,36 @@
 """kvmem's send path under sglang 0.5.23's NIXL prefill (``SGLANG_KVMEM_TRANSFER=kvmem``,
 the default; ``sglang`` leaves sglang's own path).
 
-File:line below are of the installed ``sglang/srt/disaggregation/nixl/conn.py``.
+Names below are of the installed ``sglang/srt/disaggregation/nixl/conn.py``, methods of
+its ``NixlKVManager`` unless said otherwise.
 
 What sglang does.  A prefill's KV sends run on one transfer worker thread per queue, and
 every room going to one decode lands in the same queue (``add_transfer_request`` shards by
-the decode's ports, :3283).  Per chunk the worker posts one NIXL write with one
+the sum of the decode sessions' ports).  Per chunk the worker posts one NIXL write with one
 descriptor per page and plane (``send_kvcache`` -> ``_send_kvcache_generic``'s prepared
-path, :2090-2135), spins on it (``_await_handles`` polls with ``time.sleep(0)``, :1096)
-and only then takes the next chunk.  Pages of one request that are not adjacent cost one
-descriptor each, whatever lies next to them.
+path), spins on it (``_await_handles`` polls with ``time.sleep(0)``) and only then takes
+the next chunk.  Pages of one request that are not adjacent cost one descriptor each,
+whatever lies next to them.
 
 What this module changes: how the bytes of those sends move, nothing else.  Three hooks
 (AROUND) on ``NixlKVManager``:
 
 * ``transfer_worker``: remembers which queue the calling thread serves; no change.
-* ``send_kvcache``, the narrowest call that moves KV (the worker calls it for MHA and
-  MLA at equal attention TP, :1798).  It takes the chunk handed to it (the *owner*) and
-  the chunks queued behind it on the same worker for the same decode (the worker's own
-  checks, :1612-1660, hold for them now), up to :data:`BATCH_BYTES`, pairs every page
-  ``(source, destination)`` of them all, sorts the pairs by source page and merges runs
-  adjacent on both sides: one descriptor per run and plane.  Pages of different requests
-  are often adjacent where the pages of one are not (an allocator serving a batch
+* ``send_kvcache``, the narrowest call that moves KV (``transfer_worker`` calls it for MHA
+  and MLA at equal attention TP).  It takes the chunk handed to it (the *owner*) and the
+  chunks queued behind it on the same worker for the same decode (the checks at the top of
+  ``transfer_worker``'s loop hold for them now), up to :data:`BATCH_BYTES`, pairs every
+  page ``(source, destination)`` of them all, sorts the pairs by source page and merges
+  runs adjacent on both sides: one descriptor per run and plane.  Pages of different
+  requests are often adjacent where the pages of one are not (an allocator serving a batch
   interleaves or abuts them).  The descriptors go out as up to :data:`SPLIT` NIXL writes
-  (of at least :data:`SPLIT_MIN_BYTES` each) posted together (``initialize_xfer`` over
-  the live registrations; no prepared list, so nothing here outlives a release), and one
-  handle for them all is returned.  A run never leaves one plane (one of sglang's
-  per-layer K or V buffers, page ids below its page count): on a kvmem side that buffer lies inside one pool region, i.e. one
-  physical chunk (kvmem's chunk plan keeps a layer's K|V block in one chunk, and the
-  registration is per region), on a stock side it is a registration of its own; so no
-  descriptor spans two registrations, which NIXL refuses.
+  (of at least :data:`SPLIT_MIN_BYTES` each) posted together (``initialize_xfer`` over the
+  live registrations; no prepared list, so nothing here outlives a release), and one handle
+  for them all is returned.  A run never leaves one plane (one of sglang's per-layer K or V
+  buffers, page ids below its page count): on a kvmem side that buffer lies inside one pool
+  region, i.e. one physical chunk (kvmem's chunk plan keeps a layer's K|V block in one
+  chunk, and the registration is per region), on a stock side it is a registration of its
+  own; so no descriptor spans two registrations, which NIXL refuses.
 * ``_await_handles``: sglang's contract (wait while every handle is healthy; once one
   failed, at most ``NIXL_ERR_SETTLE_TIMEOUT_S`` more; an unreadable state fails), with
   growing sleeps between polls instead of ``sleep(0)``, and the handles above expanded.
@@ -38,8 +39,8 @@ What this module changes: how the bytes of those sends move, nothing else.  Thre
   worker treats its room as it treats the owner of a refused post.
 
 Chunks sent ahead of their turn.  Such a chunk is counted in the manager's
-``_staging_outstanding`` before it is checked (as the worker counts a chunk at dequeue,
-:1631) and uncounted when its write settles, so sglang's abort ACK to the decode
+``_staging_outstanding`` before it is checked (as ``transfer_worker`` counts a chunk at
+dequeue) and uncounted when its write settles, so sglang's abort ACK to the decode
 (``_maybe_ack_drained_abort``) and the adapter's release drain wait for that write.  The
 owner's wait covers it (same write), and the queue is FIFO: when the worker reaches it,
 its write has settled, and ``send_kvcache`` returns a settled handle without moving
@@ -60,7 +61,7 @@ A write cut short (NIXL refuses to create or to post one of its pieces).  Before
 piece was posted nothing is in flight: the error goes to the owner as sglang's own send
 raises it, and the rooms sent ahead are uncounted and sent again on their own turn
 (poisoned first if NIXL refused a post: its writes may still land, and sglang never ACKs
-the room of such a post, nixl/conn.py:1942).  Once a piece was posted, nothing posted is
+the room of such a post, ``transfer_worker``).  Once a piece was posted, nothing posted is
 dropped (sglang never abandons a posted handle either): the pieces posted are the write,
 which ends ERR once they settle (it carries only part of the pages).  The owner's wait
 waits for them (bounded, as after a sibling's ERR): settled, the owner fails and is
@@ -110,7 +111,7 @@ logger = logging.getLogger("kvmem.sglang")
 # throughput at this value.
 BATCH_BYTES = 1 << 30
 # NIXL writes one merged batch is posted as (several in flight: sglang's prefill agent
-# has 8 UCX threads, nixl/conn.py:552, which take a write each).  A guess, see above.
+# has 8 UCX threads (``NixlKVManager.__init__``), each taking a write).  A guess, see above.
 SPLIT = 4
 # Fewest bytes a piece of a split write carries: a smaller batch goes as fewer writes (a
 # KV chunk of a few KiB as one).  At several GB/s 4 MiB is well under a millisecond, where
@@ -464,7 +465,7 @@ def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int, peer_of)
         room = chunk.room
         counts = mgr._staging_outstanding
         fresh = room not in counts
-        counts[room] += 1  # before the checks, as the worker counts at dequeue (:1631)
+        counts[room] += 1  # before the checks, as transfer_worker counts at dequeue
         rec = _Ahead(room, peer, src, np.empty(0, dtype=np.int64))
         try:
             ok = (
@@ -484,13 +485,16 @@ def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int, peer_of)
 
 def _readable(chunk) -> bool:
     """Whether a queued chunk may be read now, as its worker reads it at dequeue
-    (mooncake/conn.py:2532-2543): no CUDA event of its own pending (``wait_event``: the
-    forward still writing its pages under the overlap schedule, prefill.py:1495-1498;
-    ``indices_event``: the copy of its page ids to the host, prefill.py:1745-1761), read
-    with ``query()``, which never blocks.  A chunk whose events completed is given what
-    the worker would give it: the events dropped, a host tensor of page ids made a numpy
-    array (the object by which the chunk is found again when the worker reaches it).
-    NIXL's chunks carry neither (nixl/conn.py:3296-3305)."""
+    (``MooncakeKVManager.transfer_worker``, mooncake/conn.py): no CUDA event of its own
+    pending (``wait_event``: the forward still writing its pages under the overlap
+    schedule, recorded by
+    ``SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk`` in
+    disaggregation/prefill.py; ``indices_event``: the copy of its page ids to the host,
+    recorded by the mixin's ``_send_kv_chunk``), read with ``query()``, which never blocks.
+    A chunk whose events completed is given what the worker would give it: the events
+    dropped, a host tensor of page ids made a numpy array (the object by which the chunk is
+    found again when the worker reaches it).  NIXL's chunks carry neither
+    (``NixlKVManager.add_transfer_request`` queues them without)."""
     for name in ("wait_event", "indices_event"):
         ev = getattr(chunk, name, None)
         try:
@@ -511,8 +515,9 @@ def _readable(chunk) -> bool:
 
 def _dst_of(mgr, chunk, peer: str, rec: _Ahead, peer_of) -> bool:
     """Set ``rec.dst`` to the chunk's destination pages as the worker would take them
-    (:1667-1690); False when the room is not a one-peer room of ``peer`` or its page
-    counts differ (the worker then handles it itself)."""
+    (``NixlKVManager.transfer_worker``: ``req.dst_kv_indices[kv_chunk.index_slice]``);
+    False when the room is not a one-peer room of ``peer`` or its page counts differ (the
+    worker then handles it itself)."""
     infos = mgr.transfer_infos.get(chunk.room)
     if not infos:
         return False
@@ -530,10 +535,11 @@ def _dst_of(mgr, chunk, peer: str, rec: _Ahead, peer_of) -> bool:
 def _uncount(mgr, rec: _Ahead, drop: bool = False) -> None:
     """Undo a chunk's count (its write settled or never went); send a pending ABORT_ACK
     that waited for it.  No entry is made or left below zero: the worker drops a room's
-    whole count when it skips the room (cleared, or Failed: nixl/conn.py:1620-1648), and
-    then there is nothing of this chunk's left to undo; an entry that reaches zero is
-    dropped where the room is gone (nothing would drop it) or ``drop`` (made for this
-    count).  Runs on the worker thread that counts the room's chunks."""
+    whole count when it skips the room (cleared, or Failed: the checks at the top of
+    ``NixlKVManager.transfer_worker``'s loop), and then there is nothing of this chunk's
+    left to undo; an entry that reaches zero is dropped where the room is gone (nothing
+    would drop it) or ``drop`` (made for this count).  Runs on the worker thread that
+    counts the room's chunks."""
     if not rec.counted:
         return
     rec.counted = False
@@ -602,8 +608,8 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
             posted.append(h)
     except Exception as e:
         if isinstance(e, conn._NixlPostError):
-            # that post's writes may still land (sglang never ACKs its room for it,
-            # nixl/conn.py:1942): nor the rooms sent ahead in it
+            # that post's writes may still land (sglang's transfer_worker never ACKs its
+            # room for it): nor the rooms sent ahead in it
             for a in ahead:
                 mgr.poison_deferred_ack_room(a.room)
         if not posted:
@@ -648,13 +654,13 @@ def _settle(
     mgr, handles: list, failure_seen: bool, bounded: bool = False, until: float | None = None
 ) -> tuple[bool, bool, dict]:
     """Poll NIXL ``handles`` until each is DONE or ERR: ``(settled, any_failed, states by
-    id)``.  sglang's rules (nixl/conn.py:1096): unbounded while none failed; from the first
-    ERR (or ``failure_seen``) at most ``NIXL_ERR_SETTLE_TIMEOUT_S``, polled every
-    ``NIXL_ERR_SETTLE_POLL_S``; a state that cannot be read ends the wait as failed and
-    unsettled (it does not prove the write is over).  ``bounded``: the same bound from the
-    start, without counting as a failure (a write an earlier wait gave up on: failed only
-    if a handle now reads ERR or still does not settle).  ``until`` (``time.time()``): the
-    bound ends then instead (once read, however early)."""
+    id)``.  sglang's rules (``NixlKVManager._await_handles``): unbounded while none failed;
+    from the first ERR (or ``failure_seen``) at most ``NIXL_ERR_SETTLE_TIMEOUT_S``, polled
+    every ``NIXL_ERR_SETTLE_POLL_S``; a state that cannot be read ends the wait as failed
+    and unsettled (it does not prove the write is over).  ``bounded``: the same bound from
+    the start, without counting as a failure (a write an earlier wait gave up on: failed
+    only if a handle now reads ERR or still does not settle).  ``until`` (``time.time()``):
+    the bound ends then instead (once read, however early)."""
     from sglang.srt.disaggregation.nixl import conn
 
     states: dict[int, str] = {}
