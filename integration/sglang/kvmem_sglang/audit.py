@@ -97,6 +97,7 @@ def track(req) -> None:
 
 def audit(scheduler) -> LeakReport:
     """Count what ``scheduler`` (idle) still holds; report a leak once (log + metric)."""
+    # not kvmem.disagg's Ledger: sglang allocates and frees these pages itself; counted here
     alloc = scheduler.token_to_kv_pool_allocator
     page_size = max(int(getattr(alloc, "page_size", 1)), 1)
     tree = scheduler.tree_cache

@@ -537,6 +537,7 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
       requests, if any, are freed like the others.
 
     A request already aborted by its client is answered with that abort."""
+    # in one call, not kvmem.disagg's stepped pause: sglang asserts an idle scheduler after it
     from sglang.srt.disaggregation.prefill import maybe_release_metadata_buffer
     from sglang.srt.disaggregation.utils import prepare_abort
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
