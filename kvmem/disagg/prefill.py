@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -92,11 +91,12 @@ from kvmem.disagg.outcome import (
     check_caller_args,
     check_id,
 )
-from kvmem.disagg.peers import PeerTable, RegionMap, buffer_map, peer_names, tell
+from kvmem.disagg.peers import PeerTable, buffer_map, peer_names, tell
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.model import Forward, prepare_model
 from kvmem.disagg.prefill_peers import PrefillPeers, _DecodePeer
-from kvmem.disagg.prefill_send import Offer, PrefillSending, _Staged
+from kvmem.disagg.prefill_request import Offer, PrefillRequest
+from kvmem.disagg.prefill_send import PrefillSending
 from kvmem.disagg.states import (
     PREFILL_EDGES,
     PREFILL_PAUSE_EDGES,
@@ -133,57 +133,6 @@ class Faults:
 
     def during_forward(self, side: "PrefillSide", batch: list) -> None:
         """Called while the batch's forward runs (aborts land here)."""
-
-
-@dataclass
-class PrefillRequest:
-    """One request on the prefill side.  ``state`` is the whole of where it is in the
-    lifecycle (the module docstring draws the edges); only ``PrefillSide._transition``
-    changes it.  None of the other fields is part of it:
-
-    * ``in_batch``: its chunk's forward is running (from ``step``'s schedule to
-      ``fill_batch``).  Orthogonal: a WAITING_FOR_INPUT or TRANSFERRING request runs the
-      forward of its next chunk while the write of the one before is in flight, and the
-      state says what its transfers wait for, not the model.
-    * ``abort_pending`` (and ``t_abort``): an abort that arrived while ``in_batch``, a
-      deferred event rather than a state: the request stays where it is until
-      ``fill_batch`` of the same step applies it (ENDING), before its chunk is packed.
-    * ``pending``, ``staged``, ``handles``: its work queue, in order: chunks forwarded and
-      not staged yet; the one transfer staged and not posted; the transfers in flight (one
-      at a time).  What is queued, whatever the state.
-    * ``reason``: data of ENDING, FAILED and SUCCEEDED: how it ends.
-    * The rest: sizes, page ids, the BOOT's landing region and kv, counters: data.
-    """
-
-    rid: int
-    room: int
-    tokens: int
-    peer: str = ""  # the decode peer the request is bound to
-    # None until add_request enters it (BOOTSTRAPPING): never None in PrefillSide.reqs, so
-    # typed as what every reader sees
-    state: PrefillState = None  # type: ignore[assignment]
-    t_created: float = 0.0
-    t_bootstrapped: float | None = None
-    done_tokens: int = 0  # tokens whose KV the forward produced
-    last_loc: torch.Tensor | None = None  # int64 [1] on the device: slot of the last token
-    # int64 [pages]: its page ids, known on the host up to ids_known
-    host_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    ids_known: int = 0  # host_pages[:ids_known] are filled in
-    ids: list = field(default_factory=list)  # (first, last, HostCopy) of chunks' page ids
-    seq: int = 0  # chunks posted
-    landing_off: int = -1
-    landing_nbytes: int = 0
-    remote: object = None  # RemoteMemory of the decode's landing buffer
-    landing_map: RegionMap | None = None  # offsets of ``remote``'s regions
-    staged: _Staged | None = None  # packed, waiting for its ready event to be posted
-    handles: list = field(default_factory=list)  # InFlight transfers (one at a time)
-    pending: list = field(default_factory=list)  # chunks packed-to-be: (first, last, final)
-    in_batch: bool = False
-    abort_pending: Reason | None = None
-    t_abort: float | None = None
-    reason: Reason | None = None  # ENDING, FAILED, SUCCEEDED: how it ends
-    dpages: np.ndarray | None = None  # the decode's page ids of this request (its BOOT)
-    kv: object = None  # RemoteMemory of the decode's kv those ids belong to (its BOOT's epoch)
 
 
 class PrefillSide(PrefillPeers, PrefillSending):

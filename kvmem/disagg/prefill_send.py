@@ -37,10 +37,8 @@ in flight at a time; ``PrefillSide`` owns the requests and their states.
 
 from __future__ import annotations
 
-import enum
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -53,7 +51,7 @@ from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.protocol import encode, encode_runs
 from kvmem.disagg.states import PrefillState
 from kvmem.transfer.errors import StaleEpochError, TransferError
-from kvmem.transfer.records import TransferHandle
+from kvmem.disagg.prefill_request import InFlight, Offer, PrefillRequest, _Send, _Staged
 from kvmem.transfer.runs import merge_runs
 
 if TYPE_CHECKING:
@@ -64,68 +62,8 @@ if TYPE_CHECKING:
     from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
-    from kvmem.disagg.prefill import PrefillRequest
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
-
-
-@dataclass
-class Offer:
-    """Pull mode: pages [first, last) offered to the decode (``READY``), which reads them
-    from this side's pool.  ``state``: PROC until the decode's ``PULLED`` (DONE or ERR) or
-    the quarantine timeout (ERR, logged), the words of a write's handle."""
-
-    first: int
-    last: int
-    nbytes: int
-    t_sent: float
-    state: str = "PROC"
-    error: str | None = None
-
-
-class InFlight(NamedTuple):
-    """A transfer of a request in flight (one at a time): ``op`` is the TransferHandle of
-    a write this side posted (polled until DONE or ERR) or an :class:`Offer` (pull: the
-    decode reads, and answers)."""
-
-    op: TransferHandle | Offer
-    staging_off: int | None  # the staging slot a packed chunk or the AUX is written from
-
-    @property
-    def reads_pages(self) -> bool:
-        """No staging slot: the transfer reads the request's pool pages (a direct write, or
-        the decode's read of an offer), so they stay held until it ends."""
-        return self.staging_off is None
-
-
-class _Send(enum.Enum):
-    """What a staged transfer is."""
-
-    PACKED = "packed"  # a chunk packed into a staging slot, written into the landing region
-    DIRECT = "direct"  # a chunk written from this pool's pages into the decode's (post_blocks)
-    OFFER = "offer"  # pull: a chunk offered (READY); the decode reads this pool's pages
-    AUX = "aux"  # the extra state, copied into a staging slot, written after the last chunk
-
-
-@dataclass
-class _Staged:
-    """A transfer staged and not posted yet: posted once ``ready`` says the bytes it sends
-    are written (the pack, the AUX copy or the forward is done on the device)."""
-
-    kind: _Send
-    nbytes: int
-    remote_off: int  # offset within the request's landing region
-    final: bool  # the request's last chunk
-    ready: Any  # an event: query() -> bool
-    notif: bytes = b""  # CHUNK or AUX (PACKED, DIRECT, AUX)
-    off: int | None = None  # staging offset (PACKED, AUX)
-    # DIRECT: (local block indices, remote block indices)
-    blocks: tuple[np.ndarray, np.ndarray] | None = None
-    pages: tuple[int, int] | None = None  # OFFER: (first, last)
-
-    @property
-    def aux(self) -> bool:
-        return self.kind is _Send.AUX
 
 
 class PrefillSending:
