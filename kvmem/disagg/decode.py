@@ -50,7 +50,8 @@ the request's pool pages (their ids went to the prefill in ``BOOT``): it is veri
 pages and landing region alike: both may be the target of a posted write.
 
 The memory, given back in device order, and pause and resume:
-:mod:`kvmem.disagg.decode_memory`.
+:mod:`kvmem.disagg.decode_memory`.  What lands (``CHUNK``, ``AUX``, this side's reads in
+pull mode) and how it is checked: :mod:`kvmem.disagg.decode_receive`.
 
 Pull mode (``transfer_mode="pull"``): the prefill offers each chunk (``READY``: its own
 page ids and pool epoch); this side reads them into the request's pool pages (one
@@ -78,18 +79,13 @@ The prepared block list of each prefill's pool (pull) and the counters
 from __future__ import annotations
 
 import logging
-from typing import Any
 from collections import Counter
-from dataclasses import dataclass, field
 
-import numpy as np
-
-import torch
 
 import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.counters import Metrics, now
-from kvmem.disagg.device import HostCopy, device_event, to_device
+from kvmem.disagg.device import HostCopy, device_event
 from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
     CLIENT_CLOSED,
@@ -103,6 +99,8 @@ from kvmem.disagg.outcome import (
 from kvmem.disagg.peers import PeerTable, peer_names, sole_peer, tell
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.decode_memory import DecodeMemory, _Drain
+from kvmem.disagg.decode_receive import DecodeReceiving, _Check
+from kvmem.disagg.decode_request import DecodeRequest
 from kvmem.disagg.protocol import (
     Abort,
     Aux,
@@ -113,7 +111,6 @@ from kvmem.disagg.protocol import (
     Ready,
     Req,
     apply_metadata,
-    decode_runs,
     dispatch,
     encode,
     encode_runs,
@@ -126,14 +123,10 @@ from kvmem.disagg.states import (
     set_phase,
     transition,
 )
-from kvmem.transfer.errors import StaleEpochError, TransferError
 from kvmem.disagg.model import Verifier, prepare_model
 from kvmem.memory import make_backend
 
 log = logging.getLogger("kvmem.disagg.decode")
-
-# the states CHUNK, AUX and READY may name (BOOT sent, not freed yet)
-_RECEIVING = frozenset({DecodeState.BOOTED, DecodeState.QUARANTINED})
 
 
 class DecodeFaults:
@@ -144,70 +137,12 @@ class DecodeFaults:
         return False
 
 
-@dataclass(frozen=True)
-class _Check:
-    """A check's verdict on its way to the host (:meth:`DecodeSide._apply_checks`):
-    ``nbytes`` of request ``rid``'s pages ``[first, last)``; ``bad``: what a mismatch
-    means (logged), or None."""
-
-    copy: HostCopy
-    nbytes: int
-    rid: int
-    first: int
-    last: int
-    bad: str | None
-
-
-@dataclass
-class DecodeRequest:
-    """One request on the decode side.  ``state`` is the whole of where it is in the
-    lifecycle (the module docstring draws the edges); only ``DecodeSide._transition``
-    changes it.  None of the other fields is part of it:
-
-    * ``free_after_reads``: the prefill's ``ABORT`` arrived while one of this side's own
-      reads (pull) targets the pages, a deferred event rather than a state: the request
-      stays BOOTED or QUARANTINED (the pages are still that read's target, and
-      everything else holds as there) until the reads end, then it is FREED with it.
-    * ``reads``: this side's reads in flight (pull), the work queue of BOOTED and
-      QUARANTINED.
-    * ``busy``: the event after the last device work on its memory (device order, below):
-      when it is FREED, its memory waits for that event, whatever the state was.
-    * ``reason``: data of QUARANTINED: this side's own abort reason (kept when freed).
-    * ``ids`` (BOOTING), ``host_pages`` (from BOOTED), sizes, times, ``pages_done``: data.
-    """
-
-    rid: int
-    room: int
-    tokens: int
-    peer: str = ""  # the prefill whose REQ created it
-    # None until its REQ enters it (WAITING, WITHHELD): never None in DecodeSide.reqs, so
-    # typed as what every reader sees
-    state: DecodeState = None  # type: ignore[assignment]
-    landing_off: int = -1
-    landing_nbytes: int = 0
-    t_seen: float = 0.0  # last message about this request
-    t_quarantined: float | None = None
-    pages_done: int = 0  # pages landed and verified, in order
-    reason: Reason | None = None
-    reads: list = field(default_factory=list)  # pull: (TransferHandle, first, last) in flight
-    free_after_reads: tuple | None = None  # (why, reason) of a free waiting for our reads
-    ids: HostCopy | None = None  # booting: its page ids on their way to the host
-    host_pages: np.ndarray | None = None  # int64 [pages]: its page ids, on the host
-    busy: Any = None  # event after the last device work on its pages / landing region
-
-    def pages(self, first: int, last: int) -> np.ndarray:
-        """Its page ids ``[first, last)`` (int64, on the host), known from BOOTED on;
-        RuntimeError before."""
-        if self.host_pages is None:
-            raise RuntimeError(f"request {self.rid}: page ids asked for before its BOOT")
-        return self.host_pages[first:last]
-
-
-class DecodeSide(DecodeMemory):
+class DecodeSide(DecodeMemory, DecodeReceiving):
     """One decode worker: a pool, its allocator, a landing buffer, a transfer engine, one
     or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``).
     Its memory (registration, freeing in device order, pause and resume) is handled by the
-    methods of its base :class:`~kvmem.disagg.decode_memory.DecodeMemory`."""
+    methods of its base :class:`~kvmem.disagg.decode_memory.DecodeMemory`, what lands and
+    its checks by those of :class:`~kvmem.disagg.decode_receive.DecodeReceiving`."""
 
     def __init__(
         self,
@@ -420,219 +355,6 @@ class DecodeSide(DecodeMemory):
             ),
         )
         return True
-
-    def _known(self, msg, peer: str) -> DecodeRequest:
-        req = self.reqs.get(msg.rid)
-        if req is None:
-            raise ProtocolError(f"{msg.t} for unknown request {msg.rid}")
-        if req.peer != peer:
-            raise ProtocolError(
-                f"{msg.t} for request {msg.rid} from {peer!r}: the request is {req.peer!r}'s"
-            )
-        if req.state not in _RECEIVING:
-            raise ProtocolError(f"{msg.t} for request {req.rid} in state {req.state}")
-        return req
-
-    def _page_range(self, req: DecodeRequest, msg) -> tuple[int, int]:
-        """``(first, last)`` of a CHUNK or READY: ProtocolError unless it is a non-empty
-        range inside the request's pages."""
-        n_pages = -(-req.tokens // self.spec.page_size)
-        first, last = msg.first, msg.last
-        if not 0 <= first < last <= n_pages:
-            raise ProtocolError(
-                f"{msg.t} for request {req.rid}: pages [{first}, {last}) "
-                f"outside its {n_pages} pages"
-            )
-        return first, last
-
-    def _on_chunk(self, msg: Chunk, peer: str) -> None:
-        req = self._known(msg, peer)
-        first, last = self._page_range(req, msg)
-        nbytes = kvmem.packed_nbytes(self.spec, last - first)
-        if msg.nbytes != nbytes:
-            raise ProtocolError(
-                f"CHUNK for request {req.rid}: {msg.nbytes} bytes, pages "
-                f"[{first}, {last}) pack to {nbytes}"
-            )
-        if msg.off != kvmem.packed_nbytes(self.spec, first):
-            raise ProtocolError(
-                f"CHUNK for request {req.rid}: offset {msg.off} is not where "
-                f"pages from {first} land"
-            )
-        if first != req.pages_done:
-            raise ProtocolError(
-                f"CHUNK for request {req.rid}: pages from {first}, expected from {req.pages_done}"
-            )
-        self.metrics.bytes_landed += nbytes
-        self.metrics.peer(peer).bytes += nbytes
-        if msg.direct:  # written straight into the request's pool pages: check them there
-            self.chunk_modes["direct"] += 1
-            ok = self.verifier.verify_pages(self.pool, req.rid, first, last, req.pages(first, last))
-        else:
-            self.chunk_modes["packed"] += 1
-            start = req.landing_off + msg.off
-            data = self.landing[start : start + nbytes]
-            ok = self.verifier.verify(req.rid, first, last, data)
-        self._landed(req, first, last, nbytes, ok, "landed bytes differ from what was sent")
-        if req.state is DecodeState.BOOTED and not msg.direct:  # own ids: unchecked, no sync
-            kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last], check=False)
-        req.busy = self.done_event()  # the check and the unpack read the region, write pages
-
-    # --- pull mode --------------------------------------------------------------------------
-    def _on_ready(self, msg: Ready, peer: str) -> None:
-        """Pull mode: read the offered pages, pool to pool, into the request's pages.  The
-        answer (PULLED) goes once the read is DONE or ERR, or at once when it is refused
-        (the prefill's pool moved on: the epoch guard, before posting)."""
-        if self.transfer_mode != "pull":
-            raise ProtocolError("READY on a decode side in push mode")
-        req = self._known(msg, peer)
-        first, last = self._page_range(req, msg)
-        if first != req.pages_done or req.reads:
-            raise ProtocolError(
-                f"READY for request {req.rid}: pages from {first}, expected "
-                f"from {req.pages_done}" + (" (a read is in flight)" if req.reads else "")
-            )
-        src = np.array(decode_runs(msg.pages, last - first), dtype=np.int64)
-        if src.size != last - first:
-            raise ProtocolError(
-                f"READY for request {req.rid}: {src.size} pages for [{first}, {last})"
-            )
-        ok = False
-        try:
-            if req.state is DecodeState.QUARANTINED:  # aborted here: nothing more is read
-                raise TransferError(f"request {req.rid} is aborted on the decode side")
-            rt = self._tables[peer].get()
-            if rt is None or rt.epoch != msg.epoch:
-                raise StaleEpochError(
-                    peer,
-                    "kv",
-                    f"epoch {msg.epoch}",
-                    "closed" if rt is None else f"epoch {rt.epoch}",
-                    "READY",
-                )
-            if src.min() < 1 or src.max() >= rt.layout.count:
-                raise ProtocolError(
-                    f"READY for request {req.rid}: prefill pages outside [1, {rt.layout.count})"
-                )
-            lt = self._local_table
-            dst = req.pages(first, last)
-            planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
-            h = self.engine.post_blocks(
-                lt,
-                (planes * lt.layout.count + dst).reshape(-1),
-                rt,
-                (planes * rt.layout.count + src).reshape(-1),
-                b"",
-                op="READ",
-            )
-            req.reads.append((h, first, last))
-            req.t_seen = self.clock()
-            ok = True
-        except (StaleEpochError, TransferError) as e:
-            log.warning(
-                "decode: request %d: read of pages [%d, %d) refused: %s", req.rid, first, last, e
-            )
-        if not ok:
-            self._tell(peer, encode("PULLED", rid=req.rid, first=first, last=last, ok=False))
-
-    def _landed(self, req, first: int, last: int, nbytes: int, ok, bad: str) -> None:
-        """Pages ``[first, last)`` of ``req`` arrived and were checked (``ok``, a 0-dim
-        bool tensor on the device): the bytes are counted verified or corrupt (``bad``
-        logged) once the verdict is on the host, and the request moves on now."""
-        self._verdict(ok, nbytes, req.rid, first, last, bad)
-        req.pages_done = last
-        req.t_seen = self.clock()
-
-    def _verdict(self, ok, nbytes: int, rid: int, first: int, last: int, bad) -> None:
-        """Queue a check's verdict (a 0-dim bool tensor) for the counters, in order; it
-        counts at once when it is already on the host (the CPU: always)."""
-        self._checks.append(_Check(HostCopy(ok), nbytes, rid, first, last, bad))
-        self._apply_checks()
-
-    def _apply_checks(self) -> bool:
-        """Count the verdicts that reached the host (in the order they were made; no wait);
-        True when one did."""
-        done = 0
-        for c in self._checks:
-            if not c.copy.ready():
-                break
-            done += 1
-            if bool(c.copy.numpy()):
-                self.metrics.bytes_verified += c.nbytes
-            else:
-                self.metrics.bytes_corrupt += c.nbytes
-                if c.bad is not None:
-                    log.error(
-                        "decode: request %d pages [%d, %d): %s", c.rid, c.first, c.last, c.bad
-                    )
-        del self._checks[:done]
-        return done > 0
-
-    def _poll_reads(self) -> bool:
-        """Poll this side's reads; a DONE one is verified in place and acknowledged
-        (PULLED ok), an ERR one acknowledged as failed.  True when one finished."""
-        done = False
-        for req in list(self.reqs.values()):
-            if not req.reads:
-                continue
-            keep = []
-            for h, first, last in req.reads:
-                st = self.engine.poll(h)
-                if st == "PROC":
-                    keep.append((h, first, last))
-                    continue
-                self.engine.release(h)
-                done = True
-                if st == "DONE":
-                    nbytes = kvmem.packed_nbytes(self.spec, last - first)
-                    self.chunk_modes["pulled"] += 1
-                    self.metrics.bytes_landed += nbytes
-                    self.metrics.peer(req.peer).bytes += nbytes
-                    ok = self.verifier.verify_pages(
-                        self.pool, req.rid, first, last, req.pages(first, last)
-                    )
-                    req.busy = self.done_event()  # the check reads the pages
-                    self._landed(
-                        req,
-                        first,
-                        last,
-                        nbytes,
-                        ok,
-                        "read bytes differ from what the prefill computed",
-                    )
-                self._tell(
-                    req.peer, encode("PULLED", rid=req.rid, first=first, last=last, ok=st == "DONE")
-                )
-            req.reads = keep
-            if not keep and req.free_after_reads is not None:
-                self._free(req, *req.free_after_reads)
-        return done
-
-    def _on_aux(self, msg: Aux, peer: str) -> None:
-        req = self._known(msg, peer)
-        n_pages = -(-req.tokens // self.spec.page_size)
-        if msg.off != kvmem.packed_nbytes(self.spec, n_pages) or msg.nbytes != AUX_BYTES:
-            raise ProtocolError(
-                f"AUX for request {req.rid}: [{msg.off}, +{msg.nbytes}) is not its extra-state slot"
-            )
-        if req.pages_done != n_pages:
-            raise ProtocolError(
-                f"AUX for request {req.rid} before its last chunk "
-                f"({req.pages_done} of {n_pages} pages)"
-            )
-        # The slot follows the packed KV, so it is 8-byte aligned only when the packed size
-        # is (odd head dims, fp8, small pages): compare bytes, never view them as int64 there.
-        start = req.landing_off + msg.off
-        want = torch.tensor([req.rid, req.tokens], dtype=torch.int64).view(torch.uint8)
-        got = self.landing[start : start + want.numel()]
-        self.metrics.bytes_landed += AUX_BYTES
-        self.metrics.peer(peer).bytes += AUX_BYTES
-        ok = (got == to_device(want, got.device)).all()  # on the device: no host sync
-        req.busy = self.done_event()  # the comparison reads the landing region
-        self._verdict(ok, AUX_BYTES, req.rid, n_pages, n_pages, None)
-        if req.state is DecodeState.QUARANTINED:
-            return  # aborted here meanwhile: freed when the prefill's ABORT comes
-        self._free(req, "completed", Reason(OK, f"request {req.rid}: KV received"))
 
     def _on_abort(self, msg: Abort, peer: str) -> None:
         """The prefill ended the request and has no write of it in flight.  Status 200 only

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvmem.disagg.outcome import SERVICE_UNAVAILABLE, ProtocolError, Reason
+from kvmem.disagg.decode_request import DecodeRequest
 from kvmem.disagg.peers import buffer_map
 from kvmem.disagg.protocol import PauseAck, encode, meta_message
 from kvmem.disagg.states import DecodeState, PausePhase
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
     from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
-    from kvmem.disagg.decode import DecodeRequest
     from kvmem.disagg.ledger import Ledger
 
 # the states that hold pages and a landing region (freed by this side's pause)

@@ -32,11 +32,13 @@ two)::
   side, or the request's decode pausing (``PAUSING``: WAITING_FOR_INPUT on) or its memory
   moving on under a post (StaleEpochError); 500: a write refused at post or ERR when polled
   (any chunk, the AUX included), an offered read the decode failed or never answered; 504:
-  the bootstrap timeout (BOOTSTRAPPING) or the transfer timeout (after the BOOT).
+  the bootstrap timeout (BOOTSTRAPPING) or the transfer timeout (after the BOOT).  How a
+  request ends, early or done: :mod:`kvmem.disagg.prefill_ending`.
 * A request changes state only through ``PrefillSide._transition``, which refuses an edge
   not drawn here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message
   that does not fit the state is a ProtocolError before anything changes.  What else a
-  request carries, and why it is not part of the state: :class:`PrefillRequest`.
+  request carries, and why it is not part of the state:
+  :class:`~kvmem.disagg.prefill_request.PrefillRequest`.
 * "in the running batch": ``step`` allocates a chunk's pages, runs the forward (here:
   the model's ``fill``, :class:`~kvmem.disagg.model.Forward`), then :meth:`fill_batch`.  An
   abort arriving meanwhile is recorded and consumed first thing in ``fill_batch`` of the
@@ -46,7 +48,8 @@ two)::
   sent) or when the request ends early.  The packed copies live in the registered
   staging buffer until their write is DONE or ERR.
 * Sending, from staging to posting to polling: direct chunks, pull offers, the order of
-  pack and post on the device, physical chunks (:mod:`kvmem.disagg.prefill_send`).
+  pack and post on the device, physical chunks (:mod:`kvmem.disagg.prefill_send`; direct
+  writes: :mod:`kvmem.disagg.prefill_direct`).
 * Several decode peers, and the messages they send: :mod:`kvmem.disagg.prefill_peers`.
 * The decode side is told of every early end by ``ABORT`` once no write (or offered read)
   of the request is in flight: that message is also its acknowledgement that it may free
@@ -57,7 +60,7 @@ two)::
   (``PAUSING``), requests bound to it are drained and aborted (503) and ``PAUSE_ACK``
   tells it no write is in flight; its ``META`` (new epoch) lets requests flow again, and
   the engine refuses writes built from its older metadata (StaleEpochError), which end
-  the request with 503.
+  the request with 503.  This side's pause and resume: :mod:`kvmem.disagg.prefill_pause`.
 * No host sync in ``step`` on CUDA: alloc_extend with sglang's ``*_cpu`` hints and
   ``check=False``, lengths and the AUX bytes through pinned memory, each request's last
   slot kept on the device, pack with ``check=False``; the page ids a READY offer or a
@@ -70,7 +73,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -83,20 +85,21 @@ from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
     CLIENT_CLOSED,
     DEFAULT_TIMEOUT,
-    GATEWAY_TIMEOUT,
     OK,
-    SERVICE_UNAVAILABLE,
     KVPoll,
     ProtocolError,
     Reason,
     check_caller_args,
     check_id,
 )
-from kvmem.disagg.peers import PeerTable, RegionMap, buffer_map, peer_names, tell
+from kvmem.disagg.peers import PeerTable, buffer_map, peer_names, tell
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.model import Forward, prepare_model
 from kvmem.disagg.prefill_peers import PrefillPeers, _DecodePeer
-from kvmem.disagg.prefill_send import Offer, PrefillSending, _Staged
+from kvmem.disagg.prefill_request import Offer, PrefillRequest
+from kvmem.disagg.prefill_ending import PrefillEnding
+from kvmem.disagg.prefill_pause import PrefillPause
+from kvmem.disagg.prefill_send import PrefillSending
 from kvmem.disagg.states import (
     PREFILL_EDGES,
     PREFILL_PAUSE_EDGES,
@@ -105,7 +108,7 @@ from kvmem.disagg.states import (
     set_phase,
     transition,
 )
-from kvmem.disagg.protocol import Inbox, encode, meta_message
+from kvmem.disagg.protocol import Inbox, encode
 from kvmem.memory import make_backend
 
 log = logging.getLogger("kvmem.disagg.prefill")
@@ -135,65 +138,17 @@ class Faults:
         """Called while the batch's forward runs (aborts land here)."""
 
 
-@dataclass
-class PrefillRequest:
-    """One request on the prefill side.  ``state`` is the whole of where it is in the
-    lifecycle (the module docstring draws the edges); only ``PrefillSide._transition``
-    changes it.  None of the other fields is part of it:
-
-    * ``in_batch``: its chunk's forward is running (from ``step``'s schedule to
-      ``fill_batch``).  Orthogonal: a WAITING_FOR_INPUT or TRANSFERRING request runs the
-      forward of its next chunk while the write of the one before is in flight, and the
-      state says what its transfers wait for, not the model.
-    * ``abort_pending`` (and ``t_abort``): an abort that arrived while ``in_batch``, a
-      deferred event rather than a state: the request stays where it is until
-      ``fill_batch`` of the same step applies it (ENDING), before its chunk is packed.
-    * ``pending``, ``staged``, ``handles``: its work queue, in order: chunks forwarded and
-      not staged yet; the one transfer staged and not posted; the transfers in flight (one
-      at a time).  What is queued, whatever the state.
-    * ``reason``: data of ENDING, FAILED and SUCCEEDED: how it ends.
-    * The rest: sizes, page ids, the BOOT's landing region and kv, counters: data.
-    """
-
-    rid: int
-    room: int
-    tokens: int
-    peer: str = ""  # the decode peer the request is bound to
-    # None until add_request enters it (BOOTSTRAPPING): never None in PrefillSide.reqs, so
-    # typed as what every reader sees
-    state: PrefillState = None  # type: ignore[assignment]
-    t_created: float = 0.0
-    t_bootstrapped: float | None = None
-    done_tokens: int = 0  # tokens whose KV the forward produced
-    last_loc: torch.Tensor | None = None  # int64 [1] on the device: slot of the last token
-    # int64 [pages]: its page ids, known on the host up to ids_known
-    host_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    ids_known: int = 0  # host_pages[:ids_known] are filled in
-    ids: list = field(default_factory=list)  # (first, last, HostCopy) of chunks' page ids
-    seq: int = 0  # chunks posted
-    landing_off: int = -1
-    landing_nbytes: int = 0
-    remote: object = None  # RemoteMemory of the decode's landing buffer
-    landing_map: RegionMap | None = None  # offsets of ``remote``'s regions
-    staged: _Staged | None = None  # packed, waiting for its ready event to be posted
-    handles: list = field(default_factory=list)  # InFlight transfers (one at a time)
-    pending: list = field(default_factory=list)  # chunks packed-to-be: (first, last, final)
-    in_batch: bool = False
-    abort_pending: Reason | None = None
-    t_abort: float | None = None
-    reason: Reason | None = None  # ENDING, FAILED, SUCCEEDED: how it ends
-    dpages: np.ndarray | None = None  # the decode's page ids of this request (its BOOT)
-    kv: object = None  # RemoteMemory of the decode's kv those ids belong to (its BOOT's epoch)
-
-
-class PrefillSide(PrefillPeers, PrefillSending):
+class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
     """One prefill worker: a pool, its allocator, a transfer engine, one or several decode
     peers (``decode_peer``: one agent name; or ``decode_peers``: several, each request
     bound to one of them by :meth:`add_request`); ``model`` writes each chunk's KV
     (:class:`~kvmem.disagg.model.Forward`).  Its methods are split by job: the
-    requests, their states, scheduling, ending and pause here; sending in
-    :class:`~kvmem.disagg.prefill_send.PrefillSending`; the decode peers and their messages
-    in :class:`~kvmem.disagg.prefill_peers.PrefillPeers`."""
+    requests, their states and scheduling here; sending in
+    :class:`~kvmem.disagg.prefill_send.PrefillSending` (direct writes in
+    :class:`~kvmem.disagg.prefill_direct.PrefillDirect`); the decode peers and their
+    messages in :class:`~kvmem.disagg.prefill_peers.PrefillPeers`; ending in
+    :class:`~kvmem.disagg.prefill_ending.PrefillEnding`; pause and resume in
+    :class:`~kvmem.disagg.prefill_pause.PrefillPause`."""
 
     def __init__(
         self,
@@ -508,165 +463,12 @@ class PrefillSide(PrefillPeers, PrefillSending):
             req.pending.append((first, last, req.done_tokens >= req.tokens))
         self._flush_pending()
 
-    def _maybe_finish(self, req: PrefillRequest) -> None:
-        """Once no transfer of ``req`` is in flight: KV_POSTED and ENDING give back the
-        pages a direct write or an offered read was reading (ledger reason ``sent``, or
-        ``ended:<status>``); then ENDING finishes (FAILED, ABORT to the decode), KV_POSTED
-        stages the AUX and AUX_POSTED finishes (SUCCEEDED).  Nothing in other states."""
-        if req.handles:
-            return
-        st = req.state
-        if st is PrefillState.ENDING:
-            assert req.reason is not None  # set on entering ENDING
-            if self.ledger.holds(req.rid):
-                self.ledger.release(req.rid, f"ended:{req.reason.status}")
-            self._finish(req, PrefillState.FAILED, req.reason)
-        elif st is PrefillState.KV_POSTED:  # the last chunk is DONE: its extra state follows
-            if self.ledger.holds(req.rid):
-                self.ledger.release(req.rid, "sent")
-            self._send_aux(req)
-        elif st is PrefillState.AUX_POSTED:
-            self._finish(
-                req, PrefillState.SUCCEEDED, Reason(OK, f"request {req.rid}: KV delivered")
-            )
-
-    # --- ending -------------------------------------------------------------------------------
+    # --- its state ----------------------------------------------------------------------------
     def _transition(self, req: PrefillRequest, to: PrefillState) -> None:
         """Move ``req`` to ``to`` along an edge of the module docstring's drawing
         (:data:`~kvmem.disagg.states.PREFILL_EDGES`); IllegalTransition naming the request
         and both states, ``req`` unchanged, for any other."""
         transition("prefill", PREFILL_EDGES, req, to, log)
-
-    def _end(self, req: PrefillRequest, reason: Reason) -> None:
-        """End ``req`` early (ENDING; nothing when it has ended already): its pages are
-        freed now, or once the transfer reading them is DONE or ERR; once no transfer of it
-        is in flight the decode side is told (ABORT) and the client gets ``reason``."""
-        if req.state.ended:
-            return
-        self._transition(req, PrefillState.ENDING)
-        req.reason = reason
-        req.pending.clear()
-        if req.staged is not None:  # packed, never posted: the slot is free again
-            if req.staged.off is not None:
-                self.arena.free(req.staged.off)
-            req.staged = None
-        # a direct write or an offered read reading these pages: freed by _maybe_finish
-        # once it is DONE or ERR
-        if not any(t.reads_pages for t in req.handles) and self.ledger.holds(req.rid):
-            self.ledger.release(req.rid, f"ended:{reason.status}")
-        self._maybe_finish(req)
-
-    def _finish(self, req: PrefillRequest, to: PrefillState, reason: Reason) -> None:
-        """``req`` is over (``to``: FAILED, the decode told with ABORT, or SUCCEEDED)."""
-        self._transition(req, to)
-        req.reason = reason
-        if to is PrefillState.FAILED:
-            self._tell(
-                req.peer, encode("ABORT", rid=req.rid, status=reason.status, reason=reason.message)
-            )
-        del self.reqs[req.rid]
-        if req.rid in self._order:
-            self._order.remove(req.rid)
-        self._rooms.discard(req.room)
-        self.finished[req.rid] = reason
-        self.finished_peer[req.rid] = req.peer
-        self.metrics.requests[reason.outcome.value] += 1
-        self.metrics.peer(req.peer).requests[reason.outcome.value] += 1
-        if self.on_finish is not None:
-            self.on_finish(req.rid, reason)
-
-    def _check_timeouts(self) -> bool:
-        """End the requests whose bootstrap or transfer took too long (504); True when one
-        ended."""
-        t, ended = self.clock(), False
-        for req in list(self.reqs.values()):
-            poll = req.state.poll
-            if poll == KVPoll.Bootstrapping and t - req.t_created > self.bootstrap_timeout:
-                ended = True
-                self._end(
-                    req,
-                    Reason(
-                        GATEWAY_TIMEOUT,
-                        (
-                            f"prefill bootstrap timeout (> {self.bootstrap_timeout:g} s) for request "
-                            f"{req.rid} (room {req.room})"
-                        ),
-                    ),
-                )
-            elif (
-                poll in (KVPoll.WaitingForInput, KVPoll.Transferring)
-                and req.t_bootstrapped is not None  # set by its BOOT, before these states
-                and t - req.t_bootstrapped > self.transfer_timeout
-            ):
-                ended = True
-                self._end(
-                    req,
-                    Reason(
-                        GATEWAY_TIMEOUT,
-                        (
-                            f"prefill transfer timeout (> {self.transfer_timeout:g} s) in "
-                            f"{poll.name} for request {req.rid} (room {req.room})"
-                        ),
-                    ),
-                )
-        return ended
-
-    # --- pause / resume -----------------------------------------------------------------------
-    def begin_pause(self) -> None:
-        """Stop posting; ``step`` then drains, aborts (503), resets, deregisters and
-        releases.  :attr:`paused` is True once the memory is released."""
-        if self.phase is not PausePhase.SERVING:
-            return
-        self._phase(PausePhase.DRAINING)
-        self._pause_t0 = self.clock()
-        self.metrics.pauses += 1
-
-    def _advance_pause(self) -> bool:
-        """True once the pause is complete (memory released), False while writes drain.
-
-        Every request ends (503) at once, not after the drain: one waiting for its next
-        chunk would otherwise sit out the slowest transfer in flight (an offered read to a
-        dead decode lasts the transfer timeout) and end 504 here and on its decode.  A
-        request with a transfer in flight stays ENDING until it is DONE or ERR."""
-        for req in list(self.reqs.values()):
-            self._end(
-                req,
-                Reason(
-                    SERVICE_UNAVAILABLE,
-                    (
-                        f"request {req.rid} (room {req.room}) aborted: prefill paused to release "
-                        "its KV memory"
-                    ),
-                ),
-            )
-        if self.reqs:
-            return False  # step() polls their transfers to DONE/ERR
-        audit = self.ledger.audit()
-        if audit["leaked"] or audit["unaccounted"]:
-            raise AssertionError(
-                f"prefill pause: pages still held after aborting every request: {audit}"
-            )
-        self.alloc.reset()
-        self.engine.deregister("kv")
-        if self.transfer_mode == "pull":  # the decodes refuse reads from the old pool now
-            self._tell_all(meta_message(self.engine))
-        self.pool.release()
-        self._phase(PausePhase.PAUSED)
-        return True
-
-    def resume(self) -> None:
-        if self.phase is not PausePhase.PAUSED:
-            return
-        self.pool.resume()
-        self.engine.register_pool(self.pool, "kv")
-        self._prep_local()  # deregister released the old list
-        self._tell_all(meta_message(self.engine))
-        self._phase(PausePhase.SERVING)
-        self.metrics.pause_seconds += self.clock() - self._pause_t0
-
-    def _tell_all(self, msg: bytes) -> None:
-        for name in self.decode_peers:
-            self._tell(name, msg)
 
     def prefault(self) -> None:
         """Back the pool and the staging buffer with memory now, not at first touch."""

@@ -32,7 +32,7 @@ import numpy as np
 import kvmem
 from kvmem.disagg.outcome import INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, ProtocolError, Reason
 from kvmem.disagg.peers import PeerTable, RegionMap, sole_peer
-from kvmem.disagg.prefill_send import Offer
+from kvmem.disagg.prefill_request import Offer, PrefillRequest
 from kvmem.disagg.protocol import (
     AUX_BYTES,
     AbortReq,
@@ -57,7 +57,6 @@ if TYPE_CHECKING:
     from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
-    from kvmem.disagg.prefill import PrefillRequest
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 

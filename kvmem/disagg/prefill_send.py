@@ -1,18 +1,10 @@
 """The sending half of the prefill side (:class:`PrefillSending`, a base class of
 :class:`~kvmem.disagg.prefill.PrefillSide`; its methods use the side's fields): the
-transfers of a request, from staging to posting to polling, and their types.  A
-request's chunks are packed into staging, written direct or offered (pull), one transfer
-in flight at a time; ``PrefillSide`` owns the requests and their states.
+transfers of a request, from staging to posting to polling.  A request's chunks are
+packed into staging, written direct or offered (pull), one transfer in flight at a time;
+``PrefillSide`` owns the requests and their states.
 
-* Direct chunks (``direct_threshold``; push): a chunk whose page runs, merged where
-  adjacent on both sides, average at least the threshold per descriptor is written from
-  this pool's pages straight into the decode's pool pages (prepared block lists, one
-  ``post_blocks``); no pack, no staging slot.  Such a write reads the request's pages, so
-  they are freed once it is DONE or ERR, also when the request ends early.  A head range
-  (heterogeneous TP) always packs; this side sends whole pages only.  The decode's page
-  ids are those of its ``BOOT``'s kv epoch: a direct write is refused before posting
-  (StaleEpochError, the request ends 503) once the decode's kv registration is newer than
-  that BOOT's, as packed writes and pull offers are.
+* Direct chunks (``direct_threshold``; push): :mod:`kvmem.disagg.prefill_direct`.
 * Pull mode (``transfer_mode="pull"``): each chunk is offered (``READY``) instead of
   written; the decode reads it from this pool and answers ``PULLED``.  The offer is held
   like a write in flight (one per request at a time): the pages stay held until the
@@ -37,10 +29,8 @@ in flight at a time; ``PrefillSide`` owns the requests and their states.
 
 from __future__ import annotations
 
-import enum
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -53,8 +43,8 @@ from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.protocol import encode, encode_runs
 from kvmem.disagg.states import PrefillState
 from kvmem.transfer.errors import StaleEpochError, TransferError
-from kvmem.transfer.records import TransferHandle
-from kvmem.transfer.runs import merge_runs
+from kvmem.disagg.prefill_direct import PrefillDirect
+from kvmem.disagg.prefill_request import InFlight, Offer, PrefillRequest, _Send, _Staged
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -64,73 +54,14 @@ if TYPE_CHECKING:
     from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
-    from kvmem.disagg.prefill import PrefillRequest
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
 
-@dataclass
-class Offer:
-    """Pull mode: pages [first, last) offered to the decode (``READY``), which reads them
-    from this side's pool.  ``state``: PROC until the decode's ``PULLED`` (DONE or ERR) or
-    the quarantine timeout (ERR, logged), the words of a write's handle."""
-
-    first: int
-    last: int
-    nbytes: int
-    t_sent: float
-    state: str = "PROC"
-    error: str | None = None
-
-
-class InFlight(NamedTuple):
-    """A transfer of a request in flight (one at a time): ``op`` is the TransferHandle of
-    a write this side posted (polled until DONE or ERR) or an :class:`Offer` (pull: the
-    decode reads, and answers)."""
-
-    op: TransferHandle | Offer
-    staging_off: int | None  # the staging slot a packed chunk or the AUX is written from
-
-    @property
-    def reads_pages(self) -> bool:
-        """No staging slot: the transfer reads the request's pool pages (a direct write, or
-        the decode's read of an offer), so they stay held until it ends."""
-        return self.staging_off is None
-
-
-class _Send(enum.Enum):
-    """What a staged transfer is."""
-
-    PACKED = "packed"  # a chunk packed into a staging slot, written into the landing region
-    DIRECT = "direct"  # a chunk written from this pool's pages into the decode's (post_blocks)
-    OFFER = "offer"  # pull: a chunk offered (READY); the decode reads this pool's pages
-    AUX = "aux"  # the extra state, copied into a staging slot, written after the last chunk
-
-
-@dataclass
-class _Staged:
-    """A transfer staged and not posted yet: posted once ``ready`` says the bytes it sends
-    are written (the pack, the AUX copy or the forward is done on the device)."""
-
-    kind: _Send
-    nbytes: int
-    remote_off: int  # offset within the request's landing region
-    final: bool  # the request's last chunk
-    ready: Any  # an event: query() -> bool
-    notif: bytes = b""  # CHUNK or AUX (PACKED, DIRECT, AUX)
-    off: int | None = None  # staging offset (PACKED, AUX)
-    # DIRECT: (local block indices, remote block indices)
-    blocks: tuple[np.ndarray, np.ndarray] | None = None
-    pages: tuple[int, int] | None = None  # OFFER: (first, last)
-
-    @property
-    def aux(self) -> bool:
-        return self.kind is _Send.AUX
-
-
-class PrefillSending:
+class PrefillSending(PrefillDirect):
     """The sending methods of :class:`~kvmem.disagg.prefill.PrefillSide` (not a side on
-    its own: they read and change the side's requests, staging, engine and counters)."""
+    its own: they read and change the side's requests, staging, engine and counters),
+    built on the direct-write ones (:class:`~kvmem.disagg.prefill_direct.PrefillDirect`)."""
 
     if TYPE_CHECKING:  # what PrefillSide (kvmem/disagg/prefill.py) provides
         pool: Any
@@ -401,110 +332,6 @@ class PrefillSending:
             return False
         req.handles.append(InFlight(Offer(first, last, st.nbytes, self.clock()), None))
         return True
-
-    def _post_direct(self, req, st: _Staged) -> bool:
-        """Post one direct write (pool pages to the decode's pool pages, prepared block
-        lists); on failure end the request (500, or 503 when the decode's memory moved on)."""
-        seq = req.seq
-        req.seq += 1
-        try:
-            if self.faults.fail_send(req.rid, seq, False):
-                raise TransferError(f"injected send failure of chunk {seq} (direct)")
-            rt = self._peers[req.peer].table.get()
-            if rt is None or rt.remote != req.kv:
-                # the decode's kv moved on since the BOOT that gave these page ids
-                raise StaleEpochError(
-                    req.peer,
-                    "kv",
-                    req.kv.describe(),
-                    "closed" if rt is None else rt.remote.describe(),
-                    "post_blocks (the BOOT's kv)",
-                )
-            assert st.blocks is not None  # a DIRECT's
-            li, ri = st.blocks
-            h = self.engine.post_blocks(self._local_table, li, rt, ri, st.notif)
-        except StaleEpochError as e:
-            self._end(
-                req,
-                Reason(
-                    SERVICE_UNAVAILABLE,
-                    f"request {req.rid}: the decode side "
-                    f"released its KV memory (epoch moved on): {e}",
-                ),
-            )
-            return False
-        except TransferError as e:
-            self._end(
-                req,
-                Reason(
-                    INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} (direct) failed: {e}"
-                ),
-            )
-            return False
-        req.handles.append(InFlight(h, None))
-        return True
-
-    # --- direct writes ------------------------------------------------------------------------
-    def set_direct_threshold(self, threshold: int | None) -> None:
-        """Chunks whose merged page runs average at least ``threshold`` bytes per
-        descriptor go direct from now on (None: all packed); e.g. a calibrated value
-        (:func:`kvmem.disagg.calibrate.calibrate_direct`)."""
-        if threshold is not None and (
-            isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0
-        ):
-            raise ValueError(f"direct_threshold must be None or an int >= 0, got {threshold!r}")
-        self.direct_threshold = threshold
-        if self._local_table is None and not self.paused:
-            self._prep_local()
-
-    def _prep_local(self) -> None:
-        self._local_table = None
-        if self.direct_threshold is not None and self.engine.registrations()["kv"].layout:
-            self._local_table = self.engine.prep_local("kv")
-
-    def _may_go_direct(self, req: PrefillRequest) -> bool:
-        """Whether a chunk of ``req`` could be written direct now (push, a threshold, the
-        BOOT's page ids and kv known, the local list prepared, the decode not pausing)."""
-        return not (
-            self.transfer_mode != "push"
-            or self.direct_threshold is None
-            or req.dpages is None
-            or req.kv is None
-            or self._local_table is None
-            or self._peers[req.peer].paused
-        )
-
-    def _direct_indices(self, req: PrefillRequest, first: int, last: int, src: np.ndarray):
-        """``(local, remote)`` block indices when pages ``[first, last)`` go direct, else
-        None (packed); ``src``: their page ids here (host).  Direct when the chunk's page
-        runs, merged where adjacent on both sides, average at least ``direct_threshold``
-        bytes per descriptor (one descriptor per merged run per layer and K|V).  A head
-        range (heterogeneous TP) always packs: its rows are not whole pages (this side
-        sends whole pages only)."""
-        lt, threshold = self._local_table, self.direct_threshold
-        if not self._may_go_direct(req) or req.dpages is None or lt is None or threshold is None:
-            return None
-        dst = req.dpages[first:last]
-        n = last - first
-        # in request order, not sorted: NIXL's prepared list merges the blocks as posted
-        runs = len(merge_runs(src, dst, by_source=False))
-        if n * int(lt.nbytes.min()) / runs < threshold:
-            return None
-        try:
-            rt = self._peers[req.peer].table.get()
-        except TransferError as e:  # NIXL refused to prepare the decode's list: pack
-            log.warning("prefill: direct writes unavailable, packing: %s", e)
-            return None
-        if (
-            rt is None
-            or rt.nbytes.size != lt.nbytes.size
-            or not np.array_equal(rt.nbytes, lt.nbytes)
-        ):
-            return None
-        planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
-        li = (planes * lt.layout.count + src).reshape(-1)
-        ri = (planes * rt.layout.count + dst).reshape(-1)
-        return li, ri
 
     def _poll_writes(self) -> bool:
         """Poll every posted write (this is also what sends its notification): DONE and

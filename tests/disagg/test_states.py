@@ -31,8 +31,10 @@ import kvmem.disagg.decode as decode_mod
 import kvmem.disagg.prefill as prefill_mod
 from kvmem.disagg import KVPoll, ProtocolError
 from kvmem.disagg import device as dev
-from kvmem.disagg.decode import DecodeRequest, DecodeSide
-from kvmem.disagg.prefill import PrefillRequest, PrefillSide
+from kvmem.disagg.decode import DecodeSide
+from kvmem.disagg.decode_request import DecodeRequest
+from kvmem.disagg.prefill import PrefillSide
+from kvmem.disagg.prefill_request import PrefillRequest
 from kvmem.disagg.protocol import DECODE_RECEIVES, PREFILL_RECEIVES, PauseAck, Pulled
 from kvmem.disagg.states import (
     DECODE_EDGES,

@@ -1,0 +1,130 @@
+"""One request on the prefill side (:class:`PrefillRequest`) and the records of its
+transfers: a chunk or the AUX staged and not posted yet (:class:`_Staged`, of the kinds
+:class:`_Send`), a transfer in flight (:class:`InFlight`), a pull offer (:class:`Offer`).
+Data only: the side's modules change them (:mod:`kvmem.disagg.prefill` and its parts);
+nothing here imports them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from kvmem.disagg.outcome import Reason
+from kvmem.disagg.peers import RegionMap
+from kvmem.disagg.states import PrefillState
+from kvmem.transfer.records import TransferHandle
+
+
+@dataclass
+class Offer:
+    """Pull mode: pages [first, last) offered to the decode (``READY``), which reads them
+    from this side's pool.  ``state``: PROC until the decode's ``PULLED`` (DONE or ERR) or
+    the quarantine timeout (ERR, logged), the words of a write's handle."""
+
+    first: int
+    last: int
+    nbytes: int
+    t_sent: float
+    state: str = "PROC"
+    error: str | None = None
+
+
+class InFlight(NamedTuple):
+    """A transfer of a request in flight (one at a time): ``op`` is the TransferHandle of
+    a write this side posted (polled until DONE or ERR) or an :class:`Offer` (pull: the
+    decode reads, and answers)."""
+
+    op: TransferHandle | Offer
+    staging_off: int | None  # the staging slot a packed chunk or the AUX is written from
+
+    @property
+    def reads_pages(self) -> bool:
+        """No staging slot: the transfer reads the request's pool pages (a direct write, or
+        the decode's read of an offer), so they stay held until it ends."""
+        return self.staging_off is None
+
+
+class _Send(enum.Enum):
+    """What a staged transfer is."""
+
+    PACKED = "packed"  # a chunk packed into a staging slot, written into the landing region
+    DIRECT = "direct"  # a chunk written from this pool's pages into the decode's (post_blocks)
+    OFFER = "offer"  # pull: a chunk offered (READY); the decode reads this pool's pages
+    AUX = "aux"  # the extra state, copied into a staging slot, written after the last chunk
+
+
+@dataclass
+class _Staged:
+    """A transfer staged and not posted yet: posted once ``ready`` says the bytes it sends
+    are written (the pack, the AUX copy or the forward is done on the device)."""
+
+    kind: _Send
+    nbytes: int
+    remote_off: int  # offset within the request's landing region
+    final: bool  # the request's last chunk
+    ready: Any  # an event: query() -> bool
+    notif: bytes = b""  # CHUNK or AUX (PACKED, DIRECT, AUX)
+    off: int | None = None  # staging offset (PACKED, AUX)
+    # DIRECT: (local block indices, remote block indices)
+    blocks: tuple[np.ndarray, np.ndarray] | None = None
+    pages: tuple[int, int] | None = None  # OFFER: (first, last)
+
+    @property
+    def aux(self) -> bool:
+        return self.kind is _Send.AUX
+
+
+@dataclass
+class PrefillRequest:
+    """One request on the prefill side.  ``state`` is the whole of where it is in the
+    lifecycle (:mod:`kvmem.disagg.prefill`'s docstring draws the edges); only ``PrefillSide._transition``
+    changes it.  None of the other fields is part of it:
+
+    * ``in_batch``: its chunk's forward is running (from ``step``'s schedule to
+      ``fill_batch``).  Orthogonal: a WAITING_FOR_INPUT or TRANSFERRING request runs the
+      forward of its next chunk while the write of the one before is in flight, and the
+      state says what its transfers wait for, not the model.
+    * ``abort_pending`` (and ``t_abort``): an abort that arrived while ``in_batch``, a
+      deferred event rather than a state: the request stays where it is until
+      ``fill_batch`` of the same step applies it (ENDING), before its chunk is packed.
+    * ``pending``, ``staged``, ``handles``: its work queue, in order: chunks forwarded and
+      not staged yet; the one transfer staged and not posted; the transfers in flight (one
+      at a time).  What is queued, whatever the state.
+    * ``reason``: data of ENDING, FAILED and SUCCEEDED: how it ends.
+    * The rest: sizes, page ids, the BOOT's landing region and kv, counters: data.
+    """
+
+    rid: int
+    room: int
+    tokens: int
+    peer: str = ""  # the decode peer the request is bound to
+    # None until add_request enters it (BOOTSTRAPPING): never None in PrefillSide.reqs, so
+    # typed as what every reader sees
+    state: PrefillState = None  # type: ignore[assignment]
+    t_created: float = 0.0
+    t_bootstrapped: float | None = None
+    done_tokens: int = 0  # tokens whose KV the forward produced
+    last_loc: torch.Tensor | None = None  # int64 [1] on the device: slot of the last token
+    # int64 [pages]: its page ids, known on the host up to ids_known
+    host_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    ids_known: int = 0  # host_pages[:ids_known] are filled in
+    ids: list = field(default_factory=list)  # (first, last, HostCopy) of chunks' page ids
+    seq: int = 0  # chunks posted
+    landing_off: int = -1
+    landing_nbytes: int = 0
+    remote: object = None  # RemoteMemory of the decode's landing buffer
+    landing_map: RegionMap | None = None  # offsets of ``remote``'s regions
+    staged: _Staged | None = None  # packed, waiting for its ready event to be posted
+    handles: list = field(default_factory=list)  # InFlight transfers (one at a time)
+    pending: list = field(default_factory=list)  # chunks packed-to-be: (first, last, final)
+    in_batch: bool = False
+    abort_pending: Reason | None = None
+    t_abort: float | None = None
+    reason: Reason | None = None  # ENDING, FAILED, SUCCEEDED: how it ends
+    dpages: np.ndarray | None = None  # the decode's page ids of this request (its BOOT)
+    kv: object = None  # RemoteMemory of the decode's kv those ids belong to (its BOOT's epoch)
