@@ -3,8 +3,10 @@
 :class:`PrefillSide` and :class:`DecodeSide` (their module docstrings draw the state
 machines), what they need of the model (:mod:`.model`: the prefill's :class:`Forward`,
 the decode's :class:`Verifier`), the control messages and the one parser every received
-message goes through (:mod:`.protocol`), the counters and page ledger they share
-(:mod:`.common`), those counters for Prometheus (:mod:`.metrics`), and the measurement
+message goes through (:mod:`.protocol`), how a request ends and its status
+(:mod:`.outcome`, shared with the sglang adapter), the counters and page ledger they
+share (:mod:`.counters`, :mod:`.ledger`), those counters for Prometheus (:mod:`.metrics`),
+and the measurement
 of the packed/direct threshold of push mode (:mod:`.calibrate`).  Nothing here imports
 :mod:`kvmem.demo`, the app that runs these sides with a stand-in model.
 

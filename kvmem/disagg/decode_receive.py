@@ -40,7 +40,7 @@ _RECEIVING = frozenset({DecodeState.BOOTED, DecodeState.QUARANTINED})
 
 @dataclass(frozen=True)
 class _Check:
-    """A check's verdict on its way to the host (:meth:`DecodeSide._apply_checks`):
+    """A check's verdict on its way to the host (:meth:`DecodeReceiving._apply_checks`):
     ``nbytes`` of request ``rid``'s pages ``[first, last)``; ``bad``: what a mismatch
     means (logged), or None."""
 
