@@ -1,4 +1,5 @@
-"""No import cycle among the modules of kvmem/, typing-only ones included.
+"""No import cycle among the modules of kvmem/, nor among those of the sglang adapter
+(kvmem_sglang), typing-only ones included; kvmem never imports the adapter.
 
 Each module of the package (a package's ``__init__`` is a module of its own) is read with
 ``ast``, not imported, and every import of another kvmem module counts: at the top,
@@ -13,29 +14,35 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import kvmem
 
-ROOT = Path(kvmem.__file__).resolve().parent
-PACKAGE = "kvmem"
+ROOTS = {
+    "kvmem": Path(kvmem.__file__).resolve().parent,
+    "kvmem_sglang": Path(__file__).resolve().parents[1] / "integration/sglang/kvmem_sglang",
+}
 
 # cycles kept on purpose, each as its modules in cycle order from the smallest name, with
 # one line saying why it cannot go
 KNOWN: dict[tuple[str, ...], str] = {}
 
 
-def modules() -> dict[str, Path]:
-    """Every module of the package: dotted name -> its file."""
+def modules(package: str = "kvmem") -> dict[str, Path]:
+    """Every module of ``package``: dotted name -> its file."""
+    root = ROOTS[package]
     found = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         found[".".join(parts)] = path
     return found
 
 
-def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The kvmem modules that module ``name`` (file ``path``) imports, anywhere in it."""
+def imports_of(name: str, path: Path, known: dict[str, Path], pkg: str = "kvmem") -> set[str]:
+    """The modules of ``pkg`` that module ``name`` (file ``path``) imports, anywhere
+    in it."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -54,7 +61,7 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
                 out.add(sub if sub in known else _owner(target, known))
     out.discard("")
     out.discard(name)
-    return {m for m in out if m == PACKAGE or m.startswith(PACKAGE + ".")}
+    return {m for m in out if m == pkg or m.startswith(pkg + ".")}
 
 
 def _owner(dotted: str, known: dict[str, Path]) -> str:
@@ -64,9 +71,9 @@ def _owner(dotted: str, known: dict[str, Path]) -> str:
     return dotted
 
 
-def graph() -> dict[str, set[str]]:
-    known = modules()
-    return {name: imports_of(name, path, known) for name, path in known.items()}
+def graph(package: str = "kvmem") -> dict[str, set[str]]:
+    known = modules(package)
+    return {name: imports_of(name, path, known, package) for name, path in known.items()}
 
 
 def cycles(edges: dict[str, set[str]]) -> list[tuple[str, ...]]:
@@ -136,8 +143,15 @@ def test_the_cycle_finder_names_a_cycle():
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_cycle_in_kvmem():
-    found = [c for c in cycles(graph()) if c not in KNOWN]
+@pytest.mark.parametrize("package", sorted(ROOTS))
+def test_no_import_cycle(package):
+    found = [c for c in cycles(graph(package)) if c not in KNOWN]
     assert not found, "import cycles (each from its smallest module): " + "; ".join(
         " -> ".join((*c, c[0])) for c in found
     )
+
+
+def test_kvmem_never_imports_the_adapter():
+    known = modules()
+    for name, path in known.items():
+        assert not imports_of(name, path, modules("kvmem_sglang"), "kvmem_sglang"), name
