@@ -241,31 +241,31 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         f"{_SCHED}.continue_generation",
         "AROUND",
-        "prefill:continue_generation",
+        "release:continue_generation",
         "503 for what a release interrupted",
     ),
     Hook(
         f"{_WU}.release_memory_occupation",
         "AROUND",
-        "prefill:release_memory_occupation",
+        "release:release_memory_occupation",
         "drain (503) before sglang's release; refuses a second one",
     ),
     Hook(
         f"{_WU}.resume_memory_occupation",
         "AROUND",
-        "prefill:resume_memory_occupation",
+        "release:resume_memory_occupation",
         "the new registration epoch",
     ),
     Hook(
         f"{_P}.PrefillBootstrapQueue.release_memory_occupation",
         "AFTER",
-        "prefill:queue_release",
+        "release:queue_release",
         "the queue's part of the release",
     ),
     Hook(
         f"{_P}.PrefillBootstrapQueue.resume_memory_occupation",
         "AROUND",
-        "prefill:queue_resume",
+        "release:queue_resume",
         "the queue's part of the resume",
     ),
     Hook(
@@ -327,13 +327,15 @@ HOOKS: tuple[Hook, ...] = (
 )
 
 PRIVATE: tuple[Private, ...] = (
-    Private(f"{_SCHED}._release_aborted_request", "method", "call", "prefill, decode"),
-    Private(f"{_SCHED}._pending_chunked_abort_req", "attribute", "read, write", "prefill"),
+    Private(
+        f"{_SCHED}._release_aborted_request", "method", "call", "prefill, prefill_drain, decode"
+    ),
+    Private(f"{_SCHED}._pending_chunked_abort_req", "attribute", "read, write", "prefill_drain"),
     Private(
         f"{_COMMON}.CommonKVManager._staging_outstanding",
         "attribute",
         "read",
-        "prefill, notify, transfer",
+        "prefill_drain, notify, transfer",
     ),
     Private(f"{_COMMON}.CommonKVManager._room_notify_targets", "method", "call", "notify"),
     Private(f"{_COMMON}.CommonKVManager._maybe_ack_drained_abort", "method", "call", "transfer"),
