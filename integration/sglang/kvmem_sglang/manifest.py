@@ -145,7 +145,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         f"{_NIXL}.NixlKVManager.transfer_worker",
         "AROUND",
-        "transfer:transfer_worker",
+        "transfer_ahead:transfer_worker",
         "KV sends on kvmem's path: merged runs, no spinning",
         when="transfer",
     ),
@@ -159,14 +159,14 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         f"{_NIXL}.NixlKVManager._await_handles",
         "AROUND",
-        "transfer:await_handles",
+        "transfer_wait:await_handles",
         "(the same)",
         when="transfer",
     ),
     Hook(
         f"{_MOON}.MooncakeKVManager.transfer_worker",
         "AROUND",
-        "transfer:transfer_worker",
+        "transfer_ahead:transfer_worker",
         "KV sends on kvmem's Mooncake path",
         when="transfer",
     ),
@@ -335,10 +335,12 @@ PRIVATE: tuple[Private, ...] = (
         f"{_COMMON}.CommonKVManager._staging_outstanding",
         "attribute",
         "read",
-        "prefill_drain, notify, transfer",
+        "prefill_drain, notify, transfer_ahead",
     ),
     Private(f"{_COMMON}.CommonKVManager._room_notify_targets", "method", "call", "notify"),
-    Private(f"{_COMMON}.CommonKVManager._maybe_ack_drained_abort", "method", "call", "transfer"),
+    Private(
+        f"{_COMMON}.CommonKVManager._maybe_ack_drained_abort", "method", "call", "transfer_ahead"
+    ),
     Private(
         f"{_COMMON}.CommonKVReceiver._connect_to_bootstrap_server",
         "method",

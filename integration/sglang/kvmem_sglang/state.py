@@ -184,7 +184,9 @@ ABORTED_ROOMS: SideTable = SideTable(
     "rooms aborted before their decode metadata came (room -> (when, the reason to tell))",
 )
 TRANSFERS: SideTable = SideTable(
-    "NixlKVManager", "transfer", "kvmem's send path state: writes sent ahead, by their pages"
+    "NixlKVManager",
+    "transfer_records",
+    "kvmem's send path state: writes sent ahead, by their pages",
 )
 GUARDED: SideTable[bool] = SideTable(
     "load_plugins (function)", "startup", "the start-up check wrapped it already"
