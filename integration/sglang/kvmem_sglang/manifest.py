@@ -320,7 +320,10 @@ HOOKS: tuple[Hook, ...] = (
 
 PRIVATE: tuple[Private, ...] = (
     Private(
-        f"{_SCHED}._release_aborted_request", "method", "call", "prefill, prefill_drain, decode"
+        f"{_SCHED}._release_aborted_request",
+        "method",
+        "call",
+        "prefill, prefill_drain, decode_drain",
     ),
     Private(f"{_SCHED}._pending_chunked_abort_req", "attribute", "read, write", "prefill_drain"),
     Private(
@@ -346,7 +349,7 @@ PRIVATE: tuple[Private, ...] = (
         f"{_D}.DecodePreallocQueue._resolve_pending_reqs",
         "method",
         "call; replaced on the instance during a drain",
-        "decode",
+        "decode, decode_drain",
     ),
 )
 

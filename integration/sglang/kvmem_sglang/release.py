@@ -2,7 +2,7 @@
 on every server role: what cannot be released or resumed is refused with a log line
 (nothing changed); before a release of the KV cache or the weights the scheduler's
 requests are answered and freed by its role's drain (:mod:`kvmem_sglang.prefill_drain`,
-:func:`kvmem_sglang.decode.drain`), and a prefill's release waits for the KV writes
+:func:`kvmem_sglang.decode_drain.drain`), and a prefill's release waits for the KV writes
 already posted; the transfer engine's registrations are taken back at the release and
 made once at the resume.  Counts in :data:`kvmem_sglang.prefill.STATS`.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from kvmem_sglang import decode, kvpool, roles, state
+from kvmem_sglang import decode_drain, kvpool, roles, state
 from kvmem_sglang.mooncake import RegistrationError
 from kvmem_sglang.prefill import STATS, _is_prefill
 from kvmem_sglang.prefill_drain import (
@@ -98,7 +98,7 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
         with (
             _grammar_queue_set_aside(sched),
             _queued_results_set_aside(sched),
-            decode.host_destinations_set_aside(sched),
+            decode_drain.host_destinations_set_aside(sched),
         ):
             out = original(manager, recv_req, *args, **kwargs)
     except RegistrationError as e:
@@ -126,7 +126,7 @@ def _drained(sched, what: str) -> bool:
         if _is_prefill(sched):
             _drain_for_release(sched, what)
         else:
-            decode.drain(sched, what)
+            decode_drain.drain(sched, what)
     except Exception:  # noqa: BLE001 - the release is refused instead of killing the loop
         logger.exception(
             "kvmem-sglang: draining the scheduler for release_memory_occupation failed"
