@@ -1,9 +1,9 @@
-"""The adapter's sglang surface (kvmem_sglang/manifest.py) against the installed sglang,
-read as source (nothing of sglang imported): every hook target and private name is
-where and as it was recorded for 0.5.23; the plugin builds its hooks from the manifest
-and nothing else; the README's table is the manifest's; and the drift report tells a
-moved target from a changed one, follows a class's bases through its module's
-imports, and names what is gone."""
+"""The adapter's sglang surface (kvmem_sglang/manifest.py; manifest_locate.py finds it)
+against the installed sglang, read as source (nothing of sglang imported): every hook
+target and private name is where and as it was recorded for 0.5.23; the plugin builds
+its hooks from the manifest and nothing else; the README's table is the manifest's; and
+the drift report tells a moved target from a changed one, follows a class's bases
+through its module's imports, and names what is gone."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import itertools
 import textwrap
 from pathlib import Path
 
-from kvmem_sglang import manifest, plugin
+from kvmem_sglang import manifest, manifest_locate, plugin
 from kvmem_sglang.manifest_recorded import RECORDED, VERSION
 from kvmem_sglang.options import Options
 
@@ -24,7 +24,7 @@ def test_every_target_is_in_the_installed_sglang_as_recorded():
     import importlib.metadata
 
     assert importlib.metadata.version("sglang") == VERSION == plugin.SGLANG_VERSION
-    found = manifest.record()
+    found = manifest_locate.record()
     assert set(found) == set(RECORDED) == set(manifest.surface())
     changed = {t: (RECORDED[t], found[t]) for t in found if found[t] != RECORDED[t]}
     assert not changed, changed
@@ -53,7 +53,7 @@ def test_the_readme_table_is_the_manifests():
     start, end = "<!-- manifest: python -m kvmem_sglang.manifest table -->", "<!-- /manifest -->"
     assert start in text and end in text
     table = text.split(start, 1)[1].split(end, 1)[0].strip()
-    assert table == manifest.table()
+    assert table == manifest_locate.table()
 
 
 def _tree(root: Path, files: dict[str, str]) -> None:
@@ -99,7 +99,7 @@ def test_drift_tells_moved_changed_inherited_and_missing(tmp_path):
         },
     )
     here = {
-        t: manifest.locate(t, w, root=tmp_path)
+        t: manifest_locate.locate(t, w, root=tmp_path)
         for t, w in manifest.surface().items()
         if t
         in (
@@ -122,7 +122,7 @@ def test_drift_tells_moved_changed_inherited_and_missing(tmp_path):
     changed[t] = (recorded[t][0], "(self, room)", recorded[t][2])
     t2 = f"{common}.CommonKVReceiver.failure_exception"
     changed[t2] = recorded[t2][:2] + ("0" * 16,)
-    rows = {r["target"]: r for r in manifest.drift(tmp_path, changed)}
+    rows = {r["target"]: r for r in manifest_locate.drift(tmp_path, changed)}
     assert rows[utils]["status"] == "moved"
     assert rows[t]["status"] == "signature" and rows[t2]["status"] == "body"
     assert rows[f"{common}.CommonKVManager._staging_outstanding"]["status"] == "same"

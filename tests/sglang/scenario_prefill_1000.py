@@ -190,7 +190,7 @@ def main() -> dict:
     audit = send_path = None
     try:
         from kvmem_sglang import audit as A
-        from kvmem_sglang import plugin, transfer
+        from kvmem_sglang import plugin, transfer_records
 
         audit = {"audits": A.STATS.audits, "leaks": A.STATS.leaks}
         # kvmem's NIXL send path (SGLANG_KVMEM_TRANSFER=kvmem): installed or not (once
@@ -199,7 +199,7 @@ def main() -> dict:
         planned = plugin.INSTALLED + [t for ts in plugin.PENDING.values() for t in ts]
         send_path = {
             "installed": any(t.endswith("NixlKVManager.send_kvcache") for t in planned),
-            "sends": transfer.STATS.sends + transfer.STATS.fallbacks,
+            "sends": transfer_records.STATS.sends + transfer_records.STATS.fallbacks,
         }
     except ImportError:
         pass

@@ -484,13 +484,13 @@ def kvmem_send_path() -> bool:
 
 
 def transfer_stats() -> dict:
-    """kvmem's send-path counters in this process (``kvmem_sglang.transfer.STATS``), or
+    """kvmem's send-path counters in this process (``kvmem_sglang.transfer_records.STATS``), or
     ``{}`` without the flag (the adapter is then never imported)."""
     if os.environ.get("SGLANG_KVMEM") != "1":
         return {}
-    from kvmem_sglang import transfer
+    from kvmem_sglang import transfer_records
 
-    return transfer.STATS.as_dict()
+    return transfer_records.STATS.as_dict()
 
 
 def stats_since(before: dict) -> dict:

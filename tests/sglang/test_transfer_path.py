@@ -287,7 +287,7 @@ def test_transfer_counters_add_up_across_threads():
     # every transfer worker thread adds to the same counters
     import threading
 
-    from kvmem_sglang.transfer import Stats
+    from kvmem_sglang.transfer_records import Stats
 
     stats, n, threads = Stats(), 20000, 4
     switch = sys.getswitchinterval()
@@ -310,7 +310,8 @@ def test_a_chunk_uncounted_leaves_no_negative_or_dead_count():
     from collections import defaultdict
     from types import SimpleNamespace
 
-    from kvmem_sglang.transfer import _Ahead, _uncount
+    from kvmem_sglang.transfer_ahead import _uncount
+    from kvmem_sglang.transfer_records import _Ahead
 
     def mgr(counts, live):
         return SimpleNamespace(

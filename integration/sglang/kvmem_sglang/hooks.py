@@ -105,7 +105,7 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
     """sglang's release (it clears the bootstrap queue, deregisters the transfer
     buffers, flushes the cache, resets the allocator), then kvmem gives the KV pool's
     physical memory back (a pool that cannot is refused before anything runs:
-    ``kvmem_sglang.prefill.release_memory_occupation``)."""
+    ``kvmem_sglang.release.release_memory_occupation``)."""
     out = original(manager, recv_req, *args, **kwargs)
     if _kv_tag(recv_req.tags):
         kvpool.release_all()

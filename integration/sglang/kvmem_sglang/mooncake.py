@@ -15,7 +15,7 @@ Names below are of the installed sglang 0.5.23; their paths are under ``sglang/s
   is logged once with the engine's return code, and a non-zero code raises
   :class:`RegistrationError`: at start the scheduler stops with it; at a resume the
   adapter refuses the resume and keeps the KV cache released
-  (``kvmem_sglang.prefill.resume_memory_occupation``); at a release it refuses the release
+  (``kvmem_sglang.release.resume_memory_occupation``); at a release it refuses the release
   before any memory is given back, and registers again what a refused deregistration
   dropped (:func:`deregister_buffer_to_engine` deregisters region by region for that).
   What is registered is the kvmem pool's few regions (``SGLANG_KVMEM_REGISTER=regions``:
@@ -160,7 +160,7 @@ def poison_unsettled_send(original, manager, room, *args, **kwargs):
     poisons the room's ABORT_ACK so the decode keeps the pages until its deferred-release
     timeout): also open a settle window of :data:`SETTLE_S` on the manager, which a
     release of this prefill's KV cache waits out before it deregisters and gives the
-    memory back (``kvmem_sglang.prefill``): sglang's worker uncounts the room at once, and
+    memory back (``kvmem_sglang.prefill_drain``): sglang's worker uncounts the room at once, and
     a registration made again at once lets the late slices land (module docstring)."""
     until = time.monotonic() + SETTLE_S
     state.SETTLE_UNTIL.set(manager, max(state.SETTLE_UNTIL.get(manager, 0.0), until))

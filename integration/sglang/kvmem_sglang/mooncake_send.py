@@ -22,14 +22,14 @@ What this module changes: how the bytes of those sends move, nothing else.  Two 
 (AROUND) on ``MooncakeKVManager``:
 
 * ``transfer_worker``: remembers which queue the calling thread serves
-  (:func:`kvmem_sglang.transfer.transfer_worker`, shared with NIXL).
+  (:func:`kvmem_sglang.transfer_ahead.transfer_worker`, shared with NIXL).
 * ``send_kvcache`` (``transfer_worker`` calls it for MHA and MLA at equal attention TP).
   It takes the chunk handed to it (the *owner*) and the chunks queued behind it on the
   same worker for the same decode session, up to :data:`kvmem_sglang.transfer.BATCH_BYTES`
-  (:func:`kvmem_sglang.transfer._take_ahead`: the worker's own checks, each counted in
+  (:func:`kvmem_sglang.transfer_ahead._take_ahead`: the worker's own checks, each counted in
   ``_staging_outstanding`` as the worker counts a chunk at dequeue; a chunk a GPU is
   still writing, its page ids or its pages, waits for its own turn:
-  :func:`kvmem_sglang.transfer._readable`), pairs every page of them all, sorts the
+  :func:`kvmem_sglang.transfer_ahead._readable`), pairs every page of them all, sorts the
   pairs by source page and merges runs adjacent on both sides
   (:func:`kvmem_sglang.transfer.run_addresses`): one slice per run and plane, a run
   never leaving its plane (one registration on either side, as on NIXL).  The slices go out as
@@ -55,7 +55,7 @@ parallelism, hybrid MLA, custom memory pool, unified memory or HiSparse device i
 the decode registered as many planes as the prefill with the same bytes per page (where
 it published them) and the same layer ids (where both did); equal attention TP or MLA.
 
-Counters: :data:`kvmem_sglang.transfer.STATS` (``writes`` counts ``batch_transfer_sync``
+Counters: :data:`kvmem_sglang.transfer_records.STATS` (``writes`` counts ``batch_transfer_sync``
 calls, ``descriptors`` their slices).
 """
 
@@ -65,8 +65,8 @@ import os
 
 import numpy as np
 
-from kvmem_sglang import transfer
-from kvmem_sglang.transfer import STATS
+from kvmem_sglang import transfer, transfer_ahead, transfer_records
+from kvmem_sglang.transfer_records import STATS
 
 
 # Mooncake's TCP transport takes this many queued transfers per peer unless
@@ -108,7 +108,7 @@ def send_kvcache(
     """AROUND ``MooncakeKVManager.send_kvcache``: see the module docstring.  Returns 0 or
     the engine's code of the first failed call, as sglang's own send does."""
     session = mooncake_session_id
-    st = transfer._state(mgr)
+    st = transfer_records._state(mgr)
     rec = st.take(prefill_kv_indices)
     if rec is not None:
         if (
@@ -142,7 +142,7 @@ def send_kvcache(
     per_page = int(item.sum())
     budget = transfer.BATCH_BYTES - src.size * per_page
     ahead = (
-        transfer._take_ahead(mgr, st, session, budget, per_page, _mooncake_peer)
+        transfer_ahead._take_ahead(mgr, st, session, budget, per_page, _mooncake_peer)
         if budget > 0
         else []
     )
@@ -153,10 +153,10 @@ def send_kvcache(
             mgr, session, src_addr, dst_addr, nbytes, max_slices(mgr, int(item.size))
         )
     except BaseException:
-        _end_ahead(mgr, st, ahead, transfer.Batch([], ahead, 0, 0), failed=True)
+        _end_ahead(mgr, st, ahead, transfer_records.Batch([], ahead, 0, 0), failed=True)
         raise  # the rooms sent ahead end as after a failed call
     nbytes = int(nbytes.sum())
-    _end_ahead(mgr, st, ahead, transfer.Batch([], ahead, nbytes, src_addr.size), code != 0)
+    _end_ahead(mgr, st, ahead, transfer_records.Batch([], ahead, nbytes, src_addr.size), code != 0)
     STATS.add(writes=calls)
     if code == 0:
         STATS.add(
@@ -183,7 +183,7 @@ def _end_ahead(mgr, st, ahead, batch, failed: bool) -> None:
             mgr._poison_unsettled_send(a.room)
         a.batch = batch
         st.put(a)
-        transfer._uncount(mgr, a)
+        transfer_ahead._uncount(mgr, a)
 
 
 def _mooncake_peer(req) -> str:

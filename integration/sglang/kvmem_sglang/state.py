@@ -150,14 +150,14 @@ BUSY: SideTable[bool] = SideTable(
     "Scheduler", "prefill", "it queued work since it was last fully idle"
 )
 EPOCH: SideTable[int] = SideTable(
-    "Scheduler", "prefill", "its registration epoch (+1 at each KV release)"
+    "Scheduler", "prefill, release", "its registration epoch (+1 at each KV release)"
 )
 POOL: SideTable = SideTable(
     "MHATokenToKVPool, MLATokenToKVPool", "kvpool", "the kvmem KVPool under it"
 )
 DEREGISTERED: SideTable[bool] = SideTable(
     "NixlKVManager, MooncakeKVManager",
-    "nixl, mooncake, prefill, registrations",
+    "nixl, mooncake, release, registrations",
     "its pool's registrations were taken back at a release (False once registered again)",
 )
 REG_LOCK: SideTable = SideTable(
@@ -165,12 +165,12 @@ REG_LOCK: SideTable = SideTable(
 )
 SETTLE_UNTIL: SideTable[float] = SideTable(
     "MooncakeKVManager",
-    "mooncake, prefill",
+    "mooncake, prefill_drain",
     "until when a release waits for its unsettled sends (monotonic seconds)",
 )
 DRAIN_GIVEN_UP: SideTable = SideTable(
     "NixlKVManager, MooncakeKVManager",
-    "prefill",
+    "prefill_drain",
     "the rooms whose writes a release stopped waiting for",
 )
 EARLY_ABORTS: SideTable = SideTable(
@@ -184,7 +184,9 @@ ABORTED_ROOMS: SideTable = SideTable(
     "rooms aborted before their decode metadata came (room -> (when, the reason to tell))",
 )
 TRANSFERS: SideTable = SideTable(
-    "NixlKVManager", "transfer", "kvmem's send path state: writes sent ahead, by their pages"
+    "NixlKVManager",
+    "transfer_records",
+    "kvmem's send path state: writes sent ahead, by their pages",
 )
 GUARDED: SideTable[bool] = SideTable(
     "load_plugins (function)", "startup", "the start-up check wrapped it already"

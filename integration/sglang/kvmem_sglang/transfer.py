@@ -12,12 +12,13 @@ path), spins on it (``_await_handles`` polls with ``time.sleep(0)``) and only th
 the next chunk.  Pages of one request that are not adjacent cost one descriptor each,
 whatever lies next to them.
 
-What this module changes: how the bytes of those sends move, nothing else.  Three hooks
+What this path changes: how the bytes of those sends move, nothing else.  Three hooks
 (AROUND) on ``NixlKVManager``:
 
-* ``transfer_worker``: remembers which queue the calling thread serves; no change.
-* ``send_kvcache``, the narrowest call that moves KV (``transfer_worker`` calls it for MHA
-  and MLA at equal attention TP).  It takes the chunk handed to it (the *owner*) and the
+* ``transfer_worker`` (:mod:`kvmem_sglang.transfer_ahead`): remembers which queue the
+  calling thread serves; no change.
+* ``send_kvcache`` (here), the narrowest call that moves KV (``transfer_worker`` calls it
+  for MHA and MLA at equal attention TP).  It takes the chunk handed to it (the *owner*) and the
   chunks queued behind it on the same worker for the same decode (the checks at the top of
   ``transfer_worker``'s loop hold for them now), up to :data:`BATCH_BYTES`, pairs every
   page ``(source, destination)`` of them all, sorts the pairs by source page and merges
@@ -31,31 +32,19 @@ What this module changes: how the bytes of those sends move, nothing else.  Thre
   region, i.e. one physical chunk (kvmem's chunk plan keeps a layer's K|V block in one
   chunk, and the registration is per region), on a stock side it is a registration of its
   own; so no descriptor spans two registrations, which NIXL refuses.
-* ``_await_handles``: sglang's contract (wait while every handle is healthy; once one
-  failed, at most ``NIXL_ERR_SETTLE_TIMEOUT_S`` more; an unreadable state fails), with
-  growing sleeps between polls instead of ``sleep(0)``, and the handles above expanded.
-  One addition: the worker's wait on a write cut short by a post NIXL refused (below)
-  raises sglang's ``_NixlPostError`` once the pieces posted settled, so that sglang's
-  worker treats its room as it treats the owner of a refused post.
+* ``_await_handles`` (:mod:`kvmem_sglang.transfer_wait`): sglang's contract (wait while
+  every handle is healthy; once one failed, at most ``NIXL_ERR_SETTLE_TIMEOUT_S`` more; an
+  unreadable state fails), with growing sleeps between polls instead of ``sleep(0)``, and
+  the handles above expanded.  One addition: the worker's wait on a write cut short by a
+  post NIXL refused (below) raises sglang's ``_NixlPostError`` once the pieces posted
+  settled, so that sglang's worker treats its room as it treats the owner of a refused
+  post.
 
-Chunks sent ahead of their turn.  Such a chunk is counted in the manager's
-``_staging_outstanding`` before it is checked (as ``transfer_worker`` counts a chunk at
-dequeue) and uncounted when its write settles, so sglang's abort ACK to the decode
-(``_maybe_ack_drained_abort``) and the adapter's release drain wait for that write.  The
-owner's wait covers it (same write), and the queue is FIFO: when the worker reaches it,
-its write has settled, and ``send_kvcache`` returns a settled handle without moving
-anything (DONE), or sends it again on its own (the write failed).  If the owner's wait
-gives up on the write (a state that cannot be read, or a sibling ERR and the rest still
-in flight after ``NIXL_ERR_SETTLE_TIMEOUT_S``), the rooms sent ahead in it are poisoned as
-sglang poisons such a room (no ABORT_ACK; the decode falls back to its release timeout)
-and stay counted.  When the worker reaches each, ``send_kvcache`` waits for that write
-again (at most ``NIXL_ERR_SETTLE_TIMEOUT_S``), and the wait that sees it settle uncounts
-them: the room ends Success if it is DONE and is sent again if it is ERR.  Still
-unsettled, it goes to the worker, whose wait reads it once more: the room then fails as
-sglang fails a room whose write it gave up on (poisoned, counted).  Only a write that
-never settles keeps them counted.  Statuses are not touched: a room sent ahead stays
-WaitingForInput until the worker reaches it and runs sglang's own code for it
-(Transferring, aux, Success or Failed, notifications).
+Split by job: this module sends (the served geometry, the merged runs, the post);
+:mod:`kvmem_sglang.transfer_ahead` takes the chunks sent ahead of their turn (that
+module's docstring: how they are counted, waited for and sent again) and
+:mod:`kvmem_sglang.transfer_wait` waits for the writes; what they share (the counters,
+a merged write, a chunk sent ahead) is in :mod:`kvmem_sglang.transfer_records`.
 
 A write cut short (NIXL refuses to create or to post one of its pieces).  Before any
 piece was posted nothing is in flight: the error goes to the owner as sglang's own send
@@ -85,21 +74,19 @@ that unpacks, i.e. a change to sglang's decode protocol.  So every chunk goes di
 with runs merged where both sides are adjacent; on DRAM that already moves as fast as a
 raw NIXL write of the same bytes (docs/sglang.md, "PD transfer speed").
 
-Descriptor counts, writes and bytes are in :data:`STATS`.
+Descriptor counts, writes and bytes are in :data:`kvmem_sglang.transfer_records.STATS`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from dataclasses import asdict, dataclass
-from typing import ClassVar
 
 import numpy as np
 
 from kvmem.transfer import runs
-from kvmem_sglang import audit, state
+from kvmem_sglang.transfer_ahead import _take_ahead, _uncount
+from kvmem_sglang.transfer_records import STATS, Batch, Settled, _Ahead, _Geometry, _state
+from kvmem_sglang.transfer_wait import _wait_again
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -118,180 +105,9 @@ SPLIT = 4
 # each extra write is one more handle to create, post and poll, with nothing to overlap
 # (the e2e tier's tiny model split 3 KiB sends into 4 writes of 768 bytes).  A guess.
 SPLIT_MIN_BYTES = 4 << 20
-# Sleeps between polls of a healthy write: from NAP_MIN_S doubling to NAP_MAX_S.  A
-# write of 128 MiB takes 15-50 ms on the CPU here, 1 MiB under 1 ms: the first polls come
-# fast, and a long write costs at most NAP_MAX_S of extra latency.  Guesses.
-NAP_MIN_S = 20e-6
-NAP_MAX_S = 1e-3
 
 
-@dataclass
-class Stats:
-    """What the path did in this process (all managers); the transfer workers of every
-    manager add to it, under one lock."""
-
-    sends: int = 0  # send_kvcache calls served here
-    fallbacks: int = 0  # send_kvcache calls left to sglang (geometry not served)
-    batches: int = 0  # merged writes (each posted as <= SPLIT NIXL writes)
-    writes: int = 0  # engine writes posted: NIXL writes, Mooncake batch calls
-    chunks: int = 0  # chunks carried by the merged writes (owners + ahead)
-    sent_ahead: int = 0  # of those, chunks sent ahead of their turn
-    ahead_done: int = 0  # send_kvcache calls answered by a settled write
-    resent: int = 0  # chunks sent again because their ahead write failed
-    index_pairs: int = 0  # (page, plane) pairs moved: sglang's descriptor count
-    descriptors: int = 0  # descriptors posted after merging runs
-    bytes: int = 0
-    waits: int = 0  # _await_handles calls
-    naps: int = 0  # sleeps inside them
-    unsettled: int = 0  # waits that gave up on a write (rooms poisoned)
-    cut_short: int = 0  # merged writes cut short once a piece was posted (not in batches)
-
-    _lock: ClassVar[threading.Lock] = threading.Lock()
-
-    def as_dict(self) -> dict:
-        with self._lock:
-            return asdict(self)
-
-    def add(self, **counts: int) -> None:
-        """Add to the named counters, here and in ``kvmem_sglang_transfer_total{what}``
-        (sglang's ``/metrics``, where prometheus_client imports; its counters lock
-        themselves)."""
-        with self._lock:
-            for what, n in counts.items():
-                setattr(self, what, getattr(self, what) + n)
-        if _COUNTER is not None:
-            for what, n in counts.items():
-                if n:
-                    _COUNTER.labels(what=what).inc(n)
-
-
-_COUNTER = audit.prometheus_counter(
-    "kvmem_sglang_transfer",
-    "What kvmem's NIXL send path did in this sglang process "
-    "(what: sends, fallbacks to sglang's own send, writes, descriptors, bytes, ...; "
-    "the fields of kvmem_sglang.transfer.Stats)",
-    "what",
-)
-STATS = Stats()
-_TLS = threading.local()  # .queue: the FastQueue the calling worker thread serves
-
-
-class Batch:
-    """One merged write: its NIXL handles (those posted) and the chunks sent ahead in it.
-
-    ``state``: "PROC" until every handle settled, then "DONE" or "ERR".  ``failed``: a
-    handle was seen ERR, or a wait gave up on it, or it was cut short (a wait on it is
-    then bounded).  ``cut_short``: why a piece after the first posted one never went (the
-    write then ends ERR); ``refused``: that reason was a post NIXL refused (its writes
-    may still land); ``raised``: a wait raised sglang's post error for it.  ``until``: a
-    wait in ``send_kvcache`` gave up on it then; the worker's wait that follows reads it
-    once, without a bound of its own."""
-
-    def __init__(self, natives: list, ahead: list, nbytes: int, descs: int):
-        self.natives, self.ahead = natives, ahead
-        self.nbytes, self.descs = nbytes, descs
-        self.state, self.failed = "PROC", False
-        self.cut_short: str | None = None
-        self.refused: BaseException | None = None
-        self.raised = False
-        self.until: float | None = None
-
-    def __repr__(self):
-        cut = f", cut short: {self.cut_short}" if self.cut_short else ""
-        return (
-            f"kvmem Batch({len(self.natives)} NIXL write(s), {self.descs} descriptor(s), "
-            f"{self.nbytes} bytes, {len(self.ahead)} chunk(s) sent ahead, "
-            f"{self.state}{cut})"
-        )
-
-
-class Settled:
-    """The handle of a chunk sent ahead whose write is DONE: nothing left to wait for."""
-
-    state = "DONE"
-
-    def __init__(self, batch: Batch):
-        self.batch = batch
-
-    def __repr__(self):
-        return f"kvmem Settled({self.batch!r})"
-
-
-@dataclass
-class _Ahead:
-    room: int
-    peer: str
-    src: np.ndarray  # the chunk's own prefill_kv_indices object (identity is the key)
-    dst: np.ndarray
-    batch: Batch | None = None
-    counted: bool = True
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    src_ptrs: np.ndarray  # uint64 [planes]
-    dst_ptrs: np.ndarray  # uint64 [planes]
-    item: np.ndarray  # uint64 [planes]: bytes of one page of a plane (both sides)
-    src_kind: str
-    dst_kind: str
-    src_dev: int
-    dst_dev: int
-
-
-class _State:
-    """Per manager: the chunks sent ahead, by the identity of their index array."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.ahead: dict[int, _Ahead] = {}
-
-    def take(self, src) -> _Ahead | None:
-        with self.lock:
-            rec = self.ahead.get(id(src))
-            if rec is not None and rec.src is src:
-                del self.ahead[id(src)]
-                return rec
-            return None
-
-    def sent_ahead(self, src) -> bool:
-        """Whether the chunk of ``src`` is in a write that has not failed (a chunk whose
-        write failed may go ahead again, in a later write)."""
-        with self.lock:
-            rec = self.ahead.get(id(src))
-            return (
-                rec is not None
-                and rec.src is src
-                and (rec.batch is None or rec.batch.state != "ERR")
-            )
-
-    def put(self, rec: _Ahead) -> None:
-        with self.lock:
-            self.ahead[id(rec.src)] = rec
-
-    def sweep(self, mgr) -> None:
-        """Forget records of rooms the manager no longer knows (cleared, or never to be
-        reached by the worker) whose write settled."""
-        with self.lock:
-            for key, rec in list(self.ahead.items()):
-                if (
-                    rec.room not in mgr.request_status
-                    and rec.batch is not None
-                    and rec.batch.state != "PROC"
-                ):
-                    del self.ahead[key]
-
-
-def _state(mgr) -> _State:
-    return state.TRANSFERS.setdefault(mgr, _State)
-
-
-# -- hooks ----------------------------------------------------------------------------------
-
-
-def transfer_worker(original, mgr, queue, *args, **kwargs):
-    """AROUND ``NixlKVManager.transfer_worker``: note the thread's queue, then run it."""
-    _TLS.queue = queue
-    return original(mgr, queue, *args, **kwargs)
+# -- the hook -------------------------------------------------------------------------------
 
 
 def send_kvcache(
@@ -348,52 +164,6 @@ def send_kvcache(
         raise
 
 
-def await_handles(original, mgr, handles, *, failure_seen):
-    """AROUND ``NixlKVManager._await_handles``: ``(settled, any_failed)`` as sglang's,
-    over NIXL handles, :class:`Batch` and :class:`Settled` handles alike (a Batch an
-    earlier wait concluded is not read again).  A write in ``handles`` that a refused post
-    cut short, once its pieces posted settled: at the worker's barrier (``failure_seen``
-    False) this raises sglang's ``_NixlPostError``, and the worker poisons the room and
-    uncounts it, as for its own refused post; in the wait of the worker's failure path
-    (which must not raise) after some other error, the write reads as unsettled, and the
-    worker poisons the room and keeps it counted."""
-    from sglang.srt.disaggregation.nixl import conn
-
-    STATS.add(waits=1)
-    natives, batches, bounded, failed, until = [], [], False, False, None
-    for h in handles:
-        if isinstance(h, Settled):
-            continue
-        if isinstance(h, Batch):
-            if h in batches:
-                continue
-            batches.append(h)
-            if h.state != "PROC":
-                failed = failed or h.state == "ERR"
-                continue
-            natives += h.natives
-            bounded = bounded or h.failed
-            if h.until is not None:
-                until = h.until if until is None else min(until, h.until)
-                h.until = None
-            continue
-        natives.append(h)
-    settled, any_failed, states = _settle(mgr, natives, failure_seen, bounded, until)
-    for b in batches:
-        _conclude(mgr, b, states)
-        failed = failed or b.state == "ERR"
-    refused = [b for b in batches if b.refused is not None and not b.raised]
-    if settled and refused:
-        if failure_seen:
-            return False, True
-        for b in refused:
-            b.raised = True
-        raise conn._NixlPostError(f"KVSender failed to post transfer: {refused[0]!r}") from refused[
-            0
-        ].refused
-    return settled, failed or any_failed
-
-
 # -- the send ---------------------------------------------------------------------------------
 
 
@@ -438,122 +208,6 @@ def _geometry(mgr, peer, dst_kv_ptrs, dst_kind, dst_gpu_id) -> _Geometry | None:
 
 def _nixl_peer(req) -> str:
     return req.agent_name
-
-
-def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int, peer_of) -> list[_Ahead]:
-    """The chunks queued behind the owner on this worker's queue that may go in its write
-    now, each counted in ``_staging_outstanding``; at most ``budget`` bytes of KV,
-    ``per_page`` bytes a page.  ``peer_of(req)``: the peer of one of a room's transfer
-    infos, compared with ``peer`` (NIXL's agent name, Mooncake's session id).  Used by
-    both backends' paths: their managers share these fields and this queue."""
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
-    queue = getattr(_TLS, "queue", None)
-    if queue is None or not hasattr(queue, "_buf"):
-        return []
-    st.sweep(mgr)
-    with queue._cond:  # FastQueue (disaggregation/common/utils.py): a deque and a condition
-        queued = list(queue._buf)
-    out = []
-    for chunk in queued:
-        if not _readable(chunk):
-            continue
-        src = chunk.prefill_kv_indices
-        n = len(src)
-        if n == 0 or n * per_page > budget or st.sent_ahead(src):
-            continue
-        room = chunk.room
-        counts = mgr._staging_outstanding
-        fresh = room not in counts
-        counts[room] += 1  # before the checks, as transfer_worker counts at dequeue
-        rec = _Ahead(room, peer, src, np.empty(0, dtype=np.int64))
-        try:
-            ok = (
-                room in mgr.request_status
-                and mgr.check_status(room) != KVPoll.Failed
-                and _dst_of(mgr, chunk, peer, rec, peer_of)
-            )
-        except Exception:  # noqa: BLE001 - a room being cleared meanwhile: not sent ahead
-            ok = False
-        if not ok:
-            _uncount(mgr, rec, drop=fresh)
-            continue
-        budget -= n * per_page
-        out.append(rec)
-    return out
-
-
-def _readable(chunk) -> bool:
-    """Whether a queued chunk may be read now, as its worker reads it at dequeue
-    (``MooncakeKVManager.transfer_worker``, mooncake/conn.py): no CUDA event of its own
-    pending (``wait_event``: the forward still writing its pages under the overlap
-    schedule, recorded by
-    ``SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk`` in
-    disaggregation/prefill.py; ``indices_event``: the copy of its page ids to the host,
-    recorded by the mixin's ``_send_kv_chunk``), read with ``query()``, which never blocks.
-    A chunk whose events completed is given what the worker would give it: the events
-    dropped, a host tensor of page ids made a numpy array (the object by which the chunk is
-    found again when the worker reaches it).  NIXL's chunks carry neither
-    (``NixlKVManager.add_transfer_request`` queues them without)."""
-    for name in ("wait_event", "indices_event"):
-        ev = getattr(chunk, name, None)
-        try:
-            if ev is not None and not ev.query():
-                return False
-        except Exception:  # noqa: BLE001 - an event that cannot be read: its own turn
-            return False
-    for name in ("wait_event", "indices_event"):
-        if getattr(chunk, name, None) is not None:
-            setattr(chunk, name, None)
-    src = chunk.prefill_kv_indices
-    if not isinstance(src, np.ndarray):
-        if not hasattr(src, "numpy"):
-            return False
-        chunk.prefill_kv_indices = src.numpy()
-    return True
-
-
-def _dst_of(mgr, chunk, peer: str, rec: _Ahead, peer_of) -> bool:
-    """Set ``rec.dst`` to the chunk's destination pages as the worker would take them
-    (``NixlKVManager.transfer_worker``: ``req.dst_kv_indices[kv_chunk.index_slice]``);
-    False when the room is not a one-peer room of ``peer`` or its page counts differ (the
-    worker then handles it itself)."""
-    infos = mgr.transfer_infos.get(chunk.room)
-    if not infos:
-        return False
-    reqs = [r for r in infos.values() if not r.is_dummy]
-    if len(reqs) != 1 or peer_of(reqs[0]) != peer:
-        return False
-    dst = np.asarray(reqs[0].dst_kv_indices[chunk.index_slice], dtype=np.int64)
-    if dst.size != len(chunk.prefill_kv_indices):
-        return False
-    rec.src = chunk.prefill_kv_indices
-    rec.dst = dst
-    return True
-
-
-def _uncount(mgr, rec: _Ahead, drop: bool = False) -> None:
-    """Undo a chunk's count (its write settled or never went); send a pending ABORT_ACK
-    that waited for it.  No entry is made or left below zero: the worker drops a room's
-    whole count when it skips the room (cleared, or Failed: the checks at the top of
-    ``NixlKVManager.transfer_worker``'s loop), and then there is nothing of this chunk's
-    left to undo; an entry that reaches zero is dropped where the room is gone (nothing
-    would drop it) or ``drop`` (made for this count).  Runs on the worker thread that
-    counts the room's chunks."""
-    if not rec.counted:
-        return
-    rec.counted = False
-    counts = mgr._staging_outstanding
-    n = counts.get(rec.room)
-    if n is not None:
-        if n > 1:
-            counts[rec.room] = n - 1
-        elif drop or rec.room not in mgr.request_status:
-            counts.pop(rec.room, None)
-        else:
-            counts[rec.room] = 0
-    if mgr.enable_deferred_decode_kv_release:
-        mgr._maybe_ack_drained_abort(rec.room)
 
 
 def run_addresses(src_ptrs: np.ndarray, dst_ptrs: np.ndarray, item: np.ndarray, pairs):
@@ -645,96 +299,3 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
         bytes=batch.nbytes,
     )
     return batch
-
-
-# -- the wait ---------------------------------------------------------------------------------
-
-
-def _settle(
-    mgr, handles: list, failure_seen: bool, bounded: bool = False, until: float | None = None
-) -> tuple[bool, bool, dict]:
-    """Poll NIXL ``handles`` until each is DONE or ERR: ``(settled, any_failed, states by
-    id)``.  sglang's rules (``NixlKVManager._await_handles``): unbounded while none failed;
-    from the first ERR (or ``failure_seen``) at most ``NIXL_ERR_SETTLE_TIMEOUT_S``, polled
-    every ``NIXL_ERR_SETTLE_POLL_S``; a state that cannot be read ends the wait as failed
-    and unsettled (it does not prove the write is over).  ``bounded``: the same bound from
-    the start, without counting as a failure (a write an earlier wait gave up on: failed
-    only if a handle now reads ERR or still does not settle).  ``until`` (``time.time()``):
-    the bound ends then instead (once read, however early)."""
-    from sglang.srt.disaggregation.nixl import conn
-
-    states: dict[int, str] = {}
-    pending = list(handles)
-    failed = failure_seen
-    deadline: float | None
-    if until is not None:
-        deadline = until
-    else:
-        deadline = time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S if failure_seen or bounded else None
-    nap = NAP_MIN_S
-    naps = 0  # counted once the wait ends: nothing but the sleep between polls
-    try:
-        while True:
-            try:
-                still = []
-                for h in pending:
-                    s = mgr.agent.check_xfer_state(h)
-                    if s in ("DONE", "ERR"):
-                        states[id(h)] = s
-                        failed = failed or s == "ERR"
-                    else:
-                        still.append(h)
-                pending = still
-            except Exception as e:  # noqa: BLE001 - sglang's rule: unreadable counts as running
-                logger.warning("Failed to read NIXL transfer state: %s", e)
-                return False, True, states
-            if not pending:
-                return True, failed, states
-            if not failed and deadline is None:
-                naps += 1
-                time.sleep(nap)
-                nap = min(2 * nap, NAP_MAX_S)
-                continue
-            if deadline is None:
-                deadline = time.time() + conn.NIXL_ERR_SETTLE_TIMEOUT_S
-            elif time.time() >= deadline:
-                return False, True, states
-            time.sleep(conn.NIXL_ERR_SETTLE_POLL_S)
-    finally:
-        STATS.add(naps=naps)
-
-
-def _conclude(mgr, batch: Batch, states: dict) -> None:
-    """After a wait on ``batch``: DONE or ERR once every handle settled (ERR if it was
-    cut short), and its chunks sent ahead uncounted; else it stays PROC, marked failed (a
-    later wait on it is bounded), and their rooms poisoned (no ABORT_ACK: nothing proves
-    the write over) but still counted, as sglang keeps a room whose write it gave up on.
-    Unlike sglang's own handles, the batch is waited for again when the worker reaches
-    each of those rooms (:func:`_wait_again`): the wait that sees it settle uncounts them,
-    so a room sent ahead in it ends Success (DONE) or is sent again (ERR) instead of
-    staying Transferring until its transfer timeout."""
-    if batch.state != "PROC":
-        return
-    got = [states.get(id(h)) for h in batch.natives]
-    if any(s is None for s in got):
-        batch.failed = True
-        STATS.add(unsettled=1)
-        for a in batch.ahead:
-            if a.counted:
-                mgr.poison_deferred_ack_room(a.room)
-        return
-    batch.state = "ERR" if batch.cut_short is not None or "ERR" in got else "DONE"
-    batch.failed = batch.state == "ERR"
-    for a in batch.ahead:
-        _uncount(mgr, a)
-
-
-def _wait_again(mgr, batch: Batch) -> None:
-    """The worker reached a room sent ahead in ``batch``, a write its owner's wait gave
-    up on: wait for it (at most ``NIXL_ERR_SETTLE_TIMEOUT_S``) and conclude it.  Still
-    unsettled: ``batch.until`` is now, so the worker's own wait on it reads it once and
-    gives up (the room waits one bound in all, as sglang's does)."""
-    _, _, states = _settle(mgr, batch.natives, False, bounded=True)
-    _conclude(mgr, batch, states)
-    if batch.state == "PROC":
-        batch.until = time.time()
