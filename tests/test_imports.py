@@ -3,7 +3,8 @@
 
 Each module of the package (a package's ``__init__`` is a module of its own) is read with
 ``ast``, not imported, and every import of another kvmem module counts: at the top,
-inside a function, and under ``if TYPE_CHECKING:`` alike.  ``from kvmem.x import y`` is
+inside a function, and under ``if TYPE_CHECKING:`` alike (not under ``if __name__ ==
+"__main__":``, which runs as another module).  ``from kvmem.x import y`` is
 an import of module ``kvmem.x.y`` when that is a module, else of ``kvmem.x``; relative
 imports are resolved against the importing module's package.  The test fails naming
 each cycle of the graph it finds.
@@ -45,7 +46,7 @@ def imports_of(name: str, path: Path, known: dict[str, Path], pkg: str = "kvmem"
     in it."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 out.add(_owner(alias.name, known))
@@ -62,6 +63,22 @@ def imports_of(name: str, path: Path, known: dict[str, Path], pkg: str = "kvmem"
     out.discard("")
     out.discard(name)
     return {m for m in out if m == pkg or m.startswith(pkg + ".")}
+
+
+def _walk(tree: ast.AST):
+    """``ast.walk`` without the body of ``if __name__ == "__main__":``: what it imports is
+    imported by the module run as a script, which is ``__main__``, another module."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and ast.unparse(node.test) in (
+            "__name__ == '__main__'",
+            "'__main__' == __name__",
+        ):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
 
 
 def _owner(dotted: str, known: dict[str, Path]) -> str:
@@ -136,6 +153,12 @@ def test_the_graph_sees_every_kind_of_import():
     g = graph()
     assert "kvmem.disagg.prefill" in g["kvmem.disagg"]  # a package's __init__ imports
     assert "kvmem.disagg.states" in g["kvmem.disagg.prefill"]  # from kvmem.x import y
+
+
+def test_a_script_block_is_not_an_import_of_the_module():
+    tree = ast.parse("import a\nif __name__ == '__main__':\n    import b\nelse:\n    import c\n")
+    names = {n.names[0].name for n in _walk(tree) if isinstance(n, ast.Import)}
+    assert names == {"a", "c"}
 
 
 def test_the_cycle_finder_names_a_cycle():
