@@ -56,10 +56,11 @@ class Hook:
 
 @dataclass(frozen=True)
 class Private:
-    """A private sglang name the adapter uses: ``use`` is ``call``, ``read`` or
-    ``read, write``; ``what`` is ``method``, ``function`` or ``attribute`` (an instance
-    attribute, found as ``self.NAME =`` in the class or its bases); ``where``: the
-    adapter modules that use it."""
+    """A private sglang name the adapter uses: ``use`` is ``call``, ``read``,
+    ``read, write`` or ``call, read`` (a class raised and caught); ``what`` is
+    ``method``, ``function``, ``class`` or ``attribute`` (an instance attribute, found as
+    ``self.NAME =`` in the class or its bases); ``where``: the adapter modules that use
+    it."""
 
     target: str
     what: str
@@ -343,6 +344,7 @@ PRIVATE: tuple[Private, ...] = (
         "registrations, chase",
     ),
     Private(f"{_NIXL}._nixl_device_id", "function", "call", "transfer"),
+    Private(f"{_NIXL}._NixlPostError", "class", "call, read", "transfer, transfer_wait"),
     Private(f"{_NIXL}.NixlKVManager._post_xfer", "method", "call", "transfer"),
     Private(f"{_MOON}.MooncakeKVManager._registerable_regions", "method", "call", "mooncake"),
     Private(
@@ -350,6 +352,24 @@ PRIVATE: tuple[Private, ...] = (
         "method",
         "call; replaced on the instance during a drain",
         "decode, decode_drain",
+    ),
+    Private(
+        f"{_D}.DecodeTransferQueue._deferred_releases", "attribute", "read, write", "decode_drain"
+    ),
+    Private(f"{_D}.DecodeTransferQueue._is_host_destination", "method", "call", "decode_drain"),
+    Private(f"{_D}.DecodeTransferQueue._do_release", "method", "call", "decode_drain"),
+    Private(f"{_SCHED}._engine_paused", "attribute", "read", "decode_drain"),
+    Private(
+        "sglang.srt.disaggregation.common.utils.FastQueue._buf",
+        "attribute",
+        "read",
+        "transfer_ahead",
+    ),
+    Private(
+        "sglang.srt.disaggregation.common.utils.FastQueue._cond",
+        "attribute",
+        "read",
+        "transfer_ahead",
     ),
 )
 
