@@ -415,27 +415,6 @@ class PageAllocator(TokenSlots, StreamBound):
         self._err[:2].zero_()
         self._err[2:].fill_(K.NO_BAD)
 
-    @contextlib.contextmanager
-    def _on_stream(self):
-        """CUDA: run the body on this allocator's device and stream, ordered after the
-        caller's current stream (class docstring, "Stream").  CPU: nothing."""
-        own = self._stream
-        if own is None:
-            yield
-            return
-        caller = torch.cuda.current_stream(self.device)
-        if caller == own and torch.cuda.current_device() == self.device.index:
-            yield  # the common case: already on our device and stream
-            return
-        with torch.cuda.device(self.device), torch.cuda.stream(own):
-            if caller != own:
-                own.wait_stream(caller)  # what the caller queued before, inputs included
-            try:
-                yield
-            finally:
-                if caller != own:
-                    caller.wait_stream(own)  # what the caller queues next sees our work
-
     def _read_device(self, t: torch.Tensor | None, raise_pending: bool = True) -> list[int]:
         """``t.tolist()``, and, if a check=False call may have left an error and
         ``raise_pending``, that error, read in the same host sync: if there is one, the

@@ -131,23 +131,18 @@ class PrefillDirect:
             assert st.blocks is not None  # a DIRECT's
             li, ri = st.blocks
             h = self.engine.post_blocks(self._local_table, li, rt, ri, st.notif)
-        except StaleEpochError as e:
-            self._end(
-                req,
-                Reason(
-                    SERVICE_UNAVAILABLE,
-                    f"request {req.rid}: the decode side "
-                    f"released its KV memory (epoch moved on): {e}",
-                ),
-            )
-            return False
-        except TransferError as e:
-            self._end(
-                req,
-                Reason(
-                    INTERNAL_ERROR, f"request {req.rid}: send of chunk {seq} (direct) failed: {e}"
-                ),
-            )
-            return False
+        except (StaleEpochError, TransferError) as e:
+            return self._end_refused(req, e, f"chunk {seq} (direct)")
         req.handles.append(InFlight(h, None))
         return True
+
+    def _end_refused(self, req: PrefillRequest, e: Exception, what: str) -> bool:
+        """End ``req`` for a post of ``what`` that failed with ``e``: 503 when the decode
+        released its KV memory since (StaleEpochError), else 500.  False: what a posting
+        method returns then."""
+        if isinstance(e, StaleEpochError):
+            why = f"the decode side released its KV memory (epoch moved on): {e}"
+            self._end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: {why}"))
+        else:
+            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of {what} failed: {e}"))
+        return False

@@ -38,7 +38,7 @@ import torch
 import kvmem
 from kvmem.disagg.arena import ArenaFullError
 from kvmem.disagg.device import to_device
-from kvmem.disagg.outcome import INTERNAL_ERROR, SERVICE_UNAVAILABLE, Reason
+from kvmem.disagg.outcome import INTERNAL_ERROR, Reason
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.protocol import encode, encode_runs
 from kvmem.disagg.states import PrefillState
@@ -277,21 +277,9 @@ class PrefillSending(PrefillDirect):
                 raise TransferError(f"injected send failure of {what}")
             remote = req.landing_map.ranges(req.landing_off + remote_off, nbytes)
             h = self.engine.post_write(local, req.remote, remote, notif)
-        except StaleEpochError as e:
+        except (StaleEpochError, TransferError) as e:
             self.arena.free(staging_off)
-            self._end(
-                req,
-                Reason(
-                    SERVICE_UNAVAILABLE,
-                    f"request {req.rid}: the decode side "
-                    f"released its KV memory (epoch moved on): {e}",
-                ),
-            )
-            return False
-        except TransferError as e:
-            self.arena.free(staging_off)
-            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of {what} failed: {e}"))
-            return False
+            return self._end_refused(req, e, what)
         req.handles.append(InFlight(h, staging_off))
         return True
 

@@ -26,10 +26,9 @@ import contextlib
 import logging
 import time
 
-from kvmem.disagg.outcome import Ending
 from kvmem_sglang import chase, options, roles
 from kvmem_sglang.decode import is_decode
-from kvmem_sglang.reasons import abort_reason, decide, reason_of
+from kvmem_sglang.reasons import decide, reason_of, released_while
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -94,11 +93,7 @@ def _drain(sched, what: str) -> list:
     server = roles.server(sched)
 
     def reason(req, where):
-        return abort_reason(
-            f"{server} released its {what} (release_memory_occupation) while "
-            f"request {req.rid} was {where}; aborted, retry after the resume",
-            Ending.RELEASED,
-        )
+        return released_while(server, what, req.rid, where)
 
     def answer(req, where) -> None:
         decide(req, reason(req, where))

@@ -31,12 +31,10 @@ import contextlib
 import logging
 import time
 
-from kvmem.disagg.outcome import Ending
 from kvmem_sglang import options, roles, state
 from kvmem_sglang.prefill import STATS
-from kvmem_sglang.reasons import abort_reason as _abort_reason
 from kvmem_sglang.reasons import decide as _decide
-from kvmem_sglang.reasons import reason_of
+from kvmem_sglang.reasons import reason_of, released_while
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -84,11 +82,7 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
     server = roles.server(sched)
 
     def reason(req, where):
-        return _abort_reason(
-            f"{server} released its {what} (release_memory_occupation) while "
-            f"request {req.rid} was {where}; aborted, retry after the resume",
-            Ending.RELEASED,
-        )
+        return released_while(server, what, req.rid, where)
 
     queue = sched.disagg_prefill_bootstrap_queue
     waiting = getattr(sched, "waiting_queue", [])

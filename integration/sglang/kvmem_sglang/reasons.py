@@ -54,6 +54,16 @@ def abort_reason(message: str, ending: Ending):
     return FINISH_ABORT(message, http_status(ending))
 
 
+def released_while(server: str, what: str, rid, where: str):
+    """The ``FINISH_ABORT`` (503) of request ``rid``, which was ``where`` when ``server``
+    released its ``what`` (``release_memory_occupation``): retry after the resume."""
+    return abort_reason(
+        f"{server} released its {what} (release_memory_occupation) while "
+        f"request {rid} was {where}; aborted, retry after the resume",
+        Ending.RELEASED,
+    )
+
+
 def reason_of(req):
     """The answer :func:`decide` gave ``req``, or None."""
     return state.REASON.get(req)
