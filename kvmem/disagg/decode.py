@@ -454,8 +454,8 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         """Cancel this side's own reads (pull), deregister what it registered (the engine
         stays the caller's)."""
         for req in self.reqs.values():
-            for h, *_ in req.reads:
-                self.engine.release(h, abort=True)
+            for r in req.reads:
+                self.engine.release(r.handle, abort=True)
             req.reads = []
         for key in ("kv", "landing"):
             if key in self.engine.registrations():

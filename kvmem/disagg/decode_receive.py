@@ -17,7 +17,7 @@ import torch
 
 import kvmem
 from kvmem.disagg.device import HostCopy, to_device
-from kvmem.disagg.decode_request import DecodeRequest
+from kvmem.disagg.decode_request import DecodeRequest, Read
 from kvmem.disagg.outcome import OK, ProtocolError, Reason
 from kvmem.disagg.protocol import AUX_BYTES, Aux, Chunk, Ready, decode_runs, encode
 from kvmem.disagg.states import DecodeState
@@ -181,7 +181,7 @@ class DecodeReceiving:
                 b"",
                 op="READ",
             )
-            req.reads.append((h, first, last))
+            req.reads.append(Read(h, first, last))
             req.t_seen = self.clock()
             ok = True
         except (StaleEpochError, TransferError) as e:
@@ -232,12 +232,13 @@ class DecodeReceiving:
             if not req.reads:
                 continue
             keep = []
-            for h, first, last in req.reads:
-                st = self.engine.poll(h)
+            for r in req.reads:
+                first, last = r.first, r.last
+                st = self.engine.poll(r.handle)
                 if st == "PROC":
-                    keep.append((h, first, last))
+                    keep.append(r)
                     continue
-                self.engine.release(h)
+                self.engine.release(r.handle)
                 done = True
                 if st == "DONE":
                     nbytes = kvmem.packed_nbytes(self.spec, last - first)

@@ -13,6 +13,17 @@ import numpy as np
 from kvmem.disagg.device import HostCopy
 from kvmem.disagg.outcome import Reason
 from kvmem.disagg.states import DecodeState
+from kvmem.transfer.records import TransferHandle
+
+
+@dataclass(frozen=True)
+class Read:
+    """Pull mode: this side's read of pages ``[first, last)`` of a request from the
+    prefill's pool, in flight as ``handle``."""
+
+    handle: TransferHandle
+    first: int
+    last: int
 
 
 @dataclass
@@ -46,7 +57,7 @@ class DecodeRequest:
     t_quarantined: float | None = None
     pages_done: int = 0  # pages landed and verified, in order
     reason: Reason | None = None
-    reads: list = field(default_factory=list)  # pull: (TransferHandle, first, last) in flight
+    reads: list[Read] = field(default_factory=list)  # pull: its reads in flight
     free_after_reads: tuple | None = None  # (why, reason) of a free waiting for our reads
     ids: HostCopy | None = None  # booting: its page ids on their way to the host
     host_pages: np.ndarray | None = None  # int64 [pages]: its page ids, on the host

@@ -96,7 +96,7 @@ from kvmem.disagg.peers import PeerTable, buffer_map, peer_names, tell
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.model import Forward, prepare_model
 from kvmem.disagg.prefill_peers import PrefillPeers, _DecodePeer
-from kvmem.disagg.prefill_request import Offer, PrefillRequest
+from kvmem.disagg.prefill_request import IdsCopy, Offer, PendingChunk, PrefillRequest
 from kvmem.disagg.prefill_ending import PrefillEnding
 from kvmem.disagg.prefill_pause import PrefillPause
 from kvmem.disagg.prefill_send import PrefillSending
@@ -440,7 +440,7 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
             # Chunks start on a page boundary (all but a request's last are whole pages),
             # so the new pages are exactly pages [first, last_page) of the request; their
             # ids reach the host without a sync, for READY and direct descriptors.
-            req.ids.append((first, last_page, HostCopy(new)))
+            req.ids.append(IdsCopy(first, last_page, HostCopy(new)))
             batch.append((req, first, last_page))
         return batch
 
@@ -460,7 +460,7 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
                 self._end(req, reason)
                 self.metrics.time_to_free.append(self.clock() - req.t_abort)
                 continue
-            req.pending.append((first, last, req.done_tokens >= req.tokens))
+            req.pending.append(PendingChunk(first, last, req.done_tokens >= req.tokens))
         self._flush_pending()
 
     # --- its state ----------------------------------------------------------------------------

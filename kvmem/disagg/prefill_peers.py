@@ -33,6 +33,7 @@ import kvmem
 from kvmem.disagg.outcome import INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, ProtocolError, Reason
 from kvmem.disagg.peers import PeerTable, RegionMap, sole_peer
 from kvmem.disagg.prefill_request import Offer, PrefillRequest
+from kvmem.transfer.records import XferState
 from kvmem.disagg.protocol import (
     AUX_BYTES,
     AbortReq,
@@ -378,7 +379,7 @@ class PrefillPeers:
                     t.op
                     for t in req.handles
                     if isinstance(t.op, Offer)
-                    and t.op.state == "PROC"
+                    and t.op.state is XferState.PROC
                     and (t.op.first, t.op.last) == (msg.first, msg.last)
                 ),
                 None,
@@ -389,6 +390,6 @@ class PrefillPeers:
                 f"PULLED for request {msg.rid} pages [{msg.first}, {msg.last}):"
                 " no such read offered"
             )
-        offer.state = "DONE" if msg.ok else "ERR"
+        offer.state = XferState.DONE if msg.ok else XferState.ERR
         if not msg.ok:
             offer.error = "the decode's read failed or was refused"

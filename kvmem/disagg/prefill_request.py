@@ -1,6 +1,8 @@
 """One request on the prefill side (:class:`PrefillRequest`) and the records of its
-transfers: a chunk or the AUX staged and not posted yet (:class:`_Staged`, of the kinds
-:class:`_Send`), a transfer in flight (:class:`InFlight`), a pull offer (:class:`Offer`).
+transfers: a chunk forwarded and not staged yet (:class:`PendingChunk`), its page ids on
+their way to the host (:class:`IdsCopy`), a chunk or the AUX staged and not posted yet
+(:class:`_Staged`, of the kinds :class:`_Send`), a transfer in flight
+(:class:`InFlight`), a pull offer (:class:`Offer`).  The queued ones are frozen.
 Data only: the side's modules change them (:mod:`kvmem.disagg.prefill` and its parts);
 nothing here imports them.
 """
@@ -14,10 +16,30 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from kvmem.disagg.device import HostCopy
 from kvmem.disagg.outcome import Reason
 from kvmem.disagg.peers import RegionMap
 from kvmem.disagg.states import PrefillState
-from kvmem.transfer.records import TransferHandle
+from kvmem.transfer.records import TransferHandle, XferState
+
+
+@dataclass(frozen=True)
+class PendingChunk:
+    """A chunk whose forward is done, not staged yet: pages ``[first, last)`` of the
+    request; ``final``: its last chunk."""
+
+    first: int
+    last: int
+    final: bool
+
+
+@dataclass(frozen=True)
+class IdsCopy:
+    """The page ids of pages ``[first, last)`` of a request, on their way to the host."""
+
+    first: int
+    last: int
+    copy: HostCopy
 
 
 @dataclass
@@ -30,7 +52,7 @@ class Offer:
     last: int
     nbytes: int
     t_sent: float
-    state: str = "PROC"
+    state: XferState = XferState.PROC
     error: str | None = None
 
 
@@ -58,7 +80,7 @@ class _Send(enum.Enum):
     AUX = "aux"  # the extra state, copied into a staging slot, written after the last chunk
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Staged:
     """A transfer staged and not posted yet: posted once ``ready`` says the bytes it sends
     are written (the pack, the AUX copy or the forward is done on the device)."""
@@ -113,15 +135,15 @@ class PrefillRequest:
     # int64 [pages]: its page ids, known on the host up to ids_known
     host_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     ids_known: int = 0  # host_pages[:ids_known] are filled in
-    ids: list = field(default_factory=list)  # (first, last, HostCopy) of chunks' page ids
+    ids: list[IdsCopy] = field(default_factory=list)  # chunks' page ids, in chunk order
     seq: int = 0  # chunks posted
     landing_off: int = -1
     landing_nbytes: int = 0
     remote: object = None  # RemoteMemory of the decode's landing buffer
     landing_map: RegionMap | None = None  # offsets of ``remote``'s regions
     staged: _Staged | None = None  # packed, waiting for its ready event to be posted
-    handles: list = field(default_factory=list)  # InFlight transfers (one at a time)
-    pending: list = field(default_factory=list)  # chunks packed-to-be: (first, last, final)
+    handles: list[InFlight] = field(default_factory=list)  # transfers (one at a time)
+    pending: list[PendingChunk] = field(default_factory=list)  # chunks to stage, in order
     in_batch: bool = False
     abort_pending: Reason | None = None
     t_abort: float | None = None

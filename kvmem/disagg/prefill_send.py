@@ -45,6 +45,7 @@ from kvmem.disagg.states import PrefillState
 from kvmem.transfer.errors import StaleEpochError, TransferError
 from kvmem.disagg.prefill_direct import PrefillDirect
 from kvmem.disagg.prefill_request import InFlight, Offer, PrefillRequest, _Send, _Staged
+from kvmem.transfer.records import XferState
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -122,7 +123,8 @@ class PrefillSending(PrefillDirect):
                     continue
                 if not req.pending:
                     break
-                got = self._stage_chunk(req, *req.pending[0])
+                nxt = req.pending[0]
+                got = self._stage_chunk(req, nxt.first, nxt.last, nxt.final)
                 if got == "full":
                     return moved  # staging full: retry next step, in order
                 if got == "wait":
@@ -217,10 +219,10 @@ class PrefillSending(PrefillDirect):
         """``int64 [last - first]``: the page ids of pages ``[first, last)`` of ``req`` on
         the host, once their copies (made by ``_schedule``, in chunk order) are done; None
         before.  Never waits."""
-        while req.ids and req.ids[0][2].ready():
-            f, l, copy = req.ids.pop(0)
-            req.host_pages[f:l] = copy.numpy()
-            req.ids_known = l
+        while req.ids and req.ids[0].copy.ready():
+            c = req.ids.pop(0)
+            req.host_pages[c.first : c.last] = c.copy.numpy()
+            req.ids_known = c.last
         return req.host_pages[first:last] if req.ids_known >= last else None
 
     def _send_aux(self, req: PrefillRequest) -> None:
@@ -374,7 +376,7 @@ class PrefillSending(PrefillDirect):
     def _poll_offer(self, req: PrefillRequest, offer: Offer) -> str:
         """``offer``'s state: the decode's answer (PULLED), or ERR (logged) once it has
         gone unanswered for ``quarantine_timeout``."""
-        if offer.state == "PROC" and self.clock() - offer.t_sent > self.quarantine_timeout:
+        if offer.state is XferState.PROC and self.clock() - offer.t_sent > self.quarantine_timeout:
             log.error(
                 "prefill: request %d: no PULLED from the decode %.1f s after offering "
                 "pages [%d, %d); freeing them",
@@ -383,5 +385,5 @@ class PrefillSending(PrefillDirect):
                 offer.first,
                 offer.last,
             )
-            offer.state, offer.error = "ERR", "no PULLED within the quarantine timeout"
+            offer.state, offer.error = XferState.ERR, "no PULLED within the quarantine timeout"
         return offer.state
