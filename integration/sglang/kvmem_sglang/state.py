@@ -195,3 +195,39 @@ GUARDED: SideTable[bool] = SideTable(
 TABLES: dict[str, SideTable] = {
     name: t for name, t in globals().items() if isinstance(t, SideTable)
 }
+
+# Module-level state outside these tables, each with why it is per process and not per
+# sglang object; tests/test_sglang_state.py finds every mutable module global of the
+# adapter and checks it is here or in REGISTRIES.
+PROCESS: dict[str, str] = {
+    "options._ACTIVE": "the adapter's options, parsed once when the plugin loads",
+    "imports._AFTER": "what to patch when a backend module is imported: once a process",
+    "kvpool._POOLS": "the kvmem pools the process's allocator made, weakly: a release "
+    "gives back every one",
+    "kvpool._LOCK": "guards _POOLS",
+    "chase._DUE": "the bootstrap chase's heap of due connects, served by one thread",
+    "chase._SEQ": "orders equal due times in _DUE",
+    "chase._THREAD": "the chase's one thread, started on first use",
+    "chase._LOCK": "guards _DUE and _THREAD",
+    "chase._WAKE": "wakes the chase thread on a new entry",
+    "notify._POOL": "the executor that sends abort notifications off the scheduler "
+    "thread, made on first use",
+    "notify._POOL_LOCK": "guards _POOL",
+    "release._WARNED": "KV managers already warned about, so one line a class",
+    "transfer_ahead._TLS": "the queue the calling transfer worker thread serves",
+}
+
+# Registries: the manifest (its record, its application), the adapter's table of variables,
+# and the metrics (counters sglang's processes export).
+REGISTRIES: dict[str, str] = {
+    "manifest_recorded.RECORDED": "the manifest's record of sglang 0.5.23 (generated)",
+    "options.VARIABLES": "the adapter's environment variables, their values and meaning",
+    "plugin.INSTALLED": "hook targets patched in this process",
+    "plugin.PENDING": "hook targets waiting for their backend module's import",
+    "audit.STATS": "metrics",
+    "audit._COUNTER": "metrics (prometheus)",
+    "notify.STATS": "metrics",
+    "prefill.STATS": "metrics",
+    "transfer_records.STATS": "metrics",
+    "transfer_records._COUNTER": "metrics (prometheus)",
+}
