@@ -122,7 +122,7 @@ class KVPool:
             planner=planner,
             chunk_bytes=chunk_bytes,
         )
-        # make_range plans and maps every range of a byte or more
+        # make_backend plans and maps every range of a byte or more
         assert self._mem.plan is not None and self._mem.tensor is not None
         self.plan: ChunkPlan = self._mem.plan
         self._k_offsets, self._v_offsets = self.plan.k_offsets, self.plan.v_offsets

@@ -24,6 +24,7 @@ import numpy as np
 from kvmem.disagg.outcome import INTERNAL_ERROR, SERVICE_UNAVAILABLE, Reason
 from kvmem.disagg.prefill_request import InFlight, PrefillRequest, _Staged
 from kvmem.transfer.errors import StaleEpochError, TransferError
+from kvmem.transfer.records import BlockTable
 from kvmem.transfer.runs import merge_runs
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class PrefillDirect:
         transfer_mode: str
         faults: Any
         direct_threshold: int | None
-        _local_table: Any
+        _local_table: BlockTable | None
         _peers: dict[str, Any]
 
         @property
@@ -66,17 +67,25 @@ class PrefillDirect:
         if self.direct_threshold is not None and self.engine.registrations()["kv"].layout:
             self._local_table = self.engine.prep_local("kv")
 
-    def _may_go_direct(self, req: PrefillRequest) -> bool:
-        """Whether a chunk of ``req`` could be written direct now (push, a threshold, the
-        BOOT's page ids and kv known, the local list prepared, the decode not pausing)."""
-        return not (
+    def _direct_inputs(self, req: PrefillRequest) -> tuple[np.ndarray, BlockTable, int] | None:
+        """``(the BOOT's page ids, the local list, the threshold)`` when a chunk of ``req``
+        could be written direct now (push, a threshold, the BOOT's page ids and kv known,
+        the local list prepared, the decode not pausing); None otherwise."""
+        dpages, lt, threshold = req.dpages, self._local_table, self.direct_threshold
+        if (
             self.transfer_mode != "push"
-            or self.direct_threshold is None
-            or req.dpages is None
+            or threshold is None
+            or dpages is None
             or req.kv is None
-            or self._local_table is None
+            or lt is None
             or self._peers[req.peer].paused
-        )
+        ):
+            return None
+        return dpages, lt, threshold
+
+    def _may_go_direct(self, req: PrefillRequest) -> bool:
+        """Whether a chunk of ``req`` could be written direct now (:meth:`_direct_inputs`)."""
+        return self._direct_inputs(req) is not None
 
     def _direct_indices(self, req: PrefillRequest, first: int, last: int, src: np.ndarray):
         """``(local, remote)`` block indices when pages ``[first, last)`` go direct, else
@@ -85,10 +94,11 @@ class PrefillDirect:
         bytes per descriptor (one descriptor per merged run per layer and K|V).  A head
         range (heterogeneous TP) always packs: its rows are not whole pages (this side
         sends whole pages only)."""
-        lt, threshold = self._local_table, self.direct_threshold
-        if not self._may_go_direct(req) or req.dpages is None or lt is None or threshold is None:
+        inputs = self._direct_inputs(req)
+        if inputs is None:
             return None
-        dst = req.dpages[first:last]
+        dpages, lt, threshold = inputs
+        dst = dpages[first:last]
         n = last - first
         # in request order, not sorted: NIXL's prepared list merges the blocks as posted
         runs = len(merge_runs(src, dst, by_source=False))
