@@ -130,20 +130,35 @@ class FaultPlan(Faults, DecodeFaults):
         ``wait`` seconds in its target state, or once half of the timeout that would end
         it there has run: a process held off the CPU between the step that moved the
         request into the state and this call must not let the timeout, checked after this
-        call, come first (it would end an abort case as a timeout case)."""
-        target = {
-            "abort_bootstrapping": KVPoll.Bootstrapping,
-            "abort_waiting": KVPoll.WaitingForInput,
-            "abort_transferring": KVPoll.Transferring,
-        }
+        call, come first (it would end an abort case as a timeout case).  For the same
+        reason a request still in a state before its target once half of that state's
+        timeout has run (its decode's BOOT late on a loaded machine) is aborted there: an
+        abort in that state, a row of the table that ends the same way."""
         for rid in list(side.reqs):
-            want = target.get(self.kind(rid))
-            if want is None or side.state(rid) != want:
+            want = _ABORT_IN.get(self.kind(rid))
+            if want is None:
                 continue
-            t0 = self._seen.setdefault(rid, now)
-            if now - t0 >= self.wait or now >= _halfway(side, side.reqs[rid], want):
+            poll = side.state(rid)
+            if poll == want:
+                t0 = self._seen.setdefault(rid, now)
+                if now - t0 >= self.wait or now >= _halfway(side, side.reqs[rid], want):
+                    side.abort(rid)
+                    self._seen.pop(rid, None)
+            elif poll in _BEFORE[want] and now >= _halfway(side, side.reqs[rid], poll):
                 side.abort(rid)
-                self._seen.pop(rid, None)
+
+
+# the state each abort kind aborts in, and the states a request passes before it
+_ABORT_IN = {
+    "abort_bootstrapping": KVPoll.Bootstrapping,
+    "abort_waiting": KVPoll.WaitingForInput,
+    "abort_transferring": KVPoll.Transferring,
+}
+_BEFORE = {
+    KVPoll.Bootstrapping: (),
+    KVPoll.WaitingForInput: (KVPoll.Bootstrapping,),
+    KVPoll.Transferring: (KVPoll.Bootstrapping, KVPoll.WaitingForInput),
+}
 
 
 def _halfway(side, req, poll: KVPoll) -> float:

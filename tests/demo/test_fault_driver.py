@@ -68,3 +68,15 @@ def test_abort_waits_its_time_in_the_state_when_nothing_stalls():
         assert rid not in pair.finished and pair.prefill.state(rid) == KVPoll.WaitingForInput
         pair.clock.advance(0.1)
         drive_and_step(pair, plan)
+
+
+def test_abort_planned_later_comes_before_a_late_boot_times_the_request_out():
+    """The decode's BOOT late (its process held off the CPU): the request of a planned
+    abort in WaitingForInput is still Bootstrapping once half the bootstrap timeout has
+    run, and is aborted there instead of ending as a timeout case."""
+    with planned("abort_waiting", KVPoll.Bootstrapping, wait=0.05) as (pair, plan, rid):
+        plan.drive(pair.prefill, pair.clock())
+        assert pair.prefill.state(rid) == KVPoll.Bootstrapping  # not yet halfway
+        pair.clock.advance(0.6 * TIMEOUT)
+        plan.drive(pair.prefill, pair.clock())  # before any step delivers the BOOT
+        assert rid in pair.prefill.finished

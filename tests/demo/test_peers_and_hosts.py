@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from kvmem.demo.hosts import ADDRESS, NetnsHosts, PREFIX, netns_refusal, remove_stale
-from tests.demo.test_demo import assert_every_fault_lifecycle
+from tests.demo.test_demo import LOADED, assert_every_fault_lifecycle
 from tests.util import communicate
 
 pytestmark = pytest.mark.subprocess  # starts other interpreters
@@ -165,7 +165,7 @@ def test_two_hosts_are_apart_joined_by_tcp_and_removed():
 @pytest.mark.nixl
 def test_demo_over_two_netns_hosts_every_fault(netns_demo, tmp_path):
     out = tmp_path / "demo.json"
-    p = netns_demo(SMALL + ["--requests", "60", "--bw-mib", "8", "--json", str(out)])
+    p = netns_demo(SMALL + ["--requests", "60", "--bw-mib", "8", "--json", str(out)] + LOADED)
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(out.read_text())
     assert r["errors"] == []
