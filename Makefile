@@ -100,7 +100,13 @@ demo: $(VENV)/.demo-ready
 test:
 	$(MAKE) --no-print-directory -j2 venv-test venv-triton36 venv-e2e
 	$(MAKE) --no-print-directory test-interpret
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-main test-e2e
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-main test-e2e MAIN_WORKERS=1
+
+# The main suite's pytest processes: alone (`make test-main`) two pytest-xdist workers, one
+# a core, the tests that fork from the sglang fork servers in one of them (tests/conftest.py);
+# in `make test` one, since the end-to-end tier runs beside it.
+MAIN_WORKERS ?= 2
+MAIN_XDIST = $(if $(filter-out 1,$(MAIN_WORKERS)),-n $(MAIN_WORKERS) --dist loadgroup)
 
 # tests/ includes test_bench_smoke.py (every benchmark once, tiny sizes; sglang's Mooncake
 # pair runs in .venv-e2e) and
@@ -109,7 +115,7 @@ test-main: $(VENV)/.test-ready $(TRITON36_VENV)/.ready $(E2E_VENV)/.adapter $(E2
 	$(BIN)/ruff check -q .
 	$(BIN)/ruff format --check -q .
 	$(BIN)/mypy kvmem integration/sglang/kvmem_sglang
-	KVMEM_HYPOTHESIS=ci $(BIN)/python -m pytest -q tests
+	KVMEM_HYPOTHESIS=ci $(BIN)/python -m pytest -q $(MAIN_XDIST) tests
 
 check: $(VENV)/.test-ready
 	$(BIN)/ruff check -q .

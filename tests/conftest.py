@@ -76,12 +76,31 @@ if os.environ.get("KVMEM_E2E") != "1":
 _FOLDER_MARKS = {"sglang": ("sglang", "subprocess"), "e2e": ("e2e", "subprocess")}
 
 
+# the tests that fork from this session's sglang fork servers: with several workers
+# (``make test-main``: pytest-xdist, ``--dist loadgroup``) they run in one, which starts
+# the two servers once (about 1 GB and 10 to 20 s each)
+_FORK_SERVER_USERS = ("sglang", "test_bench_smoke.py")
+
+
+def pytest_configure(config):
+    """A pytest-xdist worker's variables name it to whatever reads them: pytest-benchmark
+    turns itself off in a pytest run that sees them, and the benchmark smoke's nested run
+    would then time nothing.  The worker keeps them in its ``workerinput``; its children
+    are not workers."""
+    if hasattr(config, "workerinput"):
+        for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+            os.environ.pop(name, None)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(os.path.abspath(__file__))
     for item in items:
         rel = os.path.relpath(str(item.fspath), here).split(os.sep)
         for name in _FOLDER_MARKS.get(rel[0], ()):
             item.add_marker(name)
+        if rel[0] in _FORK_SERVER_USERS:
+            item.add_marker(pytest.mark.xdist_group("sglang-fork-servers"))
 
 
 @pytest.fixture(scope="session", autouse=True)
