@@ -10,7 +10,8 @@ imports are resolved against the importing module's package.  The test fails nam
 each cycle of the graph it finds.
 
 And what an sglang process pays for the adapter at start: its modules (those that do not
-import sglang at the top) load neither side of kvmem's PD nor a transfer engine.
+import sglang at the top) load neither side of kvmem's PD nor a transfer engine.  And no
+module of the adapter uses a private name (a leading underscore) of another one.
 """
 
 from __future__ import annotations
@@ -245,3 +246,56 @@ def test_the_packages_still_give_every_name():
             pkg.NotAName  # noqa: B018
     assert _loaded_after(["kvmem.disagg"]) == set()
     assert _loaded_after(["kvmem.transfer"]) == set()
+
+
+def private_uses(package: str = "kvmem_sglang") -> list[str]:
+    """Each use, in a module of ``package``, of another module's private name (a leading
+    underscore): ``from kvmem_sglang.x import _y``, or ``x._y`` on a module imported as
+    ``x``.  A name another module uses is part of its module's interface."""
+    known = modules(package)
+    found = []
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}  # local name -> the module of the package it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "") in known:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    if sub in known:
+                        aliases[alias.asname or alias.name] = sub
+                    elif alias.name.startswith("_") and node.module != name:
+                        found.append(f"{name}: from {node.module} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in known and alias.asname:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                owner = aliases.get(ast.unparse(node.value), ast.unparse(node.value))
+                if owner in known and owner != name:
+                    found.append(f"{name}: {owner}.{node.attr}")
+    return found
+
+
+def test_the_private_use_finder_sees_both_kinds(tmp_path, monkeypatch):
+    pkg = tmp_path / "kvmem_sglang"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("_x = 1\n_y = 2\n")
+    (pkg / "b.py").write_text(
+        "from kvmem_sglang import a\nfrom kvmem_sglang.a import _x\nprint(a._y, a.__name__)\n"
+    )
+    monkeypatch.setitem(ROOTS, "kvmem_sglang", pkg)
+    assert private_uses() == [
+        "kvmem_sglang.b: from kvmem_sglang.a import _x",
+        "kvmem_sglang.b: kvmem_sglang.a._y",
+    ]
+
+
+def test_no_adapter_module_uses_another_ones_private_name():
+    found = private_uses()
+    assert not found, "private names used by another module: " + "; ".join(found)
