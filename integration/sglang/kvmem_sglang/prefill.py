@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from kvmem.disagg.outcome import Ending
-from kvmem_sglang import audit, decode, notify, options, roles, state
+from kvmem_sglang import audit, decode, notify, roles, state
 from kvmem_sglang.reasons import abort_reason as _abort_reason
 from kvmem_sglang.reasons import decide as _decide
 from kvmem_sglang.reasons import http_status, reason_of
@@ -255,7 +255,7 @@ def _expire_transfers(sched, queue) -> None:
     from sglang.srt.disaggregation.base import KVPoll
 
     now = time.monotonic()
-    timeout = options.active().transfer_timeout
+    timeout = state.PROCESS.options.active().transfer_timeout
     for req in queue:
         if req.pending_bootstrap or reason_of(req) is not None:
             continue

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import time
 
-from kvmem_sglang import options, roles, state
+from kvmem_sglang import roles, state
 from kvmem_sglang.prefill import STATS
 from kvmem_sglang.reasons import decide as _decide
 from kvmem_sglang.reasons import reason_of, released_while
@@ -233,7 +233,7 @@ def await_posted_writes(sched) -> None:
         )
     rooms = busy()
     start = time.monotonic()
-    deadline, next_log = start + options.active().drain_timeout, start + DRAIN_LOG_S
+    deadline, next_log = start + state.PROCESS.options.active().drain_timeout, start + DRAIN_LOG_S
     _await_settle_window(mgr, deadline)
     if not rooms:
         return

@@ -34,8 +34,6 @@ from kvmem_sglang.prefill_drain import (
 
 logger = logging.getLogger("kvmem.sglang")
 
-_WARNED: set[str] = set()  # managers already warned about (once per class)
-
 
 # -- release / resume ---------------------------------------------------------------------------
 
@@ -240,9 +238,9 @@ def queue_release(result, queue, *args, **kwargs):
     if (
         not hasattr(mgr, "deregister_buffer_to_engine")
         and name != "FakeKVManager"
-        and name not in _WARNED
+        and name not in state.PROCESS.warned
     ):
-        _WARNED.add(name)
+        state.PROCESS.warned.add(name)
         logger.warning(
             "kvmem-sglang: the transfer backend's %s has no deregistration; "
             "what it registered stays registered across "

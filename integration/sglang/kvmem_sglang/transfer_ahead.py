@@ -26,18 +26,15 @@ WaitingForInput until the worker reaches it and runs sglang's own code for it
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
+from kvmem_sglang import state
 from kvmem_sglang.transfer_records import Ahead, TransferState
-
-_TLS = threading.local()  # .queue: the FastQueue the calling worker thread serves
 
 
 def transfer_worker(original, mgr, queue, *args, **kwargs):
     """AROUND ``NixlKVManager.transfer_worker``: note the thread's queue, then run it."""
-    _TLS.queue = queue
+    state.PROCESS.worker.queue = queue  # the FastQueue this worker thread serves
     return original(mgr, queue, *args, **kwargs)
 
 
@@ -51,7 +48,7 @@ def take_ahead(
     both backends' paths: their managers share these fields and this queue."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    queue = getattr(_TLS, "queue", None)
+    queue = getattr(state.PROCESS.worker, "queue", None)
     if queue is None or not hasattr(queue, "_buf"):
         return []
     st.sweep(mgr)
