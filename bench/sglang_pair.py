@@ -115,10 +115,10 @@ def measure(
 
 def _transfer_stats() -> dict | None:
     try:
-        from kvmem_sglang import options, transfer_records
+        from kvmem_sglang import state, transfer_records
     except ImportError:
         return None
-    return transfer_records.STATS.as_dict() if options.is_active() else None
+    return transfer_records.STATS.as_dict() if state.PROCESS.options.is_active() else None
 
 
 def summary(xs) -> dict:

@@ -8,11 +8,18 @@ inside a function, and under ``if TYPE_CHECKING:`` alike (not under ``if __name_
 an import of module ``kvmem.x.y`` when that is a module, else of ``kvmem.x``; relative
 imports are resolved against the importing module's package.  The test fails naming
 each cycle of the graph it finds.
+
+And what an sglang process pays for the adapter at start: its modules (those that do not
+import sglang at the top) load neither side of kvmem's PD nor a transfer engine.  And no
+module of the adapter uses a private name (a leading underscore) of another one.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +185,117 @@ def test_kvmem_never_imports_the_adapter():
     known = modules()
     for name, path in known.items():
         assert not imports_of(name, path, modules("kvmem_sglang"), "kvmem_sglang"), name
+
+
+# kvmem's PD sides and transfer engines: what the adapter's modules must not load when
+# sglang imports them (the adapter needs kvmem.disagg.outcome and kvmem.transfer.runs;
+# the packages' __init__s import the rest only when a name of theirs is asked for)
+HEAVY = (
+    "kvmem.disagg.prefill",
+    "kvmem.disagg.decode",
+    "kvmem.transfer.nixl",
+    "kvmem.transfer.engine",
+)
+
+
+def _imports_sglang_at_top(path: Path) -> bool:
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import) and any(
+            a.name.split(".")[0] == "sglang" for a in node.names
+        ):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "sglang":
+            return True
+    return False
+
+
+def _loaded_after(names: list[str]) -> set[str]:
+    """The modules of HEAVY that a fresh interpreter has loaded after importing ``names``."""
+    code = "import sys\n" + "".join(f"import {n}\n" for n in names)
+    code += f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    path = os.pathsep.join(str(r.parent) for r in ROOTS.values())
+    env = {**os.environ, "PYTHONPATH": path + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr
+    return set(p.stdout.split())
+
+
+@pytest.mark.subprocess
+def test_the_adapter_loads_no_pd_side_nor_engine():
+    adapter = [n for n, path in modules("kvmem_sglang").items() if not _imports_sglang_at_top(path)]
+    assert {"kvmem_sglang.reasons", "kvmem_sglang.transfer", "kvmem_sglang.prefill"} <= set(adapter)
+    assert _loaded_after(["kvmem.disagg.outcome", "kvmem.transfer.runs", *adapter]) == set()
+
+
+@pytest.mark.subprocess
+def test_the_packages_still_give_every_name():
+    """``from kvmem.disagg import PrefillSide`` etc. still work, each name the one its module
+    defines, and loads what it needs."""
+    import kvmem.disagg
+    import kvmem.transfer
+
+    for pkg in (kvmem.disagg, kvmem.transfer):
+        for name in pkg.__all__:
+            value = getattr(pkg, name)
+            assert getattr(sys.modules[pkg._HOME[name]], name) is value, name
+        assert set(pkg.__all__) == set(pkg._HOME)
+        assert set(pkg.__all__) <= set(dir(pkg))
+        with pytest.raises(AttributeError):
+            pkg.NotAName  # noqa: B018
+    assert _loaded_after(["kvmem.disagg"]) == set()
+    assert _loaded_after(["kvmem.transfer"]) == set()
+
+
+def private_uses(package: str = "kvmem_sglang") -> list[str]:
+    """Each use, in a module of ``package``, of another module's private name (a leading
+    underscore): ``from kvmem_sglang.x import _y``, or ``x._y`` on a module imported as
+    ``x``.  A name another module uses is part of its module's interface."""
+    known = modules(package)
+    found = []
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}  # local name -> the module of the package it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "") in known:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    if sub in known:
+                        aliases[alias.asname or alias.name] = sub
+                    elif alias.name.startswith("_") and node.module != name:
+                        found.append(f"{name}: from {node.module} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in known and alias.asname:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                owner = aliases.get(ast.unparse(node.value), ast.unparse(node.value))
+                if owner in known and owner != name:
+                    found.append(f"{name}: {owner}.{node.attr}")
+    return found
+
+
+def test_the_private_use_finder_sees_both_kinds(tmp_path, monkeypatch):
+    pkg = tmp_path / "kvmem_sglang"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("_x = 1\n_y = 2\n")
+    (pkg / "b.py").write_text(
+        "from kvmem_sglang import a\nfrom kvmem_sglang.a import _x\nprint(a._y, a.__name__)\n"
+    )
+    monkeypatch.setitem(ROOTS, "kvmem_sglang", pkg)
+    assert private_uses() == [
+        "kvmem_sglang.b: from kvmem_sglang.a import _x",
+        "kvmem_sglang.b: kvmem_sglang.a._y",
+    ]
+
+
+def test_no_adapter_module_uses_another_ones_private_name():
+    found = private_uses()
+    assert not found, "private names used by another module: " + "; ".join(found)

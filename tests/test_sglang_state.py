@@ -1,6 +1,8 @@
-"""What the adapter keeps about sglang's objects (kvmem_sglang/state.py): side tables
+"""What the adapter keeps (kvmem_sglang/state.py): about sglang's objects, side tables
 keyed by identity that never keep an object alive, and no attribute of the adapter's on
-any sglang object (read from the adapter's source)."""
+any sglang object; for the process, the one registry ``state.PROCESS``, and no mutable
+module global but the registries ``state.REGISTRIES`` lists (both read from the
+adapter's source)."""
 
 from __future__ import annotations
 
@@ -171,20 +173,48 @@ def _mutable_globals(tree: ast.Module) -> set[str]:
     return out
 
 
-def test_every_module_global_of_the_adapter_is_listed_with_its_reason():
-    """The adapter's per-process state outside the side tables is the list in
-    ``state.PROCESS``, its registries ``state.REGISTRIES``: a new module global is added
-    there, with a reason, or not at all."""
+def _module_globals(sources: dict[str, str]) -> set[str]:
+    """``module.name`` of each mutable module global in ``sources`` (the adapter's
+    modules: name -> source), less state's side tables and its lists of them."""
     found = set()
-    for path in sorted(ADAPTER.glob("*.py")):
-        names = _mutable_globals(ast.parse(path.read_text()))
-        if path.stem == "state":  # the tables and the lists of them
-            names -= set(state.TABLES) | {"TABLES", "PROCESS", "REGISTRIES"}
-        found |= {f"{path.stem}.{n}" for n in names}
-    listed = set(state.PROCESS) | set(state.REGISTRIES)
-    assert found - listed == set(), "module globals not in state.PROCESS or REGISTRIES"
-    assert listed - found == set(), "listed in state.PROCESS or REGISTRIES, not found"
-    assert all(state.PROCESS.values()) and all(state.REGISTRIES.values())
+    for module, source in sources.items():
+        names = _mutable_globals(ast.parse(source))
+        if module == "state":
+            names -= set(state.TABLES) | {"TABLES", "REGISTRIES"}
+        found |= {f"{module}.{n}" for n in names}
+    return found
+
+
+def _adapter_sources() -> dict[str, str]:
+    return {path.stem: path.read_text() for path in sorted(ADAPTER.glob("*.py"))}
+
+
+def test_the_only_module_globals_of_the_adapter_are_its_registries():
+    """Beside the side tables, the adapter's mutable module globals are the registries
+    ``state.REGISTRIES`` lists (the process's, the manifest's, the variables, the
+    metrics): what a process keeps is a field of ``state.Process``, not a new global."""
+    found = _module_globals(_adapter_sources())
+    listed = set(state.REGISTRIES)
+    assert found - listed == set(), (
+        "module globals not in state.REGISTRIES (per-process state is a field of state.Process)"
+    )
+    assert listed - found == set(), "listed in state.REGISTRIES, not found"
+    assert all(state.REGISTRIES.values())
+
+
+def test_a_new_module_global_fails_the_check():
+    sources = _adapter_sources()
+    sources["chase"] += "\n_SEEN: set = set()\n"
+    sources["notify"] += "\ndef _later():\n    global _EXECUTOR\n    _EXECUTOR = object()\n"
+    assert _module_globals(sources) - set(state.REGISTRIES) == {"chase._SEEN", "notify._EXECUTOR"}
+
+
+def test_every_service_of_the_process_is_described():
+    from dataclasses import fields
+
+    assert type(state.PROCESS) is state.Process
+    names = [f.name for f in fields(state.Process)]
+    assert names and all(f"``{name}``: " in (state.Process.__doc__ or "") for name in names)
 
 
 def test_the_globals_check_finds_each_kind():

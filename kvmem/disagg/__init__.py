@@ -16,23 +16,29 @@ region, or direct from its pool pages into the decode's pool pages, chosen per c
 the prefill's pool pages).  The lifecycle table holds in both.
 """
 
-from kvmem.disagg.counters import Metrics
-from kvmem.disagg.ledger import Ledger
-from kvmem.disagg.outcome import (
-    CLIENT_CLOSED,
-    GATEWAY_TIMEOUT,
-    INTERNAL_ERROR,
-    OK,
-    SERVICE_UNAVAILABLE,
-    Ending,
-    KVPoll,
-    Outcome,
-    ProtocolError,
-    Reason,
-)
-from kvmem.disagg.decode import DecodeFaults, DecodeSide
-from kvmem.disagg.model import Forward, Verifier
-from kvmem.disagg.prefill import Faults, PrefillSide
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmem.disagg.counters import Metrics
+    from kvmem.disagg.decode import DecodeFaults, DecodeSide
+    from kvmem.disagg.ledger import Ledger
+    from kvmem.disagg.model import Forward, Verifier
+    from kvmem.disagg.outcome import (
+        CLIENT_CLOSED,
+        GATEWAY_TIMEOUT,
+        INTERNAL_ERROR,
+        OK,
+        SERVICE_UNAVAILABLE,
+        Ending,
+        KVPoll,
+        Outcome,
+        ProtocolError,
+        Reason,
+    )
+    from kvmem.disagg.prefill import Faults, PrefillSide
 
 __all__ = [
     "KVPoll",
@@ -54,3 +60,40 @@ __all__ = [
     "SERVICE_UNAVAILABLE",
     "GATEWAY_TIMEOUT",
 ]
+
+# Where each name above is defined: the module is imported when the name is first asked
+# for (PEP 562), so that importing one submodule (the sglang adapter imports
+# kvmem.disagg.outcome) does not load both sides and what they import.
+_HOME = {
+    "KVPoll": "kvmem.disagg.outcome",
+    "Outcome": "kvmem.disagg.outcome",
+    "Ending": "kvmem.disagg.outcome",
+    "Reason": "kvmem.disagg.outcome",
+    "ProtocolError": "kvmem.disagg.outcome",
+    "OK": "kvmem.disagg.outcome",
+    "CLIENT_CLOSED": "kvmem.disagg.outcome",
+    "INTERNAL_ERROR": "kvmem.disagg.outcome",
+    "SERVICE_UNAVAILABLE": "kvmem.disagg.outcome",
+    "GATEWAY_TIMEOUT": "kvmem.disagg.outcome",
+    "Ledger": "kvmem.disagg.ledger",
+    "Metrics": "kvmem.disagg.counters",
+    "PrefillSide": "kvmem.disagg.prefill",
+    "Faults": "kvmem.disagg.prefill",
+    "DecodeSide": "kvmem.disagg.decode",
+    "DecodeFaults": "kvmem.disagg.decode",
+    "Forward": "kvmem.disagg.model",
+    "Verifier": "kvmem.disagg.model",
+}
+
+if not TYPE_CHECKING:  # for mypy the names are the imports above, and no others
+
+    def __getattr__(name: str) -> object:
+        if name not in _HOME:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(_HOME[name]), name)
+        globals()[name] = value  # looked up once
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

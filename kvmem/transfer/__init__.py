@@ -13,19 +13,31 @@ engine hands out), ``envelope`` (the metadata envelope), ``nixl_exit`` (ending a
 that loaded NIXL).  The rules themselves: docs/transfer.md.
 """
 
-from kvmem.transfer.engine import TransferEngine
-from kvmem.transfer.errors import (
-    EngineClosedError,
-    MetadataError,
-    StaleEpochError,
-    TransferError,
-    TransferInFlightError,
-)
-from kvmem.transfer.layout import BlockLayout
-from kvmem.transfer.records import BlockTable, Registration, RemoteMemory, TransferHandle, XferState
-from kvmem.transfer.loopback import LoopbackEngine
-from kvmem.transfer.loopback_fabric import LoopbackFabric
-from kvmem.transfer.nixl import NixlEngine
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvmem.transfer.engine import TransferEngine
+    from kvmem.transfer.errors import (
+        EngineClosedError,
+        MetadataError,
+        StaleEpochError,
+        TransferError,
+        TransferInFlightError,
+    )
+    from kvmem.transfer.layout import BlockLayout
+    from kvmem.transfer.loopback import LoopbackEngine
+    from kvmem.transfer.loopback_fabric import LoopbackFabric
+    from kvmem.transfer.nixl import NixlEngine
+    from kvmem.transfer.records import (
+        BlockTable,
+        Registration,
+        RemoteMemory,
+        TransferHandle,
+        XferState,
+    )
 
 __all__ = [
     "TransferEngine",
@@ -44,3 +56,37 @@ __all__ = [
     "BlockLayout",
     "BlockTable",
 ]
+
+# Where each name above is defined: the module is imported when the name is first asked
+# for (PEP 562), so that importing one submodule (the sglang adapter imports
+# kvmem.transfer.runs) does not load the engines.
+_HOME = {
+    "TransferEngine": "kvmem.transfer.engine",
+    "NixlEngine": "kvmem.transfer.nixl",
+    "LoopbackEngine": "kvmem.transfer.loopback",
+    "LoopbackFabric": "kvmem.transfer.loopback_fabric",
+    "Registration": "kvmem.transfer.records",
+    "RemoteMemory": "kvmem.transfer.records",
+    "TransferHandle": "kvmem.transfer.records",
+    "XferState": "kvmem.transfer.records",
+    "StaleEpochError": "kvmem.transfer.errors",
+    "TransferInFlightError": "kvmem.transfer.errors",
+    "MetadataError": "kvmem.transfer.errors",
+    "TransferError": "kvmem.transfer.errors",
+    "EngineClosedError": "kvmem.transfer.errors",
+    "BlockLayout": "kvmem.transfer.layout",
+    "BlockTable": "kvmem.transfer.records",
+}
+
+if not TYPE_CHECKING:  # for mypy the names are the imports above, and no others
+
+    def __getattr__(name: str) -> object:
+        if name not in _HOME:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(_HOME[name]), name)
+        globals()[name] = value  # looked up once
+        return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

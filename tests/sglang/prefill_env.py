@@ -648,7 +648,7 @@ def prefill_stats() -> dict | None:
     try:
         from dataclasses import asdict
 
-        from kvmem_sglang import options, prefill
+        from kvmem_sglang import prefill, state
     except ImportError:
         return None
-    return asdict(prefill.STATS) if options.is_active() else None
+    return asdict(prefill.STATS) if state.PROCESS.options.is_active() else None

@@ -312,9 +312,9 @@ def _code(reason: dict):
 
 def _kvmem_on() -> bool:
     try:
-        from kvmem_sglang import options
+        from kvmem_sglang import state
 
-        return options.is_active()
+        return state.PROCESS.options.is_active()
     except ImportError:
         return False
 

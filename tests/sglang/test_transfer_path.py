@@ -310,8 +310,8 @@ def test_a_chunk_uncounted_leaves_no_negative_or_dead_count():
     from collections import defaultdict
     from types import SimpleNamespace
 
-    from kvmem_sglang.transfer_ahead import _uncount
-    from kvmem_sglang.transfer_records import _Ahead
+    from kvmem_sglang.transfer_ahead import uncount
+    from kvmem_sglang.transfer_records import Ahead
 
     def mgr(counts, live):
         return SimpleNamespace(
@@ -320,21 +320,21 @@ def test_a_chunk_uncounted_leaves_no_negative_or_dead_count():
             enable_deferred_decode_kv_release=False,
         )
 
-    def uncount(m, room, drop=False):
-        _uncount(m, _Ahead(room, "peer", np.empty(0), np.empty(0)), drop=drop)
+    def counts_after(m, room, drop=False):
+        uncount(m, Ahead(room, "peer", np.empty(0), np.empty(0)), drop=drop)
         return dict(m._staging_outstanding)
 
     # the worker dropped the room's whole count (it skipped the room: cleared, or Failed)
-    assert uncount(mgr({}, [7]), 7) == {} and uncount(mgr({}, []), 7) == {}
+    assert counts_after(mgr({}, [7]), 7) == {} and counts_after(mgr({}, []), 7) == {}
     # a room gone: its last count goes with its entry (nothing else would drop it)
-    assert uncount(mgr({7: 1}, []), 7) == {}
+    assert counts_after(mgr({7: 1}, []), 7) == {}
     # a live room keeps its entry for the worker to drop; other counts stay
-    assert uncount(mgr({7: 1}, [7]), 7) == {7: 0}
-    assert uncount(mgr({7: 2}, [7]), 7) == {7: 1}
+    assert counts_after(mgr({7: 1}, [7]), 7) == {7: 0}
+    assert counts_after(mgr({7: 2}, [7]), 7) == {7: 1}
     # an entry made for this count goes with it
-    assert uncount(mgr({7: 1}, [7]), 7, drop=True) == {}
+    assert counts_after(mgr({7: 1}, [7]), 7, drop=True) == {}
     # counted once: a second uncount changes nothing
-    m, rec = mgr({7: 2}, [7]), _Ahead(7, "peer", np.empty(0), np.empty(0))
-    _uncount(m, rec)
-    _uncount(m, rec)
+    m, rec = mgr({7: 2}, [7]), Ahead(7, "peer", np.empty(0), np.empty(0))
+    uncount(m, rec)
+    uncount(m, rec)
     assert dict(m._staging_outstanding) == {7: 1}

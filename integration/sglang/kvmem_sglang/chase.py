@@ -11,13 +11,16 @@ router waits for its answer.  Seen on a real pair (stock prefill, decode with th
 decode released): 2 of 3 requests sent through the router got no answer in 40 s.  (A kvmem
 prefill remembers such an early ABORT itself, ``kvmem_sglang.notify.abort_notification``.)
 
-:func:`chase` sends the same ABORT again at growing intervals (:data:`DELAYS_S`), so it
-lands once the prefill knows the room; the prefill then fails the request as aborted by
-its decode and answers it.  An ABORT for a room the prefill has already ended or never
+:meth:`Chase.add` sends the same ABORT again at growing intervals (:data:`DELAYS_S`), so
+it lands once the prefill knows the room; the prefill then fails the request as aborted
+by its decode and answers it.  An ABORT for a room the prefill has already ended or never
 knew is ignored there, so the repeats are harmless.  The repeats carry no return
 address: the decode does not arm its ABORT_ACK tracker for a room it refused before
 giving it any page, and the prefill sends no ACK without one.  One daemon thread sends
 them, so no scheduler loop waits on a socket.
+
+The process's one :class:`Chase` is ``kvmem_sglang.state.PROCESS.chase``; this module
+imports nothing of the adapter (the registry imports it).
 """
 
 from __future__ import annotations
@@ -36,46 +39,53 @@ logger = logging.getLogger("kvmem.sglang")
 # sglang's default bootstrap timeout.  A guess tuned on the CPU tier, not a measurement.
 DELAYS_S = (0.05, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
-_LOCK = threading.Lock()
-_WAKE = threading.Condition(_LOCK)
-_DUE: list = []  # heap of (when, seq, room, targets, connect)
-_SEQ = itertools.count()
-_THREAD: threading.Thread | None = None
 
+class Chase:
+    """The repeats of this process's ABORTs (module docstring): a heap of those due, in
+    the order they are due, and the one daemon thread that sends them, started on first
+    use (and again if it is gone, as in a forked child).  The process has one,
+    ``kvmem_sglang.state.PROCESS.chase``."""
 
-def chase(receiver) -> int:
-    """Send ``receiver``'s ABORT again later (module docstring); the number of repeats
-    scheduled (0 when the receiver does not know its prefill's address yet)."""
-    infos = list(getattr(receiver, "bootstrap_infos", None) or ())
-    room = getattr(receiver, "bootstrap_room", None)
-    connect = getattr(receiver, "_connect_to_bootstrap_server", None)
-    if not infos or room is None or connect is None:
-        return 0
-    now = time.monotonic()
-    global _THREAD
-    with _WAKE:
-        for delay in DELAYS_S:
-            heapq.heappush(_DUE, (now + delay, next(_SEQ), room, infos, connect))
-        if _THREAD is None or not _THREAD.is_alive():
-            _THREAD = threading.Thread(target=_run, name="kvmem-abort-chase", daemon=True)
-            _THREAD.start()
-        _WAKE.notify()
-    return len(DELAYS_S)
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards _due and _thread
+        self._wake = threading.Condition(self._lock)  # a new entry for the thread
+        self._due: list = []  # heap of (when, seq, room, targets, connect)
+        self._seq = itertools.count()  # orders equal due times
+        self._thread: threading.Thread | None = None
 
+    def add(self, receiver) -> int:
+        """Send ``receiver``'s ABORT again later; the number of repeats scheduled (0
+        when the receiver does not know its prefill's address yet)."""
+        infos = list(getattr(receiver, "bootstrap_infos", None) or ())
+        room = getattr(receiver, "bootstrap_room", None)
+        connect = getattr(receiver, "_connect_to_bootstrap_server", None)
+        if not infos or room is None or connect is None:
+            return 0
+        now = time.monotonic()
+        with self._wake:
+            for delay in DELAYS_S:
+                heapq.heappush(self._due, (now + delay, next(self._seq), room, infos, connect))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="kvmem-abort-chase", daemon=True
+                )
+                self._thread.start()
+            self._wake.notify()
+        return len(DELAYS_S)
 
-def pending() -> int:
-    """Repeats not sent yet (tests read it)."""
-    with _LOCK:
-        return len(_DUE)
+    def pending(self) -> int:
+        """Repeats not sent yet (tests read it)."""
+        with self._lock:
+            return len(self._due)
 
-
-def _run() -> None:
-    while True:
-        with _WAKE:
-            while not _DUE or _DUE[0][0] > time.monotonic():
-                _WAKE.wait(None if not _DUE else max(0.0, _DUE[0][0] - time.monotonic()))
-            _, _, room, infos, connect = heapq.heappop(_DUE)
-        _send(room, infos, connect)
+    def _run(self) -> None:
+        due = self._due
+        while True:
+            with self._wake:
+                while not due or due[0][0] > time.monotonic():
+                    self._wake.wait(None if not due else max(0.0, due[0][0] - time.monotonic()))
+                _, _, room, infos, connect = heapq.heappop(due)
+            _send(room, infos, connect)
 
 
 def _send(room: int, infos: list, connect) -> None:

@@ -43,7 +43,7 @@ import logging
 from http import HTTPStatus
 
 from kvmem.disagg.outcome import Ending
-from kvmem_sglang import chase, roles
+from kvmem_sglang import roles, state
 from kvmem_sglang.reasons import abort_reason, decide, is_abort, reason_of, status_of
 
 logger = logging.getLogger("kvmem.sglang")
@@ -150,7 +150,7 @@ def _refuse_released(queue, sched) -> None:
                 req, reason_of(req).message, status_code=reason_of(req).status_code
             )
             decode_req.kv_receiver.abort()
-            chase.chase(decode_req.kv_receiver)  # the prefill may not know the room yet
+            state.PROCESS.chase.add(decode_req.kv_receiver)  # the prefill may not know the room yet
             refused.append(req.rid)
         if refused:
             logger.warning(

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 
-from kvmem_sglang import chase, options, roles
+from kvmem_sglang import roles, state
 from kvmem_sglang.decode import is_decode
 from kvmem_sglang.reasons import decide, reason_of, released_while
 
@@ -177,7 +177,7 @@ def _drain(sched, what: str) -> list:
             if not getattr(decode_req, "host_staged", False):
                 decode_req.kv_receiver.abort()
                 if queue is prealloc.queue:  # its prefill may not know the room yet
-                    chase.chase(decode_req.kv_receiver)
+                    state.PROCESS.chase.add(decode_req.kv_receiver)
             answered.append(decode_req.req)
     for req in list(prealloc.retracted_queue):
         from sglang.srt.disaggregation.decode import discard_kv_cache_backup
@@ -206,7 +206,7 @@ def _run_queues(sched, prealloc, transfer) -> None:
 
     host = transfer._is_host_destination  # held as sglang holds them (_give_up)
     start = time.monotonic()
-    deadline = start + options.active().drain_timeout
+    deadline = start + state.PROCESS.options.active().drain_timeout
     steps = 0
     while True:
         busy = bool(

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import logging
 
-from kvmem_sglang import kvpool, options, staging
+from kvmem_sglang import kvpool, staging, state
 from kvmem_sglang.options import AdapterError
 
 logger = logging.getLogger("kvmem.sglang")
 
 
 def _options():
-    return options.active()
+    return state.PROCESS.options.active()
 
 
 # -- KV pool ------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ the adapter reaches modules it must not import itself.
   NIXL library at module level): a Mooncake server never loads NIXL, a NIXL server never
   loads Mooncake.
 
-Imports nothing beyond the standard library.
+Imports nothing beyond the standard library and :mod:`kvmem_sglang.state` (the
+functions waiting are ``state.PROCESS.after_import``), itself standard library only.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import importlib.util
 import sys
 from typing import Callable
 
-_AFTER: dict[str, list[Callable]] = {}
+from kvmem_sglang import state
 
 
 def after_import(name: str, fn: Callable) -> None:
@@ -28,7 +29,7 @@ def after_import(name: str, fn: Callable) -> None:
     if module is not None:
         fn(module)
         return
-    _AFTER.setdefault(name, []).append(fn)
+    state.PROCESS.after_import.setdefault(name, []).append(fn)
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 
@@ -42,7 +43,7 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self._inner.exec_module(module)
-        for fn in _AFTER.pop(self._name, []):
+        for fn in state.PROCESS.after_import.pop(self._name, []):
             fn(module)
 
 
@@ -50,7 +51,7 @@ class _Finder(importlib.abc.MetaPathFinder):
     """Wraps the loader of each module waited for, so the functions run after its body."""
 
     def find_spec(self, name, path=None, target=None):
-        if name not in _AFTER:
+        if name not in state.PROCESS.after_import:
             return None
         sys.meta_path.remove(self)
         try:

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-import threading
 import time
-import weakref
 
 import torch
 
@@ -35,14 +33,10 @@ from kvmem_sglang.options import AdapterError, Options
 
 logger = logging.getLogger("kvmem.sglang")
 
-# Every pool this process made for sglang, with what it was made for.
-_POOLS: "weakref.WeakKeyDictionary[kvmem.KVPool, str]" = weakref.WeakKeyDictionary()
-_LOCK = threading.Lock()
-
 
 def live_pools() -> list[kvmem.KVPool]:
-    with _LOCK:
-        return list(_POOLS)
+    """Every pool this process made for sglang that is still alive."""
+    return state.PROCESS.pools.live()
 
 
 def pool_of(kvcache) -> kvmem.KVPool | None:
@@ -87,8 +81,7 @@ def _make_pool(kind: str, kvcache, spec: kvmem.KVSpec, options: Options) -> kvme
         # in the first KV transfer into this pool (UCX's cma write faults the target's
         # pages inside the copy): docs/sglang.md, "PD transfer speed".
         pool.prefault()
-    with _LOCK:
-        _POOLS[pool] = kind
+    state.PROCESS.pools.add(pool, kind)
     regions = pool.regions()
     logger.info(
         "kvmem: %s KV pool of %d layers x %d pages x %d tokens, %.3f GiB on %s "

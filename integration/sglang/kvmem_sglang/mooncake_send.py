@@ -26,7 +26,7 @@ What this module changes: how the bytes of those sends move, nothing else.  Two 
 * ``send_kvcache`` (``transfer_worker`` calls it for MHA and MLA at equal attention TP).
   It takes the chunk handed to it (the *owner*) and the chunks queued behind it on the
   same worker for the same decode session, up to :data:`kvmem_sglang.transfer.BATCH_BYTES`
-  (:func:`kvmem_sglang.transfer_ahead._take_ahead`: the worker's own checks, each counted in
+  (:func:`kvmem_sglang.transfer_ahead.take_ahead`: the worker's own checks, each counted in
   ``_staging_outstanding`` as the worker counts a chunk at dequeue; a chunk a GPU is
   still writing, its page ids or its pages, waits for its own turn:
   :func:`kvmem_sglang.transfer_ahead._readable`), pairs every page of them all, sorts the
@@ -108,7 +108,7 @@ def send_kvcache(
     """AROUND ``MooncakeKVManager.send_kvcache``: see the module docstring.  Returns 0 or
     the engine's code of the first failed call, as sglang's own send does."""
     session = mooncake_session_id
-    st = transfer_records._state(mgr)
+    st = transfer_records.transfer_state(mgr)
     rec = st.take(prefill_kv_indices)
     if rec is not None:
         if (
@@ -142,7 +142,7 @@ def send_kvcache(
     per_page = int(item.sum())
     budget = transfer.BATCH_BYTES - src.size * per_page
     ahead = (
-        transfer_ahead._take_ahead(mgr, st, session, budget, per_page, _mooncake_peer)
+        transfer_ahead.take_ahead(mgr, st, session, budget, per_page, _mooncake_peer)
         if budget > 0
         else []
     )
@@ -183,7 +183,7 @@ def _end_ahead(mgr, st, ahead, batch, failed: bool) -> None:
             mgr._poison_unsettled_send(a.room)
         a.batch = batch
         st.put(a)
-        transfer_ahead._uncount(mgr, a)
+        transfer_ahead.uncount(mgr, a)
 
 
 def _mooncake_peer(req) -> str:

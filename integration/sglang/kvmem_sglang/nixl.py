@@ -62,7 +62,7 @@ import functools
 import logging
 import threading
 
-from kvmem_sglang import kvpool, options, registrations, state
+from kvmem_sglang import kvpool, registrations, state
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -76,7 +76,9 @@ def register_buffer_to_engine(original, manager, *args, **kwargs):
         manager.deregister_buffer_to_engine = functools.partial(deregister, manager)
     with _lock(manager):
         again = state.DEREGISTERED.get(manager, False)
-        out = _register(original, manager, options.active().register_regions, *args, **kwargs)
+        out = _register(
+            original, manager, state.PROCESS.options.active().register_regions, *args, **kwargs
+        )
         state.DEREGISTERED.set(manager, False)
         if again:
             prepare_peers(manager)

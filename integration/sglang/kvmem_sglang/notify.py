@@ -66,9 +66,7 @@ The messages leave on one background thread: a send to a dead decode may block f
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvmem_sglang import state
@@ -86,8 +84,6 @@ class NotifyStats:
 
 
 STATS = NotifyStats()
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
 
 
 def abort_notification(original, mgr, msg, *args, **kwargs):
@@ -121,11 +117,7 @@ def _is_prefill(mgr) -> bool:
 def _send(mgr, targets, room: int, reason: str) -> None:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(1, thread_name_prefix="kvmem-notify")
-    _POOL.submit(
+    state.PROCESS.notify.submit(
         mgr.send_kv_status_message,
         targets=list(targets),
         bootstrap_room=room,

@@ -4,7 +4,8 @@ Every variable is read once, when the plugin loads, and checked there: a value t
 adapter does not understand stops the process with an error naming the variable (a typo
 must not silently run stock sglang, or run kvmem with a default the user did not ask
 for).  The README lists them; :data:`VARIABLES` is the same list, and a test keeps the two
-in step.
+in step.  The options a process runs with are ``kvmem_sglang.state.PROCESS.options``
+(:class:`ProcessOptions`); this module imports nothing of the adapter.
 """
 
 from __future__ import annotations
@@ -165,30 +166,32 @@ def transfer_timeout_from_env(env=None) -> float:
     )
 
 
-_ACTIVE: Options | None = None  # the options of this process, once the plugin loaded
+class ProcessOptions:
+    """The options of this process: none until the plugin loads with the flag on, then
+    the ones it parsed, for good.  The process has one,
+    ``kvmem_sglang.state.PROCESS.options``."""
 
+    def __init__(self) -> None:
+        self._options: Options | None = None
 
-def activate(options: Options) -> None:
-    """Make ``options`` this process's options (the plugin does, once, with the flag
-    on).  A second activation with other options is an error: hooks already installed
-    read the first."""
-    global _ACTIVE
-    if _ACTIVE is not None and _ACTIVE != options:
-        raise AdapterError(
-            f"the adapter's options are already set ({_ACTIVE}); "
-            f"cannot change them to {options} in a running process"
-        )
-    _ACTIVE = options
+    def activate(self, options: Options) -> None:
+        """Make ``options`` this process's options (the plugin does, once, with the flag
+        on).  A second activation with other options is an error: hooks already
+        installed read the first."""
+        if self._options is not None and self._options != options:
+            raise AdapterError(
+                f"the adapter's options are already set ({self._options}); "
+                f"cannot change them to {options} in a running process"
+            )
+        self._options = options
 
+    def is_active(self) -> bool:
+        """Whether the plugin loaded with the flag on in this process."""
+        return self._options is not None
 
-def is_active() -> bool:
-    """Whether the plugin loaded with the flag on in this process."""
-    return _ACTIVE is not None
-
-
-def active() -> Options:
-    """This process's options; AdapterError when the plugin has not loaded with the flag
-    on (the hooks are only installed then)."""
-    if _ACTIVE is None:
-        raise AdapterError("kvmem hook called before the plugin loaded with SGLANG_KVMEM=1")
-    return _ACTIVE
+    def active(self) -> Options:
+        """This process's options; AdapterError when the plugin has not loaded with the
+        flag on (the hooks are only installed then)."""
+        if self._options is None:
+            raise AdapterError("kvmem hook called before the plugin loaded with SGLANG_KVMEM=1")
+        return self._options

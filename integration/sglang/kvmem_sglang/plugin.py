@@ -29,7 +29,7 @@ import pkgutil
 import sys
 import time
 
-from kvmem_sglang import options as _options
+from kvmem_sglang import state
 from kvmem_sglang.imports import after_import
 from kvmem_sglang.options import AdapterError, Options
 
@@ -49,7 +49,7 @@ def load() -> None:
         _fatal(str(e))
     if not options.enabled:
         return
-    if _options.is_active():  # sglang guards against a second load; so do we
+    if state.PROCESS.options.is_active():  # sglang guards against a second load; so do we
         return
     try:
         _check_version()
@@ -58,7 +58,7 @@ def load() -> None:
         _install(now)
     except AdapterError as e:
         _fatal(str(e))
-    _options.activate(options)
+    state.PROCESS.options.activate(options)
     for module, group in later.items():
         PENDING[module] = [t for t, _, _ in group]
         after_import(module, functools.partial(_install_backend, group))

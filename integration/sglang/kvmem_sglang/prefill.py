@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 
 from kvmem.disagg.outcome import Ending
-from kvmem_sglang import audit, decode, notify, options, roles, state
+from kvmem_sglang import audit, decode, notify, roles, state
 from kvmem_sglang.reasons import abort_reason as _abort_reason
 from kvmem_sglang.reasons import decide as _decide
 from kvmem_sglang.reasons import http_status, reason_of
@@ -83,7 +83,7 @@ STATS = PrefillStats()
 # -- helpers -----------------------------------------------------------------------------
 
 
-def _is_prefill(sched) -> bool:
+def is_prefill(sched) -> bool:
     return roles.role(sched) == "prefill"
 
 
@@ -119,7 +119,7 @@ def add_request_to_queue(original, sched, req, *args, **kwargs):
         else:
             STATS.refused_while_released += 1
             logger.warning("kvmem-sglang: %s", msg)
-        if _is_prefill(sched):
+        if is_prefill(sched):
             queue = getattr(sched, "disagg_prefill_bootstrap_queue", None)
             notify.refuse_room(
                 getattr(queue, "kv_manager", None),
@@ -142,7 +142,7 @@ def add_request_to_queue(original, sched, req, *args, **kwargs):
 def abort_request(original, sched, recv_req, *args, **kwargs):
     """A client's abort of a bootstrapping or inflight request is answered as that abort
     (sglang answers it later through its failure paths, as a 500)."""
-    if _is_prefill(sched):
+    if is_prefill(sched):
         reason = _client_abort_reason(recv_req)
         queued = list(sched.disagg_prefill_bootstrap_queue.queue)
         inflight = list(sched.disagg_prefill_inflight_queue)
@@ -255,7 +255,7 @@ def _expire_transfers(sched, queue) -> None:
     from sglang.srt.disaggregation.base import KVPoll
 
     now = time.monotonic()
-    timeout = options.active().transfer_timeout
+    timeout = state.PROCESS.options.active().transfer_timeout
     for req in queue:
         if req.pending_bootstrap or reason_of(req) is not None:
             continue

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import time
 
-from kvmem_sglang import options, roles, state
+from kvmem_sglang import roles, state
 from kvmem_sglang.prefill import STATS
 from kvmem_sglang.reasons import decide as _decide
 from kvmem_sglang.reasons import reason_of, released_while
@@ -42,7 +42,7 @@ DRAIN_POLL_S = 0.001  # how often a release re-reads the transfer workers' count
 DRAIN_LOG_S = 5.0  # a release still waiting logs the rooms it waits for this often
 
 
-def _drain_for_release(sched, what: str = "KV cache") -> None:
+def drain_for_release(sched, what: str = "KV cache") -> None:
     """Answer every PD request of ``sched`` with 503 and free what it holds, before
     sglang's release (which asserts an idle scheduler,
     ``SchedulerWeightUpdaterManager.release_memory_occupation``).  Never raises: sglang
@@ -66,7 +66,7 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
       ingest can come between; also while the engine is paused in place): its forward may
       still be writing the pages.  The device is synchronized first, then its requests are
       freed like the chunked one.  The queued results stay queued (set aside only during
-      sglang's release, ``_queued_results_set_aside``) and the loop processes them as
+      sglang's release, ``queued_results_set_aside``) and the loop processes them as
       usual, skipping these answered requests;
     * ``running_batch``: a PD prefill server never fills it (the mixin's
       ``get_next_disagg_prefill_batch_to_run`` passes it through), so only its live
@@ -170,11 +170,11 @@ def _drain_for_release(sched, what: str = "KV cache") -> None:
 
 
 @contextlib.contextmanager
-def _queued_results_set_aside(sched):
+def queued_results_set_aside(sched):
     """The overlap loop's queued batch results and ``last_batch`` out of sight of
     sglang's release, which asserts an idle scheduler
     (``SchedulerWeightUpdaterManager.release_memory_occupation``;
-    ``Scheduler.is_fully_idle`` counts both), and back afterwards.  ``_drain_for_release``
+    ``Scheduler.is_fully_idle`` counts both), and back afterwards.  ``drain_for_release``
     has answered and freed every request in them, so the loop then processes each result as
     it would have (``event_loop_overlap_disagg_prefill`` pops it from ``result_queue``): it
     skips an aborted request whose resources are gone (``is_aborted`` ->
@@ -196,7 +196,7 @@ def _queued_results_set_aside(sched):
         sched.last_batch = last
 
 
-def _await_posted_writes(sched) -> None:
+def await_posted_writes(sched) -> None:
     """Wait until the transfer backend's workers hold no chunk: none dequeued and none
     with a write posted and not yet DONE or ERR.  sglang's ``CommonKVManager`` (NIXL and
     mooncake) counts exactly that per room in ``_staging_outstanding`` (made in its
@@ -233,7 +233,7 @@ def _await_posted_writes(sched) -> None:
         )
     rooms = busy()
     start = time.monotonic()
-    deadline, next_log = start + options.active().drain_timeout, start + DRAIN_LOG_S
+    deadline, next_log = start + state.PROCESS.options.active().drain_timeout, start + DRAIN_LOG_S
     _await_settle_window(mgr, deadline)
     if not rooms:
         return

@@ -25,16 +25,14 @@ import logging
 
 from kvmem_sglang import decode_drain, kvpool, roles, state
 from kvmem_sglang.mooncake import RegistrationError
-from kvmem_sglang.prefill import STATS, _is_prefill
+from kvmem_sglang.prefill import STATS, is_prefill
 from kvmem_sglang.prefill_drain import (
-    _await_posted_writes,
-    _drain_for_release,
-    _queued_results_set_aside,
+    await_posted_writes,
+    drain_for_release,
+    queued_results_set_aside,
 )
 
 logger = logging.getLogger("kvmem.sglang")
-
-_WARNED: set[str] = set()  # managers already warned about (once per class)
 
 
 # -- release / resume ---------------------------------------------------------------------------
@@ -92,12 +90,12 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
             ",".join(tags),
         )
         return ReleaseMemoryOccupationReqOutput()
-    if GPU_MEMORY_TYPE_KV_CACHE in tags and _is_prefill(sched):
-        _await_posted_writes(sched)
+    if GPU_MEMORY_TYPE_KV_CACHE in tags and is_prefill(sched):
+        await_posted_writes(sched)
     try:
         with (
             _grammar_queue_set_aside(sched),
-            _queued_results_set_aside(sched),
+            queued_results_set_aside(sched),
             decode_drain.host_destinations_set_aside(sched),
         ):
             out = original(manager, recv_req, *args, **kwargs)
@@ -123,8 +121,8 @@ def _drained(sched, what: str) -> bool:
     the release with no try/except (``Scheduler.process_input_requests``), so an exception
     or a busy scheduler there ends its loop."""
     try:
-        if _is_prefill(sched):
-            _drain_for_release(sched, what)
+        if is_prefill(sched):
+            drain_for_release(sched, what)
         else:
             decode_drain.drain(sched, what)
     except Exception:  # noqa: BLE001 - the release is refused instead of killing the loop
@@ -240,9 +238,9 @@ def queue_release(result, queue, *args, **kwargs):
     if (
         not hasattr(mgr, "deregister_buffer_to_engine")
         and name != "FakeKVManager"
-        and name not in _WARNED
+        and name not in state.PROCESS.warned
     ):
-        _WARNED.add(name)
+        state.PROCESS.warned.add(name)
         logger.warning(
             "kvmem-sglang: the transfer backend's %s has no deregistration; "
             "what it registered stays registered across "

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 import kvmem
-from kvmem_sglang import options
+from kvmem_sglang import state
 
 
 def _host_check() -> bool:
     """``SGLANG_KVMEM_CHECK=1``: validate page ids on the host (one sync per call)."""
-    return options.is_active() and options.active().check
+    return state.PROCESS.options.is_active() and state.PROCESS.options.active().check
 
 
 def _ids(page_indices, device: torch.device) -> torch.Tensor:

@@ -47,9 +47,7 @@ def _guard(module) -> None:
 
     def load_plugins(*args, **kwargs):
         out = load(*args, **kwargs)
-        from kvmem_sglang import options
-
-        if not options.is_active():
+        if not state.PROCESS.options.is_active():
             from kvmem_sglang.options import PREFIX
 
             raise SystemExit(PREFIX + _why_not_loaded())

@@ -1,4 +1,5 @@
-"""Everything the adapter keeps about sglang's objects, in side tables beside them.
+"""Everything the adapter keeps: about sglang's objects, in side tables beside them, and
+for the whole process, in one registry.
 
 The adapter writes no attribute onto an sglang object.  What it must remember about one
 (a request's decided answer, a scheduler's registration epoch, a KV manager's
@@ -6,7 +7,14 @@ deregistered pool, ...) lives in a :class:`SideTable` declared here, one table p
 so that this module is the whole list (:data:`TABLES`; the README's table of them is
 generated from it by :mod:`kvmem_sglang.manifest`).
 
-Standard library only: :mod:`kvmem_sglang.startup` uses it at interpreter start.
+What it keeps for the process, not for one sglang object (its options, the pools it
+made, the threads it starts, ...), is a field of :data:`PROCESS`, the one
+:class:`Process`; beside it the adapter's only other module globals are the registries
+:data:`REGISTRIES` names (tests/test_sglang_state.py checks both lists).
+
+Standard library only, with :mod:`kvmem_sglang.options` and :mod:`kvmem_sglang.chase`
+(standard library only themselves, and importing nothing of the adapter):
+:mod:`kvmem_sglang.startup` uses it at interpreter start.
 """
 
 from __future__ import annotations
@@ -15,7 +23,15 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+
+from kvmem_sglang.chase import Chase
+from kvmem_sglang.options import ProcessOptions
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from kvmem import KVPool
 
 V = TypeVar("V")
 
@@ -196,30 +212,86 @@ TABLES: dict[str, SideTable] = {
     name: t for name, t in globals().items() if isinstance(t, SideTable)
 }
 
-# Module-level state outside these tables, each with why it is per process and not per
-# sglang object; tests/test_sglang_state.py finds every mutable module global of the
-# adapter and checks it is here or in REGISTRIES.
-PROCESS: dict[str, str] = {
-    "options._ACTIVE": "the adapter's options, parsed once when the plugin loads",
-    "imports._AFTER": "what to patch when a backend module is imported: once a process",
-    "kvpool._POOLS": "the kvmem pools the process's allocator made, weakly: a release "
-    "gives back every one",
-    "kvpool._LOCK": "guards _POOLS",
-    "chase._DUE": "the bootstrap chase's heap of due connects, served by one thread",
-    "chase._SEQ": "orders equal due times in _DUE",
-    "chase._THREAD": "the chase's one thread, started on first use",
-    "chase._LOCK": "guards _DUE and _THREAD",
-    "chase._WAKE": "wakes the chase thread on a new entry",
-    "notify._POOL": "the executor that sends abort notifications off the scheduler "
-    "thread, made on first use",
-    "notify._POOL_LOCK": "guards _POOL",
-    "release._WARNED": "KV managers already warned about, so one line a class",
-    "transfer_ahead._TLS": "the queue the calling transfer worker thread serves",
-}
+# -- the process ------------------------------------------------------------------------------
 
-# Registries: the manifest (its record, its application), the adapter's table of variables,
-# and the metrics (counters sglang's processes export).
+
+class Pools:
+    """The kvmem pools the process made for sglang, each with what it was made for
+    (``kvmem_sglang.kvpool``): weakly, so a pool goes with sglang's KV cache, and a
+    release gives back every live one."""
+
+    def __init__(self) -> None:
+        self._made: weakref.WeakKeyDictionary[KVPool, str] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()  # guards _made
+
+    def add(self, pool: KVPool, kind: str) -> None:
+        with self._lock:
+            self._made[pool] = kind
+
+    def live(self) -> list[KVPool]:
+        with self._lock:
+            return list(self._made)
+
+
+class Background:
+    """One thread that runs calls off the caller's thread, in the order submitted: a
+    ``ThreadPoolExecutor`` of one worker named ``name``, made on the first call (a
+    process that never needs it starts no thread)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # guards _pool
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix=self._name)
+            pool = self._pool
+        return pool.submit(fn, *args, **kwargs)
+
+
+@dataclass(frozen=True, eq=False)
+class Process:
+    """What the adapter keeps for the whole process rather than for one sglang object
+    (those are the side tables above), each field a service of its own with its own
+    locking; the process has one, :data:`PROCESS`.
+
+    ``options``: the adapter's options, parsed once when the plugin loads
+    (:class:`~kvmem_sglang.options.ProcessOptions`).
+    ``after_import``: the functions waiting for a module's import, by module name
+    (:mod:`kvmem_sglang.imports`: a backend's hooks, the start-up guard); once a process.
+    ``pools``: the kvmem pools the process made for sglang, weakly, with their lock
+    (:class:`Pools`; a release gives back every one).
+    ``chase``: the decode's ABORTs sent again, with their heap of due repeats and the one
+    thread that sends them, started on first use (:class:`~kvmem_sglang.chase.Chase`).
+    ``notify``: the thread that sends abort notifications to decodes off the scheduler
+    thread, made on first use (:class:`Background`, :mod:`kvmem_sglang.notify`).
+    ``warned``: the KV-manager classes already warned about having no deregistration
+    (:func:`kvmem_sglang.release.queue_release`), so one line a class.
+    ``worker``: per transfer worker thread, ``.queue``: the queue the calling thread
+    serves (:mod:`kvmem_sglang.transfer_ahead`).
+    """
+
+    options: ProcessOptions = field(default_factory=ProcessOptions)
+    after_import: dict[str, list[Callable]] = field(default_factory=dict)
+    pools: Pools = field(default_factory=Pools)
+    chase: Chase = field(default_factory=Chase)
+    notify: Background = field(default_factory=lambda: Background("kvmem-notify"))
+    warned: set[str] = field(default_factory=set)
+    worker: threading.local = field(default_factory=threading.local)
+
+
+PROCESS = Process()
+
+# The registries: the process's (above), the manifest's (its record, its application),
+# the adapter's table of variables, and the metrics (counters sglang's processes export).
+# With the side tables, the only mutable module globals of the adapter;
+# tests/test_sglang_state.py finds every one and checks it is here.
 REGISTRIES: dict[str, str] = {
+    "state.PROCESS": "the process's services (Process)",
     "manifest_recorded.RECORDED": "the manifest's record of sglang 0.5.23 (generated)",
     "options.VARIABLES": "the adapter's environment variables, their values and meaning",
     "plugin.INSTALLED": "hook targets patched in this process",

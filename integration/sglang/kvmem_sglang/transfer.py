@@ -84,9 +84,9 @@ import logging
 import numpy as np
 
 from kvmem.transfer import runs
-from kvmem_sglang.transfer_ahead import _take_ahead, _uncount
-from kvmem_sglang.transfer_records import STATS, Batch, Settled, _Ahead, _Geometry, _state
-from kvmem_sglang.transfer_wait import _wait_again
+from kvmem_sglang.transfer_ahead import take_ahead, uncount
+from kvmem_sglang.transfer_records import STATS, Batch, Settled, Ahead, Geometry, transfer_state
+from kvmem_sglang.transfer_wait import wait_again
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -123,13 +123,13 @@ def send_kvcache(
     """AROUND ``NixlKVManager.send_kvcache``: see the module docstring.  Returns a
     :class:`Batch` (posted, possibly cut short, or a write sent ahead that is still
     unsettled), a :class:`Settled` (sent ahead, DONE) or what sglang's own send returns."""
-    st = _state(mgr)
+    st = transfer_state(mgr)
     rec = st.take(prefill_kv_indices)
     if rec is not None:
         same = rec.peer == peer_name and np.array_equal(rec.dst, dst_kv_indices)
         batch = rec.batch if same else None
         if batch is not None and batch.state == "PROC":
-            _wait_again(mgr, batch)  # its owner's wait gave up on it
+            wait_again(mgr, batch)  # its owner's wait gave up on it
             if batch.state == "PROC":
                 return batch  # the worker's wait reads it once more, then gives up
             if batch.state == "DONE":
@@ -155,19 +155,19 @@ def send_kvcache(
     dst = np.asarray(dst_kv_indices, dtype=np.int64)
     per_page = int(geo.item.sum())
     budget = BATCH_BYTES - src.size * per_page
-    ahead = _take_ahead(mgr, st, peer_name, budget, per_page, _nixl_peer) if budget > 0 else []
+    ahead = take_ahead(mgr, st, peer_name, budget, per_page, _nixl_peer) if budget > 0 else []
     try:
         return _post(mgr, geo, peer_name, [(src, dst)] + [(a.src, a.dst) for a in ahead], ahead)
     except Exception:
         for a in ahead:  # _post raises only before it posted anything: nothing in flight
-            _uncount(mgr, a)
+            uncount(mgr, a)
         raise
 
 
 # -- the send ---------------------------------------------------------------------------------
 
 
-def _geometry(mgr, peer, dst_kv_ptrs, dst_kind, dst_gpu_id) -> _Geometry | None:
+def _geometry(mgr, peer, dst_kv_ptrs, dst_kind, dst_gpu_id) -> Geometry | None:
     """The planes of both sides, when this path serves the peer (module docstring)."""
     from sglang.srt.disaggregation.nixl import conn
 
@@ -195,7 +195,7 @@ def _geometry(mgr, peer, dst_kv_ptrs, dst_kind, dst_gpu_id) -> _Geometry | None:
         return None
     if not (mgr.is_mla_backend or info.decode_tp_size == mgr.attn_tp_size):
         return None
-    return _Geometry(
+    return Geometry(
         np.array(src_ptrs, dtype=np.uint64),
         np.array(dst_kv_ptrs, dtype=np.uint64),
         np.array(item, dtype=np.uint64),
@@ -232,7 +232,7 @@ def split_pieces(descriptors: int, nbytes: int) -> int:
     return max(1, min(SPLIT, descriptors, nbytes // SPLIT_MIN_BYTES))
 
 
-def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
+def _post(mgr, geo: Geometry, peer: str, pairs, ahead: list[Ahead]) -> Batch:
     """Post the merged runs of ``pairs`` as up to SPLIT NIXL writes; the Batch, whose
     chunks sent ahead are recorded.  A piece NIXL refuses (not created, or its post
     refused) before any was posted: the error is raised as sglang's own send raises it
@@ -270,7 +270,7 @@ def _post(mgr, geo: _Geometry, peer: str, pairs, ahead: list[_Ahead]) -> Batch:
             raise  # nothing in flight: send_kvcache uncounts the rooms sent ahead
         cut = e
     batch = Batch(posted, ahead, int(nbytes.sum()), int(ld.shape[0]))
-    st = _state(mgr)
+    st = transfer_state(mgr)
     for a in ahead:
         a.batch = batch
         st.put(a)

@@ -26,22 +26,21 @@ WaitingForInput until the worker reaches it and runs sglang's own code for it
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
-from kvmem_sglang.transfer_records import _Ahead, _State
-
-_TLS = threading.local()  # .queue: the FastQueue the calling worker thread serves
+from kvmem_sglang import state
+from kvmem_sglang.transfer_records import Ahead, TransferState
 
 
 def transfer_worker(original, mgr, queue, *args, **kwargs):
     """AROUND ``NixlKVManager.transfer_worker``: note the thread's queue, then run it."""
-    _TLS.queue = queue
+    state.PROCESS.worker.queue = queue  # the FastQueue this worker thread serves
     return original(mgr, queue, *args, **kwargs)
 
 
-def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int, peer_of) -> list[_Ahead]:
+def take_ahead(
+    mgr, st: TransferState, peer: str, budget: int, per_page: int, peer_of
+) -> list[Ahead]:
     """The chunks queued behind the owner on this worker's queue that may go in its write
     now, each counted in ``_staging_outstanding``; at most ``budget`` bytes of KV,
     ``per_page`` bytes a page.  ``peer_of(req)``: the peer of one of a room's transfer
@@ -49,7 +48,7 @@ def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int, peer_of)
     both backends' paths: their managers share these fields and this queue."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    queue = getattr(_TLS, "queue", None)
+    queue = getattr(state.PROCESS.worker, "queue", None)
     if queue is None or not hasattr(queue, "_buf"):
         return []
     st.sweep(mgr)
@@ -67,7 +66,7 @@ def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int, peer_of)
         counts = mgr._staging_outstanding
         fresh = room not in counts
         counts[room] += 1  # before the checks, as transfer_worker counts at dequeue
-        rec = _Ahead(room, peer, src, np.empty(0, dtype=np.int64))
+        rec = Ahead(room, peer, src, np.empty(0, dtype=np.int64))
         try:
             ok = (
                 room in mgr.request_status
@@ -77,7 +76,7 @@ def _take_ahead(mgr, st: _State, peer: str, budget: int, per_page: int, peer_of)
         except Exception:  # noqa: BLE001 - a room being cleared meanwhile: not sent ahead
             ok = False
         if not ok:
-            _uncount(mgr, rec, drop=fresh)
+            uncount(mgr, rec, drop=fresh)
             continue
         budget -= n * per_page
         out.append(rec)
@@ -114,7 +113,7 @@ def _readable(chunk) -> bool:
     return True
 
 
-def _dst_of(mgr, chunk, peer: str, rec: _Ahead, peer_of) -> bool:
+def _dst_of(mgr, chunk, peer: str, rec: Ahead, peer_of) -> bool:
     """Set ``rec.dst`` to the chunk's destination pages as the worker would take them
     (``NixlKVManager.transfer_worker``: ``req.dst_kv_indices[kv_chunk.index_slice]``);
     False when the room is not a one-peer room of ``peer`` or its page counts differ (the
@@ -133,7 +132,7 @@ def _dst_of(mgr, chunk, peer: str, rec: _Ahead, peer_of) -> bool:
     return True
 
 
-def _uncount(mgr, rec: _Ahead, drop: bool = False) -> None:
+def uncount(mgr, rec: Ahead, drop: bool = False) -> None:
     """Undo a chunk's count (its write settled or never went); send a pending ABORT_ACK
     that waited for it.  No entry is made or left below zero: the worker drops a room's
     whole count when it skips the room (cleared, or Failed: the checks at the top of

@@ -1,9 +1,9 @@
 """What kvmem's send paths (:mod:`kvmem_sglang.transfer` on NIXL,
 :mod:`kvmem_sglang.mooncake_send` on Mooncake) keep: their counters (:data:`STATS`, also
 in sglang's ``/metrics``), a merged write (:class:`Batch`) and the handle of a chunk whose
-write is DONE (:class:`Settled`), a chunk sent ahead of its turn (``_Ahead``) and a
-manager's chunks sent ahead (``_State``, in the side table ``state.TRANSFERS``), and the
-planes of a pair the NIXL path serves (``_Geometry``).  No hooks.
+write is DONE (:class:`Settled`), a chunk sent ahead of its turn (``Ahead``) and a
+manager's chunks sent ahead (``TransferState``, in the side table ``state.TRANSFERS``), and the
+planes of a pair the NIXL path serves (``Geometry``).  No hooks.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class Settled:
 
 
 @dataclass
-class _Ahead:
+class Ahead:
     room: int
     peer: str
     src: np.ndarray  # the chunk's own prefill_kv_indices object (identity is the key)
@@ -119,7 +119,7 @@ class _Ahead:
 
 
 @dataclass(frozen=True)
-class _Geometry:
+class Geometry:
     src_ptrs: np.ndarray  # uint64 [planes]
     dst_ptrs: np.ndarray  # uint64 [planes]
     item: np.ndarray  # uint64 [planes]: bytes of one page of a plane (both sides)
@@ -129,14 +129,14 @@ class _Geometry:
     dst_dev: int
 
 
-class _State:
+class TransferState:
     """Per manager: the chunks sent ahead, by the identity of their index array."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.ahead: dict[int, _Ahead] = {}
+        self.ahead: dict[int, Ahead] = {}
 
-    def take(self, src) -> _Ahead | None:
+    def take(self, src) -> Ahead | None:
         with self.lock:
             rec = self.ahead.get(id(src))
             if rec is not None and rec.src is src:
@@ -155,7 +155,7 @@ class _State:
                 and (rec.batch is None or rec.batch.state != "ERR")
             )
 
-    def put(self, rec: _Ahead) -> None:
+    def put(self, rec: Ahead) -> None:
         with self.lock:
             self.ahead[id(rec.src)] = rec
 
@@ -172,5 +172,5 @@ class _State:
                     del self.ahead[key]
 
 
-def _state(mgr) -> _State:
-    return state.TRANSFERS.setdefault(mgr, _State)
+def transfer_state(mgr) -> TransferState:
+    return state.TRANSFERS.setdefault(mgr, TransferState)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kvmem_sglang.transfer_ahead import _uncount
+from kvmem_sglang.transfer_ahead import uncount
 from kvmem_sglang.transfer_records import STATS, Batch, Settled
 
 logger = logging.getLogger("kvmem.sglang")
@@ -136,7 +136,7 @@ def _conclude(mgr, batch: Batch, states: dict) -> None:
     later wait on it is bounded), and their rooms poisoned (no ABORT_ACK: nothing proves
     the write over) but still counted, as sglang keeps a room whose write it gave up on.
     Unlike sglang's own handles, the batch is waited for again when the worker reaches
-    each of those rooms (:func:`_wait_again`): the wait that sees it settle uncounts them,
+    each of those rooms (:func:`wait_again`): the wait that sees it settle uncounts them,
     so a room sent ahead in it ends Success (DONE) or is sent again (ERR) instead of
     staying Transferring until its transfer timeout."""
     if batch.state != "PROC":
@@ -152,10 +152,10 @@ def _conclude(mgr, batch: Batch, states: dict) -> None:
     batch.state = "ERR" if batch.cut_short is not None or "ERR" in got else "DONE"
     batch.failed = batch.state == "ERR"
     for a in batch.ahead:
-        _uncount(mgr, a)
+        uncount(mgr, a)
 
 
-def _wait_again(mgr, batch: Batch) -> None:
+def wait_again(mgr, batch: Batch) -> None:
     """The worker reached a room sent ahead in ``batch``, a write its owner's wait gave
     up on: wait for it (at most ``NIXL_ERR_SETTLE_TIMEOUT_S``) and conclude it.  Still
     unsettled: ``batch.until`` is now, so the worker's own wait on it reads it once and
