@@ -106,7 +106,7 @@ test:
 # a core, the tests that fork from the sglang fork servers in one of them (tests/conftest.py);
 # in `make test` one, since the end-to-end tier runs beside it.
 MAIN_WORKERS ?= 2
-MAIN_XDIST = $(if $(filter-out 1,$(MAIN_WORKERS)),-n $(MAIN_WORKERS) --dist loadgroup)
+MAIN_XDIST = $(if $(filter-out 1,$(MAIN_WORKERS)),-n $(MAIN_WORKERS) --dist loadfile)
 
 # tests/ includes test_bench_smoke.py (every benchmark once, tiny sizes; sglang's Mooncake
 # pair runs in .venv-e2e) and

@@ -77,7 +77,7 @@ _FOLDER_MARKS = {"sglang": ("sglang", "subprocess"), "e2e": ("e2e", "subprocess"
 
 
 # the tests that fork from this session's sglang fork servers: with several workers
-# (``make test-main``: pytest-xdist, ``--dist loadgroup``) they run in one, which starts
+# (``make test-main``: pytest-xdist, ``--dist loadfile``) they run in one, which starts
 # the two servers once (about 1 GB and 10 to 20 s each)
 _FORK_SERVER_USERS = ("sglang", "test_bench_smoke.py")
 
@@ -92,15 +92,33 @@ def pytest_configure(config):
             os.environ.pop(name, None)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's
+def pytest_xdist_make_scheduler(config, log):
+    """With ``--dist loadfile``: each file's tests in one worker, as pytest-xdist does
+    (module fixtures set up once), and every file of the fork servers' users in the same
+    one.  (``--dist loadgroup`` with ``xdist_group`` marks would say the same; with pytest
+    9.2 and pytest-xdist 3.8 it spreads a group over the workers.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ForkServerScopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            parts = path.split("/")
+            if parts[0] == "tests" and len(parts) > 1 and parts[1] in _FORK_SERVER_USERS:
+                return "sglang fork servers"
+            return path
+
+    return ForkServerScopes(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(os.path.abspath(__file__))
     for item in items:
         rel = os.path.relpath(str(item.fspath), here).split(os.sep)
         for name in _FOLDER_MARKS.get(rel[0], ()):
             item.add_marker(name)
-        if rel[0] in _FORK_SERVER_USERS:
-            item.add_marker(pytest.mark.xdist_group("sglang-fork-servers"))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -114,19 +132,38 @@ def sglang_fork_servers():
         env.close_fork_server()
 
 
-def pytest_terminal_summary(terminalreporter):
-    """What each fork server did, and which children it left to a fresh interpreter, and
-    why."""
+def _fork_server_lines() -> list[str]:
+    """What each fork server of this process did, and which children it left to a fresh
+    interpreter, and why."""
     env = sys.modules.get("tests.sglang.sglang_env")
+    lines = []
     for name, server in (env.servers() if env is not None else {}).items():
         info = server.info
-        terminalreporter.write_line(
+        lines.append(
             f"{name} fork server: started {server.starts}x in {server.start_s:.1f} s (its "
             f"imports {info['preload_s']} s, {info['modules']} modules), {server.forked} "
             f"children forked, {sum(server.refused.values())} refused"
         )
-        for why, n in server.refused.items():
-            terminalreporter.write_line(f"  refused {n}x: {why}")
+        lines += [f"  refused {n}x: {why}" for why, n in server.refused.items()]
+    return lines
+
+
+_WORKER_LINES: list[str] = []  # what the pytest-xdist workers' fork servers did
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: to the controller
+        session.config.workeroutput["fork_servers"] = _fork_server_lines()
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's, in the controller
+def pytest_testnodedown(node, error):
+    _WORKER_LINES.extend(getattr(node, "workeroutput", {}).get("fork_servers", []))
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _fork_server_lines() + _WORKER_LINES:
+        terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(wrapper=True)
