@@ -100,14 +100,7 @@ from kvmem.disagg.prefill_request import IdsCopy, Offer, PendingChunk, PrefillRe
 from kvmem.disagg.prefill_ending import PrefillEnding
 from kvmem.disagg.prefill_pause import PrefillPause
 from kvmem.disagg.prefill_send import PrefillSending
-from kvmem.disagg.states import (
-    PREFILL_EDGES,
-    PREFILL_PAUSE_EDGES,
-    PausePhase,
-    PrefillState,
-    set_phase,
-    transition,
-)
+from kvmem.disagg.states import PREFILL_EDGES, PausePhase, PrefillState, transition
 from kvmem.disagg.protocol import Inbox, encode
 from kvmem.memory import make_backend
 
@@ -138,7 +131,7 @@ class Faults:
         """Called while the batch's forward runs (aborts land here)."""
 
 
-class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
+class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
     """One prefill worker: a pool, its allocator, a transfer engine, one or several decode
     peers (``decode_peer``: one agent name; or ``decode_peers``: several, each request
     bound to one of them by :meth:`add_request`); ``model`` writes each chunk's KV
@@ -147,8 +140,9 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
     :class:`~kvmem.disagg.prefill_send.PrefillSending` (direct writes in
     :class:`~kvmem.disagg.prefill_direct.PrefillDirect`); the decode peers and their
     messages in :class:`~kvmem.disagg.prefill_peers.PrefillPeers`; ending in
-    :class:`~kvmem.disagg.prefill_ending.PrefillEnding`; pause and resume in
-    :class:`~kvmem.disagg.prefill_pause.PrefillPause`."""
+    :class:`~kvmem.disagg.prefill_ending.PrefillEnding`.  Pause and resume are a part it
+    holds (:attr:`pause`, a :class:`~kvmem.disagg.prefill_pause.PrefillPause`), which owns
+    the pause phase."""
 
     def __init__(
         self,
@@ -238,8 +232,19 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
         self.finished_peer: dict[int, str] = {}  # rid -> the decode peer it was bound to
         self._rooms: set[int] = set()
         self._order: list[int] = []  # scheduling order (FIFO)
-        self.phase = PausePhase.SERVING  # PREFILL_PAUSE_EDGES
-        self._pause_t0 = 0.0
+        self.pause = PrefillPause(
+            pool=pool,
+            alloc=allocator,
+            engine=engine,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            clock=clock,
+            transfer_mode=transfer_mode,
+            reqs=self.reqs,
+            end=self._end,
+            tell_all=self._tell_all,
+            prep_local=self._prep_local,
+        )
         # last_loc of a request with no token yet (alloc_extend's -1), on the device
         self._no_slot = torch.full((1,), -1, dtype=torch.int64, device=allocator.device)
 
@@ -248,18 +253,30 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
             return False  # peer_gone: the caller knows it is dead
         return tell(self.engine, peer, msg, self.metrics, log)
 
+    # --- pause and resume: the pause part's -------------------------------------------------
+    @property
+    def phase(self) -> PausePhase:
+        """Where this side is in a pause (its pause part's phase)."""
+        return self.pause.phase
+
     @property
     def pausing(self) -> bool:
         """A pause began and its memory is not released yet."""
-        return self.phase is PausePhase.DRAINING
+        return self.pause.pausing
 
     @property
     def paused(self) -> bool:
         """The memory is released; :meth:`resume` serves again."""
-        return self.phase is PausePhase.PAUSED
+        return self.pause.paused
 
-    def _phase(self, to: PausePhase) -> None:
-        set_phase("prefill", PREFILL_PAUSE_EDGES, self, to, log)
+    def begin_pause(self) -> None:
+        """Stop posting; ``step`` then drains, aborts (503), resets, deregisters and
+        releases.  :attr:`paused` is True once the memory is released."""
+        self.pause.begin()
+
+    def resume(self) -> None:
+        """Serve again after a pause: the memory back, registered, published (``META``)."""
+        self.pause.resume()
 
     # --- the caller's API ------------------------------------------------------------------
     def add_request(
@@ -367,7 +384,7 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
         moved = self._poll_writes() or moved
         moved = self._check_timeouts() or moved
         if self.phase is PausePhase.DRAINING:
-            return self._advance_pause() or moved
+            return self.pause.advance() or moved
         if self.phase is PausePhase.PAUSED:
             return moved
         moved = self._flush_pending() or moved

@@ -282,6 +282,10 @@ class PrefillPeers:
                 self._maybe_finish(req)
         return ended
 
+    def _tell_all(self, msg: bytes) -> None:
+        for name in self.decode_peers:
+            self._tell(name, msg)
+
     def _maybe_ack_peer_pause(self) -> None:
         """Answer each pausing decode (PAUSE_ACK) once none of this side's writes into it
         (nor reads it was offered) is in flight."""

@@ -34,6 +34,7 @@ from kvmem.disagg import device as dev
 from kvmem.disagg.decode import DecodeSide
 from kvmem.disagg.decode_request import DecodeRequest
 from kvmem.disagg.prefill import PrefillSide
+from kvmem.disagg.prefill_pause import PrefillPause
 from kvmem.disagg.prefill_request import PrefillRequest
 from kvmem.disagg.protocol import DECODE_RECEIVES, PREFILL_RECEIVES, PauseAck, Pulled
 from kvmem.disagg.states import (
@@ -490,16 +491,16 @@ def phases():
     """Every pause phase change of both sides, as (side, from, to)."""
     seen = []
 
-    def wrap(cls):
+    def wrap(cls, side):
         real = cls._phase
 
         def record(self, to):
-            seen.append((type(self).__name__, self.phase, to))
+            seen.append((side, self.phase, to))
             real(self, to)
 
         return unittest.mock.patch.object(cls, "_phase", record)
 
-    with wrap(PrefillSide), wrap(DecodeSide):
+    with wrap(PrefillPause, "PrefillSide"), wrap(DecodeSide, "DecodeSide"):
         yield seen
 
 
