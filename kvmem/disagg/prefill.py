@@ -80,7 +80,7 @@ import torch
 import kvmem
 from kvmem.disagg.arena import Arena
 from kvmem.disagg.counters import Metrics, now
-from kvmem.disagg.device import HostCopy, device_event, to_device
+from kvmem.disagg.device import device_event
 from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
     CLIENT_CLOSED,
@@ -96,7 +96,8 @@ from kvmem.disagg.peers import PeerTable, buffer_map, peer_names, tell
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.model import Forward, prepare_model
 from kvmem.disagg.prefill_peers import PrefillPeers, _DecodePeer
-from kvmem.disagg.prefill_request import IdsCopy, Offer, PendingChunk, PrefillRequest
+from kvmem.disagg.prefill_request import Faults, Offer, PendingChunk, PrefillRequest
+from kvmem.disagg.prefill_schedule import PrefillScheduler
 from kvmem.disagg.prefill_ending import PrefillEnding
 from kvmem.disagg.prefill_pause import PrefillPause
 from kvmem.disagg.prefill_send import PrefillSending
@@ -106,29 +107,10 @@ from kvmem.memory import make_backend
 
 log = logging.getLogger("kvmem.disagg.prefill")
 
-# the states ``_schedule`` runs forwards in (the next chunk while the last one's write flies)
-_FORWARDING = frozenset({PrefillState.WAITING_FOR_INPUT, PrefillState.TRANSFERRING})
-
 # ``() -> object with query()``, called right after each pack into staging: on CUDA a
 # ``torch.cuda.Event`` recorded on the pool device's current stream (where pack ran); on
 # the CPU an object that is always ready (kvmem.disagg.device.device_event).
 default_ready_event = device_event
-
-
-class Faults:
-    """Fault-injection points (the demo and the tests override them); defaults inject
-    nothing."""
-
-    def fail_send(self, rid: int, seq: int, aux: bool) -> bool:
-        """True: treat the write of chunk ``seq`` (or the AUX write) as refused."""
-        return False
-
-    def stall(self, rid: int, seq: int) -> bool:
-        """True: do not schedule chunk ``seq`` of ``rid`` now (slow request)."""
-        return False
-
-    def during_forward(self, side: "PrefillSide", batch: list) -> None:
-        """Called while the batch's forward runs (aborts land here)."""
 
 
 class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
@@ -136,13 +118,15 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
     peers (``decode_peer``: one agent name; or ``decode_peers``: several, each request
     bound to one of them by :meth:`add_request`); ``model`` writes each chunk's KV
     (:class:`~kvmem.disagg.model.Forward`).  Its methods are split by job: the
-    requests, their states and scheduling here; sending in
+    requests, their states and each step here; sending in
     :class:`~kvmem.disagg.prefill_send.PrefillSending` (direct writes in
     :class:`~kvmem.disagg.prefill_direct.PrefillDirect`); the decode peers and their
     messages in :class:`~kvmem.disagg.prefill_peers.PrefillPeers`; ending in
-    :class:`~kvmem.disagg.prefill_ending.PrefillEnding`.  Pause and resume are a part it
-    holds (:attr:`pause`, a :class:`~kvmem.disagg.prefill_pause.PrefillPause`), which owns
-    the pause phase."""
+    :class:`~kvmem.disagg.prefill_ending.PrefillEnding`.  Parts it holds, each owning
+    its fields: the scheduling (:attr:`scheduler`, a
+    :class:`~kvmem.disagg.prefill_schedule.PrefillScheduler`: the order, which chunks a
+    step forwards) and pause and resume (:attr:`pause`, a
+    :class:`~kvmem.disagg.prefill_pause.PrefillPause`: the pause phase)."""
 
     def __init__(
         self,
@@ -184,12 +168,10 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
         self.quarantine_timeout = (
             transfer_timeout if quarantine_timeout is None else quarantine_timeout
         )
-        self.chunk_tokens = chunk_tokens
-        self.max_batch_tokens = max(max_batch_tokens, chunk_tokens)
         self.bootstrap_timeout = bootstrap_timeout
         self.transfer_timeout = transfer_timeout
         self.clock = clock
-        self.faults = faults or Faults()
+        self._faults = faults or Faults()
         self.on_finish = on_finish
         self.ready_event = ready_event or device_event(pool.device)
         prepare_model(model, Forward, pool.device, "PrefillSide")  # its set-up on our device
@@ -231,7 +213,15 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
         self.finished: dict[int, Reason] = {}
         self.finished_peer: dict[int, str] = {}  # rid -> the decode peer it was bound to
         self._rooms: set[int] = set()
-        self._order: list[int] = []  # scheduling order (FIFO)
+        self.scheduler = PrefillScheduler(
+            spec=spec,
+            alloc=allocator,
+            ledger=self.ledger,
+            reqs=self.reqs,
+            faults=self._faults,
+            chunk_tokens=chunk_tokens,
+            max_batch_tokens=max_batch_tokens,
+        )
         self.pause = PrefillPause(
             pool=pool,
             alloc=allocator,
@@ -245,13 +235,20 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
             tell_all=self._tell_all,
             prep_local=self._prep_local,
         )
-        # last_loc of a request with no token yet (alloc_extend's -1), on the device
-        self._no_slot = torch.full((1,), -1, dtype=torch.int64, device=allocator.device)
 
     def _tell(self, peer: str, msg: bytes) -> bool:
         if self._peers[peer].gone:
             return False  # peer_gone: the caller knows it is dead
         return tell(self.engine, peer, msg, self.metrics, log)
+
+    @property
+    def faults(self) -> Faults:
+        """The fault-injection hooks; setting them re-points the parts that call them."""
+        return self._faults
+
+    @faults.setter
+    def faults(self, faults: Faults) -> None:
+        self._faults = self.scheduler.faults = faults
 
     # --- pause and resume: the pause part's -------------------------------------------------
     @property
@@ -388,7 +385,7 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
         if self.phase is PausePhase.PAUSED:
             return moved
         moved = self._flush_pending() or moved
-        batch = self._schedule()
+        batch = self.scheduler.schedule(self.peer_is_paused)
         if batch:
             for req, *_ in batch:
                 req.in_batch = True
@@ -397,69 +394,6 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
             self.fill_batch(batch)
             return True
         return moved
-
-    def _schedule(self) -> list:
-        """Pick chunks of WaitingForInput/Transferring requests and allocate their pages
-        with one alloc_extend (sglang semantics).  Returns [(req, first_page, last_page)]."""
-        ps = self.spec.page_size
-        picked, budget, need_pages = [], self.max_batch_tokens, 0
-        for rid in self._order:
-            req = self.reqs.get(rid)
-            if (
-                req is None
-                or req.state not in _FORWARDING
-                or req.done_tokens >= req.tokens
-                or req.pending
-                or self._peers[req.peer].paused
-            ):
-                continue
-            if self.faults.stall(rid, req.seq):
-                continue
-            n = min(self.chunk_tokens, req.tokens - req.done_tokens, budget)
-            if n < req.tokens - req.done_tokens:
-                n -= n % ps
-            if n <= 0:
-                break
-            pages = -(-(req.done_tokens + n) // ps) - (-(-req.done_tokens // ps))
-            if need_pages + pages > self.alloc.num_free:
-                break  # memory pressure: the rest waits for frees
-            picked.append((req, n))
-            need_pages += pages
-            budget -= n
-        if not picked:
-            return []
-        # No host sync on CUDA: lengths go to the device through pinned memory, sglang's
-        # *_cpu hints give the counts, check=False (errors surface at the allocator's next
-        # synchronising call), and each request's last slot stays on the device.
-        pre = torch.tensor([r.done_tokens for r, _ in picked], dtype=torch.int64)
-        seq = pre + torch.tensor([n for _, n in picked], dtype=torch.int64)
-        dev = self.alloc.device
-        last = torch.cat([self._no_slot if r.last_loc is None else r.last_loc for r, _ in picked])
-        slots = self.alloc.alloc_extend(
-            to_device(pre, dev),
-            to_device(seq, dev),
-            last,
-            prefix_lens_cpu=pre,
-            seq_lens_cpu=seq,
-            extend_num_tokens=int((seq - pre).sum()),
-            check=False,
-        )
-        batch, off = [], 0
-        for req, n in picked:
-            s = slots[off : off + n]
-            off += n
-            first = req.done_tokens // ps
-            new = s[(ps - req.done_tokens % ps) % ps :: ps] // ps  # pages that start here
-            self.ledger.hold(req.rid, new)
-            req.done_tokens += n
-            req.last_loc = s[-1:]
-            last_page = -(-req.done_tokens // ps)
-            # Chunks start on a page boundary (all but a request's last are whole pages),
-            # so the new pages are exactly pages [first, last_page) of the request; their
-            # ids reach the host without a sync, for READY and direct descriptors.
-            req.ids.append(IdsCopy(first, last_page, HostCopy(new)))
-            batch.append((req, first, last_page))
-        return batch
 
     def _forward(self, batch) -> None:
         """The model's forward pass: each chunk's KV into its pages."""

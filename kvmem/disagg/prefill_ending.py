@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
+    from kvmem.disagg.prefill_schedule import PrefillScheduler
 
 
 class PrefillEnding:
@@ -39,7 +40,7 @@ class PrefillEnding:
         finished: dict[int, Reason]
         finished_peer: dict[int, str]
         _rooms: set[int]
-        _order: list[int]
+        scheduler: PrefillScheduler
 
         def _tell(self, peer: str, msg: bytes) -> bool: ...
         def _transition(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -95,8 +96,7 @@ class PrefillEnding:
                 req.peer, encode("ABORT", rid=req.rid, status=reason.status, reason=reason.message)
             )
         del self.reqs[req.rid]
-        if req.rid in self._order:
-            self._order.remove(req.rid)
+        self.scheduler.drop(req.rid)
         self._rooms.discard(req.room)
         self.finished[req.rid] = reason
         self.finished_peer[req.rid] = req.peer

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
+    from kvmem.disagg.prefill_schedule import PrefillScheduler
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
@@ -100,7 +101,7 @@ class PrefillPeers:
         reqs: dict[int, Any]
         finished: dict[int, Reason]
         finished_peer: dict[int, str]
-        _order: list[int]
+        scheduler: PrefillScheduler
 
         @property
         def paused(self) -> bool: ...
@@ -371,7 +372,7 @@ class PrefillPeers:
         req.landing_off, req.landing_nbytes = msg.off, msg.nbytes
         self._transition(req, PrefillState.WAITING_FOR_INPUT)
         req.t_bootstrapped = self.clock()
-        self._order.append(req.rid)
+        self.scheduler.admit(req.rid)
 
     def _on_pulled(self, msg: Pulled, peer: str) -> None:
         req = self._bound(msg, peer)

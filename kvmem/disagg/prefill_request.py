@@ -2,7 +2,8 @@
 transfers: a chunk forwarded and not staged yet (:class:`PendingChunk`), its page ids on
 their way to the host (:class:`IdsCopy`), a chunk or the AUX staged and not posted yet
 (:class:`_Staged`, of the kinds :class:`_Send`), a transfer in flight
-(:class:`InFlight`), a pull offer (:class:`Offer`).  The queued ones are frozen.
+(:class:`InFlight`), a pull offer (:class:`Offer`).  The queued ones are frozen.  The
+fault-injection points of the side (:class:`Faults`).
 Data only: the side's modules change them (:mod:`kvmem.disagg.prefill` and its parts);
 nothing here imports them.
 """
@@ -150,3 +151,19 @@ class PrefillRequest:
     reason: Reason | None = None  # ENDING, FAILED, SUCCEEDED: how it ends
     dpages: np.ndarray | None = None  # the decode's page ids of this request (its BOOT)
     kv: object = None  # RemoteMemory of the decode's kv those ids belong to (its BOOT's epoch)
+
+
+class Faults:
+    """Fault-injection points (the demo and the tests override them); defaults inject
+    nothing."""
+
+    def fail_send(self, rid: int, seq: int, aux: bool) -> bool:
+        """True: treat the write of chunk ``seq`` (or the AUX write) as refused."""
+        return False
+
+    def stall(self, rid: int, seq: int) -> bool:
+        """True: do not schedule chunk ``seq`` of ``rid`` now (slow request)."""
+        return False
+
+    def during_forward(self, side: Any, batch: list) -> None:
+        """Called while the batch's forward runs (aborts land here)."""

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
+    from kvmem.disagg.prefill_schedule import PrefillScheduler
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
@@ -86,7 +87,7 @@ class PrefillSending(PrefillDirect):
         reqs: dict[int, Any]
         finished: dict[int, Reason]
         finished_peer: dict[int, str]
-        _order: list[int]
+        scheduler: PrefillScheduler
 
         @property
         def paused(self) -> bool: ...
@@ -108,7 +109,7 @@ class PrefillSending(PrefillDirect):
         # notification follows on the same endpoint, in order.  True when something was
         # staged or posted (or a request ended trying).
         moved = False
-        for rid in list(self._order):
+        for rid in list(self.scheduler.order):
             req = self.reqs.get(rid)
             while (
                 req is not None
