@@ -69,7 +69,7 @@ def calibrate_direct(
     peer = side.decode_peer if peer is None else peer
     own = side._local_table is None  # the side sends packed only: prepare lists here
     lt = eng.prep_local("kv") if own else side._local_table
-    rt = eng.prep_remote(eng.remote(peer, "kv")) if own else side._peers[peer].table.get()
+    rt = eng.prep_remote(eng.remote(peer, "kv")) if own else side.peers.get(peer).table.get()
     landing = eng.remote(peer, "landing")
     plane = int(lt.nbytes.min())
     nbytes = kvmem.packed_nbytes(spec, chunk_pages)

@@ -92,10 +92,10 @@ from kvmem.disagg.outcome import (
     check_caller_args,
     check_id,
 )
-from kvmem.disagg.peers import PeerTable, buffer_map, peer_names, tell
+from kvmem.disagg.peers import buffer_map, peer_names
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.model import Forward, prepare_model
-from kvmem.disagg.prefill_peers import PrefillPeers, _DecodePeer
+from kvmem.disagg.prefill_peers import PrefillPeers
 from kvmem.disagg.prefill_request import Faults, Offer, PendingChunk, PrefillRequest
 from kvmem.disagg.prefill_schedule import PrefillScheduler
 from kvmem.disagg.prefill_ending import PrefillEnding
@@ -113,19 +113,20 @@ log = logging.getLogger("kvmem.disagg.prefill")
 default_ready_event = device_event
 
 
-class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
+class PrefillSide(PrefillSending, PrefillEnding):
     """One prefill worker: a pool, its allocator, a transfer engine, one or several decode
     peers (``decode_peer``: one agent name; or ``decode_peers``: several, each request
     bound to one of them by :meth:`add_request`); ``model`` writes each chunk's KV
     (:class:`~kvmem.disagg.model.Forward`).  Its methods are split by job: the
     requests, their states and each step here; sending in
     :class:`~kvmem.disagg.prefill_send.PrefillSending` (direct writes in
-    :class:`~kvmem.disagg.prefill_direct.PrefillDirect`); the decode peers and their
-    messages in :class:`~kvmem.disagg.prefill_peers.PrefillPeers`; ending in
+    :class:`~kvmem.disagg.prefill_direct.PrefillDirect`); ending in
     :class:`~kvmem.disagg.prefill_ending.PrefillEnding`.  Parts it holds, each owning
     its fields: the scheduling (:attr:`scheduler`, a
     :class:`~kvmem.disagg.prefill_schedule.PrefillScheduler`: the order, which chunks a
-    step forwards) and pause and resume (:attr:`pause`, a
+    step forwards), the decode peers (:attr:`peers`, a
+    :class:`~kvmem.disagg.prefill_peers.PrefillPeers`: the peer table, their messages)
+    and pause and resume (:attr:`pause`, a
     :class:`~kvmem.disagg.prefill_pause.PrefillPause`: the pause phase)."""
 
     def __init__(
@@ -177,14 +178,6 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
         prepare_model(model, Forward, pool.device, "PrefillSide")  # its set-up on our device
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("prefill")
-        self.inbox = Inbox(
-            engine,
-            peers=self.decode_peers,
-            receiver="prefill",
-            handle=self.handle_message,
-            metrics=self.metrics,
-            log=log,
-        )
         chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
         self.arena = Arena(staging_bytes)
@@ -207,8 +200,6 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
         self.direct_threshold = direct_threshold
         self.chunk_modes: Counter = Counter()  # chunks posted, "packed" / "direct"
         self._local_table = None  # prepared block list of our pool (prep_local "kv")
-        self._peers = {n: _DecodePeer(n, PeerTable(engine, n)) for n in self.decode_peers}
-        self._prep_local()
         self.reqs: dict[int, PrefillRequest] = {}  # active (not finished)
         self.finished: dict[int, Reason] = {}
         self.finished_peer: dict[int, str] = {}  # rid -> the decode peer it was bound to
@@ -222,6 +213,21 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
             chunk_tokens=chunk_tokens,
             max_batch_tokens=max_batch_tokens,
         )
+        self.peers = PrefillPeers(
+            engine,
+            self.decode_peers,
+            spec=spec,
+            clock=clock,
+            metrics=self.metrics,
+            reqs=self.reqs,
+            finished=self.finished,
+            finished_peer=self.finished_peer,
+            admit=self.scheduler.admit,
+            abort=self.abort,
+            end=self._end,
+            maybe_finish=self._maybe_finish,
+        )
+        self._prep_local()
         self.pause = PrefillPause(
             pool=pool,
             alloc=allocator,
@@ -232,14 +238,9 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
             transfer_mode=transfer_mode,
             reqs=self.reqs,
             end=self._end,
-            tell_all=self._tell_all,
+            tell_all=self.peers.tell_all,
             prep_local=self._prep_local,
         )
-
-    def _tell(self, peer: str, msg: bytes) -> bool:
-        if self._peers[peer].gone:
-            return False  # peer_gone: the caller knows it is dead
-        return tell(self.engine, peer, msg, self.metrics, log)
 
     @property
     def faults(self) -> Faults:
@@ -249,6 +250,42 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
     @faults.setter
     def faults(self, faults: Faults) -> None:
         self._faults = self.scheduler.faults = faults
+
+    # --- the decode peers: the peers part's ------------------------------------------------
+    @property
+    def decode_peer(self) -> str:
+        """The decode peer, when there is one (ValueError when there are several)."""
+        return self.peers.sole
+
+    @property
+    def inbox(self) -> Inbox:
+        """The inbox of the decodes' messages (the peers part's)."""
+        return self.peers.inbox
+
+    @property
+    def peer_paused(self) -> bool:
+        """True while a decode peer is paused (announced PAUSING, no live META since)."""
+        return self.peers.any_paused
+
+    def peer_is_paused(self, peer: str) -> bool:
+        """Whether decode peer ``peer`` is paused (a router sends new requests elsewhere)."""
+        return self.peers.is_paused(peer)
+
+    def requests_of(self, peer: str) -> int:
+        """Active requests bound to decode peer ``peer``."""
+        return self.peers.requests_of(peer)
+
+    def handle_message(self, msg, peer: str | None = None) -> None:
+        """Apply one validated message from decode peer ``peer`` (may be left out when the
+        side has one): :meth:`PrefillPeers.handle_message
+        <kvmem.disagg.prefill_peers.PrefillPeers.handle_message>`."""
+        self.peers.handle_message(msg, peer)
+
+    def peer_gone(self, peer: str) -> int:
+        """The caller knows decode ``peer`` is dead: its requests end now (500) and their
+        transfers are given up; the number it ended (:meth:`PrefillPeers.peer_gone
+        <kvmem.disagg.prefill_peers.PrefillPeers.peer_gone>`)."""
+        return self.peers.peer_gone(peer, self._give_up)
 
     # --- pause and resume: the pause part's -------------------------------------------------
     @property
@@ -293,12 +330,12 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
                     f"{list(self.decode_peers)}"
                 )
             peer = self.decode_peers[0]
-        elif peer not in self._peers:
+        elif peer not in self.decode_peers:
             raise ValueError(
                 f"add_request: request {rid}: {peer!r} is not a decode peer of "
                 f"this side ({list(self.decode_peers)})"
             )
-        if self._peers[peer].gone:
+        if self.peers.get(peer).gone:
             raise ValueError(f"add_request: request {rid}: decode {peer!r} is gone (peer_gone)")
         room = rid if room is None else room
         check_id("add_request", f"request {rid}: room", room)
@@ -327,7 +364,7 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
         self.reqs[rid] = req
         self._rooms.add(room)
         self.ledger.hold(rid, torch.empty(0, dtype=torch.int64, device=self.alloc.device))
-        self._tell(peer, encode("REQ", rid=rid, room=room, tokens=tokens))
+        self.peers.tell(peer, encode("REQ", rid=rid, room=room, tokens=tokens))
 
     def abort(self, rid: int, status: int = CLIENT_CLOSED, message: str | None = None) -> None:
         """Abort ``rid`` from any state; aborting a finished request does nothing.
@@ -377,15 +414,16 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding):
         pause completed, a chunk was staged or posted, or a batch ran its forward.  False:
         nothing changed; what is left waits for the peer, a posted write, free memory or
         the clock, and the caller may back off (:class:`~kvmem.disagg.pacing.Backoff`)."""
-        moved = self._handle_notifs()
+        moved = self.peers.handle_notifs()
         moved = self._poll_writes() or moved
+        self.peers.maybe_ack_pause()  # once no write into a pausing decode is in flight
         moved = self._check_timeouts() or moved
         if self.phase is PausePhase.DRAINING:
             return self.pause.advance() or moved
         if self.phase is PausePhase.PAUSED:
             return moved
         moved = self._flush_pending() or moved
-        batch = self.scheduler.schedule(self.peer_is_paused)
+        batch = self.scheduler.schedule(self.peers.is_paused)
         if batch:
             for req, *_ in batch:
                 req.in_batch = True

@@ -28,6 +28,7 @@ from kvmem.transfer.records import BlockTable
 from kvmem.transfer.runs import merge_runs
 
 if TYPE_CHECKING:
+    from kvmem.disagg.prefill_peers import PrefillPeers
     from typing import Any
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
@@ -43,7 +44,7 @@ class PrefillDirect:
         faults: Any
         direct_threshold: int | None
         _local_table: BlockTable | None
-        _peers: dict[str, Any]
+        peers: PrefillPeers
 
         @property
         def paused(self) -> bool: ...
@@ -78,7 +79,7 @@ class PrefillDirect:
             or dpages is None
             or req.kv is None
             or lt is None
-            or self._peers[req.peer].paused
+            or self.peers.get(req.peer).paused
         ):
             return None
         return dpages, lt, threshold
@@ -105,7 +106,7 @@ class PrefillDirect:
         if n * int(lt.nbytes.min()) / runs < threshold:
             return None
         try:
-            rt = self._peers[req.peer].table.get()
+            rt = self.peers.get(req.peer).table.get()
         except TransferError as e:  # NIXL refused to prepare the decode's list: pack
             log.warning("prefill: direct writes unavailable, packing: %s", e)
             return None
@@ -128,7 +129,7 @@ class PrefillDirect:
         try:
             if self.faults.fail_send(req.rid, seq, False):
                 raise TransferError(f"injected send failure of chunk {seq} (direct)")
-            rt = self._peers[req.peer].table.get()
+            rt = self.peers.get(req.peer).table.get()
             if rt is None or rt.remote != req.kv:
                 # the decode's kv moved on since the BOOT that gave these page ids
                 raise StaleEpochError(

@@ -15,6 +15,7 @@ from kvmem.disagg.protocol import encode
 from kvmem.disagg.states import PrefillState
 
 if TYPE_CHECKING:
+    from kvmem.disagg.prefill_peers import PrefillPeers
     from collections.abc import Callable
     from typing import Any
 
@@ -42,7 +43,8 @@ class PrefillEnding:
         _rooms: set[int]
         scheduler: PrefillScheduler
 
-        def _tell(self, peer: str, msg: bytes) -> bool: ...
+        peers: PrefillPeers
+
         def _transition(self, *args: Any, **kwargs: Any) -> Any: ...
         def _send_aux(self, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -92,7 +94,7 @@ class PrefillEnding:
         self._transition(req, to)
         req.reason = reason
         if to is PrefillState.FAILED:
-            self._tell(
+            self.peers.tell(
                 req.peer, encode("ABORT", rid=req.rid, status=reason.status, reason=reason.message)
             )
         del self.reqs[req.rid]

@@ -3,14 +3,15 @@ transfers: a chunk forwarded and not staged yet (:class:`PendingChunk`), its pag
 their way to the host (:class:`IdsCopy`), a chunk or the AUX staged and not posted yet
 (:class:`_Staged`, of the kinds :class:`_Send`), a transfer in flight
 (:class:`InFlight`), a pull offer (:class:`Offer`).  The queued ones are frozen.  The
-fault-injection points of the side (:class:`Faults`).
-Data only: the side's modules change them (:mod:`kvmem.disagg.prefill` and its parts);
+fault-injection points of the side (:class:`Faults`), and the one way a request changes
+state (:func:`set_state`).  Data and that check only: the side's modules change them (:mod:`kvmem.disagg.prefill` and its parts);
 nothing here imports them.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -20,8 +21,10 @@ import torch
 from kvmem.disagg.device import HostCopy
 from kvmem.disagg.outcome import Reason
 from kvmem.disagg.peers import RegionMap
-from kvmem.disagg.states import PrefillState
+from kvmem.disagg.states import PREFILL_EDGES, PrefillState, transition
 from kvmem.transfer.records import TransferHandle, XferState
+
+log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
 
 @dataclass(frozen=True)
@@ -167,3 +170,11 @@ class Faults:
 
     def during_forward(self, side: Any, batch: list) -> None:
         """Called while the batch's forward runs (aborts land here)."""
+
+
+def set_state(req: PrefillRequest, to: PrefillState) -> None:
+    """Move ``req`` to ``to`` along an edge of the prefill's drawing (the module docstring
+    of :mod:`kvmem.disagg.prefill`, :data:`~kvmem.disagg.states.PREFILL_EDGES`); the one
+    way a prefill request changes state.  IllegalTransition naming the request and both
+    states, ``req`` unchanged, for any other."""
+    transition("prefill", PREFILL_EDGES, req, to, log)

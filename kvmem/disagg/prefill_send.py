@@ -48,6 +48,7 @@ from kvmem.disagg.prefill_request import InFlight, Offer, PrefillRequest, _Send,
 from kvmem.transfer.records import XferState
 
 if TYPE_CHECKING:
+    from kvmem.disagg.prefill_peers import PrefillPeers
     from collections import Counter
     from collections.abc import Callable
     from typing import Any
@@ -83,7 +84,7 @@ class PrefillSending(PrefillDirect):
         staging: torch.Tensor
         _staging_map: Any
         chunk_modes: Counter
-        _peers: dict[str, Any]
+        peers: PrefillPeers
         reqs: dict[int, Any]
         finished: dict[int, Reason]
         finished_peer: dict[int, str]
@@ -92,12 +93,10 @@ class PrefillSending(PrefillDirect):
         @property
         def paused(self) -> bool: ...
 
-        def _tell(self, peer: str, msg: bytes) -> bool: ...
         def _end(self, *args: Any, **kwargs: Any) -> Any: ...
         def _transition(self, *args: Any, **kwargs: Any) -> Any: ...
         def _maybe_finish(self, *args: Any, **kwargs: Any) -> Any: ...
         def abort(self, *args: Any, **kwargs: Any) -> Any: ...
-        def _maybe_ack_peer_pause(self) -> None: ...
 
     # --- sending ----------------------------------------------------------------------------
     def _flush_pending(self) -> bool:
@@ -114,7 +113,7 @@ class PrefillSending(PrefillDirect):
             while (
                 req is not None
                 and not req.state.ended
-                and not self._peers[req.peer].paused
+                and not self.peers.get(req.peer).paused
                 and not req.handles
             ):
                 if req.staged is not None:
@@ -312,7 +311,7 @@ class PrefillSending(PrefillDirect):
             epoch=self.pool.epoch,
             final=st.final,
         )
-        if not self._tell(req.peer, msg):
+        if not self.peers.tell(req.peer, msg):
             self._end(
                 req,
                 Reason(
@@ -356,7 +355,6 @@ class PrefillSending(PrefillDirect):
                 )
             else:
                 self._maybe_finish(req)
-        self._maybe_ack_peer_pause()
         return ended
 
     def _poll_write(self, w: InFlight) -> str:
@@ -366,6 +364,13 @@ class PrefillSending(PrefillDirect):
         if st != "PROC":
             self._release_write(w)
         return st
+
+    def _give_up(self, req: PrefillRequest) -> None:
+        """Cancel ``req``'s posted writes and drop its offers (its decode is gone)."""
+        for t in req.handles:  # an offer has nothing to give back: dropped with it
+            if not isinstance(t.op, Offer):
+                self._release_write(t, abort=True)
+        req.handles = []
 
     def _release_write(self, w: InFlight, abort: bool = False) -> None:
         """Give back write ``w``'s handle (``abort``: cancel it if still in flight) and

@@ -116,7 +116,7 @@ def test_choice_per_chunk_by_merged_runs():
 def test_direct_write_from_older_decode_metadata_is_refused_before_posting(pair):
     pair.prefill.add_request(1, 64)
     pair.run_idle()
-    old = pair.prefill._peers[pair.de.name].table.table
+    old = pair.prefill.peers.get(pair.de.name).table.table
     assert old is not None and old.epoch == 0
     pair.decode.begin_pause()
     pair.run_until(lambda: pair.decode.paused)
@@ -131,7 +131,8 @@ def test_direct_write_from_older_decode_metadata_is_refused_before_posting(pair)
     pair.prefill.add_request(2, 64)
     pair.run_idle()
     assert (
-        pair.finished[2].status == 200 and pair.prefill._peers[pair.de.name].table.table.epoch == 1
+        pair.finished[2].status == 200
+        and pair.prefill.peers.get(pair.de.name).table.table.epoch == 1
     )
     assert pair.prefill.chunk_modes["direct"] == 2
     pair.assert_clean()
@@ -140,7 +141,7 @@ def test_direct_write_from_older_decode_metadata_is_refused_before_posting(pair)
 def test_post_blocks_checks_indices_and_sizes(pair):
     pair.prefill.add_request(1, 64)
     pair.run_idle()
-    lt, rt = pair.prefill._local_table, pair.prefill._peers[pair.de.name].table.table
+    lt, rt = pair.prefill._local_table, pair.prefill.peers.get(pair.de.name).table.table
     n_local = lt.layout.count * lt.nbytes.size
     for li, ri, match in [
         (np.array([1, 2]), np.array([1]), "equal in number"),

@@ -290,20 +290,30 @@ class Live:
             buf = torch.zeros(4096, dtype=torch.uint8)
             self._bufs.append(buf)
             eng.register("fuzz", [(buf.data_ptr(), buf.numel())], 0)
-            side._tell(pair.de.name if side is pair.prefill else pair.pe.name, meta_message(eng))
+        pair.prefill.peers.tell(pair.de.name, meta_message(pair.pe))
+        pair.decode._tell(pair.pe.name, meta_message(pair.de))
         pair.old_md = self.old_md
         for side in (pair.prefill, pair.decode):
             for b in side.pool.k_buffer + side.pool.v_buffer:
                 b.view(torch.uint8).fill_(SENTINEL)
         self.sent: list = []  # (receiver, raw) of legit messages, for replays
-        for side, receiver in ((pair.prefill, "decode"), (pair.decode, "prefill")):
-            real = side._tell
+        # The prefill's parts tell the decode through the one callable they were built
+        # with: its messages are recorded where they leave, at its engine (the hostile
+        # ones, sent from that engine too, go through the unrecorded one: send())
+        self.raw_send = {pair.pe.name: pair.pe.send_notif, pair.de.name: pair.de.send_notif}
 
-            def tell(peer, msg, real=real, receiver=receiver):
-                self.sent.append((receiver, msg))
-                return real(peer, msg)
+        def send_notif(peer, msg, real=pair.pe.send_notif):
+            self.sent.append(("decode", msg))
+            return real(peer, msg)
 
-            side._tell = tell
+        pair.pe.send_notif = send_notif
+        real = pair.decode._tell
+
+        def tell(peer, msg, real=real):
+            self.sent.append(("prefill", msg))
+            return real(peer, msg)
+
+        pair.decode._tell = tell
         real_post = pair.pe.post_write
 
         def post_write(local, remote, remote_ranges, notif=b""):  # CHUNK / AUX notifications
@@ -331,7 +341,7 @@ class Live:
         p = self.pair
         sender = p.de if receiver == "prefill" else p.pe
         to = p.pe if receiver == "prefill" else p.de
-        sender.send_notif(to.name, raw)
+        self.raw_send[sender.name](to.name, raw)
         self.must_refuse[receiver] += bool(bad)
         TALLY["messages"] += 1
         TALLY["malformed"] += bool(bad)
