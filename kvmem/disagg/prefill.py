@@ -77,7 +77,6 @@ from collections import Counter
 import numpy as np
 import torch
 
-import kvmem
 from kvmem.disagg.arena import Arena
 from kvmem.disagg.counters import Metrics, now
 from kvmem.disagg.device import device_event
@@ -92,8 +91,7 @@ from kvmem.disagg.outcome import (
     check_caller_args,
     check_id,
 )
-from kvmem.disagg.peers import buffer_map, peer_names
-from kvmem.disagg.protocol import AUX_BYTES
+from kvmem.disagg.peers import peer_names
 from kvmem.disagg.model import Forward, prepare_model
 from kvmem.disagg.prefill_peers import PrefillPeers
 from kvmem.disagg.prefill_request import Faults, Offer, PendingChunk, PrefillRequest
@@ -103,7 +101,6 @@ from kvmem.disagg.prefill_pause import PrefillPause
 from kvmem.disagg.prefill_send import PrefillSending
 from kvmem.disagg.states import PREFILL_EDGES, PausePhase, PrefillState, transition
 from kvmem.disagg.protocol import Inbox, encode
-from kvmem.memory import make_backend
 
 log = logging.getLogger("kvmem.disagg.prefill")
 
@@ -113,21 +110,18 @@ log = logging.getLogger("kvmem.disagg.prefill")
 default_ready_event = device_event
 
 
-class PrefillSide(PrefillSending, PrefillEnding):
+class PrefillSide(PrefillEnding):
     """One prefill worker: a pool, its allocator, a transfer engine, one or several decode
     peers (``decode_peer``: one agent name; or ``decode_peers``: several, each request
     bound to one of them by :meth:`add_request`); ``model`` writes each chunk's KV
-    (:class:`~kvmem.disagg.model.Forward`).  Its methods are split by job: the
-    requests, their states and each step here; sending in
-    :class:`~kvmem.disagg.prefill_send.PrefillSending` (direct writes in
-    :class:`~kvmem.disagg.prefill_direct.PrefillDirect`); ending in
-    :class:`~kvmem.disagg.prefill_ending.PrefillEnding`.  Parts it holds, each owning
-    its fields: the scheduling (:attr:`scheduler`, a
-    :class:`~kvmem.disagg.prefill_schedule.PrefillScheduler`: the order, which chunks a
-    step forwards), the decode peers (:attr:`peers`, a
-    :class:`~kvmem.disagg.prefill_peers.PrefillPeers`: the peer table, their messages)
-    and pause and resume (:attr:`pause`, a
-    :class:`~kvmem.disagg.prefill_pause.PrefillPause`: the pause phase)."""
+    (:class:`~kvmem.disagg.model.Forward`).  The side keeps the request tables and runs
+    each step, and ends requests with the methods of
+    :class:`~kvmem.disagg.prefill_ending.PrefillEnding`; the rest is done by parts it
+    holds, each owning its fields and handed only what it uses: :attr:`scheduler`
+    (:class:`~kvmem.disagg.prefill_schedule.PrefillScheduler`), :attr:`peers`
+    (:class:`~kvmem.disagg.prefill_peers.PrefillPeers`), :attr:`sending`
+    (:class:`~kvmem.disagg.prefill_send.PrefillSending`; direct writes: its ``direct``)
+    and :attr:`pause` (:class:`~kvmem.disagg.prefill_pause.PrefillPause`)."""
 
     def __init__(
         self,
@@ -178,28 +172,6 @@ class PrefillSide(PrefillSending, PrefillEnding):
         prepare_model(model, Forward, pool.device, "PrefillSide")  # its set-up on our device
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("prefill")
-        chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
-        staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
-        self.arena = Arena(staging_bytes)
-        if self.arena.size < chunk_max + AUX_BYTES:
-            raise ValueError(
-                f"staging_bytes {staging_bytes} cannot hold one chunk ({chunk_max} bytes)"
-            )
-        self._staging_mem = make_backend(staging_bytes, pool.device)
-        self.staging = self._staging_mem.tensor
-        # One region per physical chunk of the staging memory (NIXL refuses a descriptor
-        # across two registrations); a slot's write is cut at the chunk boundaries it
-        # crosses (_post)
-        regions = self._staging_mem.regions()
-        self._staging_map = buffer_map(self.staging, regions)
-        engine.register("staging", regions, 0, pool.device)
-        engine.register_pool(pool, "kv")
-        # Direct writes (pool pages to the decode's pool pages, no pack) for chunks whose
-        # page runs, merged where adjacent on both sides, are at least this many bytes per
-        # descriptor; None: every chunk is packed.  Measured by kvmem.disagg.calibrate.
-        self.direct_threshold = direct_threshold
-        self.chunk_modes: Counter = Counter()  # chunks posted, "packed" / "direct"
-        self._local_table = None  # prepared block list of our pool (prep_local "kv")
         self.reqs: dict[int, PrefillRequest] = {}  # active (not finished)
         self.finished: dict[int, Reason] = {}
         self.finished_peer: dict[int, str] = {}  # rid -> the decode peer it was bound to
@@ -227,7 +199,28 @@ class PrefillSide(PrefillSending, PrefillEnding):
             end=self._end,
             maybe_finish=self._maybe_finish,
         )
-        self._prep_local()
+        self.sending = PrefillSending(
+            pool=pool,
+            engine=engine,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            clock=clock,
+            faults=self._faults,
+            ready_event=self.ready_event,
+            transfer_mode=transfer_mode,
+            quarantine_timeout=self.quarantine_timeout,
+            chunk_tokens=chunk_tokens,
+            staging_bytes=staging_bytes,
+            direct_threshold=direct_threshold,
+            reqs=self.reqs,
+            order=self.scheduler.order,
+            peer=self.peers.get,
+            tell=self.peers.tell,
+            end=self._end,
+            maybe_finish=self._maybe_finish,
+        )  # registers its staging buffer
+        engine.register_pool(pool, "kv")
+        self.sending.direct.prep_local()
         self.pause = PrefillPause(
             pool=pool,
             alloc=allocator,
@@ -239,7 +232,7 @@ class PrefillSide(PrefillSending, PrefillEnding):
             reqs=self.reqs,
             end=self._end,
             tell_all=self.peers.tell_all,
-            prep_local=self._prep_local,
+            prep_local=self.sending.direct.prep_local,
         )
 
     @property
@@ -250,6 +243,7 @@ class PrefillSide(PrefillSending, PrefillEnding):
     @faults.setter
     def faults(self, faults: Faults) -> None:
         self._faults = self.scheduler.faults = faults
+        self.sending.faults = self.sending.direct.faults = faults
 
     # --- the decode peers: the peers part's ------------------------------------------------
     @property
@@ -285,7 +279,34 @@ class PrefillSide(PrefillSending, PrefillEnding):
         """The caller knows decode ``peer`` is dead: its requests end now (500) and their
         transfers are given up; the number it ended (:meth:`PrefillPeers.peer_gone
         <kvmem.disagg.prefill_peers.PrefillPeers.peer_gone>`)."""
-        return self.peers.peer_gone(peer, self._give_up)
+        return self.peers.peer_gone(peer, self.sending.give_up)
+
+    # --- sending: the sending part's ---------------------------------------------------------
+    @property
+    def arena(self) -> Arena:
+        """The slots of the staging buffer (the sending part's)."""
+        return self.sending.arena
+
+    @property
+    def staging(self) -> torch.Tensor:
+        """The registered staging buffer (the sending part's)."""
+        return self.sending.staging
+
+    @property
+    def chunk_modes(self) -> Counter:
+        """Chunks posted, by how: ``"packed"``, ``"direct"``, ``"pulled"``."""
+        return self.sending.chunk_modes
+
+    @property
+    def direct_threshold(self) -> int | None:
+        """Bytes per descriptor from which a chunk goes direct (None: all packed)."""
+        return self.sending.direct.threshold
+
+    def set_direct_threshold(self, threshold: int | None) -> None:
+        """Chunks whose merged page runs average at least ``threshold`` bytes per
+        descriptor go direct from now on (None: all packed); e.g. a calibrated value
+        (:func:`kvmem.disagg.calibrate.calibrate_direct`)."""
+        self.sending.direct.set_threshold(threshold, prep=not self.paused)
 
     # --- pause and resume: the pause part's -------------------------------------------------
     @property
@@ -415,14 +436,14 @@ class PrefillSide(PrefillSending, PrefillEnding):
         nothing changed; what is left waits for the peer, a posted write, free memory or
         the clock, and the caller may back off (:class:`~kvmem.disagg.pacing.Backoff`)."""
         moved = self.peers.handle_notifs()
-        moved = self._poll_writes() or moved
+        moved = self.sending.poll_writes() or moved
         self.peers.maybe_ack_pause()  # once no write into a pausing decode is in flight
         moved = self._check_timeouts() or moved
         if self.phase is PausePhase.DRAINING:
             return self.pause.advance() or moved
         if self.phase is PausePhase.PAUSED:
             return moved
-        moved = self._flush_pending() or moved
+        moved = self.sending.flush_pending() or moved
         batch = self.scheduler.schedule(self.peers.is_paused)
         if batch:
             for req, *_ in batch:
@@ -450,7 +471,7 @@ class PrefillSide(PrefillSending, PrefillEnding):
                 self.metrics.time_to_free.append(self.clock() - req.t_abort)
                 continue
             req.pending.append(PendingChunk(first, last, req.done_tokens >= req.tokens))
-        self._flush_pending()
+        self.sending.flush_pending()
 
     # --- its state ----------------------------------------------------------------------------
     def _transition(self, req: PrefillRequest, to: PrefillState) -> None:
@@ -462,7 +483,7 @@ class PrefillSide(PrefillSending, PrefillEnding):
     def prefault(self) -> None:
         """Back the pool and the staging buffer with memory now, not at first touch."""
         self.pool.prefault()
-        self._staging_mem.prefault()
+        self.sending.staging_mem.prefault()
 
     def close(self) -> None:
         """Deregister what this side registered (the engine stays the caller's)."""

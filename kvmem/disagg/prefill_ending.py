@@ -19,10 +19,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-    from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
     from kvmem.disagg.prefill_schedule import PrefillScheduler
+    from kvmem.disagg.prefill_send import PrefillSending
 
 
 class PrefillEnding:
@@ -36,7 +36,7 @@ class PrefillEnding:
         on_finish: Any
         ledger: Ledger
         metrics: Metrics
-        arena: Arena
+        sending: PrefillSending
         reqs: dict[int, Any]
         finished: dict[int, Reason]
         finished_peer: dict[int, str]
@@ -46,7 +46,6 @@ class PrefillEnding:
         peers: PrefillPeers
 
         def _transition(self, *args: Any, **kwargs: Any) -> Any: ...
-        def _send_aux(self, *args: Any, **kwargs: Any) -> Any: ...
 
     def _maybe_finish(self, req: PrefillRequest) -> None:
         """Once no transfer of ``req`` is in flight: KV_POSTED and ENDING give back the
@@ -64,7 +63,7 @@ class PrefillEnding:
         elif st is PrefillState.KV_POSTED:  # the last chunk is DONE: its extra state follows
             if self.ledger.holds(req.rid):
                 self.ledger.release(req.rid, "sent")
-            self._send_aux(req)
+            self.sending.send_aux(req)
         elif st is PrefillState.AUX_POSTED:
             self._finish(
                 req, PrefillState.SUCCEEDED, Reason(OK, f"request {req.rid}: KV delivered")
@@ -81,7 +80,7 @@ class PrefillEnding:
         req.pending.clear()
         if req.staged is not None:  # packed, never posted: the slot is free again
             if req.staged.off is not None:
-                self.arena.free(req.staged.off)
+                self.sending.arena.free(req.staged.off)
             req.staged = None
         # a direct write or an offered read reading these pages: freed by _maybe_finish
         # once it is DONE or ERR
