@@ -34,9 +34,10 @@ two)::
   (any chunk, the AUX included), an offered read the decode failed or never answered; 504:
   the bootstrap timeout (BOOTSTRAPPING) or the transfer timeout (after the BOOT).  How a
   request ends, early or done: :mod:`kvmem.disagg.prefill_ending`.
-* A request changes state only through ``PrefillSide._transition``, which refuses an edge
-  not drawn here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message
-  that does not fit the state is a ProtocolError before anything changes.  What else a
+* A request changes state only through :func:`~kvmem.disagg.prefill_request.set_state`
+  (the side's ``_transition`` and its parts call it), which refuses an edge not drawn
+  here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message that
+  does not fit the state is a ProtocolError before anything changes.  What else a
   request carries, and why it is not part of the state:
   :class:`~kvmem.disagg.prefill_request.PrefillRequest`.
 * "in the running batch": ``step`` allocates a chunk's pages, runs the forward (here:
@@ -54,19 +55,9 @@ two)::
 * The decode side is told of every early end by ``ABORT`` once no write (or offered read)
   of the request is in flight: that message is also its acknowledgement that it may free
   (un-quarantine) the request's decode pages.
-* Pause (:meth:`begin_pause`): stop posting, end every request (503) at once, drain the
-  posted writes of those ending, reset the allocator, deregister, release.  Resume:
-  resume, register, publish the new metadata (``META``).  When the decode side pauses
-  (``PAUSING``), requests bound to it are drained and aborted (503) and ``PAUSE_ACK``
-  tells it no write is in flight; its ``META`` (new epoch) lets requests flow again, and
-  the engine refuses writes built from its older metadata (StaleEpochError), which end
-  the request with 503.  This side's pause and resume: :mod:`kvmem.disagg.prefill_pause`.
-* No host sync in ``step`` on CUDA: alloc_extend with sglang's ``*_cpu`` hints and
-  ``check=False``, lengths and the AUX bytes through pinned memory, each request's last
-  slot kept on the device, pack with ``check=False``; the page ids a READY offer or a
-  direct write needs reach the host through a :class:`~kvmem.disagg.device.HostCopy` made
-  when they were allocated, and such a chunk is staged once it is there (a step or so
-  later on CUDA, at once on the CPU).
+* Pause (:meth:`begin_pause`) and resume of this side: :mod:`kvmem.disagg.prefill_pause`;
+  a decode's pause (``PAUSING``, ``PAUSE_ACK``, its ``META``): :mod:`kvmem.disagg.prefill_peers`.
+* No host sync in ``step`` on CUDA: :mod:`kvmem.disagg.prefill_schedule`.
 """
 
 from __future__ import annotations
@@ -94,15 +85,15 @@ from kvmem.disagg.outcome import (
 from kvmem.disagg.peers import peer_names
 from kvmem.disagg.model import Forward, prepare_model
 from kvmem.disagg.prefill_peers import PrefillPeers
-from kvmem.disagg.prefill_request import Faults, Offer, PendingChunk, PrefillRequest
+from kvmem.disagg.prefill_request import Faults, PendingChunk, PrefillRequest, set_state
 from kvmem.disagg.prefill_schedule import PrefillScheduler
 from kvmem.disagg.prefill_ending import PrefillEnding
 from kvmem.disagg.prefill_pause import PrefillPause
 from kvmem.disagg.prefill_send import PrefillSending
-from kvmem.disagg.states import PREFILL_EDGES, PausePhase, PrefillState, transition
+from kvmem.disagg.states import PausePhase, PrefillState
 from kvmem.disagg.protocol import Inbox, encode
 
-log = logging.getLogger("kvmem.disagg.prefill")
+log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
 # ``() -> object with query()``, called right after each pack into staging: on CUDA a
 # ``torch.cuda.Event`` recorded on the pool device's current stream (where pack ran); on
@@ -110,18 +101,17 @@ log = logging.getLogger("kvmem.disagg.prefill")
 default_ready_event = device_event
 
 
-class PrefillSide(PrefillEnding):
+class PrefillSide:
     """One prefill worker: a pool, its allocator, a transfer engine, one or several decode
     peers (``decode_peer``: one agent name; or ``decode_peers``: several, each request
     bound to one of them by :meth:`add_request`); ``model`` writes each chunk's KV
     (:class:`~kvmem.disagg.model.Forward`).  The side keeps the request tables and runs
-    each step, and ends requests with the methods of
-    :class:`~kvmem.disagg.prefill_ending.PrefillEnding`; the rest is done by parts it
-    holds, each owning its fields and handed only what it uses: :attr:`scheduler`
-    (:class:`~kvmem.disagg.prefill_schedule.PrefillScheduler`), :attr:`peers`
-    (:class:`~kvmem.disagg.prefill_peers.PrefillPeers`), :attr:`sending`
-    (:class:`~kvmem.disagg.prefill_send.PrefillSending`; direct writes: its ``direct``)
-    and :attr:`pause` (:class:`~kvmem.disagg.prefill_pause.PrefillPause`)."""
+    each step; the rest is done by parts it holds, each owning its fields and handed only
+    what it uses: :attr:`scheduler` (:class:`~kvmem.disagg.prefill_schedule.PrefillScheduler`),
+    :attr:`peers` (:class:`~kvmem.disagg.prefill_peers.PrefillPeers`), :attr:`sending`
+    (:class:`~kvmem.disagg.prefill_send.PrefillSending`; direct writes: its ``direct``),
+    :attr:`ending` (:class:`~kvmem.disagg.prefill_ending.PrefillEnding`) and
+    :attr:`pause` (:class:`~kvmem.disagg.prefill_pause.PrefillPause`)."""
 
     def __init__(
         self,
@@ -159,18 +149,12 @@ class PrefillSide(PrefillEnding):
         # push: this side writes each chunk (packed or direct); pull: it offers the pages
         # (READY) and the decode reads them, pool to pool; the AUX is written in both
         self.transfer_mode = transfer_mode
-        # pull: how long pages offered to a decode read stay held without its PULLED
-        self.quarantine_timeout = (
-            transfer_timeout if quarantine_timeout is None else quarantine_timeout
-        )
-        self.bootstrap_timeout = bootstrap_timeout
-        self.transfer_timeout = transfer_timeout
         self.clock = clock
         self._faults = faults or Faults()
-        self.on_finish = on_finish
         self.ready_event = ready_event or device_event(pool.device)
         prepare_model(model, Forward, pool.device, "PrefillSide")  # its set-up on our device
         self.ledger = Ledger(allocator)
+        quarantine = transfer_timeout if quarantine_timeout is None else quarantine_timeout
         self.metrics = Metrics("prefill")
         self.reqs: dict[int, PrefillRequest] = {}  # active (not finished)
         self.finished: dict[int, Reason] = {}
@@ -208,7 +192,7 @@ class PrefillSide(PrefillEnding):
             faults=self._faults,
             ready_event=self.ready_event,
             transfer_mode=transfer_mode,
-            quarantine_timeout=self.quarantine_timeout,
+            quarantine_timeout=quarantine,
             chunk_tokens=chunk_tokens,
             staging_bytes=staging_bytes,
             direct_threshold=direct_threshold,
@@ -221,6 +205,22 @@ class PrefillSide(PrefillEnding):
         )  # registers its staging buffer
         engine.register_pool(pool, "kv")
         self.sending.direct.prep_local()
+        self.ending = PrefillEnding(
+            reqs=self.reqs,
+            rooms=self._rooms,
+            finished=self.finished,
+            finished_peer=self.finished_peer,
+            ledger=self.ledger,
+            arena=self.sending.arena,
+            metrics=self.metrics,
+            clock=clock,
+            drop=self.scheduler.drop,
+            tell=self.peers.tell,
+            send_aux=self.sending.send_aux,
+            bootstrap_timeout=bootstrap_timeout,
+            transfer_timeout=transfer_timeout,
+            on_finish=on_finish,
+        )
         self.pause = PrefillPause(
             pool=pool,
             alloc=allocator,
@@ -230,7 +230,7 @@ class PrefillSide(PrefillEnding):
             clock=clock,
             transfer_mode=transfer_mode,
             reqs=self.reqs,
-            end=self._end,
+            end=self.ending.end,
             tell_all=self.peers.tell_all,
             prep_local=self.sending.direct.prep_local,
         )
@@ -270,15 +270,12 @@ class PrefillSide(PrefillEnding):
         return self.peers.requests_of(peer)
 
     def handle_message(self, msg, peer: str | None = None) -> None:
-        """Apply one validated message from decode peer ``peer`` (may be left out when the
-        side has one): :meth:`PrefillPeers.handle_message
-        <kvmem.disagg.prefill_peers.PrefillPeers.handle_message>`."""
+        """Apply one validated message from decode peer ``peer`` (the peers part's)."""
         self.peers.handle_message(msg, peer)
 
     def peer_gone(self, peer: str) -> int:
-        """The caller knows decode ``peer`` is dead: its requests end now (500) and their
-        transfers are given up; the number it ended (:meth:`PrefillPeers.peer_gone
-        <kvmem.disagg.prefill_peers.PrefillPeers.peer_gone>`)."""
+        """Decode ``peer`` is dead: its requests end now (500), their transfers given up;
+        how many ended (:meth:`~kvmem.disagg.prefill_peers.PrefillPeers.peer_gone`)."""
         return self.peers.peer_gone(peer, self.sending.give_up)
 
     # --- sending: the sending part's ---------------------------------------------------------
@@ -302,11 +299,25 @@ class PrefillSide(PrefillEnding):
         """Bytes per descriptor from which a chunk goes direct (None: all packed)."""
         return self.sending.direct.threshold
 
+    @property
+    def quarantine_timeout(self) -> float:
+        """Pull: how long offered pages stay held without a PULLED (the sending part's)."""
+        return self.sending.quarantine_timeout
+
     def set_direct_threshold(self, threshold: int | None) -> None:
-        """Chunks whose merged page runs average at least ``threshold`` bytes per
-        descriptor go direct from now on (None: all packed); e.g. a calibrated value
-        (:func:`kvmem.disagg.calibrate.calibrate_direct`)."""
+        """Chunks averaging at least ``threshold`` bytes per descriptor go direct from now on
+        (None: all packed); e.g. :func:`kvmem.disagg.calibrate.calibrate_direct`'s."""
         self.sending.direct.set_threshold(threshold, prep=not self.paused)
+
+    @property
+    def bootstrap_timeout(self) -> float:
+        """Seconds a request may wait for its BOOT (the ending part's)."""
+        return self.ending.bootstrap_timeout
+
+    @property
+    def transfer_timeout(self) -> float:
+        """Seconds from its BOOT a request may take to transfer (the ending part's)."""
+        return self.ending.transfer_timeout
 
     # --- pause and resume: the pause part's -------------------------------------------------
     @property
@@ -344,20 +355,7 @@ class PrefillSide(PrefillEnding):
         sglang's bootstrap rooms are): a decode refuses a REQ whose id or room another
         prefill's request holds."""
         check_id("add_request", "rid", rid)
-        if peer is None:
-            if len(self.decode_peers) != 1:
-                raise ValueError(
-                    f"add_request: request {rid}: name its decode peer, one of "
-                    f"{list(self.decode_peers)}"
-                )
-            peer = self.decode_peers[0]
-        elif peer not in self.decode_peers:
-            raise ValueError(
-                f"add_request: request {rid}: {peer!r} is not a decode peer of "
-                f"this side ({list(self.decode_peers)})"
-            )
-        if self.peers.get(peer).gone:
-            raise ValueError(f"add_request: request {rid}: decode {peer!r} is gone (peer_gone)")
+        peer = self.peers.bind(rid, peer)
         room = rid if room is None else room
         check_id("add_request", f"request {rid}: room", room)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
@@ -422,11 +420,9 @@ class PrefillSide(PrefillEnding):
 
     @property
     def writes_in_flight(self) -> bool:
-        """True while a write this side posted (a chunk, direct or packed, or an AUX) is
-        not seen DONE or ERR yet.  Such a write completes, and sends its notification, only
-        when this side polls it (no progress thread: see kvmem/transfer/nixl.py), so a
-        loop should not nap then; an offered read (pull) is the decode's to finish."""
-        return any(not isinstance(t.op, Offer) for req in self.reqs.values() for t in req.handles)
+        """True while a write this side posted is not seen DONE or ERR yet (a loop should
+        not nap: :attr:`~kvmem.disagg.prefill_send.PrefillSending.writes_in_flight`)."""
+        return self.sending.writes_in_flight
 
     # --- one scheduler iteration -------------------------------------------------------------
     def step(self) -> bool:
@@ -438,7 +434,7 @@ class PrefillSide(PrefillEnding):
         moved = self.peers.handle_notifs()
         moved = self.sending.poll_writes() or moved
         self.peers.maybe_ack_pause()  # once no write into a pausing decode is in flight
-        moved = self._check_timeouts() or moved
+        moved = self.ending.check_timeouts() or moved
         if self.phase is PausePhase.DRAINING:
             return self.pause.advance() or moved
         if self.phase is PausePhase.PAUSED:
@@ -474,11 +470,20 @@ class PrefillSide(PrefillEnding):
         self.sending.flush_pending()
 
     # --- its state ----------------------------------------------------------------------------
+    def _end(self, req: PrefillRequest, reason: Reason) -> None:
+        """End ``req`` early (the ending part's; the peers and sending parts, built before
+        it, are given this call)."""
+        self.ending.end(req, reason)
+
+    def _maybe_finish(self, req: PrefillRequest) -> None:
+        """Finish ``req`` once nothing of it is in flight (the ending part's)."""
+        self.ending.maybe_finish(req)
+
     def _transition(self, req: PrefillRequest, to: PrefillState) -> None:
         """Move ``req`` to ``to`` along an edge of the module docstring's drawing
         (:data:`~kvmem.disagg.states.PREFILL_EDGES`); IllegalTransition naming the request
         and both states, ``req`` unchanged, for any other."""
-        transition("prefill", PREFILL_EDGES, req, to, log)
+        set_state(req, to)
 
     def prefault(self) -> None:
         """Back the pool and the staging buffer with memory now, not at first touch."""

@@ -1,8 +1,13 @@
 """Pause and resume of the prefill side (:class:`PrefillPause`, a part each
-:class:`~kvmem.disagg.prefill.PrefillSide` holds): stop posting, end every request
-(503), drain their transfers, then reset the allocator, deregister and release; at resume
-the memory back, registered and published (``META``).  The pause phases' edges:
-:data:`~kvmem.disagg.states.PREFILL_PAUSE_EDGES`.
+:class:`~kvmem.disagg.prefill.PrefillSide` holds): stop posting, end every request (503)
+at once, drain the posted writes of those ending, then reset the allocator, deregister
+and release; at resume the memory back, registered and published (``META``).  The pause
+phases' edges: :data:`~kvmem.disagg.states.PREFILL_PAUSE_EDGES`.
+
+When a decode pauses instead (``PAUSING``), the requests bound to it are drained and
+aborted (503) and ``PAUSE_ACK`` tells it no write is in flight; its ``META`` (new epoch)
+lets requests flow again, and the engine refuses writes built from its older metadata
+(StaleEpochError), which end the request with 503 (:mod:`kvmem.disagg.prefill_peers`).
 """
 
 from __future__ import annotations

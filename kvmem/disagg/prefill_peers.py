@@ -111,6 +111,25 @@ class PrefillPeers:
             log=log,
         )
 
+    def bind(self, rid: int, peer: str | None) -> str:
+        """The decode peer new request ``rid`` goes to: ``peer``, or the only one when it
+        is None.  ValueError (naming the request) when it must be named, is not a decode
+        peer of this side, or is gone."""
+        if peer is None:
+            if len(self.names) != 1:
+                raise ValueError(
+                    f"add_request: request {rid}: name its decode peer, one of {list(self.names)}"
+                )
+            peer = self.names[0]
+        elif peer not in self._peers:
+            raise ValueError(
+                f"add_request: request {rid}: {peer!r} is not a decode peer of "
+                f"this side ({list(self.names)})"
+            )
+        if self._peers[peer].gone:
+            raise ValueError(f"add_request: request {rid}: decode {peer!r} is gone (peer_gone)")
+        return peer
+
     def tell(self, peer: str, msg: bytes) -> bool:
         """Send ``msg`` to decode ``peer``; False when it did not go out (the peer is gone,
         or cannot be reached: logged and counted)."""

@@ -1,6 +1,13 @@
 """The scheduling of the prefill side (:class:`PrefillScheduler`, a part each
 :class:`~kvmem.disagg.prefill.PrefillSide` holds): which chunks a step forwards, and
 their pages, allocated with one ``alloc_extend`` (sglang semantics) and no host sync.
+
+No host sync in the side's ``step`` on CUDA: alloc_extend with sglang's ``*_cpu`` hints
+and ``check=False``, lengths and the AUX bytes through pinned memory, each request's
+last slot kept on the device, pack with ``check=False``; the page ids a READY offer or a
+direct write needs reach the host through a :class:`~kvmem.disagg.device.HostCopy` made
+when they were allocated (:meth:`PrefillScheduler.schedule`), and such a chunk is staged
+once it is there (a step or so later on CUDA, at once on the CPU).
 """
 
 from __future__ import annotations

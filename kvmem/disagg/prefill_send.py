@@ -101,6 +101,7 @@ class PrefillSending:
         self.pool, self.spec, self.engine, self.ledger = pool, spec, engine, ledger
         self.metrics, self.clock, self.faults = metrics, clock, faults
         self.ready_event, self.transfer_mode = ready_event, transfer_mode
+        # pull: how long pages offered to a decode read stay held without its PULLED
         self.quarantine_timeout = quarantine_timeout
         self.reqs, self.order, self.peer, self.tell = reqs, order, peer, tell
         self.end, self.maybe_finish = end, maybe_finish
@@ -130,6 +131,14 @@ class PrefillSending:
             peer=peer,
             end=end,
         )
+
+    @property
+    def writes_in_flight(self) -> bool:
+        """True while a write this side posted (a chunk, direct or packed, or an AUX) is
+        not seen DONE or ERR yet.  Such a write completes, and sends its notification, only
+        when this side polls it (no progress thread: see kvmem/transfer/nixl.py), so a
+        loop should not nap then; an offered read (pull) is the decode's to finish."""
+        return any(not isinstance(t.op, Offer) for req in self.reqs.values() for t in req.handles)
 
     # --- sending ----------------------------------------------------------------------------
     def flush_pending(self) -> bool:
