@@ -49,8 +49,8 @@ the request's pool pages (their ids went to the prefill in ``BOOT``): it is veri
 (the verifier's ``verify_pages``) and nothing is unpacked.  The quarantine holds the request's pool
 pages and landing region alike: both may be the target of a posted write.
 
-The memory, given back in device order, and pause and resume:
-:mod:`kvmem.disagg.decode_memory`.  What lands (``CHUNK``, ``AUX``, this side's reads in
+The memory, given back in device order: :mod:`kvmem.disagg.decode_memory`; pause and
+resume: :mod:`kvmem.disagg.decode_pause`.  What lands (``CHUNK``, ``AUX``, this side's reads in
 pull mode) and how it is checked: :mod:`kvmem.disagg.decode_receive`.
 
 Pull mode (``transfer_mode="pull"``): the prefill offers each chunk (``READY``: its own
@@ -99,6 +99,7 @@ from kvmem.disagg.outcome import (
 from kvmem.disagg.peers import PeerTable, peer_names, sole_peer, tell
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.decode_memory import DecodeMemory, _Drain
+from kvmem.disagg.decode_pause import DecodePause
 from kvmem.disagg.decode_receive import DecodeReceiving, _Check
 from kvmem.disagg.decode_request import DecodeRequest
 from kvmem.disagg.protocol import (
@@ -115,14 +116,7 @@ from kvmem.disagg.protocol import (
     encode,
     encode_runs,
 )
-from kvmem.disagg.states import (
-    DECODE_EDGES,
-    DECODE_PAUSE_EDGES,
-    DecodeState,
-    PausePhase,
-    set_phase,
-    transition,
-)
+from kvmem.disagg.states import DECODE_EDGES, DecodeState, PausePhase, transition
 from kvmem.disagg.model import Verifier, prepare_model
 from kvmem.memory import make_backend
 
@@ -140,9 +134,11 @@ class DecodeFaults:
 class DecodeSide(DecodeMemory, DecodeReceiving):
     """One decode worker: a pool, its allocator, a landing buffer, a transfer engine, one
     or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``).
-    Its memory (registration, freeing in device order, pause and resume) is handled by the
-    methods of its base :class:`~kvmem.disagg.decode_memory.DecodeMemory`, what lands and
-    its checks by those of :class:`~kvmem.disagg.decode_receive.DecodeReceiving`."""
+    Its memory (registration, freeing in device order) is handled by the methods of its
+    base :class:`~kvmem.disagg.decode_memory.DecodeMemory`, what lands and its checks by
+    those of :class:`~kvmem.disagg.decode_receive.DecodeReceiving`; pause and resume by a
+    part it holds (:attr:`pause`, a :class:`~kvmem.disagg.decode_pause.DecodePause`),
+    which owns the pause phase."""
 
     def __init__(
         self,
@@ -178,7 +174,6 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         self._local_table = None  # pull: prepared block list of our pool
         # pull: ... of each prefill's pool
         self._tables = {n: PeerTable(engine, n) for n in self.prefill_peers}
-        self._acks_due: set = set()  # prefills whose PAUSE_ACK this pause still waits for
         self.timeout = timeout
         self.quarantine_timeout = timeout if quarantine_timeout is None else quarantine_timeout
         self.clock = clock
@@ -196,7 +191,6 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         self.reqs: dict[int, DecodeRequest] = {}
         self._rooms: dict[int, int] = {}  # room -> rid
         self.completed: dict[int, Reason] = {}
-        self.phase = PausePhase.SERVING  # DECODE_PAUSE_EDGES
         self.inbox = Inbox(
             engine,
             peers=self.prefill_peers,
@@ -205,23 +199,56 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
             metrics=self.metrics,
             log=log,
         )
+        self.pause = DecodePause(
+            pool=pool,
+            alloc=allocator,
+            engine=engine,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            clock=clock,
+            landing_mem=self._landing_mem,
+            peers=self.prefill_peers,
+            tell=self._tell,
+            reqs=self.reqs,
+            free=self._free,
+            drain_device=self._drain_device,
+            draining=self._draining,
+            apply_checks=self._apply_checks,
+            register=self._register,
+            publish_metadata=self.publish_metadata,
+        )
         self._register()
 
     def _tell(self, peer: str, msg: bytes) -> bool:
         return tell(self.engine, peer, msg, self.metrics, log)
 
+    # --- pause and resume: the pause part's -------------------------------------------------
+    @property
+    def phase(self) -> PausePhase:
+        """Where this side is in a pause (its pause part's phase)."""
+        return self.pause.phase
+
     @property
     def pausing(self) -> bool:
         """A pause began and its memory is not released yet."""
-        return self.phase in (PausePhase.DRAINING, PausePhase.READS, PausePhase.FREEING)
+        return self.pause.pausing
 
     @property
     def paused(self) -> bool:
         """The memory is released; :meth:`resume` serves again."""
-        return self.phase is PausePhase.PAUSED
+        return self.pause.paused
 
-    def _phase(self, to: PausePhase) -> None:
-        set_phase("decode", DECODE_PAUSE_EDGES, self, to, log)
+    def begin_pause(self) -> None:
+        """Tell every prefill (``PAUSING``); ``step`` completes the pause once each has
+        acknowledged.  :attr:`paused` is True once the memory is released."""
+        self.pause.begin()
+
+    def resume(self) -> None:
+        """Serve again after a pause: the memory back, registered, published (``META``)."""
+        self.pause.resume()
+
+    def _on_pause_ack(self, msg: PauseAck, peer: str) -> None:
+        self.pause.on_ack(msg, peer)
 
     @property
     def prefill_peer(self) -> str:
@@ -239,12 +266,12 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         busy = self._apply_checks() or busy
         busy = self._drain_device() or busy
         if self.phase is PausePhase.FREEING and not self._draining:
-            self._complete_pause()
+            self.pause.complete()
             busy = True
         if self.transfer_mode == "pull":
             busy = self._poll_reads() or busy
             if self.phase is PausePhase.READS and not any(r.reads for r in self.reqs.values()):
-                self._finish_pause()
+                self.pause.finish()
                 busy = True
         if self.phase is PausePhase.SERVING:
             for req in list(self.reqs.values()):

@@ -1,8 +1,7 @@
 """The decode side's memory (:class:`DecodeMemory`, a base class of
 :class:`~kvmem.disagg.decode.DecodeSide`; its methods use the side's fields): the pool
 and the landing buffer registered and published, a finished request's pages and landing
-region given back in device order, and the whole of it released in a pause and back at
-resume.
+region given back in device order.
 
 Device order: the check of a landed chunk and its unpack run on the pool device's stream
 (asynchronously on CUDA), and an event (``done_event``) is recorded after them.  A NIXL
@@ -12,12 +11,8 @@ meanwhile, quarantined); until then a new BOOT cannot have them.  A check's verd
 device tensor that reaches the counters through a HostCopy.  So ``step`` makes no host
 sync on CUDA; :attr:`idle` also waits for verdicts and memory still in flight.
 
-Pause (:meth:`begin_pause`): tell the prefill (``PAUSING``); it drains its writes into
-this side, aborts the requests bound here (503, ``ABORT`` each) and acknowledges
-(``PAUSE_ACK``); then the allocator is reset, ``kv`` and ``landing`` are deregistered
-(their tombstones published in ``META``) and the memory released.  Resume: memory back,
-registered at the new epoch, ``META`` published: writes built from the older metadata
-are refused by the prefill's engine before they are posted.
+Pause and resume (the whole of it released, then back): the side's pause part,
+:mod:`kvmem.disagg.decode_pause`.
 """
 
 from __future__ import annotations
@@ -25,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvmem.disagg.outcome import SERVICE_UNAVAILABLE, ProtocolError, Reason
+from kvmem.disagg.outcome import Reason
 from kvmem.disagg.decode_request import DecodeRequest
 from kvmem.disagg.peers import buffer_map
-from kvmem.disagg.protocol import PauseAck, encode, meta_message
-from kvmem.disagg.states import DecodeState, PausePhase
+from kvmem.disagg.protocol import meta_message
+from kvmem.disagg.states import DecodeState
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -40,9 +35,6 @@ if TYPE_CHECKING:
     from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
-
-# the states that hold pages and a landing region (freed by this side's pause)
-_HOLDING = frozenset({DecodeState.BOOTING, DecodeState.BOOTED, DecodeState.QUARANTINED})
 
 
 @dataclass(frozen=True)
@@ -74,22 +66,17 @@ class DecodeMemory:
         landing: torch.Tensor
         _landing_mem: Any
         prefill_peers: tuple[str, ...]
-        phase: PausePhase
         reqs: dict[int, Any]
         completed: dict[int, Any]
         _rooms: dict[int, int]
         _draining: list[_Drain]
         query: Any
 
-        @property
-        def pausing(self) -> bool: ...
-
         def _tell(self, peer: str, msg: bytes) -> bool: ...
-        def _phase(self, to: PausePhase) -> None: ...
         def _transition(self, *args: Any, **kwargs: Any) -> Any: ...
-        def _apply_checks(self) -> bool: ...
 
     def _register(self) -> None:
+        self._local_table = None  # a deregister released it; prepared again below (pull)
         # one region per physical chunk; the prefill's landing offsets (RegionMap of these
         # regions) are offsets into self.landing only when they tile it in order
         regions = self._landing_mem.regions()
@@ -104,31 +91,6 @@ class DecodeMemory:
         msg = meta_message(self.engine)
         for name in self.prefill_peers:
             self._tell(name, msg)
-
-    def _on_pause_ack(self, msg: PauseAck, peer: str) -> None:
-        """A prefill has no write into this side in flight: only an ack of *this* pause
-        (its epoch) counts, once per prefill; when every prefill has answered the pages
-        may be freed and the memory released."""
-        if not self.pausing:
-            raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this side is not pausing")
-        if msg.epoch != self.pool.epoch:
-            raise ProtocolError(
-                f"PAUSE_ACK epoch {msg.epoch}: this pause is epoch {self.pool.epoch}"
-            )
-        if peer not in self._acks_due:
-            raise ProtocolError(
-                f"PAUSE_ACK epoch {msg.epoch} from {peer!r}: it answered this pause already"
-            )
-        self._acks_due.discard(peer)
-        self._maybe_finish_pause()
-
-    def _maybe_finish_pause(self) -> None:
-        if self._acks_due or self.phase is not PausePhase.DRAINING:
-            return
-        if any(r.reads for r in self.reqs.values()):
-            self._phase(PausePhase.READS)  # our own reads into the pool first (step polls)
-            return
-        self._finish_pause()
 
     def _free(self, req: DecodeRequest, why: str, reason: Reason) -> None:
         """End ``req``: its pages and landing region go back now, or, while device work on
@@ -168,70 +130,8 @@ class DecodeMemory:
             if d.off >= 0:
                 self.arena.free(d.off)
         moved = len(keep) < len(self._draining)
-        self._draining = keep
+        self._draining[:] = keep  # in place: the pause part reads this list
         return moved
-
-    # --- pause / resume ---------------------------------------------------------------------
-    def begin_pause(self) -> None:
-        if self.phase is not PausePhase.SERVING:
-            return
-        self._phase(PausePhase.DRAINING)
-        self._pause_t0 = self.clock()
-        self.metrics.pauses += 1
-        msg = encode("PAUSING", epoch=self.pool.epoch)
-        # a prefill that cannot be told is gone (its process died, its connection broke):
-        # none of its writes can land any more, so this pause does not wait for its ack
-        self._acks_due = {n for n in self.prefill_peers if self._tell(n, msg)}
-        self._maybe_finish_pause()
-
-    def _finish_pause(self) -> None:
-        """The prefill acknowledged: none of its writes into this side is in flight.  The
-        memory is released once the device work on it is done too (a later step, polled,
-        when some is still queued)."""
-        for req in list(self.reqs.values()):
-            if req.state in _HOLDING:
-                self._free(
-                    req,
-                    "abort:503",
-                    req.reason
-                    or Reason(
-                        SERVICE_UNAVAILABLE,
-                        (
-                            f"request {req.rid} (room {req.room}) aborted: decode paused to release "
-                            "its KV memory"
-                        ),
-                    ),
-                )
-        self._drain_device()
-        if self._draining:
-            self._phase(PausePhase.FREEING)  # step() completes it
-            return
-        self._complete_pause()
-
-    def _complete_pause(self) -> None:
-        """Every page is free and no device work touches the memory: release it."""
-        self._apply_checks()
-        audit = self.ledger.audit()
-        if audit["leaked"] or audit["unaccounted"] or audit["quarantined"]:
-            raise AssertionError(f"decode pause: pages still held: {audit}")
-        self.alloc.reset()
-        self.engine.deregister("landing")
-        self.engine.deregister("kv")
-        self.publish_metadata()  # tombstones: any write built before is refused now
-        self._landing_mem.release()
-        self.pool.release()
-        self._phase(PausePhase.PAUSED)
-
-    def resume(self) -> None:
-        if self.phase is not PausePhase.PAUSED:
-            return
-        self._local_table = None  # deregister released it; _register prepares the new one
-        self.pool.resume()
-        self._landing_mem.resume()
-        self._register()
-        self.publish_metadata()
-        self._phase(PausePhase.SERVING)
-        self.metrics.pause_seconds += self.clock() - self._pause_t0
 
     def prefault(self) -> None:
         """Back the pool and the landing buffer with memory now, not at first touch."""

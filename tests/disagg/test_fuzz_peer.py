@@ -297,23 +297,17 @@ class Live:
             for b in side.pool.k_buffer + side.pool.v_buffer:
                 b.view(torch.uint8).fill_(SENTINEL)
         self.sent: list = []  # (receiver, raw) of legit messages, for replays
-        # The prefill's parts tell the decode through the one callable they were built
-        # with: its messages are recorded where they leave, at its engine (the hostile
-        # ones, sent from that engine too, go through the unrecorded one: send())
+        # Each side's parts tell the other through the callable they were built with: the
+        # messages are recorded where they leave, at each engine (the hostile ones, sent
+        # from those engines too, go through the unrecorded originals: send())
         self.raw_send = {pair.pe.name: pair.pe.send_notif, pair.de.name: pair.de.send_notif}
+        for eng, receiver in ((pair.pe, "decode"), (pair.de, "prefill")):
 
-        def send_notif(peer, msg, real=pair.pe.send_notif):
-            self.sent.append(("decode", msg))
-            return real(peer, msg)
+            def send_notif(peer, msg, real=eng.send_notif, receiver=receiver):
+                self.sent.append((receiver, msg))
+                return real(peer, msg)
 
-        pair.pe.send_notif = send_notif
-        real = pair.decode._tell
-
-        def tell(peer, msg, real=real):
-            self.sent.append(("prefill", msg))
-            return real(peer, msg)
-
-        pair.decode._tell = tell
+            eng.send_notif = send_notif
         real_post = pair.pe.post_write
 
         def post_write(local, remote, remote_ranges, notif=b""):  # CHUNK / AUX notifications

@@ -32,6 +32,7 @@ import kvmem.disagg.prefill as prefill_mod
 from kvmem.disagg import KVPoll, ProtocolError
 from kvmem.disagg import device as dev
 from kvmem.disagg.decode import DecodeSide
+from kvmem.disagg.decode_pause import DecodePause
 from kvmem.disagg.decode_request import DecodeRequest
 from kvmem.disagg.prefill_pause import PrefillPause
 from kvmem.disagg.prefill_peers import PrefillPeers
@@ -500,7 +501,7 @@ def phases():
 
         return unittest.mock.patch.object(cls, "_phase", record)
 
-    with wrap(PrefillPause, "PrefillSide"), wrap(DecodeSide, "DecodeSide"):
+    with wrap(PrefillPause, "PrefillSide"), wrap(DecodePause, "DecodeSide"):
         yield seen
 
 
