@@ -40,26 +40,11 @@ pool's device; the request is BOOTING until their copy to the host is done (at o
 the CPU, a step or so later on CUDA: :class:`~kvmem.disagg.device.HostCopy`, polled, never
 waited on), then the BOOT goes out.
 
-A packed chunk lands in the request's *landing region* (a registered buffer, one region
-per request, sized for its whole KV plus the extra state) and its notification
-(``CHUNK``) arrives after the bytes: the chunk is verified against what the prefill
-computed (the verifier's ``verify``, :class:`~kvmem.disagg.model.Verifier`) and unpacked into the request's pages with
-``unpack_pages``.  A *direct* chunk (``CHUNK`` with ``direct``) was written straight into
-the request's pool pages (their ids went to the prefill in ``BOOT``): it is verified there
-(the verifier's ``verify_pages``) and nothing is unpacked.  The quarantine holds the request's pool
-pages and landing region alike: both may be the target of a posted write.
-
 The memory, given back in device order: :mod:`kvmem.disagg.decode_memory`; pause and
-resume: :mod:`kvmem.disagg.decode_pause`.  What lands (``CHUNK``, ``AUX``, this side's reads in
-pull mode) and how it is checked: :mod:`kvmem.disagg.decode_receive`.
+resume: :mod:`kvmem.disagg.decode_pause`.  What lands (``CHUNK``, packed into the landing
+region or direct into the pool pages; ``AUX``; this side's reads of ``READY`` offers in
+pull mode, answered ``PULLED``) and how it is checked: :mod:`kvmem.disagg.decode_receive`.
 
-Pull mode (``transfer_mode="pull"``): the prefill offers each chunk (``READY``: its own
-page ids and pool epoch); this side reads them into the request's pool pages (one
-``post_blocks`` READ, prepared block lists), verifies them in place once DONE and answers
-``PULLED`` (ok or failed).  A read built from the prefill's older metadata is refused
-before it is posted (answered failed).  Pages that one of this side's own reads targets
-are never freed before that read is DONE or ERR (an ``ABORT``, the quarantine timeout and
-a ``PAUSE_ACK`` wait for it).  The extra state still arrives as the prefill's AUX write.
 Every peer message is validated by :func:`kvmem.disagg.protocol.parse` first (types,
 ranges, statuses); the handlers here then check what depends on state (request known,
 page range within the request, size equal to the packed size, offset where that chunk
@@ -100,7 +85,7 @@ from kvmem.disagg.peers import PeerTable, peer_names, sole_peer, tell
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.decode_memory import DecodeMemory, _Drain
 from kvmem.disagg.decode_pause import DecodePause
-from kvmem.disagg.decode_receive import DecodeReceiving, _Check
+from kvmem.disagg.decode_receive import DecodeReceiving
 from kvmem.disagg.decode_request import DecodeRequest
 from kvmem.disagg.protocol import (
     Abort,
@@ -131,14 +116,14 @@ class DecodeFaults:
         return False
 
 
-class DecodeSide(DecodeMemory, DecodeReceiving):
+class DecodeSide(DecodeMemory):
     """One decode worker: a pool, its allocator, a landing buffer, a transfer engine, one
     or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``).
     Its memory (registration, freeing in device order) is handled by the methods of its
-    base :class:`~kvmem.disagg.decode_memory.DecodeMemory`, what lands and its checks by
-    those of :class:`~kvmem.disagg.decode_receive.DecodeReceiving`; pause and resume by a
-    part it holds (:attr:`pause`, a :class:`~kvmem.disagg.decode_pause.DecodePause`),
-    which owns the pause phase."""
+    base :class:`~kvmem.disagg.decode_memory.DecodeMemory`; parts it holds, each owning
+    its fields: what lands and its checks (:attr:`receiving`, a
+    :class:`~kvmem.disagg.decode_receive.DecodeReceiving`) and pause and resume
+    (:attr:`pause`, a :class:`~kvmem.disagg.decode_pause.DecodePause`)."""
 
     def __init__(
         self,
@@ -171,8 +156,7 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         self.spec = pool.spec
         self.prefill_peers = peer_names("prefill", prefill_peer, prefill_peers)
         self.transfer_mode = transfer_mode  # pull: this side reads the offered pages
-        self._local_table = None  # pull: prepared block list of our pool
-        # pull: ... of each prefill's pool
+        # pull: prepared block list of each prefill's pool
         self._tables = {n: PeerTable(engine, n) for n in self.prefill_peers}
         self.timeout = timeout
         self.quarantine_timeout = timeout if quarantine_timeout is None else quarantine_timeout
@@ -180,17 +164,30 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         self.faults = faults or DecodeFaults()
         self.done_event = done_event or device_event(pool.device)
         prepare_model(verifier, Verifier, pool.device, "DecodeSide")  # its set-up on our device
-        self._checks: list[_Check] = []  # verdicts on their way to the host, in order
         self._draining: list[_Drain] = []  # freed once the device work on it is done
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("decode")
-        self.chunk_modes: Counter = Counter()  # CHUNKs landed, "packed" / "direct"
         self._landing_mem = make_backend(landing_bytes, pool.device)
         self.landing = self._landing_mem.tensor
         self.arena = Arena(landing_bytes)
         self.reqs: dict[int, DecodeRequest] = {}
         self._rooms: dict[int, int] = {}  # room -> rid
         self.completed: dict[int, Reason] = {}
+        self.receiving = DecodeReceiving(
+            pool=pool,
+            engine=engine,
+            verifier=verifier,
+            transfer_mode=transfer_mode,
+            clock=clock,
+            done_event=self.done_event,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            landing=self.landing,
+            reqs=self.reqs,
+            tables=self._tables,
+            tell=self._tell,
+            free=self._free,
+        )
         self.inbox = Inbox(
             engine,
             peers=self.prefill_peers,
@@ -213,7 +210,7 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
             free=self._free,
             drain_device=self._drain_device,
             draining=self._draining,
-            apply_checks=self._apply_checks,
+            apply_checks=self.receiving.apply_checks,
             register=self._register,
             publish_metadata=self.publish_metadata,
         )
@@ -221,6 +218,11 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
 
     def _tell(self, peer: str, msg: bytes) -> bool:
         return tell(self.engine, peer, msg, self.metrics, log)
+
+    @property
+    def chunk_modes(self) -> Counter:
+        """What landed, by how: ``"packed"``, ``"direct"``, ``"pulled"`` (the receiving part's)."""
+        return self.receiving.chunk_modes
 
     # --- pause and resume: the pause part's -------------------------------------------------
     @property
@@ -247,9 +249,6 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         """Serve again after a pause: the memory back, registered, published (``META``)."""
         self.pause.resume()
 
-    def _on_pause_ack(self, msg: PauseAck, peer: str) -> None:
-        self.pause.on_ack(msg, peer)
-
     @property
     def prefill_peer(self) -> str:
         """The prefill peer, when there is one (ValueError when there are several)."""
@@ -263,13 +262,13 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         for the prefill or the clock, and the caller may back off
         (:class:`~kvmem.disagg.pacing.Backoff`)."""
         busy = self.inbox.drain() > 0
-        busy = self._apply_checks() or busy
+        busy = self.receiving.apply_checks() or busy
         busy = self._drain_device() or busy
         if self.phase is PausePhase.FREEING and not self._draining:
             self.pause.complete()
             busy = True
         if self.transfer_mode == "pull":
-            busy = self._poll_reads() or busy
+            busy = self.receiving.poll_reads() or busy
             if self.phase is PausePhase.READS and not any(r.reads for r in self.reqs.values()):
                 self.pause.finish()
                 busy = True
@@ -282,15 +281,15 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         return self._check_timeouts() or busy
 
     # The one dispatch table: message kind -> the handler of what a prefill sends
-    # (protocol.DECODE_RECEIVES); each handler takes (msg, peer).
+    # (protocol.DECODE_RECEIVES), a method here or "part.method"; each takes (msg, peer).
     HANDLERS = {
         Req: "_on_req",
-        Chunk: "_on_chunk",
-        Aux: "_on_aux",
+        Chunk: "receiving.on_chunk",
+        Aux: "receiving.on_aux",
         Abort: "_on_abort",
-        PauseAck: "_on_pause_ack",
+        PauseAck: "pause.on_ack",
         Meta: "_on_meta",
-        Ready: "_on_ready",
+        Ready: "receiving.on_ready",
     }
 
     def handle_message(self, msg, peer: str | None = None) -> None:
@@ -466,7 +465,7 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
     @property
     def idle(self) -> bool:
         """No request, no verdict on its way to the host, no memory waiting for device work."""
-        return not self.reqs and not self._checks and not self._draining
+        return not self.reqs and not self.receiving.checks and not self._draining
 
     @property
     def reads_in_flight(self) -> bool:

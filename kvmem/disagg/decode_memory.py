@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
+    from kvmem.disagg.decode_receive import DecodeReceiving
     from kvmem.disagg.ledger import Ledger
 
 
@@ -70,21 +71,20 @@ class DecodeMemory:
         completed: dict[int, Any]
         _rooms: dict[int, int]
         _draining: list[_Drain]
+        receiving: DecodeReceiving
         query: Any
 
         def _tell(self, peer: str, msg: bytes) -> bool: ...
         def _transition(self, *args: Any, **kwargs: Any) -> Any: ...
 
     def _register(self) -> None:
-        self._local_table = None  # a deregister released it; prepared again below (pull)
         # one region per physical chunk; the prefill's landing offsets (RegionMap of these
         # regions) are offsets into self.landing only when they tile it in order
         regions = self._landing_mem.regions()
         buffer_map(self.landing, regions)
         self.engine.register_pool(self.pool, "kv")
         self.engine.register("landing", regions, self.pool.epoch, self.pool.device)
-        if self.transfer_mode == "pull":
-            self._local_table = self.engine.prep_local("kv")
+        self.receiving.prep_local()  # pull: a deregister released the last one
 
     def publish_metadata(self) -> None:
         """``META`` with this side's current metadata, to every prefill."""
