@@ -30,17 +30,17 @@ two)::
   vanished.
 * FREED: its pages and landing region are given back once the device work on them is
   done (below); the request is over (:attr:`DecodeSide.completed`).
-* A request changes state only through ``DecodeSide._transition``, which refuses an edge
-  not drawn here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message
-  that does not fit the state is a ProtocolError before anything changes.  What else a
+* A request changes state only through :func:`~kvmem.disagg.decode_request.set_state`
+  (the side's ``_transition`` and its parts call it), which refuses an edge not drawn
+  here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message that
+  does not fit the state is a ProtocolError before anything changes.  What else a
   request carries, and why it is not part of the state: :class:`DecodeRequest`.
 
 Booting: the BOOT carries the request's page ids, which the allocator hands out on the
 pool's device; the request is BOOTING until their copy to the host is done (at once on
 the CPU, a step or so later on CUDA: :class:`~kvmem.disagg.device.HostCopy`, polled, never
-waited on), then the BOOT goes out.
-
-The memory, given back in device order: :mod:`kvmem.disagg.decode_memory`; pause and
+waited on), then the BOOT goes out.  Booting, and the memory given back in device order:
+:mod:`kvmem.disagg.decode_memory`; pause and
 resume: :mod:`kvmem.disagg.decode_pause`.  What lands (``CHUNK``, packed into the landing
 region or direct into the pool pages; ``AUX``; this side's reads of ``READY`` offers in
 pull mode, answered ``PULLED``) and how it is checked: :mod:`kvmem.disagg.decode_receive`.
@@ -66,11 +66,11 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+import torch
 
-import kvmem
-from kvmem.disagg.arena import Arena, ArenaFullError
+from kvmem.disagg.arena import Arena
 from kvmem.disagg.counters import Metrics, now
-from kvmem.disagg.device import HostCopy, device_event
+from kvmem.disagg.device import device_event
 from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
     CLIENT_CLOSED,
@@ -82,11 +82,10 @@ from kvmem.disagg.outcome import (
     check_caller_args,
 )
 from kvmem.disagg.peers import PeerTable, peer_names, sole_peer, tell
-from kvmem.disagg.protocol import AUX_BYTES
-from kvmem.disagg.decode_memory import DecodeMemory, _Drain
+from kvmem.disagg.decode_memory import DecodeMemory
 from kvmem.disagg.decode_pause import DecodePause
 from kvmem.disagg.decode_receive import DecodeReceiving
-from kvmem.disagg.decode_request import DecodeRequest
+from kvmem.disagg.decode_request import DecodeRequest, set_state
 from kvmem.disagg.protocol import (
     Abort,
     Aux,
@@ -99,11 +98,10 @@ from kvmem.disagg.protocol import (
     apply_metadata,
     dispatch,
     encode,
-    encode_runs,
+    meta_message,
 )
-from kvmem.disagg.states import DECODE_EDGES, DecodeState, PausePhase, transition
+from kvmem.disagg.states import DecodeState, PausePhase
 from kvmem.disagg.model import Verifier, prepare_model
-from kvmem.memory import make_backend
 
 log = logging.getLogger("kvmem.disagg.decode")
 
@@ -116,14 +114,15 @@ class DecodeFaults:
         return False
 
 
-class DecodeSide(DecodeMemory):
+class DecodeSide:
     """One decode worker: a pool, its allocator, a landing buffer, a transfer engine, one
     or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``).
-    Its memory (registration, freeing in device order) is handled by the methods of its
-    base :class:`~kvmem.disagg.decode_memory.DecodeMemory`; parts it holds, each owning
-    its fields: what lands and its checks (:attr:`receiving`, a
-    :class:`~kvmem.disagg.decode_receive.DecodeReceiving`) and pause and resume
-    (:attr:`pause`, a :class:`~kvmem.disagg.decode_pause.DecodePause`)."""
+    The side keeps the request tables, the prefill peers and their messages, and runs
+    each step; the rest is done by parts it holds, each owning its fields and handed only
+    what it uses: :attr:`memory` (:class:`~kvmem.disagg.decode_memory.DecodeMemory`: the
+    landing buffer, booting, freeing in device order), :attr:`receiving`
+    (:class:`~kvmem.disagg.decode_receive.DecodeReceiving`: what lands and its checks)
+    and :attr:`pause` (:class:`~kvmem.disagg.decode_pause.DecodePause`)."""
 
     def __init__(
         self,
@@ -164,15 +163,24 @@ class DecodeSide(DecodeMemory):
         self.faults = faults or DecodeFaults()
         self.done_event = done_event or device_event(pool.device)
         prepare_model(verifier, Verifier, pool.device, "DecodeSide")  # its set-up on our device
-        self._draining: list[_Drain] = []  # freed once the device work on it is done
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("decode")
-        self._landing_mem = make_backend(landing_bytes, pool.device)
-        self.landing = self._landing_mem.tensor
-        self.arena = Arena(landing_bytes)
         self.reqs: dict[int, DecodeRequest] = {}
         self._rooms: dict[int, int] = {}  # room -> rid
         self.completed: dict[int, Reason] = {}
+        self.memory = DecodeMemory(
+            pool=pool,
+            alloc=allocator,
+            engine=engine,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            clock=clock,
+            landing_bytes=landing_bytes,
+            tell=self._tell,
+            reqs=self.reqs,
+            rooms=self._rooms,
+            completed=self.completed,
+        )
         self.receiving = DecodeReceiving(
             pool=pool,
             engine=engine,
@@ -182,11 +190,11 @@ class DecodeSide(DecodeMemory):
             done_event=self.done_event,
             ledger=self.ledger,
             metrics=self.metrics,
-            landing=self.landing,
+            landing=self.memory.landing,
             reqs=self.reqs,
             tables=self._tables,
             tell=self._tell,
-            free=self._free,
+            free=self.memory.free,
         )
         self.inbox = Inbox(
             engine,
@@ -203,21 +211,43 @@ class DecodeSide(DecodeMemory):
             ledger=self.ledger,
             metrics=self.metrics,
             clock=clock,
-            landing_mem=self._landing_mem,
+            landing_mem=self.memory.landing_mem,
             peers=self.prefill_peers,
             tell=self._tell,
             reqs=self.reqs,
-            free=self._free,
-            drain_device=self._drain_device,
-            draining=self._draining,
+            free=self.memory.free,
+            drain_device=self.memory.drain_device,
+            draining=self.memory.draining,
             apply_checks=self.receiving.apply_checks,
-            register=self._register,
+            register=self.memory.register,
+            prep_local=self.receiving.prep_local,
             publish_metadata=self.publish_metadata,
         )
-        self._register()
+        self.memory.register()
+        self.receiving.prep_local()
 
     def _tell(self, peer: str, msg: bytes) -> bool:
         return tell(self.engine, peer, msg, self.metrics, log)
+
+    def publish_metadata(self) -> None:
+        """``META`` with this side's current metadata, to every prefill."""
+        msg = meta_message(self.engine)
+        for name in self.prefill_peers:
+            self._tell(name, msg)
+
+    @property
+    def landing(self) -> torch.Tensor:
+        """The registered landing buffer (the memory part's)."""
+        return self.memory.landing
+
+    @property
+    def arena(self) -> Arena:
+        """The regions of the landing buffer (the memory part's)."""
+        return self.memory.arena
+
+    def prefault(self) -> None:
+        """Back the pool and the landing buffer with memory now, not at first touch."""
+        self.memory.prefault()
 
     @property
     def chunk_modes(self) -> Counter:
@@ -263,8 +293,8 @@ class DecodeSide(DecodeMemory):
         (:class:`~kvmem.disagg.pacing.Backoff`)."""
         busy = self.inbox.drain() > 0
         busy = self.receiving.apply_checks() or busy
-        busy = self._drain_device() or busy
-        if self.phase is PausePhase.FREEING and not self._draining:
+        busy = self.memory.drain_device() or busy
+        if self.phase is PausePhase.FREEING and not self.memory.draining:
             self.pause.complete()
             busy = True
         if self.transfer_mode == "pull":
@@ -275,9 +305,9 @@ class DecodeSide(DecodeMemory):
         if self.phase is PausePhase.SERVING:
             for req in list(self.reqs.values()):
                 if req.state is DecodeState.WAITING:
-                    busy = self._boot(req) or busy
+                    busy = self.memory.boot(req) or busy
                 elif req.state is DecodeState.BOOTING:
-                    busy = self._send_boot(req) or busy
+                    busy = self.memory.send_boot(req) or busy
         return self._check_timeouts() or busy
 
     # The one dispatch table: message kind -> the handler of what a prefill sends
@@ -336,51 +366,7 @@ class DecodeSide(DecodeMemory):
         self._rooms[room] = rid
         self.completed.pop(rid, None)
         if req.state is DecodeState.WAITING and self.phase is PausePhase.SERVING:
-            self._boot(req)
-
-    def _boot(self, req: DecodeRequest) -> bool:
-        """Allocate the request's pages and landing region and send BOOT (once their ids
-        are on the host: at once on the CPU, at a later step on CUDA, BOOTING meanwhile);
-        False (nothing changed) when there is no memory for it yet."""
-        n = -(-req.tokens // self.spec.page_size)
-        nbytes = kvmem.packed_nbytes(self.spec, n) + AUX_BYTES
-        if n > self.alloc.num_free:
-            return False  # retried next step
-        try:
-            off = self.arena.alloc(nbytes)
-        except ArenaFullError:
-            return False
-        pages = self.alloc.alloc(n, check=False)  # n <= num_free: no host sync on CUDA
-        self.ledger.hold(req.rid, pages)
-        req.landing_off, req.landing_nbytes = off, nbytes
-        req.ids = HostCopy(pages)
-        self._transition(req, DecodeState.BOOTING)
-        req.t_seen = self.clock()
-        self._send_boot(req)
-        return True
-
-    def _send_boot(self, req: DecodeRequest) -> bool:
-        """Send the BOOT of a booting request once its page ids are on the host; False
-        while their copy is in flight."""
-        assert req.ids is not None  # BOOTING: the copy _boot started
-        if not req.ids.ready():
-            return False
-        req.host_pages, req.ids = req.ids.numpy(), None
-        self._transition(req, DecodeState.BOOTED)
-        req.t_seen = self.clock()
-        self._tell(
-            req.peer,
-            encode(
-                "BOOT",
-                rid=req.rid,
-                room=req.room,
-                off=req.landing_off,
-                nbytes=req.landing_nbytes,
-                epoch=self.pool.epoch,
-                pages=encode_runs(req.host_pages),
-            ),
-        )
-        return True
+            self.memory.boot(req)
 
     def _on_abort(self, msg: Abort, peer: str) -> None:
         """The prefill ended the request and has no write of it in flight.  Status 200 only
@@ -403,7 +389,7 @@ class DecodeSide(DecodeMemory):
         if req.reads:  # (the prefill gave up waiting for our PULLED) our read targets the
             req.free_after_reads = (f"abort:{msg.status}", reason)  # pages: after it ends
             return
-        self._free(req, f"abort:{msg.status}", reason)
+        self.memory.free(req, f"abort:{msg.status}", reason)
 
     def abort(self, rid: int, status: int = CLIENT_CLOSED, message: str | None = None) -> None:
         """A decode-side abort: the prefill is asked to stop (``ABORT_REQ``); the pages stay
@@ -428,7 +414,7 @@ class DecodeSide(DecodeMemory):
         """Move ``req`` to ``to`` along an edge of the module docstring's drawing
         (:data:`~kvmem.disagg.states.DECODE_EDGES`); IllegalTransition naming the request
         and both states, ``req`` unchanged, for any other."""
-        transition("decode", DECODE_EDGES, req, to, log)
+        set_state(req, to)
 
     def _check_timeouts(self) -> bool:
         """Abort the requests without news for ``timeout`` (504, quarantined), free the
@@ -449,7 +435,7 @@ class DecodeSide(DecodeMemory):
                         req.rid,
                         self.quarantine_timeout,
                     )
-                    self._free(req, "quarantine-expired", req.reason)
+                    self.memory.free(req, "quarantine-expired", req.reason)
             elif t - req.t_seen > self.timeout:
                 moved = True
                 self.abort(
@@ -465,7 +451,7 @@ class DecodeSide(DecodeMemory):
     @property
     def idle(self) -> bool:
         """No request, no verdict on its way to the host, no memory waiting for device work."""
-        return not self.reqs and not self.receiving.checks and not self._draining
+        return not self.reqs and not self.receiving.checks and not self.memory.draining
 
     @property
     def reads_in_flight(self) -> bool:

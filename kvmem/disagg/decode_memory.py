@@ -1,7 +1,7 @@
-"""The decode side's memory (:class:`DecodeMemory`, a base class of
-:class:`~kvmem.disagg.decode.DecodeSide`; its methods use the side's fields): the pool
-and the landing buffer registered and published, a finished request's pages and landing
-region given back in device order.
+"""The decode side's memory (:class:`DecodeMemory`, a part each
+:class:`~kvmem.disagg.decode.DecodeSide` holds): the pool and the landing buffer
+registered, a request's pages and landing region allocated when it boots (``BOOT``
+sent once their ids are on the host) and given back in device order when it ends.
 
 Device order: the check of a landed chunk and its unpack run on the pool device's stream
 (asynchronously on CUDA), and an event (``done_event``) is recorded after them.  A NIXL
@@ -9,7 +9,7 @@ write is not ordered with that stream, so a request that ends gives its pages an
 region back only once its last event is done (owner ``("device-busy", rid)`` in the ledger
 meanwhile, quarantined); until then a new BOOT cannot have them.  A check's verdict is a
 device tensor that reaches the counters through a HostCopy.  So ``step`` makes no host
-sync on CUDA; :attr:`idle` also waits for verdicts and memory still in flight.
+sync on CUDA; the side's ``idle`` also waits for verdicts and memory still in flight.
 
 Pause and resume (the whole of it released, then back): the side's pause part,
 :mod:`kvmem.disagg.decode_pause`.
@@ -18,23 +18,24 @@ Pause and resume (the whole of it released, then back): the side's pause part,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+import kvmem
+from kvmem.disagg.arena import Arena, ArenaFullError
+from kvmem.disagg.decode_request import DecodeRequest, set_state
+from kvmem.disagg.device import HostCopy
 from kvmem.disagg.outcome import Reason
-from kvmem.disagg.decode_request import DecodeRequest
 from kvmem.disagg.peers import buffer_map
-from kvmem.disagg.protocol import meta_message
+from kvmem.disagg.protocol import AUX_BYTES, encode, encode_runs
 from kvmem.disagg.states import DecodeState
+from kvmem.memory import make_backend
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any
 
-    import torch
-
-    from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
-    from kvmem.disagg.decode_receive import DecodeReceiving
     from kvmem.disagg.ledger import Ledger
 
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 class _Drain:
     """Memory of an ended request that device work may still touch: the ledger's
     ``owner`` (released with reason ``why``) and the landing offset ``off`` (-1: none),
-    given back once ``event`` is done (:meth:`DecodeMemory._drain_device`)."""
+    given back once ``event`` is done (:meth:`DecodeMemory.drain_device`)."""
 
     event: Any  # a done event: query() -> bool
     owner: object
@@ -51,51 +52,96 @@ class _Drain:
 
 
 class DecodeMemory:
-    """The memory methods of :class:`~kvmem.disagg.decode.DecodeSide` (not a side on its
-    own: they read and change the side's requests, pool, landing buffer, ledger and
-    engine)."""
+    """The memory of one decode side.  It owns the landing buffer (``landing_mem``, its
+    tensor ``landing``), the arena of its regions (``arena``) and the memory of ended
+    requests that device work may still touch (``draining``).  What it uses is handed
+    to it: the pool, allocator, engine, ledger, counters and clock, how to tell a
+    prefill (``tell``: the BOOT), and the side's request tables it changes when a
+    request ends (``reqs``, ``rooms``, ``completed``)."""
 
-    if TYPE_CHECKING:  # what DecodeSide (kvmem/disagg/decode.py) provides
-        pool: Any
-        alloc: Any
-        engine: Any
-        transfer_mode: str
-        clock: Callable[[], float]
-        ledger: Ledger
-        metrics: Metrics
-        arena: Arena
-        landing: torch.Tensor
-        _landing_mem: Any
-        prefill_peers: tuple[str, ...]
-        reqs: dict[int, Any]
-        completed: dict[int, Any]
-        _rooms: dict[int, int]
-        _draining: list[_Drain]
-        receiving: DecodeReceiving
-        query: Any
+    def __init__(
+        self,
+        *,
+        pool: Any,
+        alloc: Any,
+        engine: Any,
+        ledger: Ledger,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        landing_bytes: int,
+        tell: Callable[[str, bytes], bool],
+        reqs: dict[int, DecodeRequest],
+        rooms: dict[int, int],
+        completed: dict[int, Reason],
+    ):
+        self.pool, self.spec, self.alloc, self.engine = pool, pool.spec, alloc, engine
+        self.ledger, self.metrics, self.clock, self.tell = ledger, metrics, clock, tell
+        self.reqs, self.rooms, self.completed = reqs, rooms, completed
+        self.draining: list[_Drain] = []  # freed once the device work on it is done
+        self.landing_mem = make_backend(landing_bytes, pool.device)
+        landing = self.landing_mem.tensor
+        assert landing is not None  # mapped until the backend is freed
+        self.landing: torch.Tensor = landing
+        self.arena = Arena(landing_bytes)
 
-        def _tell(self, peer: str, msg: bytes) -> bool: ...
-        def _transition(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def _register(self) -> None:
+    def register(self) -> None:
+        """Register the pool (``kv``) and the landing buffer (``landing``, at the pool's
+        epoch) with the engine."""
         # one region per physical chunk; the prefill's landing offsets (RegionMap of these
         # regions) are offsets into self.landing only when they tile it in order
-        regions = self._landing_mem.regions()
+        regions = self.landing_mem.regions()
         buffer_map(self.landing, regions)
         self.engine.register_pool(self.pool, "kv")
         self.engine.register("landing", regions, self.pool.epoch, self.pool.device)
-        self.receiving.prep_local()  # pull: a deregister released the last one
 
-    def publish_metadata(self) -> None:
-        """``META`` with this side's current metadata, to every prefill."""
-        msg = meta_message(self.engine)
-        for name in self.prefill_peers:
-            self._tell(name, msg)
+    def boot(self, req: DecodeRequest) -> bool:
+        """Allocate the request's pages and landing region and send BOOT (once their ids
+        are on the host: at once on the CPU, at a later step on CUDA, BOOTING meanwhile);
+        False (nothing changed) when there is no memory for it yet."""
+        n = -(-req.tokens // self.spec.page_size)
+        nbytes = kvmem.packed_nbytes(self.spec, n) + AUX_BYTES
+        if n > self.alloc.num_free:
+            return False  # retried next step
+        try:
+            off = self.arena.alloc(nbytes)
+        except ArenaFullError:
+            return False
+        pages = self.alloc.alloc(n, check=False)  # n <= num_free: no host sync on CUDA
+        self.ledger.hold(req.rid, pages)
+        req.landing_off, req.landing_nbytes = off, nbytes
+        req.ids = HostCopy(pages)
+        set_state(req, DecodeState.BOOTING)
+        req.t_seen = self.clock()
+        self.send_boot(req)
+        return True
 
-    def _free(self, req: DecodeRequest, why: str, reason: Reason) -> None:
+    def send_boot(self, req: DecodeRequest) -> bool:
+        """Send the BOOT of a booting request once its page ids are on the host; False
+        while their copy is in flight."""
+        assert req.ids is not None  # BOOTING: the copy boot started
+        if not req.ids.ready():
+            return False
+        req.host_pages, req.ids = req.ids.numpy(), None
+        set_state(req, DecodeState.BOOTED)
+        req.t_seen = self.clock()
+        self.tell(
+            req.peer,
+            encode(
+                "BOOT",
+                rid=req.rid,
+                room=req.room,
+                off=req.landing_off,
+                nbytes=req.landing_nbytes,
+                epoch=self.pool.epoch,
+                pages=encode_runs(req.host_pages),
+            ),
+        )
+        return True
+
+    def free(self, req: DecodeRequest, why: str, reason: Reason) -> None:
         """End ``req``: its pages and landing region go back now, or, while device work on
         them (an unpack, a check; CUDA runs it asynchronously) is still queued, once that
-        work is done (:meth:`_drain_device`): a NIXL write is not ordered with the
+        work is done (:meth:`drain_device`): a NIXL write is not ordered with the
         device's stream, so a page or region reused by a new BOOT at once could receive
         the new request's bytes before the old unpack ran."""
         busy, req.busy = req.busy, None
@@ -104,24 +150,24 @@ class DecodeMemory:
             if self.ledger.holds(req.rid):
                 self.ledger.rename(req.rid, owner)
                 self.ledger.quarantine(owner)
-            self._draining.append(_Drain(busy, owner, why, req.landing_off))
+            self.draining.append(_Drain(busy, owner, why, req.landing_off))
         else:
             if self.ledger.holds(req.rid):
                 self.ledger.release(req.rid, why)
             if req.landing_off >= 0:
                 self.arena.free(req.landing_off)
-        self._transition(req, DecodeState.FREED)
+        set_state(req, DecodeState.FREED)
         del self.reqs[req.rid]
-        del self._rooms[req.room]
+        del self.rooms[req.room]
         self.completed[req.rid] = reason
         self.metrics.requests[reason.outcome.value] += 1
         self.metrics.peer(req.peer).requests[reason.outcome.value] += 1
 
-    def _drain_device(self) -> bool:
+    def drain_device(self) -> bool:
         """Give back the pages and landing regions of ended requests whose device work is
         done (polled, never waited on); True when some were."""
         keep = []
-        for d in self._draining:
+        for d in self.draining:
             if not d.event.query():
                 keep.append(d)
                 continue
@@ -129,11 +175,11 @@ class DecodeMemory:
                 self.ledger.release(d.owner, d.why)
             if d.off >= 0:
                 self.arena.free(d.off)
-        moved = len(keep) < len(self._draining)
-        self._draining[:] = keep  # in place: the pause part reads this list
+        moved = len(keep) < len(self.draining)
+        self.draining[:] = keep  # in place: the pause part reads this list
         return moved
 
     def prefault(self) -> None:
         """Back the pool and the landing buffer with memory now, not at first touch."""
         self.pool.prefault()
-        self._landing_mem.prefault()
+        self.landing_mem.prefault()

@@ -40,7 +40,8 @@ class DecodePause:
     prefills (``peers``) and how to tell one (``tell``), the side's active requests
     (``reqs``, read), and the side's memory calls: ``free`` (a request's memory back),
     ``drain_device``, and ``draining`` (read: the memory still waiting for device work),
-    ``apply_checks`` (the verdicts on their way), ``register`` and ``publish_metadata``."""
+    ``apply_checks`` (the verdicts on their way), ``register``, ``prep_local`` (pull: the
+    list of the pool's new registration) and ``publish_metadata``."""
 
     def __init__(
         self,
@@ -60,13 +61,14 @@ class DecodePause:
         draining: list,
         apply_checks: Callable[[], bool],
         register: Callable[[], None],
+        prep_local: Callable[[], None],
         publish_metadata: Callable[[], None],
     ):
         self.pool, self.alloc, self.engine, self.ledger = pool, alloc, engine, ledger
         self.metrics, self.clock, self.landing_mem = metrics, clock, landing_mem
         self.peers, self.tell, self.reqs = peers, tell, reqs
         self.free, self.drain_device, self.draining = free, drain_device, draining
-        self.apply_checks, self.register = apply_checks, register
+        self.apply_checks, self.register, self.prep_local = apply_checks, register, prep_local
         self.publish_metadata = publish_metadata
         self.phase = PausePhase.SERVING  # DECODE_PAUSE_EDGES
         self.t0 = 0.0  # when the current (or last) pause began
@@ -168,7 +170,8 @@ class DecodePause:
             return
         self.pool.resume()
         self.landing_mem.resume()
-        self.register()  # prepares the new local list (deregister released the old one)
+        self.register()
+        self.prep_local()  # pull: deregister released the old list
         self.publish_metadata()
         self._phase(PausePhase.SERVING)
         self.metrics.pause_seconds += self.clock() - self.t0

@@ -271,7 +271,7 @@ class Pair:
         self.finished: dict[int, kvmem.disagg.Reason] = {}
         landing_bytes = kvmem.packed_nbytes(spec, num_pages) + 64 * 1024
         with unittest.mock.patch(
-            "kvmem.disagg.decode.make_backend", _landing_backend(landing_chunk)
+            "kvmem.disagg.decode_memory.make_backend", _landing_backend(landing_chunk)
         ):
             self.decode = DecodeSide(
                 kvmem.KVPool(spec, num_pages, device),

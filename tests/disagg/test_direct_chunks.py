@@ -253,7 +253,9 @@ def test_direct_chunk_is_tied_to_the_kv_epoch_of_its_boot(when):
         # there goes direct again
         dec = p.decode
         dec.engine.deregister("landing")
-        dec.engine.register("landing", dec._landing_mem.regions(), dec.pool.epoch, dec.pool.device)
+        dec.engine.register(
+            "landing", dec.memory.landing_mem.regions(), dec.pool.epoch, dec.pool.device
+        )
         dec.publish_metadata()
         p.prefill.add_request(2, 64)
         p.run_idle()
