@@ -108,8 +108,8 @@ class _Staged:
 @dataclass
 class PrefillRequest:
     """One request on the prefill side.  ``state`` is the whole of where it is in the
-    lifecycle (:mod:`kvmem.disagg.prefill`'s docstring draws the edges); only ``PrefillSide._transition``
-    changes it.  None of the other fields is part of it:
+    lifecycle (:mod:`kvmem.disagg.prefill`'s docstring draws the edges); only
+    :func:`set_state` changes it.  None of the other fields is part of it:
 
     * ``in_batch``: its chunk's forward is running (from ``step``'s schedule to
       ``fill_batch``).  Orthogonal: a WAITING_FOR_INPUT or TRANSFERRING request runs the

@@ -259,7 +259,7 @@ class PrefillSending:
 
     def _host_ids(self, req: PrefillRequest, first: int, last: int) -> np.ndarray | None:
         """``int64 [last - first]``: the page ids of pages ``[first, last)`` of ``req`` on
-        the host, once their copies (made by ``_schedule``, in chunk order) are done; None
+        the host, once their copies (made by the scheduler, in chunk order) are done; None
         before.  Never waits."""
         while req.ids and req.ids[0].copy.ready():
             c = req.ids.pop(0)
