@@ -67,9 +67,9 @@ def calibrate_direct(
     eng, pool = side.engine, side.pool
     spec = pool.spec
     peer = side.decode_peer if peer is None else peer
-    own = side._local_table is None  # the side sends packed only: prepare lists here
-    lt = eng.prep_local("kv") if own else side._local_table
-    rt = eng.prep_remote(eng.remote(peer, "kv")) if own else side._peers[peer].table.get()
+    own = side.sending.direct.local_table is None  # the side sends packed only: prepare lists here
+    lt = eng.prep_local("kv") if own else side.sending.direct.local_table
+    rt = eng.prep_remote(eng.remote(peer, "kv")) if own else side.peers.get(peer).table.get()
     landing = eng.remote(peer, "landing")
     plane = int(lt.nbytes.min())
     nbytes = kvmem.packed_nbytes(spec, chunk_pages)
@@ -92,7 +92,7 @@ def calibrate_direct(
             f"bytes) is smaller than one chunk ({nbytes} bytes)"
         )
     # both cut at their physical chunks' boundaries, as the side's own writes are
-    local = side._staging_map.ranges(0, nbytes)
+    local = side.sending.staging_map.ranges(0, nbytes)
     remote = landing_map.ranges(0, nbytes)
     planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
     # a timed pack ends when the device is done (CUDA runs it asynchronously): this is a

@@ -30,36 +30,21 @@ two)::
   vanished.
 * FREED: its pages and landing region are given back once the device work on them is
   done (below); the request is over (:attr:`DecodeSide.completed`).
-* A request changes state only through ``DecodeSide._transition``, which refuses an edge
-  not drawn here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message
-  that does not fit the state is a ProtocolError before anything changes.  What else a
+* A request changes state only through :func:`~kvmem.disagg.decode_request.set_state`
+  (the side's ``_transition`` and its parts call it), which refuses an edge not drawn
+  here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message that
+  does not fit the state is a ProtocolError before anything changes.  What else a
   request carries, and why it is not part of the state: :class:`DecodeRequest`.
 
 Booting: the BOOT carries the request's page ids, which the allocator hands out on the
 pool's device; the request is BOOTING until their copy to the host is done (at once on
 the CPU, a step or so later on CUDA: :class:`~kvmem.disagg.device.HostCopy`, polled, never
-waited on), then the BOOT goes out.
+waited on), then the BOOT goes out.  Booting, and the memory given back in device order:
+:mod:`kvmem.disagg.decode_memory`; pause and
+resume: :mod:`kvmem.disagg.decode_pause`.  What lands (``CHUNK``, packed into the landing
+region or direct into the pool pages; ``AUX``; this side's reads of ``READY`` offers in
+pull mode, answered ``PULLED``) and how it is checked: :mod:`kvmem.disagg.decode_receive`.
 
-A packed chunk lands in the request's *landing region* (a registered buffer, one region
-per request, sized for its whole KV plus the extra state) and its notification
-(``CHUNK``) arrives after the bytes: the chunk is verified against what the prefill
-computed (the verifier's ``verify``, :class:`~kvmem.disagg.model.Verifier`) and unpacked into the request's pages with
-``unpack_pages``.  A *direct* chunk (``CHUNK`` with ``direct``) was written straight into
-the request's pool pages (their ids went to the prefill in ``BOOT``): it is verified there
-(the verifier's ``verify_pages``) and nothing is unpacked.  The quarantine holds the request's pool
-pages and landing region alike: both may be the target of a posted write.
-
-The memory, given back in device order, and pause and resume:
-:mod:`kvmem.disagg.decode_memory`.  What lands (``CHUNK``, ``AUX``, this side's reads in
-pull mode) and how it is checked: :mod:`kvmem.disagg.decode_receive`.
-
-Pull mode (``transfer_mode="pull"``): the prefill offers each chunk (``READY``: its own
-page ids and pool epoch); this side reads them into the request's pool pages (one
-``post_blocks`` READ, prepared block lists), verifies them in place once DONE and answers
-``PULLED`` (ok or failed).  A read built from the prefill's older metadata is refused
-before it is posted (answered failed).  Pages that one of this side's own reads targets
-are never freed before that read is DONE or ERR (an ``ABORT``, the quarantine timeout and
-a ``PAUSE_ACK`` wait for it).  The extra state still arrives as the prefill's AUX write.
 Every peer message is validated by :func:`kvmem.disagg.protocol.parse` first (types,
 ranges, statuses); the handlers here then check what depends on state (request known,
 page range within the request, size equal to the packed size, offset where that chunk
@@ -81,11 +66,11 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+import torch
 
-import kvmem
-from kvmem.disagg.arena import Arena, ArenaFullError
+from kvmem.disagg.arena import Arena
 from kvmem.disagg.counters import Metrics, now
-from kvmem.disagg.device import HostCopy, device_event
+from kvmem.disagg.device import device_event
 from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
     CLIENT_CLOSED,
@@ -97,10 +82,10 @@ from kvmem.disagg.outcome import (
     check_caller_args,
 )
 from kvmem.disagg.peers import PeerTable, peer_names, sole_peer, tell
-from kvmem.disagg.protocol import AUX_BYTES
-from kvmem.disagg.decode_memory import DecodeMemory, _Drain
-from kvmem.disagg.decode_receive import DecodeReceiving, _Check
-from kvmem.disagg.decode_request import DecodeRequest
+from kvmem.disagg.decode_memory import DecodeMemory
+from kvmem.disagg.decode_pause import DecodePause
+from kvmem.disagg.decode_receive import DecodeReceiving
+from kvmem.disagg.decode_request import DecodeRequest, set_state
 from kvmem.disagg.protocol import (
     Abort,
     Aux,
@@ -113,18 +98,10 @@ from kvmem.disagg.protocol import (
     apply_metadata,
     dispatch,
     encode,
-    encode_runs,
+    meta_message,
 )
-from kvmem.disagg.states import (
-    DECODE_EDGES,
-    DECODE_PAUSE_EDGES,
-    DecodeState,
-    PausePhase,
-    set_phase,
-    transition,
-)
+from kvmem.disagg.states import DecodeState, PausePhase
 from kvmem.disagg.model import Verifier, prepare_model
-from kvmem.memory import make_backend
 
 log = logging.getLogger("kvmem.disagg.decode")
 
@@ -137,12 +114,15 @@ class DecodeFaults:
         return False
 
 
-class DecodeSide(DecodeMemory, DecodeReceiving):
+class DecodeSide:
     """One decode worker: a pool, its allocator, a landing buffer, a transfer engine, one
     or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``).
-    Its memory (registration, freeing in device order, pause and resume) is handled by the
-    methods of its base :class:`~kvmem.disagg.decode_memory.DecodeMemory`, what lands and
-    its checks by those of :class:`~kvmem.disagg.decode_receive.DecodeReceiving`."""
+    The side keeps the request tables, the prefill peers and their messages, and runs
+    each step; the rest is done by parts it holds, each owning its fields and handed only
+    what it uses: :attr:`memory` (:class:`~kvmem.disagg.decode_memory.DecodeMemory`: the
+    landing buffer, booting, freeing in device order), :attr:`receiving`
+    (:class:`~kvmem.disagg.decode_receive.DecodeReceiving`: what lands and its checks)
+    and :attr:`pause` (:class:`~kvmem.disagg.decode_pause.DecodePause`)."""
 
     def __init__(
         self,
@@ -175,28 +155,47 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         self.spec = pool.spec
         self.prefill_peers = peer_names("prefill", prefill_peer, prefill_peers)
         self.transfer_mode = transfer_mode  # pull: this side reads the offered pages
-        self._local_table = None  # pull: prepared block list of our pool
-        # pull: ... of each prefill's pool
+        # pull: prepared block list of each prefill's pool
         self._tables = {n: PeerTable(engine, n) for n in self.prefill_peers}
-        self._acks_due: set = set()  # prefills whose PAUSE_ACK this pause still waits for
         self.timeout = timeout
         self.quarantine_timeout = timeout if quarantine_timeout is None else quarantine_timeout
         self.clock = clock
         self.faults = faults or DecodeFaults()
         self.done_event = done_event or device_event(pool.device)
         prepare_model(verifier, Verifier, pool.device, "DecodeSide")  # its set-up on our device
-        self._checks: list[_Check] = []  # verdicts on their way to the host, in order
-        self._draining: list[_Drain] = []  # freed once the device work on it is done
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("decode")
-        self.chunk_modes: Counter = Counter()  # CHUNKs landed, "packed" / "direct"
-        self._landing_mem = make_backend(landing_bytes, pool.device)
-        self.landing = self._landing_mem.tensor
-        self.arena = Arena(landing_bytes)
         self.reqs: dict[int, DecodeRequest] = {}
         self._rooms: dict[int, int] = {}  # room -> rid
         self.completed: dict[int, Reason] = {}
-        self.phase = PausePhase.SERVING  # DECODE_PAUSE_EDGES
+        self.memory = DecodeMemory(
+            pool=pool,
+            alloc=allocator,
+            engine=engine,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            clock=clock,
+            landing_bytes=landing_bytes,
+            tell=self._tell,
+            reqs=self.reqs,
+            rooms=self._rooms,
+            completed=self.completed,
+        )
+        self.receiving = DecodeReceiving(
+            pool=pool,
+            engine=engine,
+            verifier=verifier,
+            transfer_mode=transfer_mode,
+            clock=clock,
+            done_event=self.done_event,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            landing=self.memory.landing,
+            reqs=self.reqs,
+            tables=self._tables,
+            tell=self._tell,
+            free=self.memory.free,
+        )
         self.inbox = Inbox(
             engine,
             peers=self.prefill_peers,
@@ -205,23 +204,80 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
             metrics=self.metrics,
             log=log,
         )
-        self._register()
+        self.pause = DecodePause(
+            pool=pool,
+            alloc=allocator,
+            engine=engine,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            clock=clock,
+            landing_mem=self.memory.landing_mem,
+            peers=self.prefill_peers,
+            tell=self._tell,
+            reqs=self.reqs,
+            free=self.memory.free,
+            drain_device=self.memory.drain_device,
+            draining=self.memory.draining,
+            apply_checks=self.receiving.apply_checks,
+            register=self.memory.register,
+            prep_local=self.receiving.prep_local,
+            publish_metadata=self.publish_metadata,
+        )
+        self.memory.register()
+        self.receiving.prep_local()
 
     def _tell(self, peer: str, msg: bytes) -> bool:
         return tell(self.engine, peer, msg, self.metrics, log)
 
+    def publish_metadata(self) -> None:
+        """``META`` with this side's current metadata, to every prefill."""
+        msg = meta_message(self.engine)
+        for name in self.prefill_peers:
+            self._tell(name, msg)
+
+    @property
+    def landing(self) -> torch.Tensor:
+        """The registered landing buffer (the memory part's)."""
+        return self.memory.landing
+
+    @property
+    def arena(self) -> Arena:
+        """The regions of the landing buffer (the memory part's)."""
+        return self.memory.arena
+
+    def prefault(self) -> None:
+        """Back the pool and the landing buffer with memory now, not at first touch."""
+        self.memory.prefault()
+
+    @property
+    def chunk_modes(self) -> Counter:
+        """What landed, by how: ``"packed"``, ``"direct"``, ``"pulled"`` (the receiving part's)."""
+        return self.receiving.chunk_modes
+
+    # --- pause and resume: the pause part's -------------------------------------------------
+    @property
+    def phase(self) -> PausePhase:
+        """Where this side is in a pause (its pause part's phase)."""
+        return self.pause.phase
+
     @property
     def pausing(self) -> bool:
         """A pause began and its memory is not released yet."""
-        return self.phase in (PausePhase.DRAINING, PausePhase.READS, PausePhase.FREEING)
+        return self.pause.pausing
 
     @property
     def paused(self) -> bool:
         """The memory is released; :meth:`resume` serves again."""
-        return self.phase is PausePhase.PAUSED
+        return self.pause.paused
 
-    def _phase(self, to: PausePhase) -> None:
-        set_phase("decode", DECODE_PAUSE_EDGES, self, to, log)
+    def begin_pause(self) -> None:
+        """Tell every prefill (``PAUSING``); ``step`` completes the pause once each has
+        acknowledged.  :attr:`paused` is True once the memory is released."""
+        self.pause.begin()
+
+    def resume(self) -> None:
+        """Serve again after a pause: the memory back, registered, published (``META``)."""
+        self.pause.resume()
 
     @property
     def prefill_peer(self) -> str:
@@ -236,34 +292,34 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         for the prefill or the clock, and the caller may back off
         (:class:`~kvmem.disagg.pacing.Backoff`)."""
         busy = self.inbox.drain() > 0
-        busy = self._apply_checks() or busy
-        busy = self._drain_device() or busy
-        if self.phase is PausePhase.FREEING and not self._draining:
-            self._complete_pause()
+        busy = self.receiving.apply_checks() or busy
+        busy = self.memory.drain_device() or busy
+        if self.phase is PausePhase.FREEING and not self.memory.draining:
+            self.pause.complete()
             busy = True
         if self.transfer_mode == "pull":
-            busy = self._poll_reads() or busy
+            busy = self.receiving.poll_reads() or busy
             if self.phase is PausePhase.READS and not any(r.reads for r in self.reqs.values()):
-                self._finish_pause()
+                self.pause.finish()
                 busy = True
         if self.phase is PausePhase.SERVING:
             for req in list(self.reqs.values()):
                 if req.state is DecodeState.WAITING:
-                    busy = self._boot(req) or busy
+                    busy = self.memory.boot(req) or busy
                 elif req.state is DecodeState.BOOTING:
-                    busy = self._send_boot(req) or busy
+                    busy = self.memory.send_boot(req) or busy
         return self._check_timeouts() or busy
 
     # The one dispatch table: message kind -> the handler of what a prefill sends
-    # (protocol.DECODE_RECEIVES); each handler takes (msg, peer).
+    # (protocol.DECODE_RECEIVES), a method here or "part.method"; each takes (msg, peer).
     HANDLERS = {
         Req: "_on_req",
-        Chunk: "_on_chunk",
-        Aux: "_on_aux",
+        Chunk: "receiving.on_chunk",
+        Aux: "receiving.on_aux",
         Abort: "_on_abort",
-        PauseAck: "_on_pause_ack",
+        PauseAck: "pause.on_ack",
         Meta: "_on_meta",
-        Ready: "_on_ready",
+        Ready: "receiving.on_ready",
     }
 
     def handle_message(self, msg, peer: str | None = None) -> None:
@@ -310,51 +366,7 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         self._rooms[room] = rid
         self.completed.pop(rid, None)
         if req.state is DecodeState.WAITING and self.phase is PausePhase.SERVING:
-            self._boot(req)
-
-    def _boot(self, req: DecodeRequest) -> bool:
-        """Allocate the request's pages and landing region and send BOOT (once their ids
-        are on the host: at once on the CPU, at a later step on CUDA, BOOTING meanwhile);
-        False (nothing changed) when there is no memory for it yet."""
-        n = -(-req.tokens // self.spec.page_size)
-        nbytes = kvmem.packed_nbytes(self.spec, n) + AUX_BYTES
-        if n > self.alloc.num_free:
-            return False  # retried next step
-        try:
-            off = self.arena.alloc(nbytes)
-        except ArenaFullError:
-            return False
-        pages = self.alloc.alloc(n, check=False)  # n <= num_free: no host sync on CUDA
-        self.ledger.hold(req.rid, pages)
-        req.landing_off, req.landing_nbytes = off, nbytes
-        req.ids = HostCopy(pages)
-        self._transition(req, DecodeState.BOOTING)
-        req.t_seen = self.clock()
-        self._send_boot(req)
-        return True
-
-    def _send_boot(self, req: DecodeRequest) -> bool:
-        """Send the BOOT of a booting request once its page ids are on the host; False
-        while their copy is in flight."""
-        assert req.ids is not None  # BOOTING: the copy _boot started
-        if not req.ids.ready():
-            return False
-        req.host_pages, req.ids = req.ids.numpy(), None
-        self._transition(req, DecodeState.BOOTED)
-        req.t_seen = self.clock()
-        self._tell(
-            req.peer,
-            encode(
-                "BOOT",
-                rid=req.rid,
-                room=req.room,
-                off=req.landing_off,
-                nbytes=req.landing_nbytes,
-                epoch=self.pool.epoch,
-                pages=encode_runs(req.host_pages),
-            ),
-        )
-        return True
+            self.memory.boot(req)
 
     def _on_abort(self, msg: Abort, peer: str) -> None:
         """The prefill ended the request and has no write of it in flight.  Status 200 only
@@ -377,7 +389,7 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         if req.reads:  # (the prefill gave up waiting for our PULLED) our read targets the
             req.free_after_reads = (f"abort:{msg.status}", reason)  # pages: after it ends
             return
-        self._free(req, f"abort:{msg.status}", reason)
+        self.memory.free(req, f"abort:{msg.status}", reason)
 
     def abort(self, rid: int, status: int = CLIENT_CLOSED, message: str | None = None) -> None:
         """A decode-side abort: the prefill is asked to stop (``ABORT_REQ``); the pages stay
@@ -402,7 +414,7 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
         """Move ``req`` to ``to`` along an edge of the module docstring's drawing
         (:data:`~kvmem.disagg.states.DECODE_EDGES`); IllegalTransition naming the request
         and both states, ``req`` unchanged, for any other."""
-        transition("decode", DECODE_EDGES, req, to, log)
+        set_state(req, to)
 
     def _check_timeouts(self) -> bool:
         """Abort the requests without news for ``timeout`` (504, quarantined), free the
@@ -423,7 +435,7 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
                         req.rid,
                         self.quarantine_timeout,
                     )
-                    self._free(req, "quarantine-expired", req.reason)
+                    self.memory.free(req, "quarantine-expired", req.reason)
             elif t - req.t_seen > self.timeout:
                 moved = True
                 self.abort(
@@ -439,7 +451,7 @@ class DecodeSide(DecodeMemory, DecodeReceiving):
     @property
     def idle(self) -> bool:
         """No request, no verdict on its way to the host, no memory waiting for device work."""
-        return not self.reqs and not self._checks and not self._draining
+        return not self.reqs and not self.receiving.checks and not self.memory.draining
 
     @property
     def reads_in_flight(self) -> bool:

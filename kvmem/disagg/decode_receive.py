@@ -1,14 +1,34 @@
-"""What lands on the decode side and how it is checked (:class:`DecodeReceiving`, a base
-class of :class:`~kvmem.disagg.decode.DecodeSide`; its methods use the side's fields):
-a ``CHUNK`` (packed, verified in the landing region and unpacked; or direct, verified in
-the pool pages), a ``READY`` read into the request's pages and polled (pull), the
-``AUX`` that completes a request; each check's verdict reaches the counters in order,
-without a host sync.  The landing rules are drawn in :mod:`kvmem.disagg.decode`.
+"""What lands on the decode side and how it is checked (:class:`DecodeReceiving`, a part
+each :class:`~kvmem.disagg.decode.DecodeSide` holds): a ``CHUNK`` (packed, verified in
+the landing region and unpacked; or direct, verified in the pool pages), a ``READY``
+read into the request's pages and polled (pull), the ``AUX`` that completes a request;
+each check's verdict reaches the counters in order, without a host sync.  The landing
+rules are drawn in :mod:`kvmem.disagg.decode`.
+
+A packed chunk lands in the request's *landing region* (a registered buffer, one region
+per request, sized for its whole KV plus the extra state) and its notification
+(``CHUNK``) arrives after the bytes: the chunk is verified against what the prefill
+computed (the verifier's ``verify``, :class:`~kvmem.disagg.model.Verifier`) and unpacked
+into the request's pages with ``unpack_pages``.  A *direct* chunk (``CHUNK`` with
+``direct``) was written straight into the request's pool pages (their ids went to the
+prefill in ``BOOT``): it is verified there (the verifier's ``verify_pages``) and nothing
+is unpacked.  The quarantine holds the request's pool pages and landing region alike:
+both may be the target of a posted write.
+
+Pull mode (``transfer_mode="pull"``): the prefill offers each chunk (``READY``: its own
+page ids and pool epoch); this side reads them into the request's pool pages (one
+``post_blocks`` READ, prepared block lists), verifies them in place once DONE and
+answers ``PULLED`` (ok or failed).  A read built from the prefill's older metadata is
+refused before it is posted (answered failed).  Pages that one of this side's own reads
+targets are never freed before that read is DONE or ERR (an ``ABORT``, the quarantine
+timeout and a ``PAUSE_ACK`` wait for it).  The extra state still arrives as the
+prefill's AUX write.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,13 +44,13 @@ from kvmem.disagg.states import DecodeState
 from kvmem.transfer.errors import StaleEpochError, TransferError
 
 if TYPE_CHECKING:
-    from collections import Counter
     from collections.abc import Callable
     from typing import Any
 
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
     from kvmem.disagg.model import Verifier
+    from kvmem.disagg.peers import PeerTable
 
 log = logging.getLogger("kvmem.disagg.decode")  # the side's logger (docs/logging.md)
 
@@ -40,7 +60,7 @@ _RECEIVING = frozenset({DecodeState.BOOTED, DecodeState.QUARANTINED})
 
 @dataclass(frozen=True)
 class _Check:
-    """A check's verdict on its way to the host (:meth:`DecodeReceiving._apply_checks`):
+    """A check's verdict on its way to the host (:meth:`DecodeReceiving.apply_checks`):
     ``nbytes`` of request ``rid``'s pages ``[first, last)``; ``bad``: what a mismatch
     means (logged), or None."""
 
@@ -53,29 +73,46 @@ class _Check:
 
 
 class DecodeReceiving:
-    """The receiving methods of :class:`~kvmem.disagg.decode.DecodeSide` (not a side on
-    its own: they read and change the side's requests, pool, landing buffer and
-    counters)."""
+    """What lands on one decode side, and its checks.  It owns the verdicts on their way
+    to the host (``checks``, in order), the count of what landed by how (``chunk_modes``)
+    and, in pull mode, the prepared block list of this side's pool its reads write into
+    (``local_table``, :meth:`prep_local`).  What it uses is handed to it: the pool,
+    engine, verifier, counters, ledger, clock and done events, the landing buffer
+    (``landing``), the side's active requests (``reqs``), the prepared lists of the
+    prefills' pools (``tables``), how to tell a prefill (``tell``) and the side's call
+    that ends a request (``free``)."""
 
-    if TYPE_CHECKING:  # what DecodeSide (kvmem/disagg/decode.py) provides
-        pool: Any
-        engine: Any
-        spec: kvmem.KVSpec
-        verifier: Verifier
-        transfer_mode: str
-        clock: Callable[[], float]
-        done_event: Any
-        ledger: Ledger
-        metrics: Metrics
-        chunk_modes: Counter
-        landing: torch.Tensor
-        reqs: dict[int, Any]
-        _tables: dict[str, Any]
-        _local_table: Any
-        _checks: list[_Check]
+    def __init__(
+        self,
+        *,
+        pool: Any,
+        engine: Any,
+        verifier: Verifier,
+        transfer_mode: str,
+        clock: Callable[[], float],
+        done_event: Callable[[], Any],
+        ledger: Ledger,
+        metrics: Metrics,
+        landing: torch.Tensor,
+        reqs: dict[int, DecodeRequest],
+        tables: dict[str, PeerTable],
+        tell: Callable[[str, bytes], bool],
+        free: Callable[[DecodeRequest, str, Reason], None],
+    ):
+        self.pool, self.spec, self.engine, self.verifier = pool, pool.spec, engine, verifier
+        self.transfer_mode, self.clock, self.done_event = transfer_mode, clock, done_event
+        self.ledger, self.metrics, self.landing = ledger, metrics, landing
+        self.reqs, self.tables, self.tell, self.free = reqs, tables, tell, free
+        self.checks: list[_Check] = []  # verdicts on their way to the host, in order
+        self.chunk_modes: Counter = Counter()  # landed: "packed" / "direct" / "pulled"
+        self.local_table: Any = None  # pull: prepared block list of our pool
 
-        def _tell(self, peer: str, msg: bytes) -> bool: ...
-        def _free(self, *args: Any, **kwargs: Any) -> Any: ...
+    def prep_local(self) -> None:
+        """Pull: prepare the block list of this side's pool (its ``kv`` registration,
+        just registered); None otherwise."""
+        self.local_table = None
+        if self.transfer_mode == "pull":
+            self.local_table = self.engine.prep_local("kv")
 
     def _known(self, msg, peer: str) -> DecodeRequest:
         req = self.reqs.get(msg.rid)
@@ -101,7 +138,7 @@ class DecodeReceiving:
             )
         return first, last
 
-    def _on_chunk(self, msg: Chunk, peer: str) -> None:
+    def on_chunk(self, msg: Chunk, peer: str) -> None:
         req = self._known(msg, peer)
         first, last = self._page_range(req, msg)
         nbytes = kvmem.packed_nbytes(self.spec, last - first)
@@ -135,7 +172,7 @@ class DecodeReceiving:
         req.busy = self.done_event()  # the check and the unpack read the region, write pages
 
     # --- pull mode --------------------------------------------------------------------------
-    def _on_ready(self, msg: Ready, peer: str) -> None:
+    def on_ready(self, msg: Ready, peer: str) -> None:
         """Pull mode: read the offered pages, pool to pool, into the request's pages.  The
         answer (PULLED) goes once the read is DONE or ERR, or at once when it is refused
         (the prefill's pool moved on: the epoch guard, before posting)."""
@@ -157,7 +194,7 @@ class DecodeReceiving:
         try:
             if req.state is DecodeState.QUARANTINED:  # aborted here: nothing more is read
                 raise TransferError(f"request {req.rid} is aborted on the decode side")
-            rt = self._tables[peer].get()
+            rt = self.tables[peer].get()
             if rt is None or rt.epoch != msg.epoch:
                 raise StaleEpochError(
                     peer,
@@ -170,7 +207,7 @@ class DecodeReceiving:
                 raise ProtocolError(
                     f"READY for request {req.rid}: prefill pages outside [1, {rt.layout.count})"
                 )
-            lt = self._local_table
+            lt = self.local_table
             dst = req.pages(first, last)
             planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
             h = self.engine.post_blocks(
@@ -189,7 +226,7 @@ class DecodeReceiving:
                 "decode: request %d: read of pages [%d, %d) refused: %s", req.rid, first, last, e
             )
         if not ok:
-            self._tell(peer, encode("PULLED", rid=req.rid, first=first, last=last, ok=False))
+            self.tell(peer, encode("PULLED", rid=req.rid, first=first, last=last, ok=False))
 
     def _landed(self, req, first: int, last: int, nbytes: int, ok, bad: str) -> None:
         """Pages ``[first, last)`` of ``req`` arrived and were checked (``ok``, a 0-dim
@@ -202,14 +239,14 @@ class DecodeReceiving:
     def _verdict(self, ok, nbytes: int, rid: int, first: int, last: int, bad) -> None:
         """Queue a check's verdict (a 0-dim bool tensor) for the counters, in order; it
         counts at once when it is already on the host (the CPU: always)."""
-        self._checks.append(_Check(HostCopy(ok), nbytes, rid, first, last, bad))
-        self._apply_checks()
+        self.checks.append(_Check(HostCopy(ok), nbytes, rid, first, last, bad))
+        self.apply_checks()
 
-    def _apply_checks(self) -> bool:
+    def apply_checks(self) -> bool:
         """Count the verdicts that reached the host (in the order they were made; no wait);
         True when one did."""
         done = 0
-        for c in self._checks:
+        for c in self.checks:
             if not c.copy.ready():
                 break
             done += 1
@@ -221,10 +258,10 @@ class DecodeReceiving:
                     log.error(
                         "decode: request %d pages [%d, %d): %s", c.rid, c.first, c.last, c.bad
                     )
-        del self._checks[:done]
+        del self.checks[:done]
         return done > 0
 
-    def _poll_reads(self) -> bool:
+    def poll_reads(self) -> bool:
         """Poll this side's reads; a DONE one is verified in place and acknowledged
         (PULLED ok), an ERR one acknowledged as failed.  True when one finished."""
         done = False
@@ -257,15 +294,15 @@ class DecodeReceiving:
                         ok,
                         "read bytes differ from what the prefill computed",
                     )
-                self._tell(
+                self.tell(
                     req.peer, encode("PULLED", rid=req.rid, first=first, last=last, ok=st == "DONE")
                 )
             req.reads = keep
             if not keep and req.free_after_reads is not None:
-                self._free(req, *req.free_after_reads)
+                self.free(req, *req.free_after_reads)
         return done
 
-    def _on_aux(self, msg: Aux, peer: str) -> None:
+    def on_aux(self, msg: Aux, peer: str) -> None:
         req = self._known(msg, peer)
         n_pages = -(-req.tokens // self.spec.page_size)
         if msg.off != kvmem.packed_nbytes(self.spec, n_pages) or msg.nbytes != AUX_BYTES:
@@ -289,4 +326,4 @@ class DecodeReceiving:
         self._verdict(ok, AUX_BYTES, req.rid, n_pages, n_pages, None)
         if req.state is DecodeState.QUARANTINED:
             return  # aborted here meanwhile: freed when the prefill's ABORT comes
-        self._free(req, "completed", Reason(OK, f"request {req.rid}: KV received"))
+        self.free(req, "completed", Reason(OK, f"request {req.rid}: KV received"))

@@ -1,10 +1,11 @@
-"""One request on the decode side (:class:`DecodeRequest`): data only; the side's
-modules change it (:mod:`kvmem.disagg.decode` and its parts), and nothing here imports
-them.
+"""One request on the decode side (:class:`DecodeRequest`), and the one way it changes
+state (:func:`set_state`): data and that check only; the side's modules change it
+(:mod:`kvmem.disagg.decode` and its parts), and nothing here imports them.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,8 +13,10 @@ import numpy as np
 
 from kvmem.disagg.device import HostCopy
 from kvmem.disagg.outcome import Reason
-from kvmem.disagg.states import DecodeState
+from kvmem.disagg.states import DECODE_EDGES, DecodeState, transition
 from kvmem.transfer.records import TransferHandle
+
+log = logging.getLogger("kvmem.disagg.decode")  # the side's logger (docs/logging.md)
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,8 @@ class Read:
 @dataclass
 class DecodeRequest:
     """One request on the decode side.  ``state`` is the whole of where it is in the
-    lifecycle (:mod:`kvmem.disagg.decode`'s docstring draws the edges); only ``DecodeSide._transition``
-    changes it.  None of the other fields is part of it:
+    lifecycle (:mod:`kvmem.disagg.decode`'s docstring draws the edges); only
+    :func:`set_state` changes it.  None of the other fields is part of it:
 
     * ``free_after_reads``: the prefill's ``ABORT`` arrived while one of this side's own
       reads (pull) targets the pages, a deferred event rather than a state: the request
@@ -69,3 +72,11 @@ class DecodeRequest:
         if self.host_pages is None:
             raise RuntimeError(f"request {self.rid}: page ids asked for before its BOOT")
         return self.host_pages[first:last]
+
+
+def set_state(req: DecodeRequest, to: DecodeState) -> None:
+    """Move ``req`` to ``to`` along an edge of the decode's drawing (the module docstring
+    of :mod:`kvmem.disagg.decode`, :data:`~kvmem.disagg.states.DECODE_EDGES`); the one
+    way a decode request changes state.  IllegalTransition naming the request and both
+    states, ``req`` unchanged, for any other."""
+    transition("decode", DECODE_EDGES, req, to, log)

@@ -34,9 +34,10 @@ two)::
   (any chunk, the AUX included), an offered read the decode failed or never answered; 504:
   the bootstrap timeout (BOOTSTRAPPING) or the transfer timeout (after the BOOT).  How a
   request ends, early or done: :mod:`kvmem.disagg.prefill_ending`.
-* A request changes state only through ``PrefillSide._transition``, which refuses an edge
-  not drawn here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message
-  that does not fit the state is a ProtocolError before anything changes.  What else a
+* A request changes state only through :func:`~kvmem.disagg.prefill_request.set_state`
+  (the side's ``_transition`` and its parts call it), which refuses an edge not drawn
+  here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message that
+  does not fit the state is a ProtocolError before anything changes.  What else a
   request carries, and why it is not part of the state:
   :class:`~kvmem.disagg.prefill_request.PrefillRequest`.
 * "in the running batch": ``step`` allocates a chunk's pages, runs the forward (here:
@@ -54,19 +55,9 @@ two)::
 * The decode side is told of every early end by ``ABORT`` once no write (or offered read)
   of the request is in flight: that message is also its acknowledgement that it may free
   (un-quarantine) the request's decode pages.
-* Pause (:meth:`begin_pause`): stop posting, end every request (503) at once, drain the
-  posted writes of those ending, reset the allocator, deregister, release.  Resume:
-  resume, register, publish the new metadata (``META``).  When the decode side pauses
-  (``PAUSING``), requests bound to it are drained and aborted (503) and ``PAUSE_ACK``
-  tells it no write is in flight; its ``META`` (new epoch) lets requests flow again, and
-  the engine refuses writes built from its older metadata (StaleEpochError), which end
-  the request with 503.  This side's pause and resume: :mod:`kvmem.disagg.prefill_pause`.
-* No host sync in ``step`` on CUDA: alloc_extend with sglang's ``*_cpu`` hints and
-  ``check=False``, lengths and the AUX bytes through pinned memory, each request's last
-  slot kept on the device, pack with ``check=False``; the page ids a READY offer or a
-  direct write needs reach the host through a :class:`~kvmem.disagg.device.HostCopy` made
-  when they were allocated, and such a chunk is staged once it is there (a step or so
-  later on CUDA, at once on the CPU).
+* Pause (:meth:`begin_pause`) and resume of this side: :mod:`kvmem.disagg.prefill_pause`;
+  a decode's pause (``PAUSING``, ``PAUSE_ACK``, its ``META``): :mod:`kvmem.disagg.prefill_peers`.
+* No host sync in ``step`` on CUDA: :mod:`kvmem.disagg.prefill_schedule`.
 """
 
 from __future__ import annotations
@@ -77,10 +68,9 @@ from collections import Counter
 import numpy as np
 import torch
 
-import kvmem
 from kvmem.disagg.arena import Arena
 from kvmem.disagg.counters import Metrics, now
-from kvmem.disagg.device import HostCopy, device_event, to_device
+from kvmem.disagg.device import device_event
 from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
     CLIENT_CLOSED,
@@ -92,29 +82,18 @@ from kvmem.disagg.outcome import (
     check_caller_args,
     check_id,
 )
-from kvmem.disagg.peers import PeerTable, buffer_map, peer_names, tell
-from kvmem.disagg.protocol import AUX_BYTES
+from kvmem.disagg.peers import peer_names
 from kvmem.disagg.model import Forward, prepare_model
-from kvmem.disagg.prefill_peers import PrefillPeers, _DecodePeer
-from kvmem.disagg.prefill_request import IdsCopy, Offer, PendingChunk, PrefillRequest
+from kvmem.disagg.prefill_peers import PrefillPeers
+from kvmem.disagg.prefill_request import Faults, PendingChunk, PrefillRequest, set_state
+from kvmem.disagg.prefill_schedule import PrefillScheduler
 from kvmem.disagg.prefill_ending import PrefillEnding
 from kvmem.disagg.prefill_pause import PrefillPause
 from kvmem.disagg.prefill_send import PrefillSending
-from kvmem.disagg.states import (
-    PREFILL_EDGES,
-    PREFILL_PAUSE_EDGES,
-    PausePhase,
-    PrefillState,
-    set_phase,
-    transition,
-)
+from kvmem.disagg.states import PausePhase, PrefillState
 from kvmem.disagg.protocol import Inbox, encode
-from kvmem.memory import make_backend
 
-log = logging.getLogger("kvmem.disagg.prefill")
-
-# the states ``_schedule`` runs forwards in (the next chunk while the last one's write flies)
-_FORWARDING = frozenset({PrefillState.WAITING_FOR_INPUT, PrefillState.TRANSFERRING})
+log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
 # ``() -> object with query()``, called right after each pack into staging: on CUDA a
 # ``torch.cuda.Event`` recorded on the pool device's current stream (where pack ran); on
@@ -122,33 +101,17 @@ _FORWARDING = frozenset({PrefillState.WAITING_FOR_INPUT, PrefillState.TRANSFERRI
 default_ready_event = device_event
 
 
-class Faults:
-    """Fault-injection points (the demo and the tests override them); defaults inject
-    nothing."""
-
-    def fail_send(self, rid: int, seq: int, aux: bool) -> bool:
-        """True: treat the write of chunk ``seq`` (or the AUX write) as refused."""
-        return False
-
-    def stall(self, rid: int, seq: int) -> bool:
-        """True: do not schedule chunk ``seq`` of ``rid`` now (slow request)."""
-        return False
-
-    def during_forward(self, side: "PrefillSide", batch: list) -> None:
-        """Called while the batch's forward runs (aborts land here)."""
-
-
-class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
+class PrefillSide:
     """One prefill worker: a pool, its allocator, a transfer engine, one or several decode
     peers (``decode_peer``: one agent name; or ``decode_peers``: several, each request
     bound to one of them by :meth:`add_request`); ``model`` writes each chunk's KV
-    (:class:`~kvmem.disagg.model.Forward`).  Its methods are split by job: the
-    requests, their states and scheduling here; sending in
-    :class:`~kvmem.disagg.prefill_send.PrefillSending` (direct writes in
-    :class:`~kvmem.disagg.prefill_direct.PrefillDirect`); the decode peers and their
-    messages in :class:`~kvmem.disagg.prefill_peers.PrefillPeers`; ending in
-    :class:`~kvmem.disagg.prefill_ending.PrefillEnding`; pause and resume in
-    :class:`~kvmem.disagg.prefill_pause.PrefillPause`."""
+    (:class:`~kvmem.disagg.model.Forward`).  The side keeps the request tables and runs
+    each step; the rest is done by parts it holds, each owning its fields and handed only
+    what it uses: :attr:`scheduler` (:class:`~kvmem.disagg.prefill_schedule.PrefillScheduler`),
+    :attr:`peers` (:class:`~kvmem.disagg.prefill_peers.PrefillPeers`), :attr:`sending`
+    (:class:`~kvmem.disagg.prefill_send.PrefillSending`; direct writes: its ``direct``),
+    :attr:`ending` (:class:`~kvmem.disagg.prefill_ending.PrefillEnding`) and
+    :attr:`pause` (:class:`~kvmem.disagg.prefill_pause.PrefillPause`)."""
 
     def __init__(
         self,
@@ -186,80 +149,200 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
         # push: this side writes each chunk (packed or direct); pull: it offers the pages
         # (READY) and the decode reads them, pool to pool; the AUX is written in both
         self.transfer_mode = transfer_mode
-        # pull: how long pages offered to a decode read stay held without its PULLED
-        self.quarantine_timeout = (
-            transfer_timeout if quarantine_timeout is None else quarantine_timeout
-        )
-        self.chunk_tokens = chunk_tokens
-        self.max_batch_tokens = max(max_batch_tokens, chunk_tokens)
-        self.bootstrap_timeout = bootstrap_timeout
-        self.transfer_timeout = transfer_timeout
         self.clock = clock
-        self.faults = faults or Faults()
-        self.on_finish = on_finish
+        self._faults = faults or Faults()
         self.ready_event = ready_event or device_event(pool.device)
         prepare_model(model, Forward, pool.device, "PrefillSide")  # its set-up on our device
         self.ledger = Ledger(allocator)
+        quarantine = transfer_timeout if quarantine_timeout is None else quarantine_timeout
         self.metrics = Metrics("prefill")
-        self.inbox = Inbox(
-            engine,
-            peers=self.decode_peers,
-            receiver="prefill",
-            handle=self.handle_message,
-            metrics=self.metrics,
-            log=log,
-        )
-        chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
-        staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
-        self.arena = Arena(staging_bytes)
-        if self.arena.size < chunk_max + AUX_BYTES:
-            raise ValueError(
-                f"staging_bytes {staging_bytes} cannot hold one chunk ({chunk_max} bytes)"
-            )
-        self._staging_mem = make_backend(staging_bytes, pool.device)
-        self.staging = self._staging_mem.tensor
-        # One region per physical chunk of the staging memory (NIXL refuses a descriptor
-        # across two registrations); a slot's write is cut at the chunk boundaries it
-        # crosses (_post)
-        regions = self._staging_mem.regions()
-        self._staging_map = buffer_map(self.staging, regions)
-        engine.register("staging", regions, 0, pool.device)
-        engine.register_pool(pool, "kv")
-        # Direct writes (pool pages to the decode's pool pages, no pack) for chunks whose
-        # page runs, merged where adjacent on both sides, are at least this many bytes per
-        # descriptor; None: every chunk is packed.  Measured by kvmem.disagg.calibrate.
-        self.direct_threshold = direct_threshold
-        self.chunk_modes: Counter = Counter()  # chunks posted, "packed" / "direct"
-        self._local_table = None  # prepared block list of our pool (prep_local "kv")
-        self._peers = {n: _DecodePeer(n, PeerTable(engine, n)) for n in self.decode_peers}
-        self._prep_local()
         self.reqs: dict[int, PrefillRequest] = {}  # active (not finished)
         self.finished: dict[int, Reason] = {}
         self.finished_peer: dict[int, str] = {}  # rid -> the decode peer it was bound to
         self._rooms: set[int] = set()
-        self._order: list[int] = []  # scheduling order (FIFO)
-        self.phase = PausePhase.SERVING  # PREFILL_PAUSE_EDGES
-        self._pause_t0 = 0.0
-        # last_loc of a request with no token yet (alloc_extend's -1), on the device
-        self._no_slot = torch.full((1,), -1, dtype=torch.int64, device=allocator.device)
+        self.scheduler = PrefillScheduler(
+            spec=spec,
+            alloc=allocator,
+            ledger=self.ledger,
+            reqs=self.reqs,
+            faults=self._faults,
+            chunk_tokens=chunk_tokens,
+            max_batch_tokens=max_batch_tokens,
+        )
+        self.peers = PrefillPeers(
+            engine,
+            self.decode_peers,
+            spec=spec,
+            clock=clock,
+            metrics=self.metrics,
+            reqs=self.reqs,
+            finished=self.finished,
+            finished_peer=self.finished_peer,
+            admit=self.scheduler.admit,
+            abort=self.abort,
+            end=self._end,
+            maybe_finish=self._maybe_finish,
+        )
+        self.sending = PrefillSending(
+            pool=pool,
+            engine=engine,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            clock=clock,
+            faults=self._faults,
+            ready_event=self.ready_event,
+            transfer_mode=transfer_mode,
+            quarantine_timeout=quarantine,
+            chunk_tokens=chunk_tokens,
+            staging_bytes=staging_bytes,
+            direct_threshold=direct_threshold,
+            reqs=self.reqs,
+            order=self.scheduler.order,
+            peer=self.peers.get,
+            tell=self.peers.tell,
+            end=self._end,
+            maybe_finish=self._maybe_finish,
+        )  # registers its staging buffer
+        engine.register_pool(pool, "kv")
+        self.sending.direct.prep_local()
+        self.ending = PrefillEnding(
+            reqs=self.reqs,
+            rooms=self._rooms,
+            finished=self.finished,
+            finished_peer=self.finished_peer,
+            ledger=self.ledger,
+            arena=self.sending.arena,
+            metrics=self.metrics,
+            clock=clock,
+            drop=self.scheduler.drop,
+            tell=self.peers.tell,
+            send_aux=self.sending.send_aux,
+            bootstrap_timeout=bootstrap_timeout,
+            transfer_timeout=transfer_timeout,
+            on_finish=on_finish,
+        )
+        self.pause = PrefillPause(
+            pool=pool,
+            alloc=allocator,
+            engine=engine,
+            ledger=self.ledger,
+            metrics=self.metrics,
+            clock=clock,
+            transfer_mode=transfer_mode,
+            reqs=self.reqs,
+            end=self.ending.end,
+            tell_all=self.peers.tell_all,
+            prep_local=self.sending.direct.prep_local,
+        )
 
-    def _tell(self, peer: str, msg: bytes) -> bool:
-        if self._peers[peer].gone:
-            return False  # peer_gone: the caller knows it is dead
-        return tell(self.engine, peer, msg, self.metrics, log)
+    @property
+    def faults(self) -> Faults:
+        """The fault-injection hooks; setting them re-points the parts that call them."""
+        return self._faults
+
+    @faults.setter
+    def faults(self, faults: Faults) -> None:
+        self._faults = self.scheduler.faults = faults
+        self.sending.faults = self.sending.direct.faults = faults
+
+    # --- the decode peers: the peers part's ------------------------------------------------
+    @property
+    def decode_peer(self) -> str:
+        """The decode peer, when there is one (ValueError when there are several)."""
+        return self.peers.sole
+
+    @property
+    def inbox(self) -> Inbox:
+        """The inbox of the decodes' messages (the peers part's)."""
+        return self.peers.inbox
+
+    @property
+    def peer_paused(self) -> bool:
+        """True while a decode peer is paused (announced PAUSING, no live META since)."""
+        return self.peers.any_paused
+
+    def peer_is_paused(self, peer: str) -> bool:
+        """Whether decode peer ``peer`` is paused (a router sends new requests elsewhere)."""
+        return self.peers.is_paused(peer)
+
+    def requests_of(self, peer: str) -> int:
+        """Active requests bound to decode peer ``peer``."""
+        return self.peers.requests_of(peer)
+
+    def handle_message(self, msg, peer: str | None = None) -> None:
+        """Apply one validated message from decode peer ``peer`` (the peers part's)."""
+        self.peers.handle_message(msg, peer)
+
+    def peer_gone(self, peer: str) -> int:
+        """Decode ``peer`` is dead: its requests end now (500), their transfers given up;
+        how many ended (:meth:`~kvmem.disagg.prefill_peers.PrefillPeers.peer_gone`)."""
+        return self.peers.peer_gone(peer, self.sending.give_up)
+
+    # --- sending: the sending part's ---------------------------------------------------------
+    @property
+    def arena(self) -> Arena:
+        """The slots of the staging buffer (the sending part's)."""
+        return self.sending.arena
+
+    @property
+    def staging(self) -> torch.Tensor:
+        """The registered staging buffer (the sending part's)."""
+        return self.sending.staging
+
+    @property
+    def chunk_modes(self) -> Counter:
+        """Chunks posted, by how: ``"packed"``, ``"direct"``, ``"pulled"``."""
+        return self.sending.chunk_modes
+
+    @property
+    def direct_threshold(self) -> int | None:
+        """Bytes per descriptor from which a chunk goes direct (None: all packed)."""
+        return self.sending.direct.threshold
+
+    @property
+    def quarantine_timeout(self) -> float:
+        """Pull: how long offered pages stay held without a PULLED (the sending part's)."""
+        return self.sending.quarantine_timeout
+
+    def set_direct_threshold(self, threshold: int | None) -> None:
+        """Chunks averaging at least ``threshold`` bytes per descriptor go direct from now on
+        (None: all packed); e.g. :func:`kvmem.disagg.calibrate.calibrate_direct`'s."""
+        self.sending.direct.set_threshold(threshold, prep=not self.paused)
+
+    @property
+    def bootstrap_timeout(self) -> float:
+        """Seconds a request may wait for its BOOT (the ending part's)."""
+        return self.ending.bootstrap_timeout
+
+    @property
+    def transfer_timeout(self) -> float:
+        """Seconds from its BOOT a request may take to transfer (the ending part's)."""
+        return self.ending.transfer_timeout
+
+    # --- pause and resume: the pause part's -------------------------------------------------
+    @property
+    def phase(self) -> PausePhase:
+        """Where this side is in a pause (its pause part's phase)."""
+        return self.pause.phase
 
     @property
     def pausing(self) -> bool:
         """A pause began and its memory is not released yet."""
-        return self.phase is PausePhase.DRAINING
+        return self.pause.pausing
 
     @property
     def paused(self) -> bool:
         """The memory is released; :meth:`resume` serves again."""
-        return self.phase is PausePhase.PAUSED
+        return self.pause.paused
 
-    def _phase(self, to: PausePhase) -> None:
-        set_phase("prefill", PREFILL_PAUSE_EDGES, self, to, log)
+    def begin_pause(self) -> None:
+        """Stop posting; ``step`` then drains, aborts (503), resets, deregisters and
+        releases.  :attr:`paused` is True once the memory is released."""
+        self.pause.begin()
+
+    def resume(self) -> None:
+        """Serve again after a pause: the memory back, registered, published (``META``)."""
+        self.pause.resume()
 
     # --- the caller's API ------------------------------------------------------------------
     def add_request(
@@ -272,20 +355,7 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
         sglang's bootstrap rooms are): a decode refuses a REQ whose id or room another
         prefill's request holds."""
         check_id("add_request", "rid", rid)
-        if peer is None:
-            if len(self.decode_peers) != 1:
-                raise ValueError(
-                    f"add_request: request {rid}: name its decode peer, one of "
-                    f"{list(self.decode_peers)}"
-                )
-            peer = self.decode_peers[0]
-        elif peer not in self._peers:
-            raise ValueError(
-                f"add_request: request {rid}: {peer!r} is not a decode peer of "
-                f"this side ({list(self.decode_peers)})"
-            )
-        if self._peers[peer].gone:
-            raise ValueError(f"add_request: request {rid}: decode {peer!r} is gone (peer_gone)")
+        peer = self.peers.bind(rid, peer)
         room = rid if room is None else room
         check_id("add_request", f"request {rid}: room", room)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
@@ -313,7 +383,7 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
         self.reqs[rid] = req
         self._rooms.add(room)
         self.ledger.hold(rid, torch.empty(0, dtype=torch.int64, device=self.alloc.device))
-        self._tell(peer, encode("REQ", rid=rid, room=room, tokens=tokens))
+        self.peers.tell(peer, encode("REQ", rid=rid, room=room, tokens=tokens))
 
     def abort(self, rid: int, status: int = CLIENT_CLOSED, message: str | None = None) -> None:
         """Abort ``rid`` from any state; aborting a finished request does nothing.
@@ -350,11 +420,9 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
 
     @property
     def writes_in_flight(self) -> bool:
-        """True while a write this side posted (a chunk, direct or packed, or an AUX) is
-        not seen DONE or ERR yet.  Such a write completes, and sends its notification, only
-        when this side polls it (no progress thread: see kvmem/transfer/nixl.py), so a
-        loop should not nap then; an offered read (pull) is the decode's to finish."""
-        return any(not isinstance(t.op, Offer) for req in self.reqs.values() for t in req.handles)
+        """True while a write this side posted is not seen DONE or ERR yet (a loop should
+        not nap: :attr:`~kvmem.disagg.prefill_send.PrefillSending.writes_in_flight`)."""
+        return self.sending.writes_in_flight
 
     # --- one scheduler iteration -------------------------------------------------------------
     def step(self) -> bool:
@@ -363,15 +431,16 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
         pause completed, a chunk was staged or posted, or a batch ran its forward.  False:
         nothing changed; what is left waits for the peer, a posted write, free memory or
         the clock, and the caller may back off (:class:`~kvmem.disagg.pacing.Backoff`)."""
-        moved = self._handle_notifs()
-        moved = self._poll_writes() or moved
-        moved = self._check_timeouts() or moved
+        moved = self.peers.handle_notifs()
+        moved = self.sending.poll_writes() or moved
+        self.peers.maybe_ack_pause()  # once no write into a pausing decode is in flight
+        moved = self.ending.check_timeouts() or moved
         if self.phase is PausePhase.DRAINING:
-            return self._advance_pause() or moved
+            return self.pause.advance() or moved
         if self.phase is PausePhase.PAUSED:
             return moved
-        moved = self._flush_pending() or moved
-        batch = self._schedule()
+        moved = self.sending.flush_pending() or moved
+        batch = self.scheduler.schedule(self.peers.is_paused)
         if batch:
             for req, *_ in batch:
                 req.in_batch = True
@@ -380,69 +449,6 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
             self.fill_batch(batch)
             return True
         return moved
-
-    def _schedule(self) -> list:
-        """Pick chunks of WaitingForInput/Transferring requests and allocate their pages
-        with one alloc_extend (sglang semantics).  Returns [(req, first_page, last_page)]."""
-        ps = self.spec.page_size
-        picked, budget, need_pages = [], self.max_batch_tokens, 0
-        for rid in self._order:
-            req = self.reqs.get(rid)
-            if (
-                req is None
-                or req.state not in _FORWARDING
-                or req.done_tokens >= req.tokens
-                or req.pending
-                or self._peers[req.peer].paused
-            ):
-                continue
-            if self.faults.stall(rid, req.seq):
-                continue
-            n = min(self.chunk_tokens, req.tokens - req.done_tokens, budget)
-            if n < req.tokens - req.done_tokens:
-                n -= n % ps
-            if n <= 0:
-                break
-            pages = -(-(req.done_tokens + n) // ps) - (-(-req.done_tokens // ps))
-            if need_pages + pages > self.alloc.num_free:
-                break  # memory pressure: the rest waits for frees
-            picked.append((req, n))
-            need_pages += pages
-            budget -= n
-        if not picked:
-            return []
-        # No host sync on CUDA: lengths go to the device through pinned memory, sglang's
-        # *_cpu hints give the counts, check=False (errors surface at the allocator's next
-        # synchronising call), and each request's last slot stays on the device.
-        pre = torch.tensor([r.done_tokens for r, _ in picked], dtype=torch.int64)
-        seq = pre + torch.tensor([n for _, n in picked], dtype=torch.int64)
-        dev = self.alloc.device
-        last = torch.cat([self._no_slot if r.last_loc is None else r.last_loc for r, _ in picked])
-        slots = self.alloc.alloc_extend(
-            to_device(pre, dev),
-            to_device(seq, dev),
-            last,
-            prefix_lens_cpu=pre,
-            seq_lens_cpu=seq,
-            extend_num_tokens=int((seq - pre).sum()),
-            check=False,
-        )
-        batch, off = [], 0
-        for req, n in picked:
-            s = slots[off : off + n]
-            off += n
-            first = req.done_tokens // ps
-            new = s[(ps - req.done_tokens % ps) % ps :: ps] // ps  # pages that start here
-            self.ledger.hold(req.rid, new)
-            req.done_tokens += n
-            req.last_loc = s[-1:]
-            last_page = -(-req.done_tokens // ps)
-            # Chunks start on a page boundary (all but a request's last are whole pages),
-            # so the new pages are exactly pages [first, last_page) of the request; their
-            # ids reach the host without a sync, for READY and direct descriptors.
-            req.ids.append(IdsCopy(first, last_page, HostCopy(new)))
-            batch.append((req, first, last_page))
-        return batch
 
     def _forward(self, batch) -> None:
         """The model's forward pass: each chunk's KV into its pages."""
@@ -461,19 +467,28 @@ class PrefillSide(PrefillPeers, PrefillSending, PrefillEnding, PrefillPause):
                 self.metrics.time_to_free.append(self.clock() - req.t_abort)
                 continue
             req.pending.append(PendingChunk(first, last, req.done_tokens >= req.tokens))
-        self._flush_pending()
+        self.sending.flush_pending()
 
     # --- its state ----------------------------------------------------------------------------
+    def _end(self, req: PrefillRequest, reason: Reason) -> None:
+        """End ``req`` early (the ending part's; the peers and sending parts, built before
+        it, are given this call)."""
+        self.ending.end(req, reason)
+
+    def _maybe_finish(self, req: PrefillRequest) -> None:
+        """Finish ``req`` once nothing of it is in flight (the ending part's)."""
+        self.ending.maybe_finish(req)
+
     def _transition(self, req: PrefillRequest, to: PrefillState) -> None:
         """Move ``req`` to ``to`` along an edge of the module docstring's drawing
         (:data:`~kvmem.disagg.states.PREFILL_EDGES`); IllegalTransition naming the request
         and both states, ``req`` unchanged, for any other."""
-        transition("prefill", PREFILL_EDGES, req, to, log)
+        set_state(req, to)
 
     def prefault(self) -> None:
         """Back the pool and the staging buffer with memory now, not at first touch."""
         self.pool.prefault()
-        self._staging_mem.prefault()
+        self.sending.staging_mem.prefault()
 
     def close(self) -> None:
         """Deregister what this side registered (the engine stays the caller's)."""

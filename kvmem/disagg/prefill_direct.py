@@ -1,7 +1,7 @@
-"""Direct writes of the prefill side (:class:`PrefillDirect`, a base class of
-:class:`~kvmem.disagg.prefill_send.PrefillSending`; its methods use the side's fields):
-the threshold, the prepared block list of this pool, whether a chunk goes direct and its
-block indices, and the post of such a write.
+"""Direct writes of the prefill side (:class:`PrefillDirect`, a part the sending part
+:class:`~kvmem.disagg.prefill_send.PrefillSending` holds): the threshold, the prepared
+block list of this pool, whether a chunk goes direct and its block indices, and the post
+of such a write.
 
 Direct chunks (``direct_threshold``; push): a chunk whose page runs, merged where
 adjacent on both sides, average at least the threshold per descriptor is written from
@@ -28,73 +28,87 @@ from kvmem.transfer.records import BlockTable
 from kvmem.transfer.runs import merge_runs
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
+
+    from kvmem.disagg.prefill_peers import _DecodePeer
+    from kvmem.disagg.prefill_request import Faults
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
 
 class PrefillDirect:
-    """The direct-write methods of :class:`~kvmem.disagg.prefill.PrefillSide` (not a side
-    on its own: they read the side's requests, peers, engine and threshold)."""
+    """The direct writes of one prefill side.  It owns the threshold (``threshold``) and
+    the prepared block list of this side's pool (``local_table``).  What it uses is
+    handed to it: the engine, the transfer mode, the fault hooks (``faults``: re-pointed
+    by the side when its hooks are set), what is kept about a decode peer (``peer(name)``:
+    whether it is paused, its prepared block list) and how to end a request (``end``)."""
 
-    if TYPE_CHECKING:  # what PrefillSide (kvmem/disagg/prefill.py) provides
-        engine: Any
-        transfer_mode: str
-        faults: Any
-        direct_threshold: int | None
-        _local_table: BlockTable | None
-        _peers: dict[str, Any]
+    def __init__(
+        self,
+        *,
+        engine: Any,
+        transfer_mode: str,
+        faults: Faults,
+        threshold: int | None,
+        peer: Callable[[str], _DecodePeer],
+        end: Callable[[PrefillRequest, Reason], None],
+    ):
+        self.engine, self.transfer_mode, self.faults = engine, transfer_mode, faults
+        self.peer, self.end = peer, end
+        # Direct writes (pool pages to the decode's pool pages, no pack) for chunks whose
+        # page runs, merged where adjacent on both sides, are at least this many bytes per
+        # descriptor; None: every chunk is packed.  Measured by kvmem.disagg.calibrate.
+        self.threshold = threshold
+        self.local_table: BlockTable | None = None  # prepared list of our pool ("kv")
 
-        @property
-        def paused(self) -> bool: ...
-
-        def _end(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def set_direct_threshold(self, threshold: int | None) -> None:
+    def set_threshold(self, threshold: int | None, *, prep: bool) -> None:
         """Chunks whose merged page runs average at least ``threshold`` bytes per
-        descriptor go direct from now on (None: all packed); e.g. a calibrated value
-        (:func:`kvmem.disagg.calibrate.calibrate_direct`)."""
+        descriptor go direct from now on (None: all packed); ``prep``: the pool is
+        registered (not paused), so the local list is prepared now if it is not yet."""
         if threshold is not None and (
             isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0
         ):
             raise ValueError(f"direct_threshold must be None or an int >= 0, got {threshold!r}")
-        self.direct_threshold = threshold
-        if self._local_table is None and not self.paused:
-            self._prep_local()
+        self.threshold = threshold
+        if self.local_table is None and prep:
+            self.prep_local()
 
-    def _prep_local(self) -> None:
-        self._local_table = None
-        if self.direct_threshold is not None and self.engine.registrations()["kv"].layout:
-            self._local_table = self.engine.prep_local("kv")
+    def prep_local(self) -> None:
+        """Prepare the block list of this side's pool (its ``kv`` registration) when there
+        is a threshold; None otherwise."""
+        self.local_table = None
+        if self.threshold is not None and self.engine.registrations()["kv"].layout:
+            self.local_table = self.engine.prep_local("kv")
 
-    def _direct_inputs(self, req: PrefillRequest) -> tuple[np.ndarray, BlockTable, int] | None:
+    def inputs(self, req: PrefillRequest) -> tuple[np.ndarray, BlockTable, int] | None:
         """``(the BOOT's page ids, the local list, the threshold)`` when a chunk of ``req``
         could be written direct now (push, a threshold, the BOOT's page ids and kv known,
         the local list prepared, the decode not pausing); None otherwise."""
-        dpages, lt, threshold = req.dpages, self._local_table, self.direct_threshold
+        dpages, lt, threshold = req.dpages, self.local_table, self.threshold
         if (
             self.transfer_mode != "push"
             or threshold is None
             or dpages is None
             or req.kv is None
             or lt is None
-            or self._peers[req.peer].paused
+            or self.peer(req.peer).paused
         ):
             return None
         return dpages, lt, threshold
 
-    def _may_go_direct(self, req: PrefillRequest) -> bool:
-        """Whether a chunk of ``req`` could be written direct now (:meth:`_direct_inputs`)."""
-        return self._direct_inputs(req) is not None
+    def may_go(self, req: PrefillRequest) -> bool:
+        """Whether a chunk of ``req`` could be written direct now (:meth:`inputs`)."""
+        return self.inputs(req) is not None
 
-    def _direct_indices(self, req: PrefillRequest, first: int, last: int, src: np.ndarray):
+    def indices(self, req: PrefillRequest, first: int, last: int, src: np.ndarray):
         """``(local, remote)`` block indices when pages ``[first, last)`` go direct, else
         None (packed); ``src``: their page ids here (host).  Direct when the chunk's page
-        runs, merged where adjacent on both sides, average at least ``direct_threshold``
+        runs, merged where adjacent on both sides, average at least ``threshold``
         bytes per descriptor (one descriptor per merged run per layer and K|V).  A head
         range (heterogeneous TP) always packs: its rows are not whole pages (this side
         sends whole pages only)."""
-        inputs = self._direct_inputs(req)
+        inputs = self.inputs(req)
         if inputs is None:
             return None
         dpages, lt, threshold = inputs
@@ -105,7 +119,7 @@ class PrefillDirect:
         if n * int(lt.nbytes.min()) / runs < threshold:
             return None
         try:
-            rt = self._peers[req.peer].table.get()
+            rt = self.peer(req.peer).table.get()
         except TransferError as e:  # NIXL refused to prepare the decode's list: pack
             log.warning("prefill: direct writes unavailable, packing: %s", e)
             return None
@@ -120,7 +134,7 @@ class PrefillDirect:
         ri = (planes * rt.layout.count + dst).reshape(-1)
         return li, ri
 
-    def _post_direct(self, req, st: _Staged) -> bool:
+    def post(self, req, st: _Staged) -> bool:
         """Post one direct write (pool pages to the decode's pool pages, prepared block
         lists); on failure end the request (500, or 503 when the decode's memory moved on)."""
         seq = req.seq
@@ -128,7 +142,7 @@ class PrefillDirect:
         try:
             if self.faults.fail_send(req.rid, seq, False):
                 raise TransferError(f"injected send failure of chunk {seq} (direct)")
-            rt = self._peers[req.peer].table.get()
+            rt = self.peer(req.peer).table.get()
             if rt is None or rt.remote != req.kv:
                 # the decode's kv moved on since the BOOT that gave these page ids
                 raise StaleEpochError(
@@ -140,19 +154,22 @@ class PrefillDirect:
                 )
             assert st.blocks is not None  # a DIRECT's
             li, ri = st.blocks
-            h = self.engine.post_blocks(self._local_table, li, rt, ri, st.notif)
+            h = self.engine.post_blocks(self.local_table, li, rt, ri, st.notif)
         except (StaleEpochError, TransferError) as e:
-            return self._end_refused(req, e, f"chunk {seq} (direct)")
+            return end_refused(self.end, req, e, f"chunk {seq} (direct)")
         req.handles.append(InFlight(h, None))
         return True
 
-    def _end_refused(self, req: PrefillRequest, e: Exception, what: str) -> bool:
-        """End ``req`` for a post of ``what`` that failed with ``e``: 503 when the decode
-        released its KV memory since (StaleEpochError), else 500.  False: what a posting
-        method returns then."""
-        if isinstance(e, StaleEpochError):
-            why = f"the decode side released its KV memory (epoch moved on): {e}"
-            self._end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: {why}"))
-        else:
-            self._end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of {what} failed: {e}"))
-        return False
+
+def end_refused(
+    end: Callable[[PrefillRequest, Reason], None], req: PrefillRequest, e: Exception, what: str
+) -> bool:
+    """End ``req`` (``end``) for a post of ``what`` that failed with ``e``: 503 when the
+    decode released its KV memory since (StaleEpochError), else 500.  False: what a
+    posting method returns then."""
+    if isinstance(e, StaleEpochError):
+        why = f"the decode side released its KV memory (epoch moved on): {e}"
+        end(req, Reason(SERVICE_UNAVAILABLE, f"request {req.rid}: {why}"))
+    else:
+        end(req, Reason(INTERNAL_ERROR, f"request {req.rid}: send of {what} failed: {e}"))
+    return False

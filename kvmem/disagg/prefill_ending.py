@@ -1,8 +1,8 @@
-"""How a prefill request ends (:class:`PrefillEnding`, a base class of
-:class:`~kvmem.disagg.prefill.PrefillSide`; its methods use the side's fields): early
-(ENDING: its pages freed once no transfer reads them, then FAILED with ``ABORT`` to the
-decode), or done (the AUX staged after the last chunk, then SUCCEEDED); the bootstrap
-and transfer timeouts (504).  The edges are drawn in :mod:`kvmem.disagg.prefill`.
+"""How a prefill request ends (:class:`PrefillEnding`, a part each
+:class:`~kvmem.disagg.prefill.PrefillSide` holds): early (ENDING: its pages freed once
+no transfer reads them, then FAILED with ``ABORT`` to the decode), or done (the AUX
+staged after the last chunk, then SUCCEEDED); the bootstrap and transfer timeouts (504).
+The edges are drawn in :mod:`kvmem.disagg.prefill`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvmem.disagg.outcome import GATEWAY_TIMEOUT, OK, KVPoll, Reason
-from kvmem.disagg.prefill_request import PrefillRequest
+from kvmem.disagg.prefill_request import PrefillRequest, set_state
 from kvmem.disagg.protocol import encode
 from kvmem.disagg.states import PrefillState
 
@@ -24,28 +24,42 @@ if TYPE_CHECKING:
 
 
 class PrefillEnding:
-    """The ending methods of :class:`~kvmem.disagg.prefill.PrefillSide` (not a side on
-    its own: they read and change the side's requests, ledger, staging and counters)."""
+    """How the requests of one prefill side end.  Ending a request is the scheduling
+    core's job: the side's request tables are its (the active requests ``reqs``, the
+    rooms in use ``rooms``, what is kept of the finished ones ``finished`` and
+    ``finished_peer``), and this part changes them as the side's own methods would,
+    handed to it at construction.  It owns the timeouts (``bootstrap_timeout``,
+    ``transfer_timeout``) and the caller's ``on_finish``.  What else it uses is handed to
+    it too: the ledger (a request's pages freed), the staging arena (a packed slot never
+    posted freed), the counters, the clock, the scheduler's ``drop``, how to tell a decode
+    (``tell``) and the sending part's ``send_aux`` (a request's last write)."""
 
-    if TYPE_CHECKING:  # what PrefillSide (kvmem/disagg/prefill.py) provides
-        clock: Callable[[], float]
-        bootstrap_timeout: float
-        transfer_timeout: float
-        on_finish: Any
-        ledger: Ledger
-        metrics: Metrics
-        arena: Arena
-        reqs: dict[int, Any]
-        finished: dict[int, Reason]
-        finished_peer: dict[int, str]
-        _rooms: set[int]
-        _order: list[int]
+    def __init__(
+        self,
+        *,
+        reqs: dict[int, PrefillRequest],
+        rooms: set[int],
+        finished: dict[int, Reason],
+        finished_peer: dict[int, str],
+        ledger: Ledger,
+        arena: Arena,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        drop: Callable[[int], None],
+        tell: Callable[[str, bytes], bool],
+        send_aux: Callable[[PrefillRequest], None],
+        bootstrap_timeout: float,
+        transfer_timeout: float,
+        on_finish: Callable[[int, Reason], Any] | None,
+    ):
+        self.reqs, self.rooms = reqs, rooms
+        self.finished, self.finished_peer = finished, finished_peer
+        self.ledger, self.arena, self.metrics, self.clock = ledger, arena, metrics, clock
+        self.drop, self.tell, self.send_aux = drop, tell, send_aux
+        self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
+        self.on_finish = on_finish
 
-        def _tell(self, peer: str, msg: bytes) -> bool: ...
-        def _transition(self, *args: Any, **kwargs: Any) -> Any: ...
-        def _send_aux(self, *args: Any, **kwargs: Any) -> Any: ...
-
-    def _maybe_finish(self, req: PrefillRequest) -> None:
+    def maybe_finish(self, req: PrefillRequest) -> None:
         """Once no transfer of ``req`` is in flight: KV_POSTED and ENDING give back the
         pages a direct write or an offered read was reading (ledger reason ``sent``, or
         ``ended:<status>``); then ENDING finishes (FAILED, ABORT to the decode), KV_POSTED
@@ -61,43 +75,42 @@ class PrefillEnding:
         elif st is PrefillState.KV_POSTED:  # the last chunk is DONE: its extra state follows
             if self.ledger.holds(req.rid):
                 self.ledger.release(req.rid, "sent")
-            self._send_aux(req)
+            self.send_aux(req)
         elif st is PrefillState.AUX_POSTED:
             self._finish(
                 req, PrefillState.SUCCEEDED, Reason(OK, f"request {req.rid}: KV delivered")
             )
 
-    def _end(self, req: PrefillRequest, reason: Reason) -> None:
+    def end(self, req: PrefillRequest, reason: Reason) -> None:
         """End ``req`` early (ENDING; nothing when it has ended already): its pages are
         freed now, or once the transfer reading them is DONE or ERR; once no transfer of it
         is in flight the decode side is told (ABORT) and the client gets ``reason``."""
         if req.state.ended:
             return
-        self._transition(req, PrefillState.ENDING)
+        set_state(req, PrefillState.ENDING)
         req.reason = reason
         req.pending.clear()
         if req.staged is not None:  # packed, never posted: the slot is free again
             if req.staged.off is not None:
                 self.arena.free(req.staged.off)
             req.staged = None
-        # a direct write or an offered read reading these pages: freed by _maybe_finish
+        # a direct write or an offered read reading these pages: freed by maybe_finish
         # once it is DONE or ERR
         if not any(t.reads_pages for t in req.handles) and self.ledger.holds(req.rid):
             self.ledger.release(req.rid, f"ended:{reason.status}")
-        self._maybe_finish(req)
+        self.maybe_finish(req)
 
     def _finish(self, req: PrefillRequest, to: PrefillState, reason: Reason) -> None:
         """``req`` is over (``to``: FAILED, the decode told with ABORT, or SUCCEEDED)."""
-        self._transition(req, to)
+        set_state(req, to)
         req.reason = reason
         if to is PrefillState.FAILED:
-            self._tell(
+            self.tell(
                 req.peer, encode("ABORT", rid=req.rid, status=reason.status, reason=reason.message)
             )
         del self.reqs[req.rid]
-        if req.rid in self._order:
-            self._order.remove(req.rid)
-        self._rooms.discard(req.room)
+        self.drop(req.rid)
+        self.rooms.discard(req.room)
         self.finished[req.rid] = reason
         self.finished_peer[req.rid] = req.peer
         self.metrics.requests[reason.outcome.value] += 1
@@ -105,7 +118,7 @@ class PrefillEnding:
         if self.on_finish is not None:
             self.on_finish(req.rid, reason)
 
-    def _check_timeouts(self) -> bool:
+    def check_timeouts(self) -> bool:
         """End the requests whose bootstrap or transfer took too long (504); True when one
         ended."""
         t, ended = self.clock(), False
@@ -113,7 +126,7 @@ class PrefillEnding:
             poll = req.state.poll
             if poll == KVPoll.Bootstrapping and t - req.t_created > self.bootstrap_timeout:
                 ended = True
-                self._end(
+                self.end(
                     req,
                     Reason(
                         GATEWAY_TIMEOUT,
@@ -129,7 +142,7 @@ class PrefillEnding:
                 and t - req.t_bootstrapped > self.transfer_timeout
             ):
                 ended = True
-                self._end(
+                self.end(
                     req,
                     Reason(
                         GATEWAY_TIMEOUT,

@@ -1,17 +1,23 @@
-"""Pause and resume of the prefill side (:class:`PrefillPause`, a base class of
-:class:`~kvmem.disagg.prefill.PrefillSide`; its methods use the side's fields): stop
-posting, end every request (503), drain their transfers, then reset the allocator,
-deregister and release; at resume the memory back, registered and published (``META``).
-The pause phases' edges: :data:`~kvmem.disagg.states.PREFILL_PAUSE_EDGES`.
+"""Pause and resume of the prefill side (:class:`PrefillPause`, a part each
+:class:`~kvmem.disagg.prefill.PrefillSide` holds): stop posting, end every request (503)
+at once, drain the posted writes of those ending, then reset the allocator, deregister
+and release; at resume the memory back, registered and published (``META``).  The pause
+phases' edges: :data:`~kvmem.disagg.states.PREFILL_PAUSE_EDGES`.
+
+When a decode pauses instead (``PAUSING``), the requests bound to it are drained and
+aborted (503) and ``PAUSE_ACK`` tells it no write is in flight; its ``META`` (new epoch)
+lets requests flow again, and the engine refuses writes built from its older metadata
+(StaleEpochError), which end the request with 503 (:mod:`kvmem.disagg.prefill_peers`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from kvmem.disagg.outcome import SERVICE_UNAVAILABLE, Reason
 from kvmem.disagg.protocol import meta_message
-from kvmem.disagg.states import PausePhase
+from kvmem.disagg.states import PREFILL_PAUSE_EDGES, PausePhase, set_phase
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -19,40 +25,63 @@ if TYPE_CHECKING:
 
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
+    from kvmem.disagg.prefill_request import PrefillRequest
+
+log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
 
 class PrefillPause:
-    """The pause methods of :class:`~kvmem.disagg.prefill.PrefillSide` (not a side on its
-    own: they read and change the side's phase, requests, pool, allocator and engine)."""
+    """The pause of one prefill side.  It owns the pause phase (``phase``, moved along
+    :data:`~kvmem.disagg.states.PREFILL_PAUSE_EDGES` only) and when the pause began
+    (``t0``); the side asks it where it is.  What it works on is handed to it: the pool,
+    allocator, engine and ledger it resets and releases, the side's active requests
+    (``reqs``, read) and how to end one (``end``), how to tell every decode
+    (``tell_all``) and how to prepare the local block list again (``prep_local``)."""
 
-    if TYPE_CHECKING:  # what PrefillSide (kvmem/disagg/prefill.py) provides
-        pool: Any
-        alloc: Any
-        engine: Any
-        transfer_mode: str
-        clock: Callable[[], float]
-        ledger: Ledger
-        metrics: Metrics
-        decode_peers: tuple[str, ...]
-        reqs: dict[int, Any]
-        phase: PausePhase
-        _pause_t0: float
+    def __init__(
+        self,
+        *,
+        pool: Any,
+        alloc: Any,
+        engine: Any,
+        ledger: Ledger,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        transfer_mode: str,
+        reqs: dict[int, PrefillRequest],
+        end: Callable[[PrefillRequest, Reason], None],
+        tell_all: Callable[[bytes], None],
+        prep_local: Callable[[], None],
+    ):
+        self.pool, self.alloc, self.engine, self.ledger = pool, alloc, engine, ledger
+        self.metrics, self.clock, self.transfer_mode = metrics, clock, transfer_mode
+        self.reqs, self.end, self.tell_all, self.prep_local = reqs, end, tell_all, prep_local
+        self.phase = PausePhase.SERVING  # PREFILL_PAUSE_EDGES
+        self.t0 = 0.0  # when the current (or last) pause began
 
-        def _tell(self, peer: str, msg: bytes) -> bool: ...
-        def _phase(self, to: PausePhase) -> None: ...
-        def _end(self, *args: Any, **kwargs: Any) -> Any: ...
-        def _prep_local(self) -> None: ...
+    @property
+    def pausing(self) -> bool:
+        """A pause began and its memory is not released yet."""
+        return self.phase is PausePhase.DRAINING
 
-    def begin_pause(self) -> None:
-        """Stop posting; ``step`` then drains, aborts (503), resets, deregisters and
-        releases.  :attr:`paused` is True once the memory is released."""
+    @property
+    def paused(self) -> bool:
+        """The memory is released; :meth:`resume` serves again."""
+        return self.phase is PausePhase.PAUSED
+
+    def _phase(self, to: PausePhase) -> None:
+        set_phase("prefill", PREFILL_PAUSE_EDGES, self, to, log)
+
+    def begin(self) -> None:
+        """Stop posting; :meth:`advance` then drains, aborts (503), resets, deregisters and
+        releases.  Nothing when a pause began already."""
         if self.phase is not PausePhase.SERVING:
             return
         self._phase(PausePhase.DRAINING)
-        self._pause_t0 = self.clock()
+        self.t0 = self.clock()
         self.metrics.pauses += 1
 
-    def _advance_pause(self) -> bool:
+    def advance(self) -> bool:
         """True once the pause is complete (memory released), False while writes drain.
 
         Every request ends (503) at once, not after the drain: one waiting for its next
@@ -60,7 +89,7 @@ class PrefillPause:
         dead decode lasts the transfer timeout) and end 504 here and on its decode.  A
         request with a transfer in flight stays ENDING until it is DONE or ERR."""
         for req in list(self.reqs.values()):
-            self._end(
+            self.end(
                 req,
                 Reason(
                     SERVICE_UNAVAILABLE,
@@ -71,7 +100,7 @@ class PrefillPause:
                 ),
             )
         if self.reqs:
-            return False  # step() polls their transfers to DONE/ERR
+            return False  # the side's step polls their transfers to DONE/ERR
         audit = self.ledger.audit()
         if audit["leaked"] or audit["unaccounted"]:
             raise AssertionError(
@@ -80,21 +109,18 @@ class PrefillPause:
         self.alloc.reset()
         self.engine.deregister("kv")
         if self.transfer_mode == "pull":  # the decodes refuse reads from the old pool now
-            self._tell_all(meta_message(self.engine))
+            self.tell_all(meta_message(self.engine))
         self.pool.release()
         self._phase(PausePhase.PAUSED)
         return True
 
     def resume(self) -> None:
+        """The memory back, registered and published (``META``); nothing unless paused."""
         if self.phase is not PausePhase.PAUSED:
             return
         self.pool.resume()
         self.engine.register_pool(self.pool, "kv")
-        self._prep_local()  # deregister released the old list
-        self._tell_all(meta_message(self.engine))
+        self.prep_local()  # deregister released the old list
+        self.tell_all(meta_message(self.engine))
         self._phase(PausePhase.SERVING)
-        self.metrics.pause_seconds += self.clock() - self._pause_t0
-
-    def _tell_all(self, msg: bytes) -> None:
-        for name in self.decode_peers:
-            self._tell(name, msg)
+        self.metrics.pause_seconds += self.clock() - self.t0

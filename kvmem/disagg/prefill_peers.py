@@ -1,7 +1,7 @@
 """The decode peers of the prefill side and what they send it (:class:`PrefillPeers`, a
-base class of :class:`~kvmem.disagg.prefill.PrefillSide`; its methods use the side's
-fields): what is kept per peer, the one dispatch table of peer messages and their
-handlers, the acknowledgement of a peer's pause.
+part each :class:`~kvmem.disagg.prefill.PrefillSide` holds): what is kept per peer, the
+one dispatch table of peer messages and their handlers, the acknowledgement of a peer's
+pause.
 
 * Several decode peers (``decode_peers``): each request is bound to one of them when it
   is added (``add_request(..., peer=)``: routing is the caller's), and everything about a
@@ -13,7 +13,7 @@ handlers, the acknowledgement of a peer's pause.
   itself: its requests end by the bootstrap or transfer timeout (504) or by a failed
   write (500); the memory a write in flight may read stays held until that write is
   DONE or ERR.  A caller that knows a peer is dead (its process exited, a health check)
-  says so (:meth:`PrefillPeers.peer_gone`): its requests end at once (500), their
+  says so (:meth:`PrefillSide.peer_gone <kvmem.disagg.prefill.PrefillSide.peer_gone>`): its requests end at once (500), their
   transfers given up, instead of holding pages, and a pause, for the transfer timeout.
   ``META`` after a pause of this side goes to every peer.
 * Peer messages arrive validated (:mod:`kvmem.disagg.protocol`); the handlers here check
@@ -31,13 +31,14 @@ import numpy as np
 
 import kvmem
 from kvmem.disagg.outcome import INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, ProtocolError, Reason
-from kvmem.disagg.peers import PeerTable, RegionMap, sole_peer
-from kvmem.disagg.prefill_request import Offer, PrefillRequest
+from kvmem.disagg.peers import PeerTable, RegionMap, sole_peer, tell
+from kvmem.disagg.prefill_request import Offer, PrefillRequest, set_state
 from kvmem.transfer.records import XferState
 from kvmem.disagg.protocol import (
     AUX_BYTES,
     AbortReq,
     Boot,
+    Inbox,
     Meta,
     Pausing,
     Pulled,
@@ -49,15 +50,10 @@ from kvmem.disagg.protocol import (
 from kvmem.disagg.states import PrefillState
 
 if TYPE_CHECKING:
-    from collections import Counter
     from collections.abc import Callable
     from typing import Any
 
-    import torch
-
-    from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
-    from kvmem.disagg.ledger import Ledger
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
@@ -75,72 +71,107 @@ class _DecodePeer:
 
 
 class PrefillPeers:
-    """The decode-peer methods of :class:`~kvmem.disagg.prefill.PrefillSide` (not a side
-    on its own: they read and change the side's requests, peers, engine and counters)."""
+    """The decode peers of one prefill side.  It owns the peer table (:class:`_DecodePeer`
+    per peer: its pause, the BOOTs held for its META, its prepared block list, whether it
+    is gone) and the inbox of their messages, and it is how the side tells a peer
+    (:meth:`tell`).  What its handlers act on is handed to it: the engine, the counters
+    and the clock; the side's active requests (``reqs``, read) and what is kept of the
+    finished ones (``finished``, ``finished_peer``, read); and the side's calls that
+    change a request: ``admit`` (scheduled once bootstrapped), ``abort`` (the caller's
+    abort, which waits for a batch in flight), ``end`` (end it early) and
+    ``maybe_finish`` (finish it once nothing is in flight)."""
 
-    if TYPE_CHECKING:  # what PrefillSide (kvmem/disagg/prefill.py) provides
-        pool: Any
-        alloc: Any
-        engine: Any
-        spec: kvmem.KVSpec
-        decode_peers: tuple[str, ...]
-        transfer_mode: str
-        quarantine_timeout: float
-        clock: Callable[[], float]
-        faults: Any
-        ready_event: Any
-        ledger: Ledger
-        metrics: Metrics
-        inbox: Any
-        arena: Arena
-        staging: torch.Tensor
-        _staging_map: Any
-        chunk_modes: Counter
-        _peers: dict[str, Any]
-        reqs: dict[int, Any]
-        finished: dict[int, Reason]
-        finished_peer: dict[int, str]
-        _order: list[int]
+    def __init__(
+        self,
+        engine: Any,
+        names: tuple[str, ...],
+        *,
+        spec: kvmem.KVSpec,
+        clock: Callable[[], float],
+        metrics: Metrics,
+        reqs: dict[int, PrefillRequest],
+        finished: dict[int, Reason],
+        finished_peer: dict[int, str],
+        admit: Callable[[int], None],
+        abort: Callable[[int, int, str], None],
+        end: Callable[[PrefillRequest, Reason], None],
+        maybe_finish: Callable[[PrefillRequest], None],
+    ):
+        self.engine, self.names, self.spec = engine, names, spec
+        self.clock, self.metrics = clock, metrics
+        self.reqs, self.finished, self.finished_peer = reqs, finished, finished_peer
+        self.admit, self.abort, self.end, self.maybe_finish = admit, abort, end, maybe_finish
+        self._peers = {n: _DecodePeer(n, PeerTable(engine, n)) for n in names}
+        self.inbox = Inbox(
+            engine,
+            peers=names,
+            receiver="prefill",
+            handle=self.handle_message,
+            metrics=metrics,
+            log=log,
+        )
 
-        @property
-        def paused(self) -> bool: ...
+    def bind(self, rid: int, peer: str | None) -> str:
+        """The decode peer new request ``rid`` goes to: ``peer``, or the only one when it
+        is None.  ValueError (naming the request) when it must be named, is not a decode
+        peer of this side, or is gone."""
+        if peer is None:
+            if len(self.names) != 1:
+                raise ValueError(
+                    f"add_request: request {rid}: name its decode peer, one of {list(self.names)}"
+                )
+            peer = self.names[0]
+        elif peer not in self._peers:
+            raise ValueError(
+                f"add_request: request {rid}: {peer!r} is not a decode peer of "
+                f"this side ({list(self.names)})"
+            )
+        if self._peers[peer].gone:
+            raise ValueError(f"add_request: request {rid}: decode {peer!r} is gone (peer_gone)")
+        return peer
 
-        def _tell(self, peer: str, msg: bytes) -> bool: ...
-        def _end(self, *args: Any, **kwargs: Any) -> Any: ...
-        def _transition(self, *args: Any, **kwargs: Any) -> Any: ...
-        def _maybe_finish(self, *args: Any, **kwargs: Any) -> Any: ...
-        def abort(self, *args: Any, **kwargs: Any) -> Any: ...
-        def _release_write(self, *args: Any, **kwargs: Any) -> Any: ...
+    def tell(self, peer: str, msg: bytes) -> bool:
+        """Send ``msg`` to decode ``peer``; False when it did not go out (the peer is gone,
+        or cannot be reached: logged and counted)."""
+        if self._peers[peer].gone:
+            return False  # peer_gone: the caller knows it is dead
+        return tell(self.engine, peer, msg, self.metrics, log)
+
+    def tell_all(self, msg: bytes) -> None:
+        """Send ``msg`` to every decode peer."""
+        for name in self.names:
+            self.tell(name, msg)
 
     @property
-    def decode_peer(self) -> str:
+    def sole(self) -> str:
         """The decode peer, when there is one (ValueError when there are several)."""
-        return sole_peer("decode", self.decode_peers, "; name one")
+        return sole_peer("decode", self.names, "; name one")
 
     @property
-    def peer_paused(self) -> bool:
+    def any_paused(self) -> bool:
         """True while a decode peer is paused (announced PAUSING, no live META since)."""
         return any(p.paused for p in self._peers.values())
 
-    def peer_is_paused(self, peer: str) -> bool:
+    def is_paused(self, peer: str) -> bool:
         """Whether decode peer ``peer`` is paused (a router sends new requests elsewhere)."""
-        return self._peer(peer).paused
+        return self.get(peer).paused
 
-    def _peer(self, name: str) -> _DecodePeer:
+    def get(self, name: str) -> _DecodePeer:
+        """What is kept about decode peer ``name`` (ValueError when it is not one)."""
         try:
             return self._peers[name]
         except KeyError:
             raise ValueError(
-                f"{name!r} is not a decode peer of this side (peers: {list(self.decode_peers)})"
+                f"{name!r} is not a decode peer of this side (peers: {list(self.names)})"
             ) from None
 
     def requests_of(self, peer: str) -> int:
         """Active requests bound to decode peer ``peer``."""
-        self._peer(peer)
+        self.get(peer)
         return sum(1 for r in self.reqs.values() if r.peer == peer)
 
     # --- control messages ---------------------------------------------------------------------
-    def _handle_notifs(self) -> bool:
+    def handle_notifs(self) -> bool:
         """Apply what the decodes sent, then the BOOTs held for their META; True when a
         message was handled (refused ones too) or a held BOOT was taken up."""
         moved = self.inbox.drain() > 0
@@ -177,7 +208,7 @@ class PrefillPeers:
             self,
             self.HANDLERS,
             msg,
-            self.decode_peer if peer is None else peer,
+            self.sole if peer is None else peer,
             "prefill",
             peers=self._peers,
             sender="decode",
@@ -202,7 +233,7 @@ class PrefillPeers:
         if req is None:
             # finished here already: nothing in flight; say so, so decode can free
             fin = self.finished[msg.rid]
-            self._tell(peer, encode("ABORT", rid=msg.rid, status=fin.status, reason=fin.message))
+            self.tell(peer, encode("ABORT", rid=msg.rid, status=fin.status, reason=fin.message))
             return
         self.abort(req.rid, msg.status, f"decode side: {msg.reason}")
 
@@ -224,7 +255,7 @@ class PrefillPeers:
         for req in list(self.reqs.values()):
             # a BOOTSTRAPPING request's BOOT waits for the decode's META (held_boots)
             if req.peer == peer and req.state is not PrefillState.BOOTSTRAPPING:
-                self._end(
+                self.end(
                     req,
                     Reason(
                         SERVICE_UNAVAILABLE,
@@ -234,7 +265,7 @@ class PrefillPeers:
                         ),
                     ),
                 )
-        self._maybe_ack_peer_pause()
+        self.maybe_ack_pause()
 
     def _on_meta(self, msg: Meta, peer: str) -> None:
         apply_metadata(self.engine, msg)
@@ -246,7 +277,7 @@ class PrefillPeers:
         if landing is not None and landing.live and p.pause_epoch is None:
             p.paused = False
 
-    def peer_gone(self, peer: str) -> int:
+    def peer_gone(self, peer: str, give_up: Callable[[PrefillRequest], None]) -> int:
         """The caller knows decode ``peer`` is dead (its process exited): every request
         bound to it ends now (500, "decode ... is gone"), nothing more is sent to it, and
         :meth:`add_request` refuses it (ValueError).  Its offered reads are given up and
@@ -254,24 +285,22 @@ class PrefillPeers:
         they read are freed in this call: safe because a dead peer reads nothing more,
         and a cancelled write only reads this side's memory.  Returns the number of
         requests it ended; a second call ends none.  ValueError for a name that is not a
-        decode peer of this side."""
+        decode peer of this side.  ``give_up(req)``: the sending part's, which cancels the
+        request's posted writes and drops its offers."""
         p = self._peers.get(peer)
         if p is None:
             raise ValueError(
-                f"peer_gone: {peer!r} is not a decode peer of this side ({list(self.decode_peers)})"
+                f"peer_gone: {peer!r} is not a decode peer of this side ({list(self.names)})"
             )
         p.gone = True
         p.held_boots.clear()
         p.pause_epoch = None  # no PAUSE_ACK to send it
         ended = 0
         for req in [r for r in self.reqs.values() if r.peer == peer]:
-            for t in req.handles:  # an offer has nothing to give back: dropped with it
-                if not isinstance(t.op, Offer):
-                    self._release_write(t, abort=True)
-            req.handles = []
+            give_up(req)
             if not req.state.ended:
                 ended += 1
-                self._end(
+                self.end(
                     req,
                     Reason(
                         INTERNAL_ERROR,
@@ -279,10 +308,10 @@ class PrefillPeers:
                     ),
                 )
             else:
-                self._maybe_finish(req)
+                self.maybe_finish(req)
         return ended
 
-    def _maybe_ack_peer_pause(self) -> None:
+    def maybe_ack_pause(self) -> None:
         """Answer each pausing decode (PAUSE_ACK) once none of this side's writes into it
         (nor reads it was offered) is in flight."""
         for p in self._peers.values():
@@ -290,7 +319,7 @@ class PrefillPeers:
                 continue
             if any(req.handles for req in self.reqs.values() if req.peer == p.name):
                 continue  # writes into that decode still in flight: ack once drained
-            self._tell(p.name, encode("PAUSE_ACK", epoch=p.pause_epoch))
+            self.tell(p.name, encode("PAUSE_ACK", epoch=p.pause_epoch))
             p.pause_epoch = None
 
     def _on_boot(self, msg: Boot, peer: str) -> None:
@@ -301,9 +330,7 @@ class PrefillPeers:
                 # Ended here, nothing in flight: say so (again), or the decode holds the
                 # pages it booted with until its own timeout (a replayed REQ, a BOOT that
                 # crossed our ABORT: then this second ABORT is ignored there).
-                self._tell(
-                    peer, encode("ABORT", rid=msg.rid, status=fin.status, reason=fin.message)
-                )
+                self.tell(peer, encode("ABORT", rid=msg.rid, status=fin.status, reason=fin.message))
             return
         if msg.room != req.room:
             raise ProtocolError(f"BOOT for request {req.rid}: room {msg.room} != {req.room}")
@@ -330,7 +357,7 @@ class PrefillPeers:
             )
         if remote.epoch > msg.epoch:
             # Booted before the decode paused (which freed that region): ask again.
-            self._tell(peer, encode("REQ", rid=req.rid, room=req.room, tokens=req.tokens))
+            self.tell(peer, encode("REQ", rid=req.rid, room=req.room, tokens=req.tokens))
             return
         need = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size)) + AUX_BYTES
         landing_map = RegionMap(remote.regions)
@@ -365,9 +392,9 @@ class PrefillPeers:
         req.kv = kv if kv is not None and kv.live and kv.epoch == msg.epoch else None
         req.remote, req.landing_map = remote, landing_map
         req.landing_off, req.landing_nbytes = msg.off, msg.nbytes
-        self._transition(req, PrefillState.WAITING_FOR_INPUT)
+        set_state(req, PrefillState.WAITING_FOR_INPUT)
         req.t_bootstrapped = self.clock()
-        self._order.append(req.rid)
+        self.admit(req.rid)
 
     def _on_pulled(self, msg: Pulled, peer: str) -> None:
         req = self._bound(msg, peer)

@@ -2,14 +2,16 @@
 transfers: a chunk forwarded and not staged yet (:class:`PendingChunk`), its page ids on
 their way to the host (:class:`IdsCopy`), a chunk or the AUX staged and not posted yet
 (:class:`_Staged`, of the kinds :class:`_Send`), a transfer in flight
-(:class:`InFlight`), a pull offer (:class:`Offer`).  The queued ones are frozen.
-Data only: the side's modules change them (:mod:`kvmem.disagg.prefill` and its parts);
+(:class:`InFlight`), a pull offer (:class:`Offer`).  The queued ones are frozen.  The
+fault-injection points of the side (:class:`Faults`), and the one way a request changes
+state (:func:`set_state`).  Data and that check only: the side's modules change them (:mod:`kvmem.disagg.prefill` and its parts);
 nothing here imports them.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -19,8 +21,10 @@ import torch
 from kvmem.disagg.device import HostCopy
 from kvmem.disagg.outcome import Reason
 from kvmem.disagg.peers import RegionMap
-from kvmem.disagg.states import PrefillState
+from kvmem.disagg.states import PREFILL_EDGES, PrefillState, transition
 from kvmem.transfer.records import TransferHandle, XferState
+
+log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,8 @@ class _Staged:
 @dataclass
 class PrefillRequest:
     """One request on the prefill side.  ``state`` is the whole of where it is in the
-    lifecycle (:mod:`kvmem.disagg.prefill`'s docstring draws the edges); only ``PrefillSide._transition``
-    changes it.  None of the other fields is part of it:
+    lifecycle (:mod:`kvmem.disagg.prefill`'s docstring draws the edges); only
+    :func:`set_state` changes it.  None of the other fields is part of it:
 
     * ``in_batch``: its chunk's forward is running (from ``step``'s schedule to
       ``fill_batch``).  Orthogonal: a WAITING_FOR_INPUT or TRANSFERRING request runs the
@@ -150,3 +154,27 @@ class PrefillRequest:
     reason: Reason | None = None  # ENDING, FAILED, SUCCEEDED: how it ends
     dpages: np.ndarray | None = None  # the decode's page ids of this request (its BOOT)
     kv: object = None  # RemoteMemory of the decode's kv those ids belong to (its BOOT's epoch)
+
+
+class Faults:
+    """Fault-injection points (the demo and the tests override them); defaults inject
+    nothing."""
+
+    def fail_send(self, rid: int, seq: int, aux: bool) -> bool:
+        """True: treat the write of chunk ``seq`` (or the AUX write) as refused."""
+        return False
+
+    def stall(self, rid: int, seq: int) -> bool:
+        """True: do not schedule chunk ``seq`` of ``rid`` now (slow request)."""
+        return False
+
+    def during_forward(self, side: Any, batch: list) -> None:
+        """Called while the batch's forward runs (aborts land here)."""
+
+
+def set_state(req: PrefillRequest, to: PrefillState) -> None:
+    """Move ``req`` to ``to`` along an edge of the prefill's drawing (the module docstring
+    of :mod:`kvmem.disagg.prefill`, :data:`~kvmem.disagg.states.PREFILL_EDGES`); the one
+    way a prefill request changes state.  IllegalTransition naming the request and both
+    states, ``req`` unchanged, for any other."""
+    transition("prefill", PREFILL_EDGES, req, to, log)

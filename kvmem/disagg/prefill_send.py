@@ -1,6 +1,6 @@
-"""The sending half of the prefill side (:class:`PrefillSending`, a base class of
-:class:`~kvmem.disagg.prefill.PrefillSide`; its methods use the side's fields): the
-transfers of a request, from staging to posting to polling.  A request's chunks are
+"""The sending half of the prefill side (:class:`PrefillSending`, a part each
+:class:`~kvmem.disagg.prefill.PrefillSide` holds): the transfers of a request, from
+staging to posting to polling.  A request's chunks are
 packed into staging, written direct or offered (pull), one transfer in flight at a time;
 ``PrefillSide`` owns the requests and their states.
 
@@ -30,76 +30,118 @@ packed into staging, written direct or offered (pull), one transfer in flight at
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 import kvmem
-from kvmem.disagg.arena import ArenaFullError
+from kvmem.disagg.arena import Arena, ArenaFullError
 from kvmem.disagg.device import to_device
 from kvmem.disagg.outcome import INTERNAL_ERROR, Reason
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.protocol import encode, encode_runs
 from kvmem.disagg.states import PrefillState
 from kvmem.transfer.errors import StaleEpochError, TransferError
-from kvmem.disagg.prefill_direct import PrefillDirect
-from kvmem.disagg.prefill_request import InFlight, Offer, PrefillRequest, _Send, _Staged
+from kvmem.disagg.peers import buffer_map
+from kvmem.disagg.prefill_direct import PrefillDirect, end_refused
+from kvmem.disagg.prefill_request import InFlight, Offer, PrefillRequest, _Send, _Staged, set_state
+from kvmem.memory import make_backend
 from kvmem.transfer.records import XferState
 
 if TYPE_CHECKING:
-    from collections import Counter
     from collections.abc import Callable
     from typing import Any
 
-    from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
+    from kvmem.disagg.prefill_peers import _DecodePeer
+    from kvmem.disagg.prefill_request import Faults
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
 
-class PrefillSending(PrefillDirect):
-    """The sending methods of :class:`~kvmem.disagg.prefill.PrefillSide` (not a side on
-    its own: they read and change the side's requests, staging, engine and counters),
-    built on the direct-write ones (:class:`~kvmem.disagg.prefill_direct.PrefillDirect`)."""
+class PrefillSending:
+    """The sending of one prefill side.  It owns the staging buffer (``staging``, its
+    memory ``staging_mem``, registered with the engine as ``staging``, and the map of its
+    regions ``staging_map``), the arena of its slots (``arena``), the count of chunks by
+    how they went (``chunk_modes``) and the direct writes (``direct``, a
+    :class:`~kvmem.disagg.prefill_direct.PrefillDirect`); a request's transfer in flight
+    is kept on the request (``staged``, ``handles``).  What it uses is handed to it: the
+    pool, engine, ledger, counters, clock, fault hooks (``faults``: re-pointed by the
+    side when its hooks are set) and ready events; the side's active requests (``reqs``,
+    read) in scheduling order (``order``, the scheduler's); what is kept about a decode
+    peer (``peer(name)``) and how to tell it (``tell``); and the side's calls that end a
+    request (``end``) or finish it once nothing is in flight (``maybe_finish``)."""
 
-    if TYPE_CHECKING:  # what PrefillSide (kvmem/disagg/prefill.py) provides
-        pool: Any
-        alloc: Any
-        engine: Any
-        spec: kvmem.KVSpec
-        decode_peers: tuple[str, ...]
-        transfer_mode: str
-        quarantine_timeout: float
-        clock: Callable[[], float]
-        faults: Any
-        ready_event: Any
-        ledger: Ledger
-        metrics: Metrics
-        inbox: Any
-        arena: Arena
-        staging: torch.Tensor
-        _staging_map: Any
-        chunk_modes: Counter
-        _peers: dict[str, Any]
-        reqs: dict[int, Any]
-        finished: dict[int, Reason]
-        finished_peer: dict[int, str]
-        _order: list[int]
+    def __init__(
+        self,
+        *,
+        pool: Any,
+        engine: Any,
+        ledger: Ledger,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        faults: Faults,
+        ready_event: Callable[[], Any],
+        transfer_mode: str,
+        quarantine_timeout: float,
+        chunk_tokens: int,
+        staging_bytes: int | None,
+        direct_threshold: int | None,
+        reqs: dict[int, PrefillRequest],
+        order: list[int],
+        peer: Callable[[str], _DecodePeer],
+        tell: Callable[[str, bytes], bool],
+        end: Callable[[PrefillRequest, Reason], None],
+        maybe_finish: Callable[[PrefillRequest], None],
+    ):
+        spec = pool.spec
+        self.pool, self.spec, self.engine, self.ledger = pool, spec, engine, ledger
+        self.metrics, self.clock, self.faults = metrics, clock, faults
+        self.ready_event, self.transfer_mode = ready_event, transfer_mode
+        # pull: how long pages offered to a decode read stay held without its PULLED
+        self.quarantine_timeout = quarantine_timeout
+        self.reqs, self.order, self.peer, self.tell = reqs, order, peer, tell
+        self.end, self.maybe_finish = end, maybe_finish
+        chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
+        staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
+        self.arena = Arena(staging_bytes)
+        if self.arena.size < chunk_max + AUX_BYTES:
+            raise ValueError(
+                f"staging_bytes {staging_bytes} cannot hold one chunk ({chunk_max} bytes)"
+            )
+        self.staging_mem = make_backend(staging_bytes, pool.device)
+        staging = self.staging_mem.tensor
+        assert staging is not None  # mapped until the backend is freed
+        self.staging: torch.Tensor = staging
+        # One region per physical chunk of the staging memory (NIXL refuses a descriptor
+        # across two registrations); a slot's write is cut at the chunk boundaries it
+        # crosses (_post)
+        regions = self.staging_mem.regions()
+        self.staging_map = buffer_map(self.staging, regions)
+        engine.register("staging", regions, 0, pool.device)
+        self.chunk_modes: Counter = Counter()  # chunks posted, "packed" / "direct" / "pulled"
+        self.direct = PrefillDirect(
+            engine=engine,
+            transfer_mode=transfer_mode,
+            faults=faults,
+            threshold=direct_threshold,
+            peer=peer,
+            end=end,
+        )
 
-        @property
-        def paused(self) -> bool: ...
-
-        def _tell(self, peer: str, msg: bytes) -> bool: ...
-        def _end(self, *args: Any, **kwargs: Any) -> Any: ...
-        def _transition(self, *args: Any, **kwargs: Any) -> Any: ...
-        def _maybe_finish(self, *args: Any, **kwargs: Any) -> Any: ...
-        def abort(self, *args: Any, **kwargs: Any) -> Any: ...
-        def _maybe_ack_peer_pause(self) -> None: ...
+    @property
+    def writes_in_flight(self) -> bool:
+        """True while a write this side posted (a chunk, direct or packed, or an AUX) is
+        not seen DONE or ERR yet.  Such a write completes, and sends its notification, only
+        when this side polls it (no progress thread: see kvmem/transfer/nixl.py), so a
+        loop should not nap then; an offered read (pull) is the decode's to finish."""
+        return any(not isinstance(t.op, Offer) for req in self.reqs.values() for t in req.handles)
 
     # --- sending ----------------------------------------------------------------------------
-    def _flush_pending(self) -> bool:
+    def flush_pending(self) -> bool:
         # One write of a request in flight at a time.  NIXL sends a write's notification
         # (CHUNK, AUX) when the write completes: inside post_write for a write that is done
         # at once, else at the poll that sees it DONE.  So two writes of one request in
@@ -108,12 +150,12 @@ class PrefillSending(PrefillDirect):
         # notification follows on the same endpoint, in order.  True when something was
         # staged or posted (or a request ended trying).
         moved = False
-        for rid in list(self._order):
+        for rid in list(self.order):
             req = self.reqs.get(rid)
             while (
                 req is not None
                 and not req.state.ended
-                and not self._peers[req.peer].paused
+                and not self.peer(req.peer).paused
                 and not req.handles
             ):
                 if req.staged is not None:
@@ -142,7 +184,7 @@ class PrefillSending(PrefillDirect):
         spec = self.spec
         nbytes = kvmem.packed_nbytes(spec, last - first)
         host_ids = None
-        if self.transfer_mode == "pull" or self._may_go_direct(req):
+        if self.transfer_mode == "pull" or self.direct.may_go(req):
             host_ids = self._host_ids(req, first, last)
             if host_ids is None:
                 return "wait"
@@ -159,7 +201,7 @@ class PrefillSending(PrefillDirect):
             # final: the decode reads the pages; freed once its read is DONE or ERR, in
             # KV_POSTED (_maybe_finish)
             return "staged"
-        direct = None if host_ids is None else self._direct_indices(req, first, last, host_ids)
+        direct = None if host_ids is None else self.direct.indices(req, first, last, host_ids)
         if direct is not None:
             ready = self.ready_event()  # the forward's writes to these pages are done
             self.chunk_modes["direct"] += 1
@@ -217,7 +259,7 @@ class PrefillSending(PrefillDirect):
 
     def _host_ids(self, req: PrefillRequest, first: int, last: int) -> np.ndarray | None:
         """``int64 [last - first]``: the page ids of pages ``[first, last)`` of ``req`` on
-        the host, once their copies (made by ``_schedule``, in chunk order) are done; None
+        the host, once their copies (made by the scheduler, in chunk order) are done; None
         before.  Never waits."""
         while req.ids and req.ids[0].copy.ready():
             c = req.ids.pop(0)
@@ -225,12 +267,12 @@ class PrefillSending(PrefillDirect):
             req.ids_known = c.last
         return req.host_pages[first:last] if req.ids_known >= last else None
 
-    def _send_aux(self, req: PrefillRequest) -> None:
+    def send_aux(self, req: PrefillRequest) -> None:
         """The last write carries the request's extra state (first output token, lengths)."""
         try:
             off = self.arena.alloc(AUX_BYTES)
         except ArenaFullError:  # never: sized with room for AUX slots; fail loudly
-            self._end(
+            self.end(
                 req, Reason(INTERNAL_ERROR, f"request {req.rid}: no staging for its extra state")
             )
             return
@@ -242,7 +284,7 @@ class PrefillSending(PrefillDirect):
         aux_off = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size))
         notif = encode("AUX", rid=req.rid, off=aux_off, nbytes=AUX_BYTES)
         req.staged = _Staged(_Send.AUX, AUX_BYTES, aux_off, False, ready, notif, off=off)
-        self._transition(req, PrefillState.AUX_STAGED)
+        set_state(req, PrefillState.AUX_STAGED)
         self._post_staged(req)
 
     def _post_staged(self, req: PrefillRequest) -> bool:
@@ -255,16 +297,16 @@ class PrefillSending(PrefillDirect):
         if st.kind is _Send.OFFER:
             posted = self._offer(req, st)
         elif st.kind is _Send.DIRECT:
-            posted = self._post_direct(req, st)
+            posted = self.direct.post(req, st)
         else:
             posted = self._post(req, st.off, st.nbytes, st.remote_off, st.notif, aux=st.aux)
         if not posted:
             return True  # the request ended (500 / 503); a staging slot is free again
         if st.aux:
-            self._transition(req, PrefillState.AUX_POSTED)
+            set_state(req, PrefillState.AUX_POSTED)
             return True
         # KV_POSTED: the AUX is staged by _maybe_finish once this write is DONE
-        self._transition(req, PrefillState.KV_POSTED if st.final else PrefillState.TRANSFERRING)
+        set_state(req, PrefillState.KV_POSTED if st.final else PrefillState.TRANSFERRING)
         return True
 
     def _post(self, req, staging_off, nbytes, remote_off, notif, *, aux: bool) -> bool:
@@ -272,7 +314,7 @@ class PrefillSending(PrefillDirect):
         slot and end the request (500, or 503 when the decode's memory moved on)."""
         seq = req.seq
         req.seq += 1
-        local = self._staging_map.ranges(staging_off, nbytes)  # one range per chunk it spans
+        local = self.staging_map.ranges(staging_off, nbytes)  # one range per chunk it spans
         what = "extra-state (last) chunk" if aux else f"chunk {seq}"
         try:
             if self.faults.fail_send(req.rid, seq, aux):
@@ -281,7 +323,7 @@ class PrefillSending(PrefillDirect):
             h = self.engine.post_write(local, req.remote, remote, notif)
         except (StaleEpochError, TransferError) as e:
             self.arena.free(staging_off)
-            return self._end_refused(req, e, what)
+            return end_refused(self.end, req, e, what)
         req.handles.append(InFlight(h, staging_off))
         return True
 
@@ -292,7 +334,7 @@ class PrefillSending(PrefillDirect):
         seq = req.seq
         req.seq += 1
         if self.faults.fail_send(req.rid, seq, False):
-            self._end(
+            self.end(
                 req,
                 Reason(
                     INTERNAL_ERROR,
@@ -311,8 +353,8 @@ class PrefillSending(PrefillDirect):
             epoch=self.pool.epoch,
             final=st.final,
         )
-        if not self._tell(req.peer, msg):
-            self._end(
+        if not self.tell(req.peer, msg):
+            self.end(
                 req,
                 Reason(
                     INTERNAL_ERROR,
@@ -323,7 +365,7 @@ class PrefillSending(PrefillDirect):
         req.handles.append(InFlight(Offer(first, last, st.nbytes, self.clock()), None))
         return True
 
-    def _poll_writes(self) -> bool:
+    def poll_writes(self) -> bool:
         """Poll every posted write (this is also what sends its notification): DONE and
         ERR writes give their staging slot back; an ERR ends its request (500).  True when
         a write or an offered read ended."""
@@ -333,8 +375,7 @@ class PrefillSending(PrefillDirect):
                 continue
             keep, failed = [], None
             for t in req.handles:
-                offer = isinstance(t.op, Offer)
-                st = self._poll_offer(req, t.op) if offer else self._poll_write(t)
+                st = self._poll_offer(req, t.op) if isinstance(t.op, Offer) else self._poll_write(t)
                 if st == "PROC":
                     keep.append(t)
                     continue
@@ -346,7 +387,7 @@ class PrefillSending(PrefillDirect):
                     failed = t.op
             req.handles = keep
             if failed is not None and not req.state.ended:
-                self._end(
+                self.end(
                     req,
                     Reason(
                         INTERNAL_ERROR,
@@ -354,8 +395,7 @@ class PrefillSending(PrefillDirect):
                     ),
                 )
             else:
-                self._maybe_finish(req)
-        self._maybe_ack_peer_pause()
+                self.maybe_finish(req)
         return ended
 
     def _poll_write(self, w: InFlight) -> str:
@@ -365,6 +405,13 @@ class PrefillSending(PrefillDirect):
         if st != "PROC":
             self._release_write(w)
         return st
+
+    def give_up(self, req: PrefillRequest) -> None:
+        """Cancel ``req``'s posted writes and drop its offers (its decode is gone)."""
+        for t in req.handles:  # an offer has nothing to give back: dropped with it
+            if not isinstance(t.op, Offer):
+                self._release_write(t, abort=True)
+        req.handles = []
 
     def _release_write(self, w: InFlight, abort: bool = False) -> None:
         """Give back write ``w``'s handle (``abort``: cancel it if still in flight) and

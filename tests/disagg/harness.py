@@ -271,7 +271,7 @@ class Pair:
         self.finished: dict[int, kvmem.disagg.Reason] = {}
         landing_bytes = kvmem.packed_nbytes(spec, num_pages) + 64 * 1024
         with unittest.mock.patch(
-            "kvmem.disagg.decode.make_backend", _landing_backend(landing_chunk)
+            "kvmem.disagg.decode_memory.make_backend", _landing_backend(landing_chunk)
         ):
             self.decode = DecodeSide(
                 kvmem.KVPool(spec, num_pages, device),
@@ -288,7 +288,9 @@ class Pair:
             )
         chunk_bytes = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         staging = (
-            unittest.mock.patch("kvmem.disagg.prefill.make_backend", side_by_side(staging_chunk))
+            unittest.mock.patch(
+                "kvmem.disagg.prefill_send.make_backend", side_by_side(staging_chunk)
+            )
             if staging_chunk
             else contextlib.nullcontext()
         )

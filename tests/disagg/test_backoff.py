@@ -179,8 +179,8 @@ def test_pull_quarantine_expiry_on_the_prefill_is_progress():
     p = Pair(transfer_mode="pull")
     try:
         pre = Naps()
-        real = p.decode._tell
-        p.decode._tell = lambda peer, msg: True if b'"PULLED"' in msg else real(peer, msg)  # lost
+        real = p.de.send_notif
+        p.de.send_notif = lambda peer, msg: None if b'"PULLED"' in msg else real(peer, msg)  # lost
         p.faults.stall_at[1] = 1
         p.prefill.add_request(1, 200)
         p.run_until(lambda: p.decode.metrics.bytes_landed > 0)  # chunk 0 read, not answered

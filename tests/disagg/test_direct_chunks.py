@@ -116,13 +116,13 @@ def test_choice_per_chunk_by_merged_runs():
 def test_direct_write_from_older_decode_metadata_is_refused_before_posting(pair):
     pair.prefill.add_request(1, 64)
     pair.run_idle()
-    old = pair.prefill._peers[pair.de.name].table.table
+    old = pair.prefill.peers.get(pair.de.name).table.table
     assert old is not None and old.epoch == 0
     pair.decode.begin_pause()
     pair.run_until(lambda: pair.decode.paused)
     pair.decode.resume()
     pair.step(2)
-    lt = pair.prefill._local_table
+    lt = pair.prefill.sending.direct.local_table
     idx = np.arange(4, dtype=np.int64) + 1
     opened = pair.pe.open_handles()
     with pytest.raises(StaleEpochError):
@@ -131,7 +131,8 @@ def test_direct_write_from_older_decode_metadata_is_refused_before_posting(pair)
     pair.prefill.add_request(2, 64)
     pair.run_idle()
     assert (
-        pair.finished[2].status == 200 and pair.prefill._peers[pair.de.name].table.table.epoch == 1
+        pair.finished[2].status == 200
+        and pair.prefill.peers.get(pair.de.name).table.table.epoch == 1
     )
     assert pair.prefill.chunk_modes["direct"] == 2
     pair.assert_clean()
@@ -140,7 +141,10 @@ def test_direct_write_from_older_decode_metadata_is_refused_before_posting(pair)
 def test_post_blocks_checks_indices_and_sizes(pair):
     pair.prefill.add_request(1, 64)
     pair.run_idle()
-    lt, rt = pair.prefill._local_table, pair.prefill._peers[pair.de.name].table.table
+    lt, rt = (
+        pair.prefill.sending.direct.local_table,
+        pair.prefill.peers.get(pair.de.name).table.table,
+    )
     n_local = lt.layout.count * lt.nbytes.size
     for li, ri, match in [
         (np.array([1, 2]), np.array([1]), "equal in number"),
@@ -157,7 +161,10 @@ def test_post_blocks_checks_indices_and_sizes(pair):
     pair.run_until(lambda: pair.prefill.paused)
     assert lt.released
     pair.prefill.resume()
-    assert pair.prefill._local_table is not lt and not pair.prefill._local_table.released
+    assert (
+        pair.prefill.sending.direct.local_table is not lt
+        and not pair.prefill.sending.direct.local_table.released
+    )
 
 
 def test_calibration_measures_both_ways_and_records_its_fit():
@@ -188,7 +195,7 @@ def test_calibration_measures_both_ways_and_records_its_fit():
         thr = rec["threshold"]
         assert thr is None or (thr >= PLANE_PAGE and thr % PLANE_PAGE == 0)
         # nothing of the side changed; its own lists were not prepared and none is left
-        assert p.prefill.direct_threshold is None and p.prefill._local_table is None
+        assert p.prefill.direct_threshold is None and p.prefill.sending.direct.local_table is None
         assert not p.pe._tables and p.pe.open_handles() == 0
         p.prefill.set_direct_threshold(thr)
         p.prefill.add_request(1, 128)
@@ -246,7 +253,9 @@ def test_direct_chunk_is_tied_to_the_kv_epoch_of_its_boot(when):
         # there goes direct again
         dec = p.decode
         dec.engine.deregister("landing")
-        dec.engine.register("landing", dec._landing_mem.regions(), dec.pool.epoch, dec.pool.device)
+        dec.engine.register(
+            "landing", dec.memory.landing_mem.regions(), dec.pool.epoch, dec.pool.device
+        )
         dec.publish_metadata()
         p.prefill.add_request(2, 64)
         p.run_idle()

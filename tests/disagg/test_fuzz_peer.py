@@ -290,20 +290,24 @@ class Live:
             buf = torch.zeros(4096, dtype=torch.uint8)
             self._bufs.append(buf)
             eng.register("fuzz", [(buf.data_ptr(), buf.numel())], 0)
-            side._tell(pair.de.name if side is pair.prefill else pair.pe.name, meta_message(eng))
+        pair.prefill.peers.tell(pair.de.name, meta_message(pair.pe))
+        pair.decode._tell(pair.pe.name, meta_message(pair.de))
         pair.old_md = self.old_md
         for side in (pair.prefill, pair.decode):
             for b in side.pool.k_buffer + side.pool.v_buffer:
                 b.view(torch.uint8).fill_(SENTINEL)
         self.sent: list = []  # (receiver, raw) of legit messages, for replays
-        for side, receiver in ((pair.prefill, "decode"), (pair.decode, "prefill")):
-            real = side._tell
+        # Each side's parts tell the other through the callable they were built with: the
+        # messages are recorded where they leave, at each engine (the hostile ones, sent
+        # from those engines too, go through the unrecorded originals: send())
+        self.raw_send = {pair.pe.name: pair.pe.send_notif, pair.de.name: pair.de.send_notif}
+        for eng, receiver in ((pair.pe, "decode"), (pair.de, "prefill")):
 
-            def tell(peer, msg, real=real, receiver=receiver):
+            def send_notif(peer, msg, real=eng.send_notif, receiver=receiver):
                 self.sent.append((receiver, msg))
                 return real(peer, msg)
 
-            side._tell = tell
+            eng.send_notif = send_notif
         real_post = pair.pe.post_write
 
         def post_write(local, remote, remote_ranges, notif=b""):  # CHUNK / AUX notifications
@@ -331,7 +335,7 @@ class Live:
         p = self.pair
         sender = p.de if receiver == "prefill" else p.pe
         to = p.pe if receiver == "prefill" else p.de
-        sender.send_notif(to.name, raw)
+        self.raw_send[sender.name](to.name, raw)
         self.must_refuse[receiver] += bool(bad)
         TALLY["messages"] += 1
         TALLY["malformed"] += bool(bad)

@@ -56,15 +56,15 @@ def test_prefill_abort_during_a_read_holds_its_pages_until_pulled(pair):
 def test_offered_pages_without_an_answer_are_freed_after_the_quarantine_timeout(pair, caplog):
     pair.faults.stall_at[1] = 1
     dropped = []
-    real = pair.decode._tell
+    real = pair.de.send_notif
 
-    def tell(peer, msg):  # the decode's PULLED answers are lost
+    def send_notif(peer, msg):  # the decode's PULLED answers are lost
         if b'"PULLED"' in msg:
             dropped.append(msg)
-            return True
+            return None
         return real(peer, msg)
 
-    pair.decode._tell = tell
+    pair.de.send_notif = send_notif
     pair.prefill.add_request(1, 200)
     pair.run_until(lambda: dropped)
     pair.prefill.abort(1)
@@ -90,7 +90,7 @@ def test_a_read_built_from_the_prefills_older_metadata_is_refused_before_posting
     assert not pair.de.remote(pair.pe.name, "kv").live
     idx = np.arange(4, dtype=np.int64) + 1
     with pytest.raises(StaleEpochError):
-        pair.de.post_blocks(pair.decode._local_table, idx, old, idx, op="READ")
+        pair.de.post_blocks(pair.decode.receiving.local_table, idx, old, idx, op="READ")
     pair.prefill.resume()
     pair.step(2)
     # a READY replayed from before the pause is refused before any read is posted

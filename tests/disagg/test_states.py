@@ -32,10 +32,13 @@ import kvmem.disagg.prefill as prefill_mod
 from kvmem.disagg import KVPoll, ProtocolError
 from kvmem.disagg import device as dev
 from kvmem.disagg.decode import DecodeSide
+from kvmem.disagg.decode_pause import DecodePause
 from kvmem.disagg.decode_request import DecodeRequest
-from kvmem.disagg.prefill import PrefillSide
+from kvmem.disagg.prefill_pause import PrefillPause
+from kvmem.disagg.prefill_peers import PrefillPeers
 from kvmem.disagg.prefill_request import PrefillRequest
 from kvmem.disagg.protocol import DECODE_RECEIVES, PREFILL_RECEIVES, PauseAck, Pulled
+from kvmem.disagg.protocol import handler as handler_of
 from kvmem.disagg.states import (
     DECODE_EDGES,
     DECODE_PAUSE_EDGES,
@@ -171,13 +174,13 @@ def test_terminal_states_have_no_way_out_and_prefill_states_report_kvpoll():
 
 
 def test_one_dispatch_table_per_side_covers_what_the_protocol_sends_it(sides):
-    for side, cls, receives in (
-        ("prefill", PrefillSide, PREFILL_RECEIVES),
-        ("decode", DecodeSide, DECODE_RECEIVES),
+    for cls, owner, receives in (
+        (PrefillPeers, sides["prefill"].peers, PREFILL_RECEIVES),
+        (DecodeSide, sides["decode"], DECODE_RECEIVES),
     ):
         assert {kind.t for kind in cls.HANDLERS} == receives
         for name in cls.HANDLERS.values():
-            assert callable(getattr(sides[side], name)), name
+            assert callable(handler_of(owner, name)), name
     # a message of the other direction reaches no handler: refused, nothing changed
     pre, dec = sides["prefill"], sides["decode"]
     with pytest.raises(ProtocolError, match="unexpected message PauseAck on the prefill side"):
@@ -490,16 +493,16 @@ def phases():
     """Every pause phase change of both sides, as (side, from, to)."""
     seen = []
 
-    def wrap(cls):
+    def wrap(cls, side):
         real = cls._phase
 
         def record(self, to):
-            seen.append((type(self).__name__, self.phase, to))
+            seen.append((side, self.phase, to))
             real(self, to)
 
         return unittest.mock.patch.object(cls, "_phase", record)
 
-    with wrap(PrefillSide), wrap(DecodeSide):
+    with wrap(PrefillPause, "PrefillSide"), wrap(DecodePause, "DecodeSide"):
         yield seen
 
 

@@ -120,7 +120,7 @@ def test_memory_is_reused_only_after_the_queued_unpack(mode):
             torch.cuda._sleep(4_000_000_000)  # about 2 s of GPU time on the decode's stream
         pair.faults.stall_at.clear()
         run_until(lambda: 2 in dec.completed)
-        busy = [ev for ev, *_ in dec._draining]
+        busy = [ev for ev, *_ in dec.memory.draining]
         assert dec.completed[2].status == 200 and busy and not busy[0].query()
         assert dec.alloc.num_free == 0
         pair.prefill.add_request(3, 64)
