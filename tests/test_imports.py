@@ -9,6 +9,8 @@ an import of module ``kvmem.x.y`` when that is a module, else of ``kvmem.x``; re
 imports are resolved against the importing module's package.  The test fails naming
 each cycle of the graph it finds.
 
+No module of either over 500 lines.
+
 And what an sglang process pays for the adapter at start: its modules (those that do not
 import sglang at the top) load neither side of kvmem's PD nor a transfer engine.  And no
 module of the adapter uses a private name (a leading underscore) of another one.
@@ -179,6 +181,21 @@ def test_no_import_cycle(package):
     assert not found, "import cycles (each from its smallest module): " + "; ".join(
         " -> ".join((*c, c[0])) for c in found
     )
+
+
+# A module of the library or the adapter is read whole by whoever changes it: one job, and
+# at most this many lines.
+MAX_LINES = 500
+
+
+@pytest.mark.parametrize("package", sorted(ROOTS))
+def test_no_module_over_the_line_limit(package):
+    long = {
+        name: n
+        for name, path in modules(package).items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
 
 
 def test_kvmem_never_imports_the_adapter():
