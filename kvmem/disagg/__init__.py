@@ -18,8 +18,9 @@ the prefill's pool pages).  The lifecycle table holds in both.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from kvmem.lazy import lazy_names
 
 if TYPE_CHECKING:
     from kvmem.disagg.counters import Metrics
@@ -86,14 +87,4 @@ _HOME = {
 }
 
 if not TYPE_CHECKING:  # for mypy the names are the imports above, and no others
-
-    def __getattr__(name: str) -> object:
-        if name not in _HOME:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(_HOME[name]), name)
-        globals()[name] = value  # looked up once
-        return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    __getattr__, __dir__ = lazy_names(__name__, _HOME)
