@@ -31,7 +31,7 @@ two)::
 * FREED: its pages and landing region are given back once the device work on them is
   done (below); the request is over (:attr:`DecodeSide.completed`).
 * A request changes state only through :func:`~kvmem.disagg.decode_request.set_state`
-  (the side's ``_transition`` and its parts call it), which refuses an edge not drawn
+  (the side and its parts call it), which refuses an edge not drawn
   here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message that
   does not fit the state is a ProtocolError before anything changes.  What else a
   request carries, and why it is not part of the state: :class:`DecodeRequest`.
@@ -361,7 +361,7 @@ class DecodeSide:
             )
         req = DecodeRequest(rid, room, tokens, peer, t_seen=self.clock())
         withheld = self.faults.withhold_boot(rid)
-        self._transition(req, DecodeState.WITHHELD if withheld else DecodeState.WAITING)
+        set_state(req, DecodeState.WITHHELD if withheld else DecodeState.WAITING)
         self.reqs[rid] = req
         self._rooms[room] = rid
         self.completed.pop(rid, None)
@@ -406,15 +406,9 @@ class DecodeSide:
             return
         req.reason = Reason(status, message or f"request {rid} aborted on the decode side")
         self._tell(req.peer, encode("ABORT_REQ", rid=rid, status=status, reason=req.reason.message))
-        self._transition(req, DecodeState.QUARANTINED)
+        set_state(req, DecodeState.QUARANTINED)
         req.t_quarantined = self.clock()
         self.ledger.quarantine(rid)
-
-    def _transition(self, req: DecodeRequest, to: DecodeState) -> None:
-        """Move ``req`` to ``to`` along an edge of the module docstring's drawing
-        (:data:`~kvmem.disagg.states.DECODE_EDGES`); IllegalTransition naming the request
-        and both states, ``req`` unchanged, for any other."""
-        set_state(req, to)
 
     def _check_timeouts(self) -> bool:
         """Abort the requests without news for ``timeout`` (504, quarantined), free the

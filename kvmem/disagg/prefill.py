@@ -35,7 +35,7 @@ two)::
   the bootstrap timeout (BOOTSTRAPPING) or the transfer timeout (after the BOOT).  How a
   request ends, early or done: :mod:`kvmem.disagg.prefill_ending`.
 * A request changes state only through :func:`~kvmem.disagg.prefill_request.set_state`
-  (the side's ``_transition`` and its parts call it), which refuses an edge not drawn
+  (the side and its parts call it), which refuses an edge not drawn
   here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message that
   does not fit the state is a ProtocolError before anything changes.  What else a
   request carries, and why it is not part of the state:
@@ -379,7 +379,7 @@ class PrefillSide:
             t_created=self.clock(),
             host_pages=np.zeros(-(-tokens // self.spec.page_size), np.int64),
         )
-        self._transition(req, PrefillState.BOOTSTRAPPING)
+        set_state(req, PrefillState.BOOTSTRAPPING)
         self.reqs[rid] = req
         self._rooms.add(room)
         self.ledger.hold(rid, torch.empty(0, dtype=torch.int64, device=self.alloc.device))
@@ -478,12 +478,6 @@ class PrefillSide:
     def _maybe_finish(self, req: PrefillRequest) -> None:
         """Finish ``req`` once nothing of it is in flight (the ending part's)."""
         self.ending.maybe_finish(req)
-
-    def _transition(self, req: PrefillRequest, to: PrefillState) -> None:
-        """Move ``req`` to ``to`` along an edge of the module docstring's drawing
-        (:data:`~kvmem.disagg.states.PREFILL_EDGES`); IllegalTransition naming the request
-        and both states, ``req`` unchanged, for any other."""
-        set_state(req, to)
 
     def prefault(self) -> None:
         """Back the pool and the staging buffer with memory now, not at first touch."""

@@ -13,8 +13,9 @@ pause.
   itself: its requests end by the bootstrap or transfer timeout (504) or by a failed
   write (500); the memory a write in flight may read stays held until that write is
   DONE or ERR.  A caller that knows a peer is dead (its process exited, a health check)
-  says so (:meth:`PrefillSide.peer_gone <kvmem.disagg.prefill.PrefillSide.peer_gone>`): its requests end at once (500), their
-  transfers given up, instead of holding pages, and a pause, for the transfer timeout.
+  says so (:meth:`PrefillSide.peer_gone <kvmem.disagg.prefill.PrefillSide.peer_gone>`):
+  its requests end at once (500), their transfers given up, instead of holding pages,
+  and a pause, for the transfer timeout.
   ``META`` after a pause of this side goes to every peer.
 * Peer messages arrive validated (:mod:`kvmem.disagg.protocol`); the handlers here check
   what depends on state (and that the sender is the request's peer), before they change

@@ -4,8 +4,8 @@ their way to the host (:class:`IdsCopy`), a chunk or the AUX staged and not post
 (:class:`_Staged`, of the kinds :class:`_Send`), a transfer in flight
 (:class:`InFlight`), a pull offer (:class:`Offer`).  The queued ones are frozen.  The
 fault-injection points of the side (:class:`Faults`), and the one way a request changes
-state (:func:`set_state`).  Data and that check only: the side's modules change them (:mod:`kvmem.disagg.prefill` and its parts);
-nothing here imports them.
+state (:func:`set_state`).  Data and that check only: the side's modules change them
+(:mod:`kvmem.disagg.prefill` and its parts); nothing here imports them.
 """
 
 from __future__ import annotations

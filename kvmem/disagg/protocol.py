@@ -45,6 +45,7 @@ import binascii
 import collections
 import json
 import logging
+import operator
 import re
 from dataclasses import dataclass
 
@@ -421,9 +422,7 @@ def dispatch(side, handlers: dict, msg, peer: str, receiver: str, *, peers, send
 def handler(side, name: str):
     """The handler a dispatch table names: a method of ``side``, or of one of its parts
     (``"part.method"``)."""
-    for attr in name.split("."):
-        side = getattr(side, attr)
-    return side
+    return operator.attrgetter(name)(side)
 
 
 class Inbox:
