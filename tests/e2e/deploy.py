@@ -690,6 +690,21 @@ def given_back(before: dict, after: dict, min_size: int = 1 << 20) -> int:
     )
 
 
+def wait_given_back(before: dict[int, dict], want: float, timeout: float = 15.0) -> dict[int, int]:
+    """What each process of ``before`` (pid -> its :func:`rss_by_mapping` snapshot) gave
+    back since (:func:`given_back`), read until every one gave back at least ``want``
+    bytes or ``timeout`` seconds passed; the last reading.  For the ranks of a TP server:
+    sglang answers ``/release_memory_occupation`` once rank 0 released, and the other
+    ranks release in the same broadcast a moment later (a run here: rank 1's release
+    logged after the 200, its snapshot taken at once showed 0 bytes given back)."""
+    end = time.monotonic() + timeout
+    while True:
+        back = {p: given_back(snap, rss_by_mapping(p)) for p, snap in before.items()}
+        if all(b >= want for b in back.values()) or time.monotonic() >= end:
+            return back
+        time.sleep(0.05)
+
+
 def prompt(i: int, words: int = 12) -> str:
     """A deterministic prompt of the tiny model's words (tests.e2e.tiny_model.WORDS)."""
     from tests.e2e.tiny_model import WORDS
