@@ -18,6 +18,7 @@ from tests.sglang.prefill_env import PrefillHarness, prefill_stats
 TRANSFER_TIMEOUT = 0.3  # SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT set by the test
 BOOTSTRAP_TIMEOUT = 1  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (sglang reads an int)
 SETTLE_S = 0.6  # a posted write settles this long after the release starts (case 6)
+FAIL_AFTER_S = 0.3  # a posted write fails this long after the release starts (case 12)
 
 
 def main() -> dict:
@@ -201,8 +202,38 @@ def main() -> dict:
         "resume": _call(h.resume),
     }
     state.SETTLE_UNTIL.pop(h.mgr)
-    del h.mgr._staging_outstanding
     out["settle_window"] = sw
+
+    # -- 12. a write fails while the release waits for it -------------------------------------
+    # a thread plays sglang's Mooncake worker: the room's write is posted when the release
+    # starts and fails FAIL_AFTER_S later, when the worker poisons the room (the adapter's
+    # hook on _poison_unsettled_send opens the settle window) and uncounts it at once
+    import threading
+
+    from kvmem_sglang import mooncake
+
+    counts = h.mgr._staging_outstanding
+    counts[903] += 1
+    failed = {}
+    mooncake.SETTLE_S = SETTLE_S  # inside the test's drain timeout (the default is 2 s)
+
+    def fail_later():
+        time.sleep(FAIL_AFTER_S)
+        mooncake.poison_unsettled_send(lambda mgr, room: None, h.mgr, 903)
+        failed["at"] = time.monotonic()
+        counts[903] -= 1
+
+    worker = threading.Thread(target=fail_later)
+    t0 = time.monotonic()
+    worker.start()
+    fw = {"release": _call(h.release), "release_s": time.monotonic() - t0}
+    worker.join()
+    fw["failed_s"] = failed["at"] - t0
+    fw["window_s"] = mooncake.SETTLE_S
+    fw["resume"] = _call(h.resume)
+    state.SETTLE_UNTIL.pop(h.mgr)
+    del h.mgr._staging_outstanding
+    out["failed_while_waiting"] = fw
 
     # -- 10. abort_all with nothing to abort -----------------------------------------------
     before = (prefill_stats() or {}).get("unknown_aborts")

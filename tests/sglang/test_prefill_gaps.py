@@ -212,3 +212,14 @@ def test_release_waits_out_the_settle_window_of_a_failed_transfer(runs):
     assert off["release"]["ok"] and on["release"]["ok"] and on["resume"]["ok"]
     assert off["release_s"] < SETTLE_S
     assert SETTLE_S <= on["release_s"] < 1.5, on
+
+
+def test_a_write_that_fails_while_the_release_waits_gets_its_settle_window(runs):
+    """A Mooncake write posted before the release fails while the release waits for it:
+    sglang's worker poisons the room (the adapter's hook opens the settle window) and
+    uncounts it at once.  The release then waits the window out before it deregisters
+    (before, it read the window once, before waiting, and released at the uncount, while
+    the failed write's slices could still land)."""
+    got = runs["on"]["failed_while_waiting"]
+    assert got["release"]["ok"] and got["resume"]["ok"], got
+    assert got["release_s"] >= got["failed_s"] + got["window_s"] - 0.05, got

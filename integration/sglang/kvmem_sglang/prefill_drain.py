@@ -267,6 +267,8 @@ def await_posted_writes(sched) -> None:
             )
         time.sleep(DRAIN_POLL_S)
         rooms = busy()
+        # a write that failed meanwhile opened its window before its room was uncounted
+        _await_settle_window(mgr, deadline)
     logger.info(
         "kvmem-sglang: posted writes settled after %.3f s; releasing", time.monotonic() - start
     )
@@ -276,7 +278,10 @@ def _await_settle_window(mgr, deadline: float) -> None:
     """Wait (until ``deadline`` at most) for the settle window a transfer backend opened
     after a write that failed while parts of it may still be moving
     (``state.SETTLE_UNTIL``, monotonic seconds; set by ``kvmem_sglang.mooncake``):
-    sglang's worker uncounts such a room at once, so the counts above cannot show it."""
+    sglang's worker uncounts such a room at once, so the counts above cannot show it.
+    Read before the counts and again after every poll of them: a write that fails while
+    the release waits opens its window (``_poison_unsettled_send``) just before its room
+    is uncounted, so the poll that finds the room settled finds the window too."""
     until = min(state.SETTLE_UNTIL.get(mgr) or 0.0, deadline)
     wait = until - time.monotonic()
     if wait > 0:
