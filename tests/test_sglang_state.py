@@ -149,8 +149,17 @@ def test_a_key_that_takes_no_weak_reference_is_refused():
     assert t.get(ok) == 1
 
 
-# calls whose result is not state of ours: immutable values, and loggers (logging's own)
-_NOT_STATE = {"re.compile", "logging.getLogger", "TypeVar", "frozenset", "tuple", "object"}
+# calls whose result is not state of ours: immutable values (a MappingProxyType over a dict
+# made in the call: nothing else holds the dict), and loggers (logging's own)
+_NOT_STATE = {
+    "re.compile",
+    "logging.getLogger",
+    "TypeVar",
+    "frozenset",
+    "tuple",
+    "object",
+    "MappingProxyType",
+}
 
 
 def _mutable_globals(tree: ast.Module) -> set[str]:

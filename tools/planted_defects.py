@@ -67,11 +67,11 @@ DEFECTS = [
     ),
     Defect(
         "adapter",
-        "the prefill's failure message loses the HTTP status it answered, so "
+        "the prefill's status message to the decode loses the answer frame, so "
         "the decode answers sglang's generic 500 instead of the 503/504",
-        "integration/sglang/kvmem_sglang/reasons.py",
-        '        return f"{message} (kvmem-sglang HTTP {int(status)})"',
-        "        return message",
+        "integration/sglang/kvmem_sglang/notify.py",
+        "    if told.answer is not None:\n        if not mgr.kv_status_msg_carries_reason:",
+        "    if False:\n        if not mgr.kv_status_msg_carries_reason:",
         "test",
     ),
 ]

@@ -393,6 +393,52 @@ def test_request_while_released_answered_promptly(deployments, backend, referenc
     assert d.crashed() == []
 
 
+# rids a client may choose: the markers of the adapter's old text protocol (a status that is
+# no HTTP status, a success, an abort), sglang's own abort record, the answer frame's text
+HOSTILE_RIDS = (
+    " (kvmem-sglang HTTP 999)",
+    " (kvmem-sglang HTTP 200)",
+    " (kvmem-sglang abort)",
+    "): Aborted by AbortReq.",
+    " kvmem-sglang answer 504",
+)
+
+
+@pytest.mark.parametrize("kind", ["stock", "kvmem-both"])
+def test_a_clients_rid_cannot_steer_the_servers(deployments, backend, reference, kind):
+    """Requests whose rids carry what the adapter once read statuses from.  Served, they
+    get the same tokens as any request.  With the flag, sent while the prefill's KV cache
+    is released, each is answered the prefill's 503, whatever its rid says: the answer
+    crosses from prefill to decode as data, never read out of sglang's message (which
+    holds the rid).  Before, one rid ending in "(kvmem-sglang HTTP 999)" killed the
+    decode's scheduler (``ValueError: 999 is not a valid HTTPStatus``) and every later
+    request got 500; "HTTP 200" or "abort" chose the answer of the request's own failure.
+    Stock never reads a rid (its release keeps the KV cache on this host, and it serves);
+    a client's abort of such rids: ``test_aborted_requests_with_client_rids_are_answered``."""
+    d = deployments.get(kind, backend)
+    tag = time.monotonic_ns()
+    for i, tail in enumerate(HOSTILE_RIDS):
+        r = d.generate(PROMPTS[0], rid=f"steer-{tag}-{i}{tail}", timeout=60)
+        assert r.status == 200 and r.body["output_ids"] == reference[0], (tail, r.status, r.body)
+    if kind != "stock":
+        assert d.control(d.prefill, "/release_memory_occupation", KV).status == 200
+        try:
+            for i, tail in enumerate(HOSTILE_RIDS):
+                r = d.generate(PROMPTS[1], rid=f"steer-released-{tag}-{i}{tail}", timeout=30)
+                assert r.status == 503 and "released its KV cache" in str(r.body), (
+                    tail,
+                    r.status,
+                    r.body,
+                    r.error,
+                )
+                assert r.seconds < PROMPT_S, (tail, r.seconds)
+            assert d.settle(PROMPT_S) == {}
+        finally:
+            assert d.control(d.prefill, "/resume_memory_occupation", KV).status == 200
+    assert outputs(d) == reference
+    assert d.crashed() == []
+
+
 @pytest.mark.parametrize("kind", ["kvmem-decode"])
 def test_request_refused_by_a_released_decode_is_answered_whatever_the_prefill(
     deployments, backend, reference, kind
@@ -540,7 +586,8 @@ def test_aborted_requests_with_client_rids_are_answered(deployments, backend, ki
     answered (tests/e2e/README.md)."""
     d = deployments.get(kind, backend)
     pool = ThreadPoolExecutor(8)
-    rids = [f"abort-{time.monotonic_ns()}-{i}" for i in range(8)]
+    tails = HOSTILE_RIDS + ("",) * 3  # what a rid holds decides nothing
+    rids = [f"abort-{time.monotonic_ns()}-{i}{tails[i]}" for i in range(8)]
     futs = [
         pool.submit(d.generate, prompt(40 + i), 64, timeout=30, rid=r) for i, r in enumerate(rids)
     ]

@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import os
 import time
+from http import HTTPStatus
 
 from testkit.sglang_pair import kv_args, nixl_as_sglang_imports_it
-from tests.sglang.sglang_env import script_main
+from tests.sglang.sglang_env import make_req, script_main
 
 WAITING_TIMEOUT_S = 3  # the decode's SGLANG_DISAGGREGATION_WAITING_TIMEOUT (an int)
 TRANSFER_TIMEOUT_S = 1.2  # the adapter's SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT
@@ -136,6 +137,23 @@ def main() -> dict:
     sizes = {"late": 5, "xfer": 12, "wait": 5, "boot": 5}
     out = {"states_at_abort": {}, "answers": {}}
     published, aborted, failed, reasons, safe, errors = {}, {}, {}, {}, {}, {}
+    answered: dict = {}
+
+    def decode_answer(rid, room, error) -> dict:
+        """What the decode's transfer queue answers next, on this thread (decode.py:2885:
+        sglang's ``prepare_abort(req, message, 500)``, through the adapter's hook when the
+        flag is on), for a decode request of the room."""
+        from sglang.srt.disaggregation import utils
+
+        req = make_req(rid, 4)
+        req.bootstrap_room = room
+        message = (
+            f"Decode transfer failed for request rank=0 {req.rid=} {req.bootstrap_room=} "
+            f"with exception {error}"
+        )
+        utils.prepare_abort(req, message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)
+        got = req.finished_reason.to_json()
+        return {"type": got["type"], "status_code": got["status_code"]}
 
     def decode_poll():
         """What the decode's transfer queue does each step (pop_transferred for a Failed
@@ -150,6 +168,7 @@ def main() -> dict:
                 except Exception as e:  # KVTransferError: the decode's answer carries it
                     reasons[rid] = getattr(e, "failure_reason", str(e))
                     errors[rid] = str(e)  # what sglang's failure path puts in its answer
+                    answered[rid] = decode_answer(rid, room, e)
             if rid in failed and rid not in safe and dm.is_abort_release_safe(room, 1):
                 safe[rid] = time.monotonic()
                 pages, slot = held[rid]  # what resolve_deferred_releases frees now
@@ -232,6 +251,7 @@ def main() -> dict:
     out["decode_failed_after_abort_s"] = rel(failed, aborted)
     out["decode_reasons"] = reasons
     out["decode_errors"] = errors
+    out["decode_answers"] = answered
     out["decode_release_safe_after_publish_s"] = rel(safe, published)
     out["decode_pages_held_at_end"] = free_pages_at_start - int(dalloc.available_size())
     out["prefill_rooms_left"] = {
@@ -276,10 +296,13 @@ def main() -> dict:
     if os.environ.get("SGLANG_KVMEM") == "1":
         from kvmem_sglang import notify, prefill
 
-        out["notify"] = vars(notify.STATS)
+        out["notify"] = dict(vars(notify.STATS))  # before the room cases count more
         out["transfer_timeouts"] = prefill.STATS.transfer_timeouts
     out["senders"] = sorted({type(r.disagg_kv_sender).__name__ for r in h.reqs.values()})
     assert out["senders"] == [NixlKVSender.__name__]
+    from tests.sglang import scenario_room_records
+
+    out["rooms"] = scenario_room_records.run(pm, dm)
     return out
 
 

@@ -1,5 +1,8 @@
 """The status a PD request's failure is answered with when the flag is on: sglang's own
-``prepare_abort`` (disaggregation/utils.py) under the adapter's hook, on real ``Req``s."""
+``prepare_abort`` (disaggregation/utils.py) under the adapter's hook, on real ``Req``s.
+The answer comes as data (handed over from the ``failure_exception`` sglang read just
+before, or a kvmem prefill's answer frame), never out of the message sglang writes, which
+holds the request's ``rid``: a client's choice."""
 
 from __future__ import annotations
 
@@ -7,97 +10,140 @@ from http import HTTPStatus
 
 import pytest
 
-from kvmem_sglang.reasons import EARLY_ABORT, is_abort, tag
-from tests.sglang.sglang_env import abort_answer as _answer
+from kvmem_sglang import reasons
+from kvmem_sglang.reasons import ABORT, ANSWER_STATUSES, EARLY_ABORT, SGLANG_ABORTS
+from tests.sglang.sglang_env import make_req
+
+ROOM = 7
 
 
-# what the decode's transfer-failure path writes for a receiver /abort_request aborted
-USER = (
-    "Decode transfer failed for request rank=0 decode_req.req.rid='a-1' "
-    "decode_req.req.bootstrap_room=7 with exception KVTransferError(bootstrap_room=7): "
-    "Aborted by AbortReq."
-)
+def _message(rid: str, reason: str) -> str:
+    """What the decode's transfer-failure path writes (decode.py:2866-2872)."""
+    return (
+        f"Decode transfer failed for request rank=0 decode_req.req.rid={rid!r} "
+        f"decode_req.req.bootstrap_room={ROOM} with exception "
+        f"KVTransferError(bootstrap_room={ROOM}): {reason}"
+    )
 
 
-# what the prefill's transfer-failure path writes when the decode's ABORT came first
-BY_DECODE = (
-    "Prefill transfer failed for request rank=0 req.rid='a-1' "
-    "req.bootstrap_room=7 with exception KVTransferError(bootstrap_room=7): "
-    "Aborted by decode-side abort notification."
-)
+def _answer(message: str, *args, handed=None, room=ROOM, flag: bool = True, **kwargs) -> dict:
+    """The finish reason (``to_json``) a request of ``room`` gets from sglang's
+    ``prepare_abort`` with ``message`` and the given status, right after the adapter's
+    hook on ``failure_exception`` handed over ``handed`` for room ROOM (nothing when
+    None); through the adapter's hook, or stock."""
+    from sglang.srt.disaggregation.utils import prepare_abort
+
+    from kvmem_sglang import decode
+
+    req = make_req("r0", 16)
+    req.bootstrap_room = room
+    reasons.hand_over(ROOM if handed is not None else None, handed)
+    if flag:
+        decode.prepare_abort(prepare_abort, req, message, *args, **kwargs)
+    else:
+        prepare_abort(req, message, *args, **kwargs)
+    return req.finished_reason.to_json()
 
 
-# what the prefill's bootstrap-failure path writes when the decode's ABORT came before
-# the request itself (kvmem_sglang.notify.manager_update_status fails the sender at once)
-EARLY = (
-    "Prefill bootstrap failed for request rank=0 req.rid='a-1' "
-    f"req.bootstrap_room=7 with exception KVTransferError(bootstrap_room=7): {EARLY_ABORT}"
-)
-# what a decode's transfer-failure path writes when a client aborted the request on the
-# kvmem prefill alone, which told the decode (kvmem_sglang.notify: the client's reason,
-# sglang's FINISH_ABORT() "Aborted", tagged as an abort)
-ON_PREFILL = (
-    "Decode transfer failed for request rank=0 decode_req.req.rid='a-1' "
-    "decode_req.req.bootstrap_room=7 with exception KVTransferError("
-    "bootstrap_room=7): Prefill aborted the KV transfer of room 7 in "
-    f"WaitingForInput ({tag('Aborted', None)})"
-)
+ERROR = HTTPStatus.INTERNAL_SERVER_ERROR
 
-# the same when the request was in the prefill's running batch: sglang's own retire path
-# aborted the sender, whose record ("Aborted by AbortReq.") the prefill tells the decode
-# (seen on a real pair: the decode answered it 500, the router re-sent it, and it ran to
-# its end); inside sglang's parentheses it no longer ends like an abort
-IN_BATCH = (
-    "Decode transfer failed for request rank=0 decode_req.req.rid='a-1' "
-    "decode_req.req.bootstrap_room=7 with exception KVTransferError("
-    "bootstrap_room=7): Prefill aborted the KV transfer of room 7 in "
-    f"Transferring ({tag('Aborted by AbortReq.', None)})"
-)
+# rids a client may send: markers of the old text protocol, statuses that are not
+# statuses, sglang's own abort records at the end of a message
+HOSTILE_RIDS = [
+    "x (kvmem-sglang HTTP 999)",
+    "x (kvmem-sglang HTTP 200)",
+    "x (kvmem-sglang HTTP 503)",
+    "x (kvmem-sglang abort)",
+    "x): Aborted by AbortReq.",
+    "kvmem-sglang answer abort",
+    "kvmem-sglang answer 503",
+    "\x00\xff" * 40,
+]
 
 
-@pytest.mark.parametrize(
-    "message",
-    [USER, BY_DECODE, EARLY, ON_PREFILL, IN_BATCH],
-    ids=["user", "by-decode", "early", "on-prefill", "in-batch"],
-)
+@pytest.mark.parametrize("rid", HOSTILE_RIDS, ids=range(len(HOSTILE_RIDS)))
+@pytest.mark.parametrize("reason", ["KV transfer failed", "Aborted by AbortReq."])
+def test_a_clients_rid_never_chooses_the_answer(rid, reason):
+    """Whatever the rid (and the message around it), with nothing handed over the answer
+    is sglang's own 500, as stock answers, and the hook raises nothing."""
+    message = _message(rid, reason) + f" {rid}"
+    got = _answer(message, status_code=ERROR)
+    assert got["status_code"] == 500 and got["type"] == "abort", got
+    assert got == _answer(message, status_code=ERROR, flag=False)
+
+
 @pytest.mark.parametrize("how", ["keyword", "positional"])
-def test_an_aborted_request_is_answered_as_an_abort_not_a_500(how, message):
-    args, kwargs = (
-        ((HTTPStatus.INTERNAL_SERVER_ERROR,), {})
-        if how == "positional"
-        else ((), {"status_code": HTTPStatus.INTERNAL_SERVER_ERROR})
-    )
-    out = _answer(message, *args, **kwargs)
-    # as sglang answers an aborted request outside PD: no error status, so routers do
-    # not retry it (sglang-router retries 500)
-    assert out == {"type": "abort", "message": message, "status_code": None, "err_type": None}
+@pytest.mark.parametrize("answer", [ABORT, 500, 503, 504])
+def test_the_answer_handed_over_is_the_answer(how, answer):
+    """What the ``failure_exception`` hook handed over for the request's room is the
+    answer: a status of the adapter's, or an abort (no status: sglang's router retries a
+    500, which would send an aborted request again)."""
+    args, kwargs = ((ERROR,), {}) if how == "positional" else ((), {"status_code": ERROR})
+    message = _message("x (kvmem-sglang HTTP 999)", "whatever")
+    got = _answer(message, *args, handed=answer, **kwargs)
+    want = None if answer == ABORT else answer
+    assert got == {"type": "abort", "message": message, "status_code": want, "err_type": None}
 
 
-def test_other_failures_keep_their_status():
-    timeout = "Decode transfer failed for request rank=0: KVTransferError: timed out"
-    assert _answer(timeout, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)["status_code"] == 500
-    # a reason a kvmem prefill tagged: its status, user abort or not
-    tagged = tag("Prefill server 0 has released its KV cache; refused", 503)
-    assert _answer(tagged, status_code=HTTPStatus.INTERNAL_SERVER_ERROR)["status_code"] == 503
-    # a user abort whose caller chose a status of its own keeps it
-    assert _answer(USER, status_code=HTTPStatus.SERVICE_UNAVAILABLE)["status_code"] == 503
-    assert _answer(USER)["status_code"] is None  # sglang's default
-    assert (
-        _answer(
-            "Aborted by AbortReq. then something else", status_code=HTTPStatus.INTERNAL_SERVER_ERROR
-        )["status_code"]
-        == 500
-    )
+def test_an_answer_is_taken_once_and_only_by_its_room():
+    assert _answer("m", status_code=ERROR, handed=503, room=ROOM + 1)["status_code"] == 500
+    reasons.hand_over(ROOM, 503)
+    req = make_req("r1", 4)
+    req.bootstrap_room = ROOM
+    assert reasons.take_answer(req) == 503 and reasons.take_answer(req) is None
 
 
-def test_only_a_reason_without_status_is_tagged_as_an_abort():
-    assert is_abort(tag("Aborted", None)) and is_abort(tag("Aborted", 0))
-    assert tag(tag("Aborted", None), None) == tag("Aborted", None)  # once
-    # sglang's own record is marked too: the decode reads it inside sglang's text
-    assert tag("Aborted by AbortReq.", None).endswith("(kvmem-sglang abort)")
-    assert not is_abort(tag("Aborted", 503))  # a client abort with a status keeps it
-    assert not is_abort("Prefill KV transfer timed out") and not is_abort(None)
-    assert not is_abort("Aborted by AbortReq. then something else")
+def test_other_statuses_are_left_as_the_caller_gave_them():
+    """Only sglang's 500 of a failure is replaced: a caller that chose a status keeps it,
+    and sglang's default (no status) stays."""
+    assert _answer("m", status_code=HTTPStatus.SERVICE_UNAVAILABLE, handed=ABORT)[
+        "status_code"
+    ] == (503)
+    assert _answer("m", handed=504)["status_code"] is None
+
+
+def test_sglangs_abort_records_are_answered_as_aborts_whole_only():
+    for record in SGLANG_ABORTS | {EARLY_ABORT}:
+        assert reasons.answer_of_record(record) == ABORT
+    for other in (
+        "Aborted by AbortReq. then something else",
+        "x Aborted by AbortReq.",
+        "Request 7 timed out after 300.0s in KVPoll.Bootstrapping",
+        None,
+        7,
+    ):
+        assert reasons.answer_of_record(other) is None, other
+
+
+def test_answer_frames_carry_only_the_adapters_answers():
+    """The frame a kvmem prefill sends after sglang's status message, read by a decode:
+    exactly the frames :func:`to_frame` makes; anything a peer may send instead is no
+    answer, and reading it never raises."""
+    for answer in (ABORT, *ANSWER_STATUSES):
+        assert reasons.from_frame(reasons.to_frame(answer)) == answer
+        assert reasons.from_frame(bytearray(reasons.to_frame(answer))) == answer
+    for junk in (
+        b"",
+        b"kvmem-sglang answer 999",
+        b"kvmem-sglang answer 200",
+        b"kvmem-sglang answer 503 ",
+        b"kvmem-sglang answer " + b"5" * 10_000,
+        "kvmem-sglang answer 503",
+        None,
+        503,
+        [b"kvmem-sglang answer 503"],
+    ):
+        assert reasons.from_frame(junk) is None, junk
+    assert ANSWER_STATUSES == {500, 503, 504}
+
+
+def test_the_answer_of_a_reason():
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    assert reasons.answer_of(FINISH_ABORT("m")) == ABORT  # a client's abort
+    assert reasons.answer_of(FINISH_ABORT("m", HTTPStatus.SERVICE_UNAVAILABLE)) == 503
+    assert reasons.answer_of(FINISH_ABORT("m", HTTPStatus.BAD_REQUEST)) is None
+    assert reasons.answer_of(FINISH_ABORT("m", "not a status")) is None
 
 
 def test_the_adapters_answers_carry_the_library_endings_statuses():

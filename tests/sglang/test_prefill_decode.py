@@ -18,12 +18,11 @@ reason, and the prefill's ABORT_ACK lets it free the pages at once
 
 from __future__ import annotations
 
-from http import HTTPStatus
 from pathlib import Path
 
 import pytest
 
-from tests.sglang.sglang_env import abort_answer, run_both
+from tests.sglang.sglang_env import run_both
 
 SCRIPT = Path(__file__).parent / "scenario_prefill_decode.py"
 WAITING_TIMEOUT_S = 3.0  # the scenario's decode waiting timeout
@@ -130,29 +129,80 @@ def test_a_failing_notification_never_escapes_abort(runs):
         assert len(run["answers"]["boom"]) == 1, run["answers"]["boom"]
 
 
-def _decode_answer(error: str, flag: bool) -> dict:
-    """The answer sglang's decode gives a request whose receiver failed with ``error``
-    (decode.py:2885: its message and ``prepare_abort(..., 500)``), stock or through the
-    adapter's hook."""
-    message = (
-        "Decode transfer failed for request rank=0 decode_req.req.rid='r0' "
-        f"decode_req.req.bootstrap_room=7 with exception {error}"
-    )
-    return abort_answer(message, status_code=HTTPStatus.INTERNAL_SERVER_ERROR, flag=flag)
-
-
 def test_the_decode_answers_a_client_abort_on_the_prefill_as_an_abort(runs):
     """A client aborted xfer, wait and boot on the prefill alone; the kvmem prefill told
-    the decode with the reason marked as an abort.  A decode with the flag answers them as
-    aborts, with no status (sglang's router retries a 500, which would send the aborted
-    request again), and the adapter's transfer timeout keeps its 504.  Stock answers 500
-    for every one of them (the reasons the real receivers got, over NIXL)."""
-    on = runs["on"]["decode_errors"]
-    assert sorted(on) == sorted(RIDS), on
+    the decode with the answer "abort" in a frame of its own.  A decode with the flag
+    answers them as aborts, with no status (sglang's router retries a 500, which would
+    send the aborted request again), and the adapter's transfer timeout keeps its 504:
+    the answers sglang's ``prepare_abort`` gave right after each real receiver's
+    ``failure_exception``, over NIXL.  Stock answers 500 for every one of them."""
+    on, off = runs["on"]["decode_answers"], runs["off"]["decode_answers"]
+    assert sorted(on) == sorted(RIDS) and sorted(off) == sorted(RIDS), (on, off)
     for rid in ("xfer", "wait", "boot"):
-        got = _decode_answer(on[rid], flag=True)
-        assert got["type"] == "abort" and got["status_code"] is None, (rid, got)
-        assert _decode_answer(on[rid], flag=False)["status_code"] == 500
-    assert _decode_answer(on["late"], flag=True)["status_code"] == 504
-    for rid, error in runs["off"]["decode_errors"].items():  # stock: its own timeout
-        assert _decode_answer(error, flag=True)["status_code"] == 500, rid
+        assert on[rid] == {"type": "abort", "status_code": None}, (rid, on[rid])
+    assert on["late"]["status_code"] == 504, on["late"]
+    for rid, got in off.items():  # stock: its own waiting timeout, 500
+        assert got["status_code"] == 500, (rid, got)
+
+
+def test_the_decode_answers_what_its_prefill_sent_and_nothing_else(runs):
+    """Status messages into the decode's real listener over ZMQ.  A kvmem prefill's answer
+    frame is the answer; every other frame a peer may put there (a status the adapter
+    never sends, a near miss, 100 kB, an empty one) is no answer, so the decode answers
+    sglang's own 500, and garbage never stops the listener.  A room that failed here for
+    its own client's abort keeps that answer.  Stock: 500 for all of them."""
+    on, off = runs["on"]["rooms"]["frames"], runs["off"]["rooms"]["frames"]
+    assert on == {
+        "answer-503": "503",
+        "answer-504": "504",
+        "answer-abort": "abort",
+        "no-frame": "none",
+        "status-999": "none",
+        "status-200": "none",
+        "spaced": "none",
+        "huge": "none",
+        "frames-after": "503",
+        "empty": "none",
+        "after-garbage": "504",
+        "unserved-kept": "none",
+        "own-abort-first": "abort",
+    }, on
+    assert set(off.values()) == {"none"}, off  # every room failed; sglang's 500 for each
+
+
+def test_a_decodes_aborts_on_the_prefill(runs):
+    """A decode's ABORT for a room the prefill does not know yet fails the sender that
+    opens the room later (stock: the request would bootstrap alone until its timeout); one
+    for a room that ended here leaves nothing behind, so a new sender of the room (PD
+    retraction re-bootstraps a request under its room) bootstraps; one for a room in
+    flight fails it, answered as an abort; a flood of them for unknown rooms keeps at most
+    the table's bound."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from kvmem_sglang.reasons import EARLY_ABORT
+    from kvmem_sglang.rooms import ROOM_LIMIT
+
+    on, off = runs["on"]["rooms"]["aborts"], runs["off"]["rooms"]["aborts"]
+    assert on["early"] == [KVPoll.Failed, EARLY_ABORT], on
+    assert off["early"] == [KVPoll.Bootstrapping, None], off
+    assert on["ended_then_reopened"] == off["ended_then_reopened"] == KVPoll.Bootstrapping
+    assert on["in_flight"] == off["in_flight"] == KVPoll.Failed
+    assert on["in_flight_answer"] == "abort"
+    assert on["flood_kept"] == ROOM_LIMIT, on
+
+
+def test_a_room_refused_while_its_metadata_comes_in(runs):
+    """A request refused on arrival (the KV cache released) whose decode's metadata is
+    half stored by the bootstrap thread: the refusal leaves the room's metadata to that
+    thread (dropping it there raised KeyError in the thread, which ended it: no request
+    bootstrapped after), which tells the decode once the rest came; one refused after all
+    of it came is told at once.  Either way the decode answers 503 and the prefill keeps
+    nothing of the room."""
+    got = runs["on"]["rooms"]["refused"]
+    for name in ("partial", "complete"):
+        assert got[name] == {
+            "bootstrap_thread_error": None,
+            "decode_told": True,
+            "decode_answer": "503",
+            "prefill_keeps": [False, False, False],
+        }, (name, got[name])

@@ -286,10 +286,22 @@ HOOKS: tuple[Hook, ...] = (
         "(the same on Mooncake)",
     ),
     Hook(
+        f"{_COMMON}.CommonKVSender.failure_exception",
+        "AROUND",
+        "prefill:sender_failure_exception",
+        "a failed room's answer, for prepare_abort",
+    ),
+    Hook(
+        f"{_COMMON}.CommonKVManager.parse_kv_status_message",
+        "AROUND",
+        "decode:parse_status_message",
+        "the prefill's answer frame, kept by room",
+    ),
+    Hook(
         "sglang.srt.disaggregation.utils.prepare_abort",
         "AROUND",
         "decode:prepare_abort",
-        "the decode answers with the prefill's status",
+        "the answer handed over, not sglang's 500",
     ),
     Hook(
         f"{_D}.DecodePreallocQueue.pop_preallocated",
@@ -301,7 +313,7 @@ HOOKS: tuple[Hook, ...] = (
         f"{_COMMON}.CommonKVReceiver.failure_exception",
         "AROUND",
         "decode:receiver_failure_exception",
-        "one status whichever rank sees it first",
+        "a failed room's answer; one whichever rank sees it",
     ),
     Hook(
         f"{_STAGING}.gather_all_layers_to_staging",
@@ -334,6 +346,8 @@ PRIVATE: tuple[Private, ...] = (
         "prefill_drain, notify, transfer_ahead",
     ),
     Private(f"{_COMMON}.CommonKVManager._room_notify_targets", "method", "call", "notify"),
+    Private(f"{_COMMON}.CommonKVManager._encode_kv_status_message", "method", "call", "notify"),
+    Private(f"{_COMMON}.CommonKVManager._send_multipart_locked", "method", "call", "notify"),
     Private(
         f"{_COMMON}.CommonKVManager._maybe_ack_drained_abort", "method", "call", "transfer_ahead"
     ),

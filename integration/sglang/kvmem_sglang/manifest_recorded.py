@@ -4,14 +4,18 @@ target of the manifest, (file:line, signature, digest).  Generated; do not edit.
 VERSION = '0.5.23'
 
 RECORDED = {
+    'sglang.srt.disaggregation.common.conn.CommonKVManager._encode_kv_status_message': ('sglang/srt/disaggregation/common/conn.py:739', '(self, *, bootstrap_room: int, status: KVPoll, failure_reason: Optional[str])', '70e8f2d28d7da353'),
     'sglang.srt.disaggregation.common.conn.CommonKVManager._maybe_ack_drained_abort': ('sglang/srt/disaggregation/common/conn.py:1044', '(self, room: int)', '4cad3c8123826953'),
     'sglang.srt.disaggregation.common.conn.CommonKVManager._room_notify_targets': ('sglang/srt/disaggregation/common/conn.py:722', '(self, bootstrap_room: int)', '3213d26254f88c91'),
+    'sglang.srt.disaggregation.common.conn.CommonKVManager._send_multipart_locked': ('sglang/srt/disaggregation/common/conn.py:1709', '(self, endpoint: str, parts: List[bytes], is_ipv6: bool=False)', 'f1244791eb209def'),
     'sglang.srt.disaggregation.common.conn.CommonKVManager._staging_outstanding': ('sglang/srt/disaggregation/common/conn.py:412', 'attribute', 'd14ff70b2f59eae1'),
+    'sglang.srt.disaggregation.common.conn.CommonKVManager.parse_kv_status_message': ('sglang/srt/disaggregation/common/conn.py:757', '(self, msg: List[bytes])', 'f21debaacc142ffe'),
     'sglang.srt.disaggregation.common.conn.CommonKVManager.update_status': ('sglang/srt/disaggregation/common/conn.py:653', '(self, bootstrap_room: int, status: KVPoll)', '1fce36e87e3727bd'),
     'sglang.srt.disaggregation.common.conn.CommonKVReceiver._connect_to_bootstrap_server': ('sglang/srt/disaggregation/common/conn.py:2795', '(cls, bootstrap_info: dict)', '50b202ea2e5ab349'),
     'sglang.srt.disaggregation.common.conn.CommonKVReceiver._register_kv_args': ('sglang/srt/disaggregation/common/conn.py:2802', '(self)', '132e5cd1460affc6'),
     'sglang.srt.disaggregation.common.conn.CommonKVReceiver.failure_exception': ('sglang/srt/disaggregation/common/conn.py:2944', '(self)', 'a9a2a139159727b1'),
     'sglang.srt.disaggregation.common.conn.CommonKVSender.abort': ('sglang/srt/disaggregation/common/conn.py:2458', '(self)', 'c41e0edddc19c410'),
+    'sglang.srt.disaggregation.common.conn.CommonKVSender.failure_exception': ('sglang/srt/disaggregation/common/conn.py:2446', '(self)', 'dc3d22fac4902d4e'),
     'sglang.srt.disaggregation.common.staging_buffer.gather_all_layers_to_staging': ('sglang/srt/disaggregation/common/staging_buffer.py:550', '(k_buffers: list, v_buffers: list, page_indices_np, staging_buffer: StagingBuffer, src_head_start: int, num_heads: int, page_size: int)', '29325e3f6f9f416a'),
     'sglang.srt.disaggregation.common.staging_buffer.scatter_staging_to_kv': ('sglang/srt/disaggregation/common/staging_buffer.py:735', '(staging_buffer_view: torch.Tensor, k_buffers: list, v_buffers: list, page_idx_tensor: torch.Tensor, page_size: int, prefill_attn_tp_size: int, decode_attn_tp_size: int, dst_tp_rank: int, total_kv_heads: int)', '806cffb799fcc5dd'),
     'sglang.srt.disaggregation.common.utils.FastQueue._buf': ('sglang/srt/disaggregation/common/utils.py:75', 'attribute', '3e74ec7ba332c58f'),

@@ -45,10 +45,13 @@ With SGLANG_KVMEM=1:
   re-creating the room.
 * :func:`refuse_room`: a request the prefill refuses on arrival (its KV cache is
   released) never gets a sender; its decode, which the router asked at the same time and
-  which waits for the room's KV, is sent Failed at once if its metadata is already in
-  (``transfer_infos``), else when it comes (the room is remembered as aborted).  Such rooms are remembered for
-  ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT + SGLANG_DISAGGREGATION_WAITING_TIMEOUT``; a new
-  sender for the same room (its ``Bootstrapping``) forgets it.
+  which waits for the room's KV, is sent Failed at once if its metadata is all in (the
+  bootstrap thread moved the room to WaitingForInput), else when the last of it comes
+  (the room is remembered as aborted).  Only the bootstrap thread that stores a room's
+  ``transfer_infos`` drops them while they are incomplete: it reads them back between
+  its statements (``MooncakeKVManager``'s and ``NixlKVManager``'s bootstrap threads), and
+  a room dropped there by another thread raised ``KeyError`` and ended that thread.  A
+  new sender for the same room (its ``Bootstrapping``) forgets the record.
 
 * ``abort_notification`` (around the NIXL and mooncake managers'
   ``_handle_abort_notification``): a decode's ABORT for a room the prefill does not know
@@ -57,20 +60,31 @@ With SGLANG_KVMEM=1:
   later bootstraps alone until its bootstrap timeout (300 s), while the router waits for
   the prefill's answer: the client hangs.  The room is remembered, and the sender that
   later opens it (``manager_update_status``, its ``Bootstrapping``) is failed at once with
-  the decode's reason.
+  the decode's reason.  An ABORT for a room a sender of this prefill opened lately
+  (:data:`kvmem_sglang.state.OPENED`) is not remembered: that room ended here, and the
+  record would fail the next sender that reuses the room (sglang's PD retraction
+  re-bootstraps a request under its room).  An ABORT that fails a room this prefill is
+  serving leaves the room's answer, an abort, for sglang's failure path
+  (:data:`kvmem_sglang.state.ANSWERS`; Mooncake records no reason for it).
+
+The rooms these hooks remember (:class:`kvmem_sglang.rooms.Rooms`) come from peers and
+clients: each record is kept at most :data:`kvmem_sglang.rooms.KEEP_S` seconds and at
+most :data:`kvmem_sglang.rooms.ROOM_LIMIT` of them per manager, at O(1) amortized cost per message.
 
 The messages leave on one background thread: a send to a dead decode may block for
-``SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT`` and must not stall the scheduler loop.
+``SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT`` and must not stall the scheduler loop.  Each
+carries the request's answer in a frame of its own after sglang's
+(:mod:`kvmem_sglang.reasons`), never in its text.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 from kvmem_sglang import state
-from kvmem_sglang.reasons import EARLY_ABORT, tag
+from kvmem_sglang.reasons import ABORT, EARLY_ABORT, Told, to_frame
+from kvmem_sglang.rooms import rooms_of
 
 logger = logging.getLogger("kvmem.sglang")
 
@@ -87,25 +101,34 @@ STATS = NotifyStats()
 
 
 def abort_notification(original, mgr, msg, *args, **kwargs):
-    """Remember a decode's ABORT for a room this prefill does not know yet (module
-    docstring); sglang's own handling runs as before."""
+    """Remember a decode's ABORT for a room this prefill does not know yet, and the
+    answer of a room it fails (module docstring); sglang's own handling runs as
+    before."""
+    room = before = None
     try:
         from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification
 
         if _is_prefill(mgr) and msg and msg[0] == ABORT_TAG:
             note = AbortNotification.from_zmq(msg)
-            if note is not None and note.room not in mgr.request_status:
-                early = state.EARLY_ABORTS.setdefault(mgr, dict)
-                now = time.monotonic()
-                for old in [r for r, t in list(early.items()) if now - t > _EARLY_KEEP_S]:
-                    early.pop(old, None)
-                early[note.room] = now
+            if note is not None:
+                room = note.room
+                before = mgr.request_status.get(room)
+                if before is None and room not in rooms_of(state.OPENED, mgr):
+                    rooms_of(state.EARLY_ABORTS, mgr).put(room, True)
     except Exception:  # noqa: BLE001 - sglang's handling below still runs
         logger.exception("kvmem-sglang: reading a decode's abort notification failed")
-    return original(mgr, msg, *args, **kwargs)
+    out = original(mgr, msg, *args, **kwargs)
+    if room is not None and before is not None:
+        try:
+            from sglang.srt.disaggregation.base.conn import KVPoll
 
-
-_EARLY_KEEP_S = 600.0  # a request reaches the prefill's scheduler well before this
+            if before not in (KVPoll.Success, KVPoll.Failed) and (
+                mgr.request_status.get(room) == KVPoll.Failed
+            ):
+                rooms_of(state.ANSWERS, mgr).put(room, ABORT)
+        except Exception:  # noqa: BLE001 - sglang's own status stands
+            logger.exception("kvmem-sglang: keeping the answer of room %s failed", room)
+    return out
 
 
 def _is_prefill(mgr) -> bool:
@@ -114,32 +137,42 @@ def _is_prefill(mgr) -> bool:
     return getattr(mgr, "disaggregation_mode", None) == DisaggregationMode.PREFILL
 
 
-def _send(mgr, targets, room: int, reason: str) -> None:
+def _send(mgr, targets, room: int, told: Told) -> None:
+    """Send ``targets`` room's Failed status with ``told``'s message, and its answer in a
+    frame of its own, off the calling thread."""
+    state.PROCESS.notify.submit(_send_now, mgr, list(targets), room, told)
+
+
+def _send_now(mgr, targets, room: int, told: Told) -> None:
+    """sglang's ``send_kv_status_message`` with the answer's frame after its frames
+    (the reason's frame first, empty where the backend sends none)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.utils.network import NetworkAddress
 
-    state.PROCESS.notify.submit(
-        mgr.send_kv_status_message,
-        targets=list(targets),
-        bootstrap_room=room,
-        status=KVPoll.Failed,
-        failure_reason=reason,
+    parts = mgr._encode_kv_status_message(
+        bootstrap_room=room, status=KVPoll.Failed, failure_reason=told.message
     )
+    if told.answer is not None:
+        if not mgr.kv_status_msg_carries_reason:
+            parts.append(b"")
+        parts.append(to_frame(told.answer))
+    for endpoint, port in targets:
+        address = NetworkAddress(endpoint, port)
+        try:
+            mgr._send_multipart_locked(address.to_tcp(), parts, is_ipv6=address.is_ipv6)
+        except Exception as e:  # noqa: BLE001 - as sglang's own send: that decode times out
+            logger.warning(
+                "kvmem-sglang: telling decode %s that room %s failed did not go: %s",
+                address.to_host_port_str(),
+                room,
+                e,
+            )
 
 
-def _remember(mgr, room: int, reason: str | None = None) -> None:
-    """Remember ``room`` as aborted before its decode metadata came (room -> (when, the
-    reason to tell the decode, or None for the generic one))."""
-    from sglang.srt.environ import envs
-
-    rooms = state.ABORTED_ROOMS.setdefault(mgr, dict)
-    now = time.monotonic()
-    keep = (
-        envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
-        + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
-    )
-    for old in [r for r, (t, _) in list(rooms.items()) if now - t > keep]:
-        rooms.pop(old, None)
-    rooms[room] = (now, reason)
+def _remember(mgr, room: int, told: Told | None = None) -> None:
+    """Remember ``room`` as aborted before its decode metadata came, with what to tell
+    its decode (None: the generic reason)."""
+    rooms_of(state.ABORTED_ROOMS, mgr).put(room, told)
 
 
 def sender_abort(original, sender, *args, **kwargs):
@@ -174,15 +207,18 @@ def _tell(sender, mgr, room, before, concluded) -> None:
         return
     if mgr.request_status.get(room) != KVPoll.Failed:
         return  # sglang declined the abort (a room it does not own)
-    # the adapter's reason where it decided the abort (tagged: reasons.decide), else
-    # sglang's own record ("Aborted by AbortReq.": a client's abort), marked as an abort
-    why = state.ABORT_WHY.get(sender) or tag(mgr.failure_records.get(room) or "Aborted", None)
+    # the adapter's reason where it decided the abort (reasons.decide), else sglang's own
+    # record ("Aborted by AbortReq.": a client's abort), answered as an abort
+    why = state.ABORT_WHY.get(sender) or Told(mgr.failure_records.get(room) or "Aborted", ABORT)
     if before == KVPoll.Bootstrapping:
         _remember(
             mgr,
             room,
-            f"Prefill aborted room {room} while bootstrapping ({why}); "
-            "its decode metadata came after the abort",
+            Told(
+                f"Prefill aborted room {room} while bootstrapping ({why.message}); "
+                "its decode metadata came after the abort",
+                why.answer,
+            ),
         )
     targets = mgr._room_notify_targets(room)
     if not targets:
@@ -201,33 +237,39 @@ def _tell(sender, mgr, room, before, concluded) -> None:
         KVPoll.WaitingForInput: "WaitingForInput",
         KVPoll.Transferring: "Transferring",
     }[before]
-    reason = f"Prefill aborted the KV transfer of room {room} in {name} ({why})"
+    told = Told(
+        f"Prefill aborted the KV transfer of room {room} in {name} ({why.message})", why.answer
+    )
     STATS.told += 1
-    logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
-    _send(mgr, targets, room, reason)
+    logger.info("kvmem-sglang: %s; telling decode %s", told.message, targets)
+    _send(mgr, targets, room, told)
 
 
-def refuse_room(mgr, room, reason: str) -> None:
+def refuse_room(mgr, room, told: Told) -> None:
     """A room whose request the prefill answered before creating its sender: tell its
-    decode Failed with ``reason`` now, if the decode's metadata for the room is here,
-    and remember the room so that metadata coming later is answered Failed too
-    (:func:`manager_update_status`).  Best effort, never raises."""
+    decode Failed with ``told`` now if the decode's metadata for the room is all here
+    (the bootstrap thread is done with the room), and else when it is (remembered:
+    :func:`manager_update_status`).  Best effort, never raises."""
     if mgr is None or room is None or not _is_prefill(mgr):
         return
     try:
-        _remember(mgr, room, reason)
+        rooms = rooms_of(state.ABORTED_ROOMS, mgr)
+        with rooms.guard:  # against manager_update_status's check on the bootstrap thread
+            rooms.put(room, told)
+            # WaitingForInput is the bootstrap thread's last step for a room whose metadata
+            # is all in: from then on it no longer reads the room's transfer_infos (module
+            # docstring); before, the metadata still coming ends in manager_update_status
+            if mgr.request_status.get(room) != _waiting():
+                return
+            rooms.pop(room)  # told now
         targets = mgr._room_notify_targets(room)
+        mgr.transfer_infos.pop(room, None)
+        mgr.req_to_decode_prefix_len.pop(room, None)
+        mgr.request_status.pop(room, None)  # left by the bootstrap thread
         if targets:
-            state.ABORTED_ROOMS.get(mgr, {}).pop(
-                room, None
-            )  # told now: later metadata of the room goes to sglang
-            mgr.transfer_infos.pop(room, None)
-            mgr.req_to_decode_prefix_len.pop(room, None)
-            if mgr.request_status.get(room) == _waiting():
-                mgr.request_status.pop(room, None)  # left by the bootstrap thread
             STATS.told += 1
-            logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
-            _send(mgr, targets, room, reason)
+            logger.info("kvmem-sglang: %s; telling decode %s", told.message, targets)
+            _send(mgr, targets, room, told)
     except Exception:  # noqa: BLE001 - the request is answered; the decode may time out
         logger.exception(
             "kvmem-sglang: telling the decode of refused room %s failed; it "
@@ -243,43 +285,48 @@ def _waiting():
 
 
 def manager_update_status(original, mgr, bootstrap_room, status, *args, **kwargs):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if status == KVPoll.Bootstrapping and _is_prefill(mgr):  # a sender opens the room
+        rooms_of(state.OPENED, mgr).put(bootstrap_room, True)
     early = state.EARLY_ABORTS.get(mgr)
-    if early and bootstrap_room in early:
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
-        if status == KVPoll.Bootstrapping:  # the sender of a room its decode aborted
-            early.pop(bootstrap_room, None)
-            out = original(mgr, bootstrap_room, status, *args, **kwargs)
-            STATS.early_aborts += 1
-            logger.info(
-                "kvmem-sglang: room %s was aborted by its decode before its request "
-                "reached this prefill; its sender fails now",
-                bootstrap_room,
-            )
-            mgr.record_failure(bootstrap_room, EARLY_ABORT)
-            original(mgr, bootstrap_room, KVPoll.Failed, *args, **kwargs)
-            return out
+    if early is not None and status == KVPoll.Bootstrapping and early.pop(bootstrap_room):
+        # the sender of a room its decode aborted
+        out = original(mgr, bootstrap_room, status, *args, **kwargs)
+        STATS.early_aborts += 1
+        logger.info(
+            "kvmem-sglang: room %s was aborted by its decode before its request "
+            "reached this prefill; its sender fails now",
+            bootstrap_room,
+        )
+        mgr.record_failure(bootstrap_room, EARLY_ABORT)
+        original(mgr, bootstrap_room, KVPoll.Failed, *args, **kwargs)
+        return out
     rooms = state.ABORTED_ROOMS.get(mgr)
-    if rooms and bootstrap_room in rooms:
-        from sglang.srt.disaggregation.base.conn import KVPoll
-
+    if rooms is None or status not in (KVPoll.Bootstrapping, KVPoll.WaitingForInput):
+        return original(mgr, bootstrap_room, status, *args, **kwargs)
+    # refuse_room records a room and reads its status under the guard: it finds either the
+    # room's WaitingForInput or its record taken here, never neither
+    with rooms.guard:
+        if bootstrap_room not in rooms:
+            return original(mgr, bootstrap_room, status, *args, **kwargs)
         if status == KVPoll.Bootstrapping:  # a new sender: a new lifecycle of the room
-            rooms.pop(bootstrap_room, None)
+            rooms.pop(bootstrap_room)
         elif status == KVPoll.WaitingForInput and mgr.request_status.get(bootstrap_room) in (
             None,
             KVPoll.Failed,
         ):
-            _, reason = rooms.pop(bootstrap_room, (None, None))
+            told = rooms.pop(bootstrap_room) or Told(
+                f"Prefill aborted room {bootstrap_room} while "
+                "bootstrapping; its decode metadata came after the abort",
+                None,
+            )
             targets = mgr._room_notify_targets(bootstrap_room)
             mgr.transfer_infos.pop(bootstrap_room, None)
             mgr.req_to_decode_prefix_len.pop(bootstrap_room, None)
             STATS.told_late += 1
-            reason = reason or (
-                f"Prefill aborted room {bootstrap_room} while "
-                "bootstrapping; its decode metadata came after the abort"
-            )
-            logger.info("kvmem-sglang: %s; telling decode %s", reason, targets)
+            logger.info("kvmem-sglang: %s; telling decode %s", told.message, targets)
             if targets:
-                _send(mgr, targets, bootstrap_room, reason)
+                _send(mgr, targets, bootstrap_room, told)
             return None
     return original(mgr, bootstrap_room, status, *args, **kwargs)

@@ -43,16 +43,16 @@ same step, so all ranks free the request together.  The answer the client gets i
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
 
 from kvmem.disagg.outcome import Ending
 from kvmem_sglang import audit, decode, notify, roles, state
+from kvmem_sglang.reasons import Told, answer_of, failure_answer, hand_over, http_status, reason_of
 from kvmem_sglang.reasons import abort_reason as _abort_reason
 from kvmem_sglang.reasons import decide as _decide
-from kvmem_sglang.reasons import http_status, reason_of
-from kvmem_sglang.reasons import tag
 from kvmem_sglang.options import TRANSFER_TIMEOUT_VAR
 
 logger = logging.getLogger("kvmem.sglang")
@@ -124,7 +124,7 @@ def add_request_to_queue(original, sched, req, *args, **kwargs):
             notify.refuse_room(
                 getattr(queue, "kv_manager", None),
                 getattr(req, "bootstrap_room", None),
-                tag(msg, status),
+                Told(msg, answer_of(FINISH_ABORT(msg, status))),
             )
         sched._release_aborted_request(req)
         prepare_abort(req, msg, status_code=status)
@@ -199,6 +199,22 @@ def stream_output(streamer, reqs, *args, **kwargs):
     return None
 
 
+# -- a sender's failure: its answer, for the prepare_abort that follows ---------------------
+
+
+def sender_failure_exception(original, sender, *args, **kwargs):
+    """AROUND ``CommonKVSender.failure_exception`` on a prefill: the room's answer
+    (:func:`kvmem_sglang.reasons.failure_answer`: an abort when the room's decode aborted
+    it, or sglang recorded an abort) handed to the ``prepare_abort`` sglang calls right
+    after (``handle_bootstrap_failure``, ``handle_inflight_transfer_failure``)."""
+    try:
+        return original(sender, *args, **kwargs)
+    except Exception as e:
+        room = getattr(sender, "bootstrap_room", None)
+        hand_over(room, failure_answer(getattr(sender, "kv_mgr", None), room, e))
+        raise
+
+
 # -- bootstrap failure: a timeout is 504 ---------------------------------------------------
 
 
@@ -218,6 +234,12 @@ def handle_bootstrap_failure(sched, req, *args, **kwargs):
     return None
 
 
+# What CommonKVSender records when its bootstrap times out (disaggregation/common/conn.py,
+# the sender's poll); whole, so that no other record (one holding a client's bootstrap
+# host, say) reads as a timeout.
+_SENDER_TIMED_OUT = re.compile(r"Request -?\d+ timed out after \d+\.\d+s in KVPoll\.Bootstrapping")
+
+
 def _bootstrap_timeout(req):
     """Why ``req``'s bootstrap failure is a timeout, or None: the sender recorded a
     time-out (``CommonKVSender``), or the request has been bootstrapping for longer than
@@ -228,7 +250,7 @@ def _bootstrap_timeout(req):
     records = getattr(getattr(sender, "kv_mgr", None), "failure_records", None)
     if isinstance(records, dict):
         note = records.get(getattr(sender, "bootstrap_room", None))
-        if isinstance(note, str) and "timed out" in note:
+        if isinstance(note, str) and _SENDER_TIMED_OUT.fullmatch(note):
             return note
     limit = envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
     start = getattr(sender, "init_time", None)

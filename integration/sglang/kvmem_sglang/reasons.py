@@ -1,43 +1,74 @@
-"""A request's answer, decided once, and the status it carries to the decode side.
+"""A request's answer, decided once, and how the other server learns it: as data, never
+read out of a text.
 
 The lifecycle hooks decide a request's fate by keeping a reason for it (:func:`decide`,
 :func:`reason_of`: a ``FINISH_ABORT`` with the message and HTTP status, in
 ``kvmem_sglang.state.REASON``) and let sglang's own paths free it; the output streamer's
-hook (``kvmem_sglang.prefill.stream_output``) puts that reason on
-the one answer that leaves the scheduler.  When the request's KV sender is aborted, the
-same message and status go to its decode (:mod:`kvmem_sglang.notify`), tagged so that a
-decode with the flag on answers the status instead of its generic 500
-(:mod:`kvmem_sglang.decode`).
+hook (``kvmem_sglang.prefill.stream_output``) puts that reason on the one answer that
+leaves the scheduler.
 
-A reason with no status is a client's abort (``/abort_request``: sglang's
-``FINISH_ABORT()``); :func:`tag` marks it as one, and so does :mod:`kvmem_sglang.notify`
-for sglang's own abort records (:data:`ABORTED`) before it tells the decode.  Both servers
-answer a failure :func:`is_abort` finds in its reason as sglang answers an aborted request
-outside PD, with no error status, so that sglang's router, which retries a 500, does not
-send an aborted request again.
+**Answers.**  What a failed PD request is answered, reduced to what may cross between
+servers, is an :data:`Answer`: one of :data:`ANSWER_STATUSES` (the adapter's own
+statuses: 500, 503, 504) or :data:`ABORT` (answered as sglang answers an aborted request
+outside PD: finish reason ``abort``, no error status, so that sglang's router, which
+retries a 500, does not send an aborted request again).
+
+* When a kvmem prefill aborts a KV sender it tells the decode on sglang's status channel
+  (:mod:`kvmem_sglang.notify`) with a human reason and, in a frame of its own after it,
+  the answer (:func:`to_frame`).  sglang's status message is a list of frames (room,
+  status, rank, reason, ``CommonKVManager._encode_kv_status_message``); its parser reads
+  the first four and ignores the rest, so a stock decode answers its generic 500 as
+  before, and a decode with the flag reads the answer frame (:func:`from_frame`: exactly
+  one of the frames this module makes, anything else is no answer).
+* sglang's own abort records (:data:`SGLANG_ABORTS`, compared whole:
+  :func:`answer_of_record`) are answered :data:`ABORT` on either server.
+* The answer reaches sglang's ``prepare_abort`` through the thread that reads the failure:
+  sglang reads a failed room with ``failure_exception()`` and calls ``prepare_abort`` for
+  its request right after, on the same thread (``disaggregation/decode.py``
+  ``_update_handshake_waiters`` and ``pop_transferred``, ``prefill.py``
+  ``handle_bootstrap_failure`` and ``handle_inflight_transfer_failure``); the hooks on
+  ``failure_exception`` :func:`hand_over` the room's answer, and ``prepare_abort``'s hook
+  :func:`take_answer`\\s it for that request's room only.
+
+The message sglang builds around a failure holds the request's ``rid`` and its
+``bootstrap_host``, which a client chooses: nothing is ever parsed out of it.
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from http import HTTPStatus
+from types import MappingProxyType
+from typing import Literal, Union
 
 from kvmem.disagg.outcome import Ending
 from kvmem_sglang import state
 
-_TAG = re.compile(r"\(kvmem-sglang HTTP (\d{3})\)")
-_ABORT_MARK = "(kvmem-sglang abort)"
+ABORT: Literal["abort"] = "abort"
+# A status of ANSWER_STATUSES, or ABORT.
+Answer = Union[int, Literal["abort"]]
+# The statuses the adapter answers a failed PD request with (kvmem.disagg.outcome.Ending):
+# a send failed or a peer is gone, a release, a timeout.  No other status crosses.
+ANSWER_STATUSES = frozenset(e.status for e in (Ending.FAILED, Ending.RELEASED, Ending.TIMED_OUT))
 
-# The failure reasons of an abort: what sglang's KV sender and receiver record when
-# ``/abort_request`` aborted them (``CommonKVSender.abort`` and ``CommonKVReceiver.abort``,
-# ``disaggregation/common/conn.py``), what a prefill records when its decode's ABORT came
-# first (``NixlKVManager._handle_abort_notification``, ``disaggregation/nixl/conn.py``),
-# and what the adapter records when that ABORT came even before the request
-# (``kvmem_sglang.notify.abort_notification``).  sglang's failure paths write
-# "... with exception KVTransferError(bootstrap_room=N): <reason>", so a message that ends
-# with one of these is that abort.
+_FRAME_PREFIX = b"kvmem-sglang answer "
+_EVERY_ANSWER: tuple[Answer, ...] = (ABORT, *sorted(ANSWER_STATUSES))
+_FRAMES: Mapping[Answer, bytes] = MappingProxyType(
+    {a: _FRAME_PREFIX + str(a).encode("ascii") for a in _EVERY_ANSWER}
+)
+_BY_FRAME: Mapping[bytes, Answer] = MappingProxyType({f: a for a, f in _FRAMES.items()})
+
+# The failure reasons sglang's KV senders and receivers record for an abort: what
+# ``/abort_request`` records (``CommonKVSender.abort``, ``CommonKVReceiver.abort``,
+# ``disaggregation/common/conn.py``), what a NIXL prefill records when its decode's ABORT
+# came first (``NixlKVManager._handle_abort_notification``, ``nixl/conn.py``), and what
+# the adapter records when that ABORT came even before the request
+# (``kvmem_sglang.notify.manager_update_status``).  Compared whole, never searched for.
 EARLY_ABORT = "Aborted by decode-side abort notification (received before the request)."
-ABORTED = ("Aborted by AbortReq.", "Aborted by decode-side abort notification.", EARLY_ABORT)
+SGLANG_ABORTS = frozenset(
+    {"Aborted by AbortReq.", "Aborted by decode-side abort notification.", EARLY_ABORT}
+)
 
 
 def http_status(ending: Ending) -> HTTPStatus:
@@ -69,6 +100,16 @@ def reason_of(req):
     return state.REASON.get(req)
 
 
+@dataclass(frozen=True)
+class Told:
+    """What a prefill tells a request's decode when it ends the request's transfer: a
+    human ``message`` and the :data:`Answer` (None: none to give, the decode answers its
+    own 500)."""
+
+    message: str
+    answer: Answer | None
+
+
 def decide(req, reason) -> bool:
     """Give ``req`` its answer unless it already has one; True if this one holds."""
     if state.REASON.get(req) is not None:
@@ -76,30 +117,72 @@ def decide(req, reason) -> bool:
     state.REASON.set(req, reason)
     sender = getattr(req, "disagg_kv_sender", None)
     if sender is not None:  # what notify.py tells the decode when the sender is aborted
-        state.ABORT_WHY.set(sender, tag(reason.message, reason.status_code))
+        state.ABORT_WHY.set(sender, Told(reason.message, answer_of(reason)))
     return True
 
 
-def tag(message: str, status) -> str:
-    """``message`` with the HTTP status the prefill answered, for the decode side; with no
-    status (a client's abort) marked as an abort instead (:func:`is_abort`).  The mark is
-    added even to a message that ends like an abort already: the decode reads it inside
-    sglang's own text ("... in Transferring (<message>)"), where only the mark survives."""
-    # in the text, not a field as in kvmem.disagg's ABORT: sglang tells the decode a text only
-    if status:
-        return f"{message} (kvmem-sglang HTTP {int(status)})"
-    return message if _ABORT_MARK in message else f"{message} {_ABORT_MARK}"
+def answer_of(reason) -> Answer | None:
+    """The :data:`Answer` of a ``FINISH_ABORT``: its status when the adapter answers with
+    it, :data:`ABORT` when it has none (a client's abort), else None."""
+    status = getattr(reason, "status_code", None)
+    if not status:
+        return ABORT
+    try:
+        code = int(status)
+    except (TypeError, ValueError):
+        return None
+    return code if code in ANSWER_STATUSES else None
 
 
-def status_of(message) -> int | None:
-    """The status :func:`tag` put into ``message``, or None."""
-    m = _TAG.search(message) if isinstance(message, str) else None
-    return int(m.group(1)) if m else None
+def answer_of_record(failure_reason) -> Answer | None:
+    """:data:`ABORT` when ``failure_reason`` (what sglang's ``failure_exception`` raised
+    with) is one of sglang's abort records, whole; else None."""
+    return ABORT if isinstance(failure_reason, str) and failure_reason in SGLANG_ABORTS else None
 
 
-def is_abort(message) -> bool:
-    """True if ``message`` is the failure reason of an abort (module docstring): marked by
-    :func:`tag`, or ending with one of :data:`ABORTED`."""
-    return isinstance(message, str) and (
-        _ABORT_MARK in message or message.rstrip().endswith(ABORTED)
-    )
+def failure_answer(mgr, room, error) -> Answer | None:
+    """The answer of the failure ``error`` that sglang's ``failure_exception`` raised for
+    ``room`` of KV manager ``mgr``: what the adapter learned of the room before
+    (``state.ANSWERS``, taken), else :func:`answer_of_record` of its reason."""
+    rooms = state.ANSWERS.get(mgr) if mgr is not None else None
+    known = rooms.pop(room) if rooms is not None else None
+    return known if known is not None else answer_of_record(getattr(error, "failure_reason", None))
+
+
+def to_frame(answer: Answer) -> bytes:
+    """The frame that carries ``answer`` after sglang's status message."""
+    return _FRAMES[answer]
+
+
+def from_frame(frame) -> Answer | None:
+    """The :data:`Answer` ``frame`` carries when it is exactly one :func:`to_frame`
+    makes; None for anything else (never raises: the frame comes from a peer)."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)) or len(frame) > 64:
+        return None
+    return _BY_FRAME.get(bytes(frame))
+
+
+def http_answer(answer: Answer) -> HTTPStatus | None:
+    """The ``status_code`` sglang's ``prepare_abort`` gets for ``answer`` (None: an abort)."""
+    return None if answer == ABORT else HTTPStatus(answer)
+
+
+# -- from failure_exception to prepare_abort, on the thread that reads the failure -------------
+
+
+def hand_over(room, answer: Answer | None) -> None:
+    """The failure of ``room`` this thread just read is answered ``answer`` (None: no
+    answer of the adapter's; sglang's own status stands)."""
+    handed = state.PROCESS.handed
+    handed.room, handed.answer = room, answer
+
+
+def take_answer(req) -> Answer | None:
+    """The answer handed over for ``req``'s room on this thread, once; None when the
+    failure this thread read last was another room's, or had none."""
+    handed = state.PROCESS.handed
+    room, answer = getattr(handed, "room", None), getattr(handed, "answer", None)
+    if room is None or room != getattr(req, "bootstrap_room", None):
+        return None
+    handed.room = handed.answer = None
+    return answer

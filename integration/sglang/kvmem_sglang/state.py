@@ -12,8 +12,9 @@ made, the threads it starts, ...), is a field of :data:`PROCESS`, the one
 :class:`Process`; beside it the adapter's only other module globals are the registries
 :data:`REGISTRIES` names (tests/test_sglang_state.py checks both lists).
 
-Standard library only, with :mod:`kvmem_sglang.options` and :mod:`kvmem_sglang.chase`
-(standard library only themselves, and importing nothing of the adapter):
+Standard library only, with :mod:`kvmem_sglang.options`, :mod:`kvmem_sglang.chase` and
+:mod:`kvmem_sglang.rooms` (standard library only themselves, and importing nothing of the
+adapter):
 :mod:`kvmem_sglang.startup` uses it at interpreter start.
 """
 
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from kvmem_sglang.chase import Chase
 from kvmem_sglang.options import ProcessOptions
+from kvmem_sglang.rooms import Rooms
 
 if TYPE_CHECKING:
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -159,8 +161,10 @@ INFLIGHT_SINCE: SideTable[float] = SideTable(
 LIVE: SideTable[bool] = SideTable(
     "Req", "audit", "it entered the scheduler (the idle audit's requests)"
 )
-ABORT_WHY: SideTable[str] = SideTable(
-    "CommonKVSender", "reasons, notify", "the reason its decode is told, tagged with the status"
+ABORT_WHY: SideTable = SideTable(
+    "CommonKVSender",
+    "reasons, notify",
+    "what its decode is told when it is aborted: a message and the answer (reasons.Told)",
 )
 BUSY: SideTable[bool] = SideTable(
     "Scheduler", "prefill", "it queued work since it was last fully idle"
@@ -189,15 +193,27 @@ DRAIN_GIVEN_UP: SideTable = SideTable(
     "prefill_drain",
     "the rooms whose writes a release stopped waiting for",
 )
-EARLY_ABORTS: SideTable = SideTable(
+EARLY_ABORTS: SideTable[Rooms[bool]] = SideTable(
     "NixlKVManager, MooncakeKVManager",
     "notify",
-    "rooms a decode aborted before their request reached this prefill (room -> when)",
+    "rooms a decode aborted before their request reached this prefill (rooms.Rooms)",
 )
-ABORTED_ROOMS: SideTable = SideTable(
+ABORTED_ROOMS: SideTable[Rooms] = SideTable(
     "NixlKVManager, MooncakeKVManager",
     "notify",
-    "rooms aborted before their decode metadata came (room -> (when, the reason to tell))",
+    "rooms aborted before their decode metadata came, with what to tell it (rooms.Rooms)",
+)
+OPENED: SideTable[Rooms[bool]] = SideTable(
+    "NixlKVManager, MooncakeKVManager",
+    "notify",
+    "rooms a sender of this prefill opened lately, so ended ones are told from unknown ones "
+    "(rooms.Rooms)",
+)
+ANSWERS: SideTable[Rooms] = SideTable(
+    "NixlKVManager, MooncakeKVManager",
+    "decode, notify",
+    "the answer of a room that failed, until sglang reads the failure: a decode's from its "
+    "prefill's answer frame, a prefill's for a room its decode aborted (rooms.Rooms)",
 )
 TRANSFERS: SideTable = SideTable(
     "NixlKVManager",
@@ -273,6 +289,9 @@ class Process:
     (:func:`kvmem_sglang.release.queue_release`), so one line a class.
     ``worker``: per transfer worker thread, ``.queue``: the queue the calling thread
     serves (:mod:`kvmem_sglang.transfer_ahead`).
+    ``handed``: per thread, ``.room`` and ``.answer``: the failure sglang's
+    ``failure_exception`` read last on the calling thread, for the ``prepare_abort`` that
+    follows it (:func:`kvmem_sglang.reasons.hand_over`).
     """
 
     options: ProcessOptions = field(default_factory=ProcessOptions)
@@ -282,6 +301,7 @@ class Process:
     notify: Background = field(default_factory=lambda: Background("kvmem-notify"))
     warned: set[str] = field(default_factory=set)
     worker: threading.local = field(default_factory=threading.local)
+    handed: threading.local = field(default_factory=threading.local)
 
 
 PROCESS = Process()
