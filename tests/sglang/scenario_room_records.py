@@ -154,6 +154,21 @@ def _aborts(pm) -> dict:
     got["in_flight"] = int(pm.check_status(8_000_003))
     got["in_flight_answer"] = _answer_of(pm, 8_000_003)
     pm.request_status.pop(8_000_003, None)
+    # malformed ABORTs (no room, not a number, 5,000 digits, a broken return address)
+    from sglang.srt.disaggregation.common.conn import ABORT_TAG
+
+    errors = []
+    for msg in (
+        [ABORT_TAG],
+        [ABORT_TAG, b"no room"],
+        [ABORT_TAG, b"9" * 5000],
+        [ABORT_TAG, b"8000004", b"\xff", b"port", b"generation"],
+    ):
+        try:
+            pm._handle_abort_notification(msg)
+        except Exception as e:  # noqa: BLE001 - what would end the bootstrap thread
+            errors.append(f"{type(e).__name__}: {e}")
+    got["malformed_errors"] = errors
     # a flood: a hostile or broken decode's ABORTs for 20,000 rooms nobody opened
     for room in range(7_000_000, 7_020_000):
         abort(room)
