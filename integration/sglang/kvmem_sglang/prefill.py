@@ -43,7 +43,6 @@ same step, so all ranks free the request together.  The answer the client gets i
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -234,25 +233,19 @@ def handle_bootstrap_failure(sched, req, *args, **kwargs):
     return None
 
 
-# What CommonKVSender records when its bootstrap times out (disaggregation/common/conn.py,
-# the sender's poll); whole, so that no other record (one holding a client's bootstrap
-# host, say) reads as a timeout.
-_SENDER_TIMED_OUT = re.compile(r"Request -?\d+ timed out after \d+\.\d+s in KVPoll\.Bootstrapping")
-
-
 def _bootstrap_timeout(req):
-    """Why ``req``'s bootstrap failure is a timeout, or None: the sender recorded a
-    time-out (``CommonKVSender``), or the request has been bootstrapping for longer than
-    ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``, the deadline sglang's senders apply."""
+    """Why ``req``'s bootstrap failure is a timeout, or None: the request has been
+    bootstrapping for at least the deadline sglang's senders apply (the manager's
+    ``bootstrap_timeout``, ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``), counted from the
+    sender's ``init_time``.  sglang's sender counts from the same moment or later
+    (``CommonKVSender._check_bootstrap_timeout``), so every timeout it records is one here;
+    its record's text, which may hold what a client chose, is not read."""
     from sglang.srt.environ import envs
 
     sender = req.disagg_kv_sender
-    records = getattr(getattr(sender, "kv_mgr", None), "failure_records", None)
-    if isinstance(records, dict):
-        note = records.get(getattr(sender, "bootstrap_room", None))
-        if isinstance(note, str) and _SENDER_TIMED_OUT.fullmatch(note):
-            return note
-    limit = envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+    limit = getattr(getattr(sender, "kv_mgr", None), "bootstrap_timeout", None)
+    if not isinstance(limit, (int, float)):
+        limit = envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
     start = getattr(sender, "init_time", None)
     if isinstance(start, (int, float)) and time.time() - start >= limit:
         return f"> {limit:g}s"
