@@ -112,6 +112,7 @@ def test_smoke_report_and_plots(smoke):
     out = smoke["out"]
     report = json.loads((out / "bench-cpu.json").read_text())
     assert report["smoke"] is True and report["device_type"] == "cpu"
+    assert report["partial"] is False  # the session ended: every benchmark is in it
     rows = [r for g in report["groups"].values() for r in g]
     assert rows and all(r["median_s"] > 0 for r in rows)
     by_fig = {f: [r for r in rows if r.get("figure") == f] for f in FIGURES}
