@@ -1,6 +1,10 @@
 """Shared benchmark plumbing: every bench measures kvmem and its baseline in the same run,
 and this prints (and, with KVMEM_BENCH_OUT=DIR, writes as JSON and draws as PNG plots,
-bench/plot.py) medians, bandwidths and ratios at the end of the session.
+bench/plot.py) medians, bandwidths and ratios at the end of the session.  With
+KVMEM_BENCH_OUT the JSON is also written after every benchmark, marked ``partial: true``,
+so that a run stopped before its end (bench/gpu_check.sh stops a step at its budget)
+keeps the rows it measured; the end of the session writes it again, ``partial: false``
+unless the session was interrupted.
 
 ``KVMEM_BENCH_SMOKE=1`` is the smoke mode ``make test`` runs (tests/test_bench_smoke.py):
 every benchmark once, at tiny sizes, one timed round, no warm-up rounds; the report, its
@@ -66,6 +70,9 @@ class Report:
     def __init__(self):
         self.groups: dict[str, list[dict]] = defaultdict(list)
 
+    def rows(self) -> int:
+        return sum(len(rows) for rows in self.groups.values())
+
     def add(self, group: str, name: str, benchmark, nbytes: int | None = None, **extra):
         """One row: ``benchmark``'s median; ``nbytes`` (bytes moved, for GB/s) is None or
         > 0.  Raises ValueError for ``nbytes <= 0``: a benchmark that moved nothing has
@@ -127,7 +134,45 @@ def sync(dev: torch.device):
     return lambda: None
 
 
-def pytest_terminal_summary(terminalreporter):
+def write_json(report: Report, out_dir: str, partial: bool) -> str:
+    """``report`` as ``OUT_DIR/bench-<device type>.json``, replaced whole (a reader never
+    sees half a file); returns its path.  ``partial``: the session has not ended, or was
+    interrupted, so benchmarks may be missing."""
+    dev = bench_device()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"bench-{dev.type}.json")
+    with open(path + ".part", "w") as f:
+        json.dump(
+            dict(
+                device=device_name(dev),
+                device_type=dev.type,
+                torch=torch.__version__,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                smoke=SMOKE,
+                partial=partial,
+                note=os.environ.get("KVMEM_BENCH_NOTE", ""),
+                groups=report.groups,
+            ),
+            f,
+            indent=1,
+        )
+    os.replace(path + ".part", path)
+    return path
+
+
+_WRITTEN = [0]  # rows in the JSON written last
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """After every benchmark that added rows (through ``report.add`` or to ``groups``): the
+    JSON so far, for a run stopped before its end."""
+    out_dir = os.environ.get("KVMEM_BENCH_OUT")
+    if out_dir and _REPORT.rows() != _WRITTEN[0]:
+        write_json(_REPORT, out_dir, partial=True)
+        _WRITTEN[0] = _REPORT.rows()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus):
     if not _REPORT.groups:
         return
     dev = bench_device()
@@ -137,23 +182,11 @@ def pytest_terminal_summary(terminalreporter):
     out_dir = os.environ.get("KVMEM_BENCH_OUT")
     if not out_dir:
         return
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"bench-{dev.type}.json")
-    with open(path, "w") as f:
-        json.dump(
-            dict(
-                device=device_name(dev),
-                device_type=dev.type,
-                torch=torch.__version__,
-                time=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                smoke=SMOKE,
-                note=os.environ.get("KVMEM_BENCH_NOTE", ""),
-                groups=_REPORT.groups,
-            ),
-            f,
-            indent=1,
-        )
-    terminalreporter.write_line(f"written: {path}")
+    interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
+    path = write_json(_REPORT, out_dir, partial=interrupted)
+    terminalreporter.write_line(
+        f"written: {path}" + (" (interrupted: partial)" if interrupted else "")
+    )
     try:
         from bench import plot
     except ImportError as e:  # matplotlib is in the test and bench extras

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU check: the GPU tests and the GPU benchmarks on a CUDA host, in under 5 minutes on a
-# bare H200 host (an empty Triton cache; no NIXL, no sglang, no pytest-benchmark, no
-# package index), with the results in one archive.
+# bare H200 host (an empty Triton cache; no NIXL, no sglang, no package index), with the
+# results in one archive that is kept up to date as the steps run.
 #
-#   bench/gpu_check.sh OUTDIR            run the steps below; OUTDIR gets two files
+#   bench/gpu_check.sh OUTDIR            run the steps below; OUTDIR gets three files
 #   bench/gpu_check.sh --plan            print the plan (each step's budget, what it needs,
 #                                        what would be skipped on this host and why) and
 #                                        run nothing: also on a machine without a GPU
@@ -15,43 +15,65 @@
 #                                        without CUDA), the summary and the archive
 #   bench/gpu_check.sh --selftest OUTDIR the step runner on a few CPU commands (a pass, a
 #                                        failure, a step past its budget, a sharded one)
-# tests/test_bench_smoke.py checks --plan, --dry-run and --selftest here.
+# tests/test_bench_smoke.py checks --plan, --dry-run and --selftest here, and runs the
+# script with a stand-in for python3 (KVMEM_PYTHON) to check what happens to a step
+# stopped at its budget, to the budgets after a fast first step, to a probe that hangs
+# and to a run killed outright.
 #
-# Uses the host's own python3 (the H200 target: Python 3.12, torch 2.11, triton 3.6, CuPy)
-# with this repository on PYTHONPATH, and installs nothing.  Without pytest-benchmark the
-# benchmarks time themselves with bench/timer.py (the same rounds and medians).
+# Uses the host's own python3 (the H200 image's: Python 3.12, torch 2.11, triton 3.6,
+# pytest, pytest-benchmark, CuPy, matplotlib) with this repository on PYTHONPATH, and
+# installs nothing.
+# Without pytest-benchmark the benchmarks time themselves with bench/timer.py (the same
+# rounds and medians).  NIXL, where it is wanted, is a carried wheel (README.md).
 #
-# Output.  Everything is written to a scratch folder; at the end (also after a failure or
-# an interrupt) bench/gpu_summary.py prints one screen (every step; every benchmark target
-# against what was measured, PASS / FAIL / n/a; the figures behind each plot), and OUTDIR
-# gets two files: kvmem-gpu-check.tar.gz, the whole scratch folder, and summary.txt, that
-# screen.  (The device tool returns at most 8 files from an output folder.)  The archive:
-#   env.txt        GPU name, driver, versions, which optional packages import
-#   run.txt        the runner's line per step, as printed while it ran
-#   steps.tsv      the same as columns (measured kernels and seconds: the next sizing)
-#   summary.txt    the end screen
-#   <step>.log     each step's pytest output (-rs: every skip with its reason)
-#   bench-cuda.json, nvidia-*-*.png, sglang_staging.json   where those steps ran
+# Output.  Everything is written to a scratch folder, and OUTDIR gets three files, each
+# written again after the probes and after every step, so that a run killed outright
+# (past the device tool's limit, say) leaves what the finished steps measured (the device
+# tool returns at most 8 files from an output folder):
+#   console.log             everything this script prints, as it prints it
+#   summary.txt             bench/gpu_summary.py's screen of what the scratch folder holds
+#                           (every step; every benchmark target against what was measured,
+#                           PASS / FAIL / n/a; the figures behind each plot), printed at
+#                           the end (also after a failure or an interrupt)
+#   kvmem-gpu-check.tar.gz  the scratch folder:
+#     env.txt        GPU name, driver, versions, which optional packages import
+#     run.txt        the runner's line per step, as printed while it ran
+#     steps.tsv      the same as columns (measured kernels and seconds: the next sizing)
+#     summary.txt, console.log   as above
+#     <step>.log     each step's pytest output (-rs: every skip with its reason)
+#     bench-cuda.json, nvidia-*-*.png, sglang_staging.json   where those steps ran;
+#     bench-transfer/   the NIXL benchmark's JSON and plots, where NIXL imports
 # Exit status: 1 if a step failed or ran past its budget, 2 without a CUDA device (or
 # without pytest), else 0 (skips are listed, not failures).
 #
 # Steps, in order: the small kernel grid (a broken kernel or toolchain shows within a
 # minute, and it measures this host's compile rate), then the benchmarks (the H200
-# targets are what they measure, so they get their budget before the rest), then the
-# other tests.  Each runs under a time budget sized from the Triton kernels it compiles on
-# an empty cache:
+# targets are what they measure, so they get their budget before the rest; the CPU
+# benchmarks, bench_demo.py, bench_netns.py and bench_sglang_transfer.py, are left out, and
+# bench_transfer.py runs last, as a step of its own), then the other tests.  Each runs
+# under a time budget sized from the Triton kernels it compiles on an empty cache:
 #
 #     budget = BASE_S + (processes - 1) * START_EXTRA_S + run seconds
 #              + kernels * PER_KERNEL_S / processes
 #
 # kernels and run seconds are estimates per step (the table below says where each comes
 # from); PER_KERNEL_S starts as a guess and is replaced by what the first step measured
-# (seconds per new cubin in the Triton cache).  The whole run, the probes included, has
-# KVMEM_GPU_CHECK_SECONDS (default 290): a step whose budget does not fit in what is left
-# is skipped, saying so; one that needs a package the host lacks (NIXL, sglang) too.  The
-# last 10 s of the 5 minutes hold the summary and the archive (about 1 s) and the grace
-# of a step past its budget: it gets SIGTERM at its budget and SIGKILL KILL_S (5) s
-# later (timeout --kill-after), for a process that does not end on SIGTERM.  Set
+# (seconds per new cubin in the Triton cache).  The benchmark step's budget never drops
+# below BENCH_FLOOR_S (70 s), whatever the first step measured: its time is mostly its
+# rounds and the fills of its pools, which a fast compiler does not shorten.  The whole
+# run, the probes included, has KVMEM_GPU_CHECK_SECONDS (default 290): a step whose budget
+# does not fit in what is left is skipped, saying so; one that needs a package the host
+# lacks (NIXL, sglang) too.  The probes (one python process that imports torch, starts
+# CUDA, imports CuPy, NIXL and sglang; nvidia-smi beside it) are planned at PROBE_S (8 s)
+# and stopped at PROBE_LIMIT_S (30 s): what the python probe had not reported by then
+# counts as not importable, and the log names the import it was stopped in.
+#
+# A step at its budget gets SIGINT, so that pytest ends as after a Ctrl-C: it prints its
+# count line (what passed before) and runs its end-of-session hooks, where
+# bench/conftest.py writes its JSON and plots (it also writes the JSON after every
+# benchmark, marked partial, for a step that dies harder); SIGKILL follows KILL_S (5) s
+# later (timeout --kill-after), for a process that does not end on SIGINT.  The last
+# 10 s of the 5 minutes hold that grace, the summary and the archive (about 1 s).  Set
 # KVMEM_GPU_CHECK_SECONDS higher to run everything on a slow host.
 #
 # For planning (and the CPU tests of this script):
@@ -59,6 +81,10 @@
 #   KVMEM_GPU_CORES=16                  plan for that many cores (default: nproc)
 #   KVMEM_GPU_WITHOUT="nixl sglang pytest-benchmark"   treat these as not importable
 #   KVMEM_GPU_BASE_S, KVMEM_GPU_PER_KERNEL_S, KVMEM_GPU_START_EXTRA_S   the sizing guesses
+#   KVMEM_GPU_BUDGET_S="bench=120 ..."  these steps get these budgets (seconds), instead
+#                                       of the sizing and the floor
+#   KVMEM_GPU_PROBE_LIMIT_S=30          each probe's bound
+# Each step's command runs with KVMEM_GPU_STEP set to the step's name.
 set -uo pipefail
 
 mode=run
@@ -67,12 +93,16 @@ case "${1:-}" in
   --selftest) mode=selftest; shift ;;
   --dry-run) mode=dry; shift ;;
 esac
-out="" work=""
+out="" work="" tee_pid=""
 if [ "$mode" != plan ]; then
   out="${1:?usage: bench/gpu_check.sh [--plan | --dry-run OUTDIR | --selftest OUTDIR | OUTDIR]}"
   mkdir -p "$out" || exit 2
   out="$(cd "$out" && pwd)"  # before the cd below: OUTDIR is the caller's
   work="$(mktemp -d "${TMPDIR:-/tmp}/kvmem-gpu-check.XXXXXX")" || exit 2
+  # everything printed from here on also goes to OUTDIR/console.log, as it is printed
+  # (tee ignores SIGINT and SIGTERM: it ends when this script closes its output)
+  exec > >(trap '' INT TERM; exec tee "$out/console.log") 2>&1
+  tee_pid=${!:-}
 fi
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -92,27 +122,49 @@ START_EXTRA_S=${KVMEM_GPU_START_EXTRA_S:-1}
 # measures it (kept when it compiled nothing: a warm cache).
 PER_KERNEL_S=${KVMEM_GPU_PER_KERNEL_S:-1.0}
 # The probes: one python process (torch, CUDA, CuPy, pytest, NIXL, sglang imported or
-# not) and nvidia-smi: a guess.
+# not) with nvidia-smi beside it: a guess, for the plan; each is stopped at the bound.
 PROBE_S=8
+PROBE_LIMIT_S=${KVMEM_GPU_PROBE_LIMIT_S:-30}
+# The benchmark step's least budget: it plausibly needs 35-75 s on the H200 (a start, 26
+# compiles, about 30 s of rounds and pool fills): a guess, not measured there yet.  70 s
+# is what the 5 minutes leave it when every step that runs on a bare host takes its
+# whole budget at the guessed compile rate (--plan's total: 290 s).
+BENCH_FLOOR_S=70
 KILL_S=5
 CORES=${KVMEM_GPU_CORES:-$(nproc 2>/dev/null || echo 4)}
 SHARDS=$(( CORES / 2 )); [ "$SHARDS" -gt 8 ] && SHARDS=8; [ "$SHARDS" -lt 1 ] && SHARDS=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
 ARCHIVE=kvmem-gpu-check.tar.gz
 
-finish() {  # on every exit of a run: the end screen, then OUTDIR's two files
-  local rc=$?
+save() {  # OUTDIR's files as the scratch folder stands: the end screen, the archive
+  "$py" -m bench.gpu_summary "$work" > "$work/summary.txt" 2>&1 \
+    || echo "(bench/gpu_summary.py failed: see above)" >> "$work/summary.txt"
+  cp -f "$out/console.log" "$work/console.log" 2>/dev/null  # a copy: tar reads no growing file
+  cp -f "$work/summary.txt" "$out/summary.txt" \
+    && tar -czf "$out/$ARCHIVE.part" -C "$work" . && mv -f "$out/$ARCHIVE.part" "$out/$ARCHIVE"
+}
+
+finish() {  # on every exit of a run: the end screen, then OUTDIR's files a last time
+  local rc=$? saved=0
   trap - EXIT
   if [ -n "$work" ]; then
-    "$py" -m bench.gpu_summary "$work" > "$work/summary.txt" 2>&1 \
-      || echo "(bench/gpu_summary.py failed: see above)" >> "$work/summary.txt"
     echo
-    cat "$work/summary.txt"
-    if tar -czf "$out/$ARCHIVE" -C "$work" . && cp "$work/summary.txt" "$out/summary.txt"; then
-      echo "gpu_check: exit $rc; everything in $out/$ARCHIVE, this screen in $out/summary.txt"
-      rm -rf "$work"
+    if save; then
+      saved=1
+      cat "$work/summary.txt"
+      echo "gpu_check: exit $rc; everything in $out/$ARCHIVE, this screen in $out/summary.txt, the console in $out/console.log"
     else
+      cat "$work/summary.txt"
       echo "gpu_check: exit $rc; could not write $out/$ARCHIVE: the files stay in $work"
+    fi
+    # the console's last lines into the archive too: tee ends once its input is closed
+    exec >/dev/null 2>&1
+    local i
+    for ((i = 0; i < 50; i++)); do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.1; done
+    if [ "$saved" = 1 ]; then
+      cp -f "$out/console.log" "$work/console.log" \
+        && tar -czf "$out/$ARCHIVE.part" -C "$work" . && mv -f "$out/$ARCHIVE.part" "$out/$ARCHIVE" \
+        && rm -rf "$work"
     fi
   fi
   exit "$rc"
@@ -130,11 +182,21 @@ say() {  # one line to stdout and, in a run, to run.txt
   return 0
 }
 
-# -- what this host has: one python process (not for --selftest) --------------------------
+# -- what this host has: one python process (not for --selftest), nvidia-smi beside it ----
 has_cuda=0 has_pytest=0 has_nixl=0 has_sglang=0 has_sglang_alloc=0 has_tms=0
 has_benchmark=0 has_cupy=0
-probe=""
-[ "$mode" != selftest ] && probe=$("$py" - 2>/dev/null <<'PY'
+probe="" probe_rc=0 probe_note="" smi_pid=""
+probed="cuda pytest nixl sglang sglang_alloc tms benchmark cupy"  # the probe's order
+if [ "$mode" = run ] || [ "$mode" = dry ]; then
+  timeout --kill-after=2 "$PROBE_LIMIT_S" nvidia-smi \
+    --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv \
+    > "$work/nvidia-smi.txt" 2>&1 &
+  smi_pid=$!
+fi
+if [ "$mode" != selftest ]; then
+  # "try NAME" before each import, "has NAME 0|1" after it: a probe stopped at its bound
+  # shows which import it was in
+  probe=$(timeout --kill-after=2 "$PROBE_LIMIT_S" "$py" - 2>/dev/null <<'PY'
 import os
 CHECKS = {  # name: (the KVMEM_GPU_WITHOUT word that turns it off, what must import and hold)
     "cuda": ("cuda", "import torch; assert torch.cuda.is_available()"),
@@ -148,6 +210,7 @@ CHECKS = {  # name: (the KVMEM_GPU_WITHOUT word that turns it off, what must imp
 }
 without = set(os.environ.get("KVMEM_GPU_WITHOUT", "").split())
 for name, (word, code) in CHECKS.items():
+    print("try", name, flush=True)
     ok = 0
     if word not in without:
         try:
@@ -155,7 +218,7 @@ for name, (word, code) in CHECKS.items():
             ok = 1
         except BaseException:
             pass
-    print("has", name, ok)
+    print("has", name, ok, flush=True)
 try:
     import torch, triton
     print("env torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)
@@ -164,27 +227,56 @@ try:
 except BaseException as e:
     print("env torch/triton:", repr(e))
 PY
-)
+  )
+  probe_rc=$?
+fi
+reported=" " last_try=""
 while read -r kind name value; do
-  [ "$kind" = has ] || continue
+  case $kind in
+    try) last_try=$name; continue ;;
+    has) reported+="$name " ;;
+    *) continue ;;
+  esac
   case $name in
     cuda) has_cuda=$value ;; pytest) has_pytest=$value ;; nixl) has_nixl=$value ;;
     sglang) has_sglang=$value ;; sglang_alloc) has_sglang_alloc=$value ;;
     tms) has_tms=$value ;; benchmark) has_benchmark=$value ;; cupy) has_cupy=$value ;;
   esac
 done <<< "$probe"
+if [ "$mode" != selftest ] && [ "$probe_rc" -ne 0 ]; then
+  missing=""
+  for name in $probed; do [[ $reported == *" $name "* ]] || missing+=" $name"; done
+  where="after its checks"  # in the versions' lines
+  if [ -z "$last_try" ]; then where="before its first check"
+  elif [[ $reported != *" $last_try "* ]]; then where="while importing for '$last_try'"; fi
+  if [ "$probe_rc" -eq 124 ] || [ "$probe_rc" -eq 137 ]; then
+    probe_note="probe: stopped at its ${PROBE_LIMIT_S}s bound $where"
+  else
+    probe_note="probe: exit $probe_rc $where"
+  fi
+  [ -n "$missing" ] && probe_note+="; counted as not importable:$missing"
+fi
 
 if [ -n "$work" ]; then
   printf 'step\tstatus\tseconds\tbudget\tkernels_est\tkernels_compiled\tprocesses\tresult\n' > "$work/steps.tsv"
 fi
+if [ "$mode" = plan ] && [ -n "$probe_note" ]; then say "$probe_note"; fi
 if [ "$mode" = run ] || [ "$mode" = dry ]; then
+  smi_rc=0; wait "$smi_pid"; smi_rc=$?
   {
     date -u +%FT%TZ
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1
+    cat "$work/nvidia-smi.txt"
+    if [ "$smi_rc" -eq 124 ] || [ "$smi_rc" -eq 137 ]; then
+      echo "nvidia-smi: stopped at its ${PROBE_LIMIT_S}s bound"
+    fi
     grep '^env ' <<< "$probe" | sed 's/^env //'
     echo "mode $mode; cores $CORES, $SHARDS processes for the sharded step, TRITON_CACHE_DIR $TRITON_CACHE_DIR ($(cubins) cubins in it)"
     echo "importable: cuda=$has_cuda pytest=$has_pytest cupy=$has_cupy nixl=$has_nixl sglang=$has_sglang pytest-benchmark=$has_benchmark (KVMEM_GPU_WITHOUT='${KVMEM_GPU_WITHOUT:-}')"
+    [ -n "$probe_note" ] && echo "$probe_note"
   } 2>&1 | tee "$work/env.txt"
+  rm -f "$work/nvidia-smi.txt"
+  [ -n "$probe_note" ] && echo "$probe_note" >> "$work/run.txt"  # printed above
+  save
   if [ "$mode" = run ] && [ "$has_cuda" = 0 ]; then
     echo "gpu_check: no CUDA device here: nothing to check (--dry-run runs what a CPU can)"; exit 2
   fi
@@ -205,10 +297,16 @@ step() {
   shift 7
   local cmd=("$@") n=1
   [ "$procs" = shards ] && n=$SHARDS
-  local budget
+  local budget fixed
   budget=$(awk -v b="$BASE_S" -v e="$START_EXTRA_S" -v r="$run_s" -v k="$kernels" \
     -v p="$PER_KERNEL_S" -v n="$n" \
     'BEGIN { x = b + (n - 1) * e + r + k * p / n; printf "%d", (x == int(x)) ? x : int(x) + 1 }')
+  fixed=$(tr ' ' '\n' <<< "${KVMEM_GPU_BUDGET_S:-}" | sed -n "s/^$name=\([0-9][0-9]*\)$/\1/p" | head -n 1)
+  if [ -n "$fixed" ]; then
+    budget=$fixed
+  elif [ "$name" = bench ] && [ "$budget" -lt "$BENCH_FLOOR_S" ]; then
+    budget=$BENCH_FLOOR_S
+  fi
   local rem; rem=$(left)
   if [ "$mode" = plan ]; then  # as if every step before took its whole budget
     rem=$(( DEADLINE - PLANNED ))
@@ -227,6 +325,7 @@ step() {
     n_skipped=$((n_skipped + 1))
     say "[$name] skipped: $need | $what"
     printf '%s\tskipped\t0\t%s\t%s\t0\t%s\t%s\n' "$name" "$budget" "$kernels" "$n" "$need" >> "$work/steps.tsv"
+    save
     return 0
   fi
   if [ "$budget" -gt "$rem" ]; then
@@ -234,27 +333,30 @@ step() {
     say "[$name] skipped: needs ${budget}s ($kernels kernels at ${PER_KERNEL_S}s over $n process(es)), ${rem}s left of ${DEADLINE}s | $what"
     printf '%s\tskipped\t0\t%s\t%s\t0\t%s\tout of time (needs %ss, %ss left)\n' "$name" "$budget" \
       "$kernels" "$n" "$budget" "$rem" >> "$work/steps.tsv"
+    save
     return 0
   fi
   local log="$work/$name.log" before t rc=0
-  local limit=(timeout --kill-after="$KILL_S" "$budget")
+  # SIGINT at the budget: pytest ends as after a Ctrl-C, its count line and end-of-session
+  # hooks (the benchmarks' JSON and plots) included; SIGKILL KILL_S later
+  local limit=(timeout -s INT --kill-after="$KILL_S" "$budget")
   before=$(cubins); t=$SECONDS
   if [ "$n" -gt 1 ]; then
     local pids=() i
     for ((i = 0; i < n; i++)); do
-      KVMEM_GPU_SHARD="$i/$n" "${limit[@]}" "${cmd[@]}" > "$log.$i" 2>&1 &
+      KVMEM_GPU_STEP="$name" KVMEM_GPU_SHARD="$i/$n" "${limit[@]}" "${cmd[@]}" > "$log.$i" 2>&1 &
       pids+=($!)
     done
     local one
     for i in "${!pids[@]}"; do
       wait "${pids[$i]}"; one=$?
-      # a timeout (124: ended by SIGTERM, 137: by SIGKILL) outranks any other status
+      # a timeout (124: ended by SIGINT, 137: by SIGKILL) outranks any other status
       if [ "$one" -eq 124 ] || [ "$one" -eq 137 ]; then rc=$one
       elif [ "$one" -ne 0 ] && [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ]; then rc=$one; fi
     done
     for ((i = 0; i < n; i++)); do echo "== process $i of $n"; cat "$log.$i"; rm -f "$log.$i"; done > "$log"
   else
-    "${limit[@]}" "${cmd[@]}" > "$log" 2>&1; rc=$?
+    KVMEM_GPU_STEP="$name" "${limit[@]}" "${cmd[@]}" > "$log" 2>&1; rc=$?
   fi
   local secs=$((SECONDS - t)) compiled=$(( $(cubins) - before ))
   # pytest's count lines (one per process): "12 passed, 1 skipped in 30.1s", and what
@@ -282,21 +384,22 @@ step() {
       'BEGIN { x = (s - b - r) / c; if (x < 0.2) x = 0.2; if (x > 5) x = 5; printf "%.2f", x }')
     say "    measured: ${PER_KERNEL_S}s per kernel (the following budgets use it)"
   fi
+  save
 }
 
 if [ "$mode" = selftest ]; then  # the runner itself, on CPU commands
   step pass 0 3 1 - "a step that passes" -- "$py" -c "print('3 passed, 1 skipped in 0.10s')"
   step fail 0 3 1 - "a step that fails" -- "$py" -c "import sys; print('1 failed, 2 passed in 0.20s'); sys.exit(1)"
   step slow 0 1 1 - "a step past its budget" -- sleep 30
-  step stubborn 0 1 1 - "a step that ignores SIGTERM" -- \
-    "$py" -c "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+  step stubborn 0 1 1 - "a step that ignores SIGINT and SIGTERM" -- "$py" -c \
+    "import signal, time; [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)]; time.sleep(60)"
   step sharded 0 3 shards - "a sharded step" -- "$py" -c "import os; print('shard', os.environ['KVMEM_GPU_SHARD']); print('1 passed in 0.01s')"
   step missing 0 3 1 "a package is not importable here" "a step that cannot run here" -- false
   say "gpu_check: $n_ran ran ok, $n_failed failed, $n_skipped skipped; exit $status"
   exit $status
 fi
 
-need_nixl="-"; [ "$has_nixl" = 0 ] && need_nixl="NIXL is not importable here (carry a nixl-cu13 wheel): the disagg sides cannot run"
+need_nixl="-"; [ "$has_nixl" = 0 ] && need_nixl="NIXL is not importable here (README.md: carrying the nixl-cu13 wheel)"
 need_sglang="-"; [ "$has_sglang" = 0 ] && need_sglang="sglang is not importable here: nothing to compare its staging kernels with"
 need_tms="-"; [ "$has_tms" = 0 ] && need_tms="sglang or torch_memory_saver is not importable here: nothing to run the adapter beside --enable-memory-saver with"
 pyt=("$py" -m pytest -q -rs -p no:cacheprovider)
@@ -310,29 +413,31 @@ fi
 # empty Triton cache), about 2.7 a case; the small grid is 6 of them.  The benchmarks
 # (bench_pack.py's cases): pack and unpack of 3 gqa-bf16 page sizes in two variants each
 # (Triton specialises the page count on divisibility by 16, and the 1 MiB / 8-page /
-# 2-page chunks are not) and of 3 fp8 MLA page sizes, 18, and about 8 of the allocator's.  The others are counted by reading the tests (a guess
-# each, replaced by steps.tsv's measured column): the allocator's take/free/undo/slot
-# kernels per page size and check flag, the disagg sides' pack/unpack of one spec, the
-# hardening chunks, the pool tests' few shapes.  Run seconds: the benchmarks' 30 s are
-# their rounds (the 64 GiB release/resume the most) with the pools filled on the device
-# (the CPU fill of 7.7 GiB took tens of seconds); the others are guesses.
+# 2-page chunks are not) and of 3 fp8 MLA page sizes, 18, and about 8 of the allocator's.
+# The others are counted by reading the tests (a guess each, replaced by steps.tsv's
+# measured column): the allocator's take/free/undo/slot kernels per page size and check
+# flag, the disagg sides' pack/unpack of one spec, the hardening chunks, the pool tests'
+# few shapes.  Run seconds: the benchmarks' 30 s are their rounds (the 64 GiB
+# release/resume the most) with the pools filled on the device (the CPU fill of 7.7 GiB
+# took tens of seconds); the others are guesses.
 KVMEM_GPU_GRID=small step smoke 18 5 1 - "small kernel grid first: 6 pack/unpack cases vs the CPU reference" -- \
   "${pyt[@]}" tests/gpu/test_cuda_pack_pool.py -k kernel_matches_ref
-# The benchmarks: sglang's baselines only where it imports, the NIXL ones only where NIXL
-# does (said in the log), the table and its plots into the archive.
-bench_args=()
-[ "$has_sglang_alloc" = 0 ] && bench_args+=(-k "not sglang")
-[ "$has_nixl" = 0 ] && bench_args+=(--ignore bench/bench_transfer.py --ignore bench/bench_demo.py)
-# bench_netns.py measures TCP over a veth between host-memory pools (no GPU part; it needs
-# root to make network namespaces): the CPU run's, not this script's
-bench_args+=(--ignore bench/bench_netns.py)
+# The benchmarks: sglang's baselines only where it imports, the table and its plots into
+# the archive.  Not here: the CPU ones (bench_demo.py, the kvmem demo's processes over UCX
+# on host memory, minutes; bench_netns.py, TCP over a veth between host-memory pools, root
+# only; bench_sglang_transfer.py, sglang's PD pairs on host memory), which are the CPU
+# run's, and bench_transfer.py, NIXL, a step of its own below.
+bench_opts=()
 if [ "$has_benchmark" = 1 ]; then
-  bench_args+=(--benchmark-columns=median,iqr,ops --benchmark-sort=name)
+  bench_opts+=(--benchmark-columns=median,iqr,ops --benchmark-sort=name)
 else
-  bench_args+=(-p no:benchmark)  # bench/timer.py times them
+  bench_opts+=(-p no:benchmark)  # bench/timer.py times them
 fi
-KVMEM_BENCH_SMOKE="$bench_smoke" KVMEM_BENCH_OUT="$work" step bench 26 30 1 - "pytest bench: kvmem vs its baselines (no sglang baselines without sglang, no NIXL ones without NIXL)" -- \
-  "$py" -m pytest -q -rs -p no:cacheprovider bench "${bench_args[@]}"
+bench_args=(--ignore bench/bench_demo.py --ignore bench/bench_netns.py
+  --ignore bench/bench_sglang_transfer.py --ignore bench/bench_transfer.py)
+[ "$has_sglang_alloc" = 0 ] && bench_args+=(-k "not sglang")
+KVMEM_BENCH_SMOKE="$bench_smoke" KVMEM_BENCH_OUT="$work" step bench 26 30 1 - "pytest bench: kvmem vs its baselines (no sglang baselines without sglang; not the CPU benchmarks, not NIXL's)" -- \
+  "$py" -m pytest -q -rs -p no:cacheprovider bench "${bench_args[@]}" "${bench_opts[@]}"
 step gpu-paths 42 70 1 - "chunks past 2^31 units, two devices where there are two, streams, sync-free paths; allocator kernels vs the CPU allocator, cuda_vmm pools under pressure and over several chunks, CuPy views" -- \
   "${pyt[@]}" tests/gpu/test_cuda_sizes_devices_streams.py \
   tests/gpu/test_cuda_allocator.py tests/gpu/test_cuda_allocator_order.py \
@@ -346,6 +451,12 @@ KVMEM_GPU_OUT="$work" step sglang-staging 16 15 1 "$need_sglang" "the adapter's 
   "${pyt[@]}" -s tests/gpu/test_gpu_sglang_staging.py
 step sglang-memory-saver 4 30 1 "$need_tms" "the adapter beside --enable-memory-saver: kvmem's pool and torch_memory_saver's part both released and resumed" -- \
   "${pyt[@]}" tests/gpu/test_gpu_sglang_memory_saver.py
+# NIXL's write bandwidth between VRAM buffers (two agents in one process; a figure with no
+# target yet): its kernels (a chunk packed once) and run seconds (7 rounds of 256 MiB and
+# 128 MiB writes in two modes, the agents' start) are guesses.  Its JSON and plots into a
+# folder of their own, beside the benchmark step's.
+KVMEM_BENCH_SMOKE="$bench_smoke" KVMEM_BENCH_OUT="$work/bench-transfer" step bench-transfer 2 20 1 "$need_nixl" "NIXL write bandwidth on VRAM: kvmem's engine vs raw NIXL vs a plain copy" -- \
+  "$py" -m pytest -q -rs -p no:cacheprovider bench/bench_transfer.py "${bench_opts[@]}"
 
 if [ "$mode" = plan ]; then
   say "plan total: ${PLANNED}s of budgets (the probes' ${PROBE_S}s and the steps that would run), ${DEADLINE}s allowed (BASE_S=${BASE_S}s, START_EXTRA_S=${START_EXTRA_S}s, PER_KERNEL_S=${PER_KERNEL_S}s, $SHARDS processes for the sharded step)"

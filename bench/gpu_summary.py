@@ -8,8 +8,10 @@ and, where the benchmark step ran, ``bench-cuda.json`` or ``bench-cpu.json``
 (bench/conftest.py's report).  Standard library only (it runs after the steps, in a
 second or so).  A target reads ``PASS``, ``FAIL``, or ``n/a`` with why (its rows are
 absent: the step did not run, or the benchmark was left out); a smoke run (``make
-test``'s tiny sizes) says that its figures mean nothing.  Exit status 0 (the summary
-reports, it does not judge: gpu_check.sh's own status says whether a step failed).
+test``'s tiny sizes) says that its figures mean nothing, and a partial report (the step
+was stopped before its end; bench/conftest.py writes the rows as they are measured) says
+so.  Exit status 0 (the summary reports, it does not judge: gpu_check.sh's own status
+says whether a step failed).
 
 The targets (each benchmark's docstring says where it comes from):
 
@@ -260,6 +262,8 @@ def screen(folder: str) -> list[str]:
         return out
     if report.get("smoke"):
         out.append("SMOKE RUN: tiny sizes, one round: the figures and verdicts below mean nothing")
+    if report.get("partial"):
+        out.append("PARTIAL: the benchmarks stopped before their end: the rows measured until then")
     out.append("targets:")
     out += ["  " + _cut(x) for x in targets(report)]
     out.append("figures (medians; pack: GB/s and share of the plain copy per chunk size):")

@@ -1,13 +1,16 @@
 """The GPU benchmark's paths that a CPU can check (issue 32): bench_pack.py at the chunk
 sizes of the GPU run, where its pools' random bytes are drawn, the report's refusal of a
-row that moved nothing, and bench/timer.py, the ``benchmark`` fixture of a host without
-pytest-benchmark.  gpu_check.sh itself: tests/test_bench_smoke.py."""
+row that moved nothing, the report's rows written as they are measured (issue 40), and
+bench/timer.py, the ``benchmark`` fixture of a host without pytest-benchmark.
+gpu_check.sh itself: tests/test_bench_smoke.py."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -113,6 +116,55 @@ def test_report_refuses_a_row_that_moved_nothing():
     r.add("g", "kvmem x", t, None)
     r.add("g", "kvmem y", t, 10)
     assert "gb_per_s" not in r.groups["g"][0] and r.groups["g"][1]["gb_per_s"] > 0
+
+
+STUCK_BENCH = """
+import time
+
+
+def test_measured(benchmark, report):
+    benchmark.pedantic(lambda: None, rounds=2)
+    report.add("noop", "kvmem noop", benchmark, 8, role="kvmem")
+
+
+def test_stuck():
+    print("STUCK", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_report_rows_survive_a_killed_run(tmp_path):
+    """Issue 40 item 7: with KVMEM_BENCH_OUT the JSON is written after every benchmark
+    (``partial: true``), so a run killed in its next benchmark (SIGKILL: no hook of pytest
+    runs) leaves the rows measured before it.  bench/conftest.py as a plugin, on a file of
+    two benchmarks: one measured, one stuck until killed."""
+    (tmp_path / "bench_stuck.py").write_text(STUCK_BENCH)
+    out = tmp_path / "out"
+    args = ["-q", "-s", "-p", "no:cacheprovider", "-p", "no:benchmark", "-p", "bench.conftest"]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pytest", *args, str(tmp_path / "bench_stuck.py")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(KVMEM_BENCH_OUT=str(out), KVMEM_BENCH_DEVICE="cpu"),
+    )
+    seen = []
+    try:
+        deadline = time.monotonic() + 300
+        for line in p.stdout:  # until the second benchmark has started
+            seen.append(line)
+            if "STUCK" in line or time.monotonic() > deadline:
+                break
+        assert "STUCK" in seen[-1], "".join(seen)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.communicate(timeout=60)
+    report = json.loads((out / "bench-cpu.json").read_text())
+    assert report["partial"] is True and report["device_type"] == "cpu"
+    [row] = report["groups"]["noop"]
+    assert row["name"] == "kvmem noop" and row["nbytes"] == 8 and row["median_s"] >= 0
+    assert sorted(f.name for f in out.iterdir()) == ["bench-cpu.json"]  # no half-written file
 
 
 # -- bench/timer.py -----------------------------------------------------------------------

@@ -13,8 +13,13 @@
   the start of every process of the sharded step; its step runner (``--selftest``)
   reports passes, failures, steps past their budget (killed when SIGTERM is ignored) and
   skips; its dry run (``--dry-run``) runs on this CPU everything a CPU can; a run leaves
-  one archive and its end screen in OUTDIR; and the parts it runs the pack grid in
-  (KVMEM_GPU_GRID, KVMEM_GPU_SHARD) partition the grid.
+  one archive, its end screen and its console log in OUTDIR; and the parts it runs the
+  pack grid in (KVMEM_GPU_GRID, KVMEM_GPU_SHARD) partition the grid.
+- Run with a stand-in for the GPU host's python3 (tests/gpu_check_standin.py): a step
+  stopped at its budget keeps what it wrote on SIGINT; a fast first step leaves the
+  benchmarks their floor; with NIXL the CPU demo stays out of the GPU steps; a probe or
+  nvidia-smi that hangs is stopped; a run killed outright leaves in OUTDIR the archive of
+  the steps it finished and its console log.
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ def test_smoke_report_and_plots(smoke):
     out = smoke["out"]
     report = json.loads((out / "bench-cpu.json").read_text())
     assert report["smoke"] is True and report["device_type"] == "cpu"
+    assert report["partial"] is False  # the session ended: every benchmark is in it
     rows = [r for g in report["groups"].values() for r in g]
     assert rows and all(r["median_s"] > 0 for r in rows)
     by_fig = {f: [r for r in rows if r.get("figure") == f] for f in FIGURES}
@@ -208,14 +214,18 @@ def test_gpu_check_cuda_tests_collect_on_cpu():
         assert rel in p.stdout, (rel, p.stdout[-3000:])
 
 
-def _gpu_check(*args, **env) -> subprocess.CompletedProcess:
+def _gpu_check(*args, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    """The script with this interpreter as its python3; its probe unbounded in practice
+    (300 s: on this loaded 2-core machine importing torch, NIXL and sglang can take more
+    than the 30 s a GPU host gets), unless ``env`` bounds it."""
+    env = {"KVMEM_PYTHON": sys.executable, "KVMEM_GPU_PROBE_LIMIT_S": "300", **env}
     return subprocess.run(
         ["bash", GPU_CHECK, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
-        env=_env(KVMEM_PYTHON=sys.executable, **env),
+        timeout=timeout,
+        env=_env(**env),
     )
 
 
@@ -248,8 +258,10 @@ def test_gpu_check_plan_for_a_bare_h200_fits_its_time():
         "pack-grid",
         "sglang-staging",
         "sglang-memory-saver",
+        "bench-transfer",
     }, steps
     assert would["disagg"].startswith("skip: NIXL is not importable")
+    assert would["bench-transfer"].startswith("skip: NIXL is not importable")
     assert would["sglang-staging"].startswith("skip: sglang is not importable")
     assert would["sglang-memory-saver"].startswith("skip: sglang or torch_memory_saver")
     for name in ("smoke", "bench", "gpu-paths", "pack-grid"):
@@ -273,10 +285,10 @@ def test_gpu_check_budgets_the_start_of_every_shard():
 
 
 def _archive(outdir) -> dict[str, bytes]:
-    """OUTDIR of a run: at most 8 files (what the device tool returns), the archive and the
-    end screen; the archive's files by name."""
+    """OUTDIR of a run: at most 8 files (what the device tool returns), the console log,
+    the archive and the end screen; the archive's files by name."""
     names = sorted(os.listdir(outdir))
-    assert names == ["kvmem-gpu-check.tar.gz", "summary.txt"], names
+    assert names == ["console.log", "kvmem-gpu-check.tar.gz", "summary.txt"], names
     with tarfile.open(os.path.join(outdir, "kvmem-gpu-check.tar.gz")) as tar:
         return {
             os.path.normpath(m.name): tar.extractfile(m).read()
@@ -287,8 +299,9 @@ def _archive(outdir) -> dict[str, bytes]:
 
 def test_gpu_check_step_runner(tmp_path):
     """--selftest: a pass, a failure, a step stopped at its budget, one that ignores
-    SIGTERM (killed KILL_S later), a sharded step, a step that cannot run here; one line
-    each, the table, the exit status of a failure; one archive and the end screen."""
+    SIGINT and SIGTERM (killed KILL_S later), a sharded step, a step that cannot run here;
+    one line each, the table, the exit status of a failure; one archive, the end screen
+    and the console log (all that was printed, in the archive too)."""
     t = time.monotonic()
     p = _gpu_check("--selftest", str(tmp_path), KVMEM_GPU_BASE_S="1", KVMEM_GPU_CORES="4")
     assert p.returncode == 1, p.stdout + p.stderr
@@ -320,6 +333,8 @@ def test_gpu_check_step_runner(tmp_path):
     screen = (tmp_path / "summary.txt").read_text()
     assert screen == files["summary.txt"].decode() and screen in p.stdout
     assert "stubborn" in screen and "no benchmark report" in screen
+    console = (tmp_path / "console.log").read_text()
+    assert console == p.stdout == files["console.log"].decode() and p.stderr == ""
 
 
 def test_gpu_check_dry_run_on_cpu(tmp_path):
@@ -347,6 +362,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "pack-grid": "ok",
         "sglang-staging": "skipped",
         "sglang-memory-saver": "skipped",
+        "bench-transfer": "skipped",
     }, tsv
     assert re.match(r"6/\d+ tests collected", next(r[7] for r in tsv if r[0] == "smoke"))
     report = json.loads(files["bench-cpu.json"])
@@ -373,6 +389,170 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     ):
         assert target in text, (target, text)
     assert "\n".join(screen) in p.stdout  # printed at the end
+
+
+# -- gpu_check.sh driven by a stand-in for the host's python3 --------------------------------
+
+STANDIN = os.path.join(ROOT, "tests", "gpu_check_standin.py")
+
+
+def _standin(tmp_path, steps=None, **probe) -> dict:
+    """The variables that make gpu_check.sh run tests/gpu_check_standin.py as its python3
+    (a wrapper in ``tmp_path``), on a 4-core host whose Triton cache, scratch folder and
+    stand-in files are in ``tmp_path``.  ``probe`` and ``steps``: KVMEM_STANDIN's."""
+    wrapper = tmp_path / "python3"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{STANDIN}" "$@"\n')
+    wrapper.chmod(0o755)
+    (tmp_path / "standin").mkdir()
+    spec = dict(probe=probe, steps=steps or {}, dir=str(tmp_path / "standin"))
+    return dict(
+        KVMEM_PYTHON=str(wrapper),
+        KVMEM_STANDIN=json.dumps(spec),
+        KVMEM_GPU_CORES="4",
+        TRITON_CACHE_DIR=str(tmp_path / "triton"),
+        TMPDIR=str(tmp_path),
+    )
+
+
+def _steps_tsv(files: dict[str, bytes]) -> dict[str, dict[str, str]]:
+    lines = files["steps.tsv"].decode().splitlines()
+    head = lines[0].split("\t")
+    return {r.split("\t")[0]: dict(zip(head, r.split("\t"))) for r in lines[1:]}
+
+
+def test_gpu_check_keeps_what_a_step_stopped_at_its_budget_wrote(tmp_path):
+    """Issue 40 item 7: a step at its budget gets SIGINT, so that pytest ends as after a
+    Ctrl-C, count line and end-of-session hooks included: the benchmark JSON its hook
+    writes is in the archive and the summary reads it.  (SIGTERM, as before, ended the
+    process at once: no JSON, no figure.)  bench/conftest.py also writes the rows as they
+    are measured: tests/test_bench_gpu_paths.py."""
+    out = tmp_path / "out"
+    env = _standin(tmp_path, {"bench": {"rows": 1, "hang": True}})
+    p = _gpu_check(str(out), KVMEM_GPU_BUDGET_S="bench=2", timeout=120, **env)
+    assert p.returncode == 1, p.stdout[-5000:]  # a step ran past its budget
+    files = _archive(out)
+    bench = _steps_tsv(files)["bench"]
+    assert bench["status"] == "TIMEOUT" and bench["budget"] == "2", bench
+    assert re.match(r"1 passed in [0-9.]+s$", bench["result"]), bench  # its count line
+    assert "KeyboardInterrupt" in files["bench.log"].decode()
+    report = json.loads(files["bench-cuda.json"])
+    assert report["groups"]["release 64 GiB"][0]["median_s"] == 0.010
+    screen = (out / "summary.txt").read_text()
+    assert "release 64 GiB: 10.0 ms" in screen and "no benchmark report" not in screen
+
+
+def test_gpu_check_gives_the_benchmarks_their_floor(tmp_path):
+    """Issue 40 item 8: a first step that compiled its 18 kernels in no time measures the
+    least compile rate (0.2 s a kernel); the steps after it are sized with that rate, but
+    the benchmarks keep their floor (70 s, they were cut to 48 s)."""
+    out = tmp_path / "out"
+    p = _gpu_check(str(out), timeout=120, **_standin(tmp_path, {"smoke": {"cubins": 18}}))
+    assert p.returncode == 0, p.stdout[-5000:]
+    files = _archive(out)
+    assert "measured: 0.20s per kernel" in files["run.txt"].decode()
+    steps = _steps_tsv(files)
+    assert steps["smoke"]["kernels_compiled"] == "18"
+    assert steps["bench"]["budget"] == "70", steps["bench"]
+    assert steps["gpu-paths"]["budget"] == str(12 + 70 + 9), steps["gpu-paths"]  # 42 x 0.2 s
+
+
+def test_gpu_check_keeps_the_cpu_demo_out_of_the_gpu_steps(tmp_path):
+    """Issue 40 item 9: with NIXL importable the benchmark step still leaves out the CPU
+    benchmarks (the kvmem demo takes minutes) and NIXL's, which runs as a step of its own,
+    last; the disagg step runs."""
+    out = tmp_path / "out"
+    env = _standin(tmp_path, has=["cuda", "pytest", "nixl", "cupy"])
+    p = _gpu_check(str(out), timeout=120, **env)
+    assert p.returncode == 0, p.stdout[-5000:]
+    runs = {}
+    for line in (tmp_path / "standin" / "pytest.txt").read_text().splitlines():
+        step, *args = line.split("\t")
+        runs[step] = args
+    bench = runs["bench"]
+    assert "bench" in bench
+    ignored = {bench[i + 1] for i, a in enumerate(bench) if a == "--ignore"}
+    assert {
+        "bench/bench_demo.py",
+        "bench/bench_netns.py",
+        "bench/bench_sglang_transfer.py",
+        "bench/bench_transfer.py",
+    } <= ignored, bench
+    assert [a for a in runs["bench-transfer"] if a.startswith("bench")] == [
+        "bench/bench_transfer.py"
+    ]
+    named = [a for args in runs.values() for a in args if "bench_demo" in a]
+    assert named == ["bench/bench_demo.py"], runs  # only as the bench step's --ignore
+    steps = _steps_tsv(_archive(out))
+    assert list(steps)[-1] == "bench-transfer"
+    assert steps["disagg"]["status"] == steps["bench-transfer"]["status"] == "ok", steps
+
+
+def test_gpu_check_bounds_its_probes(tmp_path):
+    """Issue 40 item 10: a python probe that hangs in an import (here NIXL's) and an
+    nvidia-smi that hangs are each stopped at KVMEM_GPU_PROBE_LIMIT_S; what the probe
+    reported before stands, the rest counts as not importable, and env.txt says so."""
+    out = tmp_path / "out"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nexec sleep 120\n")
+    smi.chmod(0o755)
+    env = _standin(tmp_path, has=["cuda", "pytest"], hang="nixl")
+    t = time.monotonic()
+    p = _gpu_check(
+        str(out),
+        KVMEM_GPU_PROBE_LIMIT_S="1",
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        timeout=120,
+        **env,
+    )
+    assert p.returncode == 0, p.stdout[-5000:]
+    assert time.monotonic() - t < 60  # neither waited for its 120 s
+    files = _archive(out)
+    text = files["env.txt"].decode()
+    assert "nvidia-smi: stopped at its 1s bound" in text, text
+    note = "probe: stopped at its 1s bound while importing for 'nixl'; counted as not importable:"
+    assert note + " nixl sglang sglang_alloc tms benchmark cupy" in text, text
+    assert "importable: cuda=1 pytest=1 cupy=0 nixl=0" in text, text
+    assert note in files["run.txt"].decode()
+    steps = _steps_tsv(files)
+    assert steps["smoke"]["status"] == "ok" and steps["disagg"]["status"] == "skipped"
+
+
+def test_gpu_check_killed_outright_leaves_the_finished_steps(tmp_path):
+    """Issue 40 item 10: OUTDIR's archive and summary are written again after every step
+    and its console log as it is printed, so a run killed outright (SIGKILL: no exit trap
+    runs, as when a device's time runs out) leaves what its finished steps measured."""
+    out = tmp_path / "out"
+    env = _standin(tmp_path, {"bench": {"rows": 1}, "gpu-paths": {"hang": True}})
+    p = subprocess.Popen(
+        ["bash", GPU_CHECK, str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(**env),
+    )
+    marker = tmp_path / "standin" / "gpu-paths.hanging"
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() or not marker.read_text():
+            assert p.poll() is None and time.monotonic() < deadline, p.poll()
+            time.sleep(0.1)
+        p.kill()  # the script, SIGKILL
+        stdout = p.communicate(timeout=60)[0]
+    finally:
+        p.kill()
+        if marker.exists() and marker.read_text():  # the hanging step and its timeout
+            os.killpg(os.getpgid(int(marker.read_text())), 9)
+    files = _archive(out)
+    steps = _steps_tsv(files)
+    assert {s: steps[s]["status"] for s in steps} == {"smoke": "ok", "bench": "ok"}, steps
+    assert json.loads(files["bench-cuda.json"])["groups"]["release 64 GiB"]
+    assert "release 64 GiB: 10.0 ms" in (out / "summary.txt").read_text()
+    console = (out / "console.log").read_text()
+    assert "[bench] ran: 1 passed" in console and console == stdout
+    assert console.startswith(files["console.log"].decode())  # as after the last step
 
 
 def test_gpu_grid_parts_partition_the_pack_grid():
