@@ -30,8 +30,9 @@ two)::
   vanished.
 * FREED: its pages and landing region are given back once the device work on them is
   done (below); the request is over (:attr:`DecodeSide.completed`).
-* A request changes state only through :func:`~kvmem.disagg.decode_request.set_state`
-  (the side and its parts call it), which refuses an edge not drawn
+* A request changes state only through the side's request tables
+  (:class:`~kvmem.disagg.decode_request.DecodeRequests`: ``add``, ``set_state``,
+  ``finish``; the side and its parts call them), which refuse an edge not drawn
   here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message that
   does not fit the state is a ProtocolError before anything changes.  What else a
   request carries, and why it is not part of the state: :class:`DecodeRequest`.
@@ -65,6 +66,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping
 
 import torch
 
@@ -85,7 +87,7 @@ from kvmem.disagg.peers import PeerTable, peer_names, sole_peer, tell
 from kvmem.disagg.decode_memory import DecodeMemory
 from kvmem.disagg.decode_pause import DecodePause
 from kvmem.disagg.decode_receive import DecodeReceiving
-from kvmem.disagg.decode_request import DecodeRequest, set_state
+from kvmem.disagg.decode_request import DecodeRequest, DecodeRequests
 from kvmem.disagg.protocol import (
     Abort,
     Aux,
@@ -165,9 +167,7 @@ class DecodeSide:
         prepare_model(verifier, Verifier, pool.device, "DecodeSide")  # its set-up on our device
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("decode")
-        self.reqs: dict[int, DecodeRequest] = {}
-        self._rooms: dict[int, int] = {}  # room -> rid
-        self.completed: dict[int, Reason] = {}
+        self.requests = DecodeRequests(self.metrics)
         self.memory = DecodeMemory(
             pool=pool,
             alloc=allocator,
@@ -177,9 +177,7 @@ class DecodeSide:
             clock=clock,
             landing_bytes=landing_bytes,
             tell=self._tell,
-            reqs=self.reqs,
-            rooms=self._rooms,
-            completed=self.completed,
+            requests=self.requests,
         )
         self.receiving = DecodeReceiving(
             pool=pool,
@@ -191,7 +189,7 @@ class DecodeSide:
             ledger=self.ledger,
             metrics=self.metrics,
             landing=self.memory.landing,
-            reqs=self.reqs,
+            requests=self.requests,
             tables=self._tables,
             tell=self._tell,
             free=self.memory.free,
@@ -214,7 +212,7 @@ class DecodeSide:
             landing_mem=self.memory.landing_mem,
             peers=self.prefill_peers,
             tell=self._tell,
-            reqs=self.reqs,
+            requests=self.requests,
             free=self.memory.free,
             drain_device=self.memory.drain_device,
             draining=self.memory.draining,
@@ -299,11 +297,11 @@ class DecodeSide:
             busy = True
         if self.transfer_mode == "pull":
             busy = self.receiving.poll_reads() or busy
-            if self.phase is PausePhase.READS and not any(r.reads for r in self.reqs.values()):
+            if self.phase is PausePhase.READS and not self.reads_in_flight:
                 self.pause.finish()
                 busy = True
         if self.phase is PausePhase.SERVING:
-            for req in list(self.reqs.values()):
+            for req in list(self.requests.active.values()):
                 if req.state is DecodeState.WAITING:
                     busy = self.memory.boot(req) or busy
                 elif req.state is DecodeState.BOOTING:
@@ -343,17 +341,17 @@ class DecodeSide:
     # --- requests ------------------------------------------------------------------------------
     def _on_req(self, msg: Req, peer: str) -> None:
         rid, room, tokens = msg.rid, msg.room, msg.tokens
-        if rid in self.reqs:
+        if self.requests.find(rid) is not None:
             raise ProtocolError(f"REQ: request id {rid} is in use")
-        done = self.completed.get(rid)
+        done = self.requests.finished.get(rid)
         if done is not None and done.status == OK:
             # A replay: its KV was delivered.  (A request that ended otherwise may be asked
             # for again: the prefill re-sends REQ when this side paused under its BOOT.)
             raise ProtocolError(f"REQ for request {rid}: delivered already")
-        if room in self._rooms:
+        holder = self.requests.room_holder(room)
+        if holder is not None:
             raise ProtocolError(
-                f"REQ for request {rid}: bootstrap room {room} is in use by "
-                f"request {self._rooms[room]}"
+                f"REQ for request {rid}: bootstrap room {room} is in use by request {holder}"
             )
         if tokens <= 0 or tokens > self.verifier.max_tokens:
             raise ProtocolError(
@@ -361,19 +359,16 @@ class DecodeSide:
             )
         req = DecodeRequest(rid, room, tokens, peer, t_seen=self.clock())
         withheld = self.faults.withhold_boot(rid)
-        set_state(req, DecodeState.WITHHELD if withheld else DecodeState.WAITING)
-        self.reqs[rid] = req
-        self._rooms[room] = rid
-        self.completed.pop(rid, None)
+        self.requests.add(req, DecodeState.WITHHELD if withheld else DecodeState.WAITING)
         if req.state is DecodeState.WAITING and self.phase is PausePhase.SERVING:
             self.memory.boot(req)
 
     def _on_abort(self, msg: Abort, peer: str) -> None:
         """The prefill ended the request and has no write of it in flight.  Status 200 only
         answers this side's ABORT_REQ (the prefill had delivered it already)."""
-        req = self.reqs.get(msg.rid)
+        req = self.requests.find(msg.rid)
         if req is None:
-            if msg.rid in self.completed:
+            if msg.rid in self.requests.finished:
                 return  # both sides finished it already
             raise ProtocolError(f"ABORT for unknown request {msg.rid}")
         if req.peer != peer:
@@ -397,16 +392,16 @@ class DecodeSide:
         ``status``: 499, 500, 503 or 504; anything else is a ValueError naming it, and
         nothing changes."""
         check_caller_args("abort", rid, status, message)
-        req = self.reqs.get(rid)
+        req = self.requests.find(rid)
         if req is None:
-            if rid in self.completed:
+            if rid in self.requests.finished:
                 return
             raise ProtocolError(f"abort: unknown request id {rid!r}")
         if req.state is DecodeState.QUARANTINED:
             return
         req.reason = Reason(status, message or f"request {rid} aborted on the decode side")
         self._tell(req.peer, encode("ABORT_REQ", rid=rid, status=status, reason=req.reason.message))
-        set_state(req, DecodeState.QUARANTINED)
+        self.requests.set_state(req, DecodeState.QUARANTINED)
         req.t_quarantined = self.clock()
         self.ledger.quarantine(rid)
 
@@ -415,7 +410,7 @@ class DecodeSide:
         quarantined ones without an answer for ``quarantine_timeout``; True when either
         happened."""
         t, moved = self.clock(), False
-        for req in list(self.reqs.values()):
+        for req in list(self.requests.active.values()):
             if req.state is DecodeState.QUARANTINED:
                 if req.reads:
                     continue  # our own read still targets its pages: wait for DONE/ERR
@@ -443,15 +438,25 @@ class DecodeSide:
         return moved
 
     @property
+    def reqs(self) -> Mapping[int, DecodeRequest]:
+        """The active requests by id (read-only, live: the request tables')."""
+        return self.requests.active
+
+    @property
+    def completed(self) -> Mapping[int, Reason]:
+        """How each finished (FREED) request ended, by id (read-only, live)."""
+        return self.requests.finished
+
+    @property
     def idle(self) -> bool:
         """No request, no verdict on its way to the host, no memory waiting for device work."""
-        return not self.reqs and not self.receiving.checks and not self.memory.draining
+        return not self.requests.active and not self.receiving.checks and not self.memory.draining
 
     @property
     def reads_in_flight(self) -> bool:
         """Pull: True while a read this side posted is not seen DONE or ERR yet; it
         completes only when this side polls it, so a loop should not nap then."""
-        return any(req.reads for req in self.reqs.values())
+        return any(req.reads for req in self.requests.active.values())
 
     def audit(self) -> dict:
         return self.ledger.audit()
@@ -459,7 +464,7 @@ class DecodeSide:
     def close(self) -> None:
         """Cancel this side's own reads (pull), deregister what it registered (the engine
         stays the caller's)."""
-        for req in self.reqs.values():
+        for req in self.requests.active.values():
             for r in req.reads:
                 self.engine.release(r.handle, abort=True)
             req.reads = []

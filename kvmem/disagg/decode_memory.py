@@ -24,7 +24,7 @@ import torch
 
 import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
-from kvmem.disagg.decode_request import DecodeRequest, set_state
+from kvmem.disagg.decode_request import DecodeRequest, DecodeRequests
 from kvmem.disagg.device import HostCopy
 from kvmem.disagg.outcome import Reason
 from kvmem.disagg.peers import buffer_map
@@ -56,8 +56,8 @@ class DecodeMemory:
     tensor ``landing``), the arena of its regions (``arena``) and the memory of ended
     requests that device work may still touch (``draining``).  What it uses is handed
     to it: the pool, allocator, engine, ledger, counters and clock, how to tell a
-    prefill (``tell``: the BOOT), and the side's request tables it changes when a
-    request ends (``reqs``, ``rooms``, ``completed``)."""
+    prefill (``tell``: the BOOT), and the side's request tables (``requests``: a request
+    booted, a request finished when its memory goes back)."""
 
     def __init__(
         self,
@@ -70,13 +70,11 @@ class DecodeMemory:
         clock: Callable[[], float],
         landing_bytes: int,
         tell: Callable[[str, bytes], bool],
-        reqs: dict[int, DecodeRequest],
-        rooms: dict[int, int],
-        completed: dict[int, Reason],
+        requests: DecodeRequests,
     ):
         self.pool, self.spec, self.alloc, self.engine = pool, pool.spec, alloc, engine
         self.ledger, self.metrics, self.clock, self.tell = ledger, metrics, clock, tell
-        self.reqs, self.rooms, self.completed = reqs, rooms, completed
+        self.requests = requests
         self.draining: list[_Drain] = []  # freed once the device work on it is done
         self.landing_mem = make_backend(landing_bytes, pool.device)
         landing = self.landing_mem.tensor
@@ -110,7 +108,7 @@ class DecodeMemory:
         self.ledger.hold(req.rid, pages)
         req.landing_off, req.landing_nbytes = off, nbytes
         req.ids = HostCopy(pages)
-        set_state(req, DecodeState.BOOTING)
+        self.requests.set_state(req, DecodeState.BOOTING)
         req.t_seen = self.clock()
         self.send_boot(req)
         return True
@@ -122,7 +120,7 @@ class DecodeMemory:
         if not req.ids.ready():
             return False
         req.host_pages, req.ids = req.ids.numpy(), None
-        set_state(req, DecodeState.BOOTED)
+        self.requests.set_state(req, DecodeState.BOOTED)
         req.t_seen = self.clock()
         self.tell(
             req.peer,
@@ -156,12 +154,7 @@ class DecodeMemory:
                 self.ledger.release(req.rid, why)
             if req.landing_off >= 0:
                 self.arena.free(req.landing_off)
-        set_state(req, DecodeState.FREED)
-        del self.reqs[req.rid]
-        del self.rooms[req.room]
-        self.completed[req.rid] = reason
-        self.metrics.requests[reason.outcome.value] += 1
-        self.metrics.peer(req.peer).requests[reason.outcome.value] += 1
+        self.requests.finish(req, DecodeState.FREED, reason)
 
     def drain_device(self) -> bool:
         """Give back the pages and landing regions of ended requests whose device work is

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from kvmem.disagg.counters import Metrics
-    from kvmem.disagg.decode_request import DecodeRequest
+    from kvmem.disagg.decode_request import DecodeRequest, DecodeRequests
     from kvmem.disagg.ledger import Ledger
 
 log = logging.getLogger("kvmem.disagg.decode")  # the side's logger (docs/logging.md)
@@ -37,8 +37,8 @@ class DecodePause:
     and the prefills whose ``PAUSE_ACK`` it still waits for (``acks_due``); the side asks
     it where it is.  What it works on is handed to it: the pool, allocator, engine,
     ledger, counters and clock, the landing memory it releases (``landing_mem``), the
-    prefills (``peers``) and how to tell one (``tell``), the side's active requests
-    (``reqs``, read), and the side's memory calls: ``free`` (a request's memory back),
+    prefills (``peers``) and how to tell one (``tell``), the side's request tables
+    (``requests``, read), and the side's memory calls: ``free`` (a request's memory back),
     ``drain_device``, and ``draining`` (read: the memory still waiting for device work),
     ``apply_checks`` (the verdicts on their way), ``register``, ``prep_local`` (pull: the
     list of the pool's new registration) and ``publish_metadata``."""
@@ -55,7 +55,7 @@ class DecodePause:
         landing_mem: Any,
         peers: tuple[str, ...],
         tell: Callable[[str, bytes], bool],
-        reqs: dict[int, DecodeRequest],
+        requests: DecodeRequests,
         free: Callable[[DecodeRequest, str, Reason], None],
         drain_device: Callable[[], bool],
         draining: list,
@@ -66,7 +66,7 @@ class DecodePause:
     ):
         self.pool, self.alloc, self.engine, self.ledger = pool, alloc, engine, ledger
         self.metrics, self.clock, self.landing_mem = metrics, clock, landing_mem
-        self.peers, self.tell, self.reqs = peers, tell, reqs
+        self.peers, self.tell, self.requests = peers, tell, requests
         self.free, self.drain_device, self.draining = free, drain_device, draining
         self.apply_checks, self.register, self.prep_local = apply_checks, register, prep_local
         self.publish_metadata = publish_metadata
@@ -120,7 +120,7 @@ class DecodePause:
     def _maybe_finish(self) -> None:
         if self.acks_due or self.phase is not PausePhase.DRAINING:
             return
-        if any(r.reads for r in self.reqs.values()):
+        if any(r.reads for r in self.requests.active.values()):
             self._phase(PausePhase.READS)  # our own reads into the pool first (step polls)
             return
         self.finish()
@@ -129,7 +129,7 @@ class DecodePause:
         """The prefill acknowledged: none of its writes into this side is in flight.  The
         memory is released once the device work on it is done too (a later step, polled,
         when some is still queued)."""
-        for req in list(self.reqs.values()):
+        for req in list(self.requests.active.values()):
             if req.state in _HOLDING:
                 self.free(
                     req,

@@ -37,7 +37,7 @@ import torch
 
 import kvmem
 from kvmem.disagg.device import HostCopy, to_device
-from kvmem.disagg.decode_request import DecodeRequest, Read
+from kvmem.disagg.decode_request import DecodeRequest, DecodeRequests, Read
 from kvmem.disagg.outcome import OK, ProtocolError, Reason
 from kvmem.disagg.protocol import AUX_BYTES, Aux, Chunk, Ready, decode_runs, encode
 from kvmem.disagg.states import DecodeState
@@ -78,7 +78,7 @@ class DecodeReceiving:
     and, in pull mode, the prepared block list of this side's pool its reads write into
     (``local_table``, :meth:`prep_local`).  What it uses is handed to it: the pool,
     engine, verifier, counters, ledger, clock and done events, the landing buffer
-    (``landing``), the side's active requests (``reqs``), the prepared lists of the
+    (``landing``), the side's request tables (``requests``), the prepared lists of the
     prefills' pools (``tables``), how to tell a prefill (``tell``) and the side's call
     that ends a request (``free``)."""
 
@@ -94,7 +94,7 @@ class DecodeReceiving:
         ledger: Ledger,
         metrics: Metrics,
         landing: torch.Tensor,
-        reqs: dict[int, DecodeRequest],
+        requests: DecodeRequests,
         tables: dict[str, PeerTable],
         tell: Callable[[str, bytes], bool],
         free: Callable[[DecodeRequest, str, Reason], None],
@@ -102,7 +102,7 @@ class DecodeReceiving:
         self.pool, self.spec, self.engine, self.verifier = pool, pool.spec, engine, verifier
         self.transfer_mode, self.clock, self.done_event = transfer_mode, clock, done_event
         self.ledger, self.metrics, self.landing = ledger, metrics, landing
-        self.reqs, self.tables, self.tell, self.free = reqs, tables, tell, free
+        self.requests, self.tables, self.tell, self.free = requests, tables, tell, free
         self.checks: list[_Check] = []  # verdicts on their way to the host, in order
         self.chunk_modes: Counter = Counter()  # landed: "packed" / "direct" / "pulled"
         self.local_table: Any = None  # pull: prepared block list of our pool
@@ -115,7 +115,7 @@ class DecodeReceiving:
             self.local_table = self.engine.prep_local("kv")
 
     def _known(self, msg, peer: str) -> DecodeRequest:
-        req = self.reqs.get(msg.rid)
+        req = self.requests.find(msg.rid)
         if req is None:
             raise ProtocolError(f"{msg.t} for unknown request {msg.rid}")
         if req.peer != peer:
@@ -265,7 +265,7 @@ class DecodeReceiving:
         """Poll this side's reads; a DONE one is verified in place and acknowledged
         (PULLED ok), an ERR one acknowledged as failed.  True when one finished."""
         done = False
-        for req in list(self.reqs.values()):
+        for req in list(self.requests.active.values()):
             if not req.reads:
                 continue
             keep = []

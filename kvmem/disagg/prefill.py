@@ -34,8 +34,9 @@ two)::
   (any chunk, the AUX included), an offered read the decode failed or never answered; 504:
   the bootstrap timeout (BOOTSTRAPPING) or the transfer timeout (after the BOOT).  How a
   request ends, early or done: :mod:`kvmem.disagg.prefill_ending`.
-* A request changes state only through :func:`~kvmem.disagg.prefill_request.set_state`
-  (the side and its parts call it), which refuses an edge not drawn
+* A request changes state only through the side's request tables
+  (:class:`~kvmem.disagg.prefill_request.PrefillRequests`: ``add``, ``set_state``,
+  ``finish``; the side and its parts call them), which refuse an edge not drawn
   here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message that
   does not fit the state is a ProtocolError before anything changes.  What else a
   request carries, and why it is not part of the state:
@@ -64,6 +65,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -85,7 +87,7 @@ from kvmem.disagg.outcome import (
 from kvmem.disagg.peers import peer_names
 from kvmem.disagg.model import Forward, prepare_model
 from kvmem.disagg.prefill_peers import PrefillPeers
-from kvmem.disagg.prefill_request import Faults, PendingChunk, PrefillRequest, set_state
+from kvmem.disagg.prefill_request import Faults, PendingChunk, PrefillRequest, PrefillRequests
 from kvmem.disagg.prefill_schedule import PrefillScheduler
 from kvmem.disagg.prefill_ending import PrefillEnding
 from kvmem.disagg.prefill_pause import PrefillPause
@@ -156,15 +158,12 @@ class PrefillSide:
         self.ledger = Ledger(allocator)
         quarantine = transfer_timeout if quarantine_timeout is None else quarantine_timeout
         self.metrics = Metrics("prefill")
-        self.reqs: dict[int, PrefillRequest] = {}  # active (not finished)
-        self.finished: dict[int, Reason] = {}
-        self.finished_peer: dict[int, str] = {}  # rid -> the decode peer it was bound to
-        self._rooms: set[int] = set()
+        self.requests = PrefillRequests(self.metrics, on_finish)
         self.scheduler = PrefillScheduler(
             spec=spec,
             alloc=allocator,
             ledger=self.ledger,
-            reqs=self.reqs,
+            requests=self.requests,
             faults=self._faults,
             chunk_tokens=chunk_tokens,
             max_batch_tokens=max_batch_tokens,
@@ -175,9 +174,7 @@ class PrefillSide:
             spec=spec,
             clock=clock,
             metrics=self.metrics,
-            reqs=self.reqs,
-            finished=self.finished,
-            finished_peer=self.finished_peer,
+            requests=self.requests,
             admit=self.scheduler.admit,
             abort=self.abort,
             end=self._end,
@@ -196,7 +193,7 @@ class PrefillSide:
             chunk_tokens=chunk_tokens,
             staging_bytes=staging_bytes,
             direct_threshold=direct_threshold,
-            reqs=self.reqs,
+            requests=self.requests,
             order=self.scheduler.order,
             peer=self.peers.get,
             tell=self.peers.tell,
@@ -206,10 +203,7 @@ class PrefillSide:
         engine.register_pool(pool, "kv")
         self.sending.direct.prep_local()
         self.ending = PrefillEnding(
-            reqs=self.reqs,
-            rooms=self._rooms,
-            finished=self.finished,
-            finished_peer=self.finished_peer,
+            requests=self.requests,
             ledger=self.ledger,
             arena=self.sending.arena,
             metrics=self.metrics,
@@ -219,7 +213,6 @@ class PrefillSide:
             send_aux=self.sending.send_aux,
             bootstrap_timeout=bootstrap_timeout,
             transfer_timeout=transfer_timeout,
-            on_finish=on_finish,
         )
         self.pause = PrefillPause(
             pool=pool,
@@ -229,7 +222,7 @@ class PrefillSide:
             metrics=self.metrics,
             clock=clock,
             transfer_mode=transfer_mode,
-            reqs=self.reqs,
+            requests=self.requests,
             end=self.ending.end,
             tell_all=self.peers.tell_all,
             prep_local=self.sending.direct.prep_local,
@@ -367,9 +360,9 @@ class PrefillSide:
                 f"add_request: request {rid}: {tokens} tokens > the "
                 f"{self.model.max_tokens}-token maximum"
             )
-        if rid in self.reqs or rid in self.finished:
+        if self.requests.find(rid) is not None or rid in self.requests.finished:
             raise ProtocolError(f"add_request: request id {rid} is in use")
-        if room in self._rooms:
+        if self.requests.room_holder(room) is not None:
             raise ProtocolError(f"add_request: request {rid}: bootstrap room {room} is in use")
         req = PrefillRequest(
             rid,
@@ -379,9 +372,7 @@ class PrefillSide:
             t_created=self.clock(),
             host_pages=np.zeros(-(-tokens // self.spec.page_size), np.int64),
         )
-        set_state(req, PrefillState.BOOTSTRAPPING)
-        self.reqs[rid] = req
-        self._rooms.add(room)
+        self.requests.add(req, PrefillState.BOOTSTRAPPING)
         self.ledger.hold(rid, torch.empty(0, dtype=torch.int64, device=self.alloc.device))
         self.peers.tell(peer, encode("REQ", rid=rid, room=room, tokens=tokens))
 
@@ -390,9 +381,9 @@ class PrefillSide:
         ``status``: an early end of the lifecycle table (499, 500, 503, 504); anything else
         is a ValueError naming it, and nothing changes."""
         check_caller_args("abort", rid, status, message)
-        req = self.reqs.get(rid)
+        req = self.requests.find(rid)
         if req is None:
-            if rid in self.finished:
+            if rid in self.requests.finished:
                 return
             raise ProtocolError(f"abort: unknown request id {rid!r}")
         if req.state.ended:
@@ -408,15 +399,32 @@ class PrefillSide:
     def state(self, rid: int) -> KVPoll:
         """sglang's state of request ``rid`` (``PrefillState.poll`` while it is active);
         ProtocolError for an unknown id."""
-        if rid in self.reqs:
-            return self.reqs[rid].state.poll
-        if rid in self.finished:
-            return KVPoll.Success if self.finished[rid].status == OK else KVPoll.Failed
+        req = self.requests.find(rid)
+        if req is not None:
+            return req.state.poll
+        fin = self.requests.finished.get(rid)
+        if fin is not None:
+            return KVPoll.Success if fin.status == OK else KVPoll.Failed
         raise ProtocolError(f"state: unknown request id {rid!r}")
 
     @property
+    def reqs(self) -> Mapping[int, PrefillRequest]:
+        """The active requests by id (read-only, live: the request tables')."""
+        return self.requests.active
+
+    @property
+    def finished(self) -> Mapping[int, Reason]:
+        """How each finished request ended, by id (read-only, live)."""
+        return self.requests.finished
+
+    @property
+    def finished_peer(self) -> Mapping[int, str]:
+        """The decode peer each finished request was bound to, by id (read-only, live)."""
+        return self.requests.finished_peer
+
+    @property
     def idle(self) -> bool:
-        return not self.reqs
+        return not self.requests.active
 
     @property
     def writes_in_flight(self) -> bool:

@@ -10,13 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvmem.disagg.outcome import GATEWAY_TIMEOUT, OK, KVPoll, Reason
-from kvmem.disagg.prefill_request import PrefillRequest, set_state
+from kvmem.disagg.prefill_request import PrefillRequest, PrefillRequests
 from kvmem.disagg.protocol import encode
 from kvmem.disagg.states import PrefillState
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any
 
     from kvmem.disagg.arena import Arena
     from kvmem.disagg.counters import Metrics
@@ -24,23 +23,17 @@ if TYPE_CHECKING:
 
 
 class PrefillEnding:
-    """How the requests of one prefill side end.  Ending a request is the scheduling
-    core's job: the side's request tables are its (the active requests ``reqs``, the
-    rooms in use ``rooms``, what is kept of the finished ones ``finished`` and
-    ``finished_peer``), and this part changes them as the side's own methods would,
-    handed to it at construction.  It owns the timeouts (``bootstrap_timeout``,
-    ``transfer_timeout``) and the caller's ``on_finish``.  What else it uses is handed to
-    it too: the ledger (a request's pages freed), the staging arena (a packed slot never
+    """How the requests of one prefill side end: it is the part that finishes them in the
+    side's request tables (``requests``, which count each one and call the caller's
+    ``on_finish``).  It owns the timeouts (``bootstrap_timeout``, ``transfer_timeout``).
+    What else it uses is handed to it: the ledger (a request's pages freed), the staging arena (a packed slot never
     posted freed), the counters, the clock, the scheduler's ``drop``, how to tell a decode
     (``tell``) and the sending part's ``send_aux`` (a request's last write)."""
 
     def __init__(
         self,
         *,
-        reqs: dict[int, PrefillRequest],
-        rooms: set[int],
-        finished: dict[int, Reason],
-        finished_peer: dict[int, str],
+        requests: PrefillRequests,
         ledger: Ledger,
         arena: Arena,
         metrics: Metrics,
@@ -50,14 +43,11 @@ class PrefillEnding:
         send_aux: Callable[[PrefillRequest], None],
         bootstrap_timeout: float,
         transfer_timeout: float,
-        on_finish: Callable[[int, Reason], Any] | None,
     ):
-        self.reqs, self.rooms = reqs, rooms
-        self.finished, self.finished_peer = finished, finished_peer
+        self.requests = requests
         self.ledger, self.arena, self.metrics, self.clock = ledger, arena, metrics, clock
         self.drop, self.tell, self.send_aux = drop, tell, send_aux
         self.bootstrap_timeout, self.transfer_timeout = bootstrap_timeout, transfer_timeout
-        self.on_finish = on_finish
 
     def maybe_finish(self, req: PrefillRequest) -> None:
         """Once no transfer of ``req`` is in flight: KV_POSTED and ENDING give back the
@@ -87,7 +77,7 @@ class PrefillEnding:
         is in flight the decode side is told (ABORT) and the client gets ``reason``."""
         if req.state.ended:
             return
-        set_state(req, PrefillState.ENDING)
+        self.requests.set_state(req, PrefillState.ENDING)
         req.reason = reason
         req.pending.clear()
         if req.staged is not None:  # packed, never posted: the slot is free again
@@ -101,28 +91,21 @@ class PrefillEnding:
         self.maybe_finish(req)
 
     def _finish(self, req: PrefillRequest, to: PrefillState, reason: Reason) -> None:
-        """``req`` is over (``to``: FAILED, the decode told with ABORT, or SUCCEEDED)."""
-        set_state(req, to)
-        req.reason = reason
+        """``req`` is over (``to``: FAILED, the decode told with ABORT, or SUCCEEDED):
+        scheduled no more, finished in the request tables."""
         if to is PrefillState.FAILED:
             self.tell(
                 req.peer, encode("ABORT", rid=req.rid, status=reason.status, reason=reason.message)
             )
-        del self.reqs[req.rid]
         self.drop(req.rid)
-        self.rooms.discard(req.room)
-        self.finished[req.rid] = reason
-        self.finished_peer[req.rid] = req.peer
-        self.metrics.requests[reason.outcome.value] += 1
-        self.metrics.peer(req.peer).requests[reason.outcome.value] += 1
-        if self.on_finish is not None:
-            self.on_finish(req.rid, reason)
+        req.reason = reason
+        self.requests.finish(req, to, reason)
 
     def check_timeouts(self) -> bool:
         """End the requests whose bootstrap or transfer took too long (504); True when one
         ended."""
         t, ended = self.clock(), False
-        for req in list(self.reqs.values()):
+        for req in list(self.requests.active.values()):
             poll = req.state.poll
             if poll == KVPoll.Bootstrapping and t - req.t_created > self.bootstrap_timeout:
                 ended = True

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
-    from kvmem.disagg.prefill_request import PrefillRequest
+    from kvmem.disagg.prefill_request import PrefillRequest, PrefillRequests
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
@@ -34,8 +34,8 @@ class PrefillPause:
     """The pause of one prefill side.  It owns the pause phase (``phase``, moved along
     :data:`~kvmem.disagg.states.PREFILL_PAUSE_EDGES` only) and when the pause began
     (``t0``); the side asks it where it is.  What it works on is handed to it: the pool,
-    allocator, engine and ledger it resets and releases, the side's active requests
-    (``reqs``, read) and how to end one (``end``), how to tell every decode
+    allocator, engine and ledger it resets and releases, the side's request tables
+    (``requests``, read) and how to end a request (``end``), how to tell every decode
     (``tell_all``) and how to prepare the local block list again (``prep_local``)."""
 
     def __init__(
@@ -48,14 +48,15 @@ class PrefillPause:
         metrics: Metrics,
         clock: Callable[[], float],
         transfer_mode: str,
-        reqs: dict[int, PrefillRequest],
+        requests: PrefillRequests,
         end: Callable[[PrefillRequest, Reason], None],
         tell_all: Callable[[bytes], None],
         prep_local: Callable[[], None],
     ):
         self.pool, self.alloc, self.engine, self.ledger = pool, alloc, engine, ledger
         self.metrics, self.clock, self.transfer_mode = metrics, clock, transfer_mode
-        self.reqs, self.end, self.tell_all, self.prep_local = reqs, end, tell_all, prep_local
+        self.requests, self.end = requests, end
+        self.tell_all, self.prep_local = tell_all, prep_local
         self.phase = PausePhase.SERVING  # PREFILL_PAUSE_EDGES
         self.t0 = 0.0  # when the current (or last) pause began
 
@@ -88,7 +89,7 @@ class PrefillPause:
         chunk would otherwise sit out the slowest transfer in flight (an offered read to a
         dead decode lasts the transfer timeout) and end 504 here and on its decode.  A
         request with a transfer in flight stays ENDING until it is DONE or ERR."""
-        for req in list(self.reqs.values()):
+        for req in list(self.requests.active.values()):
             self.end(
                 req,
                 Reason(
@@ -99,7 +100,7 @@ class PrefillPause:
                     ),
                 ),
             )
-        if self.reqs:
+        if self.requests.active:
             return False  # the side's step polls their transfers to DONE/ERR
         audit = self.ledger.audit()
         if audit["leaked"] or audit["unaccounted"]:

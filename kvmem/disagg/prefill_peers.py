@@ -33,7 +33,7 @@ import numpy as np
 import kvmem
 from kvmem.disagg.outcome import INTERNAL_ERROR, OK, SERVICE_UNAVAILABLE, ProtocolError, Reason
 from kvmem.disagg.peers import PeerTable, RegionMap, sole_peer, tell
-from kvmem.disagg.prefill_request import Offer, PrefillRequest, set_state
+from kvmem.disagg.prefill_request import Offer, PrefillRequest, PrefillRequests
 from kvmem.transfer.records import XferState
 from kvmem.disagg.protocol import (
     AUX_BYTES,
@@ -76,8 +76,8 @@ class PrefillPeers:
     per peer: its pause, the BOOTs held for its META, its prepared block list, whether it
     is gone) and the inbox of their messages, and it is how the side tells a peer
     (:meth:`tell`).  What its handlers act on is handed to it: the engine, the counters
-    and the clock; the side's active requests (``reqs``, read) and what is kept of the
-    finished ones (``finished``, ``finished_peer``, read); and the side's calls that
+    and the clock; the side's request tables (``requests``, read: the active requests and
+    what is kept of the finished ones); and the side's calls that
     change a request: ``admit`` (scheduled once bootstrapped), ``abort`` (the caller's
     abort, which waits for a batch in flight), ``end`` (end it early) and
     ``maybe_finish`` (finish it once nothing is in flight)."""
@@ -90,9 +90,7 @@ class PrefillPeers:
         spec: kvmem.KVSpec,
         clock: Callable[[], float],
         metrics: Metrics,
-        reqs: dict[int, PrefillRequest],
-        finished: dict[int, Reason],
-        finished_peer: dict[int, str],
+        requests: PrefillRequests,
         admit: Callable[[int], None],
         abort: Callable[[int, int, str], None],
         end: Callable[[PrefillRequest, Reason], None],
@@ -100,7 +98,7 @@ class PrefillPeers:
     ):
         self.engine, self.names, self.spec = engine, names, spec
         self.clock, self.metrics = clock, metrics
-        self.reqs, self.finished, self.finished_peer = reqs, finished, finished_peer
+        self.requests = requests
         self.admit, self.abort, self.end, self.maybe_finish = admit, abort, end, maybe_finish
         self._peers = {n: _DecodePeer(n, PeerTable(engine, n)) for n in names}
         self.inbox = Inbox(
@@ -169,7 +167,7 @@ class PrefillPeers:
     def requests_of(self, peer: str) -> int:
         """Active requests bound to decode peer ``peer``."""
         self.get(peer)
-        return sum(1 for r in self.reqs.values() if r.peer == peer)
+        return sum(1 for r in self.requests.active.values() if r.peer == peer)
 
     # --- control messages ---------------------------------------------------------------------
     def handle_notifs(self) -> bool:
@@ -219,8 +217,8 @@ class PrefillPeers:
         """The active request ``msg`` names (None when it finished here), after checking
         that ``peer`` is the decode it is bound to; ProtocolError for an unknown request
         or another peer's."""
-        req = self.reqs.get(msg.rid)
-        bound = req.peer if req is not None else self.finished_peer.get(msg.rid)
+        req = self.requests.find(msg.rid)
+        bound = req.peer if req is not None else self.requests.finished_peer.get(msg.rid)
         if bound is None:
             raise ProtocolError(f"{msg.t} for unknown request {msg.rid}")
         if bound != peer:
@@ -233,7 +231,7 @@ class PrefillPeers:
         req = self._bound(msg, peer)
         if req is None:
             # finished here already: nothing in flight; say so, so decode can free
-            fin = self.finished[msg.rid]
+            fin = self.requests.finished[msg.rid]
             self.tell(peer, encode("ABORT", rid=msg.rid, status=fin.status, reason=fin.message))
             return
         self.abort(req.rid, msg.status, f"decode side: {msg.reason}")
@@ -253,7 +251,7 @@ class PrefillPeers:
         p = self._peers[peer]
         p.paused = True
         p.pause_epoch = msg.epoch
-        for req in list(self.reqs.values()):
+        for req in list(self.requests.active.values()):
             # a BOOTSTRAPPING request's BOOT waits for the decode's META (held_boots)
             if req.peer == peer and req.state is not PrefillState.BOOTSTRAPPING:
                 self.end(
@@ -297,7 +295,7 @@ class PrefillPeers:
         p.held_boots.clear()
         p.pause_epoch = None  # no PAUSE_ACK to send it
         ended = 0
-        for req in [r for r in self.reqs.values() if r.peer == peer]:
+        for req in [r for r in self.requests.active.values() if r.peer == peer]:
             give_up(req)
             if not req.state.ended:
                 ended += 1
@@ -318,7 +316,7 @@ class PrefillPeers:
         for p in self._peers.values():
             if p.pause_epoch is None:
                 continue
-            if any(req.handles for req in self.reqs.values() if req.peer == p.name):
+            if any(req.handles for req in self.requests.active.values() if req.peer == p.name):
                 continue  # writes into that decode still in flight: ack once drained
             self.tell(p.name, encode("PAUSE_ACK", epoch=p.pause_epoch))
             p.pause_epoch = None
@@ -326,7 +324,7 @@ class PrefillPeers:
     def _on_boot(self, msg: Boot, peer: str) -> None:
         req = self._bound(msg, peer)
         if req is None:
-            fin = self.finished[msg.rid]
+            fin = self.requests.finished[msg.rid]
             if fin.status != OK:
                 # Ended here, nothing in flight: say so (again), or the decode holds the
                 # pages it booted with until its own timeout (a replayed REQ, a BOOT that
@@ -393,7 +391,7 @@ class PrefillPeers:
         req.kv = kv if kv is not None and kv.live and kv.epoch == msg.epoch else None
         req.remote, req.landing_map = remote, landing_map
         req.landing_off, req.landing_nbytes = msg.off, msg.nbytes
-        set_state(req, PrefillState.WAITING_FOR_INPUT)
+        self.requests.set_state(req, PrefillState.WAITING_FOR_INPUT)
         req.t_bootstrapped = self.clock()
         self.admit(req.rid)
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     import kvmem
     from kvmem.disagg.ledger import Ledger
-    from kvmem.disagg.prefill_request import Faults, PrefillRequest
+    from kvmem.disagg.prefill_request import Faults, PrefillRequests
 
 # the states ``schedule`` runs forwards in (the next chunk while the last one's write flies)
 _FORWARDING = frozenset({PrefillState.WAITING_FOR_INPUT, PrefillState.TRANSFERRING})
@@ -36,8 +36,8 @@ class PrefillScheduler:
     """Picks the chunks each step forwards and allocates their pages.  It owns the
     scheduling order (``order``: the bootstrapped requests, first come first served), the
     chunk and batch sizes and the no-slot tensor.  What it works on is handed to it: the
-    allocator it allocates from and the ledger that holds the new pages, the side's active
-    requests (``reqs``, read) and the fault hooks (``faults``: re-pointed by the side when
+    allocator it allocates from and the ledger that holds the new pages, the side's
+    request tables (``requests``, read) and the fault hooks (``faults``: re-pointed by the side when
     its hooks are set).  Built before the peers part, which admits requests here, so
     whether a decode peer is paused is asked at each :meth:`schedule`."""
 
@@ -47,12 +47,12 @@ class PrefillScheduler:
         spec: kvmem.KVSpec,
         alloc: Any,
         ledger: Ledger,
-        reqs: dict[int, PrefillRequest],
+        requests: PrefillRequests,
         faults: Faults,
         chunk_tokens: int,
         max_batch_tokens: int,
     ):
-        self.spec, self.alloc, self.ledger, self.reqs = spec, alloc, ledger, reqs
+        self.spec, self.alloc, self.ledger, self.requests = spec, alloc, ledger, requests
         self.faults = faults
         self.chunk_tokens = chunk_tokens
         self.max_batch_tokens = max(max_batch_tokens, chunk_tokens)
@@ -76,7 +76,7 @@ class PrefillScheduler:
         ps = self.spec.page_size
         picked, budget, need_pages = [], self.max_batch_tokens, 0
         for rid in self.order:
-            req = self.reqs.get(rid)
+            req = self.requests.find(rid)
             if (
                 req is None
                 or req.state not in _FORWARDING

@@ -46,7 +46,7 @@ from kvmem.disagg.states import PrefillState
 from kvmem.transfer.errors import StaleEpochError, TransferError
 from kvmem.disagg.peers import buffer_map
 from kvmem.disagg.prefill_direct import PrefillDirect, end_refused
-from kvmem.disagg.prefill_request import InFlight, Offer, PrefillRequest, _Send, _Staged, set_state
+from kvmem.disagg.prefill_request import InFlight, Offer, PrefillRequest, _Send, _Staged
 from kvmem.memory import make_backend
 from kvmem.transfer.records import XferState
 
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from kvmem.disagg.counters import Metrics
     from kvmem.disagg.ledger import Ledger
     from kvmem.disagg.prefill_peers import _DecodePeer
-    from kvmem.disagg.prefill_request import Faults
+    from kvmem.disagg.prefill_request import Faults, PrefillRequests
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
@@ -70,8 +70,8 @@ class PrefillSending:
     :class:`~kvmem.disagg.prefill_direct.PrefillDirect`); a request's transfer in flight
     is kept on the request (``staged``, ``handles``).  What it uses is handed to it: the
     pool, engine, ledger, counters, clock, fault hooks (``faults``: re-pointed by the
-    side when its hooks are set) and ready events; the side's active requests (``reqs``,
-    read) in scheduling order (``order``, the scheduler's); what is kept about a decode
+    side when its hooks are set) and ready events; the side's request tables
+    (``requests``) and the scheduling order (``order``, the scheduler's); what is kept about a decode
     peer (``peer(name)``) and how to tell it (``tell``); and the side's calls that end a
     request (``end``) or finish it once nothing is in flight (``maybe_finish``)."""
 
@@ -90,7 +90,7 @@ class PrefillSending:
         chunk_tokens: int,
         staging_bytes: int | None,
         direct_threshold: int | None,
-        reqs: dict[int, PrefillRequest],
+        requests: PrefillRequests,
         order: list[int],
         peer: Callable[[str], _DecodePeer],
         tell: Callable[[str, bytes], bool],
@@ -103,7 +103,7 @@ class PrefillSending:
         self.ready_event, self.transfer_mode = ready_event, transfer_mode
         # pull: how long pages offered to a decode read stay held without its PULLED
         self.quarantine_timeout = quarantine_timeout
-        self.reqs, self.order, self.peer, self.tell = reqs, order, peer, tell
+        self.requests, self.order, self.peer, self.tell = requests, order, peer, tell
         self.end, self.maybe_finish = end, maybe_finish
         chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
@@ -138,7 +138,11 @@ class PrefillSending:
         not seen DONE or ERR yet.  Such a write completes, and sends its notification, only
         when this side polls it (no progress thread: see kvmem/transfer/nixl.py), so a
         loop should not nap then; an offered read (pull) is the decode's to finish."""
-        return any(not isinstance(t.op, Offer) for req in self.reqs.values() for t in req.handles)
+        return any(
+            not isinstance(t.op, Offer)
+            for req in self.requests.active.values()
+            for t in req.handles
+        )
 
     # --- sending ----------------------------------------------------------------------------
     def flush_pending(self) -> bool:
@@ -151,7 +155,7 @@ class PrefillSending:
         # staged or posted (or a request ended trying).
         moved = False
         for rid in list(self.order):
-            req = self.reqs.get(rid)
+            req = self.requests.find(rid)
             while (
                 req is not None
                 and not req.state.ended
@@ -284,7 +288,7 @@ class PrefillSending:
         aux_off = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size))
         notif = encode("AUX", rid=req.rid, off=aux_off, nbytes=AUX_BYTES)
         req.staged = _Staged(_Send.AUX, AUX_BYTES, aux_off, False, ready, notif, off=off)
-        set_state(req, PrefillState.AUX_STAGED)
+        self.requests.set_state(req, PrefillState.AUX_STAGED)
         self._post_staged(req)
 
     def _post_staged(self, req: PrefillRequest) -> bool:
@@ -303,10 +307,12 @@ class PrefillSending:
         if not posted:
             return True  # the request ended (500 / 503); a staging slot is free again
         if st.aux:
-            set_state(req, PrefillState.AUX_POSTED)
+            self.requests.set_state(req, PrefillState.AUX_POSTED)
             return True
         # KV_POSTED: the AUX is staged by _maybe_finish once this write is DONE
-        set_state(req, PrefillState.KV_POSTED if st.final else PrefillState.TRANSFERRING)
+        self.requests.set_state(
+            req, PrefillState.KV_POSTED if st.final else PrefillState.TRANSFERRING
+        )
         return True
 
     def _post(self, req, staging_off, nbytes, remote_off, notif, *, aux: bool) -> bool:
@@ -370,7 +376,7 @@ class PrefillSending:
         ERR writes give their staging slot back; an ERR ends its request (500).  True when
         a write or an offered read ended."""
         ended = False
-        for req in list(self.reqs.values()):
+        for req in list(self.requests.active.values()):
             if not req.handles:
                 continue
             keep, failed = [], None

@@ -1,5 +1,5 @@
 """The request states of both PD sides (kvmem/disagg/states.py) and the one transition
-function of each side:
+of each side (its request tables' ``set_state``):
 
 * the drawing in each side's module docstring is exactly its edge table (parsed here);
 * every edge of the table is accepted, every other one refused with an error naming the
@@ -31,14 +31,15 @@ import kvmem.disagg.decode as decode_mod
 import kvmem.disagg.prefill as prefill_mod
 from kvmem.disagg import KVPoll, ProtocolError
 from kvmem.disagg import device as dev
+from kvmem.disagg.counters import Metrics
 from kvmem.disagg.decode import DecodeSide
 from kvmem.disagg.decode_pause import DecodePause
 from kvmem.disagg.decode_request import DecodeRequest
-from kvmem.disagg.decode_request import set_state as set_decode_state
+from kvmem.disagg.decode_request import DecodeRequests
 from kvmem.disagg.prefill_pause import PrefillPause
 from kvmem.disagg.prefill_peers import PrefillPeers
 from kvmem.disagg.prefill_request import PrefillRequest
-from kvmem.disagg.prefill_request import set_state as set_prefill_state
+from kvmem.disagg.prefill_request import PrefillRequests
 from kvmem.disagg.protocol import DECODE_RECEIVES, PREFILL_RECEIVES, PauseAck, Pulled
 from kvmem.disagg.protocol import handler as handler_of
 from kvmem.disagg.states import (
@@ -61,8 +62,8 @@ SIDES = {
     "prefill": (prefill_mod, PrefillState, PREFILL_EDGES),
     "decode": (decode_mod, DecodeState, DECODE_EDGES),
 }
-# the one way each side's requests change state
-SET_STATE = {"prefill": set_prefill_state, "decode": set_decode_state}
+# the one way each side's requests change state: its request tables' set_state
+TABLES = {"prefill": PrefillRequests, "decode": DecodeRequests}
 MODES = {"packed": {}, "direct": {"direct_threshold": 0}, "pull": {"transfer_mode": "pull"}}
 P, D = PrefillState, DecodeState
 
@@ -126,7 +127,7 @@ def test_every_edge_of_the_table_is_accepted(side):
     _, _, table = SIDES[side]
     for src, dst in sorted(table, key=str):
         req = _request(side, src)
-        SET_STATE[side](req, dst)
+        TABLES[side](Metrics(side)).set_state(req, dst)
         assert req.state is dst
 
 
@@ -140,7 +141,7 @@ def test_every_other_edge_is_refused_naming_the_request_and_both_states(side):
                 continue
             req = _request(side, src)
             with pytest.raises(IllegalTransition) as e:
-                SET_STATE[side](req, dst)
+                TABLES[side](Metrics(side)).set_state(req, dst)
             name = "(new)" if src is None else src.name
             assert str(e.value) == (
                 f"{side}: request 7: no edge {name} -> {dst.name} in the {side}'s state table"
