@@ -98,10 +98,10 @@ from kvmem.disagg.protocol import (
     Ready,
     Req,
     apply_metadata,
-    dispatch,
     encode,
     meta_message,
 )
+from kvmem.disagg.dispatch import Handlers, Message, Route
 from kvmem.disagg.states import DecodeState, PausePhase
 from kvmem.disagg.model import Verifier, prepare_model
 
@@ -194,14 +194,6 @@ class DecodeSide:
             tell=self._tell,
             free=self.memory.free,
         )
-        self.inbox = Inbox(
-            engine,
-            peers=self.prefill_peers,
-            receiver="decode",
-            handle=self.handle_message,
-            metrics=self.metrics,
-            log=log,
-        )
         self.pause = DecodePause(
             pool=pool,
             alloc=allocator,
@@ -220,6 +212,29 @@ class DecodeSide:
             register=self.memory.register,
             prep_local=self.receiving.prep_local,
             publish_metadata=self.publish_metadata,
+        )
+        # the one dispatch table: what a prefill sends (protocol.DECODE_RECEIVES)
+        self.handlers = Handlers(
+            "decode",
+            "prefill",
+            self.prefill_peers,
+            (
+                Route(Req, self._on_req),
+                Route(Chunk, self.receiving.on_chunk),
+                Route(Aux, self.receiving.on_aux),
+                Route(Abort, self._on_abort),
+                Route(PauseAck, self.pause.on_ack),
+                Route(Meta, self._on_meta),
+                Route(Ready, self.receiving.on_ready),
+            ),
+        )
+        self.inbox = Inbox(
+            engine,
+            peers=self.prefill_peers,
+            receiver="decode",
+            handle=self.handle_message,
+            metrics=self.metrics,
+            log=log,
         )
         self.memory.register()
         self.receiving.prep_local()
@@ -308,32 +323,12 @@ class DecodeSide:
                     busy = self.memory.send_boot(req) or busy
         return self._check_timeouts() or busy
 
-    # The one dispatch table: message kind -> the handler of what a prefill sends
-    # (protocol.DECODE_RECEIVES), a method here or "part.method"; each takes (msg, peer).
-    HANDLERS = {
-        Req: "_on_req",
-        Chunk: "receiving.on_chunk",
-        Aux: "receiving.on_aux",
-        Abort: "_on_abort",
-        PauseAck: "pause.on_ack",
-        Meta: "_on_meta",
-        Ready: "receiving.on_ready",
-    }
-
-    def handle_message(self, msg, peer: str | None = None) -> None:
+    def handle_message(self, msg: Message, peer: str | None = None) -> None:
         """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from prefill
         peer ``peer`` (may be left out when the side has one) with its handler of
-        :attr:`HANDLERS`; ProtocolError, before anything changed, when it does not fit
+        :attr:`handlers`; ProtocolError, before anything changed, when it does not fit
         the state here."""
-        dispatch(
-            self,
-            self.HANDLERS,
-            msg,
-            self.prefill_peer if peer is None else peer,
-            "decode",
-            peers=self._tables,
-            sender="prefill",
-        )
+        self.handlers(msg, self.prefill_peer if peer is None else peer)
 
     def _on_meta(self, msg: Meta, peer: str) -> None:
         apply_metadata(self.engine, msg)

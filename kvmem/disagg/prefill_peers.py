@@ -45,9 +45,9 @@ from kvmem.disagg.protocol import (
     Pulled,
     apply_metadata,
     decode_runs,
-    dispatch,
     encode,
 )
+from kvmem.disagg.dispatch import Handlers, Route
 from kvmem.disagg.states import PrefillState
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from kvmem.disagg.counters import Metrics
+    from kvmem.disagg.dispatch import Message
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
@@ -80,7 +81,9 @@ class PrefillPeers:
     what is kept of the finished ones); and the side's calls that
     change a request: ``admit`` (scheduled once bootstrapped), ``abort`` (the caller's
     abort, which waits for a batch in flight), ``end`` (end it early) and
-    ``maybe_finish`` (finish it once nothing is in flight)."""
+    ``maybe_finish`` (finish it once nothing is in flight).  Its dispatch table
+    (``handlers``) routes each kind of message a decode sends
+    (:data:`~kvmem.disagg.protocol.PREFILL_RECEIVES`) to its handler here."""
 
     def __init__(
         self,
@@ -101,6 +104,18 @@ class PrefillPeers:
         self.requests = requests
         self.admit, self.abort, self.end, self.maybe_finish = admit, abort, end, maybe_finish
         self._peers = {n: _DecodePeer(n, PeerTable(engine, n)) for n in names}
+        self.handlers = Handlers(
+            "prefill",
+            "decode",
+            names,
+            (
+                Route(Boot, self._on_boot),
+                Route(AbortReq, self._on_abort_req),
+                Route(Pausing, self._on_pausing),
+                Route(Meta, self._on_meta),
+                Route(Pulled, self._on_pulled),
+            ),
+        )
         self.inbox = Inbox(
             engine,
             peers=names,
@@ -188,30 +203,12 @@ class PrefillPeers:
             moved = moved or any(rid not in peer.held_boots for rid in held)
         return moved
 
-    # The one dispatch table: message kind -> the handler of what a decode sends
-    # (protocol.PREFILL_RECEIVES); each handler takes (msg, peer).
-    HANDLERS = {
-        Boot: "_on_boot",
-        AbortReq: "_on_abort_req",
-        Pausing: "_on_pausing",
-        Meta: "_on_meta",
-        Pulled: "_on_pulled",
-    }
-
-    def handle_message(self, msg, peer: str | None = None) -> None:
+    def handle_message(self, msg: Message, peer: str | None = None) -> None:
         """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from decode
         peer ``peer`` (may be left out when the side has one) with its handler of
-        :attr:`HANDLERS`; ProtocolError, before anything changed, when it does not fit
+        :attr:`handlers`; ProtocolError, before anything changed, when it does not fit
         the state here."""
-        dispatch(
-            self,
-            self.HANDLERS,
-            msg,
-            self.sole if peer is None else peer,
-            "prefill",
-            peers=self._peers,
-            sender="decode",
-        )
+        self.handlers(msg, self.sole if peer is None else peer)
 
     def _bound(self, msg, peer: str) -> PrefillRequest | None:
         """The active request ``msg`` names (None when it finished here), after checking
