@@ -66,13 +66,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvmem.disagg.arena import Arena
 from kvmem.disagg.counters import Metrics, now
-from kvmem.disagg.device import device_event
+from kvmem.disagg.device import Event, device_event
 from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
     CLIENT_CLOSED,
@@ -83,9 +84,11 @@ from kvmem.disagg.outcome import (
     Reason,
     check_caller_args,
 )
-from kvmem.disagg.peers import PeerTable, peer_names, sole_peer, tell
+from kvmem.disagg.peers import peer_names
+from kvmem.disagg.decode_context import DecodeConfig, DecodeContext
 from kvmem.disagg.decode_memory import DecodeMemory
 from kvmem.disagg.decode_pause import DecodePause
+from kvmem.disagg.decode_peers import DecodePeers
 from kvmem.disagg.decode_receive import DecodeReceiving
 from kvmem.disagg.decode_request import DecodeRequest, DecodeRequests
 from kvmem.disagg.protocol import (
@@ -99,11 +102,15 @@ from kvmem.disagg.protocol import (
     Req,
     apply_metadata,
     encode,
-    meta_message,
 )
 from kvmem.disagg.dispatch import Handlers, Message, Route
 from kvmem.disagg.states import DecodeState, PausePhase
 from kvmem.disagg.model import Verifier, prepare_model
+
+if TYPE_CHECKING:
+    from kvmem.allocator import PageAllocator
+    from kvmem.pool import KVPool
+    from kvmem.transfer.engine import TransferEngine
 
 log = logging.getLogger("kvmem.disagg.decode")
 
@@ -119,34 +126,41 @@ class DecodeFaults:
 class DecodeSide:
     """One decode worker: a pool, its allocator, a landing buffer, a transfer engine, one
     or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``).
-    The side keeps the request tables, the prefill peers and their messages, and runs
-    each step; the rest is done by parts it holds, each owning its fields and handed only
-    what it uses: :attr:`memory` (:class:`~kvmem.disagg.decode_memory.DecodeMemory`: the
-    landing buffer, booting, freeing in device order), :attr:`receiving`
+    The side takes the prefills' requests and aborts, holds the dispatch table of their
+    messages (:attr:`handlers`) and runs each step.  What its parts share it makes first
+    and puts in their context (:attr:`ctx`, a
+    :class:`~kvmem.disagg.decode_context.DecodeContext`): the ledger, the counters
+    (:attr:`metrics`), the request tables (:attr:`requests`, a
+    :class:`~kvmem.disagg.decode_request.DecodeRequests`), the prefill peers
+    (:attr:`peers`, a :class:`~kvmem.disagg.decode_peers.DecodePeers`) and the settings.
+    The rest is done by the parts, each owning its fields and handed the context and the
+    parts built before it: :attr:`memory` (:class:`~kvmem.disagg.decode_memory.DecodeMemory`:
+    the landing buffer, booting, freeing in device order), :attr:`receiving`
     (:class:`~kvmem.disagg.decode_receive.DecodeReceiving`: what lands and its checks)
-    and :attr:`pause` (:class:`~kvmem.disagg.decode_pause.DecodePause`)."""
+    and :attr:`pause` (:class:`~kvmem.disagg.decode_pause.DecodePause`), built in that
+    order."""
 
     def __init__(
         self,
-        pool,
-        allocator,
-        engine,
+        pool: KVPool,
+        allocator: PageAllocator,
+        engine: TransferEngine,
         verifier: Verifier,
         *,
         prefill_peer: str | None = None,
-        prefill_peers=None,
+        prefill_peers: Sequence[str] | None = None,
         landing_bytes: int,
         timeout: float = DEFAULT_TIMEOUT,
         quarantine_timeout: float | None = None,
-        clock=now,
+        clock: Callable[[], float] = now,
         faults: DecodeFaults | None = None,
         transfer_mode: str = "push",
-        done_event=None,
+        done_event: Callable[[], Event] | None = None,
     ):
         """``verifier``: what the landed KV is checked against
         (:class:`~kvmem.disagg.model.Verifier`).
 
-        ``done_event``: ``() -> object with query()``, called after the device work of
+        ``done_event``: ``() -> Event`` (``query()``), called after the device work of
         each landed chunk, AUX or read (checks, unpack); a request's pages and landing
         region are reused only once its last one says True.  Default
         :func:`~kvmem.disagg.device.device_event` of the pool's device (always True on
@@ -154,70 +168,42 @@ class DecodeSide:
         if transfer_mode not in ("push", "pull"):
             raise ValueError(f"transfer_mode must be 'push' or 'pull', got {transfer_mode!r}")
         self.pool, self.alloc, self.engine, self.verifier = pool, allocator, engine, verifier
-        self.spec = pool.spec
-        self.prefill_peers = peer_names("prefill", prefill_peer, prefill_peers)
-        self.transfer_mode = transfer_mode  # pull: this side reads the offered pages
-        # pull: prepared block list of each prefill's pool
-        self._tables = {n: PeerTable(engine, n) for n in self.prefill_peers}
-        self.timeout = timeout
-        self.quarantine_timeout = timeout if quarantine_timeout is None else quarantine_timeout
-        self.clock = clock
+        self.spec, self.clock = pool.spec, clock
+        names = peer_names("prefill", prefill_peer, prefill_peers)
         self.faults = faults or DecodeFaults()
-        self.done_event = done_event or device_event(pool.device)
         prepare_model(verifier, Verifier, pool.device, "DecodeSide")  # its set-up on our device
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("decode")
         self.requests = DecodeRequests(self.metrics)
-        self.memory = DecodeMemory(
+        self.peers = DecodePeers(engine, names, self.metrics)
+        self.ctx = DecodeContext(
+            spec=self.spec,
             pool=pool,
             alloc=allocator,
             engine=engine,
             ledger=self.ledger,
             metrics=self.metrics,
             clock=clock,
-            landing_bytes=landing_bytes,
-            tell=self._tell,
-            requests=self.requests,
-        )
-        self.receiving = DecodeReceiving(
-            pool=pool,
-            engine=engine,
             verifier=verifier,
-            transfer_mode=transfer_mode,
-            clock=clock,
-            done_event=self.done_event,
-            ledger=self.ledger,
-            metrics=self.metrics,
-            landing=self.memory.landing,
+            done_event=done_event or device_event(pool.device),
             requests=self.requests,
-            tables=self._tables,
-            tell=self._tell,
-            free=self.memory.free,
+            peers=self.peers,
+            config=DecodeConfig(
+                transfer_mode=transfer_mode,  # pull: this side reads the offered pages
+                timeout=timeout,
+                quarantine_timeout=timeout if quarantine_timeout is None else quarantine_timeout,
+            ),
         )
-        self.pause = DecodePause(
-            pool=pool,
-            alloc=allocator,
-            engine=engine,
-            ledger=self.ledger,
-            metrics=self.metrics,
-            clock=clock,
-            landing_mem=self.memory.landing_mem,
-            peers=self.prefill_peers,
-            tell=self._tell,
-            requests=self.requests,
-            free=self.memory.free,
-            drain_device=self.memory.drain_device,
-            draining=self.memory.draining,
-            apply_checks=self.receiving.apply_checks,
-            register=self.memory.register,
-            prep_local=self.receiving.prep_local,
-            publish_metadata=self.publish_metadata,
-        )
+        # the parts, each handed the context and the parts built before it (never a later
+        # one): the memory, the receiving, the pause
+        self.memory = DecodeMemory(self.ctx, landing_bytes)
+        self.receiving = DecodeReceiving(self.ctx, self.memory)
+        self.pause = DecodePause(self.ctx, self.memory, self.receiving)
         # the one dispatch table: what a prefill sends (protocol.DECODE_RECEIVES)
         self.handlers = Handlers(
             "decode",
             "prefill",
-            self.prefill_peers,
+            names,
             (
                 Route(Req, self._on_req),
                 Route(Chunk, self.receiving.on_chunk),
@@ -230,7 +216,7 @@ class DecodeSide:
         )
         self.inbox = Inbox(
             engine,
-            peers=self.prefill_peers,
+            peers=names,
             receiver="decode",
             handle=self.handle_message,
             metrics=self.metrics,
@@ -239,14 +225,9 @@ class DecodeSide:
         self.memory.register()
         self.receiving.prep_local()
 
-    def _tell(self, peer: str, msg: bytes) -> bool:
-        return tell(self.engine, peer, msg, self.metrics, log)
-
     def publish_metadata(self) -> None:
         """``META`` with this side's current metadata, to every prefill."""
-        msg = meta_message(self.engine)
-        for name in self.prefill_peers:
-            self._tell(name, msg)
+        self.peers.publish_metadata()
 
     @property
     def landing(self) -> torch.Tensor:
@@ -295,7 +276,7 @@ class DecodeSide:
     @property
     def prefill_peer(self) -> str:
         """The prefill peer, when there is one (ValueError when there are several)."""
-        return sole_peer("prefill", self.prefill_peers)
+        return self.peers.sole
 
     # --- one iteration -----------------------------------------------------------------------
     def step(self) -> bool:
@@ -310,7 +291,7 @@ class DecodeSide:
         if self.phase is PausePhase.FREEING and not self.memory.draining:
             self.pause.complete()
             busy = True
-        if self.transfer_mode == "pull":
+        if self.ctx.config.transfer_mode == "pull":
             busy = self.receiving.poll_reads() or busy
             if self.phase is PausePhase.READS and not self.reads_in_flight:
                 self.pause.finish()
@@ -352,7 +333,7 @@ class DecodeSide:
             raise ProtocolError(
                 f"REQ for request {rid}: {tokens} tokens outside [1, {self.verifier.max_tokens}]"
             )
-        req = DecodeRequest(rid, room, tokens, peer, t_seen=self.clock())
+        req = DecodeRequest(rid, room, tokens, peer, t_seen=self.ctx.clock())
         withheld = self.faults.withhold_boot(rid)
         self.requests.add(req, DecodeState.WITHHELD if withheld else DecodeState.WAITING)
         if req.state is DecodeState.WAITING and self.phase is PausePhase.SERVING:
@@ -395,38 +376,41 @@ class DecodeSide:
         if req.state is DecodeState.QUARANTINED:
             return
         req.reason = Reason(status, message or f"request {rid} aborted on the decode side")
-        self._tell(req.peer, encode("ABORT_REQ", rid=rid, status=status, reason=req.reason.message))
+        self.peers.tell(
+            req.peer, encode("ABORT_REQ", rid=rid, status=status, reason=req.reason.message)
+        )
         self.requests.set_state(req, DecodeState.QUARANTINED)
-        req.t_quarantined = self.clock()
+        req.t_quarantined = self.ctx.clock()
         self.ledger.quarantine(rid)
 
     def _check_timeouts(self) -> bool:
         """Abort the requests without news for ``timeout`` (504, quarantined), free the
         quarantined ones without an answer for ``quarantine_timeout``; True when either
         happened."""
-        t, moved = self.clock(), False
+        t, moved = self.ctx.clock(), False
+        timeout, quarantine_s = self.ctx.config.timeout, self.ctx.config.quarantine_timeout
         for req in list(self.requests.active.values()):
             if req.state is DecodeState.QUARANTINED:
                 if req.reads:
                     continue  # our own read still targets its pages: wait for DONE/ERR
                 # both set on entering QUARANTINED
                 assert req.t_quarantined is not None and req.reason is not None
-                if t - req.t_quarantined > self.quarantine_timeout:
+                if t - req.t_quarantined > quarantine_s:
                     moved = True
                     log.error(
                         "decode: request %d: no answer from the prefill for %.1f s after "
                         "its abort; freeing its quarantined pages",
                         req.rid,
-                        self.quarantine_timeout,
+                        quarantine_s,
                     )
                     self.memory.free(req, "quarantine-expired", req.reason)
-            elif t - req.t_seen > self.timeout:
+            elif t - req.t_seen > timeout:
                 moved = True
                 self.abort(
                     req.rid,
                     GATEWAY_TIMEOUT,
                     (
-                        f"decode timeout (> {self.timeout:g} s without news from the prefill) "
+                        f"decode timeout (> {timeout:g} s without news from the prefill) "
                         f"for request {req.rid} (room {req.room})"
                     ),
                 )

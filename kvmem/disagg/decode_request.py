@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 
-from kvmem.disagg.device import HostCopy
+from kvmem.disagg.device import Event, HostCopy
 from kvmem.disagg.outcome import Reason
 from kvmem.disagg.requests import Requests
 from kvmem.disagg.states import DECODE_EDGES, DecodeState
@@ -66,7 +64,7 @@ class DecodeRequest:
     free_after_reads: tuple | None = None  # (why, reason) of a free waiting for our reads
     ids: HostCopy | None = None  # booting: its page ids on their way to the host
     host_pages: np.ndarray | None = None  # int64 [pages]: its page ids, on the host
-    busy: Any = None  # event after the last device work on its pages / landing region
+    busy: Event | None = None  # after the last device work on its pages / landing region
 
     def pages(self, first: int, last: int) -> np.ndarray:
         """Its page ids ``[first, last)`` (int64, on the host), known from BOOTED on;

@@ -14,12 +14,12 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
-from kvmem.disagg.device import HostCopy
+from kvmem.disagg.device import Event, HostCopy
 from kvmem.disagg.outcome import Reason
 from kvmem.disagg.peers import RegionMap
 from kvmem.disagg.requests import Requests
@@ -95,7 +95,7 @@ class _Staged:
     nbytes: int
     remote_off: int  # offset within the request's landing region
     final: bool  # the request's last chunk
-    ready: Any  # an event: query() -> bool
+    ready: Event  # after the device work that writes the bytes it sends
     notif: bytes = b""  # CHUNK or AUX (PACKED, DIRECT, AUX)
     off: int | None = None  # staging offset (PACKED, AUX)
     # DIRECT: (local block indices, remote block indices)
@@ -158,6 +158,13 @@ class PrefillRequest:
     kv: object = None  # RemoteMemory of the decode's kv those ids belong to (its BOOT's epoch)
 
 
+class Aborts(Protocol):
+    """What a fault hook is handed of the side: its ``abort``
+    (:meth:`kvmem.disagg.prefill.PrefillSide.abort`)."""
+
+    def abort(self, rid: int, status: int = ..., message: str | None = ...) -> None: ...
+
+
 class Faults:
     """Fault-injection points (the demo and the tests override them); defaults inject
     nothing."""
@@ -170,8 +177,9 @@ class Faults:
         """True: do not schedule chunk ``seq`` of ``rid`` now (slow request)."""
         return False
 
-    def during_forward(self, side: Any, batch: list) -> None:
-        """Called while the batch's forward runs (aborts land here)."""
+    def during_forward(self, side: Aborts, batch: list) -> None:
+        """Called while the batch's forward runs (aborts land here): ``side`` is the
+        prefill side, ``batch`` its ``[(request, first_page, last_page)]``."""
 
 
 class PrefillRequests(Requests[PrefillRequest, PrefillState]):

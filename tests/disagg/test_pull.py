@@ -82,7 +82,7 @@ def test_offered_pages_without_an_answer_are_freed_after_the_quarantine_timeout(
 def test_a_read_built_from_the_prefills_older_metadata_is_refused_before_posting(pair):
     pair.prefill.add_request(1, 64)
     pair.run_idle()
-    old = pair.decode._tables[pair.pe.name].table
+    old = pair.decode.peers.tables[pair.pe.name].table
     assert old is not None and old.epoch == 0
     pair.prefill.begin_pause()
     pair.run_until(lambda: pair.prefill.paused)
@@ -111,6 +111,8 @@ def test_a_read_built_from_the_prefills_older_metadata_is_refused_before_posting
     assert pair.prefill.metrics.protocol_errors == 1
     pair.faults.stall_at.clear()
     pair.run_idle()
-    assert pair.finished[2].status == 200 and pair.decode._tables[pair.pe.name].table.epoch == 1
+    assert (
+        pair.finished[2].status == 200 and pair.decode.peers.tables[pair.pe.name].table.epoch == 1
+    )
     assert pair.decode.metrics.bytes_corrupt == 0
     pair.assert_clean()

@@ -176,7 +176,7 @@ def test_terminal_states_have_no_way_out_and_prefill_states_report_kvpoll():
 
 
 def test_one_dispatch_table_per_side_covers_what_the_protocol_sends_it(sides):
-    assert sides["prefill"].peers.handlers.kinds == PREFILL_RECEIVES
+    assert sides["prefill"].messages.handlers.kinds == PREFILL_RECEIVES
     assert sides["decode"].handlers.kinds == DECODE_RECEIVES
     # a message of the other direction reaches no handler: refused, nothing changed
     pre, dec = sides["prefill"], sides["decode"]
