@@ -69,7 +69,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import torch
 
 from kvmem.disagg.arena import Arena
 from kvmem.disagg.counters import Metrics, now
@@ -225,18 +224,11 @@ class DecodeSide:
         self.memory.register()
         self.receiving.prep_local()
 
-    def publish_metadata(self) -> None:
-        """``META`` with this side's current metadata, to every prefill."""
-        self.peers.publish_metadata()
-
-    @property
-    def landing(self) -> torch.Tensor:
-        """The registered landing buffer (the memory part's)."""
-        return self.memory.landing
-
+    # --- what a caller reads or asks of the parts (docs/disagg.md, the demo), each over
+    # the one that owns it; the rest is reached on the part itself ------------------------
     @property
     def arena(self) -> Arena:
-        """The regions of the landing buffer (the memory part's)."""
+        """The regions of the landing buffer (:attr:`memory`')."""
         return self.memory.arena
 
     def prefault(self) -> None:
@@ -245,23 +237,17 @@ class DecodeSide:
 
     @property
     def chunk_modes(self) -> Counter:
-        """What landed, by how: ``"packed"``, ``"direct"``, ``"pulled"`` (the receiving part's)."""
+        """What landed, by how: ``"packed"``, ``"direct"``, ``"pulled"`` (:attr:`receiving`')."""
         return self.receiving.chunk_modes
-
-    # --- pause and resume: the pause part's -------------------------------------------------
-    @property
-    def phase(self) -> PausePhase:
-        """Where this side is in a pause (its pause part's phase)."""
-        return self.pause.phase
 
     @property
     def pausing(self) -> bool:
-        """A pause began and its memory is not released yet."""
+        """A pause began and its memory is not released yet (:attr:`pause`')."""
         return self.pause.pausing
 
     @property
     def paused(self) -> bool:
-        """The memory is released; :meth:`resume` serves again."""
+        """The memory is released; :meth:`resume` serves again (:attr:`pause`')."""
         return self.pause.paused
 
     def begin_pause(self) -> None:
@@ -273,11 +259,6 @@ class DecodeSide:
         """Serve again after a pause: the memory back, registered, published (``META``)."""
         self.pause.resume()
 
-    @property
-    def prefill_peer(self) -> str:
-        """The prefill peer, when there is one (ValueError when there are several)."""
-        return self.peers.sole
-
     # --- one iteration -----------------------------------------------------------------------
     def step(self) -> bool:
         """One iteration.  True when it made progress: a message was handled, one of this
@@ -288,15 +269,15 @@ class DecodeSide:
         busy = self.inbox.drain() > 0
         busy = self.receiving.apply_checks() or busy
         busy = self.memory.drain_device() or busy
-        if self.phase is PausePhase.FREEING and not self.memory.draining:
+        if self.pause.phase is PausePhase.FREEING and not self.memory.draining:
             self.pause.complete()
             busy = True
         if self.ctx.config.transfer_mode == "pull":
             busy = self.receiving.poll_reads() or busy
-            if self.phase is PausePhase.READS and not self.reads_in_flight:
+            if self.pause.phase is PausePhase.READS and not self.reads_in_flight:
                 self.pause.finish()
                 busy = True
-        if self.phase is PausePhase.SERVING:
+        if self.pause.phase is PausePhase.SERVING:
             for req in list(self.requests.active.values()):
                 if req.state is DecodeState.WAITING:
                     busy = self.memory.boot(req) or busy
@@ -309,7 +290,7 @@ class DecodeSide:
         peer ``peer`` (may be left out when the side has one) with its handler of
         :attr:`handlers`; ProtocolError, before anything changed, when it does not fit
         the state here."""
-        self.handlers(msg, self.prefill_peer if peer is None else peer)
+        self.handlers(msg, self.peers.sole if peer is None else peer)
 
     def _on_meta(self, msg: Meta, peer: str) -> None:
         apply_metadata(self.engine, msg)
@@ -336,7 +317,7 @@ class DecodeSide:
         req = DecodeRequest(rid, room, tokens, peer, t_seen=self.ctx.clock())
         withheld = self.faults.withhold_boot(rid)
         self.requests.add(req, DecodeState.WITHHELD if withheld else DecodeState.WAITING)
-        if req.state is DecodeState.WAITING and self.phase is PausePhase.SERVING:
+        if req.state is DecodeState.WAITING and self.pause.phase is PausePhase.SERVING:
             self.memory.boot(req)
 
     def _on_abort(self, msg: Abort, peer: str) -> None:

@@ -219,24 +219,16 @@ class PrefillSide:
     def faults(self, faults: Faults) -> None:
         self._faults = faults
 
-    # --- the decode peers: the peers part's ------------------------------------------------
-    @property
-    def decode_peer(self) -> str:
-        """The decode peer, when there is one (ValueError when there are several)."""
-        return self.peers.sole
-
+    # --- what a caller reads or asks of the parts (docs/disagg.md, docs/logging.md, the
+    # demo), each over the one that owns it; the rest is reached on the part itself ------
     @property
     def inbox(self) -> Inbox:
-        """The inbox of the decodes' messages (the messages part's)."""
+        """The inbox of the decodes' messages (:attr:`messages`'): ``inbox.refused``."""
         return self.messages.inbox
 
-    @property
-    def peer_paused(self) -> bool:
-        """True while a decode peer is paused (announced PAUSING, no live META since)."""
-        return self.peers.any_paused
-
     def peer_is_paused(self, peer: str) -> bool:
-        """Whether decode peer ``peer`` is paused (a router sends new requests elsewhere)."""
+        """Whether decode peer ``peer`` is paused (a router sends new requests elsewhere);
+        ValueError when it is not one (:attr:`peers`')."""
         return self.peers.is_paused(peer)
 
     def requests_of(self, peer: str) -> int:
@@ -244,35 +236,20 @@ class PrefillSide:
         self.peers.get(peer)
         return sum(1 for r in self.requests.active.values() if r.peer == peer)
 
-    def handle_message(self, msg, peer: str | None = None) -> None:
-        """Apply one validated message from decode peer ``peer`` (the messages part's)."""
-        self.messages.handle_message(msg, peer)
-
     def peer_gone(self, peer: str) -> int:
         """Decode ``peer`` is dead: its requests end now (500), their transfers given up;
         how many ended (:meth:`~kvmem.disagg.prefill_messages.PrefillMessages.peer_gone`)."""
         return self.messages.peer_gone(peer)
 
-    # --- sending: the sending part's ---------------------------------------------------------
     @property
     def arena(self) -> Arena:
-        """The slots of the staging buffer."""
+        """The slots of the staging buffer (:attr:`staging`')."""
         return self.staging.arena
 
     @property
     def chunk_modes(self) -> Counter:
-        """Chunks posted, by how: ``"packed"``, ``"direct"``, ``"pulled"``."""
+        """Chunks posted, by how: ``"packed"``, ``"direct"``, ``"pulled"`` (:attr:`sending`')."""
         return self.sending.chunk_modes
-
-    @property
-    def direct_threshold(self) -> int | None:
-        """Bytes per descriptor from which a chunk goes direct (None: all packed)."""
-        return self.sending.direct.threshold
-
-    @property
-    def quarantine_timeout(self) -> float:
-        """Pull: how long offered pages stay held without a PULLED."""
-        return self.ctx.config.quarantine_timeout
 
     def set_direct_threshold(self, threshold: int | None) -> None:
         """Chunks averaging at least ``threshold`` bytes per descriptor go direct from now on
@@ -281,28 +258,22 @@ class PrefillSide:
 
     @property
     def bootstrap_timeout(self) -> float:
-        """Seconds a request may wait for its BOOT."""
+        """Seconds a request may wait for its BOOT (the settings')."""
         return self.ctx.config.bootstrap_timeout
 
     @property
     def transfer_timeout(self) -> float:
-        """Seconds from its BOOT a request may take to transfer."""
+        """Seconds from its BOOT a request may take to transfer (the settings')."""
         return self.ctx.config.transfer_timeout
-
-    # --- pause and resume: the pause part's -------------------------------------------------
-    @property
-    def phase(self) -> PausePhase:
-        """Where this side is in a pause (its pause part's phase)."""
-        return self.pause.phase
 
     @property
     def pausing(self) -> bool:
-        """A pause began and its memory is not released yet."""
+        """A pause began and its memory is not released yet (:attr:`pause`')."""
         return self.pause.pausing
 
     @property
     def paused(self) -> bool:
-        """The memory is released; :meth:`resume` serves again."""
+        """The memory is released; :meth:`resume` serves again (:attr:`pause`')."""
         return self.pause.paused
 
     def begin_pause(self) -> None:
@@ -407,12 +378,12 @@ class PrefillSide:
         moved = self.sending.poll_writes() or moved
         self.messages.maybe_ack_pause()  # once no write into a pausing decode is in flight
         moved = self.ending.check_timeouts() or moved
-        if self.phase is PausePhase.DRAINING:
+        if self.pause.phase is PausePhase.DRAINING:
             return self.pause.advance() or moved
-        if self.phase is PausePhase.PAUSED:
+        if self.pause.phase is PausePhase.PAUSED:
             return moved
         moved = self.sending.flush_pending() or moved
-        batch = self.scheduler.schedule(self.peers.is_paused)
+        batch = self.scheduler.schedule()
         if batch:
             for req, *_ in batch:
                 req.in_batch = True

@@ -32,10 +32,10 @@ class PrefillEnding:
     """How the requests of one prefill side end: it is the part that ends them early and
     finishes them in the request tables (which count each one and call the caller's
     ``on_finish``).  What it uses: the side's context (``ctx``: the timeouts of its
-    settings, the request tables, the ledger that frees a request's pages, the staging arena that frees a slot staged and
-    never posted, the clock, how to tell a decode) and the part built before it,
-    ``scheduler`` (a finished request scheduled no more).  Built second, so that every
-    later part may end or finish a request through it."""
+    settings, the request tables, the ledger that frees a request's pages, the staging
+    arena that frees a slot staged and never posted, the clock, how to tell a decode) and
+    the part built before it, ``scheduler`` (a finished request scheduled no more).  Built
+    second, so that every later part may end or finish a request through it."""
 
     def __init__(self, ctx: PrefillContext, scheduler: PrefillScheduler):
         self.ctx, self.scheduler = ctx, scheduler

@@ -188,16 +188,17 @@ class PrefillMessages:
     def peer_gone(self, peer: str) -> int:
         """The caller knows decode ``peer`` is dead (its process exited): every request
         bound to it ends now (500, "decode ... is gone"), nothing more is sent to it, and
-        :meth:`add_request` refuses it (ValueError).  Its offered reads are given up and
+        the side's ``add_request`` refuses it (ValueError).  Its offered reads are given up and
         its posted writes cancelled (the engine's ``release(abort=True)``), so the pages
         they read are freed in this call: safe because a dead peer reads nothing more,
         and a cancelled write only reads this side's memory.  Returns the number of
         requests it ended; a second call ends none.  ValueError for a name that is not a
         decode peer of this side."""
-        p = self.ctx.peers.find(peer)
+        peers = self.ctx.peers
+        p = peers.find(peer)
         if p is None:
             raise ValueError(
-                f"peer_gone: {peer!r} is not a decode peer of this side ({list(self.ctx.peers.names)})"
+                f"peer_gone: {peer!r} is not a decode peer of this side ({list(peers.names)})"
             )
         p.gone = True
         p.held_boots.clear()

@@ -21,8 +21,6 @@ from kvmem.disagg.prefill_request import IdsCopy
 from kvmem.disagg.states import PrefillState
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from kvmem.disagg.prefill_context import PrefillContext
 
 # the states ``schedule`` runs forwards in (the next chunk while the last one's write flies)
@@ -34,9 +32,9 @@ class PrefillScheduler:
     scheduling order (``order``: the bootstrapped requests, first come first served), the
     chunk and batch sizes and the no-slot tensor.  What it works on is the side's context
     (``ctx``): the allocator it allocates from and the ledger that holds the new pages,
-    the request tables (read), the fault hooks and the settings.  The first part built:
-    the messages part admits requests here, the ending part drops them, and whether a
-    decode peer is paused is asked at each :meth:`schedule`."""
+    the request tables (read), whether a decode peer is paused (asked at each
+    :meth:`schedule`), the fault hooks and the settings.  The first part built: the
+    messages part admits requests here, the ending part drops them."""
 
     def __init__(self, ctx: PrefillContext):
         self.ctx = ctx
@@ -55,10 +53,10 @@ class PrefillScheduler:
         if rid in self.order:
             self.order.remove(rid)
 
-    def schedule(self, peer_paused: Callable[[str], bool]) -> list:
+    def schedule(self) -> list:
         """Pick chunks of WaitingForInput/Transferring requests whose decode is not paused
-        (``peer_paused(name)``) and allocate their pages with one alloc_extend (sglang
-        semantics).  Returns [(req, first_page, last_page)]."""
+        and allocate their pages with one alloc_extend (sglang semantics).  Returns
+        [(req, first_page, last_page)]."""
         ctx = self.ctx
         ps, alloc, faults = ctx.spec.page_size, ctx.alloc, ctx.faults()
         picked, budget, need_pages = [], self.max_batch_tokens, 0
@@ -69,7 +67,7 @@ class PrefillScheduler:
                 or req.state not in _FORWARDING
                 or req.done_tokens >= req.tokens
                 or req.pending
-                or peer_paused(req.peer)
+                or ctx.peers.is_paused(req.peer)
             ):
                 continue
             if faults.stall(rid, req.seq):

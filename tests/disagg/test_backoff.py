@@ -187,7 +187,7 @@ def test_pull_quarantine_expiry_on_the_prefill_is_progress():
         p.prefill.abort(1)
         assert [pre.step(p.prefill)[0] for _ in range(4)] == [False] * 4
         assert p.prefill.ledger.holds(1)  # quarantined: the decode may be reading
-        p.clock.advance(p.prefill.quarantine_timeout + 1)
+        p.clock.advance(p.prefill.ctx.config.quarantine_timeout + 1)
         assert pre.step(p.prefill) == (True, 0.0)
         assert dict(p.prefill.ledger.freed_by_reason) == {"ended:499": 4}
     finally:

@@ -32,8 +32,10 @@ def freed(side) -> dict:
 def handle(side, peer: str, msg: dict) -> None:
     """One message through the parser and the side's handler, as its inbox does, with the
     refusal raised (ProtocolError) instead of counted."""
-    receiver = "decode" if isinstance(side, DecodeSide) else "prefill"
-    side.handle_message(parse(msg, sender=peer, receiver=receiver))
+    if isinstance(side, DecodeSide):
+        side.handle_message(parse(msg, sender=peer, receiver="decode"))
+    else:
+        side.messages.handle_message(parse(msg, sender=peer, receiver="prefill"))
 
 
 def test_success_frees_pages_once_and_delivers_verified_bytes(pair):
@@ -82,7 +84,10 @@ def test_abort_in_transferring_drains_before_decode_frees(pair):
     req = pair.prefill.reqs[1]
     assert req.handles, "the first chunk's write is posted"
     pair.prefill.abort(1)
-    if pair.prefill.direct_threshold is None and pair.prefill.ctx.config.transfer_mode == "push":
+    if (
+        pair.prefill.sending.direct.threshold is None
+        and pair.prefill.ctx.config.transfer_mode == "push"
+    ):
         # prefill pages freed at once (the packed copy is what is sent)
         assert freed(pair.prefill) == {"ended:499": 64 // 16}
     else:

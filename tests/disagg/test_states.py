@@ -181,7 +181,7 @@ def test_one_dispatch_table_per_side_covers_what_the_protocol_sends_it(sides):
     # a message of the other direction reaches no handler: refused, nothing changed
     pre, dec = sides["prefill"], sides["decode"]
     with pytest.raises(ProtocolError, match="unexpected message PauseAck on the prefill side"):
-        pre.handle_message(PauseAck(0))
+        pre.messages.handle_message(PauseAck(0))
     with pytest.raises(ProtocolError, match="unexpected message Pulled on the decode side"):
         dec.handle_message(Pulled(1, 0, 1, True))
     assert not pre.reqs and not dec.reqs
@@ -518,7 +518,7 @@ def test_pauses_walk_their_phase_tables(mode):
             pre.add_request(1, 200)
             pair.run_until(lambda: pre.state(1) == KVPoll.Transferring)
             pre.begin_pause()
-            assert pre.phase is S.DRAINING and pre.pausing and not pre.paused
+            assert pre.pause.phase is S.DRAINING and pre.pausing and not pre.paused
             pair.run_until(lambda: pre.paused)
             pre.resume()
             pair.faults.stall_at.clear()
@@ -534,10 +534,10 @@ def test_pauses_walk_their_phase_tables(mode):
                 dec.begin_pause()
                 # the prefill gives the offer up (no PULLED in its quarantine timeout),
                 # so it acknowledges with the decode's read still in flight
-                pair.clock.advance(pre.quarantine_timeout + 1)
+                pair.clock.advance(pre.ctx.config.quarantine_timeout + 1)
                 pre.step()
                 dec.inbox.drain()
-                assert dec.phase is S.READS
+                assert dec.pause.phase is S.READS
             else:
                 pair.step(2)
                 dec.begin_pause()

@@ -159,7 +159,7 @@ def watch(pair: Pair, mode: DeviceReads) -> None:
             mode.mark(t)
         _mark_results(mode, side.alloc, ("alloc", "alloc_extend", "alloc_decode"))
     mode.mark(pair.prefill.staging.tensor)
-    mode.mark(pair.decode.landing)
+    mode.mark(pair.decode.memory.landing)
     _mark_results(mode, pair.synth, ("verify", "verify_pages"))
 
 
