@@ -141,7 +141,8 @@ class DecodeMemory:
                 ledger.release(req.rid, why)
             if req.landing_off >= 0:
                 self.arena.free(req.landing_off)
-        self.ctx.requests.finish(req, DecodeState.FREED, reason)
+        self.ctx.requests.set_state(req, DecodeState.FREED)
+        self.ctx.requests.finish(req, reason)
 
     def drain_device(self) -> bool:
         """Give back the pages and landing regions of ended requests whose device work is

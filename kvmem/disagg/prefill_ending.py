@@ -105,13 +105,15 @@ class PrefillEnding:
     def _finish(self, req: PrefillRequest, to: PrefillState, reason: Reason) -> None:
         """``req`` is over (``to``: FAILED, the decode told with ABORT, or SUCCEEDED):
         scheduled no more, finished in the request tables."""
+        requests = self.ctx.requests
+        requests.set_state(req, to)
+        req.reason = reason
         if to is PrefillState.FAILED:
             self.ctx.peers.tell(
                 req.peer, encode("ABORT", rid=req.rid, status=reason.status, reason=reason.message)
             )
         self.scheduler.drop(req.rid)
-        req.reason = reason
-        self.ctx.requests.finish(req, to, reason)
+        requests.finish(req, reason)
 
     def check_timeouts(self) -> bool:
         """End the requests whose bootstrap or transfer took too long (504); True when one

@@ -31,6 +31,9 @@ class Request(Protocol):
     @property
     def peer(self) -> str: ...
 
+    @property
+    def state(self) -> enum.Enum: ...
+
 
 R = TypeVar("R", bound=Request)
 S = TypeVar("S", bound=enum.Enum)
@@ -45,7 +48,8 @@ class Requests(Generic[R, S]):
     Always true: a request is in :attr:`active` from :meth:`add` to :meth:`finish`, and
     its room is held exactly as long; an id is never both active and finished (a finished
     id added again is forgotten as finished); a state changes only along ``edges``
-    (:class:`~kvmem.disagg.states.IllegalTransition` otherwise, the request unchanged).
+    (:class:`~kvmem.disagg.states.IllegalTransition` otherwise, the request unchanged),
+    and a request leaves :attr:`active` only in a final state (one no edge leaves).
     Every call is O(1).  The three mappings are read-only views, live."""
 
     side: ClassVar[str]  # "prefill" or "decode": named in errors and the DEBUG log
@@ -57,6 +61,8 @@ class Requests(Generic[R, S]):
         outcome, in total and for its peer); ``on_finish(rid, reason)``: the caller's,
         called as each request finishes, last."""
         self._metrics, self._on_finish = metrics, on_finish
+        # the states no edge leaves: a request finishes in one of them
+        self._final = frozenset(b for _, b in self.edges) - {a for a, _ in self.edges}
         self._active: dict[int, R] = {}
         self._rooms: dict[int, int] = {}  # room -> id of the active request holding it
         self._finished: dict[int, Reason] = {}
@@ -90,11 +96,11 @@ class Requests(Generic[R, S]):
         request and both states, ``req`` unchanged, for any other."""
         transition(self.side, self.edges, req, to, self.logger)
 
-    def finish(self, req: R, to: S, reason: Reason) -> None:
-        """``req`` is over: moved to ``to`` (a state no edge leaves), no longer active, its
-        room free, ``reason`` kept as how it ended (and its peer), counted by outcome in
-        the side's counters (in total and for its peer); then ``on_finish``."""
-        self.set_state(req, to)
+    def finish(self, req: R, reason: Reason) -> None:
+        """``req``, moved to a final state already (:meth:`set_state`), is over: no longer
+        active, its room free, ``reason`` kept as how it ended (and its peer), counted by
+        outcome in the side's counters (in total and for its peer); then ``on_finish``."""
+        assert req.state in self._final, (req.rid, req.state)  # the caller's set_state
         del self._active[req.rid]
         del self._rooms[req.room]
         self._finished[req.rid] = reason
