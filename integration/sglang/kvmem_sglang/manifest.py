@@ -364,13 +364,13 @@ PRIVATE: tuple[Private, ...] = (
         "sglang.srt.disaggregation.common.utils.FastQueue._buf",
         "attribute",
         "read",
-        "transfer_ahead",
+        "transfer_queue",
     ),
     Private(
         "sglang.srt.disaggregation.common.utils.FastQueue._cond",
         "attribute",
         "read",
-        "transfer_ahead",
+        "transfer_queue",
     ),
 )
 

@@ -21,7 +21,8 @@ long request whose pages are scattered fails with nothing wrong but its layout.
 What this module changes: how the bytes of those sends move, nothing else.  Two hooks
 (AROUND) on ``MooncakeKVManager``:
 
-* ``transfer_worker``: remembers which queue the calling thread serves
+* ``transfer_worker``: remembers which queue the calling thread serves, and hands the
+  worker that queue with its gets counted
   (:func:`kvmem_sglang.transfer_ahead.transfer_worker`, shared with NIXL).
 * ``send_kvcache`` (``transfer_worker`` calls it for MHA and MLA at equal attention TP).
   It takes the chunk handed to it (the *owner*) and the chunks queued behind it on the

@@ -204,6 +204,11 @@ TRANSFERS: SideTable = SideTable(
     "transfer_records",
     "kvmem's send path state: writes sent ahead, by their pages",
 )
+QUEUES: SideTable = SideTable(
+    "FastQueue",
+    "transfer_ahead",
+    "its chunks by peer and page count, and its worker's gets (transfer_queue.QueueIndex)",
+)
 RESENDS: SideTable = SideTable(
     "NixlKVManager, MooncakeKVManager",
     "registrations",
@@ -281,7 +286,7 @@ class Process:
     ``warned``: the KV-manager classes already warned about having no deregistration
     (:func:`kvmem_sglang.release.queue_release`), so one line a class.
     ``worker``: per transfer worker thread, ``.queue``: the queue the calling thread
-    serves (:mod:`kvmem_sglang.transfer_ahead`).
+    serves (:mod:`kvmem_sglang.transfer_ahead`; its index is in :data:`QUEUES`).
     """
 
     options: ProcessOptions = field(default_factory=ProcessOptions)

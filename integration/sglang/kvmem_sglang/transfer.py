@@ -16,7 +16,8 @@ What this path changes: how the bytes of those sends move, nothing else.  Three 
 (AROUND) on ``NixlKVManager``:
 
 * ``transfer_worker`` (:mod:`kvmem_sglang.transfer_ahead`): remembers which queue the
-  calling thread serves; no change.
+  calling thread serves, and hands the worker that queue with its gets counted (for the
+  queue's index, :mod:`kvmem_sglang.transfer_queue`); nothing else changes.
 * ``send_kvcache`` (here), the narrowest call that moves KV (``transfer_worker`` calls it
   for MHA and MLA at equal attention TP).  It takes the chunk handed to it (the *owner*) and the
   chunks queued behind it on the same worker for the same decode (the checks at the top of
@@ -42,7 +43,8 @@ What this path changes: how the bytes of those sends move, nothing else.  Three 
 
 Split by job: this module sends (the served geometry, the merged runs, the post);
 :mod:`kvmem_sglang.transfer_ahead` takes the chunks sent ahead of their turn (that
-module's docstring: how they are counted, waited for and sent again) and
+module's docstring: how they are counted, waited for and sent again), finding them through
+the worker queue's index (:mod:`kvmem_sglang.transfer_queue`), and
 :mod:`kvmem_sglang.transfer_wait` waits for the writes; what they share (the counters,
 a merged write, a chunk sent ahead) is in :mod:`kvmem_sglang.transfer_records`.
 
