@@ -227,6 +227,23 @@ def run_addresses(src_ptrs: np.ndarray, dst_ptrs: np.ndarray, item: np.ndarray, 
     return (*runs.descriptors(merged, src_ptrs, dst_ptrs, item), merged.pairs)
 
 
+def chunks_in(pairs, lo: int, hi: int) -> set[int]:
+    """The chunks (indices into ``pairs``) with a page in descriptors ``lo .. hi - 1`` of
+    :func:`run_addresses` of the same ``pairs``: their runs are found again as it finds
+    them, and descriptor ``d`` is run ``d % runs`` of plane ``d // runs``."""
+    src = np.concatenate([s for s, _ in pairs]).astype(np.int64)
+    dst = np.concatenate([d for _, d in pairs])
+    merged = runs.merge_runs(src, dst, by_source=True)
+    n = len(merged)
+    if hi <= lo or n == 0:
+        return set()
+    chunk = np.repeat(np.arange(len(pairs)), [len(s) for s, _ in pairs])
+    order = np.argsort(src, kind="stable")  # the pairs as merge_runs sorted them
+    run_of = np.repeat(np.arange(n), merged.length)  # the run of each, in that order
+    touched = np.unique(np.arange(lo, hi) % n)
+    return set(chunk[order[np.isin(run_of, touched)]].tolist())
+
+
 def split_pieces(descriptors: int, nbytes: int) -> int:
     """How many NIXL writes a merged batch of ``descriptors`` descriptors and ``nbytes``
     bytes is posted as: up to SPLIT, none with fewer than one descriptor or (past the
