@@ -360,6 +360,7 @@ PRIVATE: tuple[Private, ...] = (
     Private(f"{_NIXL}._nixl_device_id", "function", "call", "transfer"),
     Private(f"{_NIXL}._NixlPostError", "class", "call, read", "transfer, transfer_wait"),
     Private(f"{_NIXL}.NixlKVManager._post_xfer", "method", "call", "transfer"),
+    Private(f"{_NIXL}.NixlKVManager._prepared_state_plans", "attribute", "read, write", "nixl"),
     Private(f"{_MOON}.MooncakeKVManager._registerable_regions", "method", "call", "mooncake"),
     Private(
         f"{_D}.DecodePreallocQueue._resolve_pending_reqs",
@@ -377,13 +378,13 @@ PRIVATE: tuple[Private, ...] = (
         "sglang.srt.disaggregation.common.utils.FastQueue._buf",
         "attribute",
         "read",
-        "transfer_ahead",
+        "transfer_queue",
     ),
     Private(
         "sglang.srt.disaggregation.common.utils.FastQueue._cond",
         "attribute",
         "read",
-        "transfer_ahead",
+        "transfer_queue",
     ),
 )
 
