@@ -138,10 +138,13 @@ def _register(original, manager, regions: bool, *args, **kwargs):
 def deregister(manager) -> None:
     """Release every descriptor list prepared over the manager's registrations, then
     deregister what ``register_buffer_to_engine`` registered (KV, aux and state lists),
-    each once; a second call finds nothing left."""
+    each once; a second call finds nothing left (the adapter's release deregisters ahead
+    of sglang's, ``kvmem_sglang.release``, whose own call then does nothing)."""
     from kvmem_sglang import prefill
 
     with _lock(manager):
+        if state.DEREGISTERED.get(manager, False):
+            return
         released = release_prepared(manager)
         agent = manager.agent
         lists = list(getattr(manager, "kv_descs", None) or [])
