@@ -39,9 +39,9 @@ def test_the_plugin_builds_its_hooks_from_the_manifest_alone():
             (h.target, h.kind) for h in manifest.HOOKS if h.when is None or getattr(opts, h.when)
         ]
         got = plugin._hooks(opts)
-        # two AROUND hooks of one target are nested into one, in the manifest's order
-        dedup = list(dict.fromkeys(want))
-        assert [(t, k) for t, _, k in got] == dedup, values
+        assert [(t, k) for t, _, k in got] == want, values
+    targets = [h.target for h in manifest.HOOKS]
+    assert len(targets) == len(set(targets)), "one hook a target: a call reads top to bottom"
     for h in manifest.HOOKS:
         assert callable(manifest.hook_function(h)), h.hook
         assert h.kind in ("AROUND", "AFTER", "BEFORE", "REPLACE"), h

@@ -80,7 +80,8 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
     a deregistration the transfer engine refused, before sglang's release runs: the ranks
     whose deregistration went through register again, so that no rank has released
     anything.  sglang's release then runs on every rank or on none (it barriers on the
-    same group when it releases the weights)."""
+    same group when it releases the weights).  After sglang's release of the KV cache,
+    kvmem gives the pools' physical memory back (:func:`_release_then_give_back`)."""
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE, GPU_MEMORY_TYPE_WEIGHTS
     from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqOutput
 
@@ -92,9 +93,9 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
         _refused(call, tags, refused, "nothing changed")
         return ReleaseMemoryOccupationReqOutput()
     sched = manager.scheduler
-    if sched is None:
-        return original(manager, recv_req, *args, **kwargs)
     kv = GPU_MEMORY_TYPE_KV_CACHE in tags
+    if sched is None:
+        return _release_then_give_back(original, kv, manager, recv_req, *args, **kwargs)
     if kv or GPU_MEMORY_TYPE_WEIGHTS in tags:
         refused = agree.refusal(manager, _drained(sched, roles.describe(tags)))
         if refused is not None:
@@ -118,9 +119,19 @@ def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
         queued_results_set_aside(sched),
         decode_drain.host_destinations_set_aside(sched),
     ):
-        out = original(manager, recv_req, *args, **kwargs)
+        out = _release_then_give_back(original, kv, manager, recv_req, *args, **kwargs)
     if kv:
         state.EPOCH.set(sched, state.EPOCH.get(sched, 0) + 1)
+    return out
+
+
+def _release_then_give_back(original, kv: bool, *args, **kwargs):
+    """sglang's release (it clears the bootstrap queue, flushes the cache, resets the
+    allocator), then, when it took the KV cache, kvmem gives every KV pool's physical
+    memory back (addresses kept)."""
+    out = original(*args, **kwargs)
+    if kv:
+        kvpool.release_all()
     return out
 
 
@@ -223,11 +234,13 @@ def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
 
     Each refusal is the decision of every TP rank (:mod:`kvmem_sglang.agree`), taken at
     two points: (1) what cannot be resumed, before anything; (2) after sglang's resume,
-    whether the transfer engine refused the KV cache's registration (sglang registers it
-    last, after its own barrier for the weights): if it did on any rank, every rank keeps
+    whether the transfer engine refused the KV cache's registration (kvmem maps the KV
+    pools' memory back first, at the same addresses; sglang registers the KV cache last,
+    after its own barrier for the weights): if it did on any rank, every rank keeps
     the KV cache released (the ranks whose registration went through deregister it
     again), so that nothing is served over memory a peer cannot reach; what resumed
     before it (the weights) stays resumed, on every rank."""
+    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
     from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqOutput
 
     call = "resume_memory_occupation"
@@ -237,6 +250,8 @@ def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
         _refused(call, recv_req.tags or [], refused, "nothing changed")
         return ResumeMemoryOccupationReqOutput()
     tags = _tags(recv_req)
+    if GPU_MEMORY_TYPE_KV_CACHE in tags:  # memory back (same addresses, epoch + 1) before
+        kvpool.resume_all(state.PROCESS.options.active().prefault)  # sglang registers it
     failed = None
     try:
         out = original(manager, recv_req, *args, **kwargs)
