@@ -154,6 +154,24 @@ def _idle_by(server, deadline: float) -> bool:
         time.sleep(0.25)
 
 
+# The greedy eval of the RL loops (test_slime_loop.py, test_verl_loop.py): prompts as
+# token ids, and the tokens to expect (stock's, :func:`rl_reference`).
+RL_EVAL = [[4 + (7 * i + 3 * k) % 90 for k in range(12 + i)] for i in range(3)]
+RL_EVAL_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def rl_reference(deployments) -> list[list[int]]:
+    """The RL loops' greedy eval on the stock pair, through the fleet's router with
+    slime's payload (the stock tests run first: the order above)."""
+    from tests.e2e.slime_client import SlimeClient
+
+    d = deployments.get("stock", BACKENDS[0])
+    out, sends = SlimeClient(d.router).evaluate(RL_EVAL, RL_EVAL_TOKENS)
+    assert {s.status for s in sends} == {200}, [(s.status, s.body) for s in sends]
+    return out
+
+
 @pytest.fixture(scope="session")
 def model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -251,14 +251,26 @@ class Server:
         return self.proc is not None and self.proc.poll() is None
 
     def wait_healthy(self, deadline: float, path: str = "/health") -> None:
+        """Until this start of the server answers ``path`` 200 on its port.  A 200 alone
+        does not say whose: another process may hold the port (seen here: an sglang
+        server that was still loading answered by another worktree's server on the port
+        it was given, its own bind failing "address already in use" a minute later), so
+        an sglang server counts once its log says its own uvicorn listens there, and a
+        log that says the port is taken raises (the callers then start it on new
+        ports)."""
         while True:
             if not self.alive():
                 raise DeployError(
                     f"{self.name} exited with status {self.proc.returncode} "
                     f"before it was healthy; log {self.log}:\n{tail(self.log)}"
                 )
+            if ADDRESS_IN_USE in self.log_text().lower():
+                raise DeployError(
+                    f"{self.name}: its port {self.port} is taken by another process; "
+                    f"log {self.log}:\n{tail(self.log)}"
+                )
             r = http("GET", self.url + path, timeout=5)
-            if r.status == 200:
+            if r.status == 200 and self._listening():
                 return
             if time.monotonic() > deadline:
                 raise DeployError(
@@ -267,6 +279,13 @@ class Server:
                     f"{tail(self.log)}"
                 )
             time.sleep(0.5)
+
+    def _listening(self) -> bool:
+        """Whether this start's log says it listens on its port (sglang's uvicorn line;
+        the router reports a taken port in its log, which ``wait_healthy`` reads)."""
+        if self.module != "sglang.launch_server":
+            return True
+        return f"Uvicorn running on http://127.0.0.1:{self.port} " in self.log_text()
 
     def signal(self, sig: int) -> None:
         if self.alive():
