@@ -14,6 +14,7 @@ import traceback
 
 from kvmem.lifecycle import Cause, State
 from tests.sglang.prefill_env import PrefillHarness
+from tests.sglang.scenario_prefill_gaps import _code, _kvmem_on
 
 TRANSFER_TIMEOUT = 0.3  # SGLANG_DISAGGREGATION_TRANSFER_TIMEOUT set by the test
 BOOTSTRAP_TIMEOUT = 1  # SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (sglang reads an int)
@@ -156,22 +157,6 @@ def main() -> dict:
         if h.wu.offload_tags:  # stock: a release that raised half-way left tags behind
             _call(h.resume)
     return out
-
-
-def _code(reason: dict):
-    code = reason.get("status_code")
-    if reason.get("type") == "abort":
-        return int(code) if code is not None else "abort"
-    return 200
-
-
-def _kvmem_on() -> bool:
-    try:
-        from kvmem_sglang import state
-
-        return state.PROCESS.options.is_active()
-    except ImportError:
-        return False
 
 
 if __name__ == "__main__":
