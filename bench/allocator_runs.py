@@ -1,4 +1,4 @@
-"""Page runs after a long soak (issue 11, item 3): how contiguous are the pages a request
+"""Page runs after a long soak: how contiguous are the pages a request
 gets once the free list has been churned by thousands of requests, and how many
 transfer descriptors does that make (a run of consecutive page ids = one descriptor)?
 

@@ -9,7 +9,7 @@
 
 Both sides get what their API takes: sglang frees token slots (and dedups them to pages
 itself), kvmem frees page ids, which a caller has at hand (the first slot of each page).
-Targets (issue 2): CPU alloc+free cycle at least as fast as sglang's allocators.
+Targets: CPU alloc+free cycle at least as fast as sglang's allocators.
 sglang is required: without it the baseline tests fail (never skip)."""
 
 from __future__ import annotations

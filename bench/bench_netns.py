@@ -1,5 +1,4 @@
-"""`kvmem demo --hosts netns` throughput against raw NIXL over the same link (issue 17,
-item 1): the prefill and the decode in two network namespaces joined by a veth pair, UCX
+"""`kvmem demo --hosts netns` throughput against raw NIXL over the same link: the prefill and the decode in two network namespaces joined by a veth pair, UCX
 over TCP between them (as between two nodes without RDMA), for chunks packed, chunks
 direct and pull.
 

@@ -7,9 +7,9 @@ two models (:data:`MODELS`):
     mla-fp8    61 layers x 1 head x 576, K only (MLA's latent + rope), fp8 stored as
                uint8 (DeepSeek-V3's cache): 34.3 KiB a token, 576 bytes a row
 
-Targets: issue 2: CPU: pack and unpack >= 0.5x the plain-copy bandwidth at page_size >=
+Targets: CPU: pack and unpack >= 0.5x the plain-copy bandwidth at page_size >=
 16, >= 3x faster than index_select at page_size 1.  GPU: >= 85% of device-to-device copy
-bandwidth for chunks of 1 MiB and more (gqa-bf16).  Issue 32: mla-fp8 on the GPU >= 90%
+bandwidth for chunks of 1 MiB and more (gqa-bf16).  mla-fp8 on the GPU >= 90%
 of the copy at page_size >= 16; at page_size 1 each kernel program moves one 576-byte row
 (no target: the figure is reported).  bench/gpu_summary.py prints each against its target.
 

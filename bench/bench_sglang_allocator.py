@@ -12,7 +12,7 @@ The pool holds 8 batches, so sglang's ``need_sort`` staging (PD mode) runs short
 merges and sorts its staged frees every few steps; a round of 8 steps includes that.
 
 Both sides run the very same function (the adapter has sglang's interface), so the ratio
-is the allocator's.  Target (issue 7): kvmem no slower, goal 2x on CPU.  sglang is
+is the allocator's.  Target: kvmem no slower, goal 2x on CPU.  sglang is
 required: without it the baseline fails (never skipped).  ``--benchmark-disable`` runs
 each sequence once (no timing, no report row); ``KVMEM_BENCH_SMOKE=1`` runs one timed round
 without warm-up; ``KVMEM_BENCH_ROUNDS_SGLANG`` sets the rounds (default 16).
@@ -148,7 +148,7 @@ def test_pd_prefill_sglang(benchmark, report, ps):
 # What the prefill scheduler calls when it retires a request aborted in its running batch
 # (``release_kv_cache`` -> ``free_kv_row`` -> ``free_segments([(row, 0)])``): short rows,
 # where kvmem's validated free (range, ownership and duplicate checks) against sglang's
-# append to its staging list is all fixed per-call cost.  Issue 8 target: no slower.
+# append to its staging list is all fixed per-call cost.  Target: no slower.
 
 ABORT_ROWS = 64  # rows freed one by one per timed round
 ABORT_CASES = [(16, 100), (4, 37), (1, 30)]  # (page_size, tokens per request)

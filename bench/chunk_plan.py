@@ -1,4 +1,4 @@
-"""Physical chunks of a 64 GiB pool (issue 15): driver calls of release and resume, the
+"""Physical chunks of a 64 GiB pool: driver calls of release and resume, the
 padding the plan costs, and what it takes to prepare a pool's block tables.
 
     python -m bench.chunk_plan [--gib 64] [--md FILE] [--nixl]

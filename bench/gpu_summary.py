@@ -15,14 +15,14 @@ says whether a step failed).
 
 The targets (each benchmark's docstring says where it comes from):
 
-    GPU  pack and unpack, gqa-bf16, chunks >= 1 MiB: >= 85% of the plain copy (issue 2)
-         pack and unpack, fp8 MLA, page size >= 16: >= 90% of the plain copy (issue 32);
+    GPU  pack and unpack, gqa-bf16, chunks >= 1 MiB: >= 85% of the plain copy
+         pack and unpack, fp8 MLA, page size >= 16: >= 90% of the plain copy;
          page size 1 is reported beside it, without a target
          release of 64 GiB under 50 ms, resume under 300 ms, each >= 5x faster than
          freeing / allocating the same bytes (bench_release.py)
          alloc_extend of 256 requests, check=False: under 30 us (bench_allocator.py)
     CPU  pack and unpack >= 0.5x the plain copy at page size >= 16; pack >= 3x faster
-         than the per-layer gather at page size 1 (issue 2)
+         than the per-layer gather at page size 1
          release of 2 GiB under 150 ms; resume at least as fast as allocating and
          touching the same bytes (bench_release.py)
 """

@@ -1,5 +1,5 @@
 """CPU pack/unpack of a 128 MiB chunk, quiet and with one core kept busy by another
-process (issue 11, item 5: under load, pack stays within 2x of its quiet time).
+process (under load, pack stays within 2x of its quiet time).
 
     python -m bench.pack_contention [--rounds 15] [--tokens 1024] [--md FILE]
 

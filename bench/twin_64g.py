@@ -1,4 +1,4 @@
-"""A 64 GiB CUDA-VMM-shaped pool on the CPU twin (issue 15's target): two host pools with
+"""A 64 GiB CUDA-VMM-shaped pool on the CPU twin (the sizes kvmem is written for): two host pools with
 the GPU's chunk plan (2 GiB target, 2 MiB granularity), registered with real NIXL agents
 (UCX, DRAM), every prepared descriptor inside one physical chunk, and every page of every
 plane moved in direct (post_blocks WRITE), pull (post_blocks READ) and packed (pack into

@@ -1,4 +1,4 @@
-"""A 64 GiB CUDA-VMM-shaped pool on the CPU twin (issue 15's target): two host pools with
+"""A 64 GiB CUDA-VMM-shaped pool on the CPU twin (the sizes kvmem is written for): two host pools with
 the GPU's chunk plan (2 GiB target, 2 MiB granularity), registered with real NIXL agents
 (UCX, DRAM), prepared tables over every chunk, and blocks moved in direct (post_blocks
 WRITE), pull (post_blocks READ) and packed (pack into staging, one write into a landing
@@ -21,7 +21,7 @@ from kvmem.memory.plan import CHUNK_BYTES
 from kvmem.transfer import NixlEngine
 
 GiB = 1 << 30
-SHAPES = {  # issue 15: 80 layers, page_size 1, 16 and 64, MLA 576
+SHAPES = {  # what kvmem is written for: 80 layers, page_size 1, 16 and 64, MLA 576
     "MHA8x128-bf16-P1": dict(num_kv_heads=8, head_dim=128, page_size=1),
     "MHA8x128-bf16-P16": dict(num_kv_heads=8, head_dim=128, page_size=16),
     "MHA8x128-bf16-P64": dict(num_kv_heads=8, head_dim=128, page_size=64),

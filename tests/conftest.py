@@ -139,6 +139,9 @@ def _fork_server_lines() -> list[str]:
     lines = []
     for name, server in (env.servers() if env is not None else {}).items():
         info = server.info
+        if not server.starts or "preload_s" not in info:  # it never came up: its error says why
+            lines.append(f"{name} fork server: did not start ({server.starts} tries)")
+            continue
         lines.append(
             f"{name} fork server: started {server.starts}x in {server.start_s:.1f} s (its "
             f"imports {info['preload_s']} s, {info['modules']} modules), {server.forked} "

@@ -1,6 +1,6 @@
-"""The GPU benchmark's paths that a CPU can check (issue 32): bench_pack.py at the chunk
+"""The GPU benchmark's paths that a CPU can check: bench_pack.py at the chunk
 sizes of the GPU run, where its pools' random bytes are drawn, the report's refusal of a
-row that moved nothing, the report's rows written as they are measured (issue 40), and
+row that moved nothing, the report's rows written as they are measured, and
 bench/timer.py, the ``benchmark`` fixture of a host without pytest-benchmark.
 gpu_check.sh itself: tests/test_bench_smoke.py."""
 
@@ -134,7 +134,7 @@ def test_stuck():
 
 
 def test_report_rows_survive_a_killed_run(tmp_path):
-    """Issue 40 item 7: with KVMEM_BENCH_OUT the JSON is written after every benchmark
+    """With KVMEM_BENCH_OUT the JSON is written after every benchmark
     (``partial: true``), so a run killed in its next benchmark (SIGKILL: no hook of pytest
     runs) leaves the rows measured before it.  bench/conftest.py as a plugin, on a file of
     two benchmarks: one measured, one stuck until killed."""

@@ -492,7 +492,7 @@ def _steps_tsv(files: dict[str, bytes]) -> dict[str, dict[str, str]]:
 
 
 def test_gpu_check_keeps_what_a_step_stopped_at_its_budget_wrote(tmp_path):
-    """Issue 40 item 7: a step at its budget gets SIGINT, so that pytest ends as after a
+    """A step at its budget gets SIGINT, so that pytest ends as after a
     Ctrl-C, count line and end-of-session hooks included: the benchmark JSON its hook
     writes is in the archive and the summary reads it.  (SIGTERM, as before, ended the
     process at once: no JSON, no figure.)  bench/conftest.py also writes the rows as they
@@ -513,7 +513,7 @@ def test_gpu_check_keeps_what_a_step_stopped_at_its_budget_wrote(tmp_path):
 
 
 def test_gpu_check_gives_the_benchmarks_their_floor(tmp_path):
-    """Issue 40 item 8: a first step that compiled its 18 kernels in no time measures the
+    """A first step that compiled its 18 kernels in no time measures the
     least compile rate (0.2 s a kernel); the steps after it are sized with that rate, but
     the benchmarks keep their floor (70 s, they were cut to 48 s)."""
     out = tmp_path / "out"
@@ -528,7 +528,7 @@ def test_gpu_check_gives_the_benchmarks_their_floor(tmp_path):
 
 
 def test_gpu_check_keeps_the_cpu_demo_out_of_the_gpu_steps(tmp_path):
-    """Issue 40 item 9: with NIXL importable the benchmark step still leaves out the CPU
+    """With NIXL importable the benchmark step still leaves out the CPU
     benchmarks (the kvmem demo takes minutes) and NIXL's, which runs as a step of its own,
     last; the disagg step runs."""
     out = tmp_path / "out"
@@ -560,7 +560,7 @@ def test_gpu_check_keeps_the_cpu_demo_out_of_the_gpu_steps(tmp_path):
 
 
 def test_gpu_check_bounds_its_probes(tmp_path):
-    """Issue 40 item 10: a python probe that hangs in an import (here NIXL's) and an
+    """A python probe that hangs in an import (here NIXL's) and an
     nvidia-smi that hangs are each stopped at KVMEM_GPU_PROBE_LIMIT_S; what the probe
     reported before stands, the rest counts as not importable, and env.txt says so."""
     out = tmp_path / "out"
@@ -592,7 +592,7 @@ def test_gpu_check_bounds_its_probes(tmp_path):
 
 
 def test_gpu_check_killed_outright_leaves_the_finished_steps(tmp_path):
-    """Issue 40 item 10: OUTDIR's archive and summary are written again after every step
+    """OUTDIR's archive and summary are written again after every step
     and its console log as it is printed, so a run killed outright (SIGKILL: no exit trap
     runs, as when a device's time runs out) leaves what its finished steps measured."""
     out = tmp_path / "out"

@@ -316,3 +316,19 @@ def test_the_private_use_finder_sees_both_kinds(tmp_path, monkeypatch):
 def test_no_adapter_module_uses_another_ones_private_name():
     found = private_uses()
     assert not found, "private names used by another module: " + "; ".join(found)
+
+
+def test_no_docstring_or_comment_cites_an_issue_number():
+    """What the code does is said in its own words: an issue's number means nothing to a
+    reader of the repository (kvmem, the adapter, the test kit, the benchmarks, the tests)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    cite = re.compile(r"\b[Ii]ssue \d+\b(?!-)|\(issue\b")  # not "issue 16-byte loads"
+    found = []
+    for top in ("kvmem", "integration/sglang/kvmem_sglang", "testkit", "bench", "tests"):
+        for path in sorted((root / top).rglob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if cite.search(line) and "cite.search" not in line and "re.compile" not in line:
+                    found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)

@@ -39,9 +39,9 @@ def test_the_plugin_builds_its_hooks_from_the_manifest_alone():
             (h.target, h.kind) for h in manifest.HOOKS if h.when is None or getattr(opts, h.when)
         ]
         got = plugin._hooks(opts)
-        # two AROUND hooks of one target are nested into one, in the manifest's order
-        dedup = list(dict.fromkeys(want))
-        assert [(t, k) for t, _, k in got] == dedup, values
+        assert [(t, k) for t, _, k in got] == want, values
+    targets = [h.target for h in manifest.HOOKS]
+    assert len(targets) == len(set(targets)), "one hook a target: a call reads top to bottom"
     for h in manifest.HOOKS:
         assert callable(manifest.hook_function(h)), h.hook
         assert h.kind in ("AROUND", "AFTER", "BEFORE", "REPLACE"), h
@@ -129,3 +129,26 @@ def test_drift_tells_moved_changed_inherited_and_missing(tmp_path):
     gone = rows[f"{common}.CommonKVSender.abort"]
     assert gone["status"] == "missing" and "CommonKVSender" in gone["why"]
     assert rows["sglang.srt.managers.scheduler.Scheduler.abort_request"]["status"] == "missing"
+
+
+def test_the_drift_counts_the_docs_quote_are_the_reports():
+    """The adapter's README and docs/sglang.md quote the 0.5.22 drift report's counts; they
+    are the counts its summary line gives (bench/results/sglang-0.5.22-drift.txt)."""
+    import re
+
+    report = (ROOT / "bench" / "results" / "sglang-0.5.22-drift.txt").read_text().splitlines()
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (\w+)", report[2])}
+    assert set(counts) == {"body", "missing", "moved", "same", "signature"}, report[2]
+    total = sum(counts.values())
+    readme = " ".join(README.read_text().split())
+    docs = " ".join((ROOT / "docs" / "sglang.md").read_text().split())
+    assert (
+        f"{counts['same']} same, {counts['moved']} moved, {counts['body']} changed in body, "
+        f"{counts['signature']} in signature, {counts['missing']} missing" in readme
+    )
+    assert f"the {total} targets" in readme
+    assert (
+        f"of {total} targets, {counts['same']} are the same, {counts['moved']} only moved, "
+        f"{counts['body']} changed in body, {counts['signature']} in signature, "
+        f"{counts['missing']} are missing" in docs
+    )

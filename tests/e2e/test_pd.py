@@ -198,12 +198,11 @@ def test_mooncake_registration_refused_at_a_resume(deployments, backend, referen
         ], server.fault_notes()
         log = server.log_text()
         assert re.search(
-            rf"kvmem-sglang \(SGLANG_KVMEM=1\): Mooncake batch_register of "
-            rf"\d+ region\(s\) \(\d+ bytes\) on this {role} returned -7 at "
-            rf"the resume",
+            rf"kvmem-sglang: resume_memory_occupation\(kv_cache\) refused: Mooncake "
+            rf"batch_register of \d+ region\(s\) \(\d+ bytes\) on this {role} returned -7 "
+            rf"at the resume; .*; the KV cache stays released",
             log,
         ), d.trace("batch_register")
-        assert "refused: the KV cache stays released" in log, d.trace("refused")
         r = d.generate(PROMPTS[0], timeout=30)
         assert r.status == 503 and "released its KV cache" in str(r.body), (r.status, r.body)
         assert r.seconds < PROMPT_S, f"answered after {r.seconds:.2f} s"
@@ -239,13 +238,12 @@ def test_mooncake_deregistration_refused_at_a_release(deployments, backend, refe
     ], server.fault_notes()
     log = server.log_text()
     assert re.search(
-        rf"kvmem-sglang \(SGLANG_KVMEM=1\): Mooncake deregistration of "
-        rf"\d+ region\(s\) on this {role} refused \(codes \[-3(, 0)+\]\); "
-        rf"nothing is released; every region is registered again \(codes "
-        rf"\[0(, 0)+\]\)",
+        rf"kvmem-sglang: release_memory_occupation\(kv_cache\) refused: Mooncake "
+        rf"deregistration of \d+ region\(s\) on this {role} refused \(codes "
+        rf"\[-3(, 0)+\]\); nothing is released; every region is registered again \(codes "
+        rf"\[0(, 0)+\]\) and the server keeps serving; nothing released",
         log,
     ), d.trace("deregistration")
-    assert "refused, nothing released" in log, d.trace("refused")
     assert outputs(d) == reference  # served: nothing released, every region registered
     assert d.control(server, "/release_memory_occupation", KV).status == 200
     assert d.control(server, "/resume_memory_occupation", KV).status == 200

@@ -5,7 +5,9 @@ returns), and every rank agrees on a request's answer: a request refused by a re
 TP 2 prefill is answered 503 through a TP 2 decode whichever decode rank sees the
 failure first (it was answered 500 about a third of the time: rank 0 raised "unknown
 reason from another rank" before its own notice arrived), and the refusal names the
-rank that made it.
+rank that made it.  Every rank agrees on a release or a resume too: when one rank's
+Mooncake engine refuses it, every rank refuses it (one rank used to release or resume
+alone, and the server hung at its next request).
 
 Greedy outputs differ between TP 1 and TP 2 after a few tokens here, so the PD pairs are
 compared with the plain server at the prefill's TP (2).
@@ -13,11 +15,13 @@ compared with the plain server at the prefill's TP (2).
 
 from __future__ import annotations
 
+import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.deploy import prompt, rss_by_mapping, wait_given_back
+from tests.e2e.deploy import given_back, prompt, rss_by_mapping, wait_given_back
 from tests.e2e.test_rl import MODES, finish, paused_release
 
 PROMPTS = [prompt(i) for i in range(4)]
@@ -152,3 +156,96 @@ def test_tp2_refusal_by_a_released_prefill_is_503_on_every_decode_rank(
     assert "Prefill server (TP rank 1) has released" in log
     assert outputs(d) == tp2_reference
     assert d.crashed() == []
+
+
+def _lines(server, pattern: str, want: int, within: float = 15.0) -> list[str]:
+    """The lines of ``server``'s log since its start matching ``pattern``, read until
+    there are ``want`` of them or ``within`` seconds passed (sglang answers a release or
+    a resume once rank 0 has; rank 1 logs a moment later)."""
+    end = time.monotonic() + within
+    while True:
+        found = re.findall(f".*{pattern}.*", server.log_text())
+        if len(found) >= want or time.monotonic() >= end:
+            return found
+        time.sleep(0.1)
+
+
+@pytest.mark.leaves_broken  # before the fix it left the prefill's ranks apart (restarted)
+@pytest.mark.backends("mooncake")
+@pytest.mark.parametrize("kind", ["tp2-prefill"])
+def test_tp2_release_or_resume_refused_on_one_rank_is_refused_on_every_rank(
+    deployments, backend, kind
+):
+    """One rank of a TP 2 prefill has its Mooncake engine refuse (standins/faults.py: the
+    fault fires on the first rank that reaches it): a release whose deregistration it
+    refuses (-3), then a resume whose registration it refuses (-7).  sglang answers
+    either 200 with no body whatever the ranks did (rank 0's answer), so what shows the
+    refusal is the server: after the refused release every rank still holds its pool
+    (resident memory) and the next requests are served 200 with the same tokens; after
+    the refused resume every rank's pool stays given back and a request is answered 503;
+    each rank logs one line naming the rank that refused; the next resume serves.
+    Before the fix the other rank released (or resumed) alone, and the first request
+    after it was never answered (the prefill's ranks hung)."""
+    d = deployments.get(kind, backend)
+    p = d.prefill
+    ok = False
+    try:
+        pids = p.scheduler_pids()
+        assert len(pids) == 2, pids
+        before = outputs(d)
+        # a resume pre-faults the pools: every rank's all resident
+        assert d.control(p, "/release_memory_occupation", KV).status == 200
+        assert d.control(p, "/resume_memory_occupation", KV).status == 200
+        full = {pid: rss_by_mapping(pid) for pid in pids}
+        seen = len(p.fault_notes())
+
+        p.arm("deregister-missing")
+        assert d.control(p, "/release_memory_occupation", KV).status == 200
+        lines = _lines(p, r"refused on all 2 TP ranks, by TP rank \d: Mooncake deregistration", 2)
+        answer = d.generate(PROMPTS[0], timeout=30)
+        back = {pid: given_back(full[pid], rss_by_mapping(pid)) for pid in pids}
+        print(
+            f"TP 2 prefill, one rank's deregistration refused: answer {answer.status}, "
+            f"MiB each rank gave back {[round(b / 2**20, 1) for b in back.values()]}, "
+            f"{len(lines)} refusal line(s)"
+        )
+        assert [n.split()[:2] for n in p.fault_notes()[seen:]] == [
+            ["fault:deregister-missing", "-3"]
+        ], p.fault_notes()
+        assert all(b < 0.1 * RANK_POOL_BYTES for b in back.values()), back
+        assert answer.status == 200, (answer.status, answer.body, answer.error)
+        assert len(lines) == 2 and len({re.search(r"TP rank (\d):", ln)[1] for ln in lines}) == 1
+        assert "nothing released" in lines[0]
+        assert outputs(d) == before
+
+        assert d.control(p, "/release_memory_occupation", KV).status == 200
+        released = wait_given_back(full, 0.9 * RANK_POOL_BYTES)
+        assert all(b >= 0.9 * RANK_POOL_BYTES for b in released.values()), released
+        seen = len(p.fault_notes())
+        p.arm("register-overlap")
+        assert d.control(p, "/resume_memory_occupation", KV).status == 200
+        lines = _lines(p, r"refused on all 2 TP ranks, by TP rank \d: Mooncake batch_register", 2)
+        refused = d.generate(PROMPTS[0], timeout=30)
+        back = {pid: given_back(full[pid], rss_by_mapping(pid)) for pid in pids}
+        print(
+            f"TP 2 prefill, one rank's registration refused at the resume: answer "
+            f"{refused.status}, MiB each rank still gives back "
+            f"{[round(b / 2**20, 1) for b in back.values()]}, {len(lines)} refusal line(s)"
+        )
+        assert [n.split()[:2] for n in p.fault_notes()[seen:]] == [
+            ["fault:register-overlap", "-7"]
+        ], p.fault_notes()
+        assert all(b >= 0.9 * RANK_POOL_BYTES for b in back.values()), back
+        assert refused.status == 503, (refused.status, refused.body, refused.error)
+        assert "released its KV cache" in str(refused.body)
+        assert len(lines) == 2 and len({re.search(r"TP rank (\d):", ln)[1] for ln in lines}) == 1
+        assert "the KV cache stays released" in lines[0]
+
+        assert d.control(p, "/resume_memory_occupation", KV).status == 200
+        assert outputs(d) == before
+        assert d.settle() == {}
+        assert d.crashed() == []
+        ok = True
+    finally:
+        if not ok:  # the ranks may be apart: the next test gets a new prefill
+            deployments.discard(kind, backend, roles=("prefill",))

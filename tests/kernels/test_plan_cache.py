@@ -112,7 +112,7 @@ class _Kernel:
 
 def test_launches_of_a_plan_reuse_its_arguments(monkeypatch):
     """The launch's 21 constexpr arguments are made once per plan and direction, not per
-    launch (issue 32: host work on every call, in the hot path)."""
+    launch (host work on every call, in the hot path)."""
     from kvmem.kernels.pack import triton as T
 
     kernel, made = _Kernel(), []

@@ -11,7 +11,8 @@ its own ``__init__``) over a real ``FakeKVManager``, ``ReqToMetadataIdxAllocator
 ``SchedulerOutputStreamer``, ``SchedulerBatchResultProcessor``,
 ``SchedulerWeightUpdaterManager``, real ``Req`` / ``ScheduleBatch.init_new`` /
 ``prepare_for_extend`` for the KV allocation, and a size-1 gloo group for the poll
-all-reduces.
+all-reduces and the weight updater's TP group (or the caller's group, one process per TP
+rank: ``tests/sglang/scenario_release_tp.py``).
 
 Stood in (what a CPU test cannot have):
 
@@ -177,18 +178,23 @@ class PrefillHarness:
         max_reqs: int = 16,
         meta_slots: int | None = None,
         chunk_pages: int | None = None,
+        rank: int = 0,
+        server_args: dict | None = None,
     ):
         import torch
         import torch.distributed as dist
 
-        publish(page_size)
+        # server_args: more of the published ServerArgs (another transfer backend for
+        # the managers a test builds itself, tp_size); rank: this process's TP rank, of
+        # the process group the caller initialized (one rank of its own otherwise)
+        self.server_args = publish(page_size, **(server_args or {}))
         from sglang.srt.runtime_context import get_parallel
 
         # one rank, as a launcher's rank bundle would say (sglang_env publishes none)
         get_parallel().override_permanently(
-            tp_rank=0,
+            tp_rank=rank,
             pp_rank=0,
-            attn_tp_rank=0,
+            attn_tp_rank=rank,
             attn_cp_rank=0,
             attn_dp_rank=0,
             moe_ep_rank=0,
@@ -246,7 +252,7 @@ class PrefillHarness:
         s.abort_on_priority_when_disabled = False
         s.spec_algorithm = SpeculativeAlgorithm.NONE
         s.attn_cp_cpu_group = s.attn_tp_cpu_group = s.tp_cpu_group = group
-        s.tp_size = 1
+        s.tp_size = dist.get_world_size(group)
         s.chunked_req = None
         s._pending_chunked_abort_req = None
         s.mm_receiver = None
@@ -349,6 +355,7 @@ class PrefillHarness:
 
         wu = weight_updater(req_pool, alloc, tree)
         wu.scheduler = s
+        wu.tp_cpu_group = group  # SchedulerWeightUpdaterManager.__post_init__'s TP group
         wu.is_fully_idle = s.is_fully_idle
         s.weight_updater = wu
         s.flush_cache = wu.flush_cache

@@ -19,6 +19,14 @@ request (interleaved with the others'), every chunk queued at once:
 * ``err``: the first ``batch_transfer_sync`` of the round returns -1 after moving its
   slices (a batch that failed while its slices moved); the session is then marked failed
   by sglang, and cleared here after the round (as sglang's probe would);
+* ``err_posted``: the same, with each call bounded to ``POSTED_PAGES`` pages of every
+  plane (``SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES``, the manager's
+  ``max_transfer_batch_indices``) and each request's chunk sent from source pages that lie
+  room after room (pages ``1 + r n .. (r + 1) n`` for request ``r`` of ``n`` pages, still
+  to the decode's interleaved pages): kvmem's merged write then goes as calls of which the
+  first, the one that fails, carries the first two rooms' slices only (no page adjacent to
+  another on both sides: one slice a page and plane, sorted by source page), and no call
+  after it is made.  No rows are checked (the pages land elsewhere, and every room fails);
 * ``events``: the chunks carry what a GPU prefill gives them (``prefill.py:1745-1773``,
   ``1495-1498``): page ids as a host tensor with the event of their copy, and the third
   room's copy event and the fourth room's forward event (``wait_event``) still pending
@@ -52,6 +60,7 @@ REQUESTS = 6
 HOLD_S = 0.6
 SHAPE = dict(layers=2, heads=2, head_dim=64, requests=REQUESTS, tokens=64)
 SCATTERED = dict(layers=32, heads=2, head_dim=64, requests=2, tokens=1024, spread=2)
+POSTED_PAGES = 2  # pages of every plane a call carries in err_posted (a room has 4)
 
 
 def _outcome(pair: Pair, rnd: dict, stats0: dict, calls: list) -> dict:
@@ -137,6 +146,28 @@ def _events_round(pair: Pair, link: "_Link") -> dict:
     return {"events": _outcome(pair, rnd, s0, link.calls) | {"at_wait": seen.get("at_wait")}}
 
 
+def _err_posted_round(pair: Pair, link: "_Link") -> dict:
+    import numpy as np
+
+    pm, n = pair.pm, pair.shape.pages_per_request
+    link.reset()
+    link.fail_first = True
+    bound, pm.max_transfer_batch_indices = pm.max_transfer_batch_indices, POSTED_PAGES
+    s0 = _stats()
+
+    def send(r, sender, pages):
+        sender.send(np.arange(1 + r * n, 1 + (r + 1) * n, dtype=np.int32))  # room after room
+
+    try:
+        rnd = pair.sglang_round(check=(), at_once=True, decode_timeout=5, send=send)
+    finally:
+        pm.max_transfer_batch_indices = bound
+    out = _outcome(pair, rnd, s0, link.calls)
+    _clear_failed_sessions(pm)
+    pm._staging_outstanding.clear()
+    return {"err_posted": out}
+
+
 def _clear_failed_sessions(pm) -> None:
     """What sglang's failed-session probe does once the decode answers again."""
     with pm.session_lock:
@@ -217,6 +248,7 @@ def _rounds(pair: Pair) -> dict:
     _clear_failed_sessions(pair.pm)
     pair.pm._staging_outstanding.clear()  # what sglang keeps counted for failed rooms
 
+    out |= _err_posted_round(pair, link)
     out |= _events_round(pair, link)
 
     # release and resume the prefill's KV, then a plain round

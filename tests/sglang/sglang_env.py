@@ -85,8 +85,8 @@ def e2e_fork_server() -> ForkServer:
     """This session's fork server of ``.venv-e2e``'s interpreter, for the Mooncake
     scripts here, with the flag on: the environment's ``kvmem_sglang.pth`` reads
     SGLANG_KVMEM at start (and imports the adapter's start-up check with it on: its
-    ``startup``, ``imports`` and ``state`` modules, and ``options`` and ``chase``, whose
-    classes the process registry in ``state`` holds; standard library only, and none
+    ``startup``, ``imports`` and ``state`` modules, and ``options``, ``chase`` and
+    ``rooms``, whose classes the process registry in ``state`` holds; standard library only, and none
     does anything at import), so a child with the flag off starts fresh.  The adapter's
     other modules are not imported there, as in :func:`fork_server`."""
     from testkit.sglang_pair import E2E_PYTHON
@@ -96,7 +96,8 @@ def e2e_fork_server() -> ForkServer:
         adapter = sorted(
             f"kvmem_sglang.{p.stem}"
             for p in (ADAPTER / "kvmem_sglang").glob("*.py")
-            if p.stem not in ("__init__", "startup", "imports", "state", "options", "chase")
+            if p.stem
+            not in ("__init__", "startup", "imports", "state", "options", "chase", "rooms")
         )
         forbid = [m for m in FORBID if m != "kvmem_sglang"] + adapter
         _E2E_FORK = ForkServer(PRELOAD, forbid=forbid, env=e2e_env(), cwd=ROOT, python=E2E_PYTHON)

@@ -260,6 +260,25 @@ def test_run_addresses_merge_the_pairs_of_all_chunks_sorted_by_source():
     )
 
 
+def test_chunks_in_names_the_chunks_with_a_page_in_some_descriptors():
+    from kvmem_sglang.transfer import chunks_in, run_addresses
+
+    # chunk 0: source pages 1, 2 (runs with chunk 1's 3 on both sides); chunk 1: 3 and 9;
+    # chunk 2: 5 -> runs (1..3), (5), (9), on each of 2 planes: descriptors 0-2, then 3-5
+    pairs = [
+        (np.array([2, 1]), np.array([11, 10])),
+        (np.array([9, 3]), np.array([40, 12])),
+        (np.array([5]), np.array([30])),
+    ]
+    one, zero = np.ones(2, np.uint64), np.zeros(2, np.uint64)
+    assert run_addresses(zero, zero, one, pairs)[0].size == 6
+    assert chunks_in(pairs, 0, 1) == {0, 1}  # the run shared by two chunks
+    assert chunks_in(pairs, 1, 2) == {2}
+    assert chunks_in(pairs, 2, 3) == {1}
+    assert chunks_in(pairs, 4, 6) == {1, 2}  # the second plane's runs
+    assert chunks_in(pairs, 0, 6) == {0, 1, 2} and chunks_in(pairs, 3, 3) == set()
+
+
 def test_small_batches_go_as_one_write_large_ones_split():
     from kvmem_sglang.transfer import SPLIT, SPLIT_MIN_BYTES, split_pieces
 

@@ -10,7 +10,8 @@ lands; the chunks queued together go as one merged call; a chunk whose page ids 
 pages a GPU is still writing (its CUDA events pending) is not read before they complete;
 a room sent ahead of its turn
 and then aborted gets its decode's ABORT_ACK only after its write; a failed call leaves
-every room in it without an ABORT_ACK (its slices may still move); after a release and
+every room with slices in it without an ABORT_ACK (they may still move), and every room it
+never posted with one at once; after a release and
 a resume the sends work over the new registration; and a request whose pages are
 scattered, which sglang posts as one call past Mooncake's TCP queue (its rooms fail),
 goes as calls within it and lands.
@@ -106,6 +107,29 @@ def test_failed_call_leaves_no_abort_ack_for_any_room_in_it(runs):
     k = runs["kvmem"]["err"]
     assert k["poisoned"] == sorted(k["rooms"]) and not any(k["safe"]), k
     assert k["stats"]["cut_short"] == 1 and k["stats"]["batches"] == 0, k
+
+
+def test_failed_call_poisons_only_the_rooms_it_posted(runs):
+    # the merged write goes as calls of 8 slices (2 pages of the 4 planes), the first
+    # carrying the first two rooms' pages only, and fails; nothing after it is posted.
+    # sglang: one chunk at a time, the first room's first call fails: only it is poisoned
+    for key in ("kvmem", "sglang"):
+        r = runs[key]["err_posted"]
+        assert _all(r["prefill"], FAILED) and _all(r["decode"], FAILED), (key, r)
+        assert r["rooms"][0] in r["poisoned"] and not r["safe"][0], (key, r)
+        # nothing of these was posted: not poisoned, and each ABORT acknowledged at once
+        # (within the round's 5 s wait; a poisoned room's decode waits out its
+        # deferred-release timeout, 30 s)
+        assert r["safe"][2:] == [True] * 4, (key, r)
+        assert not set(r["rooms"][2:]) & set(r["poisoned"]), (key, r)
+    k = runs["kvmem"]["err_posted"]
+    # kvmem: one merged write, the other five rooms sent ahead in it; the second room's
+    # slices were in the failed call and may still move
+    assert k["poisoned"] == sorted(k["rooms"][:2]) and not k["safe"][1], k
+    assert k["calls"][0] == 8 and k["stats"]["sends"] == 1, k
+    assert k["stats"]["cut_short"] == 1 and k["stats"]["writes"] == 1, k
+    s = runs["sglang"]["err_posted"]
+    assert s["poisoned"] == s["rooms"][:1] and s["safe"][1], s
 
 
 def test_chunk_is_not_read_before_its_events_complete(runs):

@@ -92,34 +92,6 @@ def build_allocator(original, configurator, *args, **kwargs):
     return ours
 
 
-# -- release / resume ---------------------------------------------------------------------
-
-
-def _kv_tag(tags) -> bool:
-    from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
-
-    return not tags or GPU_MEMORY_TYPE_KV_CACHE in tags
-
-
-def release_memory_occupation(original, manager, recv_req, *args, **kwargs):
-    """sglang's release (it clears the bootstrap queue, deregisters the transfer
-    buffers, flushes the cache, resets the allocator), then kvmem gives the KV pool's
-    physical memory back (a pool that cannot is refused before anything runs:
-    ``kvmem_sglang.release.release_memory_occupation``)."""
-    out = original(manager, recv_req, *args, **kwargs)
-    if _kv_tag(recv_req.tags):
-        kvpool.release_all()
-    return out
-
-
-def resume_memory_occupation(original, manager, recv_req, *args, **kwargs):
-    """kvmem maps the KV pool's memory back (same addresses, epoch + 1) before sglang's
-    resume re-registers the buffers with the transfer engine."""
-    if _kv_tag(recv_req.tags):
-        kvpool.resume_all(_options().prefault)
-    return original(manager, recv_req, *args, **kwargs)
-
-
 # -- staging ------------------------------------------------------------------------------
 
 

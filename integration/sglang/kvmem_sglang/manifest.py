@@ -3,8 +3,8 @@ starts from.
 
 * :data:`HOOKS`: each hook target, its kind (sglang's ``HookRegistry``: AROUND, AFTER,
   BEFORE, REPLACE), the adapter function and the option it depends on.  The plugin
-  builds its hooks from this list (:func:`kvmem_sglang.plugin.load`), in this order:
-  two AROUND hooks of one target nest, the later one outside.
+  builds its hooks from this list (:func:`kvmem_sglang.plugin.load`), in this order; a
+  target has one hook (what a call does is read top to bottom in one function).
 * :data:`PRIVATE`: sglang's private names (a leading underscore) the adapter calls,
   reads or writes other than through a hook.
 * What the adapter keeps about sglang's objects: none of it is written onto them; it is
@@ -92,18 +92,6 @@ HOOKS: tuple[Hook, ...] = (
         "AROUND",
         "hooks:build_allocator",
         "kvmem's allocator; refuses pools kvmem does not own",
-    ),
-    Hook(
-        f"{_WU}.release_memory_occupation",
-        "AROUND",
-        "hooks:release_memory_occupation",
-        "pool.release() after sglang's kv_cache release",
-    ),
-    Hook(
-        f"{_WU}.resume_memory_occupation",
-        "AROUND",
-        "hooks:resume_memory_occupation",
-        "pool.resume() before sglang's kv_cache resume",
     ),
     Hook(
         f"{_NIXL}.NixlKVManager.register_buffer_to_engine",
@@ -241,13 +229,13 @@ HOOKS: tuple[Hook, ...] = (
         f"{_WU}.release_memory_occupation",
         "AROUND",
         "release:release_memory_occupation",
-        "drain (503) before sglang's release; refuses a second one",
+        "drain (503), deregister, sglang's release, pool.release()",
     ),
     Hook(
         f"{_WU}.resume_memory_occupation",
         "AROUND",
         "release:resume_memory_occupation",
-        "the new registration epoch",
+        "pool.resume(), then sglang's resume (its registration)",
     ),
     Hook(
         f"{_P}.PrefillBootstrapQueue.release_memory_occupation",
@@ -360,6 +348,7 @@ PRIVATE: tuple[Private, ...] = (
     Private(f"{_NIXL}._nixl_device_id", "function", "call", "transfer"),
     Private(f"{_NIXL}._NixlPostError", "class", "call, read", "transfer, transfer_wait"),
     Private(f"{_NIXL}.NixlKVManager._post_xfer", "method", "call", "transfer"),
+    Private(f"{_NIXL}.NixlKVManager._prepared_state_plans", "attribute", "read, write", "nixl"),
     Private(f"{_MOON}.MooncakeKVManager._registerable_regions", "method", "call", "mooncake"),
     Private(
         f"{_D}.DecodePreallocQueue._resolve_pending_reqs",
@@ -377,13 +366,13 @@ PRIVATE: tuple[Private, ...] = (
         "sglang.srt.disaggregation.common.utils.FastQueue._buf",
         "attribute",
         "read",
-        "transfer_ahead",
+        "transfer_queue",
     ),
     Private(
         "sglang.srt.disaggregation.common.utils.FastQueue._cond",
         "attribute",
         "read",
-        "transfer_ahead",
+        "transfer_queue",
     ),
 )
 

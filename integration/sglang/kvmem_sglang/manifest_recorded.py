@@ -38,6 +38,7 @@ RECORDED = {
     'sglang.srt.disaggregation.nixl.conn.NixlKVManager._post_xfer': ('sglang/srt/disaggregation/nixl/conn.py:1087', '(self, xfer_handle: Any, error_msg: str)', '06084617b5209d94'),
     'sglang.srt.disaggregation.nixl.conn.NixlKVManager._prepare_payload_xfer': ('sglang/srt/disaggregation/nixl/conn.py:1482', '(self, peer_info: KVArgsRegisterInfo)', 'e183f9bfc3680dd7'),
     'sglang.srt.disaggregation.nixl.conn.NixlKVManager._prepare_state_xfer': ('sglang/srt/disaggregation/nixl/conn.py:703', '(self, peer_info: KVArgsRegisterInfo)', 'edb47422a5fab488'),
+    'sglang.srt.disaggregation.nixl.conn.NixlKVManager._prepared_state_plans': ('sglang/srt/disaggregation/nixl/conn.py:634', 'attribute', 'd4b083a69adbb30f'),
     'sglang.srt.disaggregation.nixl.conn.NixlKVManager.register_buffer_to_engine': ('sglang/srt/disaggregation/nixl/conn.py:1972', '(self)', '039dfe9566680987'),
     'sglang.srt.disaggregation.nixl.conn.NixlKVManager.send_kvcache': ('sglang/srt/disaggregation/nixl/conn.py:2301', "(self, peer_name: str, prefill_kv_indices: npt.NDArray[np.int32], dst_kv_ptrs: list[int], dst_kv_indices: npt.NDArray[np.int32], dst_gpu_id: int, dst_mem_kind: str='VRAM')", '1b72ba02f09a2723'),
     'sglang.srt.disaggregation.nixl.conn.NixlKVManager.transfer_worker': ('sglang/srt/disaggregation/nixl/conn.py:1602', '(self, queue: FastQueue, staging_buffer=None, worker_index=0)', 'bf0720a72ddcaae6'),

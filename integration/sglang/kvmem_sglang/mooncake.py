@@ -84,6 +84,13 @@ def register_buffer_to_engine(original, manager, *args, **kwargs):
 
     if getattr(manager, "disaggregation_mode", None) == DisaggregationMode.PREFILL:
         manager.kv_status_msg_carries_reason = True  # the decode reads it (docstring)
+    if state.DEREGISTERED.get(manager, True) is False:
+        # registered and not deregistered since: a resume refused on another TP rank,
+        # whose deregistration this rank's engine refused, kept it (kvmem_sglang.release)
+        logger.info(
+            "kvmem-sglang: Mooncake %s: still registered; not registering twice", _role(manager)
+        )
+        return None
     ptrs, lens = _regions(manager)
     if not ptrs:
         return None
@@ -119,7 +126,12 @@ def deregister_buffer_to_engine(original, manager, *args, **kwargs):
     (measured here: they can then be neither deregistered, -3, nor registered again, -7
     "overlapped memory region", for the life of the engine).  Region by region, a refused
     region leaves the others as they were, and :func:`_register_again` can put them back.
+
+    A manager deregistered already is left as it is: the adapter's release deregisters
+    ahead of sglang's (``kvmem_sglang.release``), whose own call then finds nothing to do.
     """
+    if state.DEREGISTERED.get(manager, False):
+        return None
     ptrs, lens = _regions(manager)
     codes = [manager.engine.batch_deregister([p]) for p in ptrs]
     if any(codes):

@@ -21,7 +21,8 @@ long request whose pages are scattered fails with nothing wrong but its layout.
 What this module changes: how the bytes of those sends move, nothing else.  Two hooks
 (AROUND) on ``MooncakeKVManager``:
 
-* ``transfer_worker``: remembers which queue the calling thread serves
+* ``transfer_worker``: remembers which queue the calling thread serves, and hands the
+  worker that queue with its gets counted
   (:func:`kvmem_sglang.transfer_ahead.transfer_worker`, shared with NIXL).
 * ``send_kvcache`` (``transfer_worker`` calls it for MHA and MLA at equal attention TP).
   It takes the chunk handed to it (the *owner*) and the chunks queued behind it on the
@@ -42,13 +43,17 @@ uncounted then, so an ABORT_ACK held for it (``_maybe_ack_drained_abort``) goes 
 after its write.  When the worker reaches one, ``send_kvcache`` returns 0 without moving
 anything, and sglang's own code runs for the room from there (the aux write,
 Success, notifications): a room sent ahead stays WaitingForInput until then.  A failed
-call fails them all: Mooncake returns -1 while slices of the batch may still move
-(:mod:`kvmem_sglang.mooncake`), so each room sent ahead is poisoned as sglang poisons the
-owner (``_poison_unsettled_send``: no ABORT_ACK, its decode falls back to its release
-timeout) before it is uncounted.  The owner's failure marks the session failed (sglang's
-``transfer_worker``, on a non-zero return), and the worker then fails the rooms behind it
-as it fails any room of a failed session; should the session be usable again by then, the
-room is sent again on its own turn.
+call fails them all (their write ends ERR).  Mooncake returns -1 while slices of that call
+may still move (:mod:`kvmem_sglang.mooncake`), so each room sent ahead with a slice in that
+call is poisoned as sglang poisons the owner (``_poison_unsettled_send``: no ABORT_ACK, its
+decode falls back to its release timeout) before it is uncounted.  A room whose slices were
+all in calls that returned 0 (landed) or in calls after the failed one (never posted) is
+not poisoned: nothing of it can still move, and its decode's ABORT is acknowledged once it
+is uncounted.  A call that raises counts as failed with its slices posted; an error before
+the first call poisons no room sent ahead.  The owner's failure marks the session failed
+(sglang's ``transfer_worker``, on a non-zero return), and the worker then fails the rooms
+behind it as it fails any room of a failed session; should the session be usable again by
+then, the room is sent again on its own turn.
 
 Served geometry (anything else goes to sglang's own ``send_kvcache``): no pipeline
 parallelism, hybrid MLA, custom memory pool, unified memory or HiSparse device indices;
@@ -147,16 +152,19 @@ def send_kvcache(
         else []
     )
     pairs = [(src, dst)] + [(a.src, a.dst) for a in ahead]
+    posted: list[tuple[int, int]] = []  # the slices of each call made, in order
     try:
         src_addr, dst_addr, nbytes, npairs = transfer.run_addresses(src_ptrs, dst_ptrs, item, pairs)
         code, calls = _write(
-            mgr, session, src_addr, dst_addr, nbytes, max_slices(mgr, int(item.size))
+            mgr, session, src_addr, dst_addr, nbytes, max_slices(mgr, int(item.size)), posted
         )
     except BaseException:
-        _end_ahead(mgr, st, ahead, transfer_records.Batch([], ahead, 0, 0), failed=True)
+        batch = transfer_records.Batch([], ahead, 0, 0)
+        _end_ahead(mgr, st, ahead, batch, _moving(pairs, posted))
         raise  # the rooms sent ahead end as after a failed call
     nbytes = int(nbytes.sum())
-    _end_ahead(mgr, st, ahead, transfer_records.Batch([], ahead, nbytes, src_addr.size), code != 0)
+    batch = transfer_records.Batch([], ahead, nbytes, src_addr.size)
+    _end_ahead(mgr, st, ahead, batch, _moving(pairs, posted) if code != 0 else None)
     STATS.add(writes=calls)
     if code == 0:
         STATS.add(
@@ -172,18 +180,30 @@ def send_kvcache(
     return code
 
 
-def _end_ahead(mgr, st, ahead, batch, failed: bool) -> None:
-    """The call carrying the chunks sent ahead returned: ``batch`` settled DONE, or ERR
-    when it ``failed`` (each room poisoned first: its slices may still move); each chunk
-    recorded for the worker's turn and uncounted."""
+def _end_ahead(mgr, st, ahead, batch, moving: set[int] | None) -> None:
+    """The calls carrying the chunks sent ahead returned: ``batch`` settled DONE
+    (``moving`` None), or ERR: a call failed, and ``moving`` holds the chunks (indices into
+    the write's pairs, the owner 0, ``ahead[i]`` at ``i + 1``) with slices in that call,
+    which may still move.  The room of each chunk sent ahead that may still move is
+    poisoned first; the others are not (their slices landed, in calls that returned 0, or
+    were never posted, in calls after the failed one).  Each chunk recorded for the
+    worker's turn and uncounted."""
+    failed = moving is not None
     batch.state = "ERR" if failed else "DONE"
     batch.failed = failed
-    for a in ahead:
-        if failed:
+    for i, a in enumerate(ahead, 1):
+        if moving is not None and i in moving:
             mgr._poison_unsettled_send(a.room)
         a.batch = batch
         st.put(a)
         transfer_ahead.uncount(mgr, a)
+
+
+def _moving(pairs, posted: list[tuple[int, int]]) -> set[int]:
+    """After a failed or raising call, the chunks of ``pairs`` whose slices may still move:
+    those with a slice in the last call made (``posted``: each call's slices, in order; the
+    calls before it returned 0, every slice landed), none if no call was made."""
+    return transfer.chunks_in(pairs, *posted[-1]) if posted else set()
 
 
 def _mooncake_peer(req) -> str:
@@ -225,12 +245,16 @@ def _geometry(mgr, session, dst_kv_ptrs, dst_layer_ids, dst_device_kv_indices):
     )
 
 
-def _write(mgr, session: str, src_addr, dst_addr, nbytes, cap: int) -> tuple[int, int]:
+def _write(
+    mgr, session: str, src_addr, dst_addr, nbytes, cap: int, posted: list[tuple[int, int]]
+) -> tuple[int, int]:
     """Post the slices as ``batch_transfer_sync`` calls of at most ``cap`` each, one after
     the other: ``(code, calls)``, code 0 once every call returned 0, else the first
-    non-zero code (no call after it)."""
+    non-zero code (no call after it).  Each call's slices ``(lo, hi)`` are appended to
+    ``posted`` before it is made (so a call that raises is there too)."""
     calls = 0
     for lo in range(0, src_addr.size, cap):
+        posted.append((lo, min(lo + cap, src_addr.size)))
         code = mgr.engine.batch_transfer_sync(
             session,
             src_addr[lo : lo + cap].tolist(),

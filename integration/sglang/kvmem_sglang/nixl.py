@@ -19,8 +19,9 @@ methods of its ``NixlKVManager`` unless said otherwise.
   in the ``agent.transfer`` of ``_post_xfer``, seen on the first request after a release
   and a resume).  So :func:`deregister` releases every prepared list *before* it
   deregisters the memory, and the registration at the resume prepares them again for every
-  known peer (:func:`register_buffer_to_engine`).  If that fails for a peer, no prepared
-  list is kept (the local one is shared by all peers): sends then take sglang's unprepared
+  known peer (:func:`register_buffer_to_engine`).  If that fails for a peer, that peer
+  alone is left without prepared lists (:func:`prepare_peers`: the local lists shared by
+  all peers stay, and so do the other peers' lists): its sends take sglang's unprepared
   path (``_send_kvcache_generic`` takes the prepared one only while both the local list and
   the peer's are in ``prep_handles``), which builds descriptors per transfer over the new
   registration.
@@ -137,10 +138,13 @@ def _register(original, manager, regions: bool, *args, **kwargs):
 def deregister(manager) -> None:
     """Release every descriptor list prepared over the manager's registrations, then
     deregister what ``register_buffer_to_engine`` registered (KV, aux and state lists),
-    each once; a second call finds nothing left."""
+    each once; a second call finds nothing left (the adapter's release deregisters ahead
+    of sglang's, ``kvmem_sglang.release``, whose own call then does nothing)."""
     from kvmem_sglang import prefill
 
     with _lock(manager):
+        if state.DEREGISTERED.get(manager, False):
+            return
         released = release_prepared(manager)
         agent = manager.agent
         lists = list(getattr(manager, "kv_descs", None) or [])
@@ -199,16 +203,31 @@ def release_prepared(manager) -> int:
     return len(handles)
 
 
-def prepare_peers(manager) -> None:
+def prepare_peers(manager) -> list[str]:
     """Prepare the transfer lists of every decode peer the prefill knows, as sglang does
-    when a peer registers (``NixlKVManager._add_remote_peer``, nixl/conn.py).  If one fails,
-    the failure is logged and no prepared list is kept, for any peer (the local list is
-    shared): every send then takes the unprepared path."""
+    when a peer registers (``NixlKVManager._add_remote_peer``, nixl/conn.py); the names of
+    the peers left unprepared.
+
+    sglang keeps two kinds of prepared lists (``NixlKVManager.__init__`` and the
+    ``_init_*_prep_handle*`` methods, nixl/conn.py): local lists over this prefill's own
+    memory, made by the first peer that needs one and shared by every peer
+    (``prep_handles[""]``, ``prep_handle_slice_src``, ``prep_handles_segment_src``), and
+    each peer's own (its remote KV list ``prep_handles[name]``, its slice list
+    ``prep_handles_slice_dst[name]``, its mixed-memory segments ``kv_xfer_segments``, its
+    state plan ``_prepared_state_plans[name]``, both of whose lists are its own).  A peer
+    whose preparation fails is logged, and what was prepared of its own lists is released
+    (:func:`_release_peer_lists`: no peer is left half-prepared), so that it alone takes
+    sglang's unprepared path; the shared local lists (over this prefill's memory and the
+    new registration, whichever peer made them) and every other peer's lists stay.
+    (sglang has an unprepared path for equal-TP KV sends on one memory kind and for state
+    sends; a heterogeneous-TP or mixed-memory peer left unprepared has its sends fail: a
+    failed transfer, answered.)"""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     if getattr(manager, "disaggregation_mode", None) != DisaggregationMode.PREFILL:
-        return
+        return []
     peers = list(getattr(manager, "decode_kv_args_table", {}).values())
+    failed = []
     for peer in peers:
         try:  # through the hooks: the lock is re-entrant, the manager registered again
             manager._prepare_payload_xfer(peer)
@@ -217,23 +236,26 @@ def prepare_peers(manager) -> None:
             logger.exception(
                 "kvmem-sglang: preparing NIXL transfer lists for decode peer "
                 "%s after the resume failed; its sends build descriptors per "
-                "transfer",
+                "transfer (the other peers keep theirs)",
                 peer.agent_name,
             )
-            release_prepared(manager)
-            return
+            _release_peer_lists(manager, peer.agent_name)
+            failed.append(peer.agent_name)
     if peers:
         logger.info(
             "kvmem-sglang: NIXL transfer lists prepared again for %d decode "
-            "peer(s) over the new registration",
-            len(peers),
+            "peer(s) over the new registration (%d left unprepared)",
+            len(peers) - len(failed),
+            len(failed),
         )
+    return failed
 
 
 def _release_peer_lists(manager, name: str) -> int:
-    """Release and forget the lists prepared over decode peer ``name``'s memory (its
-    remote KV list, slice list and state plan; the local lists stay); the number
-    released."""
+    """Release and forget the lists prepared over decode peer ``name``'s memory and for it
+    alone: its remote KV list, its slice list, its mixed-memory segments' remote lists and
+    its state plan (both lists: ``_build_prepared_state_plan`` prepares the plan's local
+    list per peer); the local lists shared by every peer stay.  The number released."""
     handles = []
     h = getattr(manager, "prep_handles", {}).pop(name, None)
     if h is not None:
@@ -242,8 +264,13 @@ def _release_peer_lists(manager, name: str) -> int:
     if sliced is not None:
         handles.append(sliced[0])
     plan = getattr(manager, "_prepared_state_plans", {}).pop(name, None)
-    if plan is not None and plan.dst_handle is not None:
-        handles.append(plan.dst_handle)
+    if plan is not None:
+        handles += [plan.src_handle, plan.dst_handle]
+    peer = getattr(manager, "decode_kv_args_table", {}).get(name)
+    if peer is not None and getattr(peer, "kv_xfer_segments", None) is not None:
+        handles += [seg.dst_handle for seg in peer.kv_xfer_segments]  # src: shared
+        peer.kv_xfer_segments = None
+    handles = [h for h in handles if h is not None]
     _release_handles(manager, handles)
     return len(handles)
 

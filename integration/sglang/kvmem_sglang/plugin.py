@@ -142,41 +142,18 @@ def _check_version() -> None:
 
 
 def _hooks(options: Options) -> list[tuple[str, object, str]]:
-    """(target, hook, kind) for these options: :data:`kvmem_sglang.manifest.HOOKS`, the
-    AROUND hooks of one target nested."""
+    """(target, hook, kind) for these options: :data:`kvmem_sglang.manifest.HOOKS`, one
+    hook a target (AdapterError for a second: sglang's HookRegistry would bypass one of
+    two AROUND hooks of a target, with a warning at every start)."""
     from kvmem_sglang import manifest
 
-    return _one_around_per_target(manifest.hooks_for(options))
-
-
-def _one_around_per_target(hooks):
-    """The same list with the AROUND hooks of one target nested into one, a later one
-    around an earlier one, which is how sglang's HookRegistry would chain them; given
-    several, it logs a warning at every start ("Multiple AROUND hooks ... inner hooks
-    will be bypassed") that would only alarm an operator: here an outer hook that does
-    not call on (the prefill lifecycle refusing a second release) means to skip the
-    inner one (kvmem's memory release)."""
-    out, first = [], {}
-    for target, hook, kind in hooks:
-        if kind == "AROUND" and target in first:
-            i = first[target]
-            out[i] = (target, _nested(out[i][1], hook), kind)
-            continue
-        if kind == "AROUND":
-            first[target] = len(out)
-        out.append((target, hook, kind))
-    return out
-
-
-def _nested(inner, outer):
-    """One AROUND hook: ``outer`` whose ``original`` is ``inner`` around the real one."""
-
-    def around(original, *args, **kwargs):
-        return outer(lambda *a, **k: inner(original, *a, **k), *args, **kwargs)
-
-    around.__qualname__ = around.__name__ = f"{outer.__qualname__}(around {inner.__qualname__})"
-    around.__module__ = outer.__module__
-    return around
+    hooks = manifest.hooks_for(options)
+    seen: set[str] = set()
+    for target, _, _ in hooks:
+        if target in seen:
+            raise AdapterError(f"the manifest gives {target} two hooks")
+        seen.add(target)
+    return hooks
 
 
 def _resolve(target: str):

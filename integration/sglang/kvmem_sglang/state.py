@@ -220,6 +220,17 @@ TRANSFERS: SideTable = SideTable(
     "transfer_records",
     "kvmem's send path state: writes sent ahead, by their pages",
 )
+QUEUES: SideTable = SideTable(
+    "FastQueue",
+    "transfer_ahead",
+    "its chunks by peer and page count, and its worker's gets (transfer_queue.QueueIndex)",
+)
+RESENDS: SideTable = SideTable(
+    "NixlKVManager, MooncakeKVManager",
+    "registrations",
+    "a decode's registrations made again, and the condition their sends wait on "
+    "(registrations.Resends)",
+)
 GUARDED: SideTable[bool] = SideTable(
     "load_plugins (function)", "startup", "the start-up check wrapped it already"
 )
@@ -285,10 +296,13 @@ class Process:
     thread that sends them, started on first use (:class:`~kvmem_sglang.chase.Chase`).
     ``notify``: the thread that sends abort notifications to decodes off the scheduler
     thread, made on first use (:class:`Background`, :mod:`kvmem_sglang.notify`).
+    ``registrations``: the thread that sends a decode's new registration to its prefill
+    ranks after a resume, and tries again where a send failed, off the scheduler thread,
+    made on first use (:class:`Background`, :mod:`kvmem_sglang.registrations`).
     ``warned``: the KV-manager classes already warned about having no deregistration
     (:func:`kvmem_sglang.release.queue_release`), so one line a class.
     ``worker``: per transfer worker thread, ``.queue``: the queue the calling thread
-    serves (:mod:`kvmem_sglang.transfer_ahead`).
+    serves (:mod:`kvmem_sglang.transfer_ahead`; its index is in :data:`QUEUES`).
     ``handed``: per thread, ``.room`` and ``.answer``: the failure sglang's
     ``failure_exception`` read last on the calling thread, for the ``prepare_abort`` that
     follows it (:func:`kvmem_sglang.reasons.hand_over`).
@@ -299,6 +313,7 @@ class Process:
     pools: Pools = field(default_factory=Pools)
     chase: Chase = field(default_factory=Chase)
     notify: Background = field(default_factory=lambda: Background("kvmem-notify"))
+    registrations: Background = field(default_factory=lambda: Background("kvmem-registrations"))
     warned: set[str] = field(default_factory=set)
     worker: threading.local = field(default_factory=threading.local)
     handed: threading.local = field(default_factory=threading.local)

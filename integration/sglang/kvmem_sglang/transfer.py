@@ -16,7 +16,8 @@ What this path changes: how the bytes of those sends move, nothing else.  Three 
 (AROUND) on ``NixlKVManager``:
 
 * ``transfer_worker`` (:mod:`kvmem_sglang.transfer_ahead`): remembers which queue the
-  calling thread serves; no change.
+  calling thread serves, and hands the worker that queue with its gets counted (for the
+  queue's index, :mod:`kvmem_sglang.transfer_queue`); nothing else changes.
 * ``send_kvcache`` (here), the narrowest call that moves KV (``transfer_worker`` calls it
   for MHA and MLA at equal attention TP).  It takes the chunk handed to it (the *owner*) and the
   chunks queued behind it on the same worker for the same decode (the checks at the top of
@@ -42,7 +43,8 @@ What this path changes: how the bytes of those sends move, nothing else.  Three 
 
 Split by job: this module sends (the served geometry, the merged runs, the post);
 :mod:`kvmem_sglang.transfer_ahead` takes the chunks sent ahead of their turn (that
-module's docstring: how they are counted, waited for and sent again) and
+module's docstring: how they are counted, waited for and sent again), finding them through
+the worker queue's index (:mod:`kvmem_sglang.transfer_queue`), and
 :mod:`kvmem_sglang.transfer_wait` waits for the writes; what they share (the counters,
 a merged write, a chunk sent ahead) is in :mod:`kvmem_sglang.transfer_records`.
 
@@ -223,6 +225,23 @@ def run_addresses(src_ptrs: np.ndarray, dst_ptrs: np.ndarray, item: np.ndarray, 
     # their pages form together (kvmem's own PD merges in request order: one chunk a post)
     merged = runs.merge_runs(src, dst, by_source=True)
     return (*runs.descriptors(merged, src_ptrs, dst_ptrs, item), merged.pairs)
+
+
+def chunks_in(pairs, lo: int, hi: int) -> set[int]:
+    """The chunks (indices into ``pairs``) with a page in descriptors ``lo .. hi - 1`` of
+    :func:`run_addresses` of the same ``pairs``: their runs are found again as it finds
+    them, and descriptor ``d`` is run ``d % runs`` of plane ``d // runs``."""
+    src = np.concatenate([s for s, _ in pairs]).astype(np.int64)
+    dst = np.concatenate([d for _, d in pairs])
+    merged = runs.merge_runs(src, dst, by_source=True)
+    n = len(merged)
+    if hi <= lo or n == 0:
+        return set()
+    chunk = np.repeat(np.arange(len(pairs)), [len(s) for s, _ in pairs])
+    order = np.argsort(src, kind="stable")  # the pairs as merge_runs sorted them
+    run_of = np.repeat(np.arange(n), merged.length)  # the run of each, in that order
+    touched = np.unique(np.arange(lo, hi) % n)
+    return set(chunk[order[np.isin(run_of, touched)]].tolist())
 
 
 def split_pieces(descriptors: int, nbytes: int) -> int:

@@ -2,7 +2,10 @@
 worker thread's queue (AROUND ``NixlKVManager.transfer_worker`` and
 ``MooncakeKVManager.transfer_worker``), the chunks queued behind the owner that may go in
 its write now, and their counts in sglang's ``_staging_outstanding``.  Both backends'
-paths use them (:mod:`kvmem_sglang.transfer`, :mod:`kvmem_sglang.mooncake_send`).
+paths use them (:mod:`kvmem_sglang.transfer`, :mod:`kvmem_sglang.mooncake_send`).  The
+chunks are found through the queue's index (:mod:`kvmem_sglang.transfer_queue`): a send
+looks at the owner's peer's chunks only, and only at those that fit what is left of its
+budget, so its cost does not grow with the depth of the queue.
 
 Chunks sent ahead of their turn.  Such a chunk is counted in the manager's
 ``_staging_outstanding`` before it is checked (as ``transfer_worker`` counts a chunk at
@@ -29,38 +32,63 @@ from __future__ import annotations
 import numpy as np
 
 from kvmem_sglang import state
-from kvmem_sglang.transfer_records import Ahead, TransferState
+from kvmem_sglang.transfer_queue import NEVER, CountedQueue, QueueIndex
+from kvmem_sglang.transfer_records import STATS, Ahead, TransferState
 
 
 def transfer_worker(original, mgr, queue, *args, **kwargs):
-    """AROUND ``NixlKVManager.transfer_worker``: note the thread's queue, then run it."""
+    """AROUND ``NixlKVManager.transfer_worker`` (and Mooncake's): note the thread's queue
+    and its index, then run the worker on the queue with its gets counted
+    (:class:`~kvmem_sglang.transfer_queue.CountedQueue`)."""
+    index = state.QUEUES.setdefault(queue, QueueIndex)
     state.PROCESS.worker.queue = queue  # the FastQueue this worker thread serves
-    return original(mgr, queue, *args, **kwargs)
+    return original(mgr, CountedQueue(queue, index), *args, **kwargs)
 
 
 def take_ahead(
     mgr, st: TransferState, peer: str, budget: int, per_page: int, peer_of
 ) -> list[Ahead]:
     """The chunks queued behind the owner on this worker's queue that may go in its write
-    now, each counted in ``_staging_outstanding``; at most ``budget`` bytes of KV,
-    ``per_page`` bytes a page.  ``peer_of(req)``: the peer of one of a room's transfer
-    infos, compared with ``peer`` (NIXL's agent name, Mooncake's session id).  Used by
-    both backends' paths: their managers share these fields and this queue."""
+    now, in queue order, each counted in ``_staging_outstanding``; at most ``budget`` bytes
+    of KV, ``per_page`` bytes a page.  ``peer_of(req)``: the peer of one of a room's
+    transfer infos, compared with ``peer`` (NIXL's agent name, Mooncake's session id).
+    Used by both backends' paths: their managers share these fields and this queue.
+
+    Which chunks: in queue order, each chunk of ``peer`` that fits what is left of the
+    budget, can be read now (:func:`_readable`), is in no write that has not failed, and
+    whose room is live, not Failed, a one-peer room of ``peer`` with as many destination
+    pages as the chunk has pages.  Found through the queue's index
+    (:class:`~kvmem_sglang.transfer_queue.QueueIndex`): only ``peer``'s chunks that fit are
+    looked at, and a chunk found never to go ahead again (its room gone or Failed, its
+    write DONE, the checks above failed for good) is forgotten by the index.  Cost: the
+    chunks put and got since the last call, plus, per chunk looked at, O(log n) for
+    ``peer``'s n chunks queued; the chunks looked at are those taken, those whose write
+    is still in flight or whose events are pending, and each other chunk once."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     queue = getattr(state.PROCESS.worker, "queue", None)
-    if queue is None or not hasattr(queue, "_buf"):
+    index = state.QUEUES.get(queue) if queue is not None else None
+    if index is None:
         return []
     st.sweep(mgr)
-    with queue._cond:  # FastQueue (disaggregation/common/utils.py): a deque and a condition
-        queued = list(queue._buf)
-    out = []
-    for chunk in queued:
+    STATS.add(indexed=index.read(queue, lambda chunk: _classify(mgr, chunk, peer_of)))
+    chunks = index.peers.get(peer)
+    out: list[Ahead] = []
+    looked = 0
+    pos = -1
+    while chunks is not None:
+        pos = chunks.first(pos + 1, budget // per_page if per_page > 0 else NEVER - 1)
+        if pos < 0:
+            break
+        chunk = chunks.chunk(pos)
+        looked += 1
         if not _readable(chunk):
-            continue
+            continue  # its events are pending: its own turn, or a later write
         src = chunk.prefill_kv_indices
-        n = len(src)
-        if n == 0 or n * per_page > budget or st.sent_ahead(src):
+        done = st.sent_ahead(src)
+        if done is not None:  # in a write that has not failed
+            if done:
+                chunks.forget(pos)  # that write is DONE: the worker reaches it settled
             continue
         room = chunk.room
         counts = mgr._staging_outstanding
@@ -77,10 +105,23 @@ def take_ahead(
             ok = False
         if not ok:
             uncount(mgr, rec, drop=fresh)
+            chunks.forget(pos)  # gone, Failed (for good) or not a chunk of this path
             continue
-        budget -= n * per_page
+        budget -= len(src) * per_page
         out.append(rec)
+    STATS.add(inspected=looked)
     return out
+
+
+def _classify(mgr, chunk, peer_of) -> tuple[str | None, int]:
+    """A queued item's ``(peer, pages)`` for the index: the peer of its room's one
+    transfer info that is not a dummy (None if its room has none or several, or the item
+    is no chunk: it can never go ahead of its turn)."""
+    if chunk is None:  # the stop teardown queues (MooncakeKVManager.teardown)
+        return None, 0
+    infos = mgr.transfer_infos.get(chunk.room)
+    reqs = [r for r in infos.values() if not r.is_dummy] if infos else []
+    return (peer_of(reqs[0]) if len(reqs) == 1 else None), len(chunk.prefill_kv_indices)
 
 
 def _readable(chunk) -> bool:

@@ -37,6 +37,8 @@ class Stats:
     naps: int = 0  # sleeps inside them
     unsettled: int = 0  # waits that gave up on a write (rooms poisoned)
     cut_short: int = 0  # merged writes cut short once a piece was posted (not in batches)
+    indexed: int = 0  # queued chunks read into a worker queue's index (each once)
+    inspected: int = 0  # queued chunks take_ahead looked at (the index found them)
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
@@ -130,11 +132,19 @@ class Geometry:
 
 
 class TransferState:
-    """Per manager: the chunks sent ahead, by the identity of their index array."""
+    """Per manager: the chunks sent ahead, by the identity of their index array.
+
+    Records of rooms the worker will never reach are dropped by :meth:`sweep`, which
+    looks at every record only once the records doubled since its last look (so a send
+    pays O(1) for it, amortized)."""
+
+    # records below which sweep never looks (a handful of rooms costs nothing to keep)
+    SWEEP_MIN = 64
 
     def __init__(self):
         self.lock = threading.Lock()
         self.ahead: dict[int, Ahead] = {}
+        self._kept = 0  # records left by the last sweep that looked
 
     def take(self, src) -> Ahead | None:
         with self.lock:
@@ -144,16 +154,17 @@ class TransferState:
                 return rec
             return None
 
-    def sent_ahead(self, src) -> bool:
-        """Whether the chunk of ``src`` is in a write that has not failed (a chunk whose
-        write failed may go ahead again, in a later write)."""
+    def sent_ahead(self, src) -> bool | None:
+        """Whether the chunk of ``src`` is in a write that has not failed: True once that
+        write is DONE, False while it is in flight; None when it is in none, or in one
+        that failed (it may go ahead again, in a later write)."""
         with self.lock:
             rec = self.ahead.get(id(src))
-            return (
-                rec is not None
-                and rec.src is src
-                and (rec.batch is None or rec.batch.state != "ERR")
-            )
+            if rec is None or rec.src is not src:
+                return None
+            if rec.batch is None or rec.batch.state == "PROC":
+                return False
+            return True if rec.batch.state == "DONE" else None
 
     def put(self, rec: Ahead) -> None:
         with self.lock:
@@ -161,8 +172,11 @@ class TransferState:
 
     def sweep(self, mgr) -> None:
         """Forget records of rooms the manager no longer knows (cleared, or never to be
-        reached by the worker) whose write settled."""
+        reached by the worker) whose write settled; looks only once the records reached
+        twice what the last look left, and :data:`SWEEP_MIN` (class docstring)."""
         with self.lock:
+            if len(self.ahead) < max(self.SWEEP_MIN, 2 * self._kept):
+                return
             for key, rec in list(self.ahead.items()):
                 if (
                     rec.room not in mgr.request_status
@@ -170,6 +184,7 @@ class TransferState:
                     and rec.batch.state != "PROC"
                 ):
                     del self.ahead[key]
+            self._kept = len(self.ahead)
 
 
 def transfer_state(mgr) -> TransferState:
