@@ -60,7 +60,7 @@ DEFECTS = [
         "lifecycle",
         "an abort of a request inside the running prefill batch is dropped "
         "(the seed's case): the request is never ended and its pages never freed",
-        "kvmem/disagg/prefill.py",
+        "kvmem/disagg/prefill_ending.py",
         "            if req.abort_pending is None:\n                req.abort_pending = reason",
         "            if False:\n                req.abort_pending = reason",
         "check",

@@ -66,7 +66,7 @@ def calibrate_direct(
     among it.  Nothing of the side changes (its threshold is the caller's to set)."""
     eng, pool = side.engine, side.pool
     spec = pool.spec
-    peer = side.decode_peer if peer is None else peer
+    peer = side.peers.sole if peer is None else peer
     own = side.sending.direct.local_table is None  # the side sends packed only: prepare lists here
     lt = eng.prep_local("kv") if own else side.sending.direct.local_table
     rt = eng.prep_remote(eng.remote(peer, "kv")) if own else side.peers.get(peer).table.get()
@@ -79,12 +79,12 @@ def calibrate_direct(
             runs.append(r)
             r *= 2
     most = max(int(_spread(chunk_pages, r)[-1]) for r in runs)
-    if most >= min(lt.layout.count, rt.layout.count) or nbytes > side.arena.size:
+    if most >= min(lt.layout.count, rt.layout.count) or nbytes > side.staging.arena.size:
         raise ValueError(
             f"calibrate_direct: {chunk_pages} pages spread in runs need pool "
             f"pages up to {most} and {nbytes} bytes of staging"
         )
-    staging = side.staging[:nbytes]
+    staging = side.staging.tensor[:nbytes]
     landing_map = RegionMap(landing.regions)
     if nbytes > landing_map.size:
         raise ValueError(
@@ -92,7 +92,7 @@ def calibrate_direct(
             f"bytes) is smaller than one chunk ({nbytes} bytes)"
         )
     # both cut at their physical chunks' boundaries, as the side's own writes are
-    local = side.sending.staging_map.ranges(0, nbytes)
+    local = side.staging.map.ranges(0, nbytes)
     remote = landing_map.ranges(0, nbytes)
     planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
     # a timed pack ends when the device is done (CUDA runs it asynchronously): this is a

@@ -30,8 +30,9 @@ two)::
   vanished.
 * FREED: its pages and landing region are given back once the device work on them is
   done (below); the request is over (:attr:`DecodeSide.completed`).
-* A request changes state only through :func:`~kvmem.disagg.decode_request.set_state`
-  (the side and its parts call it), which refuses an edge not drawn
+* A request changes state only through the side's request tables
+  (:class:`~kvmem.disagg.decode_request.DecodeRequests`: ``add``, ``set_state``,
+  ``finish``; the side and its parts call them), which refuse an edge not drawn
   here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message that
   does not fit the state is a ProtocolError before anything changes.  What else a
   request carries, and why it is not part of the state: :class:`DecodeRequest`.
@@ -65,12 +66,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import torch
 
 from kvmem.disagg.arena import Arena
 from kvmem.disagg.counters import Metrics, now
-from kvmem.disagg.device import device_event
+from kvmem.disagg.device import Event, device_event
 from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
     CLIENT_CLOSED,
@@ -81,11 +83,13 @@ from kvmem.disagg.outcome import (
     Reason,
     check_caller_args,
 )
-from kvmem.disagg.peers import PeerTable, peer_names, sole_peer, tell
+from kvmem.disagg.peers import peer_names
+from kvmem.disagg.decode_context import DecodeConfig, DecodeContext
 from kvmem.disagg.decode_memory import DecodeMemory
 from kvmem.disagg.decode_pause import DecodePause
+from kvmem.disagg.decode_peers import DecodePeers
 from kvmem.disagg.decode_receive import DecodeReceiving
-from kvmem.disagg.decode_request import DecodeRequest, set_state
+from kvmem.disagg.decode_request import DecodeRequest, DecodeRequests
 from kvmem.disagg.protocol import (
     Abort,
     Aux,
@@ -96,12 +100,16 @@ from kvmem.disagg.protocol import (
     Ready,
     Req,
     apply_metadata,
-    dispatch,
     encode,
-    meta_message,
 )
+from kvmem.disagg.dispatch import Handlers, Message, Route
 from kvmem.disagg.states import DecodeState, PausePhase
 from kvmem.disagg.model import Verifier, prepare_model
+
+if TYPE_CHECKING:
+    from kvmem.allocator import PageAllocator
+    from kvmem.pool import KVPool
+    from kvmem.transfer.engine import TransferEngine
 
 log = logging.getLogger("kvmem.disagg.decode")
 
@@ -117,34 +125,41 @@ class DecodeFaults:
 class DecodeSide:
     """One decode worker: a pool, its allocator, a landing buffer, a transfer engine, one
     or several prefill peers (``prefill_peer``: one agent name; or ``prefill_peers``).
-    The side keeps the request tables, the prefill peers and their messages, and runs
-    each step; the rest is done by parts it holds, each owning its fields and handed only
-    what it uses: :attr:`memory` (:class:`~kvmem.disagg.decode_memory.DecodeMemory`: the
-    landing buffer, booting, freeing in device order), :attr:`receiving`
+    The side takes the prefills' requests and aborts, holds the dispatch table of their
+    messages (:attr:`handlers`) and runs each step.  What its parts share it makes first
+    and puts in their context (:attr:`ctx`, a
+    :class:`~kvmem.disagg.decode_context.DecodeContext`): the ledger, the counters
+    (:attr:`metrics`), the request tables (:attr:`requests`, a
+    :class:`~kvmem.disagg.decode_request.DecodeRequests`), the prefill peers
+    (:attr:`peers`, a :class:`~kvmem.disagg.decode_peers.DecodePeers`) and the settings.
+    The rest is done by the parts, each owning its fields and handed the context and the
+    parts built before it: :attr:`memory` (:class:`~kvmem.disagg.decode_memory.DecodeMemory`:
+    the landing buffer, booting, freeing in device order), :attr:`receiving`
     (:class:`~kvmem.disagg.decode_receive.DecodeReceiving`: what lands and its checks)
-    and :attr:`pause` (:class:`~kvmem.disagg.decode_pause.DecodePause`)."""
+    and :attr:`pause` (:class:`~kvmem.disagg.decode_pause.DecodePause`), built in that
+    order."""
 
     def __init__(
         self,
-        pool,
-        allocator,
-        engine,
+        pool: KVPool,
+        allocator: PageAllocator,
+        engine: TransferEngine,
         verifier: Verifier,
         *,
         prefill_peer: str | None = None,
-        prefill_peers=None,
+        prefill_peers: Sequence[str] | None = None,
         landing_bytes: int,
         timeout: float = DEFAULT_TIMEOUT,
         quarantine_timeout: float | None = None,
-        clock=now,
+        clock: Callable[[], float] = now,
         faults: DecodeFaults | None = None,
         transfer_mode: str = "push",
-        done_event=None,
+        done_event: Callable[[], Event] | None = None,
     ):
         """``verifier``: what the landed KV is checked against
         (:class:`~kvmem.disagg.model.Verifier`).
 
-        ``done_event``: ``() -> object with query()``, called after the device work of
+        ``done_event``: ``() -> Event`` (``query()``), called after the device work of
         each landed chunk, AUX or read (checks, unpack); a request's pages and landing
         region are reused only once its last one says True.  Default
         :func:`~kvmem.disagg.device.device_event` of the pool's device (always True on
@@ -152,97 +167,68 @@ class DecodeSide:
         if transfer_mode not in ("push", "pull"):
             raise ValueError(f"transfer_mode must be 'push' or 'pull', got {transfer_mode!r}")
         self.pool, self.alloc, self.engine, self.verifier = pool, allocator, engine, verifier
-        self.spec = pool.spec
-        self.prefill_peers = peer_names("prefill", prefill_peer, prefill_peers)
-        self.transfer_mode = transfer_mode  # pull: this side reads the offered pages
-        # pull: prepared block list of each prefill's pool
-        self._tables = {n: PeerTable(engine, n) for n in self.prefill_peers}
-        self.timeout = timeout
-        self.quarantine_timeout = timeout if quarantine_timeout is None else quarantine_timeout
-        self.clock = clock
+        self.spec, self.clock = pool.spec, clock
+        names = peer_names("prefill", prefill_peer, prefill_peers)
         self.faults = faults or DecodeFaults()
-        self.done_event = done_event or device_event(pool.device)
         prepare_model(verifier, Verifier, pool.device, "DecodeSide")  # its set-up on our device
         self.ledger = Ledger(allocator)
         self.metrics = Metrics("decode")
-        self.reqs: dict[int, DecodeRequest] = {}
-        self._rooms: dict[int, int] = {}  # room -> rid
-        self.completed: dict[int, Reason] = {}
-        self.memory = DecodeMemory(
+        self.requests = DecodeRequests(self.metrics)
+        self.peers = DecodePeers(engine, names, self.metrics)
+        self.ctx = DecodeContext(
+            spec=self.spec,
             pool=pool,
             alloc=allocator,
             engine=engine,
             ledger=self.ledger,
             metrics=self.metrics,
             clock=clock,
-            landing_bytes=landing_bytes,
-            tell=self._tell,
-            reqs=self.reqs,
-            rooms=self._rooms,
-            completed=self.completed,
-        )
-        self.receiving = DecodeReceiving(
-            pool=pool,
-            engine=engine,
             verifier=verifier,
-            transfer_mode=transfer_mode,
-            clock=clock,
-            done_event=self.done_event,
-            ledger=self.ledger,
-            metrics=self.metrics,
-            landing=self.memory.landing,
-            reqs=self.reqs,
-            tables=self._tables,
-            tell=self._tell,
-            free=self.memory.free,
+            done_event=done_event or device_event(pool.device),
+            requests=self.requests,
+            peers=self.peers,
+            config=DecodeConfig(
+                transfer_mode=transfer_mode,  # pull: this side reads the offered pages
+                timeout=timeout,
+                quarantine_timeout=timeout if quarantine_timeout is None else quarantine_timeout,
+            ),
+        )
+        # the parts, each handed the context and the parts built before it (never a later
+        # one): the memory, the receiving, the pause
+        self.memory = DecodeMemory(self.ctx, landing_bytes)
+        self.receiving = DecodeReceiving(self.ctx, self.memory)
+        self.pause = DecodePause(self.ctx, self.memory, self.receiving)
+        # the one dispatch table: what a prefill sends (protocol.DECODE_RECEIVES)
+        self.handlers = Handlers(
+            "decode",
+            "prefill",
+            names,
+            (
+                Route(Req, self._on_req),
+                Route(Chunk, self.receiving.on_chunk),
+                Route(Aux, self.receiving.on_aux),
+                Route(Abort, self._on_abort),
+                Route(PauseAck, self.pause.on_ack),
+                Route(Meta, self._on_meta),
+                Route(Ready, self.receiving.on_ready),
+            ),
         )
         self.inbox = Inbox(
             engine,
-            peers=self.prefill_peers,
+            peers=names,
             receiver="decode",
             handle=self.handle_message,
             metrics=self.metrics,
             log=log,
         )
-        self.pause = DecodePause(
-            pool=pool,
-            alloc=allocator,
-            engine=engine,
-            ledger=self.ledger,
-            metrics=self.metrics,
-            clock=clock,
-            landing_mem=self.memory.landing_mem,
-            peers=self.prefill_peers,
-            tell=self._tell,
-            reqs=self.reqs,
-            free=self.memory.free,
-            drain_device=self.memory.drain_device,
-            draining=self.memory.draining,
-            apply_checks=self.receiving.apply_checks,
-            register=self.memory.register,
-            prep_local=self.receiving.prep_local,
-            publish_metadata=self.publish_metadata,
-        )
         self.memory.register()
         self.receiving.prep_local()
 
-    def _tell(self, peer: str, msg: bytes) -> bool:
-        return tell(self.engine, peer, msg, self.metrics, log)
-
-    def publish_metadata(self) -> None:
-        """``META`` with this side's current metadata, to every prefill."""
-        msg = meta_message(self.engine)
-        for name in self.prefill_peers:
-            self._tell(name, msg)
-
-    @property
-    def landing(self) -> torch.Tensor:
-        """The registered landing buffer (the memory part's)."""
-        return self.memory.landing
-
+    # --- what a caller reads or asks of the parts (docs/disagg.md, the demo), each over
+    # the one that owns it; the rest is reached on the part itself ------------------------
     @property
     def arena(self) -> Arena:
-        """The regions of the landing buffer (the memory part's)."""
+        """The regions of the landing buffer (:attr:`memory`')."""
         return self.memory.arena
 
     def prefault(self) -> None:
@@ -251,23 +237,17 @@ class DecodeSide:
 
     @property
     def chunk_modes(self) -> Counter:
-        """What landed, by how: ``"packed"``, ``"direct"``, ``"pulled"`` (the receiving part's)."""
+        """What landed, by how: ``"packed"``, ``"direct"``, ``"pulled"`` (:attr:`receiving`')."""
         return self.receiving.chunk_modes
-
-    # --- pause and resume: the pause part's -------------------------------------------------
-    @property
-    def phase(self) -> PausePhase:
-        """Where this side is in a pause (its pause part's phase)."""
-        return self.pause.phase
 
     @property
     def pausing(self) -> bool:
-        """A pause began and its memory is not released yet."""
+        """A pause began and its memory is not released yet (:attr:`pause`')."""
         return self.pause.pausing
 
     @property
     def paused(self) -> bool:
-        """The memory is released; :meth:`resume` serves again."""
+        """The memory is released; :meth:`resume` serves again (:attr:`pause`')."""
         return self.pause.paused
 
     def begin_pause(self) -> None:
@@ -279,11 +259,6 @@ class DecodeSide:
         """Serve again after a pause: the memory back, registered, published (``META``)."""
         self.pause.resume()
 
-    @property
-    def prefill_peer(self) -> str:
-        """The prefill peer, when there is one (ValueError when there are several)."""
-        return sole_peer("prefill", self.prefill_peers)
-
     # --- one iteration -----------------------------------------------------------------------
     def step(self) -> bool:
         """One iteration.  True when it made progress: a message was handled, one of this
@@ -294,48 +269,28 @@ class DecodeSide:
         busy = self.inbox.drain() > 0
         busy = self.receiving.apply_checks() or busy
         busy = self.memory.drain_device() or busy
-        if self.phase is PausePhase.FREEING and not self.memory.draining:
+        if self.pause.phase is PausePhase.FREEING and not self.memory.draining:
             self.pause.complete()
             busy = True
-        if self.transfer_mode == "pull":
+        if self.ctx.config.transfer_mode == "pull":
             busy = self.receiving.poll_reads() or busy
-            if self.phase is PausePhase.READS and not any(r.reads for r in self.reqs.values()):
+            if self.pause.phase is PausePhase.READS and not self.reads_in_flight:
                 self.pause.finish()
                 busy = True
-        if self.phase is PausePhase.SERVING:
-            for req in list(self.reqs.values()):
+        if self.pause.phase is PausePhase.SERVING:
+            for req in list(self.requests.active.values()):
                 if req.state is DecodeState.WAITING:
                     busy = self.memory.boot(req) or busy
                 elif req.state is DecodeState.BOOTING:
                     busy = self.memory.send_boot(req) or busy
         return self._check_timeouts() or busy
 
-    # The one dispatch table: message kind -> the handler of what a prefill sends
-    # (protocol.DECODE_RECEIVES), a method here or "part.method"; each takes (msg, peer).
-    HANDLERS = {
-        Req: "_on_req",
-        Chunk: "receiving.on_chunk",
-        Aux: "receiving.on_aux",
-        Abort: "_on_abort",
-        PauseAck: "pause.on_ack",
-        Meta: "_on_meta",
-        Ready: "receiving.on_ready",
-    }
-
-    def handle_message(self, msg, peer: str | None = None) -> None:
+    def handle_message(self, msg: Message, peer: str | None = None) -> None:
         """Apply one validated message (:func:`kvmem.disagg.protocol.parse`) from prefill
         peer ``peer`` (may be left out when the side has one) with its handler of
-        :attr:`HANDLERS`; ProtocolError, before anything changed, when it does not fit
+        :attr:`handlers`; ProtocolError, before anything changed, when it does not fit
         the state here."""
-        dispatch(
-            self,
-            self.HANDLERS,
-            msg,
-            self.prefill_peer if peer is None else peer,
-            "decode",
-            peers=self._tables,
-            sender="prefill",
-        )
+        self.handlers(msg, self.peers.sole if peer is None else peer)
 
     def _on_meta(self, msg: Meta, peer: str) -> None:
         apply_metadata(self.engine, msg)
@@ -343,37 +298,34 @@ class DecodeSide:
     # --- requests ------------------------------------------------------------------------------
     def _on_req(self, msg: Req, peer: str) -> None:
         rid, room, tokens = msg.rid, msg.room, msg.tokens
-        if rid in self.reqs:
+        if self.requests.find(rid) is not None:
             raise ProtocolError(f"REQ: request id {rid} is in use")
-        done = self.completed.get(rid)
+        done = self.requests.finished.get(rid)
         if done is not None and done.status == OK:
             # A replay: its KV was delivered.  (A request that ended otherwise may be asked
             # for again: the prefill re-sends REQ when this side paused under its BOOT.)
             raise ProtocolError(f"REQ for request {rid}: delivered already")
-        if room in self._rooms:
+        holder = self.requests.room_holder(room)
+        if holder is not None:
             raise ProtocolError(
-                f"REQ for request {rid}: bootstrap room {room} is in use by "
-                f"request {self._rooms[room]}"
+                f"REQ for request {rid}: bootstrap room {room} is in use by request {holder}"
             )
         if tokens <= 0 or tokens > self.verifier.max_tokens:
             raise ProtocolError(
                 f"REQ for request {rid}: {tokens} tokens outside [1, {self.verifier.max_tokens}]"
             )
-        req = DecodeRequest(rid, room, tokens, peer, t_seen=self.clock())
+        req = DecodeRequest(rid, room, tokens, peer, t_seen=self.ctx.clock())
         withheld = self.faults.withhold_boot(rid)
-        set_state(req, DecodeState.WITHHELD if withheld else DecodeState.WAITING)
-        self.reqs[rid] = req
-        self._rooms[room] = rid
-        self.completed.pop(rid, None)
-        if req.state is DecodeState.WAITING and self.phase is PausePhase.SERVING:
+        self.requests.add(req, DecodeState.WITHHELD if withheld else DecodeState.WAITING)
+        if req.state is DecodeState.WAITING and self.pause.phase is PausePhase.SERVING:
             self.memory.boot(req)
 
     def _on_abort(self, msg: Abort, peer: str) -> None:
         """The prefill ended the request and has no write of it in flight.  Status 200 only
         answers this side's ABORT_REQ (the prefill had delivered it already)."""
-        req = self.reqs.get(msg.rid)
+        req = self.requests.find(msg.rid)
         if req is None:
-            if msg.rid in self.completed:
+            if msg.rid in self.requests.finished:
                 return  # both sides finished it already
             raise ProtocolError(f"ABORT for unknown request {msg.rid}")
         if req.peer != peer:
@@ -397,61 +349,74 @@ class DecodeSide:
         ``status``: 499, 500, 503 or 504; anything else is a ValueError naming it, and
         nothing changes."""
         check_caller_args("abort", rid, status, message)
-        req = self.reqs.get(rid)
+        req = self.requests.find(rid)
         if req is None:
-            if rid in self.completed:
+            if rid in self.requests.finished:
                 return
             raise ProtocolError(f"abort: unknown request id {rid!r}")
         if req.state is DecodeState.QUARANTINED:
             return
         req.reason = Reason(status, message or f"request {rid} aborted on the decode side")
-        self._tell(req.peer, encode("ABORT_REQ", rid=rid, status=status, reason=req.reason.message))
-        set_state(req, DecodeState.QUARANTINED)
-        req.t_quarantined = self.clock()
+        self.peers.tell(
+            req.peer, encode("ABORT_REQ", rid=rid, status=status, reason=req.reason.message)
+        )
+        self.requests.set_state(req, DecodeState.QUARANTINED)
+        req.t_quarantined = self.ctx.clock()
         self.ledger.quarantine(rid)
 
     def _check_timeouts(self) -> bool:
         """Abort the requests without news for ``timeout`` (504, quarantined), free the
         quarantined ones without an answer for ``quarantine_timeout``; True when either
         happened."""
-        t, moved = self.clock(), False
-        for req in list(self.reqs.values()):
+        t, moved = self.ctx.clock(), False
+        timeout, quarantine_s = self.ctx.config.timeout, self.ctx.config.quarantine_timeout
+        for req in list(self.requests.active.values()):
             if req.state is DecodeState.QUARANTINED:
                 if req.reads:
                     continue  # our own read still targets its pages: wait for DONE/ERR
                 # both set on entering QUARANTINED
                 assert req.t_quarantined is not None and req.reason is not None
-                if t - req.t_quarantined > self.quarantine_timeout:
+                if t - req.t_quarantined > quarantine_s:
                     moved = True
                     log.error(
                         "decode: request %d: no answer from the prefill for %.1f s after "
                         "its abort; freeing its quarantined pages",
                         req.rid,
-                        self.quarantine_timeout,
+                        quarantine_s,
                     )
                     self.memory.free(req, "quarantine-expired", req.reason)
-            elif t - req.t_seen > self.timeout:
+            elif t - req.t_seen > timeout:
                 moved = True
                 self.abort(
                     req.rid,
                     GATEWAY_TIMEOUT,
                     (
-                        f"decode timeout (> {self.timeout:g} s without news from the prefill) "
+                        f"decode timeout (> {timeout:g} s without news from the prefill) "
                         f"for request {req.rid} (room {req.room})"
                     ),
                 )
         return moved
 
     @property
+    def reqs(self) -> Mapping[int, DecodeRequest]:
+        """The active requests by id (read-only, live: the request tables')."""
+        return self.requests.active
+
+    @property
+    def completed(self) -> Mapping[int, Reason]:
+        """How each finished (FREED) request ended, by id (read-only, live)."""
+        return self.requests.finished
+
+    @property
     def idle(self) -> bool:
         """No request, no verdict on its way to the host, no memory waiting for device work."""
-        return not self.reqs and not self.receiving.checks and not self.memory.draining
+        return not self.requests.active and not self.receiving.checks and not self.memory.draining
 
     @property
     def reads_in_flight(self) -> bool:
         """Pull: True while a read this side posted is not seen DONE or ERR yet; it
         completes only when this side polls it, so a loop should not nap then."""
-        return any(req.reads for req in self.reqs.values())
+        return any(req.reads for req in self.requests.active.values())
 
     def audit(self) -> dict:
         return self.ledger.audit()
@@ -459,7 +424,7 @@ class DecodeSide:
     def close(self) -> None:
         """Cancel this side's own reads (pull), deregister what it registered (the engine
         stays the caller's)."""
-        for req in self.reqs.values():
+        for req in self.requests.active.values():
             for r in req.reads:
                 self.engine.release(r.handle, abort=True)
             req.reads = []

@@ -18,14 +18,14 @@ Pause and resume (the whole of it released, then back): the side's pause part,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 import kvmem
 from kvmem.disagg.arena import Arena, ArenaFullError
-from kvmem.disagg.decode_request import DecodeRequest, set_state
-from kvmem.disagg.device import HostCopy
+from kvmem.disagg.decode_request import DecodeRequest
+from kvmem.disagg.device import Event, HostCopy
 from kvmem.disagg.outcome import Reason
 from kvmem.disagg.peers import buffer_map
 from kvmem.disagg.protocol import AUX_BYTES, encode, encode_runs
@@ -33,10 +33,7 @@ from kvmem.disagg.states import DecodeState
 from kvmem.memory import make_backend
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from kvmem.disagg.counters import Metrics
-    from kvmem.disagg.ledger import Ledger
+    from kvmem.disagg.decode_context import DecodeContext
 
 
 @dataclass(frozen=True)
@@ -45,7 +42,7 @@ class _Drain:
     ``owner`` (released with reason ``why``) and the landing offset ``off`` (-1: none),
     given back once ``event`` is done (:meth:`DecodeMemory.drain_device`)."""
 
-    event: Any  # a done event: query() -> bool
+    event: Event  # after the device work that may still touch it
     owner: object
     why: str
     off: int
@@ -53,32 +50,16 @@ class _Drain:
 
 class DecodeMemory:
     """The memory of one decode side.  It owns the landing buffer (``landing_mem``, its
-    tensor ``landing``), the arena of its regions (``arena``) and the memory of ended
-    requests that device work may still touch (``draining``).  What it uses is handed
-    to it: the pool, allocator, engine, ledger, counters and clock, how to tell a
-    prefill (``tell``: the BOOT), and the side's request tables it changes when a
-    request ends (``reqs``, ``rooms``, ``completed``)."""
+    tensor ``landing``, of ``landing_bytes``), the arena of its regions (``arena``) and
+    the memory of ended requests that device work may still touch (``draining``).  What
+    it uses: the side's context (``ctx``: the pool, allocator, engine, ledger, counters
+    and clock, how to tell a prefill (the BOOT), and the request tables: a request booted,
+    a request finished when its memory goes back).  The first part built."""
 
-    def __init__(
-        self,
-        *,
-        pool: Any,
-        alloc: Any,
-        engine: Any,
-        ledger: Ledger,
-        metrics: Metrics,
-        clock: Callable[[], float],
-        landing_bytes: int,
-        tell: Callable[[str, bytes], bool],
-        reqs: dict[int, DecodeRequest],
-        rooms: dict[int, int],
-        completed: dict[int, Reason],
-    ):
-        self.pool, self.spec, self.alloc, self.engine = pool, pool.spec, alloc, engine
-        self.ledger, self.metrics, self.clock, self.tell = ledger, metrics, clock, tell
-        self.reqs, self.rooms, self.completed = reqs, rooms, completed
+    def __init__(self, ctx: DecodeContext, landing_bytes: int):
+        self.ctx = ctx
         self.draining: list[_Drain] = []  # freed once the device work on it is done
-        self.landing_mem = make_backend(landing_bytes, pool.device)
+        self.landing_mem = make_backend(landing_bytes, ctx.pool.device)
         landing = self.landing_mem.tensor
         assert landing is not None  # mapped until the backend is freed
         self.landing: torch.Tensor = landing
@@ -89,29 +70,31 @@ class DecodeMemory:
         epoch) with the engine."""
         # one region per physical chunk; the prefill's landing offsets (RegionMap of these
         # regions) are offsets into self.landing only when they tile it in order
+        ctx = self.ctx
         regions = self.landing_mem.regions()
         buffer_map(self.landing, regions)
-        self.engine.register_pool(self.pool, "kv")
-        self.engine.register("landing", regions, self.pool.epoch, self.pool.device)
+        ctx.engine.register_pool(ctx.pool, "kv")
+        ctx.engine.register("landing", regions, ctx.pool.epoch, ctx.pool.device)
 
     def boot(self, req: DecodeRequest) -> bool:
         """Allocate the request's pages and landing region and send BOOT (once their ids
         are on the host: at once on the CPU, at a later step on CUDA, BOOTING meanwhile);
         False (nothing changed) when there is no memory for it yet."""
-        n = -(-req.tokens // self.spec.page_size)
-        nbytes = kvmem.packed_nbytes(self.spec, n) + AUX_BYTES
-        if n > self.alloc.num_free:
+        ctx = self.ctx
+        n = -(-req.tokens // ctx.spec.page_size)
+        nbytes = kvmem.packed_nbytes(ctx.spec, n) + AUX_BYTES
+        if n > ctx.alloc.num_free:
             return False  # retried next step
         try:
             off = self.arena.alloc(nbytes)
         except ArenaFullError:
             return False
-        pages = self.alloc.alloc(n, check=False)  # n <= num_free: no host sync on CUDA
-        self.ledger.hold(req.rid, pages)
+        pages = ctx.alloc.alloc(n, check=False)  # n <= num_free: no host sync on CUDA
+        ctx.ledger.hold(req.rid, pages)
         req.landing_off, req.landing_nbytes = off, nbytes
         req.ids = HostCopy(pages)
-        set_state(req, DecodeState.BOOTING)
-        req.t_seen = self.clock()
+        ctx.requests.set_state(req, DecodeState.BOOTING)
+        req.t_seen = ctx.clock()
         self.send_boot(req)
         return True
 
@@ -121,10 +104,11 @@ class DecodeMemory:
         assert req.ids is not None  # BOOTING: the copy boot started
         if not req.ids.ready():
             return False
+        ctx = self.ctx
         req.host_pages, req.ids = req.ids.numpy(), None
-        set_state(req, DecodeState.BOOTED)
-        req.t_seen = self.clock()
-        self.tell(
+        ctx.requests.set_state(req, DecodeState.BOOTED)
+        req.t_seen = ctx.clock()
+        ctx.peers.tell(
             req.peer,
             encode(
                 "BOOT",
@@ -132,7 +116,7 @@ class DecodeMemory:
                 room=req.room,
                 off=req.landing_off,
                 nbytes=req.landing_nbytes,
-                epoch=self.pool.epoch,
+                epoch=ctx.pool.epoch,
                 pages=encode_runs(req.host_pages),
             ),
         )
@@ -144,42 +128,39 @@ class DecodeMemory:
         work is done (:meth:`drain_device`): a NIXL write is not ordered with the
         device's stream, so a page or region reused by a new BOOT at once could receive
         the new request's bytes before the old unpack ran."""
+        ledger = self.ctx.ledger
         busy, req.busy = req.busy, None
         if busy is not None and not busy.query():
             owner = ("device-busy", req.rid)
-            if self.ledger.holds(req.rid):
-                self.ledger.rename(req.rid, owner)
-                self.ledger.quarantine(owner)
+            if ledger.holds(req.rid):
+                ledger.rename(req.rid, owner)
+                ledger.quarantine(owner)
             self.draining.append(_Drain(busy, owner, why, req.landing_off))
         else:
-            if self.ledger.holds(req.rid):
-                self.ledger.release(req.rid, why)
+            if ledger.holds(req.rid):
+                ledger.release(req.rid, why)
             if req.landing_off >= 0:
                 self.arena.free(req.landing_off)
-        set_state(req, DecodeState.FREED)
-        del self.reqs[req.rid]
-        del self.rooms[req.room]
-        self.completed[req.rid] = reason
-        self.metrics.requests[reason.outcome.value] += 1
-        self.metrics.peer(req.peer).requests[reason.outcome.value] += 1
+        self.ctx.requests.set_state(req, DecodeState.FREED)
+        self.ctx.requests.finish(req, reason)
 
     def drain_device(self) -> bool:
         """Give back the pages and landing regions of ended requests whose device work is
         done (polled, never waited on); True when some were."""
-        keep = []
+        keep, ledger = [], self.ctx.ledger
         for d in self.draining:
             if not d.event.query():
                 keep.append(d)
                 continue
-            if self.ledger.holds(d.owner):
-                self.ledger.release(d.owner, d.why)
+            if ledger.holds(d.owner):
+                ledger.release(d.owner, d.why)
             if d.off >= 0:
                 self.arena.free(d.off)
         moved = len(keep) < len(self.draining)
-        self.draining[:] = keep  # in place: the pause part reads this list
+        self.draining = keep
         return moved
 
     def prefault(self) -> None:
         """Back the pool and the landing buffer with memory now, not at first touch."""
-        self.pool.prefault()
+        self.ctx.pool.prefault()
         self.landing_mem.prefault()

@@ -18,12 +18,9 @@ from kvmem.disagg.protocol import PauseAck, encode
 from kvmem.disagg.states import DECODE_PAUSE_EDGES, DecodeState, PausePhase, set_phase
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-    from typing import Any
-
-    from kvmem.disagg.counters import Metrics
-    from kvmem.disagg.decode_request import DecodeRequest
-    from kvmem.disagg.ledger import Ledger
+    from kvmem.disagg.decode_context import DecodeContext
+    from kvmem.disagg.decode_memory import DecodeMemory
+    from kvmem.disagg.decode_receive import DecodeReceiving
 
 log = logging.getLogger("kvmem.disagg.decode")  # the side's logger (docs/logging.md)
 
@@ -35,41 +32,15 @@ class DecodePause:
     """The pause of one decode side.  It owns the pause phase (``phase``, moved along
     :data:`~kvmem.disagg.states.DECODE_PAUSE_EDGES` only), when the pause began (``t0``)
     and the prefills whose ``PAUSE_ACK`` it still waits for (``acks_due``); the side asks
-    it where it is.  What it works on is handed to it: the pool, allocator, engine,
-    ledger, counters and clock, the landing memory it releases (``landing_mem``), the
-    prefills (``peers``) and how to tell one (``tell``), the side's active requests
-    (``reqs``, read), and the side's memory calls: ``free`` (a request's memory back),
-    ``drain_device``, and ``draining`` (read: the memory still waiting for device work),
-    ``apply_checks`` (the verdicts on their way), ``register``, ``prep_local`` (pull: the
-    list of the pool's new registration) and ``publish_metadata``."""
+    it where it is.  What it works on: the side's context (``ctx``: the pool, allocator,
+    engine, ledger, counters and clock, the request tables (read), the prefills, how to
+    tell them and publish this side's metadata), and the parts built before it:
+    ``memory`` (a request's memory given back, the landing buffer released and
+    registered again, the memory still waiting for device work) and ``receiving`` (the
+    verdicts on their way, the local block list prepared again).  The last part built."""
 
-    def __init__(
-        self,
-        *,
-        pool: Any,
-        alloc: Any,
-        engine: Any,
-        ledger: Ledger,
-        metrics: Metrics,
-        clock: Callable[[], float],
-        landing_mem: Any,
-        peers: tuple[str, ...],
-        tell: Callable[[str, bytes], bool],
-        reqs: dict[int, DecodeRequest],
-        free: Callable[[DecodeRequest, str, Reason], None],
-        drain_device: Callable[[], bool],
-        draining: list,
-        apply_checks: Callable[[], bool],
-        register: Callable[[], None],
-        prep_local: Callable[[], None],
-        publish_metadata: Callable[[], None],
-    ):
-        self.pool, self.alloc, self.engine, self.ledger = pool, alloc, engine, ledger
-        self.metrics, self.clock, self.landing_mem = metrics, clock, landing_mem
-        self.peers, self.tell, self.reqs = peers, tell, reqs
-        self.free, self.drain_device, self.draining = free, drain_device, draining
-        self.apply_checks, self.register, self.prep_local = apply_checks, register, prep_local
-        self.publish_metadata = publish_metadata
+    def __init__(self, ctx: DecodeContext, memory: DecodeMemory, receiving: DecodeReceiving):
+        self.ctx, self.memory, self.receiving = ctx, memory, receiving
         self.phase = PausePhase.SERVING  # DECODE_PAUSE_EDGES
         self.t0 = 0.0  # when the current (or last) pause began
         self.acks_due: set = set()  # prefills whose PAUSE_ACK this pause still waits for
@@ -91,13 +62,14 @@ class DecodePause:
         """Tell every prefill (``PAUSING``); the rest follows their acknowledgements."""
         if self.phase is not PausePhase.SERVING:
             return
+        ctx = self.ctx
         self._phase(PausePhase.DRAINING)
-        self.t0 = self.clock()
-        self.metrics.pauses += 1
-        msg = encode("PAUSING", epoch=self.pool.epoch)
+        self.t0 = ctx.clock()
+        ctx.metrics.pauses += 1
+        msg = encode("PAUSING", epoch=ctx.pool.epoch)
         # a prefill that cannot be told is gone (its process died, its connection broke):
         # none of its writes can land any more, so this pause does not wait for its ack
-        self.acks_due = {n for n in self.peers if self.tell(n, msg)}
+        self.acks_due = {n for n in ctx.peers.names if ctx.peers.tell(n, msg)}
         self._maybe_finish()
 
     def on_ack(self, msg: PauseAck, peer: str) -> None:
@@ -106,9 +78,9 @@ class DecodePause:
         may be freed and the memory released."""
         if not self.pausing:
             raise ProtocolError(f"PAUSE_ACK epoch {msg.epoch}: this side is not pausing")
-        if msg.epoch != self.pool.epoch:
+        if msg.epoch != self.ctx.pool.epoch:
             raise ProtocolError(
-                f"PAUSE_ACK epoch {msg.epoch}: this pause is epoch {self.pool.epoch}"
+                f"PAUSE_ACK epoch {msg.epoch}: this pause is epoch {self.ctx.pool.epoch}"
             )
         if peer not in self.acks_due:
             raise ProtocolError(
@@ -120,7 +92,7 @@ class DecodePause:
     def _maybe_finish(self) -> None:
         if self.acks_due or self.phase is not PausePhase.DRAINING:
             return
-        if any(r.reads for r in self.reqs.values()):
+        if any(r.reads for r in self.ctx.requests.active.values()):
             self._phase(PausePhase.READS)  # our own reads into the pool first (step polls)
             return
         self.finish()
@@ -129,9 +101,9 @@ class DecodePause:
         """The prefill acknowledged: none of its writes into this side is in flight.  The
         memory is released once the device work on it is done too (a later step, polled,
         when some is still queued)."""
-        for req in list(self.reqs.values()):
+        for req in list(self.ctx.requests.active.values()):
             if req.state in _HOLDING:
-                self.free(
+                self.memory.free(
                     req,
                     "abort:503",
                     req.reason
@@ -143,24 +115,25 @@ class DecodePause:
                         ),
                     ),
                 )
-        self.drain_device()
-        if self.draining:
+        self.memory.drain_device()
+        if self.memory.draining:
             self._phase(PausePhase.FREEING)  # the side's step completes it
             return
         self.complete()
 
     def complete(self) -> None:
         """Every page is free and no device work touches the memory: release it."""
-        self.apply_checks()
-        audit = self.ledger.audit()
+        ctx = self.ctx
+        self.receiving.apply_checks()
+        audit = ctx.ledger.audit()
         if audit["leaked"] or audit["unaccounted"] or audit["quarantined"]:
             raise AssertionError(f"decode pause: pages still held: {audit}")
-        self.alloc.reset()
-        self.engine.deregister("landing")
-        self.engine.deregister("kv")
-        self.publish_metadata()  # tombstones: any write built before is refused now
-        self.landing_mem.release()
-        self.pool.release()
+        ctx.alloc.reset()
+        ctx.engine.deregister("landing")
+        ctx.engine.deregister("kv")
+        ctx.peers.publish_metadata()  # tombstones: any write built before is refused now
+        self.memory.landing_mem.release()
+        ctx.pool.release()
         self._phase(PausePhase.PAUSED)
 
     def resume(self) -> None:
@@ -168,10 +141,11 @@ class DecodePause:
         unless paused."""
         if self.phase is not PausePhase.PAUSED:
             return
-        self.pool.resume()
-        self.landing_mem.resume()
-        self.register()
-        self.prep_local()  # pull: deregister released the old list
-        self.publish_metadata()
+        ctx = self.ctx
+        ctx.pool.resume()
+        self.memory.landing_mem.resume()
+        self.memory.register()
+        self.receiving.prep_local()  # pull: deregister released the old list
+        ctx.peers.publish_metadata()
         self._phase(PausePhase.SERVING)
-        self.metrics.pause_seconds += self.clock() - self.t0
+        ctx.metrics.pause_seconds += ctx.clock() - self.t0

@@ -44,13 +44,9 @@ from kvmem.disagg.states import DecodeState
 from kvmem.transfer.errors import StaleEpochError, TransferError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-    from typing import Any
-
-    from kvmem.disagg.counters import Metrics
-    from kvmem.disagg.ledger import Ledger
-    from kvmem.disagg.model import Verifier
-    from kvmem.disagg.peers import PeerTable
+    from kvmem.disagg.decode_context import DecodeContext
+    from kvmem.disagg.decode_memory import DecodeMemory
+    from kvmem.transfer.records import BlockTable
 
 log = logging.getLogger("kvmem.disagg.decode")  # the side's logger (docs/logging.md)
 
@@ -76,46 +72,26 @@ class DecodeReceiving:
     """What lands on one decode side, and its checks.  It owns the verdicts on their way
     to the host (``checks``, in order), the count of what landed by how (``chunk_modes``)
     and, in pull mode, the prepared block list of this side's pool its reads write into
-    (``local_table``, :meth:`prep_local`).  What it uses is handed to it: the pool,
-    engine, verifier, counters, ledger, clock and done events, the landing buffer
-    (``landing``), the side's active requests (``reqs``), the prepared lists of the
-    prefills' pools (``tables``), how to tell a prefill (``tell``) and the side's call
-    that ends a request (``free``)."""
+    (``local_table``, :meth:`prep_local`).  What it uses: the side's context (``ctx``: the
+    pool, engine, verifier, counters, ledger, clock, done events and settings, the request
+    tables, the prefills' prepared lists and how to tell one), and the part built before
+    it, ``memory`` (the landing buffer; a request's memory given back when it ends)."""
 
-    def __init__(
-        self,
-        *,
-        pool: Any,
-        engine: Any,
-        verifier: Verifier,
-        transfer_mode: str,
-        clock: Callable[[], float],
-        done_event: Callable[[], Any],
-        ledger: Ledger,
-        metrics: Metrics,
-        landing: torch.Tensor,
-        reqs: dict[int, DecodeRequest],
-        tables: dict[str, PeerTable],
-        tell: Callable[[str, bytes], bool],
-        free: Callable[[DecodeRequest, str, Reason], None],
-    ):
-        self.pool, self.spec, self.engine, self.verifier = pool, pool.spec, engine, verifier
-        self.transfer_mode, self.clock, self.done_event = transfer_mode, clock, done_event
-        self.ledger, self.metrics, self.landing = ledger, metrics, landing
-        self.reqs, self.tables, self.tell, self.free = reqs, tables, tell, free
+    def __init__(self, ctx: DecodeContext, memory: DecodeMemory):
+        self.ctx, self.memory = ctx, memory
         self.checks: list[_Check] = []  # verdicts on their way to the host, in order
         self.chunk_modes: Counter = Counter()  # landed: "packed" / "direct" / "pulled"
-        self.local_table: Any = None  # pull: prepared block list of our pool
+        self.local_table: BlockTable | None = None  # pull: prepared block list of our pool
 
     def prep_local(self) -> None:
         """Pull: prepare the block list of this side's pool (its ``kv`` registration,
         just registered); None otherwise."""
         self.local_table = None
-        if self.transfer_mode == "pull":
-            self.local_table = self.engine.prep_local("kv")
+        if self.ctx.config.transfer_mode == "pull":
+            self.local_table = self.ctx.engine.prep_local("kv")
 
     def _known(self, msg, peer: str) -> DecodeRequest:
-        req = self.reqs.get(msg.rid)
+        req = self.ctx.requests.find(msg.rid)
         if req is None:
             raise ProtocolError(f"{msg.t} for unknown request {msg.rid}")
         if req.peer != peer:
@@ -129,7 +105,7 @@ class DecodeReceiving:
     def _page_range(self, req: DecodeRequest, msg) -> tuple[int, int]:
         """``(first, last)`` of a CHUNK or READY: ProtocolError unless it is a non-empty
         range inside the request's pages."""
-        n_pages = -(-req.tokens // self.spec.page_size)
+        n_pages = -(-req.tokens // self.ctx.spec.page_size)
         first, last = msg.first, msg.last
         if not 0 <= first < last <= n_pages:
             raise ProtocolError(
@@ -139,15 +115,16 @@ class DecodeReceiving:
         return first, last
 
     def on_chunk(self, msg: Chunk, peer: str) -> None:
+        ctx = self.ctx
         req = self._known(msg, peer)
         first, last = self._page_range(req, msg)
-        nbytes = kvmem.packed_nbytes(self.spec, last - first)
+        nbytes = kvmem.packed_nbytes(ctx.spec, last - first)
         if msg.nbytes != nbytes:
             raise ProtocolError(
                 f"CHUNK for request {req.rid}: {msg.nbytes} bytes, pages "
                 f"[{first}, {last}) pack to {nbytes}"
             )
-        if msg.off != kvmem.packed_nbytes(self.spec, first):
+        if msg.off != kvmem.packed_nbytes(ctx.spec, first):
             raise ProtocolError(
                 f"CHUNK for request {req.rid}: offset {msg.off} is not where "
                 f"pages from {first} land"
@@ -156,27 +133,28 @@ class DecodeReceiving:
             raise ProtocolError(
                 f"CHUNK for request {req.rid}: pages from {first}, expected from {req.pages_done}"
             )
-        self.metrics.bytes_landed += nbytes
-        self.metrics.peer(peer).bytes += nbytes
+        ctx.metrics.bytes_landed += nbytes
+        ctx.metrics.peer(peer).bytes += nbytes
         if msg.direct:  # written straight into the request's pool pages: check them there
             self.chunk_modes["direct"] += 1
-            ok = self.verifier.verify_pages(self.pool, req.rid, first, last, req.pages(first, last))
+            ok = ctx.verifier.verify_pages(ctx.pool, req.rid, first, last, req.pages(first, last))
         else:
             self.chunk_modes["packed"] += 1
             start = req.landing_off + msg.off
-            data = self.landing[start : start + nbytes]
-            ok = self.verifier.verify(req.rid, first, last, data)
+            data = self.memory.landing[start : start + nbytes]
+            ok = ctx.verifier.verify(req.rid, first, last, data)
         self._landed(req, first, last, nbytes, ok, "landed bytes differ from what was sent")
         if req.state is DecodeState.BOOTED and not msg.direct:  # own ids: unchecked, no sync
-            kvmem.unpack_pages(data, self.pool, self.ledger.pages(req.rid)[first:last], check=False)
-        req.busy = self.done_event()  # the check and the unpack read the region, write pages
+            kvmem.unpack_pages(data, ctx.pool, ctx.ledger.pages(req.rid)[first:last], check=False)
+        req.busy = ctx.done_event()  # the check and the unpack read the region, write pages
 
     # --- pull mode --------------------------------------------------------------------------
     def on_ready(self, msg: Ready, peer: str) -> None:
         """Pull mode: read the offered pages, pool to pool, into the request's pages.  The
         answer (PULLED) goes once the read is DONE or ERR, or at once when it is refused
         (the prefill's pool moved on: the epoch guard, before posting)."""
-        if self.transfer_mode != "pull":
+        ctx = self.ctx
+        if ctx.config.transfer_mode != "pull":
             raise ProtocolError("READY on a decode side in push mode")
         req = self._known(msg, peer)
         first, last = self._page_range(req, msg)
@@ -194,7 +172,7 @@ class DecodeReceiving:
         try:
             if req.state is DecodeState.QUARANTINED:  # aborted here: nothing more is read
                 raise TransferError(f"request {req.rid} is aborted on the decode side")
-            rt = self.tables[peer].get()
+            rt = ctx.peers.tables[peer].get()
             if rt is None or rt.epoch != msg.epoch:
                 raise StaleEpochError(
                     peer,
@@ -208,9 +186,10 @@ class DecodeReceiving:
                     f"READY for request {req.rid}: prefill pages outside [1, {rt.layout.count})"
                 )
             lt = self.local_table
+            assert lt is not None  # prepared by prep_local in pull mode
             dst = req.pages(first, last)
             planes = np.arange(lt.nbytes.size, dtype=np.int64)[:, None]
-            h = self.engine.post_blocks(
+            h = ctx.engine.post_blocks(
                 lt,
                 (planes * lt.layout.count + dst).reshape(-1),
                 rt,
@@ -219,14 +198,14 @@ class DecodeReceiving:
                 op="READ",
             )
             req.reads.append(Read(h, first, last))
-            req.t_seen = self.clock()
+            req.t_seen = ctx.clock()
             ok = True
         except (StaleEpochError, TransferError) as e:
             log.warning(
                 "decode: request %d: read of pages [%d, %d) refused: %s", req.rid, first, last, e
             )
         if not ok:
-            self.tell(peer, encode("PULLED", rid=req.rid, first=first, last=last, ok=False))
+            ctx.peers.tell(peer, encode("PULLED", rid=req.rid, first=first, last=last, ok=False))
 
     def _landed(self, req, first: int, last: int, nbytes: int, ok, bad: str) -> None:
         """Pages ``[first, last)`` of ``req`` arrived and were checked (``ok``, a 0-dim
@@ -234,7 +213,7 @@ class DecodeReceiving:
         logged) once the verdict is on the host, and the request moves on now."""
         self._verdict(ok, nbytes, req.rid, first, last, bad)
         req.pages_done = last
-        req.t_seen = self.clock()
+        req.t_seen = self.ctx.clock()
 
     def _verdict(self, ok, nbytes: int, rid: int, first: int, last: int, bad) -> None:
         """Queue a check's verdict (a 0-dim bool tensor) for the counters, in order; it
@@ -245,15 +224,15 @@ class DecodeReceiving:
     def apply_checks(self) -> bool:
         """Count the verdicts that reached the host (in the order they were made; no wait);
         True when one did."""
-        done = 0
+        done, metrics = 0, self.ctx.metrics
         for c in self.checks:
             if not c.copy.ready():
                 break
             done += 1
             if bool(c.copy.numpy()):
-                self.metrics.bytes_verified += c.nbytes
+                metrics.bytes_verified += c.nbytes
             else:
-                self.metrics.bytes_corrupt += c.nbytes
+                metrics.bytes_corrupt += c.nbytes
                 if c.bad is not None:
                     log.error(
                         "decode: request %d pages [%d, %d): %s", c.rid, c.first, c.last, c.bad
@@ -264,28 +243,28 @@ class DecodeReceiving:
     def poll_reads(self) -> bool:
         """Poll this side's reads; a DONE one is verified in place and acknowledged
         (PULLED ok), an ERR one acknowledged as failed.  True when one finished."""
-        done = False
-        for req in list(self.reqs.values()):
+        ctx, done = self.ctx, False
+        for req in list(ctx.requests.active.values()):
             if not req.reads:
                 continue
             keep = []
             for r in req.reads:
                 first, last = r.first, r.last
-                st = self.engine.poll(r.handle)
+                st = ctx.engine.poll(r.handle)
                 if st == "PROC":
                     keep.append(r)
                     continue
-                self.engine.release(r.handle)
+                ctx.engine.release(r.handle)
                 done = True
                 if st == "DONE":
-                    nbytes = kvmem.packed_nbytes(self.spec, last - first)
+                    nbytes = kvmem.packed_nbytes(ctx.spec, last - first)
                     self.chunk_modes["pulled"] += 1
-                    self.metrics.bytes_landed += nbytes
-                    self.metrics.peer(req.peer).bytes += nbytes
-                    ok = self.verifier.verify_pages(
-                        self.pool, req.rid, first, last, req.pages(first, last)
+                    ctx.metrics.bytes_landed += nbytes
+                    ctx.metrics.peer(req.peer).bytes += nbytes
+                    ok = ctx.verifier.verify_pages(
+                        ctx.pool, req.rid, first, last, req.pages(first, last)
                     )
-                    req.busy = self.done_event()  # the check reads the pages
+                    req.busy = ctx.done_event()  # the check reads the pages
                     self._landed(
                         req,
                         first,
@@ -294,18 +273,19 @@ class DecodeReceiving:
                         ok,
                         "read bytes differ from what the prefill computed",
                     )
-                self.tell(
+                ctx.peers.tell(
                     req.peer, encode("PULLED", rid=req.rid, first=first, last=last, ok=st == "DONE")
                 )
             req.reads = keep
             if not keep and req.free_after_reads is not None:
-                self.free(req, *req.free_after_reads)
+                self.memory.free(req, *req.free_after_reads)
         return done
 
     def on_aux(self, msg: Aux, peer: str) -> None:
+        ctx = self.ctx
         req = self._known(msg, peer)
-        n_pages = -(-req.tokens // self.spec.page_size)
-        if msg.off != kvmem.packed_nbytes(self.spec, n_pages) or msg.nbytes != AUX_BYTES:
+        n_pages = -(-req.tokens // ctx.spec.page_size)
+        if msg.off != kvmem.packed_nbytes(ctx.spec, n_pages) or msg.nbytes != AUX_BYTES:
             raise ProtocolError(
                 f"AUX for request {req.rid}: [{msg.off}, +{msg.nbytes}) is not its extra-state slot"
             )
@@ -318,12 +298,12 @@ class DecodeReceiving:
         # is (odd head dims, fp8, small pages): compare bytes, never view them as int64 there.
         start = req.landing_off + msg.off
         want = torch.tensor([req.rid, req.tokens], dtype=torch.int64).view(torch.uint8)
-        got = self.landing[start : start + want.numel()]
-        self.metrics.bytes_landed += AUX_BYTES
-        self.metrics.peer(peer).bytes += AUX_BYTES
+        got = self.memory.landing[start : start + want.numel()]
+        ctx.metrics.bytes_landed += AUX_BYTES
+        ctx.metrics.peer(peer).bytes += AUX_BYTES
         ok = (got == to_device(want, got.device)).all()  # on the device: no host sync
-        req.busy = self.done_event()  # the comparison reads the landing region
+        req.busy = ctx.done_event()  # the comparison reads the landing region
         self._verdict(ok, AUX_BYTES, req.rid, n_pages, n_pages, None)
         if req.state is DecodeState.QUARANTINED:
             return  # aborted here meanwhile: freed when the prefill's ABORT comes
-        self.free(req, "completed", Reason(OK, f"request {req.rid}: KV received"))
+        self.memory.free(req, "completed", Reason(OK, f"request {req.rid}: KV received"))

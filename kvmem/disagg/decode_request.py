@@ -1,19 +1,19 @@
-"""One request on the decode side (:class:`DecodeRequest`), and the one way it changes
-state (:func:`set_state`): data and that check only; the side's modules change it
-(:mod:`kvmem.disagg.decode` and its parts), and nothing here imports them.
+"""One request on the decode side (:class:`DecodeRequest`), and the side's request tables
+with the one way a request changes state (:class:`DecodeRequests`): data and those tables
+only; the side's modules change them (:mod:`kvmem.disagg.decode` and its parts), and
+nothing here imports them.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 
-from kvmem.disagg.device import HostCopy
+from kvmem.disagg.device import Event, HostCopy
 from kvmem.disagg.outcome import Reason
-from kvmem.disagg.states import DECODE_EDGES, DecodeState, transition
+from kvmem.disagg.requests import Requests
+from kvmem.disagg.states import DECODE_EDGES, DecodeState
 from kvmem.transfer.records import TransferHandle
 
 log = logging.getLogger("kvmem.disagg.decode")  # the side's logger (docs/logging.md)
@@ -33,7 +33,7 @@ class Read:
 class DecodeRequest:
     """One request on the decode side.  ``state`` is the whole of where it is in the
     lifecycle (:mod:`kvmem.disagg.decode`'s docstring draws the edges); only
-    :func:`set_state` changes it.  None of the other fields is part of it:
+    :meth:`DecodeRequests.set_state` changes it.  None of the other fields is part of it:
 
     * ``free_after_reads``: the prefill's ``ABORT`` arrived while one of this side's own
       reads (pull) targets the pages, a deferred event rather than a state: the request
@@ -51,8 +51,8 @@ class DecodeRequest:
     room: int
     tokens: int
     peer: str = ""  # the prefill whose REQ created it
-    # None until its REQ enters it (WAITING, WITHHELD): never None in DecodeSide.reqs, so
-    # typed as what every reader sees
+    # None until its REQ enters it (WAITING, WITHHELD): never None in the side's active
+    # requests, so typed as what every reader sees
     state: DecodeState = None  # type: ignore[assignment]
     landing_off: int = -1
     landing_nbytes: int = 0
@@ -64,7 +64,7 @@ class DecodeRequest:
     free_after_reads: tuple | None = None  # (why, reason) of a free waiting for our reads
     ids: HostCopy | None = None  # booting: its page ids on their way to the host
     host_pages: np.ndarray | None = None  # int64 [pages]: its page ids, on the host
-    busy: Any = None  # event after the last device work on its pages / landing region
+    busy: Event | None = None  # after the last device work on its pages / landing region
 
     def pages(self, first: int, last: int) -> np.ndarray:
         """Its page ids ``[first, last)`` (int64, on the host), known from BOOTED on;
@@ -74,9 +74,11 @@ class DecodeRequest:
         return self.host_pages[first:last]
 
 
-def set_state(req: DecodeRequest, to: DecodeState) -> None:
-    """Move ``req`` to ``to`` along an edge of the decode's drawing (the module docstring
-    of :mod:`kvmem.disagg.decode`, :data:`~kvmem.disagg.states.DECODE_EDGES`); the one
-    way a decode request changes state.  IllegalTransition naming the request and both
-    states, ``req`` unchanged, for any other."""
-    transition("decode", DECODE_EDGES, req, to, log)
+class DecodeRequests(Requests[DecodeRequest, DecodeState]):
+    """The decode side's request tables (:class:`~kvmem.disagg.requests.Requests`); its
+    edges are those the module docstring of :mod:`kvmem.disagg.decode` draws
+    (:data:`~kvmem.disagg.states.DECODE_EDGES`)."""
+
+    side = "decode"
+    edges = DECODE_EDGES
+    logger = log

@@ -10,8 +10,18 @@ is ready at once, so behaviour there is the same step for step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import numpy as np
 import torch
+
+
+class Event(Protocol):
+    """What a side polls after queued device work: ``query()`` is True once that work is
+    done (a ``torch.cuda.Event``; on the CPU :data:`READY`, always done)."""
+
+    def query(self) -> bool: ...
 
 
 class _Ready:
@@ -25,8 +35,8 @@ class _Ready:
 READY = _Ready()
 
 
-def device_event(device):
-    """``() -> object with query()``: on CUDA a ``torch.cuda.Event`` recorded on
+def device_event(device) -> Callable[[], Event]:
+    """``() -> Event``: on CUDA a ``torch.cuda.Event`` recorded on
     ``device``'s current stream (where the side's kernels and copies run) when called; on
     the CPU an object that is always ready.  Polled with ``query()``, never waited on."""
     device = torch.device(device)

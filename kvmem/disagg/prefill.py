@@ -34,8 +34,9 @@ two)::
   (any chunk, the AUX included), an offered read the decode failed or never answered; 504:
   the bootstrap timeout (BOOTSTRAPPING) or the transfer timeout (after the BOOT).  How a
   request ends, early or done: :mod:`kvmem.disagg.prefill_ending`.
-* A request changes state only through :func:`~kvmem.disagg.prefill_request.set_state`
-  (the side and its parts call it), which refuses an edge not drawn
+* A request changes state only through the side's request tables
+  (:class:`~kvmem.disagg.prefill_request.PrefillRequests`: ``add``, ``set_state``,
+  ``finish``; the side and its parts call them), which refuse an edge not drawn
   here (:class:`~kvmem.disagg.states.IllegalTransition`, a bug); a peer's message that
   does not fit the state is a ProtocolError before anything changes.  What else a
   request carries, and why it is not part of the state:
@@ -51,12 +52,14 @@ two)::
 * Sending, from staging to posting to polling: direct chunks, pull offers, the order of
   pack and post on the device, physical chunks (:mod:`kvmem.disagg.prefill_send`; direct
   writes: :mod:`kvmem.disagg.prefill_direct`).
-* Several decode peers, and the messages they send: :mod:`kvmem.disagg.prefill_peers`.
+* Several decode peers (:mod:`kvmem.disagg.prefill_peers`), and the messages they send
+  (:mod:`kvmem.disagg.prefill_messages`).
 * The decode side is told of every early end by ``ABORT`` once no write (or offered read)
   of the request is in flight: that message is also its acknowledgement that it may free
   (un-quarantine) the request's decode pages.
 * Pause (:meth:`begin_pause`) and resume of this side: :mod:`kvmem.disagg.prefill_pause`;
-  a decode's pause (``PAUSING``, ``PAUSE_ACK``, its ``META``): :mod:`kvmem.disagg.prefill_peers`.
+  a decode's pause (``PAUSING``, ``PAUSE_ACK``, its ``META``):
+  :mod:`kvmem.disagg.prefill_messages`.
 * No host sync in ``step`` on CUDA: :mod:`kvmem.disagg.prefill_schedule`.
 """
 
@@ -64,13 +67,15 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvmem.disagg.arena import Arena
 from kvmem.disagg.counters import Metrics, now
-from kvmem.disagg.device import device_event
+from kvmem.disagg.device import Event, device_event
 from kvmem.disagg.ledger import Ledger
 from kvmem.disagg.outcome import (
     CLIENT_CLOSED,
@@ -79,19 +84,26 @@ from kvmem.disagg.outcome import (
     KVPoll,
     ProtocolError,
     Reason,
-    check_caller_args,
     check_id,
 )
 from kvmem.disagg.peers import peer_names
 from kvmem.disagg.model import Forward, prepare_model
+from kvmem.disagg.prefill_context import PrefillConfig, PrefillContext
+from kvmem.disagg.prefill_messages import PrefillMessages
 from kvmem.disagg.prefill_peers import PrefillPeers
-from kvmem.disagg.prefill_request import Faults, PendingChunk, PrefillRequest, set_state
+from kvmem.disagg.prefill_request import Faults, PendingChunk, PrefillRequest, PrefillRequests
 from kvmem.disagg.prefill_schedule import PrefillScheduler
 from kvmem.disagg.prefill_ending import PrefillEnding
 from kvmem.disagg.prefill_pause import PrefillPause
 from kvmem.disagg.prefill_send import PrefillSending
+from kvmem.disagg.prefill_staging import Staging
 from kvmem.disagg.states import PausePhase, PrefillState
 from kvmem.disagg.protocol import Inbox, encode
+
+if TYPE_CHECKING:
+    from kvmem.allocator import PageAllocator
+    from kvmem.pool import KVPool
+    from kvmem.transfer.engine import TransferEngine
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
@@ -105,32 +117,40 @@ class PrefillSide:
     """One prefill worker: a pool, its allocator, a transfer engine, one or several decode
     peers (``decode_peer``: one agent name; or ``decode_peers``: several, each request
     bound to one of them by :meth:`add_request`); ``model`` writes each chunk's KV
-    (:class:`~kvmem.disagg.model.Forward`).  The side keeps the request tables and runs
-    each step; the rest is done by parts it holds, each owning its fields and handed only
-    what it uses: :attr:`scheduler` (:class:`~kvmem.disagg.prefill_schedule.PrefillScheduler`),
-    :attr:`peers` (:class:`~kvmem.disagg.prefill_peers.PrefillPeers`), :attr:`sending`
+    (:class:`~kvmem.disagg.model.Forward`).  The side takes requests and runs each step.
+    What its parts share it makes first and puts in their context (:attr:`ctx`, a
+    :class:`~kvmem.disagg.prefill_context.PrefillContext`): the ledger, the counters
+    (:attr:`metrics`), the request tables (:attr:`requests`, a
+    :class:`~kvmem.disagg.prefill_request.PrefillRequests`), the decode peers' records
+    (:attr:`peers`, a :class:`~kvmem.disagg.prefill_peers.PrefillPeers`), the staging
+    buffer (:attr:`staging`, a :class:`~kvmem.disagg.prefill_staging.Staging`) and the
+    settings.  The rest is done by the parts, each owning its fields and handed the
+    context and the parts built before it: :attr:`scheduler`
+    (:class:`~kvmem.disagg.prefill_schedule.PrefillScheduler`), :attr:`ending`
+    (:class:`~kvmem.disagg.prefill_ending.PrefillEnding`), :attr:`sending`
     (:class:`~kvmem.disagg.prefill_send.PrefillSending`; direct writes: its ``direct``),
-    :attr:`ending` (:class:`~kvmem.disagg.prefill_ending.PrefillEnding`) and
-    :attr:`pause` (:class:`~kvmem.disagg.prefill_pause.PrefillPause`)."""
+    :attr:`messages` (:class:`~kvmem.disagg.prefill_messages.PrefillMessages`) and
+    :attr:`pause` (:class:`~kvmem.disagg.prefill_pause.PrefillPause`), built in that
+    order."""
 
     def __init__(
         self,
-        pool,
-        allocator,
-        engine,
+        pool: KVPool,
+        allocator: PageAllocator,
+        engine: TransferEngine,
         model: Forward,
         *,
         decode_peer: str | None = None,
-        decode_peers=None,
+        decode_peers: Sequence[str] | None = None,
         chunk_tokens: int = 256,
         max_batch_tokens: int = 2048,
         staging_bytes: int | None = None,
         bootstrap_timeout: float = DEFAULT_TIMEOUT,
         transfer_timeout: float = DEFAULT_TIMEOUT,
-        clock=now,
+        clock: Callable[[], float] = now,
         faults: Faults | None = None,
-        on_finish=None,
-        ready_event=None,
+        on_finish: Callable[[int, Reason], object] | None = None,
+        ready_event: Callable[[], Event] | None = None,
         direct_threshold: int | None = None,
         transfer_mode: str = "push",
         quarantine_timeout: float | None = None,
@@ -144,165 +164,92 @@ class PrefillSide:
         if transfer_mode not in ("push", "pull"):
             raise ValueError(f"transfer_mode must be 'push' or 'pull', got {transfer_mode!r}")
         self.pool, self.alloc, self.engine, self.model = pool, allocator, engine, model
-        self.spec = spec
-        self.decode_peers = peer_names("decode", decode_peer, decode_peers)
-        # push: this side writes each chunk (packed or direct); pull: it offers the pages
-        # (READY) and the decode reads them, pool to pool; the AUX is written in both
-        self.transfer_mode = transfer_mode
-        self.clock = clock
+        self.spec, self.clock = spec, clock
+        names = peer_names("decode", decode_peer, decode_peers)
         self._faults = faults or Faults()
-        self.ready_event = ready_event or device_event(pool.device)
         prepare_model(model, Forward, pool.device, "PrefillSide")  # its set-up on our device
         self.ledger = Ledger(allocator)
-        quarantine = transfer_timeout if quarantine_timeout is None else quarantine_timeout
         self.metrics = Metrics("prefill")
-        self.reqs: dict[int, PrefillRequest] = {}  # active (not finished)
-        self.finished: dict[int, Reason] = {}
-        self.finished_peer: dict[int, str] = {}  # rid -> the decode peer it was bound to
-        self._rooms: set[int] = set()
-        self.scheduler = PrefillScheduler(
+        self.requests = PrefillRequests(self.metrics, on_finish)
+        self.peers = PrefillPeers(engine, names, self.metrics)
+        self.staging = Staging(pool, engine, chunk_tokens, staging_bytes)  # registers it
+        self.ctx = PrefillContext(
             spec=spec,
-            alloc=allocator,
-            ledger=self.ledger,
-            reqs=self.reqs,
-            faults=self._faults,
-            chunk_tokens=chunk_tokens,
-            max_batch_tokens=max_batch_tokens,
-        )
-        self.peers = PrefillPeers(
-            engine,
-            self.decode_peers,
-            spec=spec,
-            clock=clock,
-            metrics=self.metrics,
-            reqs=self.reqs,
-            finished=self.finished,
-            finished_peer=self.finished_peer,
-            admit=self.scheduler.admit,
-            abort=self.abort,
-            end=self._end,
-            maybe_finish=self._maybe_finish,
-        )
-        self.sending = PrefillSending(
             pool=pool,
+            alloc=allocator,
             engine=engine,
             ledger=self.ledger,
             metrics=self.metrics,
             clock=clock,
-            faults=self._faults,
-            ready_event=self.ready_event,
-            transfer_mode=transfer_mode,
-            quarantine_timeout=quarantine,
-            chunk_tokens=chunk_tokens,
-            staging_bytes=staging_bytes,
-            direct_threshold=direct_threshold,
-            reqs=self.reqs,
-            order=self.scheduler.order,
-            peer=self.peers.get,
-            tell=self.peers.tell,
-            end=self._end,
-            maybe_finish=self._maybe_finish,
-        )  # registers its staging buffer
+            faults=lambda: self._faults,
+            ready_event=ready_event or device_event(pool.device),
+            requests=self.requests,
+            peers=self.peers,
+            staging=self.staging,
+            config=PrefillConfig(
+                # push: this side writes each chunk (packed or direct); pull: it offers
+                # the pages (READY) and the decode reads them; the AUX is written in both
+                transfer_mode=transfer_mode,
+                chunk_tokens=chunk_tokens,
+                max_batch_tokens=max_batch_tokens,
+                bootstrap_timeout=bootstrap_timeout,
+                transfer_timeout=transfer_timeout,
+                quarantine_timeout=(
+                    transfer_timeout if quarantine_timeout is None else quarantine_timeout
+                ),
+            ),
+        )
+        # the parts, each handed the context and the parts built before it (never a later
+        # one): the scheduler, the ending (every later part ends requests through it), the
+        # sending, the decodes' messages, the pause
+        self.scheduler = PrefillScheduler(self.ctx)
+        self.ending = PrefillEnding(self.ctx, self.scheduler)
+        self.sending = PrefillSending(self.ctx, self.scheduler, self.ending, direct_threshold)
         engine.register_pool(pool, "kv")
         self.sending.direct.prep_local()
-        self.ending = PrefillEnding(
-            reqs=self.reqs,
-            rooms=self._rooms,
-            finished=self.finished,
-            finished_peer=self.finished_peer,
-            ledger=self.ledger,
-            arena=self.sending.arena,
-            metrics=self.metrics,
-            clock=clock,
-            drop=self.scheduler.drop,
-            tell=self.peers.tell,
-            send_aux=self.sending.send_aux,
-            bootstrap_timeout=bootstrap_timeout,
-            transfer_timeout=transfer_timeout,
-            on_finish=on_finish,
-        )
-        self.pause = PrefillPause(
-            pool=pool,
-            alloc=allocator,
-            engine=engine,
-            ledger=self.ledger,
-            metrics=self.metrics,
-            clock=clock,
-            transfer_mode=transfer_mode,
-            reqs=self.reqs,
-            end=self.ending.end,
-            tell_all=self.peers.tell_all,
-            prep_local=self.sending.direct.prep_local,
-        )
+        self.messages = PrefillMessages(self.ctx, self.scheduler, self.ending, self.sending)
+        self.pause = PrefillPause(self.ctx, self.ending, self.sending.direct)
 
     @property
     def faults(self) -> Faults:
-        """The fault-injection hooks; setting them re-points the parts that call them."""
+        """The fault-injection hooks; the parts call the ones set now (``ctx.faults()``)."""
         return self._faults
 
     @faults.setter
     def faults(self, faults: Faults) -> None:
-        self._faults = self.scheduler.faults = faults
-        self.sending.faults = self.sending.direct.faults = faults
+        self._faults = faults
 
-    # --- the decode peers: the peers part's ------------------------------------------------
-    @property
-    def decode_peer(self) -> str:
-        """The decode peer, when there is one (ValueError when there are several)."""
-        return self.peers.sole
-
+    # --- what a caller reads or asks of the parts (docs/disagg.md, docs/logging.md, the
+    # demo), each over the one that owns it; the rest is reached on the part itself ------
     @property
     def inbox(self) -> Inbox:
-        """The inbox of the decodes' messages (the peers part's)."""
-        return self.peers.inbox
-
-    @property
-    def peer_paused(self) -> bool:
-        """True while a decode peer is paused (announced PAUSING, no live META since)."""
-        return self.peers.any_paused
+        """The inbox of the decodes' messages (:attr:`messages`'): ``inbox.refused``."""
+        return self.messages.inbox
 
     def peer_is_paused(self, peer: str) -> bool:
-        """Whether decode peer ``peer`` is paused (a router sends new requests elsewhere)."""
+        """Whether decode peer ``peer`` is paused (a router sends new requests elsewhere);
+        ValueError when it is not one (:attr:`peers`')."""
         return self.peers.is_paused(peer)
 
     def requests_of(self, peer: str) -> int:
-        """Active requests bound to decode peer ``peer``."""
-        return self.peers.requests_of(peer)
-
-    def handle_message(self, msg, peer: str | None = None) -> None:
-        """Apply one validated message from decode peer ``peer`` (the peers part's)."""
-        self.peers.handle_message(msg, peer)
+        """Active requests bound to decode peer ``peer`` (ValueError when it is not one)."""
+        self.peers.get(peer)
+        return sum(1 for r in self.requests.active.values() if r.peer == peer)
 
     def peer_gone(self, peer: str) -> int:
         """Decode ``peer`` is dead: its requests end now (500), their transfers given up;
-        how many ended (:meth:`~kvmem.disagg.prefill_peers.PrefillPeers.peer_gone`)."""
-        return self.peers.peer_gone(peer, self.sending.give_up)
+        how many ended (:meth:`~kvmem.disagg.prefill_messages.PrefillMessages.peer_gone`)."""
+        return self.messages.peer_gone(peer)
 
-    # --- sending: the sending part's ---------------------------------------------------------
     @property
     def arena(self) -> Arena:
-        """The slots of the staging buffer (the sending part's)."""
-        return self.sending.arena
-
-    @property
-    def staging(self) -> torch.Tensor:
-        """The registered staging buffer (the sending part's)."""
-        return self.sending.staging
+        """The slots of the staging buffer (:attr:`staging`')."""
+        return self.staging.arena
 
     @property
     def chunk_modes(self) -> Counter:
-        """Chunks posted, by how: ``"packed"``, ``"direct"``, ``"pulled"``."""
+        """Chunks posted, by how: ``"packed"``, ``"direct"``, ``"pulled"`` (:attr:`sending`')."""
         return self.sending.chunk_modes
-
-    @property
-    def direct_threshold(self) -> int | None:
-        """Bytes per descriptor from which a chunk goes direct (None: all packed)."""
-        return self.sending.direct.threshold
-
-    @property
-    def quarantine_timeout(self) -> float:
-        """Pull: how long offered pages stay held without a PULLED (the sending part's)."""
-        return self.sending.quarantine_timeout
 
     def set_direct_threshold(self, threshold: int | None) -> None:
         """Chunks averaging at least ``threshold`` bytes per descriptor go direct from now on
@@ -311,28 +258,22 @@ class PrefillSide:
 
     @property
     def bootstrap_timeout(self) -> float:
-        """Seconds a request may wait for its BOOT (the ending part's)."""
-        return self.ending.bootstrap_timeout
+        """Seconds a request may wait for its BOOT (the settings')."""
+        return self.ctx.config.bootstrap_timeout
 
     @property
     def transfer_timeout(self) -> float:
-        """Seconds from its BOOT a request may take to transfer (the ending part's)."""
-        return self.ending.transfer_timeout
-
-    # --- pause and resume: the pause part's -------------------------------------------------
-    @property
-    def phase(self) -> PausePhase:
-        """Where this side is in a pause (its pause part's phase)."""
-        return self.pause.phase
+        """Seconds from its BOOT a request may take to transfer (the settings')."""
+        return self.ctx.config.transfer_timeout
 
     @property
     def pausing(self) -> bool:
-        """A pause began and its memory is not released yet."""
+        """A pause began and its memory is not released yet (:attr:`pause`')."""
         return self.pause.pausing
 
     @property
     def paused(self) -> bool:
-        """The memory is released; :meth:`resume` serves again."""
+        """The memory is released; :meth:`resume` serves again (:attr:`pause`')."""
         return self.pause.paused
 
     def begin_pause(self) -> None:
@@ -367,9 +308,9 @@ class PrefillSide:
                 f"add_request: request {rid}: {tokens} tokens > the "
                 f"{self.model.max_tokens}-token maximum"
             )
-        if rid in self.reqs or rid in self.finished:
+        if self.requests.find(rid) is not None or rid in self.requests.finished:
             raise ProtocolError(f"add_request: request id {rid} is in use")
-        if room in self._rooms:
+        if self.requests.room_holder(room) is not None:
             raise ProtocolError(f"add_request: request {rid}: bootstrap room {room} is in use")
         req = PrefillRequest(
             rid,
@@ -379,44 +320,46 @@ class PrefillSide:
             t_created=self.clock(),
             host_pages=np.zeros(-(-tokens // self.spec.page_size), np.int64),
         )
-        set_state(req, PrefillState.BOOTSTRAPPING)
-        self.reqs[rid] = req
-        self._rooms.add(room)
+        self.requests.add(req, PrefillState.BOOTSTRAPPING)
         self.ledger.hold(rid, torch.empty(0, dtype=torch.int64, device=self.alloc.device))
         self.peers.tell(peer, encode("REQ", rid=rid, room=room, tokens=tokens))
 
     def abort(self, rid: int, status: int = CLIENT_CLOSED, message: str | None = None) -> None:
         """Abort ``rid`` from any state; aborting a finished request does nothing.
         ``status``: an early end of the lifecycle table (499, 500, 503, 504); anything else
-        is a ValueError naming it, and nothing changes."""
-        check_caller_args("abort", rid, status, message)
-        req = self.reqs.get(rid)
-        if req is None:
-            if rid in self.finished:
-                return
-            raise ProtocolError(f"abort: unknown request id {rid!r}")
-        if req.state.ended:
-            return
-        reason = Reason(status, message or f"request {rid} (room {req.room}) aborted by the client")
-        if req.in_batch:  # consumed by fill_batch of this step
-            if req.abort_pending is None:
-                req.abort_pending = reason
-                req.t_abort = self.clock()
-            return
-        self._end(req, reason)
+        is a ValueError naming it, and nothing changes (the ending part's
+        :meth:`~kvmem.disagg.prefill_ending.PrefillEnding.abort`)."""
+        self.ending.abort(rid, status, message)
 
     def state(self, rid: int) -> KVPoll:
         """sglang's state of request ``rid`` (``PrefillState.poll`` while it is active);
         ProtocolError for an unknown id."""
-        if rid in self.reqs:
-            return self.reqs[rid].state.poll
-        if rid in self.finished:
-            return KVPoll.Success if self.finished[rid].status == OK else KVPoll.Failed
+        req = self.requests.find(rid)
+        if req is not None:
+            return req.state.poll
+        fin = self.requests.finished.get(rid)
+        if fin is not None:
+            return KVPoll.Success if fin.status == OK else KVPoll.Failed
         raise ProtocolError(f"state: unknown request id {rid!r}")
 
     @property
+    def reqs(self) -> Mapping[int, PrefillRequest]:
+        """The active requests by id (read-only, live: the request tables')."""
+        return self.requests.active
+
+    @property
+    def finished(self) -> Mapping[int, Reason]:
+        """How each finished request ended, by id (read-only, live)."""
+        return self.requests.finished
+
+    @property
+    def finished_peer(self) -> Mapping[int, str]:
+        """The decode peer each finished request was bound to, by id (read-only, live)."""
+        return self.requests.finished_peer
+
+    @property
     def idle(self) -> bool:
-        return not self.reqs
+        return not self.requests.active
 
     @property
     def writes_in_flight(self) -> bool:
@@ -431,16 +374,16 @@ class PrefillSide:
         pause completed, a chunk was staged or posted, or a batch ran its forward.  False:
         nothing changed; what is left waits for the peer, a posted write, free memory or
         the clock, and the caller may back off (:class:`~kvmem.disagg.pacing.Backoff`)."""
-        moved = self.peers.handle_notifs()
+        moved = self.messages.handle_notifs()
         moved = self.sending.poll_writes() or moved
-        self.peers.maybe_ack_pause()  # once no write into a pausing decode is in flight
+        self.messages.maybe_ack_pause()  # once no write into a pausing decode is in flight
         moved = self.ending.check_timeouts() or moved
-        if self.phase is PausePhase.DRAINING:
+        if self.pause.phase is PausePhase.DRAINING:
             return self.pause.advance() or moved
-        if self.phase is PausePhase.PAUSED:
+        if self.pause.phase is PausePhase.PAUSED:
             return moved
         moved = self.sending.flush_pending() or moved
-        batch = self.scheduler.schedule(self.peers.is_paused)
+        batch = self.scheduler.schedule()
         if batch:
             for req, *_ in batch:
                 req.in_batch = True
@@ -463,26 +406,17 @@ class PrefillSide:
             req.in_batch = False
             if req.abort_pending is not None:
                 reason, req.abort_pending = req.abort_pending, None
-                self._end(req, reason)
+                self.ending.end(req, reason)
                 self.metrics.time_to_free.append(self.clock() - req.t_abort)
                 continue
             req.pending.append(PendingChunk(first, last, req.done_tokens >= req.tokens))
         self.sending.flush_pending()
 
-    # --- its state ----------------------------------------------------------------------------
-    def _end(self, req: PrefillRequest, reason: Reason) -> None:
-        """End ``req`` early (the ending part's; the peers and sending parts, built before
-        it, are given this call)."""
-        self.ending.end(req, reason)
-
-    def _maybe_finish(self, req: PrefillRequest) -> None:
-        """Finish ``req`` once nothing of it is in flight (the ending part's)."""
-        self.ending.maybe_finish(req)
-
+    # --- its memory ---------------------------------------------------------------------------
     def prefault(self) -> None:
         """Back the pool and the staging buffer with memory now, not at first touch."""
         self.pool.prefault()
-        self.sending.staging_mem.prefault()
+        self.staging.mem.prefault()
 
     def close(self) -> None:
         """Deregister what this side registered (the engine stays the caller's)."""

@@ -29,33 +29,22 @@ from kvmem.transfer.runs import merge_runs
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any
 
-    from kvmem.disagg.prefill_peers import _DecodePeer
-    from kvmem.disagg.prefill_request import Faults
+    from kvmem.disagg.prefill_context import PrefillContext
+    from kvmem.disagg.prefill_ending import PrefillEnding
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
 
 class PrefillDirect:
     """The direct writes of one prefill side.  It owns the threshold (``threshold``) and
-    the prepared block list of this side's pool (``local_table``).  What it uses is
-    handed to it: the engine, the transfer mode, the fault hooks (``faults``: re-pointed
-    by the side when its hooks are set), what is kept about a decode peer (``peer(name)``:
-    whether it is paused, its prepared block list) and how to end a request (``end``)."""
+    the prepared block list of this side's pool (``local_table``).  What it uses: the
+    side's context (``ctx``: the engine, the transfer mode, the fault hooks, what is kept
+    about a decode peer: whether it is paused, its prepared block list) and the ending
+    part (``ending``: a request whose write is refused ends there)."""
 
-    def __init__(
-        self,
-        *,
-        engine: Any,
-        transfer_mode: str,
-        faults: Faults,
-        threshold: int | None,
-        peer: Callable[[str], _DecodePeer],
-        end: Callable[[PrefillRequest, Reason], None],
-    ):
-        self.engine, self.transfer_mode, self.faults = engine, transfer_mode, faults
-        self.peer, self.end = peer, end
+    def __init__(self, ctx: PrefillContext, ending: PrefillEnding, threshold: int | None):
+        self.ctx, self.ending = ctx, ending
         # Direct writes (pool pages to the decode's pool pages, no pack) for chunks whose
         # page runs, merged where adjacent on both sides, are at least this many bytes per
         # descriptor; None: every chunk is packed.  Measured by kvmem.disagg.calibrate.
@@ -78,8 +67,9 @@ class PrefillDirect:
         """Prepare the block list of this side's pool (its ``kv`` registration) when there
         is a threshold; None otherwise."""
         self.local_table = None
-        if self.threshold is not None and self.engine.registrations()["kv"].layout:
-            self.local_table = self.engine.prep_local("kv")
+        engine = self.ctx.engine
+        if self.threshold is not None and engine.registrations()["kv"].layout:
+            self.local_table = engine.prep_local("kv")
 
     def inputs(self, req: PrefillRequest) -> tuple[np.ndarray, BlockTable, int] | None:
         """``(the BOOT's page ids, the local list, the threshold)`` when a chunk of ``req``
@@ -87,12 +77,12 @@ class PrefillDirect:
         the local list prepared, the decode not pausing); None otherwise."""
         dpages, lt, threshold = req.dpages, self.local_table, self.threshold
         if (
-            self.transfer_mode != "push"
+            self.ctx.config.transfer_mode != "push"
             or threshold is None
             or dpages is None
             or req.kv is None
             or lt is None
-            or self.peer(req.peer).paused
+            or self.ctx.peers.get(req.peer).paused
         ):
             return None
         return dpages, lt, threshold
@@ -119,7 +109,7 @@ class PrefillDirect:
         if n * int(lt.nbytes.min()) / runs < threshold:
             return None
         try:
-            rt = self.peer(req.peer).table.get()
+            rt = self.ctx.peers.get(req.peer).table.get()
         except TransferError as e:  # NIXL refused to prepare the decode's list: pack
             log.warning("prefill: direct writes unavailable, packing: %s", e)
             return None
@@ -140,9 +130,9 @@ class PrefillDirect:
         seq = req.seq
         req.seq += 1
         try:
-            if self.faults.fail_send(req.rid, seq, False):
+            if self.ctx.faults().fail_send(req.rid, seq, False):
                 raise TransferError(f"injected send failure of chunk {seq} (direct)")
-            rt = self.peer(req.peer).table.get()
+            rt = self.ctx.peers.get(req.peer).table.get()
             if rt is None or rt.remote != req.kv:
                 # the decode's kv moved on since the BOOT that gave these page ids
                 raise StaleEpochError(
@@ -153,10 +143,12 @@ class PrefillDirect:
                     "post_blocks (the BOOT's kv)",
                 )
             assert st.blocks is not None  # a DIRECT's
+            lt = self.local_table
+            assert lt is not None  # a DIRECT is staged only with the local list (inputs)
             li, ri = st.blocks
-            h = self.engine.post_blocks(self.local_table, li, rt, ri, st.notif)
+            h = self.ctx.engine.post_blocks(lt, li, rt, ri, st.notif)
         except (StaleEpochError, TransferError) as e:
-            return end_refused(self.end, req, e, f"chunk {seq} (direct)")
+            return end_refused(self.ending.end, req, e, f"chunk {seq} (direct)")
         req.handles.append(InFlight(h, None))
         return True
 

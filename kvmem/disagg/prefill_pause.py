@@ -7,7 +7,7 @@ phases' edges: :data:`~kvmem.disagg.states.PREFILL_PAUSE_EDGES`.
 When a decode pauses instead (``PAUSING``), the requests bound to it are drained and
 aborted (503) and ``PAUSE_ACK`` tells it no write is in flight; its ``META`` (new epoch)
 lets requests flow again, and the engine refuses writes built from its older metadata
-(StaleEpochError), which end the request with 503 (:mod:`kvmem.disagg.prefill_peers`).
+(StaleEpochError), which end the request with 503 (:mod:`kvmem.disagg.prefill_messages`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ from kvmem.disagg.protocol import meta_message
 from kvmem.disagg.states import PREFILL_PAUSE_EDGES, PausePhase, set_phase
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-    from typing import Any
-
-    from kvmem.disagg.counters import Metrics
-    from kvmem.disagg.ledger import Ledger
-    from kvmem.disagg.prefill_request import PrefillRequest
+    from kvmem.disagg.prefill_context import PrefillContext
+    from kvmem.disagg.prefill_direct import PrefillDirect
+    from kvmem.disagg.prefill_ending import PrefillEnding
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
@@ -33,29 +30,14 @@ log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/loggi
 class PrefillPause:
     """The pause of one prefill side.  It owns the pause phase (``phase``, moved along
     :data:`~kvmem.disagg.states.PREFILL_PAUSE_EDGES` only) and when the pause began
-    (``t0``); the side asks it where it is.  What it works on is handed to it: the pool,
-    allocator, engine and ledger it resets and releases, the side's active requests
-    (``reqs``, read) and how to end one (``end``), how to tell every decode
-    (``tell_all``) and how to prepare the local block list again (``prep_local``)."""
+    (``t0``); the side asks it where it is.  What it works on: the side's context
+    (``ctx``: the pool, allocator, engine and ledger it resets and releases, the request
+    tables, how to tell every decode), and the parts built before it: ``ending`` (every
+    request ends, 503) and ``direct`` (the local block list prepared again at resume).
+    The last part built."""
 
-    def __init__(
-        self,
-        *,
-        pool: Any,
-        alloc: Any,
-        engine: Any,
-        ledger: Ledger,
-        metrics: Metrics,
-        clock: Callable[[], float],
-        transfer_mode: str,
-        reqs: dict[int, PrefillRequest],
-        end: Callable[[PrefillRequest, Reason], None],
-        tell_all: Callable[[bytes], None],
-        prep_local: Callable[[], None],
-    ):
-        self.pool, self.alloc, self.engine, self.ledger = pool, alloc, engine, ledger
-        self.metrics, self.clock, self.transfer_mode = metrics, clock, transfer_mode
-        self.reqs, self.end, self.tell_all, self.prep_local = reqs, end, tell_all, prep_local
+    def __init__(self, ctx: PrefillContext, ending: PrefillEnding, direct: PrefillDirect):
+        self.ctx, self.ending, self.direct = ctx, ending, direct
         self.phase = PausePhase.SERVING  # PREFILL_PAUSE_EDGES
         self.t0 = 0.0  # when the current (or last) pause began
 
@@ -78,8 +60,8 @@ class PrefillPause:
         if self.phase is not PausePhase.SERVING:
             return
         self._phase(PausePhase.DRAINING)
-        self.t0 = self.clock()
-        self.metrics.pauses += 1
+        self.t0 = self.ctx.clock()
+        self.ctx.metrics.pauses += 1
 
     def advance(self) -> bool:
         """True once the pause is complete (memory released), False while writes drain.
@@ -88,8 +70,9 @@ class PrefillPause:
         chunk would otherwise sit out the slowest transfer in flight (an offered read to a
         dead decode lasts the transfer timeout) and end 504 here and on its decode.  A
         request with a transfer in flight stays ENDING until it is DONE or ERR."""
-        for req in list(self.reqs.values()):
-            self.end(
+        ctx = self.ctx
+        for req in list(ctx.requests.active.values()):
+            self.ending.end(
                 req,
                 Reason(
                     SERVICE_UNAVAILABLE,
@@ -99,18 +82,18 @@ class PrefillPause:
                     ),
                 ),
             )
-        if self.reqs:
+        if ctx.requests.active:
             return False  # the side's step polls their transfers to DONE/ERR
-        audit = self.ledger.audit()
+        audit = ctx.ledger.audit()
         if audit["leaked"] or audit["unaccounted"]:
             raise AssertionError(
                 f"prefill pause: pages still held after aborting every request: {audit}"
             )
-        self.alloc.reset()
-        self.engine.deregister("kv")
-        if self.transfer_mode == "pull":  # the decodes refuse reads from the old pool now
-            self.tell_all(meta_message(self.engine))
-        self.pool.release()
+        ctx.alloc.reset()
+        ctx.engine.deregister("kv")
+        if ctx.config.transfer_mode == "pull":  # the decodes refuse reads from the old pool now
+            ctx.peers.tell_all(meta_message(ctx.engine))
+        ctx.pool.release()
         self._phase(PausePhase.PAUSED)
         return True
 
@@ -118,9 +101,10 @@ class PrefillPause:
         """The memory back, registered and published (``META``); nothing unless paused."""
         if self.phase is not PausePhase.PAUSED:
             return
-        self.pool.resume()
-        self.engine.register_pool(self.pool, "kv")
-        self.prep_local()  # deregister released the old list
-        self.tell_all(meta_message(self.engine))
+        ctx = self.ctx
+        ctx.pool.resume()
+        ctx.engine.register_pool(ctx.pool, "kv")
+        self.direct.prep_local()  # deregister released the old list
+        ctx.peers.tell_all(meta_message(ctx.engine))
         self._phase(PausePhase.SERVING)
-        self.metrics.pause_seconds += self.clock() - self.t0
+        ctx.metrics.pause_seconds += ctx.clock() - self.t0

@@ -3,9 +3,10 @@ transfers: a chunk forwarded and not staged yet (:class:`PendingChunk`), its pag
 their way to the host (:class:`IdsCopy`), a chunk or the AUX staged and not posted yet
 (:class:`_Staged`, of the kinds :class:`_Send`), a transfer in flight
 (:class:`InFlight`), a pull offer (:class:`Offer`).  The queued ones are frozen.  The
-fault-injection points of the side (:class:`Faults`), and the one way a request changes
-state (:func:`set_state`).  Data and that check only: the side's modules change them
-(:mod:`kvmem.disagg.prefill` and its parts); nothing here imports them.
+fault-injection points of the side (:class:`Faults`), and the side's request tables with
+the one way a request changes state (:class:`PrefillRequests`).  Data and those tables
+only: the side's modules change them (:mod:`kvmem.disagg.prefill` and its parts); nothing
+here imports them.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
-from kvmem.disagg.device import HostCopy
+from kvmem.disagg.device import Event, HostCopy
 from kvmem.disagg.outcome import Reason
 from kvmem.disagg.peers import RegionMap
-from kvmem.disagg.states import PREFILL_EDGES, PrefillState, transition
+from kvmem.disagg.requests import Requests
+from kvmem.disagg.states import PREFILL_EDGES, PrefillState
 from kvmem.transfer.records import TransferHandle, XferState
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
@@ -93,7 +95,7 @@ class _Staged:
     nbytes: int
     remote_off: int  # offset within the request's landing region
     final: bool  # the request's last chunk
-    ready: Any  # an event: query() -> bool
+    ready: Event  # after the device work that writes the bytes it sends
     notif: bytes = b""  # CHUNK or AUX (PACKED, DIRECT, AUX)
     off: int | None = None  # staging offset (PACKED, AUX)
     # DIRECT: (local block indices, remote block indices)
@@ -109,7 +111,7 @@ class _Staged:
 class PrefillRequest:
     """One request on the prefill side.  ``state`` is the whole of where it is in the
     lifecycle (:mod:`kvmem.disagg.prefill`'s docstring draws the edges); only
-    :func:`set_state` changes it.  None of the other fields is part of it:
+    :meth:`PrefillRequests.set_state` changes it.  None of the other fields is part of it:
 
     * ``in_batch``: its chunk's forward is running (from ``step``'s schedule to
       ``fill_batch``).  Orthogonal: a WAITING_FOR_INPUT or TRANSFERRING request runs the
@@ -129,8 +131,8 @@ class PrefillRequest:
     room: int
     tokens: int
     peer: str = ""  # the decode peer the request is bound to
-    # None until add_request enters it (BOOTSTRAPPING): never None in PrefillSide.reqs, so
-    # typed as what every reader sees
+    # None until add_request enters it (BOOTSTRAPPING): never None in the side's active
+    # requests, so typed as what every reader sees
     state: PrefillState = None  # type: ignore[assignment]
     t_created: float = 0.0
     t_bootstrapped: float | None = None
@@ -156,6 +158,13 @@ class PrefillRequest:
     kv: object = None  # RemoteMemory of the decode's kv those ids belong to (its BOOT's epoch)
 
 
+class Aborts(Protocol):
+    """What a fault hook is handed of the side: its ``abort``
+    (:meth:`kvmem.disagg.prefill.PrefillSide.abort`)."""
+
+    def abort(self, rid: int, status: int = ..., message: str | None = ...) -> None: ...
+
+
 class Faults:
     """Fault-injection points (the demo and the tests override them); defaults inject
     nothing."""
@@ -168,13 +177,16 @@ class Faults:
         """True: do not schedule chunk ``seq`` of ``rid`` now (slow request)."""
         return False
 
-    def during_forward(self, side: Any, batch: list) -> None:
-        """Called while the batch's forward runs (aborts land here)."""
+    def during_forward(self, side: Aborts, batch: list) -> None:
+        """Called while the batch's forward runs (aborts land here): ``side`` is the
+        prefill side, ``batch`` its ``[(request, first_page, last_page)]``."""
 
 
-def set_state(req: PrefillRequest, to: PrefillState) -> None:
-    """Move ``req`` to ``to`` along an edge of the prefill's drawing (the module docstring
-    of :mod:`kvmem.disagg.prefill`, :data:`~kvmem.disagg.states.PREFILL_EDGES`); the one
-    way a prefill request changes state.  IllegalTransition naming the request and both
-    states, ``req`` unchanged, for any other."""
-    transition("prefill", PREFILL_EDGES, req, to, log)
+class PrefillRequests(Requests[PrefillRequest, PrefillState]):
+    """The prefill side's request tables (:class:`~kvmem.disagg.requests.Requests`); its
+    edges are those the module docstring of :mod:`kvmem.disagg.prefill` draws
+    (:data:`~kvmem.disagg.states.PREFILL_EDGES`)."""
+
+    side = "prefill"
+    edges = PREFILL_EDGES
+    logger = log

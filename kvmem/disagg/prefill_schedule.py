@@ -21,12 +21,7 @@ from kvmem.disagg.prefill_request import IdsCopy
 from kvmem.disagg.states import PrefillState
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-    from typing import Any
-
-    import kvmem
-    from kvmem.disagg.ledger import Ledger
-    from kvmem.disagg.prefill_request import Faults, PrefillRequest
+    from kvmem.disagg.prefill_context import PrefillContext
 
 # the states ``schedule`` runs forwards in (the next chunk while the last one's write flies)
 _FORWARDING = frozenset({PrefillState.WAITING_FOR_INPUT, PrefillState.TRANSFERRING})
@@ -35,30 +30,19 @@ _FORWARDING = frozenset({PrefillState.WAITING_FOR_INPUT, PrefillState.TRANSFERRI
 class PrefillScheduler:
     """Picks the chunks each step forwards and allocates their pages.  It owns the
     scheduling order (``order``: the bootstrapped requests, first come first served), the
-    chunk and batch sizes and the no-slot tensor.  What it works on is handed to it: the
-    allocator it allocates from and the ledger that holds the new pages, the side's active
-    requests (``reqs``, read) and the fault hooks (``faults``: re-pointed by the side when
-    its hooks are set).  Built before the peers part, which admits requests here, so
-    whether a decode peer is paused is asked at each :meth:`schedule`."""
+    chunk and batch sizes and the no-slot tensor.  What it works on is the side's context
+    (``ctx``): the allocator it allocates from and the ledger that holds the new pages,
+    the request tables (read), whether a decode peer is paused (asked at each
+    :meth:`schedule`), the fault hooks and the settings.  The first part built: the
+    messages part admits requests here, the ending part drops them."""
 
-    def __init__(
-        self,
-        *,
-        spec: kvmem.KVSpec,
-        alloc: Any,
-        ledger: Ledger,
-        reqs: dict[int, PrefillRequest],
-        faults: Faults,
-        chunk_tokens: int,
-        max_batch_tokens: int,
-    ):
-        self.spec, self.alloc, self.ledger, self.reqs = spec, alloc, ledger, reqs
-        self.faults = faults
-        self.chunk_tokens = chunk_tokens
-        self.max_batch_tokens = max(max_batch_tokens, chunk_tokens)
+    def __init__(self, ctx: PrefillContext):
+        self.ctx = ctx
+        self.chunk_tokens = ctx.config.chunk_tokens
+        self.max_batch_tokens = max(ctx.config.max_batch_tokens, self.chunk_tokens)
         self.order: list[int] = []  # scheduling order (FIFO)
         # last_loc of a request with no token yet (alloc_extend's -1), on the device
-        self._no_slot = torch.full((1,), -1, dtype=torch.int64, device=alloc.device)
+        self._no_slot = torch.full((1,), -1, dtype=torch.int64, device=ctx.alloc.device)
 
     def admit(self, rid: int) -> None:
         """Request ``rid`` is bootstrapped: scheduled after those before it."""
@@ -69,23 +53,24 @@ class PrefillScheduler:
         if rid in self.order:
             self.order.remove(rid)
 
-    def schedule(self, peer_paused: Callable[[str], bool]) -> list:
+    def schedule(self) -> list:
         """Pick chunks of WaitingForInput/Transferring requests whose decode is not paused
-        (``peer_paused(name)``) and allocate their pages with one alloc_extend (sglang
-        semantics).  Returns [(req, first_page, last_page)]."""
-        ps = self.spec.page_size
+        and allocate their pages with one alloc_extend (sglang semantics).  Returns
+        [(req, first_page, last_page)]."""
+        ctx = self.ctx
+        ps, alloc, faults = ctx.spec.page_size, ctx.alloc, ctx.faults()
         picked, budget, need_pages = [], self.max_batch_tokens, 0
         for rid in self.order:
-            req = self.reqs.get(rid)
+            req = ctx.requests.find(rid)
             if (
                 req is None
                 or req.state not in _FORWARDING
                 or req.done_tokens >= req.tokens
                 or req.pending
-                or peer_paused(req.peer)
+                or ctx.peers.is_paused(req.peer)
             ):
                 continue
-            if self.faults.stall(rid, req.seq):
+            if faults.stall(rid, req.seq):
                 continue
             n = min(self.chunk_tokens, req.tokens - req.done_tokens, budget)
             if n < req.tokens - req.done_tokens:
@@ -93,7 +78,7 @@ class PrefillScheduler:
             if n <= 0:
                 break
             pages = -(-(req.done_tokens + n) // ps) - (-(-req.done_tokens // ps))
-            if need_pages + pages > self.alloc.num_free:
+            if need_pages + pages > alloc.num_free:
                 break  # memory pressure: the rest waits for frees
             picked.append((req, n))
             need_pages += pages
@@ -105,9 +90,9 @@ class PrefillScheduler:
         # synchronising call), and each request's last slot stays on the device.
         pre = torch.tensor([r.done_tokens for r, _ in picked], dtype=torch.int64)
         seq = pre + torch.tensor([n for _, n in picked], dtype=torch.int64)
-        dev = self.alloc.device
+        dev = alloc.device
         last = torch.cat([self._no_slot if r.last_loc is None else r.last_loc for r, _ in picked])
-        slots = self.alloc.alloc_extend(
+        slots = alloc.alloc_extend(
             to_device(pre, dev),
             to_device(seq, dev),
             last,
@@ -122,7 +107,7 @@ class PrefillScheduler:
             off += n
             first = req.done_tokens // ps
             new = s[(ps - req.done_tokens % ps) % ps :: ps] // ps  # pages that start here
-            self.ledger.hold(req.rid, new)
+            ctx.ledger.hold(req.rid, new)
             req.done_tokens += n
             req.last_loc = s[-1:]
             last_page = -(-req.done_tokens // ps)

@@ -1,8 +1,8 @@
 """The sending half of the prefill side (:class:`PrefillSending`, a part each
 :class:`~kvmem.disagg.prefill.PrefillSide` holds): the transfers of a request, from
-staging to posting to polling.  A request's chunks are
-packed into staging, written direct or offered (pull), one transfer in flight at a time;
-``PrefillSide`` owns the requests and their states.
+staging to posting to polling, the AUX after the last chunk included.  A request's
+chunks are packed into staging, written direct or offered (pull), one transfer in flight
+at a time; the side's request tables own the requests and their states.
 
 * Direct chunks (``direct_threshold``; push): :mod:`kvmem.disagg.prefill_direct`.
 * Pull mode (``transfer_mode="pull"``): each chunk is offered (``READY``) instead of
@@ -21,7 +21,7 @@ packed into staging, written direct or offered (pull), one transfer in flight at
   memory backend reports one region per physical allocation (the CUDA VMM backend: one
   per 2 GiB chunk).  The staging buffer is registered with its backend's regions, and a
   slot's bytes are posted as one local range per chunk they lie in
-  (:func:`~kvmem.disagg.peers.buffer_map`); the landing region is addressed as an offset
+  (:class:`~kvmem.disagg.prefill_staging.Staging`); the landing region is addressed as an offset
   into the decode's ``landing`` registration, its regions concatenated in order
   (:class:`~kvmem.disagg.peers.RegionMap`), cut the same way.  A write that spans two
   chunks on either side is one write of several ranges.
@@ -37,100 +37,46 @@ import numpy as np
 import torch
 
 import kvmem
-from kvmem.disagg.arena import Arena, ArenaFullError
+from kvmem.disagg.arena import ArenaFullError
 from kvmem.disagg.device import to_device
 from kvmem.disagg.outcome import INTERNAL_ERROR, Reason
 from kvmem.disagg.protocol import AUX_BYTES
 from kvmem.disagg.protocol import encode, encode_runs
 from kvmem.disagg.states import PrefillState
 from kvmem.transfer.errors import StaleEpochError, TransferError
-from kvmem.disagg.peers import buffer_map
 from kvmem.disagg.prefill_direct import PrefillDirect, end_refused
-from kvmem.disagg.prefill_request import InFlight, Offer, PrefillRequest, _Send, _Staged, set_state
-from kvmem.memory import make_backend
+from kvmem.disagg.prefill_request import InFlight, Offer, PrefillRequest, _Send, _Staged
 from kvmem.transfer.records import XferState
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-    from typing import Any
-
-    from kvmem.disagg.counters import Metrics
-    from kvmem.disagg.ledger import Ledger
-    from kvmem.disagg.prefill_peers import _DecodePeer
-    from kvmem.disagg.prefill_request import Faults
+    from kvmem.disagg.prefill_context import PrefillContext
+    from kvmem.disagg.prefill_ending import PrefillEnding
+    from kvmem.disagg.prefill_schedule import PrefillScheduler
 
 log = logging.getLogger("kvmem.disagg.prefill")  # the side's logger (docs/logging.md)
 
 
 class PrefillSending:
-    """The sending of one prefill side.  It owns the staging buffer (``staging``, its
-    memory ``staging_mem``, registered with the engine as ``staging``, and the map of its
-    regions ``staging_map``), the arena of its slots (``arena``), the count of chunks by
-    how they went (``chunk_modes``) and the direct writes (``direct``, a
-    :class:`~kvmem.disagg.prefill_direct.PrefillDirect`); a request's transfer in flight
-    is kept on the request (``staged``, ``handles``).  What it uses is handed to it: the
-    pool, engine, ledger, counters, clock, fault hooks (``faults``: re-pointed by the
-    side when its hooks are set) and ready events; the side's active requests (``reqs``,
-    read) in scheduling order (``order``, the scheduler's); what is kept about a decode
-    peer (``peer(name)``) and how to tell it (``tell``); and the side's calls that end a
-    request (``end``) or finish it once nothing is in flight (``maybe_finish``)."""
+    """The sending of one prefill side.  It owns the count of chunks by how they went
+    (``chunk_modes``) and the direct writes (``direct``, a
+    :class:`~kvmem.disagg.prefill_direct.PrefillDirect`, made with the threshold given);
+    a request's transfer in flight is kept on the request (``staged``, ``handles``).
+    What it uses: the side's context (``ctx``: the pool, engine, ledger, counters, clock,
+    fault hooks, ready events, settings, the request tables, the staging buffer it packs
+    into and posts from, and the decode peers' records and how to tell one), and the
+    parts built before it: ``scheduler`` (its order is the order requests are sent in)
+    and ``ending`` (a request ended, or finished once nothing of it is in flight)."""
 
     def __init__(
         self,
-        *,
-        pool: Any,
-        engine: Any,
-        ledger: Ledger,
-        metrics: Metrics,
-        clock: Callable[[], float],
-        faults: Faults,
-        ready_event: Callable[[], Any],
-        transfer_mode: str,
-        quarantine_timeout: float,
-        chunk_tokens: int,
-        staging_bytes: int | None,
+        ctx: PrefillContext,
+        scheduler: PrefillScheduler,
+        ending: PrefillEnding,
         direct_threshold: int | None,
-        reqs: dict[int, PrefillRequest],
-        order: list[int],
-        peer: Callable[[str], _DecodePeer],
-        tell: Callable[[str, bytes], bool],
-        end: Callable[[PrefillRequest, Reason], None],
-        maybe_finish: Callable[[PrefillRequest], None],
     ):
-        spec = pool.spec
-        self.pool, self.spec, self.engine, self.ledger = pool, spec, engine, ledger
-        self.metrics, self.clock, self.faults = metrics, clock, faults
-        self.ready_event, self.transfer_mode = ready_event, transfer_mode
-        # pull: how long pages offered to a decode read stay held without its PULLED
-        self.quarantine_timeout = quarantine_timeout
-        self.reqs, self.order, self.peer, self.tell = reqs, order, peer, tell
-        self.end, self.maybe_finish = end, maybe_finish
-        chunk_max = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
-        staging_bytes = staging_bytes or 8 * chunk_max + 64 * AUX_BYTES
-        self.arena = Arena(staging_bytes)
-        if self.arena.size < chunk_max + AUX_BYTES:
-            raise ValueError(
-                f"staging_bytes {staging_bytes} cannot hold one chunk ({chunk_max} bytes)"
-            )
-        self.staging_mem = make_backend(staging_bytes, pool.device)
-        staging = self.staging_mem.tensor
-        assert staging is not None  # mapped until the backend is freed
-        self.staging: torch.Tensor = staging
-        # One region per physical chunk of the staging memory (NIXL refuses a descriptor
-        # across two registrations); a slot's write is cut at the chunk boundaries it
-        # crosses (_post)
-        regions = self.staging_mem.regions()
-        self.staging_map = buffer_map(self.staging, regions)
-        engine.register("staging", regions, 0, pool.device)
+        self.ctx, self.scheduler, self.ending = ctx, scheduler, ending
         self.chunk_modes: Counter = Counter()  # chunks posted, "packed" / "direct" / "pulled"
-        self.direct = PrefillDirect(
-            engine=engine,
-            transfer_mode=transfer_mode,
-            faults=faults,
-            threshold=direct_threshold,
-            peer=peer,
-            end=end,
-        )
+        self.direct = PrefillDirect(ctx, ending, direct_threshold)
 
     @property
     def writes_in_flight(self) -> bool:
@@ -138,7 +84,11 @@ class PrefillSending:
         not seen DONE or ERR yet.  Such a write completes, and sends its notification, only
         when this side polls it (no progress thread: see kvmem/transfer/nixl.py), so a
         loop should not nap then; an offered read (pull) is the decode's to finish."""
-        return any(not isinstance(t.op, Offer) for req in self.reqs.values() for t in req.handles)
+        return any(
+            not isinstance(t.op, Offer)
+            for req in self.ctx.requests.active.values()
+            for t in req.handles
+        )
 
     # --- sending ----------------------------------------------------------------------------
     def flush_pending(self) -> bool:
@@ -150,12 +100,12 @@ class PrefillSending:
         # notification follows on the same endpoint, in order.  True when something was
         # staged or posted (or a request ended trying).
         moved = False
-        for rid in list(self.order):
-            req = self.reqs.get(rid)
+        for rid in list(self.scheduler.order):
+            req = self.ctx.requests.find(rid)
             while (
                 req is not None
                 and not req.state.ended
-                and not self.peer(req.peer).paused
+                and not self.ctx.peers.get(req.peer).paused
                 and not req.handles
             ):
                 if req.staged is not None:
@@ -181,29 +131,30 @@ class PrefillSending:
         direct write or a pull offer.  ``"staged"``; ``"full"`` when staging is full, or
         ``"wait"`` when the chunk needs its page ids on the host (pull, direct) and their
         copy is not done yet (nothing changed either way)."""
-        spec = self.spec
+        ctx = self.ctx
+        spec, pull = ctx.spec, ctx.config.transfer_mode == "pull"
         nbytes = kvmem.packed_nbytes(spec, last - first)
         host_ids = None
-        if self.transfer_mode == "pull" or self.direct.may_go(req):
+        if pull or self.direct.may_go(req):
             host_ids = self._host_ids(req, first, last)
             if host_ids is None:
                 return "wait"
-        if self.transfer_mode == "pull":  # offered once the forward's writes are done
+        if pull:  # offered once the forward's writes are done
             self.chunk_modes["pulled"] += 1
             req.staged = _Staged(
                 _Send.OFFER,
                 nbytes,
                 kvmem.packed_nbytes(spec, first),
                 final,
-                self.ready_event(),
+                ctx.ready_event(),
                 pages=(first, last),
             )
             # final: the decode reads the pages; freed once its read is DONE or ERR, in
-            # KV_POSTED (_maybe_finish)
+            # KV_POSTED (_last_write_done)
             return "staged"
         direct = None if host_ids is None else self.direct.indices(req, first, last, host_ids)
         if direct is not None:
-            ready = self.ready_event()  # the forward's writes to these pages are done
+            ready = ctx.ready_event()  # the forward's writes to these pages are done
             self.chunk_modes["direct"] += 1
             notif = encode(
                 "CHUNK",
@@ -227,22 +178,22 @@ class PrefillSending:
             # final: the write reads the pages; freed once it is DONE or ERR, in KV_POSTED
             return "staged"
         try:
-            off = self.arena.alloc(nbytes)
+            off = ctx.staging.arena.alloc(nbytes)
         except ArenaFullError:
             return "full"
         self.chunk_modes["packed"] += 1
         # the ids came from this side's allocator: unchecked, no host sync on CUDA
         kvmem.pack_pages(
-            self.pool,
-            self.ledger.pages(req.rid)[first:last],
-            out=self.staging[off : off + nbytes],
+            ctx.pool,
+            ctx.ledger.pages(req.rid)[first:last],
+            out=ctx.staging.tensor[off : off + nbytes],
             check=False,
         )
-        ready = self.ready_event()  # right after the pack, on the stream it ran on
-        self.metrics.bytes_packed += nbytes
+        ready = ctx.ready_event()  # right after the pack, on the stream it ran on
+        ctx.metrics.bytes_packed += nbytes
         if final:  # the packed copies are what is sent: the pages are free to go (a later
             # writer of these pages is ordered after the pack on the same stream)
-            self.ledger.release(req.rid, "sent")
+            ctx.ledger.release(req.rid, "sent")
         chunk_off = kvmem.packed_nbytes(spec, first)
         notif = encode(
             "CHUNK",
@@ -267,24 +218,35 @@ class PrefillSending:
             req.ids_known = c.last
         return req.host_pages[first:last] if req.ids_known >= last else None
 
+    def _last_write_done(self, req: PrefillRequest) -> None:
+        """KV_POSTED and nothing of ``req`` in flight: its last chunk is DONE (or its
+        offer answered), so the pages a direct write or an offered read was reading go
+        back (ledger reason ``sent``) and its extra state follows (:meth:`send_aux`)."""
+        ledger = self.ctx.ledger
+        if ledger.holds(req.rid):
+            ledger.release(req.rid, "sent")
+        self.send_aux(req)
+
     def send_aux(self, req: PrefillRequest) -> None:
         """The last write carries the request's extra state (first output token, lengths)."""
+        ctx = self.ctx
         try:
-            off = self.arena.alloc(AUX_BYTES)
+            off = ctx.staging.arena.alloc(AUX_BYTES)
         except ArenaFullError:  # never: sized with room for AUX slots; fail loudly
-            self.end(
+            self.ending.end(
                 req, Reason(INTERNAL_ERROR, f"request {req.rid}: no staging for its extra state")
             )
             return
         aux = torch.zeros(AUX_BYTES, dtype=torch.uint8)
         aux[:16].view(torch.int64).copy_(torch.tensor([req.rid, req.tokens]))
         # through pinned memory on CUDA: asynchronous, ordered before ``ready`` below
-        self.staging[off : off + AUX_BYTES].copy_(to_device(aux, self.staging.device))
-        ready = self.ready_event()
-        aux_off = kvmem.packed_nbytes(self.spec, -(-req.tokens // self.spec.page_size))
+        staging = ctx.staging.tensor
+        staging[off : off + AUX_BYTES].copy_(to_device(aux, staging.device))
+        ready = ctx.ready_event()
+        aux_off = kvmem.packed_nbytes(ctx.spec, -(-req.tokens // ctx.spec.page_size))
         notif = encode("AUX", rid=req.rid, off=aux_off, nbytes=AUX_BYTES)
         req.staged = _Staged(_Send.AUX, AUX_BYTES, aux_off, False, ready, notif, off=off)
-        set_state(req, PrefillState.AUX_STAGED)
+        ctx.requests.set_state(req, PrefillState.AUX_STAGED)
         self._post_staged(req)
 
     def _post_staged(self, req: PrefillRequest) -> bool:
@@ -303,10 +265,12 @@ class PrefillSending:
         if not posted:
             return True  # the request ended (500 / 503); a staging slot is free again
         if st.aux:
-            set_state(req, PrefillState.AUX_POSTED)
+            self.ctx.requests.set_state(req, PrefillState.AUX_POSTED)
             return True
-        # KV_POSTED: the AUX is staged by _maybe_finish once this write is DONE
-        set_state(req, PrefillState.KV_POSTED if st.final else PrefillState.TRANSFERRING)
+        # KV_POSTED: the AUX is staged by _last_write_done once this write is DONE
+        self.ctx.requests.set_state(
+            req, PrefillState.KV_POSTED if st.final else PrefillState.TRANSFERRING
+        )
         return True
 
     def _post(self, req, staging_off, nbytes, remote_off, notif, *, aux: bool) -> bool:
@@ -314,16 +278,17 @@ class PrefillSending:
         slot and end the request (500, or 503 when the decode's memory moved on)."""
         seq = req.seq
         req.seq += 1
-        local = self.staging_map.ranges(staging_off, nbytes)  # one range per chunk it spans
+        ctx = self.ctx
+        local = ctx.staging.map.ranges(staging_off, nbytes)  # one range per chunk it spans
         what = "extra-state (last) chunk" if aux else f"chunk {seq}"
         try:
-            if self.faults.fail_send(req.rid, seq, aux):
+            if ctx.faults().fail_send(req.rid, seq, aux):
                 raise TransferError(f"injected send failure of {what}")
             remote = req.landing_map.ranges(req.landing_off + remote_off, nbytes)
-            h = self.engine.post_write(local, req.remote, remote, notif)
+            h = ctx.engine.post_write(local, req.remote, remote, notif)
         except (StaleEpochError, TransferError) as e:
-            self.arena.free(staging_off)
-            return end_refused(self.end, req, e, what)
+            ctx.staging.arena.free(staging_off)
+            return end_refused(self.ending.end, req, e, what)
         req.handles.append(InFlight(h, staging_off))
         return True
 
@@ -331,10 +296,11 @@ class PrefillSending:
         """Pull mode: tell the decode to read pages ``[first, last)`` from this pool."""
         assert st.pages is not None  # an OFFER's
         first, last = st.pages
+        ctx = self.ctx
         seq = req.seq
         req.seq += 1
-        if self.faults.fail_send(req.rid, seq, False):
-            self.end(
+        if ctx.faults().fail_send(req.rid, seq, False):
+            self.ending.end(
                 req,
                 Reason(
                     INTERNAL_ERROR,
@@ -350,11 +316,11 @@ class PrefillSending:
             first=first,
             last=last,
             pages=encode_runs(pages),
-            epoch=self.pool.epoch,
+            epoch=ctx.pool.epoch,
             final=st.final,
         )
-        if not self.tell(req.peer, msg):
-            self.end(
+        if not ctx.peers.tell(req.peer, msg):
+            self.ending.end(
                 req,
                 Reason(
                     INTERNAL_ERROR,
@@ -362,15 +328,15 @@ class PrefillSending:
                 ),
             )
             return False
-        req.handles.append(InFlight(Offer(first, last, st.nbytes, self.clock()), None))
+        req.handles.append(InFlight(Offer(first, last, st.nbytes, ctx.clock()), None))
         return True
 
     def poll_writes(self) -> bool:
         """Poll every posted write (this is also what sends its notification): DONE and
         ERR writes give their staging slot back; an ERR ends its request (500).  True when
         a write or an offered read ended."""
-        ended = False
-        for req in list(self.reqs.values()):
+        ended, metrics = False, self.ctx.metrics
+        for req in list(self.ctx.requests.active.values()):
             if not req.handles:
                 continue
             keep, failed = [], None
@@ -381,27 +347,30 @@ class PrefillSending:
                     continue
                 ended = True
                 if st == "DONE":
-                    self.metrics.bytes_sent += t.op.nbytes
-                    self.metrics.peer(req.peer).bytes += t.op.nbytes
+                    metrics.bytes_sent += t.op.nbytes
+                    metrics.peer(req.peer).bytes += t.op.nbytes
                 elif failed is None:
                     failed = t.op
             req.handles = keep
             if failed is not None and not req.state.ended:
-                self.end(
+                self.ending.end(
                     req,
                     Reason(
                         INTERNAL_ERROR,
                         f"request {req.rid}: write of {failed.nbytes} bytes failed: {failed.error}",
                     ),
                 )
+            elif not keep and req.state is PrefillState.KV_POSTED:
+                self._last_write_done(req)
             else:
-                self.maybe_finish(req)
+                self.ending.maybe_finish(req)
         return ended
 
     def _poll_write(self, w: InFlight) -> str:
         """The engine's state of write ``w``; once DONE or ERR its handle is released and
         its staging slot is free again."""
-        st = self.engine.poll(w.op)
+        assert not isinstance(w.op, Offer)  # a write's (offers: _poll_offer)
+        st = self.ctx.engine.poll(w.op)
         if st != "PROC":
             self._release_write(w)
         return st
@@ -416,19 +385,21 @@ class PrefillSending:
     def _release_write(self, w: InFlight, abort: bool = False) -> None:
         """Give back write ``w``'s handle (``abort``: cancel it if still in flight) and
         its staging slot."""
-        self.engine.release(w.op, abort=abort)
+        assert not isinstance(w.op, Offer)  # a write's (an offer has nothing to give back)
+        self.ctx.engine.release(w.op, abort=abort)
         if w.staging_off is not None:
-            self.arena.free(w.staging_off)
+            self.ctx.staging.arena.free(w.staging_off)
 
     def _poll_offer(self, req: PrefillRequest, offer: Offer) -> str:
         """``offer``'s state: the decode's answer (PULLED), or ERR (logged) once it has
         gone unanswered for ``quarantine_timeout``."""
-        if offer.state is XferState.PROC and self.clock() - offer.t_sent > self.quarantine_timeout:
+        quarantine_s = self.ctx.config.quarantine_timeout
+        if offer.state is XferState.PROC and self.ctx.clock() - offer.t_sent > quarantine_s:
             log.error(
                 "prefill: request %d: no PULLED from the decode %.1f s after offering "
                 "pages [%d, %d); freeing them",
                 req.rid,
-                self.quarantine_timeout,
+                quarantine_s,
                 offer.first,
                 offer.last,
             )

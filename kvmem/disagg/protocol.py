@@ -45,7 +45,6 @@ import binascii
 import collections
 import json
 import logging
-import operator
 import re
 from dataclasses import dataclass
 
@@ -405,24 +404,8 @@ def apply_metadata(engine, msg: Meta) -> None:
 
 
 # --- receiving ------------------------------------------------------------------------------
-def dispatch(side, handlers: dict, msg, peer: str, receiver: str, *, peers, sender: str) -> None:
-    """Apply ``msg`` from ``peer`` with the handler ``handlers`` names for its kind (a
-    side's dispatch table: message class -> the name of its method taking ``(msg,
-    peer)``, or ``"part.method"`` for a part's); ProtocolError, nothing changed, when
-    ``peer`` is not one of the side's ``peers`` (its ``sender`` role named) or the table
-    lacks the kind."""
-    if peer not in peers:
-        raise ProtocolError(f"message from {peer!r}, not a {sender} peer of this side")
-    name = handlers.get(type(msg))
-    if name is None:
-        raise ProtocolError(f"unexpected message {type(msg).__name__} on the {receiver} side")
-    handler(side, name)(msg, peer)
-
-
-def handler(side, name: str):
-    """The handler a dispatch table names: a method of ``side``, or of one of its parts
-    (``"part.method"``)."""
-    return operator.attrgetter(name)(side)
+# A side's dispatch table (message class -> the bound method that applies it):
+# kvmem.disagg.dispatch.
 
 
 class Inbox:

@@ -109,7 +109,7 @@ DECODE_EDGES: frozenset = frozenset(
 
 
 class PausePhase(enum.StrEnum):
-    """Where a side is in a pause (``PrefillSide.phase``, ``DecodeSide.phase``)."""
+    """Where a side is in a pause (each side's ``pause.phase``)."""
 
     SERVING = "serving"  # no pause: requests are scheduled, booted, sent
     DRAINING = "draining"  # prefill: its requests ended (503), their transfers draining;

@@ -289,7 +289,7 @@ class Pair:
         chunk_bytes = kvmem.packed_nbytes(spec, chunk_tokens // spec.page_size)
         staging = (
             unittest.mock.patch(
-                "kvmem.disagg.prefill_send.make_backend", side_by_side(staging_chunk)
+                "kvmem.disagg.prefill_staging.make_backend", side_by_side(staging_chunk)
             )
             if staging_chunk
             else contextlib.nullcontext()

@@ -155,7 +155,7 @@ def test_timeouts_fire_between_naps_and_count_as_progress(pair):
     assert [dec.step(pair.decode)[0] for _ in range(3)] == [False] * 3
     assert [pre.step(pair.prefill)[0] for _ in range(4)] == [False] * 4
     assert pre.backoff.nap > 0 and dec.backoff.nap > 0
-    pair.clock.advance(pair.decode.timeout + 1)  # past both sides' timeouts
+    pair.clock.advance(pair.decode.ctx.config.timeout + 1)  # past both sides' timeouts
     # nothing arrived at the decode: its own timeout is the progress (ABORT_REQ, quarantine)
     assert dec.step(pair.decode) == (True, 0.0)
     assert pair.decode.reqs[1].state == "quarantined"
@@ -187,7 +187,7 @@ def test_pull_quarantine_expiry_on_the_prefill_is_progress():
         p.prefill.abort(1)
         assert [pre.step(p.prefill)[0] for _ in range(4)] == [False] * 4
         assert p.prefill.ledger.holds(1)  # quarantined: the decode may be reading
-        p.clock.advance(p.prefill.quarantine_timeout + 1)
+        p.clock.advance(p.prefill.ctx.config.quarantine_timeout + 1)
         assert pre.step(p.prefill) == (True, 0.0)
         assert dict(p.prefill.ledger.freed_by_reason) == {"ended:499": 4}
     finally:

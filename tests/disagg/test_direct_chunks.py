@@ -23,7 +23,7 @@ PAIR = dict(direct_threshold=0)  # the shared pair fixture (tests/disagg/conftes
 
 
 def test_direct_chunks_land_in_pool_pages_verified_in_place_pages_freed_once(pair):
-    pair.decode.landing.fill_(0xA5)  # a direct chunk never touches the landing region
+    pair.decode.memory.landing.fill_(0xA5)  # a direct chunk never touches the landing region
     pair.prefill.add_request(1, 200)  # 4 chunks of 64 tokens, the last one partial
     pair.run_idle()
     assert pair.finished[1].status == 200
@@ -33,7 +33,7 @@ def test_direct_chunks_land_in_pool_pages_verified_in_place_pages_freed_once(pai
     assert m.bytes_verified == m.bytes_landed == kvmem.packed_nbytes(SPEC, 13) + 64
     assert pair.prefill.metrics.bytes_packed == 0
     # only the AUX (extra state) went through the landing region
-    touched = int((pair.decode.landing != 0xA5).sum())
+    touched = int((pair.decode.memory.landing != 0xA5).sum())
     assert 0 < touched <= 64
     assert dict(pair.prefill.ledger.freed_by_reason) == {"sent": 13}
     assert dict(pair.decode.ledger.freed_by_reason) == {"completed": 13}
@@ -195,7 +195,10 @@ def test_calibration_measures_both_ways_and_records_its_fit():
         thr = rec["threshold"]
         assert thr is None or (thr >= PLANE_PAGE and thr % PLANE_PAGE == 0)
         # nothing of the side changed; its own lists were not prepared and none is left
-        assert p.prefill.direct_threshold is None and p.prefill.sending.direct.local_table is None
+        assert (
+            p.prefill.sending.direct.threshold is None
+            and p.prefill.sending.direct.local_table is None
+        )
         assert not p.pe._tables and p.pe.open_handles() == 0
         p.prefill.set_direct_threshold(thr)
         p.prefill.add_request(1, 128)
@@ -214,7 +217,7 @@ def _reregister_decode_kv(pair) -> None:
     dec.pool.release()
     dec.pool.resume()
     dec.engine.register_pool(dec.pool, "kv")
-    dec.publish_metadata()
+    dec.peers.publish_metadata()
 
 
 @pytest.mark.parametrize("when", ["before-staging", "staged-not-posted"])
@@ -256,7 +259,7 @@ def test_direct_chunk_is_tied_to_the_kv_epoch_of_its_boot(when):
         dec.engine.register(
             "landing", dec.memory.landing_mem.regions(), dec.pool.epoch, dec.pool.device
         )
-        dec.publish_metadata()
+        dec.peers.publish_metadata()
         p.prefill.add_request(2, 64)
         p.run_idle()
         assert p.finished[2].status == 200 and p.decode.chunk_modes["direct"] == 2

@@ -291,7 +291,7 @@ class Live:
             self._bufs.append(buf)
             eng.register("fuzz", [(buf.data_ptr(), buf.numel())], 0)
         pair.prefill.peers.tell(pair.de.name, meta_message(pair.pe))
-        pair.decode._tell(pair.pe.name, meta_message(pair.de))
+        pair.decode.peers.tell(pair.pe.name, meta_message(pair.de))
         pair.old_md = self.old_md
         for side in (pair.prefill, pair.decode):
             for b in side.pool.k_buffer + side.pool.v_buffer:

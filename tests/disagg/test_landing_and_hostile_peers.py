@@ -211,7 +211,7 @@ def test_hostile_messages_to_the_prefill_are_counted_and_the_rest_applied(pair):
     one_batch(pair.pe, pair.de.name, len(hostile) + 1)
     pre.step()
     assert pre.metrics.protocol_errors == before + len(hostile)
-    assert not pre.peer_paused
+    assert not pre.peers.any_paused
     assert pre.metrics.requests["succeeded"] == 0
     pair.run_idle()
     assert pair.finished[1].status == 499 and "decode side: valid" in pair.finished[1].message

@@ -32,8 +32,10 @@ def freed(side) -> dict:
 def handle(side, peer: str, msg: dict) -> None:
     """One message through the parser and the side's handler, as its inbox does, with the
     refusal raised (ProtocolError) instead of counted."""
-    receiver = "decode" if isinstance(side, DecodeSide) else "prefill"
-    side.handle_message(parse(msg, sender=peer, receiver=receiver))
+    if isinstance(side, DecodeSide):
+        side.handle_message(parse(msg, sender=peer, receiver="decode"))
+    else:
+        side.messages.handle_message(parse(msg, sender=peer, receiver="prefill"))
 
 
 def test_success_frees_pages_once_and_delivers_verified_bytes(pair):
@@ -82,7 +84,10 @@ def test_abort_in_transferring_drains_before_decode_frees(pair):
     req = pair.prefill.reqs[1]
     assert req.handles, "the first chunk's write is posted"
     pair.prefill.abort(1)
-    if pair.prefill.direct_threshold is None and pair.prefill.transfer_mode == "push":
+    if (
+        pair.prefill.sending.direct.threshold is None
+        and pair.prefill.ctx.config.transfer_mode == "push"
+    ):
         # prefill pages freed at once (the packed copy is what is sent)
         assert freed(pair.prefill) == {"ended:499": 64 // 16}
     else:
@@ -300,7 +305,7 @@ def test_decode_pause_refuses_stale_writes_and_resumes(pair):
     assert pair.decode.pool.epoch == 1
     pair.step(2)  # the prefill learns the new metadata
     assert pair.pe.remote(pair.de.name, "landing").epoch == 1
-    src = pair.prefill.staging
+    src = pair.prefill.staging.tensor
     with pytest.raises(StaleEpochError):
         pair.pe.post_write([(src.data_ptr(), 64)], old, [(old.regions[0][0], 64)])
     pair.faults.stall_at.clear()
@@ -486,7 +491,7 @@ def test_vanished_decode_is_counted_not_fatal(pair):
     # cancelled with it and the offered pages' quarantine timed out (logged)
     assert pair.finished[1].status == 500 and (
         "DISCONNECT" in pair.finished[1].message
-        if pair.prefill.transfer_mode == "push"
+        if pair.prefill.ctx.config.transfer_mode == "push"
         else "no PULLED" in pair.finished[1].message
     )
     assert pair.finished[2].status == 504

@@ -21,7 +21,7 @@ PAIR = dict(transfer_mode="pull")  # the shared pair fixture (tests/disagg/conft
 
 
 def test_pull_reads_pool_to_pool_verified_in_place_pages_freed_once(pair):
-    pair.decode.landing.fill_(0xA5)
+    pair.decode.memory.landing.fill_(0xA5)
     pair.prefill.add_request(1, 200)
     pair.run_idle()
     assert pair.finished[1].status == 200
@@ -29,7 +29,7 @@ def test_pull_reads_pool_to_pool_verified_in_place_pages_freed_once(pair):
     m = pair.decode.metrics
     assert m.bytes_verified == m.bytes_landed == kvmem.packed_nbytes(SPEC, 13) + 64
     assert pair.prefill.metrics.bytes_sent == m.bytes_landed  # reads acked + the AUX write
-    assert 0 < int((pair.decode.landing != 0xA5).sum()) <= 64  # only the AUX landed there
+    assert 0 < int((pair.decode.memory.landing != 0xA5).sum()) <= 64  # only the AUX landed there
     assert dict(pair.prefill.ledger.freed_by_reason) == {"sent": 13}
     assert dict(pair.decode.ledger.freed_by_reason) == {"completed": 13}
     pair.assert_clean()
@@ -70,7 +70,7 @@ def test_offered_pages_without_an_answer_are_freed_after_the_quarantine_timeout(
     pair.prefill.abort(1)
     pair.step(3)
     assert pair.prefill.ledger.holds(1)  # still quarantined: no answer yet
-    pair.clock.advance(pair.prefill.quarantine_timeout + 1)
+    pair.clock.advance(pair.prefill.ctx.config.quarantine_timeout + 1)
     pair.prefill.step()
     assert dict(pair.prefill.ledger.freed_by_reason) == {"ended:499": 4}
     assert "no PULLED from the decode" in caplog.text
@@ -82,7 +82,7 @@ def test_offered_pages_without_an_answer_are_freed_after_the_quarantine_timeout(
 def test_a_read_built_from_the_prefills_older_metadata_is_refused_before_posting(pair):
     pair.prefill.add_request(1, 64)
     pair.run_idle()
-    old = pair.decode._tables[pair.pe.name].table
+    old = pair.decode.peers.tables[pair.pe.name].table
     assert old is not None and old.epoch == 0
     pair.prefill.begin_pause()
     pair.run_until(lambda: pair.prefill.paused)
@@ -111,6 +111,8 @@ def test_a_read_built_from_the_prefills_older_metadata_is_refused_before_posting
     assert pair.prefill.metrics.protocol_errors == 1
     pair.faults.stall_at.clear()
     pair.run_idle()
-    assert pair.finished[2].status == 200 and pair.decode._tables[pair.pe.name].table.epoch == 1
+    assert (
+        pair.finished[2].status == 200 and pair.decode.peers.tables[pair.pe.name].table.epoch == 1
+    )
     assert pair.decode.metrics.bytes_corrupt == 0
     pair.assert_clean()

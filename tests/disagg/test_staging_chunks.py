@@ -44,7 +44,7 @@ def test_nixl_refuses_a_descriptor_across_two_mappings(pair):
     """The premise: two registrations side by side are two to NIXL.  A write whose local
     descriptor crosses from one into the other is refused (NIXL_ERR_NOT_FOUND), as a
     descriptor across two physical chunks is on a GPU."""
-    regions = pair.prefill.sending.staging_mem.regions()
+    regions = pair.prefill.staging.mem.regions()
     assert len(regions) >= 2 and regions[0][0] + regions[0][1] == regions[1][0]
     ag = pair.pe.agent
     # register each mapping on its own (the prefill registered them: its own regions)
@@ -66,7 +66,7 @@ def test_nixl_refuses_a_descriptor_across_two_mappings(pair):
 
 @pytest.mark.nixl
 def test_staging_registered_per_chunk_and_no_write_crosses_one(pair):
-    regions = pair.prefill.sending.staging_mem.regions()
+    regions = pair.prefill.staging.mem.regions()
     assert list(pair.pe.registrations()["staging"].regions) == regions
     posts = record_local_ranges(pair)
     # two requests in one batch: two staging slots at once, the second across a boundary
@@ -125,7 +125,7 @@ def test_calibration_writes_cut_at_both_sides_chunks():
         stop.set()
         t.join()
     try:
-        regions = p.prefill.sending.staging_mem.regions()
+        regions = p.prefill.staging.mem.regions()
         assert posts and all(len(x) == 2 and inside_one(x, regions) for x in posts), posts
         assert len(rec["rows"]) == 2 and all(r["packed_s"] > 0 for r in rec["rows"])
         assert p.pe.open_handles() == 0

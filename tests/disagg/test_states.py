@@ -1,5 +1,5 @@
 """The request states of both PD sides (kvmem/disagg/states.py) and the one transition
-function of each side:
+of each side (its request tables' ``set_state``):
 
 * the drawing in each side's module docstring is exactly its edge table (parsed here);
 * every edge of the table is accepted, every other one refused with an error naming the
@@ -31,16 +31,14 @@ import kvmem.disagg.decode as decode_mod
 import kvmem.disagg.prefill as prefill_mod
 from kvmem.disagg import KVPoll, ProtocolError
 from kvmem.disagg import device as dev
-from kvmem.disagg.decode import DecodeSide
+from kvmem.disagg.counters import Metrics
 from kvmem.disagg.decode_pause import DecodePause
 from kvmem.disagg.decode_request import DecodeRequest
-from kvmem.disagg.decode_request import set_state as set_decode_state
+from kvmem.disagg.decode_request import DecodeRequests
 from kvmem.disagg.prefill_pause import PrefillPause
-from kvmem.disagg.prefill_peers import PrefillPeers
 from kvmem.disagg.prefill_request import PrefillRequest
-from kvmem.disagg.prefill_request import set_state as set_prefill_state
+from kvmem.disagg.prefill_request import PrefillRequests
 from kvmem.disagg.protocol import DECODE_RECEIVES, PREFILL_RECEIVES, PauseAck, Pulled
-from kvmem.disagg.protocol import handler as handler_of
 from kvmem.disagg.states import (
     DECODE_EDGES,
     DECODE_PAUSE_EDGES,
@@ -61,8 +59,8 @@ SIDES = {
     "prefill": (prefill_mod, PrefillState, PREFILL_EDGES),
     "decode": (decode_mod, DecodeState, DECODE_EDGES),
 }
-# the one way each side's requests change state
-SET_STATE = {"prefill": set_prefill_state, "decode": set_decode_state}
+# the one way each side's requests change state: its request tables' set_state
+TABLES = {"prefill": PrefillRequests, "decode": DecodeRequests}
 MODES = {"packed": {}, "direct": {"direct_threshold": 0}, "pull": {"transfer_mode": "pull"}}
 P, D = PrefillState, DecodeState
 
@@ -126,7 +124,7 @@ def test_every_edge_of_the_table_is_accepted(side):
     _, _, table = SIDES[side]
     for src, dst in sorted(table, key=str):
         req = _request(side, src)
-        SET_STATE[side](req, dst)
+        TABLES[side](Metrics(side)).set_state(req, dst)
         assert req.state is dst
 
 
@@ -140,7 +138,7 @@ def test_every_other_edge_is_refused_naming_the_request_and_both_states(side):
                 continue
             req = _request(side, src)
             with pytest.raises(IllegalTransition) as e:
-                SET_STATE[side](req, dst)
+                TABLES[side](Metrics(side)).set_state(req, dst)
             name = "(new)" if src is None else src.name
             assert str(e.value) == (
                 f"{side}: request 7: no edge {name} -> {dst.name} in the {side}'s state table"
@@ -178,17 +176,12 @@ def test_terminal_states_have_no_way_out_and_prefill_states_report_kvpoll():
 
 
 def test_one_dispatch_table_per_side_covers_what_the_protocol_sends_it(sides):
-    for cls, owner, receives in (
-        (PrefillPeers, sides["prefill"].peers, PREFILL_RECEIVES),
-        (DecodeSide, sides["decode"], DECODE_RECEIVES),
-    ):
-        assert {kind.t for kind in cls.HANDLERS} == receives
-        for name in cls.HANDLERS.values():
-            assert callable(handler_of(owner, name)), name
+    assert sides["prefill"].messages.handlers.kinds == PREFILL_RECEIVES
+    assert sides["decode"].handlers.kinds == DECODE_RECEIVES
     # a message of the other direction reaches no handler: refused, nothing changed
     pre, dec = sides["prefill"], sides["decode"]
     with pytest.raises(ProtocolError, match="unexpected message PauseAck on the prefill side"):
-        pre.handle_message(PauseAck(0))
+        pre.messages.handle_message(PauseAck(0))
     with pytest.raises(ProtocolError, match="unexpected message Pulled on the decode side"):
         dec.handle_message(Pulled(1, 0, 1, True))
     assert not pre.reqs and not dec.reqs
@@ -525,7 +518,7 @@ def test_pauses_walk_their_phase_tables(mode):
             pre.add_request(1, 200)
             pair.run_until(lambda: pre.state(1) == KVPoll.Transferring)
             pre.begin_pause()
-            assert pre.phase is S.DRAINING and pre.pausing and not pre.paused
+            assert pre.pause.phase is S.DRAINING and pre.pausing and not pre.paused
             pair.run_until(lambda: pre.paused)
             pre.resume()
             pair.faults.stall_at.clear()
@@ -541,10 +534,10 @@ def test_pauses_walk_their_phase_tables(mode):
                 dec.begin_pause()
                 # the prefill gives the offer up (no PULLED in its quarantine timeout),
                 # so it acknowledges with the decode's read still in flight
-                pair.clock.advance(pre.quarantine_timeout + 1)
+                pair.clock.advance(pre.ctx.config.quarantine_timeout + 1)
                 pre.step()
                 dec.inbox.drain()
-                assert dec.phase is S.READS
+                assert dec.pause.phase is S.READS
             else:
                 pair.step(2)
                 dec.begin_pause()

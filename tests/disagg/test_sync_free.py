@@ -60,7 +60,11 @@ SCOPE = {
         "prefill.py",
         "prefill_send.py",
         "prefill_peers.py",
+        "prefill_messages.py",
+        "requests.py",
+        "dispatch.py",
         "decode.py",
+        "decode_peers.py",
         "decode_memory.py",
         "device.py",
         "ledger.py",
@@ -154,8 +158,8 @@ def watch(pair: Pair, mode: DeviceReads) -> None:
         for t in [pool._mem.tensor] + pool._k_buffer + pool._v_buffer:
             mode.mark(t)
         _mark_results(mode, side.alloc, ("alloc", "alloc_extend", "alloc_decode"))
-    mode.mark(pair.prefill.staging)
-    mode.mark(pair.decode.landing)
+    mode.mark(pair.prefill.staging.tensor)
+    mode.mark(pair.decode.memory.landing)
     _mark_results(mode, pair.synth, ("verify", "verify_pages"))
 
 
