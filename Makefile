@@ -133,7 +133,9 @@ test-e2e: $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 
 # Writes bench/results/bench-<device>.json and the PNG plots of bench/plot.py beside it,
 # then the figures README.md and docs/ quote from it (bench/figures.py).  sglang's
-# Mooncake pairs run in .venv-e2e (bench/bench_sglang_transfer.py).
+# Mooncake pairs run in .venv-e2e (bench/bench_sglang_transfer.py), and so does sglang's
+# serving benchmark through real PD pairs (bench/bench_serving.py: bench/results/
+# serving-cpu.json and its plots; it refuses a machine that is not quiet).
 bench: $(VENV)/.test-ready $(E2E_VENV)/.adapter $(E2E_VENV)/ibverbs.path
 	KVMEM_BENCH_OUT=bench/results $(BIN)/python -m pytest -q bench \
 	  --benchmark-columns=median,iqr,ops --benchmark-sort=name

@@ -33,6 +33,7 @@ SPAN = re.compile(r"<!-- fig:([a-z0-9_.-]+) -->(.*?)<!-- /fig -->", re.S)
 class Figure:
     source: str  # a file in bench/results/
     text: Callable[[dict], str]  # the results file's JSON -> the quoted text
+    missing: str | None = None  # the quoted text while the file does not exist (else: error)
 
 
 def _group(d: dict, name: str) -> list:
@@ -213,6 +214,110 @@ def _readme_table(d: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- the serving benchmark (bench/serving.py; bench/serving_report.py has the file) ------
+
+SERVING = "serving-cpu.json"
+NOT_MEASURED = "not yet measured on a quiet machine"
+NO_TABLE = (
+    "\n_Not yet measured on a quiet machine: `make bench` (or `python -m bench.serving`) "
+    "writes `bench/results/serving-cpu.json` and its plots, and `python -m bench.figures` "
+    "then fills in this table._\n"
+)
+NO_RESUME = "\n_Not yet measured on a quiet machine (the same file)._\n"
+PLOTS = (  # (file in bench/results/, what it shows, drawn only when the file has cycles)
+    ("cpu-serving.png", "TTFT, ITL, end-to-end latency and throughput against concurrency", 0),
+    ("cpu-serving-batch.png", "ITL against the decode's running batch", 0),
+    ("cpu-serving-resume.png", "TTFT and ITL before a release and after the resume", 1),
+)
+
+
+def _serving_cells(d: dict) -> list[dict]:
+    cells = d.get("summary", {}).get("cells", [])
+    if not cells:
+        raise KeyError("bench/figures: the serving results have no summary cells")
+    return cells
+
+
+def _serving_when(d: dict) -> str:
+    cfg = d["config"]
+    loaded = sum(bool(r["loaded"]) for r in d["runs"])
+    notes = [f"{loaded} of {len(d['runs'])} runs under load" if loaded else "quiet"]
+    if d.get("partial"):
+        notes.append("PARTIAL")
+    if d.get("smoke"):
+        notes.append("SMOKE")
+    return (
+        f"{d['time'][:10]}, {d['device']}, sglang {d.get('sglang', '?')}, "
+        f"{cfg['rounds']} rounds, {', '.join(notes)}"
+    )
+
+
+def _ms(s: dict | None, nd: int = 1) -> str:
+    return "-" if s is None else f"{s['median']:.{nd}f}"
+
+
+def _vs(c: dict, fig: str, nd: int = 1) -> str:
+    """stock's median -> the flag's (flag / stock over the rounds: median [min-max])."""
+    k, r = c["kinds"], c["ratio"][fig]
+    ratio = "" if r is None else f" ({r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}])"
+    return f"{_ms(k['stock'][fig], nd)} -> {_ms(k['flag'][fig], nd)}{ratio}"
+
+
+def _serving_table(d: dict) -> str:
+    """Per backend and concurrency, at the longest prompt: stock's median -> the flag's
+    and the ratio flag / stock of TTFT, ITL, end-to-end latency and throughput."""
+    cells = _serving_cells(d)
+    longest = max(c["input_len"] for c in cells)
+    lines = [
+        "",
+        "| backend | prompt / answer, concurrency | TTFT ms | ITL ms | end-to-end ms "
+        "| output tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in (c for c in cells if c["input_len"] == longest):
+        lines.append(
+            f"| {c['backend']} | {c['input_len']} / {c['output_len']}, {c['concurrency']} "
+            f"| {_vs(c, 'ttft_median_ms')} | {_vs(c, 'itl_median_ms', 2)} "
+            f"| {_vs(c, 'e2e_median_ms', 0)} | {_vs(c, 'output_tok_s', 0)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _serving_resume(d: dict) -> str:
+    """Per backend and kind: TTFT and ITL in the window before the release and in the
+    one after the resume, and the first batch of each."""
+    rows = d.get("summary", {}).get("resume", [])
+    if not rows:
+        raise KeyError("bench/figures: the serving results have no release/resume cycles")
+    lines = [
+        "",
+        "| backend | kind | TTFT ms, before -> after | first batch TTFT ms | ITL ms "
+        "| release, resume s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in rows:
+        t, i = e["ttft_median_ms"], e["itl_median_ms"]
+        lines.append(
+            f"| {e['backend']} | {e['kind']} "
+            f"| {_ms(t['before'])} -> {_ms(t['after'])} ({_ms(t['after_over_before'], 2)}x) "
+            f"| {_ms(t['first_batch_before'])} -> {_ms(t['first_batch'])} "
+            f"({_ms(t['first_over_before'], 2)}x) "
+            f"| {_ms(i['before'], 2)} -> {_ms(i['after'], 2)} ({_ms(i['after_over_before'], 2)}x) "
+            f"| {_ms(e['release_s'], 2)}, {_ms(e['resume_s'], 2)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _serving_plots(d: dict) -> str:
+    """The plots bench/serving_plot.py drew from the file, as images of the page."""
+    lines = [
+        f"![{what}, stock against the flag](bench/results/{png})"
+        for png, what, cycles in PLOTS
+        if not cycles or d.get("cycles")
+    ]
+    return "\n" + "\n".join(lines) + "\n"
+
+
 FIGURES: dict[str, Figure] = {
     "kernels.pack": Figure("bench-cpu.json", _kernels_pack),
     "transfer.write": Figure("bench-cpu.json", _transfer_write),
@@ -220,17 +325,28 @@ FIGURES: dict[str, Figure] = {
     "demo.stages": Figure("bench-cpu.json", _demo_stages),
     "readme.table": Figure("bench-cpu.json", _readme_table),
     "bench.when": Figure("bench-cpu.json", lambda d: f"{d['time'][:10]}, {d['device']}"),
+    "serving.when": Figure(SERVING, _serving_when, NOT_MEASURED),
+    "serving.table": Figure(SERVING, _serving_table, NO_TABLE),
+    "serving.resume": Figure(SERVING, _serving_resume, NO_RESUME),
+    "serving.plots": Figure(SERVING, _serving_plots, ""),
 }
 
 
-def render(name: str, cache: dict | None = None) -> str:
-    """The text of figure ``name`` from its results file."""
+def render(name: str, cache: dict | None = None, results: Path | None = None) -> str:
+    """The text of figure ``name`` from its results file (in ``results``, by default
+    bench/results/); a figure whose file does not exist yet says so (``missing``)."""
     if name not in FIGURES:
         raise KeyError(f"bench/figures: no figure {name!r} (known: {', '.join(FIGURES)})")
     fig = FIGURES[name]
     cache = {} if cache is None else cache
     if fig.source not in cache:
-        cache[fig.source] = json.loads((RESULTS / fig.source).read_text())
+        path = (results or RESULTS) / fig.source
+        if not path.exists() and fig.missing is not None:
+            cache[fig.source] = None
+        else:
+            cache[fig.source] = json.loads(path.read_text())
+    if cache[fig.source] is None:
+        return fig.missing
     return fig.text(cache[fig.source])
 
 
@@ -243,10 +359,11 @@ def spans(text: str) -> list[tuple[str, str]]:
     return [(m.group(1), m.group(2)) for m in SPAN.finditer(text)]
 
 
-def rewrite(text: str, cache: dict | None = None) -> str:
+def rewrite(text: str, cache: dict | None = None, results: Path | None = None) -> str:
     cache = {} if cache is None else cache
     return SPAN.sub(
-        lambda m: f"<!-- fig:{m.group(1)} -->{render(m.group(1), cache)}<!-- /fig -->", text
+        lambda m: f"<!-- fig:{m.group(1)} -->{render(m.group(1), cache, results)}<!-- /fig -->",
+        text,
     )
 
 

@@ -49,7 +49,8 @@
 # Steps, in order: the small kernel grid (a broken kernel or toolchain shows within a
 # minute, and it measures this host's compile rate), then the benchmarks (the H200
 # targets are what they measure, so they get their budget before the rest; the CPU
-# benchmarks, bench_demo.py, bench_netns.py and bench_sglang_transfer.py, are left out, and
+# benchmarks, bench_demo.py, bench_netns.py, bench_sglang_transfer.py and bench_serving.py,
+# are left out, and
 # bench_transfer.py runs last, as a step of its own), then the other tests.  Each runs
 # under a time budget sized from the Triton kernels it compiles on an empty cache:
 #
@@ -425,8 +426,9 @@ KVMEM_GPU_GRID=small step smoke 18 5 1 - "small kernel grid first: 6 pack/unpack
 # The benchmarks: sglang's baselines only where it imports, the table and its plots into
 # the archive.  Not here: the CPU ones (bench_demo.py, the kvmem demo's processes over UCX
 # on host memory, minutes; bench_netns.py, TCP over a veth between host-memory pools, root
-# only; bench_sglang_transfer.py, sglang's PD pairs on host memory), which are the CPU
-# run's, and bench_transfer.py, NIXL, a step of its own below.
+# only; bench_sglang_transfer.py, sglang's PD pairs on host memory; bench_serving.py, sglang
+# servers on the CPU from .venv-e2e, tens of minutes), which are the CPU run's, and
+# bench_transfer.py, NIXL, a step of its own below.
 bench_opts=()
 if [ "$has_benchmark" = 1 ]; then
   bench_opts+=(--benchmark-columns=median,iqr,ops --benchmark-sort=name)
@@ -434,7 +436,8 @@ else
   bench_opts+=(-p no:benchmark)  # bench/timer.py times them
 fi
 bench_args=(--ignore bench/bench_demo.py --ignore bench/bench_netns.py
-  --ignore bench/bench_sglang_transfer.py --ignore bench/bench_transfer.py)
+  --ignore bench/bench_sglang_transfer.py --ignore bench/bench_serving.py
+  --ignore bench/bench_transfer.py)
 [ "$has_sglang_alloc" = 0 ] && bench_args+=(-k "not sglang")
 KVMEM_BENCH_SMOKE="$bench_smoke" KVMEM_BENCH_OUT="$work" step bench 26 30 1 - "pytest bench: kvmem vs its baselines (no sglang baselines without sglang; not the CPU benchmarks, not NIXL's)" -- \
   "$py" -m pytest -q -rs -p no:cacheprovider bench "${bench_args[@]}" "${bench_opts[@]}"

@@ -3,7 +3,9 @@
     python -m bench.plot RESULTS.json [OUTDIR]
 
 RESULTS.json is what bench/conftest.py writes with ``KVMEM_BENCH_OUT`` (``make bench``
-writes ``bench/results/bench-cpu.json`` and calls this at the end of the session).  Rows
+writes ``bench/results/bench-cpu.json`` and calls this at the end of the session), or the
+serving benchmark's ``serving-cpu.json`` (bench/serving.py; its figures are
+bench/serving_plot.py's).  Rows
 say which figure they belong to (``figure``) and what they are (``role``: ``kvmem``,
 ``baseline`` or ``ceiling``); the figures:
 
@@ -338,9 +340,17 @@ def plot_report(report: dict, out_dir: str) -> list[str]:
 
 
 def plot_file(path: str, out_dir: str | None = None) -> list[str]:
+    """The figures of a results file: a benchmark report, or the serving benchmark's
+    results (``"bench": "serving"``, bench/serving_plot.py)."""
     with open(path) as f:
         report = json.load(f)
-    return plot_report(report, out_dir or os.path.dirname(os.path.abspath(path)))
+    out_dir = out_dir or os.path.dirname(os.path.abspath(path))
+    if report.get("bench") == "serving":
+        from bench import serving_plot
+
+        os.makedirs(out_dir, exist_ok=True)
+        return serving_plot.plot_results(report, out_dir)
+    return plot_report(report, out_dir)
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,11 @@
   tiny sizes, one round, no timing assertion), in a process of its own (its sglang pairs
   forked from the session's sglang fork servers), and the report,
   its JSON and every plot come out: a renamed field, a broken baseline or a plot that no
-  longer draws fails here.
+  longer draws fails here.  The serving benchmark (bench_serving.py: real sglang servers,
+  one stock pair, then one with the flag, minutes to start) runs in a process of its own
+  with its own time limit, and its results file is checked: its schema and summary, both
+  kinds in its one cell and its release/resume cycle, the plots, the README's figures
+  filled from it.
 - bench/gpu_check.sh (run by hand on a CUDA host) parses, every path it hands pytest
   exists, it names every CUDA-only test file, and those collect on this CPU machine:
   imported, or skipped at module level, never an import error.  The bench files it runs
@@ -71,11 +75,11 @@ def _fork_servers() -> str:
     return ForkServer.variable(*servers)
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench-smoke")
+SERVING = "bench/bench_serving.py"
+
+
+def _smoke_run(out, paths: list[str], timeout: float, **env) -> dict:
     junit = out / "junit.xml"
-    zygotes = _fork_servers()
     t = time.monotonic()
     p = subprocess.run(
         [
@@ -85,22 +89,41 @@ def smoke(tmp_path_factory):
             "-q",
             "-p",
             "no:cacheprovider",
-            "bench",
+            *paths,
             f"--junitxml={junit}",
         ],
         cwd=ROOT,
-        env=_env(KVMEM_BENCH_SMOKE="1", KVMEM_BENCH_OUT=str(out), TESTKIT_ZYGOTE=zygotes),
+        env=_env(KVMEM_BENCH_SMOKE="1", KVMEM_BENCH_OUT=str(out), **env),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
     return dict(p=p, out=out, junit=junit, seconds=time.monotonic() - t)
 
 
-def test_every_benchmark_runs_in_smoke_mode(smoke):
-    p = smoke["p"]
-    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
-    cases = ET.parse(smoke["junit"]).getroot().iter("testcase")
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-smoke")
+    zygotes = _fork_servers()
+    return _smoke_run(out, ["bench", "--ignore", SERVING], 600, TESTKIT_ZYGOTE=zygotes)
+
+
+@pytest.fixture(scope="module")
+def serving_smoke(tmp_path_factory):
+    """bench_serving.py's smoke run: its servers start in minutes on two loaded cores (a
+    pair took 118 s and 235 s at a load average of 4-6)."""
+    return _smoke_run(tmp_path_factory.mktemp("serving-smoke"), [SERVING], 1200)
+
+
+def test_every_benchmark_runs_in_smoke_mode(smoke, serving_smoke):
+    for run in (smoke, serving_smoke):
+        p = run["p"]
+        assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
+    cases = [
+        c
+        for run in (smoke, serving_smoke)
+        for c in ET.parse(run["junit"]).getroot().iter("testcase")
+    ]
     ran: dict[str, list[str]] = {}
     for c in cases:
         outcome = [e.tag for e in c if e.tag in ("failure", "error", "skipped")]
@@ -109,7 +132,7 @@ def test_every_benchmark_runs_in_smoke_mode(smoke):
     assert files and set(ran) == files, (sorted(files), sorted(ran))
     # a benchmark never skips: a missing baseline is a failure (every benchmark has its baseline in the same run)
     assert all(set(o) == {"passed"} for o in ran.values()), ran
-    print(f"smoke run: {smoke['seconds']:.1f} s")
+    print(f"smoke run: {smoke['seconds']:.1f} s, serving: {serving_smoke['seconds']:.1f} s")
 
 
 def test_smoke_report_and_plots(smoke):
@@ -151,6 +174,54 @@ def test_plot_cli_redraws_from_json(smoke, tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted(
         ["bench-cuda.json"] + [f"nvidia-h200-{f}.png" for f in FIGURES]
     )
+
+
+SERVING_PLOTS = ["cpu-serving.png", "cpu-serving-batch.png", "cpu-serving-resume.png"]
+
+
+def test_serving_smoke_results(serving_smoke, tmp_path):
+    """The serving smoke's results file (bench_serving.py itself checked its schema, every
+    request answered, the decode's batch read, the flag's pool given back): stock and the
+    flag in its cell with their ratio, the release/resume cycle of each, the load beside
+    every run; the README's serving figures filled from it; ``python -m bench.plot``
+    draws its three plots again; the session's report carries its table."""
+    assert serving_smoke["p"].returncode == 0, serving_smoke["p"].stdout[-6000:]
+    out = serving_smoke["out"]
+    results = json.loads((out / "serving-cpu.json").read_text())
+    assert results["smoke"] is True and results["partial"] is False
+    assert results["config"]["backends"] == ["nixl"]
+    assert results["config"]["order"] == "one pair at a time"
+    assert "loadavg" in results["gate"]["at_start"]
+    assert {r["kind"] for r in results["runs"]} == {"stock", "flag"}
+    for r in results["runs"]:
+        assert len(r["loadavg_before"]) == 2 and r["others_cores"] >= 0
+        assert r["ttft_ms"]["median"] > 0 and r["itl_ms"]["median"] > 0
+    (cell,) = results["summary"]["cells"]
+    assert (cell["input_len"], cell["output_len"], cell["concurrency"]) == (32, 4, 2)
+    assert cell["ratio"]["ttft_median_ms"]["n"] == 1
+    assert {e["kind"] for e in results["summary"]["resume"]} == {"stock", "flag"}
+
+    from bench import figures
+
+    when = figures.render("serving.when", results=out)
+    assert "SMOKE" in when and "not yet measured" not in when
+    assert "| nixl | 32 / 4, 2 | " in figures.render("serving.table", results=out)
+    assert "| nixl | flag | " in figures.render("serving.resume", results=out)
+    assert set(SERVING_PLOTS) <= set(os.listdir(out))
+
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.plot", str(out / "serving-cpu.json"), str(tmp_path)],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted(SERVING_PLOTS)
+    report = json.loads((out / "bench-cpu.json").read_text())
+    (row,) = report["groups"]["sglang serving benchmark (bench/serving.py): table"]
+    assert "nixl" in row["name"] and "release/resume cycle" in row["name"]
 
 
 # -- bench/gpu_check.sh --------------------------------------------------------------------
@@ -475,6 +546,7 @@ def test_gpu_check_keeps_the_cpu_demo_out_of_the_gpu_steps(tmp_path):
         "bench/bench_demo.py",
         "bench/bench_netns.py",
         "bench/bench_sglang_transfer.py",
+        "bench/bench_serving.py",
         "bench/bench_transfer.py",
     } <= ignored, bench
     assert [a for a in runs["bench-transfer"] if a.startswith("bench")] == [
