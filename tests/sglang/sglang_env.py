@@ -96,7 +96,8 @@ def e2e_fork_server() -> ForkServer:
         adapter = sorted(
             f"kvmem_sglang.{p.stem}"
             for p in (ADAPTER / "kvmem_sglang").glob("*.py")
-            if p.stem not in ("__init__", "startup", "imports", "state", "options", "chase", "rooms")
+            if p.stem
+            not in ("__init__", "startup", "imports", "state", "options", "chase", "rooms")
         )
         forbid = [m for m in FORBID if m != "kvmem_sglang"] + adapter
         _E2E_FORK = ForkServer(PRELOAD, forbid=forbid, env=e2e_env(), cwd=ROOT, python=E2E_PYTHON)
