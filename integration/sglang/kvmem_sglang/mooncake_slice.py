@@ -17,9 +17,9 @@ plane, each with one slice per token of the chunk (up to ``--chunked-prefill-siz
 call past Mooncake's queue of transfers per peer (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER``,
 1,024 by default) is rejected ("TCP lane queue-full rejection"): the call returns -1 and
 sglang marks the decode's session failed, so that room fails and so does every later room
-to that decode until the session is probed alive again.  A long prompt is enough; the
-calls of several planes in flight at once (an executor of more than one thread) overflow
-the queue sooner.
+to that decode until the session is probed alive again.  A long chunk is enough (at the
+default queue, calls of 4,096 slices were rejected on a CPU host over TCP loopback, calls
+of 2,048 were not).
 
 What this hook changes: how those slices are posted, nothing else.  AROUND
 ``send_kvcache_slice``: sglang's own function runs on a view of the manager
