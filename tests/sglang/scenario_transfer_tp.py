@@ -8,8 +8,9 @@ Two pairs, started together, one round each of ``REQUESTS`` requests whose pages
 never adjacent within a request, every plane of every page checked on each decode rank:
 
 * ``2x1``, a TP 1 decode: each prefill rank writes its heads into every row of the one
-  decode rank, which needs sglang's per-token slice send (kvmem's path serves equal TP
-  only, so sglang's runs under the flag);
+  decode rank, which needs sglang's per-token slice send (kvmem's merged path serves
+  equal TP only): on NIXL sglang's own send runs under the flag; on Mooncake sglang's
+  slices are posted in calls within the TCP queue (``kvmem_sglang.mooncake_slice``);
 * ``2x2``, a TP 2 decode: prefill rank ``r`` writes decode rank ``r``'s heads, on kvmem's
   path under the flag.
 

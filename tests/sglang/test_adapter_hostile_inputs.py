@@ -73,6 +73,8 @@ NO_CLIENT_INPUT = {
     "transfer_ahead:transfer_worker": "chunks sglang's scheduler queued",
     "transfer:send_kvcache": "chunks sglang's scheduler queued, to a registered peer",
     "mooncake_send:send_kvcache": "chunks sglang's scheduler queued, to a registered peer",
+    "mooncake_slice:send_kvcache_slice": "chunks sglang's scheduler queued, to a registered "
+    "peer; sglang's own code makes the slices",
     "transfer_wait:await_handles": "handles this server's own agent posted",
     "prefill:stream_output": "requests leaving the scheduler; reads only the adapter's table",
     "prefill:process_inflight_queue": "sglang's own inflight queue and the adapter's clock",

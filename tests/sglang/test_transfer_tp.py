@@ -4,10 +4,12 @@ child each), each rank a process of its own with its half of the KV heads
 (tests/sglang/scenario_transfer_tp.py has the pairs and the round).
 
 What must hold: with a TP 1 decode, each prefill rank's heads land in every row of the
-decode's pool (sglang's per-token slice send, which the flag leaves to sglang: kvmem's
-path needs equal TP); with a TP 2 decode, each prefill rank's heads land in its decode
-rank's pool, sent on kvmem's path (merged, fewer descriptors or slices than one per page
-and plane); every room ends Success on every rank of both sides.
+decode's pool (sglang's per-token slices: on NIXL sglang's own send, which the flag
+leaves to sglang as kvmem's merged path needs equal TP; on Mooncake the same slices
+posted by ``kvmem_sglang.mooncake_slice``, one chunk a request); with a TP 2 decode,
+each prefill rank's heads land in its decode rank's pool, sent on kvmem's path (merged,
+fewer descriptors or slices than one per page and plane); every room ends Success on
+every rank of both sides.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tests.sglang.sglang_env import all_are as _all
 SCRIPT = ROOT / "tests" / "sglang" / "scenario_transfer_tp.py"
 SUCCESS = 4
 PLANES, TOKENS, PAGES = 4, 64, 4  # the scenario's 2 layers, 64 tokens at page size 16
+REQUESTS = 4  # the scenario's
 
 
 BACKENDS = ("nixl", "mooncake")
@@ -71,6 +74,11 @@ def test_unequal_tp_lands_each_rank_heads_in_every_row(runs, backend):
     # sglang's slice send: one descriptor (slice) per token, plane and prefill rank
     assert r["descriptors"] == TOKENS * PLANES * 2, r
     assert r["stats"].get("sends", 0) == 0, r["stats"]
+    # rank 0's chunks (one a request) on Mooncake go through the flag's slice send
+    want = REQUESTS if backend == "mooncake" else 0
+    assert r["stats"].get("slice_sends", 0) == want, r["stats"]
+    if backend == "mooncake":
+        assert r["stats"]["slices"] == TOKENS * PLANES * REQUESTS, r["stats"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -159,6 +159,13 @@ HOOKS: tuple[Hook, ...] = (
         when="transfer",
     ),
     Hook(
+        f"{_MOON}.MooncakeKVManager.send_kvcache_slice",
+        "AROUND",
+        "mooncake_slice:send_kvcache_slice",
+        "unequal TP's per-head slices, calls within the TCP queue",
+        when="transfer",
+    ),
+    Hook(
         f"{_MOON}.MooncakeKVManager.register_buffer_to_engine",
         "AROUND",
         "mooncake:register_buffer_to_engine",

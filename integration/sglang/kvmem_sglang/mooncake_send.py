@@ -155,7 +155,7 @@ def send_kvcache(
     posted: list[tuple[int, int]] = []  # the slices of each call made, in order
     try:
         src_addr, dst_addr, nbytes, npairs = transfer.run_addresses(src_ptrs, dst_ptrs, item, pairs)
-        code, calls = _write(
+        code, calls = write_calls(
             mgr, session, src_addr, dst_addr, nbytes, max_slices(mgr, int(item.size)), posted
         )
     except BaseException:
@@ -245,7 +245,7 @@ def _geometry(mgr, session, dst_kv_ptrs, dst_layer_ids, dst_device_kv_indices):
     )
 
 
-def _write(
+def write_calls(
     mgr, session: str, src_addr, dst_addr, nbytes, cap: int, posted: list[tuple[int, int]]
 ) -> tuple[int, int]:
     """Post the slices as ``batch_transfer_sync`` calls of at most ``cap`` each, one after

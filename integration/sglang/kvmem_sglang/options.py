@@ -79,7 +79,9 @@ VARIABLES: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
         "how a NIXL or Mooncake prefill moves KV: kvmem = merged runs across the chunks "
         "queued for a decode (NIXL: several writes in flight, no spinning, "
         "kvmem_sglang.transfer; Mooncake: calls within its TCP queue, "
-        "kvmem_sglang.mooncake_send); sglang = sglang's own send",
+        "kvmem_sglang.mooncake_send; at unequal attention TP, sglang's per-head slices "
+        "in calls within that queue, kvmem_sglang.mooncake_slice); sglang = sglang's "
+        "own send",
     ),
 }
 DEFAULT_DRAIN_TIMEOUT = 30.0

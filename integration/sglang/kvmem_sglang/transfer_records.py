@@ -39,6 +39,10 @@ class Stats:
     cut_short: int = 0  # merged writes cut short once a piece was posted (not in batches)
     indexed: int = 0  # queued chunks read into a worker queue's index (each once)
     inspected: int = 0  # queued chunks take_ahead looked at (the index found them)
+    slice_sends: int = 0  # Mooncake chunks sent as per-head slices (unequal TP)
+    slice_calls: int = 0  # batch_transfer_sync calls they were posted as
+    slices: int = 0  # their slices (one per token and plane)
+    slice_bytes: int = 0
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
