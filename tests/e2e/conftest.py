@@ -62,6 +62,12 @@ TIMEOUTS = {
 }
 
 
+# The tiny MLA model's deployments (tests.e2e.tiny_model, family "mla"): a DeepSeek-V3
+# whose KV pool is sglang's MLATokenToKVPool; its servers need the stand-in
+# standins/mla_attention.py on a CPU, stock and the flag alike.
+MLA = {"family": "mla"}
+
+
 def _pd(prefill: dict | None = None, decode: dict | None = None, **kwargs) -> dict:
     return dict(
         prefill_env={**TIMEOUTS, **(prefill or {})},
@@ -98,7 +104,22 @@ KINDS = {
     ),
     "tp2-both": (_pd(FLAG, FLAG, tp=2), "SGLANG_KVMEM=1 prefill and decode, both at TP 2"),
     "tp2-stock": (_pd(tp=2), "stock prefill and decode, both at TP 2"),
+    # the MLA model: four engines per backend (stock and flag, prefill and decode), and
+    # one plain stock server that its PD outputs are held against
+    "mla-stock": (_pd(**MLA), "MLA model: stock prefill, stock decode"),
+    "mla-kvmem-prefill": (_pd(FLAG, **MLA), "MLA model: SGLANG_KVMEM=1 prefill, stock decode"),
+    "mla-kvmem-both": (_pd(FLAG, FLAG, **MLA), "MLA model: SGLANG_KVMEM=1 prefill and decode"),
+    "mla-plain-stock": (dict(pd=False, **MLA), "MLA model: one plain stock server"),
 }
+
+
+def family(kind: str) -> str:
+    """The model family a kind serves (tests.e2e.tiny_model.FAMILIES)."""
+    return KINDS[kind][0].get("family", "llama")
+
+
+# The stock PD kind of each family: what that family's outputs are compared with.
+STOCK = {"llama": "stock", "mla": "mla-stock"}
 
 
 class Deployments:
@@ -106,8 +127,8 @@ class Deployments:
     kwargs), over the engines and routers of one :class:`~tests.e2e.fleet.Fleet`: started
     on first use, started again when a server died or a test called :meth:`discard`."""
 
-    def __init__(self, model: Path, logroot: Path):
-        self.fleet = Fleet(model, logroot)
+    def __init__(self, models, logroot: Path):
+        self.fleet = Fleet(models, logroot)
 
     def get(self, name: str, backend: str = "nixl", **kwargs) -> Deployment:
         """The deployment ``name`` on ``backend`` (a PD one; a plain one has none)."""
@@ -173,8 +194,23 @@ def rl_reference(deployments) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def model(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+def models(tmp_path_factory):
+    """The tiny model of a family (``models("mla")``), made on first use."""
+    made: dict[str, Path] = {}
+
+    def get(family: str = "llama") -> Path:
+        if family not in made:
+            made[family] = make_tiny_model(
+                tmp_path_factory.mktemp(f"tiny-model-{family}"), family=family
+            )
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def model(models) -> Path:
+    return models("llama")
 
 
 @pytest.fixture(scope="session")
@@ -187,8 +223,8 @@ def logroot(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def deployments(model, logroot):
-    reg = Deployments(model, logroot)
+def deployments(models, logroot):
+    reg = Deployments(models, logroot)
     _FLEETS.append(reg.fleet)
     yield reg
     reg.stop_all()
