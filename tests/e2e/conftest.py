@@ -66,6 +66,9 @@ TIMEOUTS = {
 # whose KV pool is sglang's MLATokenToKVPool; its servers need the stand-in
 # standins/mla_attention.py on a CPU, stock and the flag alike.
 MLA = {"family": "mla"}
+# The tiny hybrid sliding-window model's (family "swa", a Mellum): sglang's SWAKVPool
+# (two MHA pools, one per layer kind) and SWATokenToKVPoolAllocator.
+SWA = {"family": "swa"}
 
 
 def _pd(prefill: dict | None = None, decode: dict | None = None, **kwargs) -> dict:
@@ -110,7 +113,21 @@ KINDS = {
     "mla-kvmem-prefill": (_pd(FLAG, **MLA), "MLA model: SGLANG_KVMEM=1 prefill, stock decode"),
     "mla-kvmem-both": (_pd(FLAG, FLAG, **MLA), "MLA model: SGLANG_KVMEM=1 prefill and decode"),
     "mla-plain-stock": (dict(pd=False, **MLA), "MLA model: one plain stock server"),
+    # the sliding-window model: the same four engines per backend and a plain server
+    "swa-stock": (_pd(**SWA), "SWA model: stock prefill, stock decode"),
+    "swa-kvmem-prefill": (_pd(FLAG, **SWA), "SWA model: SGLANG_KVMEM=1 prefill, stock decode"),
+    "swa-kvmem-both": (_pd(FLAG, FLAG, **SWA), "SWA model: SGLANG_KVMEM=1 prefill and decode"),
+    "swa-plain-stock": (dict(pd=False, **SWA), "SWA model: one plain stock server"),
 }
+
+
+# Kinds of the other model families that run on the first backend only: their stock
+# pair (the reference every kind of the family is held against, taken there) and the
+# flag on the prefill alone (kvmem's send into a stock decode, which the Llama's kinds
+# show on every backend).  Their flag-on-both kinds run on every backend; a family then
+# starts seven servers (the plain one, four engines on the first backend, two on each
+# other) instead of nine.
+FIRST_BACKEND_ONLY = {"mla-stock", "mla-kvmem-prefill", "swa-stock", "swa-kvmem-prefill"}
 
 
 def family(kind: str) -> str:
@@ -119,7 +136,7 @@ def family(kind: str) -> str:
 
 
 # The stock PD kind of each family: what that family's outputs are compared with.
-STOCK = {"llama": "stock", "mla": "mla-stock"}
+STOCK = {"llama": "stock", "mla": "mla-stock", "swa": "swa-stock"}
 
 
 class Deployments:
@@ -257,7 +274,16 @@ def pytest_collection_modifyitems(session, config, items):
     """The tests of one deployment run together, whatever their module: ordered by
     backend (tests without one first), then by kind (their ``kind`` parameter, in the
     order of KINDS; tests without one first), those marked ``leaves_broken`` last in
-    their block; otherwise the written order holds (module, then position)."""
+    their block; otherwise the written order holds (module, then position).  A test of a
+    kind in FIRST_BACKEND_ONLY on another backend is deselected."""
+    kept, dropped = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        other = params.get("backend") not in (None, BACKENDS[0])
+        (dropped if other and params.get("kind") in FIRST_BACKEND_ONLY else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
     modules = {}
     for item in items:
         modules.setdefault(item.module, len(modules))

@@ -3,9 +3,11 @@ sees, over HTTP, through start-up, release and resume.
 
 Deployments (tests/e2e/conftest.py KINDS): ``stock``; ``kvmem-prefill`` (the flag on
 the prefill, a stock decode: a stock decode must still receive kvmem's KV);
-``kvmem-both`` (the flag on both servers).  The tests that name the ``mla-`` kinds run
-the same on the tiny MLA model (a DeepSeek-V3, sglang's ``MLATokenToKVPool``), against
-that model's stock outputs.
+``kvmem-both`` (the flag on both servers).  The tests that name the ``mla-`` and
+``swa-`` kinds run the same on the tiny MLA model (a DeepSeek-V3, sglang's
+``MLATokenToKVPool``) and the tiny sliding-window model (a Mellum, sglang's ``SWAKVPool``),
+against that model's stock outputs (conftest.FIRST_BACKEND_ONLY: which kinds run on the
+first backend only).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def reference(request, references):
 
 
 FLAGGED = ["kvmem-prefill", "kvmem-both", "mla-kvmem-prefill", "mla-kvmem-both"]
-EVERY = ["stock", "mla-stock", *FLAGGED]
+FLAGGED += ["swa-kvmem-prefill", "swa-kvmem-both"]
+EVERY = ["stock", "mla-stock", "swa-stock", *FLAGGED]
 
 
 @pytest.mark.parametrize("kind", FLAGGED)
@@ -75,12 +78,13 @@ def test_outputs_equal_stock(deployments, backend, reference, kind):
 
 
 @pytest.mark.backends(BACKENDS[0])  # a plain server has no backend: once
-@pytest.mark.parametrize("kind", ["mla-stock"])
+@pytest.mark.parametrize("kind", ["mla-stock", "swa-stock"])
 def test_pd_outputs_equal_a_plain_server(deployments, backend, reference, kind):
     """The stock PD pair's tokens (every kind of the family is held against them) are a
     plain stock server's: the family's KV crossed from prefill to decode intact (MLA: the
     latent rows, decoded over by the stand-in's attention path, standins/mla_attention.py,
-    as they were prefilled)."""
+    as they were prefilled; SWA: the full layer's pages and the sliding layer's last
+    window)."""
     plain = deployments.get(f"{family(kind)}-plain-stock")
     assert outputs(plain) == reference
     if family(kind) == "mla":
@@ -110,10 +114,17 @@ def test_kvmem_send_path_carries_the_kv(deployments, backend, reference, kind):
 POOL_LINE = {
     "llama": ("kvmem: MHA KV pool of 2 layers x 65537 pages x 1 tokens",),
     "mla": ("kvmem: MLA KV pool of 2 layers x 65537 pages x 1 tokens",),
+    # the SWAKVPool's two: its full layer's and its sliding layer's (sglang sizes the
+    # SWA side with its swa_full_tokens_ratio, 0.8)
+    "swa": (
+        "kvmem: MHA KV pool of 1 layers x 65537 pages x 1 tokens",
+        "kvmem: MHA KV pool of 1 layers x 52429 pages x 1 tokens",
+    ),
 }
 ALLOC_LINE = {
     "llama": "kvmem: allocator KvmemTokenToKVPoolAllocator",
     "mla": "kvmem: allocator KvmemTokenToKVPoolAllocator",
+    "swa": "kvmem: allocator SWATokenToKVPoolAllocator (sglang's) over KvmemTokenToKVPoolAllocator",
 }
 
 

@@ -14,6 +14,10 @@ Families (:data:`FAMILIES`), each 2 layers, hidden 128, vocabulary 1024, bf16:
   ``MLATokenToKVPool`` of one latent row per token and layer, 64 + 16 = 80 values: a page
   of 16 tokens is 2 x 16 x 80 x 2 bytes = 5 KiB.  What sglang's DeepSeek code reads from
   ``config.json`` besides transformers' fields is written there too (:data:`MLA_EXTRA`).
+* ``swa``: a Mellum (hybrid sliding-window attention): layer 0 attends to a window of 8
+  tokens, layer 1 to everything, both MLPs dense, the Llama's attention sizes.  sglang
+  builds an ``SWAKVPool`` of two ``MHATokenToKVPool`` (one layer each) and an
+  ``SWATokenToKVPoolAllocator`` over them.
 
 Greedy outputs of random weights are deterministic for a given seed and family, which is
 all the tests need: the same prompt gives the same tokens through one server and through
@@ -85,7 +89,26 @@ MLA_CONFIG = dict(
 # the model's construction reads them all the same.
 MLA_EXTRA = dict(moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid")
 
-FAMILIES = ("llama", "mla")
+# A hybrid sliding-window model (JetBrains' Mellum architecture): one sliding-window
+# layer (window 8 tokens, so a decode of a dozen tokens crosses it) and one full layer,
+# both MLPs dense, the Llama's attention sizes.
+SWA_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=1024,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"],
+    mlp_layer_types=["dense", "dense"],
+)
+
+FAMILIES = ("llama", "mla", "swa")
 
 
 def _tokenizer(out: Path, vocab_size: int):
@@ -130,6 +153,11 @@ def _model(family: str, ids: dict):
         for k, v in MLA_EXTRA.items():
             setattr(config, k, v)
         return DeepseekV3ForCausalLM(config).to(torch.bfloat16), {**MLA_CONFIG, **MLA_EXTRA}
+    if family == "swa":
+        from transformers import MellumConfig, MellumForCausalLM
+
+        config = MellumConfig(**SWA_CONFIG, **ids, torch_dtype="bfloat16")
+        return MellumForCausalLM(config).to(torch.bfloat16), SWA_CONFIG
     raise ValueError(f"unknown model family {family!r}; one of {FAMILIES}")
 
 
