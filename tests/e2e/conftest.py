@@ -62,6 +62,15 @@ TIMEOUTS = {
 }
 
 
+# The tiny MLA model's deployments (tests.e2e.tiny_model, family "mla"): a DeepSeek-V3
+# whose KV pool is sglang's MLATokenToKVPool; its servers need the stand-in
+# standins/mla_attention.py on a CPU, stock and the flag alike.
+MLA = {"family": "mla"}
+# The tiny hybrid sliding-window model's (family "swa", a Mellum): sglang's SWAKVPool
+# (two MHA pools, one per layer kind) and SWATokenToKVPoolAllocator.
+SWA = {"family": "swa"}
+
+
 def _pd(prefill: dict | None = None, decode: dict | None = None, **kwargs) -> dict:
     return dict(
         prefill_env={**TIMEOUTS, **(prefill or {})},
@@ -98,7 +107,36 @@ KINDS = {
     ),
     "tp2-both": (_pd(FLAG, FLAG, tp=2), "SGLANG_KVMEM=1 prefill and decode, both at TP 2"),
     "tp2-stock": (_pd(tp=2), "stock prefill and decode, both at TP 2"),
+    # the MLA model: four engines per backend (stock and flag, prefill and decode), and
+    # one plain stock server that its PD outputs are held against
+    "mla-stock": (_pd(**MLA), "MLA model: stock prefill, stock decode"),
+    "mla-kvmem-prefill": (_pd(FLAG, **MLA), "MLA model: SGLANG_KVMEM=1 prefill, stock decode"),
+    "mla-kvmem-both": (_pd(FLAG, FLAG, **MLA), "MLA model: SGLANG_KVMEM=1 prefill and decode"),
+    "mla-plain-stock": (dict(pd=False, **MLA), "MLA model: one plain stock server"),
+    # the sliding-window model: the same four engines per backend and a plain server
+    "swa-stock": (_pd(**SWA), "SWA model: stock prefill, stock decode"),
+    "swa-kvmem-prefill": (_pd(FLAG, **SWA), "SWA model: SGLANG_KVMEM=1 prefill, stock decode"),
+    "swa-kvmem-both": (_pd(FLAG, FLAG, **SWA), "SWA model: SGLANG_KVMEM=1 prefill and decode"),
+    "swa-plain-stock": (dict(pd=False, **SWA), "SWA model: one plain stock server"),
 }
+
+
+# Kinds of the other model families that run on the first backend only: their stock
+# pair (the reference every kind of the family is held against, taken there) and the
+# flag on the prefill alone (kvmem's send into a stock decode, which the Llama's kinds
+# show on every backend).  Their flag-on-both kinds run on every backend; a family then
+# starts seven servers (the plain one, four engines on the first backend, two on each
+# other) instead of nine.
+FIRST_BACKEND_ONLY = {"mla-stock", "mla-kvmem-prefill", "swa-stock", "swa-kvmem-prefill"}
+
+
+def family(kind: str) -> str:
+    """The model family a kind serves (tests.e2e.tiny_model.FAMILIES)."""
+    return KINDS[kind][0].get("family", "llama")
+
+
+# The stock PD kind of each family: what that family's outputs are compared with.
+STOCK = {"llama": "stock", "mla": "mla-stock", "swa": "swa-stock"}
 
 
 class Deployments:
@@ -106,8 +144,8 @@ class Deployments:
     kwargs), over the engines and routers of one :class:`~tests.e2e.fleet.Fleet`: started
     on first use, started again when a server died or a test called :meth:`discard`."""
 
-    def __init__(self, model: Path, logroot: Path):
-        self.fleet = Fleet(model, logroot)
+    def __init__(self, models, logroot: Path):
+        self.fleet = Fleet(models, logroot)
 
     def get(self, name: str, backend: str = "nixl", **kwargs) -> Deployment:
         """The deployment ``name`` on ``backend`` (a PD one; a plain one has none)."""
@@ -173,8 +211,23 @@ def rl_reference(deployments) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def model(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+def models(tmp_path_factory):
+    """The tiny model of a family (``models("mla")``), made on first use."""
+    made: dict[str, Path] = {}
+
+    def get(family: str = "llama") -> Path:
+        if family not in made:
+            made[family] = make_tiny_model(
+                tmp_path_factory.mktemp(f"tiny-model-{family}"), family=family
+            )
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def model(models) -> Path:
+    return models("llama")
 
 
 @pytest.fixture(scope="session")
@@ -187,8 +240,8 @@ def logroot(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def deployments(model, logroot):
-    reg = Deployments(model, logroot)
+def deployments(models, logroot):
+    reg = Deployments(models, logroot)
     _FLEETS.append(reg.fleet)
     yield reg
     reg.stop_all()
@@ -221,7 +274,16 @@ def pytest_collection_modifyitems(session, config, items):
     """The tests of one deployment run together, whatever their module: ordered by
     backend (tests without one first), then by kind (their ``kind`` parameter, in the
     order of KINDS; tests without one first), those marked ``leaves_broken`` last in
-    their block; otherwise the written order holds (module, then position)."""
+    their block; otherwise the written order holds (module, then position).  A test of a
+    kind in FIRST_BACKEND_ONLY on another backend is deselected."""
+    kept, dropped = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        other = params.get("backend") not in (None, BACKENDS[0])
+        (dropped if other and params.get("kind") in FIRST_BACKEND_ONLY else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
     modules = {}
     for item in items:
         modules.setdefault(item.module, len(modules))

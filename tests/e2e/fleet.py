@@ -13,7 +13,9 @@ as in any sglang PD deployment; each router pairs one prefill with one decode.
 
 At most :data:`MAX_ENGINES` engine processes' worth (a TP 2 server counts twice) and
 :data:`MAX_ROUTERS` routers run at once (a server's three processes hold about 3.5 GB
-here), the least recently used stopped first.  An engine whose process died or whose log
+here), the least recently used stopped first.  ``KVMEM_E2E_MAX_ENGINES`` lowers the
+first on a machine that others share (2: one PD pair at a time; the tier then starts
+servers more often).  An engine whose process died or whose log
 shows a crash is started again, with the routers that named it, when a deployment needs
 it next; :meth:`Fleet.discard` stops chosen engines of a kind (a test that left them
 changed).
@@ -22,6 +24,8 @@ changed).
 from __future__ import annotations
 
 import time
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +44,7 @@ from tests.e2e.deploy import (
     tp_args,
 )
 
-MAX_ENGINES = 4
+MAX_ENGINES = int(os.environ.get("KVMEM_E2E_MAX_ENGINES", "4"))
 MAX_ROUTERS = 2
 
 
@@ -53,11 +57,13 @@ class Spec:
     env: tuple[tuple[str, str], ...] = ()  # its own variables (the flag, timeouts)
     tp: int = 1
     overlap: bool = True
+    family: str = "llama"  # the tiny model's attention family (tests.e2e.tiny_model)
 
     @property
     def name(self) -> str:
         env = dict(self.env)
         parts = [
+            *(self.family for _ in [0] if self.family != "llama"),
             self.role,
             self.backend or "",
             "kvmem" if env.get("SGLANG_KVMEM") == "1" else "stock",
@@ -76,17 +82,30 @@ def specs(conf: dict, backend: str) -> tuple[Spec, ...]:
     """The engine specs of a kind's Deployment keyword arguments: (prefill, decode), or
     (plain,)."""
     tp, overlap = conf.get("tp", 1), conf.get("overlap", True)
+    family = conf.get("family", "llama")
 
     def env(d):
         return tuple(sorted((d or {}).items()))
 
     if not conf.get("pd", True):
-        return (Spec("plain", None, env(conf.get("env")), tp, overlap),)
+        return (Spec("plain", None, env(conf.get("env")), tp, overlap, family),)
     return (
         Spec(
-            "prefill", backend, env(conf.get("prefill_env")), conf.get("prefill_tp") or tp, overlap
+            "prefill",
+            backend,
+            env(conf.get("prefill_env")),
+            conf.get("prefill_tp") or tp,
+            overlap,
+            family,
         ),
-        Spec("decode", backend, env(conf.get("decode_env")), conf.get("decode_tp") or tp, overlap),
+        Spec(
+            "decode",
+            backend,
+            env(conf.get("decode_env")),
+            conf.get("decode_tp") or tp,
+            overlap,
+            family,
+        ),
     )
 
 
@@ -100,10 +119,12 @@ class Engine:
 
 
 class Fleet:
-    """Engines and routers by configuration (module docstring)."""
+    """Engines and routers by configuration (module docstring).  ``models`` gives the
+    tiny model of a family (``"llama"``, ``"mla"``: tests.e2e.tiny_model), made on first
+    use."""
 
-    def __init__(self, model: Path, logroot: Path):
-        self.model, self.logroot = Path(model), Path(logroot)
+    def __init__(self, models: Callable[[str], Path], logroot: Path):
+        self.models, self.logroot = models, Path(logroot)
         self.engines: dict[Spec, Engine] = {}
         self.routers: dict[tuple[Spec, Spec], Server] = {}
         self.started: dict[str, int] = {}  # starts per engine name (a report)
@@ -112,7 +133,7 @@ class Fleet:
     def _new_server(self, spec: Spec) -> Engine:
         base = [
             "--model-path",
-            str(self.model),
+            str(self.models(spec.family)),
             *SERVER_ARGS,
             *([] if spec.overlap else NO_OVERLAP),
         ]
@@ -269,12 +290,13 @@ class Fleet:
         ``backend``, over shared engines."""
         wanted = specs(conf, backend)
         engines = self._ensure(wanted)
+        model = self.models(wanted[0].family)
         if len(engines) == 1:
-            return Deployment.over(self.model, single=engines[0].server)
+            return Deployment.over(model, single=engines[0].server)
         p, d = engines
         r = self._router(p, d)
         return Deployment.over(
-            self.model,
+            model,
             prefill=p.server,
             decode=d.server,
             router=r,

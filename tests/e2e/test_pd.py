@@ -3,7 +3,11 @@ sees, over HTTP, through start-up, release and resume.
 
 Deployments (tests/e2e/conftest.py KINDS): ``stock``; ``kvmem-prefill`` (the flag on
 the prefill, a stock decode: a stock decode must still receive kvmem's KV);
-``kvmem-both`` (the flag on both servers).
+``kvmem-both`` (the flag on both servers).  The tests that name the ``mla-`` and
+``swa-`` kinds run the same on the tiny MLA model (a DeepSeek-V3, sglang's
+``MLATokenToKVPool``) and the tiny sliding-window model (a Mellum, sglang's ``SWAKVPool``),
+against that model's stock outputs (conftest.FIRST_BACKEND_ONLY: which kinds run on the
+first backend only).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.conftest import BACKENDS, DEFERRED_RELEASE_S
+from tests.e2e.conftest import BACKENDS, DEFERRED_RELEASE_S, KINDS, STOCK, family
 from tests.e2e.deploy import IDLE_S, prompt
 
 PROMPTS = [prompt(i) for i in range(6)]
@@ -41,24 +45,59 @@ def outputs(d, prompts=PROMPTS):
 
 
 @pytest.fixture(scope="session")
-def reference(deployments):
-    """Greedy outputs of the stock PD pair (the stock tests run first: conftest's order)."""
-    return outputs(deployments.get("stock", BACKENDS[0]))
+def references(deployments):
+    """Greedy outputs of each model family's stock PD pair (``references("mla")``), on the
+    first backend (a family's stock tests run before its others there: conftest's
+    order)."""
+    made: dict[str, list] = {}
+
+    def get(name: str) -> list:
+        if name not in made:
+            made[name] = outputs(deployments.get(STOCK[name], BACKENDS[0]))
+        return made[name]
+
+    return get
 
 
-@pytest.mark.parametrize("kind", ["kvmem-prefill", "kvmem-both"])
+@pytest.fixture
+def reference(request, references):
+    """The stock outputs of the family the test's ``kind`` serves."""
+    return references(family(request.node.callspec.params["kind"]))
+
+
+FLAGGED = ["kvmem-prefill", "kvmem-both", "mla-kvmem-prefill", "mla-kvmem-both"]
+FLAGGED += ["swa-kvmem-prefill", "swa-kvmem-both"]
+EVERY = ["stock", "mla-stock", "swa-stock", *FLAGGED]
+
+
+@pytest.mark.parametrize("kind", FLAGGED)
 def test_outputs_equal_stock(deployments, backend, reference, kind):
     """The same tokens as stock through the router: the KV crossed intact, also into a
     stock decode."""
     assert outputs(deployments.get(kind, backend)) == reference
 
 
-@pytest.mark.parametrize("kind", ["kvmem-prefill", "kvmem-both"])
+@pytest.mark.backends(BACKENDS[0])  # a plain server has no backend: once
+@pytest.mark.parametrize("kind", ["mla-stock", "swa-stock"])
+def test_pd_outputs_equal_a_plain_server(deployments, backend, reference, kind):
+    """The stock PD pair's tokens (every kind of the family is held against them) are a
+    plain stock server's: the family's KV crossed from prefill to decode intact (MLA: the
+    latent rows, decoded over by the stand-in's attention path, standins/mla_attention.py,
+    as they were prefilled; SWA: the full layer's pages and the sliding layer's last
+    window)."""
+    plain = deployments.get(f"{family(kind)}-plain-stock")
+    assert outputs(plain) == reference
+    if family(kind) == "mla":
+        applied = (plain.single.logdir / "standins.log").read_text()
+        assert "mla-torch-native-handler:" in applied, applied
+
+
+@pytest.mark.parametrize("kind", FLAGGED)
 def test_kvmem_send_path_carries_the_kv(deployments, backend, reference, kind):
     """With the flag's default SGLANG_KVMEM_TRANSFER=kvmem the prefill's KV goes through
     kvmem's send path, NIXL's or Mooncake's (its counters in the prefill's /metrics:
     sends, merged engine writes, bytes; no fallback to sglang's own send), into a decode
-    with or without the flag."""
+    with or without the flag; the MLA model's latent KV as the Llama's K and V."""
     d = deployments.get(kind, backend)
     before = d.prefill.metric("kvmem_sglang_transfer_total")
     assert outputs(d) == reference
@@ -71,25 +110,44 @@ def test_kvmem_send_path_carries_the_kv(deployments, backend, reference, kind):
     assert d.decode.metric("kvmem_sglang_transfer_total") == {}  # the decode sends nothing
 
 
-@pytest.mark.parametrize("kind", ["stock", "kvmem-prefill", "kvmem-both"])
+# The kvmem pool each family's servers get with the flag (its start line).
+POOL_LINE = {
+    "llama": ("kvmem: MHA KV pool of 2 layers x 65537 pages x 1 tokens",),
+    "mla": ("kvmem: MLA KV pool of 2 layers x 65537 pages x 1 tokens",),
+    # the SWAKVPool's two: its full layer's and its sliding layer's (sglang sizes the
+    # SWA side with its swa_full_tokens_ratio, 0.8)
+    "swa": (
+        "kvmem: MHA KV pool of 1 layers x 65537 pages x 1 tokens",
+        "kvmem: MHA KV pool of 1 layers x 52429 pages x 1 tokens",
+    ),
+}
+ALLOC_LINE = {
+    "llama": "kvmem: allocator KvmemTokenToKVPoolAllocator",
+    "mla": "kvmem: allocator KvmemTokenToKVPoolAllocator",
+    "swa": "kvmem: allocator SWATokenToKVPoolAllocator (sglang's) over KvmemTokenToKVPoolAllocator",
+}
+
+
+@pytest.mark.parametrize("kind", EVERY)
 def test_start_lines_in_server_logs(deployments, backend, kind):
     """The plugin's start line shows in a real server's log (sglang loads plugins before
     it configures logging), once in each sglang process that loaded it (the scheduler
     too), with the pool and allocator lines; servers without the flag show none."""
     d = deployments.get(kind, backend)
-    flagged = {"stock": [], "kvmem-prefill": ["prefill"], "kvmem-both": ["prefill", "decode"]}
+    conf = KINDS[kind][0]
+    flagged = [r for r in ("prefill", "decode") if "SGLANG_KVMEM" in conf.get(f"{r}_env", {})]
     for server in (d.prefill, d.decode):
         text = server.log_text()
         starts = len(re.findall(r"kvmem-sglang: SGLANG_KVMEM=1, \d+ hooks installed", text))
-        pool = "kvmem: MHA KV pool of 2 layers x 65537 pages x 1 tokens" in text
-        alloc = "kvmem: allocator KvmemTokenToKVPoolAllocator" in text
-        if server.name in flagged[kind]:
-            assert starts >= 2 and pool and alloc, (server.name, starts, pool, alloc)
+        pools = [line in text for line in POOL_LINE[family(kind)]]
+        alloc = ALLOC_LINE[family(kind)] in text
+        if server.name in flagged:
+            assert starts >= 2 and all(pools) and alloc, (server.name, starts, pools, alloc)
         else:
-            assert starts == 0 and not pool and not alloc, (server.name, starts, pool, alloc)
+            assert starts == 0 and not any(pools) and not alloc, (server.name, starts, pools, alloc)
 
 
-@pytest.mark.parametrize("kind", ["stock", "kvmem-prefill", "kvmem-both"])
+@pytest.mark.parametrize("kind", EVERY)
 def test_release_resume_then_transfer(deployments, backend, reference, kind):
     """Release and resume the prefill's KV cache twice; the next requests are served with
     the same tokens (with the flag on NIXL this was a segfault in NIXL's transfer:
@@ -104,7 +162,7 @@ def test_release_resume_then_transfer(deployments, backend, reference, kind):
         assert res.status == 200, res
         assert outputs(d) == reference, f"cycle {cycle}"
     assert d.crashed() == []
-    if kind != "stock":
+    if kind not in STOCK.values():
         text = d.prefill.log_text()
         if backend == "nixl":
             assert text.count("prepared transfer list(s) released first") >= 2
@@ -143,7 +201,7 @@ def test_decode_released_before_it_met_the_prefill(deployments, backend, referen
     assert d.crashed() == []
 
 
-@pytest.mark.parametrize("kind", ["kvmem-both"])
+@pytest.mark.parametrize("kind", ["kvmem-both", "mla-kvmem-both"])
 def test_decode_release_resume_registers_again(deployments, backend, reference, kind):
     """Release and resume the decode's KV cache after it served: the decode registers
     its KV again and the pair then serves the same tokens.  NIXL: the decode sends the
@@ -365,7 +423,15 @@ def test_release_right_after_a_failed_write_waits_for_its_slices(
     assert d.crashed() == []
 
 
-@pytest.mark.parametrize("kind,status", [("kvmem-both", 503), ("kvmem-prefill", 500)])
+@pytest.mark.parametrize(
+    "kind,status",
+    [
+        ("kvmem-both", 503),
+        ("kvmem-prefill", 500),
+        ("mla-kvmem-both", 503),
+        ("mla-kvmem-prefill", 500),
+    ],
+)
 def test_request_while_released_answered_promptly(deployments, backend, reference, kind, status):
     """A request sent while the prefill's KV cache is released: the prefill refuses it
     (503) and tells the decode, which answers at once and frees what it reserved: with
@@ -493,7 +559,7 @@ def _in_flight(d, server, n=6, tokens=48, lead=0.3):
     return answers, rel, res
 
 
-@pytest.mark.parametrize("kind", ["kvmem-both"])
+@pytest.mark.parametrize("kind", ["kvmem-both", "mla-kvmem-both"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_release_with_requests_in_flight(deployments, backend, reference, kind, role):
     """An RL trainer releases an engine while requests still run: with the flag on both
@@ -575,7 +641,7 @@ def test_stock_release_with_requests_in_flight_kills_the_scheduler(
         deployments.discard_broken(kind, backend, d)
 
 
-@pytest.mark.parametrize("kind", ["kvmem-both"])
+@pytest.mark.parametrize("kind", ["kvmem-both", "mla-kvmem-both"])
 def test_aborted_requests_with_client_rids_are_answered(deployments, backend, kind):
     """``/abort_request`` (``abort_all``, on both servers, as an RL framework stops its
     rollouts) with requests in flight that carry the client's own rid: every client gets
@@ -610,7 +676,7 @@ def test_aborted_requests_with_client_rids_are_answered(deployments, backend, ki
 SERVER_500 = '"POST /generate HTTP/1.1" 500'
 
 
-@pytest.mark.parametrize("kind", ["kvmem-both"])
+@pytest.mark.parametrize("kind", ["kvmem-both", "mla-kvmem-both"])
 def test_abort_on_the_prefill_alone_is_answered(deployments, backend, kind):
     """``abort_all`` sent to the prefill alone while requests with the client's own rids
     wait there for their decode: every client gets the abort at once once the decode goes

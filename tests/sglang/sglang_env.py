@@ -286,8 +286,9 @@ def build_pools(
     sizes = _PoolSizes(
         max_total_num_tokens=size,
         max_running_requests=max_reqs,
-        full_max_total_num_tokens=None,
-        swa_max_total_num_tokens=None,
+        # a hybrid SWA pool's two sides, as the configurator sizes them
+        full_max_total_num_tokens=kv.size if conf.is_hybrid_swa else None,
+        swa_max_total_num_tokens=kv.size_swa if conf.is_hybrid_swa else None,
         c4_max_total_num_tokens=0,
         c128_max_total_num_tokens=0,
         c4_state_pool_size=0,

@@ -203,13 +203,6 @@ os.environ["SGLANG_USE_HND_KVCACHE"] = "1"
 refused("hnd", lambda: build_pools(page_size=16, size=256))
 del os.environ["SGLANG_USE_HND_KVCACHE"]
 from sglang.srt.mem_cache.memory_pool import NoOpMHATokenToKVPool
-from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-def swa():
-    pool = SWAKVPool(size=256, size_swa=128, page_size=16, dtype=torch.bfloat16, head_num=2,
-                     head_dim=16, swa_attention_layer_ids=[0], full_attention_layer_ids=[1],
-                     device="cpu")
-    build_pools(page_size=16, size=256, kv=pool)
-refused("swa", swa)
 def noop():
     pool = NoOpMHATokenToKVPool(256, page_size=16, dtype=torch.bfloat16, head_num=2,
                                 head_dim=16, layer_num=2, device="cpu",
@@ -224,7 +217,6 @@ def test_pools_kvmem_cannot_place_are_refused_by_name():
     out = result_of(run_script(BUILD_REFUSALS, kvmem=True))
     assert out["float64"] and "float64" in out["float64"]
     assert out["hnd"] and "'hnd' KV layout" in out["hnd"]
-    assert out["swa"] and "SWAKVPool" in out["swa"] and "hybrid SWA" in out["swa"]
     assert out["noop"] and "NoOpMHATokenToKVPool" in out["noop"]
 
 

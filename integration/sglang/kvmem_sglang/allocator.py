@@ -114,6 +114,9 @@ class KvmemTokenToKVPoolAllocator(BaseTokenToKVPoolAllocator):
         if check is None:
             check = get_bool_env_var("SGLANG_DEBUG_MEMORY_POOL")
         self.check = bool(check)
+        # sglang's paged allocator's switch, read by callers that run their own checks
+        # around it (SWATokenToKVPoolAllocator above page size 1): sglang's, unchanged
+        self.debug_mode = get_bool_env_var("SGLANG_DEBUG_MEMORY_POOL")
         self._build(size)
 
     # -- state ------------------------------------------------------------------------

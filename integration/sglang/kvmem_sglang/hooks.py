@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from kvmem_sglang import kvpool, staging, state
+from kvmem_sglang import kvpool, staging, state, swa
 from kvmem_sglang.options import AdapterError
 
 logger = logging.getLogger("kvmem.sglang")
@@ -46,11 +46,16 @@ def build_allocator(original, configurator, *args, **kwargs):
     reused = kwargs.get("token_to_kv_pool_allocator")
     kvcache = kwargs.get("token_to_kv_pool")
     pool = kvpool.pool_of(kvcache)
+    if reused is None and swa.is_swa_pool(kvcache):  # two kvmem pools, sglang's composite
+        swa.check_pool(kvcache)
+        return swa.adopt(
+            original(configurator, *args, **kwargs), kvcache, True if _options().check else None
+        )
     if reused is None and pool is None:  # refused before sglang builds anything
         raise AdapterError(
             f"the KV pool is a {type(kvcache).__name__}, which kvmem does not back (kvmem "
-            "backs plain MHA and MLA pools; hybrid SWA, mamba/linear, quantized, DSA and "
-            "sharded pools are refused)"
+            "backs MHA and MLA pools and the hybrid SWA pool made of them; mamba/linear, "
+            "quantized, DSA and sharded pools are refused)"
         )
     stock = original(configurator, *args, **kwargs)
     if reused is not None:  # a draft worker shares the target's allocator

@@ -56,6 +56,13 @@ flag alike (as the tier's one OpenMP thread per server is):
    here).  ``KVMEM_E2E_SPAWN=1`` turns it off.  The adapter's start line is then
    written by the fork server rather than by each child.
 
+7. sglang's DeepSeek attention dispatch under ``torch_native`` (``mla_attention.py``
+   beside this file): no handler is registered for that backend
+   (``srt/models/deepseek_common/attention_backend_handler.py``), the triton one it falls
+   back to sends a first prefill down the MHA path, and ``torch_native`` then misreads
+   the MLA latent buffer.  A ``torch_native`` handler that always takes sglang's own
+   absorbed MLA path is registered; it chooses between sglang's paths, nothing else.
+
 Besides those, ``faults.py`` (beside this file) lets a test make the real
 Mooncake engine refuse one registration or deregistration of a running server; it does
 nothing until a test arms it (its docstring).
@@ -127,6 +134,13 @@ def _cpu_device_module(module) -> None:
         _note(f"cpu-device-module:{module.__name__}")
 
 
+def _mla_attention(module) -> None:
+    from mla_attention import apply  # beside this file
+
+    if apply(module):
+        _note(f"mla-torch-native-handler:{module.__name__}")
+
+
 def _faults(module) -> None:
     from faults import apply  # beside this file
 
@@ -148,6 +162,7 @@ _HOOKS = {
     "nixl_cu13._api": _nixl_api,
     "sglang.srt.managers.scheduler_components.weight_updater": _cpu_device_module,
     "sglang.srt.disaggregation.prefill": _cpu_device_module,
+    "sglang.srt.models.deepseek_common.attention_backend_handler": _mla_attention,
 }
 
 
