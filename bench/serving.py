@@ -168,7 +168,7 @@ class Bench:
         self.a, self.gate = a, gate
         self.logs = a.logs or Path(tempfile.mkdtemp(prefix="kvmem-serving-"))
         self.model = make_tiny_model(self.logs / "model")
-        self.fleet = Fleet(self.model, self.logs / "servers")
+        self.fleet = Fleet(self._model_of, self.logs / "servers")
         self.seq = 0
         self.results = dict(
             bench="serving",
@@ -207,7 +207,14 @@ class Bench:
             cycles=[],
         )
 
+    def _model_of(self, family: str) -> Path:
+        """The fleet's model of ``family``: the benchmark serves the tiny dense model only."""
+        if family != "llama":
+            raise ValueError(f"the serving benchmark serves the dense tiny model, not {family!r}")
+        return self.model
+
     # -- output ---------------------------------------------------------------------------
+
     def write(self) -> Path:
         self.results["summary"] = serving_report.summarize(self.results)
         self.a.out.mkdir(parents=True, exist_ok=True)
