@@ -66,6 +66,11 @@ def _title(fig, report: dict, what: str) -> None:
     if report.get("note"):
         lines.append(report["note"])
     fig.suptitle("\n".join(lines), fontsize=10)
+    smoke_banner(fig, report)
+
+
+def smoke_banner(fig, report: dict) -> None:
+    """A red line on ``fig`` when ``report`` is a smoke run's."""
     if report.get("smoke"):
         fig.text(
             0.01,

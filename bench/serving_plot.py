@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.plot import COLORS, _save  # noqa: E402
+from bench.plot import COLORS, _save, smoke_banner  # noqa: E402
 
 KIND_COLORS = {"stock": COLORS["baseline"], "flag": COLORS["kvmem"]}
 KIND_LABELS = {"stock": "stock sglang", "flag": "SGLANG_KVMEM=1"}
@@ -49,14 +49,7 @@ def _title(fig, results: dict, what: str) -> None:
             )
         )
     fig.suptitle("\n".join(lines), fontsize=10)
-    if results.get("smoke"):
-        fig.text(
-            0.01,
-            0.01,
-            "SMOKE RUN (make test): tiny sizes, one round; the figures mean nothing",
-            color="red",
-            fontsize=9,
-        )
+    smoke_banner(fig, results)
 
 
 def _from_zero(ax) -> None:

@@ -509,5 +509,37 @@ def transfer_runs(children: dict) -> dict:
     return out
 
 
+def mooncake_queue_runs(script: Path, tcp_queue: int) -> dict:
+    """``script`` run twice at once in ``.venv-e2e`` over Mooncake's engine with a TCP
+    queue of ``tcp_queue`` transfers per peer: on kvmem's send path (``kvmem``) and on
+    sglang's (``sglang``), the flag on in both; their results by key
+    (:func:`transfer_runs`)."""
+    from testkit.sglang_pair import E2E_PYTHON
+
+    if not E2E_PYTHON.exists():
+        raise AssertionError(
+            f"{E2E_PYTHON} is missing: Mooncake's engine is installed there "
+            "(make venv-e2e; make test builds it)"
+        )
+    queue = {
+        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": str(tcp_queue),
+        "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": str(tcp_queue),
+    }
+    paths = {"kvmem": "kvmem", "sglang": "sglang"}
+    children = {
+        key: Child(
+            script=script,
+            cwd=ROOT,
+            python=str(E2E_PYTHON),
+            fork=e2e_fork_server(),
+            env=e2e_env(
+                {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": path} | queue, drop=("MC_TCP",)
+            ),
+        )
+        for key, path in paths.items()
+    }
+    return transfer_runs(children)
+
+
 def all_are(states: list, value) -> bool:
     return states == [value] * len(states)

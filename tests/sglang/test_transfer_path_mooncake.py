@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import pytest
 
-from testkit.child import Child
-from testkit.sglang_pair import E2E_PYTHON
-from tests.sglang.sglang_env import ROOT, e2e_env, e2e_fork_server, transfer_runs
+from tests.sglang.sglang_env import ROOT, mooncake_queue_runs
 from tests.sglang.sglang_env import all_are as _all
 
 SCRIPT = ROOT / "tests" / "sglang" / "scenario_transfer_mooncake.py"
@@ -35,30 +33,7 @@ TCP_QUEUE = 1024  # Mooncake's default, set in both runs
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    if not E2E_PYTHON.exists():
-        pytest.fail(
-            f"{E2E_PYTHON} is missing: Mooncake's engine is installed there "
-            "(make venv-e2e; make test builds it)"
-        )
-    queue = {
-        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": str(TCP_QUEUE),
-        "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": str(TCP_QUEUE),
-    }
-    envs = {
-        "kvmem": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"},
-        "sglang": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang"},
-    }
-    children = {
-        key: Child(
-            script=SCRIPT,
-            cwd=ROOT,
-            python=str(E2E_PYTHON),
-            fork=e2e_fork_server(),
-            env=e2e_env(extra | queue, drop=("MC_TCP",)),
-        )
-        for key, extra in envs.items()
-    }
-    return transfer_runs(children)
+    return mooncake_queue_runs(SCRIPT, TCP_QUEUE)
 
 
 def test_stock_decode_receives_every_byte(runs):

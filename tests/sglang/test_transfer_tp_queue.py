@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from testkit.child import Child
-from testkit.sglang_pair import E2E_PYTHON
-from tests.sglang.sglang_env import ROOT, e2e_env, e2e_fork_server, transfer_runs
+from tests.sglang.sglang_env import ROOT, mooncake_queue_runs
 from tests.sglang.sglang_env import all_are as _all
 
 SCRIPT = ROOT / "tests" / "sglang" / "scenario_transfer_tp_queue.py"
@@ -30,31 +28,8 @@ LAYOUTS = ("2x1",)
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    if not E2E_PYTHON.exists():
-        pytest.fail(
-            f"{E2E_PYTHON} is missing: Mooncake's engine is installed there "
-            "(make venv-e2e; make test builds it)"
-        )
-    queue = {
-        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": str(TCP_QUEUE),
-        "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": str(TCP_QUEUE),
-    }
-    envs = {
-        "kvmem": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "kvmem"},
-        "sglang": {"SGLANG_KVMEM": "1", "SGLANG_KVMEM_TRANSFER": "sglang"},
-    }
-    children = {
-        key: Child(
-            script=SCRIPT,
-            cwd=ROOT,
-            python=str(E2E_PYTHON),
-            fork=e2e_fork_server(),
-            env=e2e_env(extra | queue, drop=("MC_TCP",)),
-        )
-        for key, extra in envs.items()
-    }
-    out = transfer_runs(children)
-    for key in envs:  # the times, for a report (no test reads them)
+    out = mooncake_queue_runs(SCRIPT, TCP_QUEUE)
+    for key in out:  # the times, for a report (no test reads them)
         r = out[key]["2x1"]
         print(f"{key}: round {r['seconds']:.3f} s, {r['nbytes']} B; raw write {r.get('raw')}")
     return out
